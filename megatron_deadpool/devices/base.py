@@ -1,0 +1,65 @@
+"""The `Device` a process trains on: backend name, tensor device, and replica memory.
+
+The CPU development mode and the CUDA path share every line of DeadPool's logic; they differ
+only in what this object answers.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from ..errors import ConfigError
+
+Mode = Literal["auto", "cpu", "cuda"]
+
+
+@dataclass(frozen=True)
+class Device:
+    """Where tensors, collectives and replicas of one process live."""
+
+    kind: Literal["cpu", "cuda"]
+    backend: Literal["gloo", "nccl"]
+    index: int = 0
+
+    @property
+    def torch_device(self) -> torch.device:
+        return torch.device("cpu") if self.kind == "cpu" else torch.device("cuda", self.index)
+
+    def replica_device(self, setting: str) -> torch.device:
+        """Memory for snapshots and replicas: 'gpu', 'cpu' (pinned host) or 'auto'."""
+        if setting == "gpu" and self.kind != "cuda":
+            raise ConfigError(
+                "deadpool-replica-device: 'gpu' needs CUDA, which this process does not have; "
+                "use 'cpu' or 'auto'"
+            )
+        if setting == "cpu" or (setting == "auto" and self.kind == "cpu"):
+            return torch.device("cpu")
+        return self.torch_device
+
+    @property
+    def pin_memory(self) -> bool:
+        """Host replicas are pinned when there is a GPU to copy from."""
+        return self.kind == "cuda"
+
+
+def select_device(mode: Mode = "auto", local_rank: int | None = None) -> Device:
+    """Pick CUDA when really present (and not refused), else activate the CPU mode."""
+    if mode not in ("auto", "cpu", "cuda"):
+        raise ConfigError(f"device: {mode!r} is not one of auto, cpu, cuda")
+    if os.environ.get("DEADPOOL_DEVICE") in ("cpu", "cuda") and mode == "auto":
+        mode = os.environ["DEADPOOL_DEVICE"]  # type: ignore[assignment]
+    has_cuda = torch.cuda.is_available() and torch.cuda.device_count() > 0
+    if mode == "cuda" and not has_cuda:
+        raise ConfigError("device: 'cuda' was asked for but no CUDA device is available")
+    if mode == "cuda" or (mode == "auto" and has_cuda):
+        index = local_rank if local_rank is not None else int(os.environ.get("LOCAL_RANK", 0))
+        torch.cuda.set_device(index)
+        return Device(kind="cuda", backend="nccl", index=index)
+    from .cpu import activate
+
+    activate()
+    return Device(kind="cpu", backend="gloo")

@@ -1,0 +1,171 @@
+"""Builds the embedded job's Megatron-Core objects: GPTModel, DDP, DistributedOptimizer, LR.
+
+The same calls a Megatron-LM user's training makes (local layer spec, distributed optimizer,
+`OptimizerParamScheduler`), sized by `JobConfig`. Also the one training step, through
+Megatron's `get_forward_backward_func()`, so tensor and pipeline parallelism run for real.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+import torch
+from megatron.core import parallel_state as ps
+from megatron.core import tensor_parallel
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+from megatron.core.distributed import finalize_model_grads
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.transformer import TransformerConfig
+
+from .data import iteration_batches
+from .jobspec import JobConfig
+
+
+@dataclass
+class TrainingObjects:
+    """What a rank trains with; survivors keep these across a hot swap."""
+
+    model: list[DistributedDataParallel]
+    optimizer: Any  # MegatronOptimizer (a ChainedOptimizer or DistributedOptimizer)
+    scheduler: OptimizerParamScheduler
+    config: TransformerConfig
+
+
+def transformer_config(job: JobConfig) -> TransformerConfig:
+    m, p = job.model, job.parallel
+    return TransformerConfig(
+        num_layers=m.num_layers,
+        hidden_size=m.hidden_size,
+        num_attention_heads=m.num_attention_heads,
+        ffn_hidden_size=m.ffn,
+        tensor_model_parallel_size=p.tp,
+        pipeline_model_parallel_size=p.pp,
+        pipeline_dtype=torch.float32,
+        use_cpu_initialization=True,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        bias_dropout_fusion=False,
+        gradient_accumulation_fusion=False,
+        masked_softmax_fusion=False,
+        persist_layer_norm=False,
+        apply_rope_fusion=False,
+        bias_activation_fusion=False,
+        init_method_std=0.02,
+    )
+
+
+def seed_rng(seed: int) -> None:
+    """Megatron's RNG set-up (data-parallel and model-parallel tracker seeds)."""
+    torch.manual_seed(seed)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+
+
+def build(job: JobConfig) -> TrainingObjects:
+    """Build model, DDP wrapper, distributed optimizer and LR scheduler on this rank.
+
+    Requires `parallel_state` initialised. Issues the same collectives on every rank
+    (`get_megatron_optimizer` aligns parameter-group keys with two world all-gathers).
+    """
+    cfg = transformer_config(job)
+    seed_rng(job.train.seed)
+    model = GPTModel(
+        config=cfg,
+        transformer_layer_spec=get_gpt_layer_local_spec(),
+        vocab_size=job.model.vocab_size,
+        max_sequence_length=job.model.seq_length,
+        pre_process=ps.is_pipeline_first_stage(),
+        post_process=ps.is_pipeline_last_stage(),
+        share_embeddings_and_output_weights=False,
+        position_embedding_type="learned_absolute",
+    )
+    ddp_cfg = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True,
+        overlap_grad_reduce=False,
+        use_distributed_optimizer=True,
+    )
+    ddp = DistributedDataParallel(config=cfg, ddp_config=ddp_cfg, module=model)
+    opt_cfg = OptimizerConfig(
+        optimizer="adam",
+        lr=job.train.lr,
+        min_lr=job.train.lr * 0.1,
+        weight_decay=0.01,
+        adam_beta1=0.9,
+        adam_beta2=0.95,
+        clip_grad=1.0,
+        use_distributed_optimizer=True,
+    )
+    optimizer = get_megatron_optimizer(opt_cfg, [ddp])
+    scheduler = OptimizerParamScheduler(
+        optimizer,
+        init_lr=0.0,
+        max_lr=job.train.lr,
+        min_lr=job.train.lr * 0.1,
+        lr_warmup_steps=job.train.lr_warmup_iters,
+        lr_decay_steps=max(job.train.iters, job.train.lr_warmup_iters + 1),
+        lr_decay_style="cosine",
+        start_wd=0.01,
+        end_wd=0.01,
+        wd_incr_steps=job.train.iters,
+        wd_incr_style="constant",
+    )
+    cfg.finalize_model_grads_func = finalize_model_grads
+    cfg.no_sync_func = ddp.no_sync
+    return TrainingObjects(model=[ddp], optimizer=optimizer, scheduler=scheduler, config=cfg)
+
+
+def _forward_step(data_iterator: Any, model: torch.nn.Module) -> tuple[torch.Tensor, Any]:
+    batch = next(data_iterator)
+    output = model(
+        batch["tokens"], batch["position_ids"], None, labels=batch["labels"]
+    )  # [b, s] per-token losses on the last stage, activations elsewhere
+    return output, partial(_loss_func, batch["loss_mask"])
+
+
+def _loss_func(loss_mask: torch.Tensor, per_token: torch.Tensor) -> tuple[torch.Tensor, dict]:
+    loss = (per_token.float() * loss_mask).sum() / loss_mask.sum()
+    return loss, {"lm loss": loss.detach()}
+
+
+def train_step(job: JobConfig, objs: TrainingObjects, iteration: int) -> tuple[float, float]:
+    """One iteration: forward/backward over the micro-batches, optimizer step, LR step.
+
+    Returns (loss averaged over micro-batches and data-parallel ranks, grad norm); every rank
+    gets the same values (one small world all-reduce, also done without DeadPool).
+    """
+    t = job.train
+    for chunk in objs.model:
+        chunk.zero_grad_buffer()
+    objs.optimizer.zero_grad()
+    data = iteration_batches(
+        seed=t.seed,
+        iteration=iteration,
+        dp_rank=ps.get_data_parallel_rank(),
+        num_microbatches=t.num_microbatches,
+        mbs=t.micro_batch_size,
+        seq=job.model.seq_length,
+        vocab=job.model.vocab_size,
+    )
+    losses = get_forward_backward_func()(
+        forward_step_func=_forward_step,
+        data_iterator=data,
+        model=objs.model,
+        num_microbatches=t.num_microbatches,
+        seq_length=job.model.seq_length,
+        micro_batch_size=t.micro_batch_size,
+        forward_only=False,
+    )
+    _, grad_norm, _ = objs.optimizer.step()
+    objs.scheduler.step(increment=1)
+    contributes = ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0
+    total = torch.zeros(2, dtype=torch.float64)
+    if contributes and losses:
+        total[0] = torch.stack([x["lm loss"] for x in losses]).double().mean()
+        total[1] = 1.0
+    torch.distributed.all_reduce(total)
+    return float(total[0] / total[1]), float(grad_norm or 0.0)

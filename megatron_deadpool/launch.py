@@ -1,0 +1,219 @@
+"""Local launcher of the embedded job: store host, actives + spares, progress, JSON log.
+
+It plays the coordinator's role in-process (hosts the TCPStore on loopback, publishes the
+roster, watches the processes) and starts one process per active rank plus the spares, like
+torchrun but without restarting anyone on a failure.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TextIO
+
+import torch.distributed as dist
+import yaml
+
+from .digest import job_digest
+from .jobspec import JobConfig
+from .membership import Membership, Roster
+from .progress import Progress
+from .topology import Layout, place_replicas
+
+
+@dataclass
+class RunResult:
+    """What a launched run produced."""
+
+    returncode: int
+    records: list[dict[str, Any]] = field(default_factory=list)
+    summary: dict[str, Any] = field(default_factory=dict)
+    run_dir: Path | None = None
+
+
+class LocalLauncher:
+    """Runs a job on this machine; `run()` returns when every process has exited."""
+
+    def __init__(
+        self,
+        job: JobConfig,
+        *,
+        json_log: str | None = None,
+        run_dir: str | None = None,
+        timeout_s: float = 900.0,
+        stream: TextIO | None = None,
+        quiet: bool = False,
+    ) -> None:
+        self.job = job
+        self.json_log = json_log
+        self.run_dir = Path(run_dir or job.deadpool.log_dir or tempfile.mkdtemp(prefix="deadpool-"))
+        self.timeout_s = timeout_s
+        self.progress = Progress(job.train.iters, stream=stream, quiet=quiet)
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.token = job.deadpool.job_token or secrets.token_hex(8)
+
+    # ------------------------------------------------------------------ processes
+    def _spawn(self, pid: str, config_path: Path, address: str) -> None:
+        env = dict(os.environ)
+        env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PYTHONWARNINGS="ignore")
+        log = open(self.run_dir / f"{pid}.log", "w")
+        cmd = [
+            sys.executable, "-m", "megatron_deadpool.worker", "--config", str(config_path),
+            "--pid", pid, "--deadpool-coordinator", address, "--deadpool-job-token", self.token,
+        ]
+        self.procs[pid] = subprocess.Popen(
+            cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
+        log.close()
+
+    def _kill_all(self) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        for proc in self.procs.values():
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                pass
+
+    def _tail(self, pid: str, lines: int = 15) -> str:
+        path = self.run_dir / f"{pid}.log"
+        text = path.read_text(errors="replace").splitlines() if path.exists() else []
+        return "\n".join(f"    {pid}| {line}" for line in text[-lines:])
+
+    # ------------------------------------------------------------------ run
+    def run(self) -> RunResult:
+        job, cfg = self.job, self.job.deadpool
+        world = job.parallel.world_size
+        if cfg.enabled:  # fail fast, before any process starts
+            place_replicas(
+                Layout(job.parallel.tp, job.parallel.pp, job.parallel.dp, job.ranks_per_node),
+                cfg.replicas,
+            )
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        config_path = self.run_dir / "job.yaml"
+        config_path.write_text(yaml.safe_dump(job.to_dict(), sort_keys=False))
+        store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        address = f"127.0.0.1:{store.port}"
+        members = Membership(store, "launcher")
+        store.set("job/token", self.token)
+        members.publish_roster(
+            Roster(generation=0, world_size=world, slots={r: f"a{r}" for r in range(world)})
+        )
+        spares = cfg.spares if cfg.enabled else 0
+        self.progress.header(
+            f"deadpool train: tp={job.parallel.tp} pp={job.parallel.pp} dp={job.parallel.dp} "
+            f"({world} ranks, {job.ranks_per_node} per node) + {spares} spare(s), "
+            f"{job.train.iters} iterations, DeadPool {'on' if cfg.enabled else 'off'}"
+            + (f", k={cfg.replicas}" if cfg.enabled else "")
+            + f"; logs in {self.run_dir}"
+        )
+        t_start = time.monotonic()
+        for r in range(world):
+            self._spawn(f"a{r}", config_path, address)
+        for s in range(spares):
+            self._spawn(f"s{s}", config_path, address)
+        records: list[dict[str, Any]] = []
+        log_file = open(self.json_log, "w") if self.json_log else None
+        try:
+            rc = self._monitor(members, records, log_file, t_start)
+            summary = self._summary(members, records, rc, time.monotonic() - t_start)
+            if log_file:
+                log_file.write(json.dumps(summary) + "\n")
+        finally:
+            store.set("shutdown", "1")
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline and any(
+                p.poll() is None for p in self.procs.values()
+            ):
+                time.sleep(0.05)
+            self._kill_all()
+            if log_file:
+                log_file.close()
+        return RunResult(returncode=rc, records=records, summary=summary, run_dir=self.run_dir)
+
+    def _monitor(
+        self, members: Membership, records: list, log_file: TextIO | None, t_start: float
+    ) -> int:
+        world = self.job.parallel.world_size
+        actives = [f"a{r}" for r in range(world)]
+        next_it = 1
+        while True:
+            rec = members.read(f"metrics/{next_it}")
+            if rec is not None:
+                records.append(rec)
+                self.progress.iteration(rec, self.job.deadpool.enabled)
+                if log_file:
+                    log_file.write(json.dumps(rec) + "\n")
+                    log_file.flush()
+                next_it += 1
+                continue
+            codes = {pid: self.procs[pid].poll() for pid in actives}
+            failed = {pid: c for pid, c in codes.items() if c not in (None, 0)}
+            if failed:
+                for pid, code in failed.items():
+                    self.progress.event(f"process {pid} exited with code {code}")
+                    self.progress.event("its log ends:\n" + self._tail(pid))
+                return 1
+            if all(c == 0 for c in codes.values()):
+                return 0 if next_it > self.job.train.iters else 1
+            if time.monotonic() - t_start > self.timeout_s:
+                self.progress.event(f"run exceeded its {self.timeout_s:.0f}s limit; stopping")
+                return 124
+            time.sleep(0.02)
+
+    def _summary(
+        self, members: Membership, records: list, rc: int, wall_s: float
+    ) -> dict[str, Any]:
+        layout = Layout(
+            self.job.parallel.tp, self.job.parallel.pp, self.job.parallel.dp,
+            self.job.ranks_per_node,
+        )
+        digests = {}
+        for r in range(layout.world_size):
+            if members.store.check([f"digest/{r}"]):
+                digests[r] = members.store.get(f"digest/{r}").decode()
+        dp0 = {g[0] for g in layout.dp_groups}
+        complete = rc == 0 and all(r in digests for r in range(layout.world_size))
+        final = members.read("replication/final") or {}
+        summary = {
+            "event": "summary",
+            "returncode": rc,
+            "iterations": len(records),
+            "losses": [r["loss"] for r in records],
+            "final_param_digest": job_digest({r: digests[r] for r in dp0}) if complete else None,
+            "rank_digests": {str(r): d for r, d in sorted(digests.items())},
+            "dp_replicas_identical": complete and all(
+                len({digests[r] for r in g}) == 1 for g in layout.dp_groups
+            ),
+            "committed_iteration": final.get("committed_iteration"),
+            "deadpool": self.job.deadpool.enabled,
+            "recoveries": [],
+            "wall_s": wall_s,
+            "median_iter_time_s": _median([r["iter_time_s"] for r in records]),
+        }
+        if complete:
+            self.progress.header(
+                f"done: {len(records)} iterations in {wall_s:.1f}s, final loss "
+                f"{records[-1]['loss']:.4f}, digest {summary['final_param_digest'][:16]}"
+            )
+        return summary
+
+
+def _median(values: list[float]) -> float | None:
+    if not values:
+        return None
+    s = sorted(values)
+    mid = len(s) // 2
+    return s[mid] if len(s) % 2 else (s[mid - 1] + s[mid]) / 2

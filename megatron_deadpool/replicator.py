@@ -1,0 +1,185 @@
+"""Per-iteration asynchronous replication of every rank's snapshot to its k holders.
+
+Round t, started right after optimizer step t (`start_round`):
+  (a) the rank captures its state into local slot t % 2 (pack + checksum in one pass; on a
+      GPU on a side stream, which the next optimizer step waits for);
+  (b) it posts non-blocking sends of that slot to its k holders and non-blocking receives
+      from the owners it holds, into their slot t % 2, on a dedicated process group;
+  then training goes on: the transfers overlap the next iteration's forward/backward.
+Round t is finished after step t+1 (`finish_round`): wait for the transfers (normally long
+done), verify every received replica's checksum, and agree on the globally committed
+iteration with one tiny all-reduce (MIN) on the replication group. A holder keeps slot
+(t-1) % 2 untouched while round t is in flight, so a failure mid-transfer always leaves it a
+complete, verified copy (double buffering). A replica that fails its checksum is not
+committed; the previous one stays in force.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from .snapshot import CorruptReplicaError, Header, Snapshotter, read_header, verify
+from .topology import Placement
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class SlotPair:
+    """Two flat buffers and the iteration each holds verified (None: nothing valid)."""
+
+    buffers: tuple[torch.Tensor, torch.Tensor]
+    verified: list[int | None] = field(default_factory=lambda: [None, None])
+
+    def latest(self) -> tuple[int, torch.Tensor] | None:
+        """(iteration, buffer) of the newest verified content."""
+        best = None
+        for slot, it in enumerate(self.verified):
+            if it is not None and (best is None or it > best[0]):
+                best = (it, self.buffers[slot])
+        return best
+
+    def find(self, iteration: int) -> torch.Tensor | None:
+        """The buffer holding verified `iteration`, if any."""
+        for slot, it in enumerate(self.verified):
+            if it == iteration:
+                return self.buffers[slot]
+        return None
+
+    def iterations(self) -> list[int]:
+        return sorted(it for it in self.verified if it is not None)
+
+
+def _alloc(nbytes: int, device: torch.device, pin: bool) -> torch.Tensor:
+    return torch.zeros(nbytes, dtype=torch.uint8, device=device, pin_memory=pin)
+
+
+class Replicator:
+    """One rank's side of the replication protocol."""
+
+    def __init__(
+        self,
+        snapshotter: Snapshotter,
+        placement: Placement,
+        rank: int,
+        group: dist.ProcessGroup,
+        device: torch.device,
+        pin_memory: bool = False,
+    ) -> None:
+        self.snap = snapshotter
+        self.placement = placement
+        self.rank = rank
+        self.group = group
+        self.device = device
+        self.holders = placement.holders[rank]
+        self.owners = placement.held_by[rank]
+        world = placement.layout.world_size
+        # Flat sizes differ per rank (shard boundaries, padding): learn them once.
+        sizes = torch.zeros(world, dtype=torch.int64)
+        sizes[rank] = snapshotter.flat_nbytes()
+        dist.all_reduce(sizes, group=group)
+        self.sizes = sizes.tolist()
+        self.local = SlotPair(tuple(_alloc(self.sizes[rank], device, pin_memory) for _ in "ab"))
+        self.held = {
+            o: SlotPair(tuple(_alloc(self.sizes[o], device, pin_memory) for _ in "ab"))
+            for o in self.owners
+        }
+        self._pending: list[dist.Work] = []
+        self._round: int | None = None
+        self._capture_event: torch.cuda.Event | None = None
+        self._stream = torch.cuda.Stream() if device.type == "cuda" else None
+        self.committed: int | None = None
+        self.corrupt_seen: list[tuple[int, int, str]] = []  # (owner, iteration, reason)
+        self._flip_on_arrival: tuple[int, int, int] | None = None
+        self.bytes_per_round = sum(self.sizes[rank] for _ in self.holders)
+
+    # ------------------------------------------------------------------ round t
+    def start_round(self, iteration: int) -> Header:
+        """Capture state `iteration` locally and post its transfers (non-blocking)."""
+        assert self._round is None, "finish_round() the previous round first"
+        slot = iteration % 2
+        buf = self.local.buffers[slot]
+        self.local.verified[slot] = None
+        if self._stream is not None:  # GPU: capture on a side stream, ordered after the step
+            self._stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(self._stream):
+                header = self.snap.capture(iteration, buf)
+                self._capture_event = torch.cuda.Event()
+                self._capture_event.record()
+                self._post(iteration, slot)
+        else:
+            header = self.snap.capture(iteration, buf)
+            self._post(iteration, slot)
+        self.local.verified[slot] = iteration
+        self._round = iteration
+        return header
+
+    def _post(self, iteration: int, slot: int) -> None:
+        buf = self.local.buffers[slot]
+        for owner in self.owners:
+            self.held[owner].verified[slot] = None  # being overwritten by round `iteration`
+        self._pending = [dist.isend(buf, dst=h, group=self.group) for h in self.holders]
+        self._pending += [
+            dist.irecv(self.held[o].buffers[slot], src=o, group=self.group) for o in self.owners
+        ]
+
+    def before_step(self) -> None:
+        """The next optimizer step must not overwrite the shard before the capture read it."""
+        if self._capture_event is not None:
+            torch.cuda.current_stream().wait_event(self._capture_event)
+
+    def finish_round(self) -> int | None:
+        """Wait for the round's transfers, verify, agree; returns the global committed iteration."""
+        if self._round is None:
+            return self.committed
+        iteration, slot = self._round, self._round % 2
+        for work in self._pending:
+            work.wait()
+        self._pending = []
+        if self._flip_on_arrival is not None:  # fault injection: damage in transit
+            owner, byte, bit = self._flip_on_arrival
+            self._flip_on_arrival = None
+            self.held[owner].buffers[slot][byte % self.sizes[owner]] ^= 1 << bit
+        ok = True
+        for owner in self.owners:
+            pair = self.held[owner]
+            try:
+                verify(pair.buffers[slot], owner=owner, iteration=iteration)
+            except CorruptReplicaError as exc:
+                ok = False
+                self.corrupt_seen.append((owner, iteration, str(exc)))
+                log.warning("replica not committed: %s", exc)
+                continue
+            pair.verified[slot] = iteration
+        self._round = None
+        mine = torch.tensor([iteration if ok else (self.committed or -1)], dtype=torch.int64)
+        dist.all_reduce(mine, op=dist.ReduceOp.MIN, group=self.group)
+        value = int(mine.item())
+        self.committed = value if value >= 0 else None
+        return self.committed
+
+    def drain(self) -> None:
+        """Finish an in-flight round (end of training)."""
+        self.finish_round()
+
+    # ------------------------------------------------------------------ recovery support
+    def holdings(self) -> dict[str, list[int]]:
+        """Verified iterations this rank can provide: its own ('local') and each held owner's."""
+        out = {"local": self.local.iterations()}
+        out.update({str(o): pair.iterations() for o, pair in self.held.items()})
+        return out
+
+    def flip_bit_on_arrival(self, owner: int, byte: int, bit: int) -> None:
+        """Fault injection: flip one bit of `owner`'s next replica before it is verified."""
+        self._flip_on_arrival = (owner, byte, bit)
+
+    def flip_bit_at_rest(self, owner: int, byte: int, bit: int) -> None:
+        """Fault injection: flip one bit of the newest verified replica held for `owner`."""
+        latest = self.held[owner].latest()
+        target = latest[1] if latest else self.held[owner].buffers[0]
+        header = read_header(target)
+        target[byte % (header.nbytes if header else target.numel())] ^= 1 << bit

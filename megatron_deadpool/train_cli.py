@@ -1,0 +1,98 @@
+"""`deadpool train`: the embedded default job (megatron-core GPT on mock data) on this machine.
+
+Flags: the job's layout and schedule, plus every `--deadpool-*` flag generated from
+`DeadpoolConfig`. A `--config` YAML provides defaults; flags given on the command line win.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from typing import Any
+
+from .config import DeadpoolConfig
+from .flags import add_flags, dest_name
+from .jobspec import JobConfig, ModelConfig, ParallelConfig, TrainConfig, load_job
+
+_TRAIN_FLAGS = {  # flag dest -> (section, field)
+    "tp": ("parallel", "tp"),
+    "pp": ("parallel", "pp"),
+    "dp": ("parallel", "dp"),
+    "iters": ("train", "iters"),
+    "seed": ("train", "seed"),
+    "num_microbatches": ("train", "num_microbatches"),
+    "micro_batch_size": ("train", "micro_batch_size"),
+    "lr": ("train", "lr"),
+    "num_layers": ("model", "num_layers"),
+    "hidden_size": ("model", "hidden_size"),
+    "num_attention_heads": ("model", "num_attention_heads"),
+    "seq_length": ("model", "seq_length"),
+}
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", help="YAML job config (configs/cpu-demo.yaml, ...)")
+    g = parser.add_argument_group("layout and schedule")
+    types = {"lr": float}
+    for dest in _TRAIN_FLAGS:
+        g.add_argument(f"--{dest.replace('_', '-')}", dest=dest, type=types.get(dest, int))
+    parser.add_argument("--json-log", help="write one JSON object per iteration, then a summary")
+    parser.add_argument("--run-dir", help="directory for per-process logs (default: a temp dir)")
+    parser.add_argument("--timeout", type=float, default=900.0, help="wall-clock limit (s)")
+    parser.add_argument("--quiet", action="store_true", help="no progress output")
+    d = parser.add_argument_group("DeadPool (--deadpool-* flags; --spares/--ranks-per-node/--fail)")
+    add_flags(
+        d,
+        DeadpoolConfig,
+        prefix="deadpool",
+        aliases={
+            "spares": ["--spares"],
+            "ranks_per_node": ["--ranks-per-node"],
+            "fail": ["--fail"],
+        },
+        defaults={f.name: None for f in dataclasses.fields(DeadpoolConfig)},
+    )
+
+
+def job_from_args(args: argparse.Namespace) -> JobConfig:
+    """Defaults < --config YAML < explicit flags; validated as one JobConfig."""
+    base = load_job(args.config) if args.config else JobConfig()
+    sections: dict[str, dict[str, Any]] = {
+        "model": dataclasses.asdict(base.model),
+        "parallel": dataclasses.asdict(base.parallel),
+        "train": dataclasses.asdict(base.train),
+        "deadpool": dataclasses.asdict(base.deadpool),
+    }
+    for dest, (section, name) in _TRAIN_FLAGS.items():
+        if getattr(args, dest) is not None:
+            sections[section][name] = getattr(args, dest)
+    for f in dataclasses.fields(DeadpoolConfig):
+        value = getattr(args, dest_name("deadpool", f.name))
+        if value is not None:
+            sections["deadpool"][f.name] = value
+    if not sections["deadpool"]["enabled"]:
+        sections["deadpool"]["spares"] = 0
+    return JobConfig(
+        model=ModelConfig(**sections["model"]),
+        parallel=ParallelConfig(**sections["parallel"]),
+        train=TrainConfig(**sections["train"]),
+        deadpool=DeadpoolConfig(**sections["deadpool"]),
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    from .faults import check_faults, parse_fault
+    from .launch import LocalLauncher
+
+    job = job_from_args(args)
+    check_faults(
+        [parse_fault(s) for s in job.deadpool.fail],
+        job.parallel.world_size,
+        job.ranks_per_node,
+        job.train.iters,
+    )
+    result = LocalLauncher(
+        job, json_log=args.json_log, run_dir=args.run_dir, timeout_s=args.timeout,
+        quiet=args.quiet,
+    ).run()
+    return result.returncode

@@ -1,0 +1,122 @@
+"""One process of the embedded job: an active rank, or a spare waiting for a slot.
+
+Run by `deadpool train` (one per active rank and spare, on this machine) or under Slurm as
+`python -m megatron_deadpool.worker --config JOB.yaml --deadpool-coordinator HOST:PORT`
+(rank from SLURM_PROCID: processes beyond the world size are spares).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+
+from .config import parse_host_port
+from .errors import ConfigError, CoordinatorUnreachableError
+from .faults import parse_fault
+from .jobspec import JobConfig, load_job
+from .logs import set_context, setup_logging
+from .membership import Membership
+
+log = logging.getLogger("megatron_deadpool.worker")
+
+
+def connect_store(address: str, timeout_s: float) -> dist.TCPStore:
+    """A client of the coordinator's store; a clear error instead of a hang."""
+    host, port = parse_host_port(address, "deadpool-coordinator", resolve=True)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return dist.TCPStore(
+                host,
+                port,
+                is_master=False,
+                timeout=datetime.timedelta(seconds=max(1.0, timeout_s)),
+                wait_for_workers=False,
+            )
+        except (RuntimeError, TimeoutError) as exc:
+            if time.monotonic() > deadline:
+                raise CoordinatorUnreachableError(
+                    f"coordinator {address} unreachable after {timeout_s:.0f}s ({exc}); start "
+                    "`deadpool coordinator` first or fix --deadpool-coordinator"
+                ) from None
+            time.sleep(0.2)
+
+
+class Heartbeat(threading.Thread):
+    """Publishes this process's heartbeat on its own store connection."""
+
+    def __init__(self, address: str, pid: str, interval: float, timeout: float) -> None:
+        super().__init__(name="deadpool-heartbeat", daemon=True)
+        self.membership = Membership(connect_store(address, timeout), pid)
+        self.interval = interval
+        self.stopped = threading.Event()
+
+    def run(self) -> None:
+        while not self.stopped.wait(self.interval):
+            try:
+                self.membership.heartbeat()
+            except Exception:  # the store is gone: the job is over
+                return
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m megatron_deadpool.worker")
+    parser.add_argument("--config", required=True, help="resolved job YAML")
+    parser.add_argument("--pid", help="process id a{rank} or s{spare}; default from SLURM_PROCID")
+    parser.add_argument("--deadpool-coordinator", dest="coordinator", required=True)
+    parser.add_argument("--deadpool-job-token", dest="job_token", default=None)
+    args = parser.parse_args(argv)
+    setup_logging()
+    job = load_job(args.config)
+    pid = args.pid or _pid_from_env(job)
+    token = args.job_token or job.deadpool.job_token or os.environ.get("DEADPOOL_JOB_TOKEN", "")
+    torch.set_num_threads(int(os.environ.get("DEADPOOL_THREADS", "1")))
+    from .runtime import Runtime
+
+    runtime = Runtime(job, pid=pid, coordinator=args.coordinator, token=token)
+    return runtime.run()
+
+
+def _pid_from_env(job: JobConfig) -> str:
+    procid = os.environ.get("SLURM_PROCID", os.environ.get("RANK"))
+    if procid is None:
+        raise ConfigError("worker: pass --pid or run under Slurm (SLURM_PROCID) / torchrun (RANK)")
+    world = job.parallel.world_size
+    n = int(procid)
+    return f"a{n}" if n < world else f"s{n - world}"
+
+
+def inject(kind: str) -> None:
+    """Fail this process now: SIGKILL (crash) or SIGSTOP (hang)."""
+    os.kill(os.getpid(), signal.SIGKILL if kind == "kill" else signal.SIGSTOP)
+
+
+def my_faults(job: JobConfig, rank: int) -> dict[int, str]:
+    """iteration -> kind for the faults that hit `rank` (first generation only)."""
+    out: dict[int, str] = {}
+    for spec in job.deadpool.fail:
+        fault = parse_fault(spec)
+        if rank in fault.ranks(job.ranks_per_node):
+            out[fault.iteration] = fault.kind
+    return out
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    except ConfigError as exc:
+        print(f"deadpool worker: error: {exc}", file=sys.stderr)
+        sys.exit(2)
+    except CoordinatorUnreachableError as exc:
+        print(f"deadpool worker: error: {exc}", file=sys.stderr)
+        sys.exit(3)
