@@ -11,7 +11,7 @@ import argparse
 import importlib
 import sys
 import warnings
-from typing import Sequence
+from collections.abc import Sequence
 
 from .errors import ConfigError
 
@@ -19,7 +19,7 @@ from .errors import ConfigError
 COMMANDS: dict[str, tuple[str, str]] = {
     "train": ("megatron_deadpool.train_cli", "train the embedded GPT job with actives + spares"),
     "bench": ("megatron_deadpool.bench.cli", "benchmarks: overhead, recovery, pack, paper"),
-    "plan": ("megatron_deadpool.plan", "capacity planner: memory, traffic, recovery, coverage"),
+    "plan": ("megatron_deadpool.plan_cli", "capacity planner: memory, traffic, recovery, coverage"),
     "coordinator": (
         "megatron_deadpool.coordinator_cli",
         "run the coordinator (store host, heartbeat monitor, spare assignment) on a cluster",

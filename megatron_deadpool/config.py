@@ -95,7 +95,7 @@ class DeadpoolConfig:
         for spec in self.fail:
             parse_fault(spec)
 
-    def replace(self, **changes: object) -> "DeadpoolConfig":
+    def replace(self, **changes: object) -> DeadpoolConfig:
         """A validated copy with `changes` applied."""
         return dataclasses.replace(self, **changes)
 

@@ -8,7 +8,7 @@ failure-free run reads. The sequences follow a fixed affine recurrence modulo th
 
 from __future__ import annotations
 
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 

@@ -9,7 +9,7 @@ of the model exactly once.
 from __future__ import annotations
 
 import hashlib
-from typing import Iterable, Mapping
+from collections.abc import Iterable, Mapping
 
 import torch
 

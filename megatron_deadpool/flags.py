@@ -16,7 +16,8 @@ import inspect
 import textwrap
 import types
 import typing
-from typing import Any, Literal, Mapping, TypeVar, get_args, get_origin
+from collections.abc import Mapping
+from typing import Any, Literal, TypeVar, get_args, get_origin
 
 from .errors import ConfigError
 

@@ -14,8 +14,11 @@ from typing import Any
 import torch
 from megatron.core import parallel_state as ps
 from megatron.core import tensor_parallel
-from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-from megatron.core.distributed import finalize_model_grads
+from megatron.core.distributed import (
+    DistributedDataParallel,
+    DistributedDataParallelConfig,
+    finalize_model_grads,
+)
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -35,6 +38,10 @@ class TrainingObjects:
     optimizer: Any  # MegatronOptimizer (a ChainedOptimizer or DistributedOptimizer)
     scheduler: OptimizerParamScheduler
     config: TransformerConfig
+    opt_config: OptimizerConfig
+    optimizer_build_gathers: int = 0
+    """World all_gather_object calls `get_megatron_optimizer` made (a newcomer's survivors mirror
+    them while it builds)."""
 
 
 def transformer_config(job: JobConfig) -> TransformerConfig:
@@ -100,7 +107,18 @@ def build(job: JobConfig) -> TrainingObjects:
         clip_grad=1.0,
         use_distributed_optimizer=True,
     )
-    optimizer = get_megatron_optimizer(opt_cfg, [ddp])
+    gathers = [0]
+    real_gather = torch.distributed.all_gather_object
+
+    def counting_gather(*args: Any, **kwargs: Any) -> Any:
+        gathers[0] += 1
+        return real_gather(*args, **kwargs)
+
+    torch.distributed.all_gather_object = counting_gather
+    try:
+        optimizer = get_megatron_optimizer(opt_cfg, [ddp])
+    finally:
+        torch.distributed.all_gather_object = real_gather
     scheduler = OptimizerParamScheduler(
         optimizer,
         init_lr=0.0,
@@ -116,7 +134,37 @@ def build(job: JobConfig) -> TrainingObjects:
     )
     cfg.finalize_model_grads_func = finalize_model_grads
     cfg.no_sync_func = ddp.no_sync
-    return TrainingObjects(model=[ddp], optimizer=optimizer, scheduler=scheduler, config=cfg)
+    return TrainingObjects(
+        model=[ddp],
+        optimizer=optimizer,
+        scheduler=scheduler,
+        config=cfg,
+        opt_config=opt_cfg,
+        optimizer_build_gathers=gathers[0],
+    )
+
+
+def mirror_optimizer_build(objs: TrainingObjects) -> None:
+    """Issue the world collectives a newcomer's `get_megatron_optimizer` issues.
+
+    `get_megatron_optimizer` aligns parameter-group keys across ranks with world
+    `all_gather_object` calls; survivors, who keep their optimizer, take part with their own
+    keys through the same function Megatron uses (`_get_param_groups`), as many times as their
+    own build did.
+    """
+    from megatron.core.optimizer import _get_param_groups
+
+    for _ in range(objs.optimizer_build_gathers):
+        _get_param_groups(objs.model, objs.opt_config, None)
+
+
+def sync_params_from_main(objs: TrainingObjects) -> None:
+    """Model weights from the (restored) main-param shards: copy, then DP all-gather."""
+    chained = getattr(objs.optimizer, "chained_optimizers", None) or [objs.optimizer]
+    for opt in chained:
+        opt._copy_main_params_to_model_params()
+    for chunk in objs.model:
+        chunk.start_param_sync(force_sync=True)
 
 
 def _forward_step(data_iterator: Any, model: torch.nn.Module) -> tuple[torch.Tensor, Any]:

@@ -56,9 +56,10 @@ class ModelConfig:
     """Key/value head groups for grouped-query attention (default: one per attention head,
     i.e. plain multi-head attention)."""
 
-    untie_embeddings: bool = False
-    """Separate output-layer weights instead of sharing the input embedding
-    (`--untie-embeddings-and-output-weights`)."""
+    tie_embeddings: bool = False
+    """Share the input embedding with the output layer (Megatron-LM's default; its flag
+    `--untie-embeddings-and-output-weights` turns it off). Off here: the embedded job builds a
+    separate output layer, as LLaMA does."""
 
     normalization: Literal["LayerNorm", "RMSNorm"] = "LayerNorm"
     """Normalization layers: LayerNorm (weight and bias) or RMSNorm (weight only)."""
@@ -88,7 +89,7 @@ class ModelConfig:
                     f"model.num_query_groups ({self.num_query_groups}) must divide "
                     f"model.num_attention_heads ({self.num_attention_heads})"
                 )
-        for name in ("swiglu", "untie_embeddings", "add_bias_linear"):
+        for name in ("swiglu", "tie_embeddings", "add_bias_linear"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"model.{name}: expected true or false")
         if self.normalization not in ("LayerNorm", "RMSNorm"):

@@ -22,11 +22,30 @@ from typing import Any, TextIO
 import torch.distributed as dist
 import yaml
 
+from .coordinator import Coordinator, EventLog
 from .digest import job_digest
 from .jobspec import JobConfig
-from .membership import Membership, Roster
+from .membership import Membership
 from .progress import Progress
 from .topology import Layout, place_replicas
+
+
+class _LocalLiveness:
+    """The launcher sees its children exit and can kill a hung one."""
+
+    def __init__(self, procs: dict[str, subprocess.Popen]) -> None:
+        self.procs = procs
+
+    def exited(self, pid: str) -> int | None:
+        proc = self.procs.get(pid)
+        return None if proc is None else proc.poll()
+
+    def kill(self, pid: str) -> bool:
+        proc = self.procs.get(pid)
+        if proc is None or proc.poll() is not None:
+            return False
+        os.killpg(proc.pid, signal.SIGKILL)
+        return True
 
 
 @dataclass
@@ -66,8 +85,17 @@ class LocalLauncher:
         env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PYTHONWARNINGS="ignore")
         log = open(self.run_dir / f"{pid}.log", "w")
         cmd = [
-            sys.executable, "-m", "megatron_deadpool.worker", "--config", str(config_path),
-            "--pid", pid, "--deadpool-coordinator", address, "--deadpool-job-token", self.token,
+            sys.executable,
+            "-m",
+            "megatron_deadpool.worker",
+            "--config",
+            str(config_path),
+            "--pid",
+            pid,
+            "--deadpool-coordinator",
+            address,
+            "--deadpool-job-token",
+            self.token,
         ]
         self.procs[pid] = subprocess.Popen(
             cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
@@ -96,11 +124,8 @@ class LocalLauncher:
     def run(self) -> RunResult:
         job, cfg = self.job, self.job.deadpool
         world = job.parallel.world_size
-        if cfg.enabled:  # fail fast, before any process starts
-            place_replicas(
-                Layout(job.parallel.tp, job.parallel.pp, job.parallel.dp, job.ranks_per_node),
-                cfg.replicas,
-            )
+        layout = Layout(job.parallel.tp, job.parallel.pp, job.parallel.dp, job.ranks_per_node)
+        placement = place_replicas(layout, cfg.replicas) if cfg.enabled else None
         self.run_dir.mkdir(parents=True, exist_ok=True)
         config_path = self.run_dir / "job.yaml"
         config_path.write_text(yaml.safe_dump(job.to_dict(), sort_keys=False))
@@ -108,10 +133,19 @@ class LocalLauncher:
         address = f"127.0.0.1:{store.port}"
         members = Membership(store, "launcher")
         store.set("job/token", self.token)
-        members.publish_roster(
-            Roster(generation=0, world_size=world, slots={r: f"a{r}" for r in range(world)})
-        )
         spares = cfg.spares if cfg.enabled else 0
+        self.coordinator = Coordinator(
+            members,
+            world,
+            placement,
+            [f"s{i}" for i in range(spares)],
+            heartbeat_timeout=cfg.heartbeat_timeout,
+            agree_timeout=cfg.heartbeat_timeout + 30.0,
+            liveness=_LocalLiveness(self.procs),
+            events=EventLog(self.run_dir / "events.jsonl"),
+            on_event=self.progress.event,
+        )
+        self.coordinator.start()
         self.progress.header(
             f"deadpool train: tp={job.parallel.tp} pp={job.parallel.pp} dp={job.parallel.dp} "
             f"({world} ranks, {job.ranks_per_node} per node) + {spares} spare(s), "
@@ -146,38 +180,61 @@ class LocalLauncher:
     def _monitor(
         self, members: Membership, records: list, log_file: TextIO | None, t_start: float
     ) -> int:
-        world = self.job.parallel.world_size
-        actives = [f"a{r}" for r in range(world)]
-        next_it = 1
+        coord = self.coordinator
+        deadpool = self.job.deadpool.enabled
+        next_it, generation = 1, 0
         while True:
-            rec = members.read(f"metrics/{next_it}")
+            if deadpool:
+                coord.tick()
+            if coord.roster.generation != generation:  # a recovery agreed: rewind the display
+                generation = coord.roster.generation
+                next_it = (coord.roster.restore_iteration or 0) + 1
+                del records[next_it - 1 :]
+            rec = members.read(f"metrics/g{generation}/{next_it}")
             if rec is not None:
                 records.append(rec)
-                self.progress.iteration(rec, self.job.deadpool.enabled)
+                self.progress.iteration(rec, deadpool)
                 if log_file:
                     log_file.write(json.dumps(rec) + "\n")
                     log_file.flush()
                 next_it += 1
                 continue
+            if coord.aborted is not None:
+                self._wait_exit(list(coord.roster.slots.values()), 30.0)
+                return 1
+            actives = list(coord.roster.slots.values())
             codes = {pid: self.procs[pid].poll() for pid in actives}
-            failed = {pid: c for pid, c in codes.items() if c not in (None, 0)}
-            if failed:
+            failed = {
+                pid: c
+                for pid, c in codes.items()
+                if c not in (None, 0) and (not deadpool or pid not in coord.dead_pids)
+            }
+            if failed and not deadpool:
                 for pid, code in failed.items():
                     self.progress.event(f"process {pid} exited with code {code}")
                     self.progress.event("its log ends:\n" + self._tail(pid))
                 return 1
-            if all(c == 0 for c in codes.values()):
+            if all(c == 0 for c in codes.values()) and coord.recovery is None:
                 return 0 if next_it > self.job.train.iters else 1
             if time.monotonic() - t_start > self.timeout_s:
                 self.progress.event(f"run exceeded its {self.timeout_s:.0f}s limit; stopping")
                 return 124
             time.sleep(0.02)
 
+    def _wait_exit(self, pids: list[str], timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and any(
+            self.procs[p].poll() is None for p in pids if p in self.procs
+        ):
+            time.sleep(0.05)
+
     def _summary(
         self, members: Membership, records: list, rc: int, wall_s: float
     ) -> dict[str, Any]:
         layout = Layout(
-            self.job.parallel.tp, self.job.parallel.pp, self.job.parallel.dp,
+            self.job.parallel.tp,
+            self.job.parallel.pp,
+            self.job.parallel.dp,
             self.job.ranks_per_node,
         )
         digests = {}
@@ -194,12 +251,12 @@ class LocalLauncher:
             "losses": [r["loss"] for r in records],
             "final_param_digest": job_digest({r: digests[r] for r in dp0}) if complete else None,
             "rank_digests": {str(r): d for r, d in sorted(digests.items())},
-            "dp_replicas_identical": complete and all(
-                len({digests[r] for r in g}) == 1 for g in layout.dp_groups
-            ),
+            "dp_replicas_identical": complete
+            and all(len({digests[r] for r in g}) == 1 for g in layout.dp_groups),
             "committed_iteration": final.get("committed_iteration"),
             "deadpool": self.job.deadpool.enabled,
-            "recoveries": [],
+            "recoveries": self.coordinator.finished,
+            "out_of_redundancy": self.coordinator.aborted,
             "wall_s": wall_s,
             "median_iter_time_s": _median([r["iter_time_s"] for r in records]),
         }

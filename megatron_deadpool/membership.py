@@ -52,7 +52,7 @@ class Roster:
         )
 
     @classmethod
-    def from_json(cls, text: str | bytes) -> "Roster":
+    def from_json(cls, text: str | bytes) -> Roster:
         d = json.loads(text)
         return cls(
             generation=d["generation"],

@@ -1,15 +1,15 @@
 """Per-iteration asynchronous replication of every rank's snapshot to its k holders.
 
 Round t, started right after optimizer step t (`start_round`):
-  (a) the rank captures its state into local slot t % 2 (pack + checksum in one pass; on a
+  (a) the rank captures its state into a local slot (pack + checksum in one pass; on a
       GPU on a side stream, which the next optimizer step waits for);
   (b) it posts non-blocking sends of that slot to its k holders and non-blocking receives
-      from the owners it holds, into their slot t % 2, on a dedicated process group;
+      from the owners it holds, each into a slot, on a dedicated process group;
   then training goes on: the transfers overlap the next iteration's forward/backward.
 Round t is finished after step t+1 (`finish_round`): wait for the transfers (normally long
 done), verify every received replica's checksum, and agree on the globally committed
-iteration with one tiny all-reduce (MIN) on the replication group. A holder keeps slot
-(t-1) % 2 untouched while round t is in flight, so a failure mid-transfer always leaves it a
+iteration with one tiny all-reduce (MIN) on the replication group. Every pair of slots keeps
+its newest verified (for local slots: the committed) copy untouched while round t is in flight, so a failure mid-transfer always leaves it a
 complete, verified copy (double buffering). A replica that fails its checksum is not
 committed; the previous one stays in force.
 """
@@ -34,6 +34,13 @@ class SlotPair:
 
     buffers: tuple[torch.Tensor, torch.Tensor]
     verified: list[int | None] = field(default_factory=lambda: [None, None])
+
+    def free_slot(self) -> int:
+        """The slot to overwrite: never the one holding the newest verified iteration."""
+        latest = self.latest()
+        if latest is None:
+            return 0
+        return 1 - next(i for i, it in enumerate(self.verified) if it == latest[0])
 
     def latest(self) -> tuple[int, torch.Tensor] | None:
         """(iteration, buffer) of the newest verified content."""
@@ -95,13 +102,14 @@ class Replicator:
         self.committed: int | None = None
         self.corrupt_seen: list[tuple[int, int, str]] = []  # (owner, iteration, reason)
         self._flip_on_arrival: tuple[int, int, int] | None = None
+        self._held_slots: dict[int, int] = {}
         self.bytes_per_round = sum(self.sizes[rank] for _ in self.holders)
 
     # ------------------------------------------------------------------ round t
     def start_round(self, iteration: int) -> Header:
         """Capture state `iteration` locally and post its transfers (non-blocking)."""
         assert self._round is None, "finish_round() the previous round first"
-        slot = iteration % 2
+        slot = self._local_slot()
         buf = self.local.buffers[slot]
         self.local.verified[slot] = None
         if self._stream is not None:  # GPU: capture on a side stream, ordered after the step
@@ -118,13 +126,22 @@ class Replicator:
         self._round = iteration
         return header
 
+    def _local_slot(self) -> int:
+        """Keep the local copy of the committed iteration: overwrite the other slot."""
+        for slot, it in enumerate(self.local.verified):
+            if it is not None and it == self.committed:
+                return 1 - slot
+        return self.local.free_slot()
+
     def _post(self, iteration: int, slot: int) -> None:
         buf = self.local.buffers[slot]
-        for owner in self.owners:
-            self.held[owner].verified[slot] = None  # being overwritten by round `iteration`
+        self._held_slots = {o: self.held[o].free_slot() for o in self.owners}
+        for owner, s in self._held_slots.items():
+            self.held[owner].verified[s] = None  # being overwritten by round `iteration`
         self._pending = [dist.isend(buf, dst=h, group=self.group) for h in self.holders]
         self._pending += [
-            dist.irecv(self.held[o].buffers[slot], src=o, group=self.group) for o in self.owners
+            dist.irecv(self.held[o].buffers[s], src=o, group=self.group)
+            for o, s in self._held_slots.items()
         ]
 
     def before_step(self) -> None:
@@ -136,17 +153,19 @@ class Replicator:
         """Wait for the round's transfers, verify, agree; returns the global committed iteration."""
         if self._round is None:
             return self.committed
-        iteration, slot = self._round, self._round % 2
+        iteration = self._round
         for work in self._pending:
             work.wait()
         self._pending = []
         if self._flip_on_arrival is not None:  # fault injection: damage in transit
             owner, byte, bit = self._flip_on_arrival
             self._flip_on_arrival = None
-            self.held[owner].buffers[slot][byte % self.sizes[owner]] ^= 1 << bit
+            target = self.held[owner].buffers[self._held_slots[owner]]
+            target[byte % self.sizes[owner]] ^= 1 << bit
         ok = True
         for owner in self.owners:
             pair = self.held[owner]
+            slot = self._held_slots[owner]
             try:
                 verify(pair.buffers[slot], owner=owner, iteration=iteration)
             except CorruptReplicaError as exc:
@@ -161,6 +180,11 @@ class Replicator:
         value = int(mine.item())
         self.committed = value if value >= 0 else None
         return self.committed
+
+    def abandon(self) -> None:
+        """Forget an in-flight round after a failure (its transfers died with the groups)."""
+        self._pending = []
+        self._round = None
 
     def drain(self) -> None:
         """Finish an in-flight round (end of training)."""

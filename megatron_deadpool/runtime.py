@@ -12,15 +12,17 @@ from __future__ import annotations
 import datetime
 import logging
 import time
+import traceback
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
-from . import gpt
+from . import gpt, rebind
 from .devices import Device, select_device
 from .digest import rank_digest
+from .errors import OutOfRedundancyError
 from .jobspec import JobConfig
 from .logs import set_context
 from .membership import Membership, Roster
@@ -42,16 +44,22 @@ class Runtime:
         self.token = token
         self.cfg = job.deadpool
         self.layout = Layout(
-            tp=job.parallel.tp, pp=job.parallel.pp, dp=job.parallel.dp,
+            tp=job.parallel.tp,
+            pp=job.parallel.pp,
+            dp=job.parallel.dp,
             ranks_per_node=job.ranks_per_node,
         )
-        self.placement = place_replicas(self.layout, self.cfg.replicas) if self.cfg.enabled else None
+        self.placement = (
+            place_replicas(self.layout, self.cfg.replicas) if self.cfg.enabled else None
+        )
         self.rank: int | None = None
         self.generation = 0
         self.device: Device | None = None
         self.objs: gpt.TrainingObjects | None = None
         self.replicator: Replicator | None = None
         self.repl_group: dist.ProcessGroup | None = None
+        self.last_completed = 0
+        self.resumed_at = 0
 
     # ------------------------------------------------------------------ set-up
     def run(self) -> int:
@@ -71,9 +79,22 @@ class Runtime:
         self.device = select_device("auto")
         self._join(roster)
         self.objs = gpt.build(self.job)
-        self._train(start=1)
-        self._finish()
-        return 0
+        start = 1
+        if roster.generation > 0:  # a spare taking a dead rank's slot
+            start = self._restore(roster, needy=True) + 1
+        try:
+            while True:
+                try:
+                    self._train(start=start)
+                    self._finish()
+                    return 0
+                except OutOfRedundancyError:
+                    raise
+                except RuntimeError as exc:  # a collective failed: a peer died or hung
+                    start = self._recover(exc) + 1
+        except OutOfRedundancyError as exc:
+            log.error("%s", exc)
+            return 3
 
     def _wait_for_slot(self) -> Roster | None:
         """Block until a roster names this process (or the job shuts down)."""
@@ -86,6 +107,9 @@ class Runtime:
                 if roster.rank_of(self.pid) is not None:
                     return roster
             time.sleep(0.05 if not self.pid.startswith("s") else 0.2)
+
+    def _stamp(self, what: str) -> None:
+        self.members.store.set(f"gen{self.generation}/{what}/{self.rank}", repr(time.time()))
 
     def _join(self, roster: Roster) -> None:
         """Create the default group of `roster`'s generation and Megatron's groups."""
@@ -105,13 +129,20 @@ class Runtime:
             pipeline_model_parallel_size=self.job.parallel.pp,
         )
         if self.cfg.enabled:
-            backend = "gloo" if self.device.replica_device(self.cfg.replica_device).type == "cpu" \
+            backend = (
+                "gloo"
+                if self.device.replica_device(self.cfg.replica_device).type == "cpu"
                 else "nccl"
+            )
             self.repl_group = dist.new_group(backend=backend, timeout=timeout)
         log.info(
             "joined generation %d as rank %d of %d (tp=%d pp=%d dp=%d)",
-            self.generation, self.rank, roster.world_size,
-            self.job.parallel.tp, self.job.parallel.pp, self.job.parallel.dp,
+            self.generation,
+            self.rank,
+            roster.world_size,
+            self.job.parallel.tp,
+            self.job.parallel.pp,
+            self.job.parallel.dp,
         )
 
     def _make_replicator(self) -> Replicator:
@@ -132,6 +163,7 @@ class Runtime:
         for it in range(start, self.job.train.iters + 1):
             if it in faults:
                 log.warning("fault injection: %s at iteration %d", faults[it], it)
+                self.members.store.set(f"fault/{self.pid}", repr(time.time()))
                 inject(faults[it])
             t0 = time.perf_counter()
             if self.replicator is not None:
@@ -147,11 +179,19 @@ class Runtime:
             self._report(it, loss, grad_norm, time.perf_counter() - t0, compute_s, committed)
 
     def _report(
-        self, it: int, loss: float, grad_norm: float, iter_s: float, compute_s: float,
+        self,
+        it: int,
+        loss: float,
+        grad_norm: float,
+        iter_s: float,
+        compute_s: float,
         committed: int | None,
     ) -> None:
+        self.last_completed = it
         if self.rank != 0:
             return
+        if self.generation > 0 and it == self.resumed_at:
+            self._stamp("first_iteration")
         record: dict[str, Any] = {
             "iteration": it,
             "loss": loss,
@@ -163,7 +203,8 @@ class Runtime:
             "committed_iteration": committed,
             "replica_bytes_sent": self.replicator.bytes_per_round if self.replicator else 0,
         }
-        self.members.publish(f"metrics/{it}", record)
+        self.members.publish(f"metrics/g{self.generation}/{it}", record)
+        self.members.store.set("progress/last", str(it))
 
     def _finish(self) -> None:
         if self.replicator is not None:
@@ -175,3 +216,120 @@ class Runtime:
         dist.barrier()
         self.heartbeat.stopped.set()
         log.info("done: parameter digest %s", digest[:16])
+
+    # ------------------------------------------------------------------ recovery
+    def _recover(self, exc: BaseException) -> int:
+        """Survivor side: abort, agree, rebuild groups in place, restore; returns T."""
+        t0 = time.time()
+        log.warning("collective failed (%s): entering recovery", str(exc).splitlines()[0][:160])
+        # The traceback's frames hold the failed collective's group: drop them, or the group
+        # (and its connections) outlive the release below.
+        traceback.clear_frames(exc.__traceback__)
+        if self.replicator is not None:
+            self.replicator.abandon()
+        extra = {"DEADPOOL_REPLICATION": self.repl_group}
+        self.repl_group = None
+        released = rebind.release([*self._roots(), self.replicator], extra)
+        log.info("released %d group handles", released)
+        roster = self._agree(exc, t0)
+        self._join(roster)
+        n = rebind.attach(
+            [*self._roots(), self.replicator], {"DEADPOOL_REPLICATION": self.repl_group}
+        )
+        log.info("released %d group handles; re-attached %d", released, n)
+        gpt.seed_rng(self.job.train.seed)  # recreate the RNG tracker; restored below
+        gpt.mirror_optimizer_build(self.objs)
+        log.info("rebuilt Megatron groups; rebound %d process-group references", n)
+        return self._restore(roster, needy=False)
+
+    def _roots(self) -> list[Any]:
+        assert self.objs is not None
+        return [self.objs.model, self.objs.optimizer, self.objs.scheduler, self.objs.config]
+
+    def _agree(self, exc: BaseException, t0: float) -> Roster:
+        """Report holdings for the coordinator's plan(s) until a roster includes this process."""
+        deadline = t0 + self.cfg.heartbeat_timeout + 30.0
+        reported: set[int] = set()
+        holds = self.replicator.holdings() if self.replicator else {"local": []}
+        while True:
+            if self.members.store.check(["abort"]):
+                report = self.members.read("abort") or {}
+                raise OutOfRedundancyError(
+                    f"out of redundancy: {report.get('reason')}; lost ranks "
+                    f"{report.get('lost_ranks')}"
+                )
+            latest = self.members.store.check(["plan/latest"]) and int(
+                self.members.store.get("plan/latest").decode()
+            )
+            if latest and latest > self.generation:
+                plan = self.members.read(f"gen{latest}/plan") or {}
+                if latest not in reported and "slots" in plan:
+                    mine = self.pid in plan["slots"].values() and self.rank not in plan["needy"]
+                    value = {
+                        "holds": holds if mine else {"local": []},
+                        "last_completed": self.last_completed,
+                        "pid": self.pid,
+                    }
+                    self.members.publish(f"gen{latest}/holdings/{self.rank}", value)
+                    reported.add(latest)
+                if self.members.store.check([f"gen{latest}/roster"]):
+                    roster = self.members.roster(latest)
+                    if roster.rank_of(self.pid) is not None:
+                        return roster
+            elif time.time() > deadline:
+                raise RuntimeError(
+                    "a collective failed but the coordinator planned no recovery within "
+                    f"{deadline - t0:.0f}s: not a peer failure"
+                ) from exc
+            time.sleep(0.02)
+
+    def _restore(self, roster: Roster, *, needy: bool) -> int:
+        """Bring every rank to the restore iteration T; returns T.
+
+        Holders send the needy ranks their shard of T (verified by its checksum on arrival);
+        the others roll back to their local snapshot of T. Then weights are re-derived from
+        the main-param shards (DP all-gather) and replication restarts with a round of T, which
+        also re-sends the replicas the dead ranks held.
+        """
+        assert self.objs is not None and self.repl_group is not None
+        t_iter = roster.restore_iteration
+        sources = {
+            int(k): v
+            for k, v in (self.members.read(f"gen{roster.generation}/sources") or {}).items()
+        }
+        self._stamp("joined")
+        if needy and self.rank not in sources:
+            raise RuntimeError(f"rank {self.rank} must restore but the plan names no source")
+        state = RankState(self.objs.optimizer, self.objs.scheduler)
+        works = []
+        if self.rank in sources:
+            size = torch.zeros(1, dtype=torch.int64)
+            dist.recv(size, src=sources[self.rank], group=self.repl_group)
+            flat = torch.empty(int(size.item()), dtype=torch.uint8)
+            dist.recv(flat, src=sources[self.rank], group=self.repl_group)
+        else:
+            assert self.replicator is not None
+            flat = self.replicator.local.find(t_iter)
+            for target, holder in sources.items():
+                if holder == self.rank:
+                    buf = self.replicator.held[target].find(t_iter)
+                    works.append(
+                        dist.isend(torch.tensor([buf.numel()]), dst=target, group=self.repl_group)
+                    )
+                    works.append(dist.isend(buf, dst=target, group=self.repl_group))
+        Snapshotter.restore_into(state, flat, owner=self.rank, iteration=t_iter)
+        for work in works:
+            work.wait()
+        gpt.sync_params_from_main(self.objs)
+        self.replicator = self._make_replicator()
+        self.replicator.start_round(t_iter)
+        self.replicator.finish_round()
+        self._stamp("restored")
+        self.resumed_at = t_iter + 1
+        self.last_completed = t_iter
+        log.info(
+            "restored iteration %d (%s)",
+            t_iter,
+            "from holder" if self.rank in sources else "from local snapshot",
+        )
+        return t_iter

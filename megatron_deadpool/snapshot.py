@@ -46,8 +46,13 @@ class Header:
 
     def encode(self) -> torch.Tensor:
         words = [MAGIC, self.owner, self.iteration, self.nbytes, _signed(self.checksum)]
-        words += [self.meta_nbytes, 0, 0]
+        words += [self.meta_nbytes, _header_check(words + [self.meta_nbytes]), 0]
         return torch.tensor(words, dtype=torch.int64)
+
+
+def _header_check(words: list[int]) -> int:
+    """Checksum of the header's own six words (they are outside the packed region)."""
+    return _signed(pack.checksum(torch.tensor(words, dtype=torch.int64).view(torch.uint8)))
 
 
 def _signed(value: int) -> int:
@@ -57,7 +62,7 @@ def _signed(value: int) -> int:
 def read_header(flat: torch.Tensor) -> Header | None:
     """The header of a flat snapshot, or None when the trailer is not a DeadPool header."""
     words = flat[-HEADER_BYTES:].cpu().view(torch.int64).tolist()
-    if words[0] != MAGIC:
+    if words[0] != MAGIC or words[6] != _header_check(words[:6]):
         return None
     return Header(
         owner=words[1],
@@ -72,7 +77,12 @@ def verify(flat: torch.Tensor, *, owner: int | None = None, iteration: int | Non
     """Check magic, identity and checksum; raise `CorruptReplicaError` naming what failed."""
     header = read_header(flat)
     if header is None:
-        raise CorruptReplicaError("snapshot header missing or overwritten (bad magic)")
+        raise CorruptReplicaError("snapshot header missing or damaged (bad magic or check word)")
+    if header.nbytes != flat.numel() - HEADER_BYTES or not 0 < header.meta_nbytes <= header.nbytes:
+        raise CorruptReplicaError(
+            f"snapshot header sizes are inconsistent (packed {header.nbytes} B in a "
+            f"{flat.numel()} B buffer, meta {header.meta_nbytes} B)"
+        )
     if owner is not None and header.owner != owner:
         raise CorruptReplicaError(f"replica belongs to rank {header.owner}, expected {owner}")
     if iteration is not None and header.iteration != iteration:
@@ -142,6 +152,9 @@ class RankState:
         return {"iteration": iteration, "scheduler": sched, "manifest": self.manifest()}
 
     def load_small_state(self, meta: dict[str, Any]) -> None:
+        # Megatron's load_state_dict steps the scheduler forward by the saved count from its
+        # current one: start from zero so a survivor rolling back lands on the saved count.
+        self.scheduler.num_steps = 0
         self.scheduler.load_state_dict(meta["scheduler"])
 
 

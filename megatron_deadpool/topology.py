@@ -14,9 +14,10 @@ matching. A layout that cannot be placed raises `PlacementError` saying what to 
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
+from collections import Counter
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Iterable, Sequence
 
 from megatron.core.parallel_state import RankGenerator
 
@@ -127,7 +128,7 @@ def _place_group(group: Sequence[int], layout: Layout, k: int) -> dict[int, tupl
         )
     # Each holder must be in another domain than its owner: an owner in a domain of size m
     # has n - m candidates, so k <= n - max_m is necessary.
-    largest = max(domains.count(d) for d in set(domains))
+    largest = max(Counter(domains).values())
     if k > n - largest:
         raise PlacementError(
             f"cannot place {k} replicas: data-parallel group {_short(group)} spans {distinct} "

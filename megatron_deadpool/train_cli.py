@@ -92,7 +92,10 @@ def run(args: argparse.Namespace) -> int:
         job.train.iters,
     )
     result = LocalLauncher(
-        job, json_log=args.json_log, run_dir=args.run_dir, timeout_s=args.timeout,
+        job,
+        json_log=args.json_log,
+        run_dir=args.run_dir,
+        timeout_s=args.timeout,
         quiet=args.quiet,
     ).run()
     return result.returncode

@@ -15,7 +15,7 @@ import signal
 import sys
 import threading
 import time
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
@@ -24,7 +24,7 @@ from .config import parse_host_port
 from .errors import ConfigError, CoordinatorUnreachableError
 from .faults import parse_fault
 from .jobspec import JobConfig, load_job
-from .logs import set_context, setup_logging
+from .logs import setup_logging
 from .membership import Membership
 
 log = logging.getLogger("megatron_deadpool.worker")

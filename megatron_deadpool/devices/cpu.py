@@ -21,8 +21,9 @@ from __future__ import annotations
 
 import contextlib
 import os
+from collections.abc import Callable
 from types import SimpleNamespace
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -76,13 +77,13 @@ class _NullStream:
     def synchronize(self) -> None:
         pass
 
-    def record_event(self, event: object = None) -> "_NullEvent":
+    def record_event(self, event: object = None) -> _NullEvent:
         return _NullEvent()
 
     def query(self) -> bool:
         return True
 
-    def __enter__(self) -> "_NullStream":
+    def __enter__(self) -> _NullStream:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -192,7 +193,7 @@ def _pretend_cuda() -> None:
         minor=0,
         multi_processor_count=1,
     )
-    zero: Callable[..., int] = lambda *a, **k: 0  # noqa: E731
+    zero: Callable[..., int] = lambda *a, **k: 0
     answers: dict[str, Any] = {
         "is_available": lambda: True,
         "device_count": lambda: 1,

@@ -1,0 +1,81 @@
+"""`deadpool bench`: one sub-subcommand per benchmark module, listed in `BENCHES`.
+
+Adding a benchmark is one line in `BENCHES`. A benchmark module provides either
+`configure(parser)` and `run(args) -> int` (like the `deadpool` subcommands), or only
+`main(argv) -> int`, which then receives every argument after the benchmark's name as is
+(its own `--help` included). A listed module that is not importable shows up in `--help` and
+says so when run, instead of breaking the other benchmarks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from types import ModuleType
+
+# name -> (module, one-line help)
+BENCHES: dict[str, tuple[str, str]] = {
+    "overhead": (
+        "megatron_deadpool.bench.overhead",
+        "per-iteration time with DeadPool off vs on (interleaved runs, medians)",
+    ),
+    "pack": (
+        "megatron_deadpool.bench.pack_bench",
+        "pack + checksum throughput of snapshot buffers",
+    ),
+    # "recovery": ("megatron_deadpool.bench.recovery", "time of each recovery phase"),
+    # "paper": ("megatron_deadpool.bench.paper", "the paper's figures and tables"),
+}
+
+
+def _load(module_name: str) -> ModuleType | str:
+    """The module, or why it cannot be imported (only when the module itself is missing)."""
+    try:
+        return importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        if exc.name and module_name.startswith(exc.name):
+            return f"{module_name} is not available in this installation"
+        raise
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="bench", metavar="BENCH", parser_class=type(parser))
+    for name, (module_name, help_text) in BENCHES.items():
+        module = _load(module_name)
+        if isinstance(module, str):
+            p = sub.add_parser(name, help=f"{help_text} [unavailable]", description=help_text)
+            p.set_defaults(_bench_run=_unavailable(name, module))
+        elif hasattr(module, "configure") and hasattr(module, "run"):
+            p = sub.add_parser(name, help=help_text, description=help_text)
+            module.configure(p)
+            p.set_defaults(_bench_run=module.run)
+        elif hasattr(module, "main"):
+            # No options of ours: everything after the name goes to the module's own parser.
+            p = sub.add_parser(
+                name, help=help_text, description=help_text, prefix_chars="\0", add_help=False
+            )
+            p.add_argument("bench_argv", nargs=argparse.REMAINDER)
+            p.set_defaults(_bench_run=lambda args, main=module.main: main(args.bench_argv))
+        else:
+            raise TypeError(f"{module_name} provides neither configure/run nor main")
+
+
+def _unavailable(name: str, why: str):
+    def run(args: argparse.Namespace) -> int:
+        print(f"deadpool bench {name}: {why}", file=sys.stderr)
+        return 2
+
+    return run
+
+
+def run(args: argparse.Namespace) -> int:
+    bench_run = getattr(args, "_bench_run", None)
+    if bench_run is None:
+        names = ", ".join(BENCHES)
+        print(
+            f"deadpool bench: name a benchmark: {names} (see deadpool bench --help)",
+            file=sys.stderr,
+        )
+        return 2
+    return int(bench_run(args) or 0)

@@ -1,0 +1,169 @@
+"""Benchmark of the snapshot pack: pack + checksum bandwidth against a plain copy.
+
+For each shard size a synthetic optimizer shard is built (fp32 main params, exp_avg and
+exp_avg_sq of equal size, a bf16 tensor and an int64 step) and timed:
+
+* ``copy``: ``out.copy_(src)`` of the same number of bytes from one contiguous buffer - the
+  memory-bandwidth limit any pack is measured against;
+* ``pack``: `megatron_deadpool.pack.pack` (copy into the packed layout + checksum);
+* ``unpack``: `megatron_deadpool.pack.unpack` (scatter back + checksum);
+* ``checksum``: `megatron_deadpool.pack.checksum` of the packed region alone.
+
+Runs are interleaved (copy, pack, unpack, checksum, repeat) so that load from elsewhere on the
+machine hits all of them alike; the best and the median of the repeats are kept and the ratio
+``pack / copy`` uses the medians. On CPU every size runs once per torch thread count (default
+and 1). Used as ``deadpool bench pack`` and ``python -m megatron_deadpool.bench.pack_bench``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from .. import pack
+
+DEFAULT_SIZES_MB = (64, 256)
+DEFAULT_REPEATS = 7
+
+
+def make_shard(nbytes: int, device: torch.device) -> list[torch.Tensor]:
+    """A shard of about `nbytes`: three equal fp32 tensors, a bf16 tensor and an int64 step."""
+    fp32 = max(1, nbytes // 4 // 3 - 64)
+    gen = torch.Generator().manual_seed(0)
+    tensors = [torch.randn(fp32, generator=gen) for _ in range(3)]
+    tensors.append(torch.randn(125, generator=gen).to(torch.bfloat16))
+    tensors.append(torch.tensor(1000, dtype=torch.int64))
+    return [t.to(device) for t in tensors]
+
+
+def _timer(device: torch.device) -> Callable[[Callable[[], Any]], float]:
+    def run(fn: Callable[[], Any]) -> float:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return time.perf_counter() - start
+
+    return run
+
+
+def _measure(size_mb: float, repeats: int, device: torch.device) -> dict[str, Any]:
+    tensors = make_shard(int(size_mb * 2**20), device)
+    total = pack.packed_nbytes(tensors)
+    out = torch.empty(total, dtype=torch.uint8, device=device)
+    src = torch.randint(0, 256, (total,), dtype=torch.uint8).to(device)
+    restored = [torch.empty_like(t) for t in tensors]
+    cases: dict[str, Callable[[], Any]] = {
+        "copy": lambda: out.copy_(src),
+        "pack": lambda: pack.pack(tensors, out),
+        "unpack": lambda: pack.unpack(out, restored),
+        "checksum": lambda: pack.checksum(out),
+    }
+    timer = _timer(device)
+    for fn in cases.values():  # warm up: page faults, scratch buffers, kernel loading
+        timer(fn)
+    times: dict[str, list[float]] = {name: [] for name in cases}
+    for _ in range(repeats):
+        for name, fn in cases.items():
+            times[name].append(timer(fn))
+    checksum = pack.pack(tensors, out)
+    if pack.unpack(out, restored) != checksum or pack.checksum(out) != checksum:
+        raise RuntimeError("pack, unpack and checksum disagree")
+    row: dict[str, Any] = {
+        "size_mb": round(total / 2**20, 3),
+        "nbytes": total,
+        "device": str(device),
+        "backend": pack.backend_for(out),
+        "threads": torch.get_num_threads(),
+    }
+    for name, samples in times.items():
+        row[f"{name}_gbps"] = total / statistics.median(samples) / 1e9
+        row[f"{name}_best_gbps"] = total / min(samples) / 1e9
+    row["ratio"] = row["pack_gbps"] / row["copy_gbps"]
+    row["ratio_best"] = row["pack_best_gbps"] / row["copy_best_gbps"]
+    return row
+
+
+def run_pack_bench(
+    sizes_mb: Sequence[float] = DEFAULT_SIZES_MB,
+    repeats: int = DEFAULT_REPEATS,
+    device: str = "cpu",
+    threads: Sequence[int] | None = None,
+) -> dict[str, Any]:
+    """Time copy vs pack/unpack/checksum for each size (and each CPU thread count).
+
+    `threads` defaults to ``[torch default, 1]`` on CPU; it is ignored on CUDA. Returns
+    ``{"device", "torch", "rows": [...]}``, one row per (size, threads) with bandwidths in GB/s
+    (median and best of `repeats`) and ``ratio`` = pack / copy.
+    """
+    dev = torch.device(device)
+    default_threads = torch.get_num_threads()
+    if dev.type != "cpu":
+        counts = [default_threads]
+    else:
+        counts = list(threads) if threads else sorted({default_threads, 1}, reverse=True)
+    rows = []
+    try:
+        for count in counts:
+            torch.set_num_threads(count)
+            for size in sizes_mb:
+                rows.append(_measure(size, repeats, dev))
+    finally:
+        torch.set_num_threads(default_threads)
+    return {"device": str(dev), "torch": torch.__version__, "repeats": repeats, "rows": rows}
+
+
+def format_table(result: dict[str, Any]) -> str:
+    """The rows of `run_pack_bench` as a fixed-width table (GB/s, medians; best in brackets)."""
+    header = (
+        f"{'size MB':>8} {'thr':>3} {'backend':>7} {'copy':>14} {'pack+cksum':>14} "
+        f"{'unpack':>14} {'checksum':>14} {'pack/copy':>9}"
+    )
+    lines = [header, "-" * len(header)]
+    for row in result["rows"]:
+
+        def cell(name: str, row: dict[str, Any] = row) -> str:
+            return f"{row[name + '_gbps']:6.2f} ({row[name + '_best_gbps']:5.2f})"
+
+        lines.append(
+            f"{row['size_mb']:8.1f} {row['threads']:3d} {row['backend']:>7} {cell('copy')} "
+            f"{cell('pack')} {cell('unpack')} {cell('checksum')} {row['ratio']:9.2f}"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Command line: ``deadpool bench pack [--sizes-mb 64 256] [--json PATH]``."""
+    parser = argparse.ArgumentParser(
+        prog="deadpool bench pack",
+        description="Bandwidth of snapshot pack + checksum vs a plain copy of the same bytes.",
+    )
+    parser.add_argument("--sizes-mb", type=float, nargs="+", default=list(DEFAULT_SIZES_MB))
+    parser.add_argument("--repeats", type=int, default=DEFAULT_REPEATS)
+    parser.add_argument("--device", default="cpu", help="cpu (default) or cuda")
+    parser.add_argument(
+        "--threads", type=int, nargs="+", default=None, help="CPU thread counts (default: N 1)"
+    )
+    parser.add_argument("--json", metavar="PATH", help="also write the results as JSON here")
+    args = parser.parse_args(argv)
+    if args.repeats < 1:
+        parser.error("--repeats must be at least 1")
+    result = run_pack_bench(args.sizes_mb, args.repeats, args.device, args.threads)
+    print(format_table(result))
+    print("GB/s: median of repeats (best in brackets); pack/copy uses the medians.")
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as handle:
+            json.dump(result, handle, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

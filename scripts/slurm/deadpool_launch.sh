@@ -1,0 +1,242 @@
+#!/usr/bin/env bash
+# deadpool_launch.sh: start a DeadPool job inside a Slurm allocation of N active + S spare nodes.
+#
+# Called by scripts/slurm/<site>.sbatch once they have set the site's defaults; usable by hand
+# inside any allocation (salloc) as well. It
+#   1. loads $DEADPOOL_MODULES and activates $DEADPOOL_VENV if set;
+#   2. starts the coordinator (store host, heartbeat monitor, spare assignment) on this host,
+#      in the background, unless DEADPOOL_COORDINATOR names one already running;
+#   3. starts one process per GPU on every node with one `srun` that keeps the survivors alive
+#      when processes or nodes die (--kill-on-bad-exit=0, --no-kill, --wait=0). Tasks are laid
+#      out in blocks, so node i holds ranks i*G .. i*G+G-1; tasks >= the world size (the last
+#      SPARE_NODES nodes) are the spares. Each task gets RANK/LOCAL_RANK from SLURM_PROCID/
+#      SLURM_LOCALID and `--deadpool-coordinator HOST:PORT`;
+#   4. optionally starts scripts/inject_failure.sh with $DEADPOOL_INJECT.
+# With DEADPOOL_DRY_RUN=1 it prints the environment and command lines instead of running them.
+#
+# Variables (all optional; defaults after ':='):
+#   SPARE_NODES         spare nodes at the end of the allocation                    (1)
+#   GPUS_PER_NODE       processes per node = GPUs per node                          (site)
+#   DEADPOOL_MODE       embedded: python -m megatron_deadpool.worker --config ...
+#                       megatron-lm: python -m megatron_deadpool.megatron_lm
+#                         $MEGATRON_LM_PATH/pretrain_gpt.py $MEGATRON_ARGS --deadpool ...
+#                       baseline: plain Megatron-LM (python pretrain_gpt.py $MEGATRON_ARGS) on
+#                         the active nodes only, no coordinator, no spares: the reference
+#                         for the overhead measurement                                  (embedded)
+#   DEADPOOL_CONFIG     job config of the embedded job                   (configs/cpu-demo.yaml)
+#   MEGATRON_LM_PATH    Megatron-LM checkout (megatron-lm mode)
+#   MEGATRON_ARGS       Megatron-LM arguments, split on whitespace (megatron-lm mode)
+#   DEADPOOL_REPLICAS   replicas k of each optimizer shard                           (1)
+#   DEADPOOL_EXTRA_ARGS more --deadpool-* flags for every worker, split on whitespace
+#   DEADPOOL_PORT       coordinator port                                             (29400)
+#   DEADPOOL_COORDINATOR HOST:PORT of a coordinator started elsewhere (then none here)
+#   MASTER_PORT         torch.distributed port                                      (29500)
+#   DEADPOOL_LOG_DIR    per-job logs: coordinator.log, task-<rank>.log   (logs/<name>-<jobid>)
+#   DEADPOOL_MODULES    modules to load, space separated                            (site)
+#   DEADPOOL_VENV       virtual environment to activate
+#   DEADPOOL_SITE_ENV   names of the site's network/NCCL variables to pass on       (site)
+#   SRUN_EXTRA_ARGS     more srun flags, split on whitespace                        (site)
+#   PYTHON              Python interpreter                                           (python)
+#   DEADPOOL_INJECT     arguments for scripts/inject_failure.sh, e.g.
+#                       "--node-index 1 --at-iteration 20"; empty: no injected failure
+#   DEADPOOL_DRY_RUN    1: print instead of running                                  (0)
+set -euo pipefail
+
+die() {
+    echo "deadpool_launch: error: $*" >&2
+    exit 2
+}
+
+dry_run() { [ "${DEADPOOL_DRY_RUN:-0}" = 1 ]; }
+
+show() { # show WHAT CMD...: the command line, shell-quoted, as one line
+    local what=$1
+    shift
+    printf 'DRY-RUN %s:' "$what"
+    printf ' %q' "$@"
+    printf '\n'
+}
+
+: "${DEADPOOL_HOME:=${SLURM_SUBMIT_DIR:-$PWD}}"
+: "${SPARE_NODES:=1}"
+: "${GPUS_PER_NODE:=${SLURM_NTASKS_PER_NODE:-1}}"
+: "${DEADPOOL_MODE:=embedded}"
+: "${DEADPOOL_CONFIG:=configs/cpu-demo.yaml}"
+: "${MEGATRON_LM_PATH:=}"
+: "${MEGATRON_ARGS:=}"
+: "${DEADPOOL_REPLICAS:=1}"
+: "${DEADPOOL_EXTRA_ARGS:=}"
+: "${DEADPOOL_PORT:=29400}"
+: "${DEADPOOL_COORDINATOR:=}"
+: "${MASTER_PORT:=29500}"
+: "${DEADPOOL_LOG_DIR:=$DEADPOOL_HOME/logs/${SLURM_JOB_NAME:-deadpool}-${SLURM_JOB_ID:-0}}"
+: "${DEADPOOL_MODULES:=}"
+: "${DEADPOOL_VENV:=}"
+: "${DEADPOOL_SITE_ENV:=}"
+: "${SRUN_EXTRA_ARGS:=}"
+: "${PYTHON:=python}"
+: "${DEADPOOL_INJECT:=}"
+
+cd "$DEADPOOL_HOME" || die "DEADPOOL_HOME=$DEADPOOL_HOME: no such directory (submit from the repo)"
+
+nnodes=${SLURM_JOB_NUM_NODES:-${SLURM_NNODES:-}}
+[ -n "$nnodes" ] || die "not inside a Slurm allocation (SLURM_JOB_NUM_NODES is unset)"
+for name in nnodes SPARE_NODES GPUS_PER_NODE DEADPOOL_REPLICAS DEADPOOL_PORT MASTER_PORT; do
+    [[ ${!name} =~ ^[0-9]+$ ]] || die "$name must be a non-negative integer, got '${!name}'"
+done
+active_nodes=$((nnodes - SPARE_NODES))
+((active_nodes >= 1)) || die "$nnodes node(s) leave no active node after SPARE_NODES=$SPARE_NODES"
+((GPUS_PER_NODE >= 1)) || die "GPUS_PER_NODE must be >= 1"
+world=$((active_nodes * GPUS_PER_NODE))
+spares=$((SPARE_NODES * GPUS_PER_NODE))
+ntasks=$((nnodes * GPUS_PER_NODE))
+
+if [ -n "$DEADPOOL_COORDINATOR" ]; then
+    coordinator=$DEADPOOL_COORDINATOR
+    start_coordinator=0
+else
+    coordinator="$(hostname):$DEADPOOL_PORT"
+    start_coordinator=1
+fi
+coord_host=${coordinator%:*}
+coord_port=${coordinator##*:}
+
+# Everything srun passes on to the tasks (srun exports the whole environment).
+export MASTER_ADDR=${MASTER_ADDR:-$coord_host}
+export MASTER_PORT WORLD_SIZE=$world LOCAL_WORLD_SIZE=$GPUS_PER_NODE
+export DEADPOOL_JOB_TOKEN=${DEADPOOL_JOB_TOKEN:-$(od -An -tx1 -N16 /dev/urandom | tr -d ' \n')}
+for name in $DEADPOOL_SITE_ENV; do
+    [ -n "${!name+set}" ] || die "site variable $name is listed in DEADPOOL_SITE_ENV but unset"
+    export "${name?}"
+done
+
+# Modules and Python environment.
+for module_name in $DEADPOOL_MODULES; do
+    if dry_run; then
+        show module module load "$module_name"
+    else
+        command -v module >/dev/null 2>&1 ||
+            die "'module' is not available; set DEADPOOL_MODULES= to skip loading modules"
+        module load "$module_name"
+    fi
+done
+if [ -n "$DEADPOOL_VENV" ]; then
+    if dry_run; then
+        show venv source "$DEADPOOL_VENV/bin/activate"
+    else
+        # shellcheck disable=SC1091
+        source "$DEADPOOL_VENV/bin/activate"
+    fi
+fi
+
+read -r -a extra_args <<<"$DEADPOOL_EXTRA_ARGS"
+read -r -a srun_extra <<<"$SRUN_EXTRA_ARGS"
+deadpool_flags=(
+    --deadpool-coordinator "$coordinator"
+    --deadpool-spares "$spares"
+    --deadpool-replicas "$DEADPOOL_REPLICAS"
+    --deadpool-ranks-per-node "$GPUS_PER_NODE"
+    --deadpool-log-dir "$DEADPOOL_LOG_DIR"
+)
+case $DEADPOOL_MODE in
+embedded)
+    [ -f "$DEADPOOL_CONFIG" ] || die "DEADPOOL_CONFIG=$DEADPOOL_CONFIG: no such file"
+    worker=("$PYTHON" -m megatron_deadpool.worker --config "$DEADPOOL_CONFIG"
+        "${deadpool_flags[@]}" "${extra_args[@]}")
+    ;;
+megatron-lm | baseline)
+    [ -n "$MEGATRON_LM_PATH" ] || die "DEADPOOL_MODE=$DEADPOOL_MODE needs MEGATRON_LM_PATH"
+    [ -n "$MEGATRON_ARGS" ] || die "DEADPOOL_MODE=$DEADPOOL_MODE needs MEGATRON_ARGS"
+    read -r -a megatron_args <<<"$MEGATRON_ARGS"
+    if [ "$DEADPOOL_MODE" = baseline ]; then
+        worker=("$PYTHON" "$MEGATRON_LM_PATH/pretrain_gpt.py" "${megatron_args[@]}")
+    else
+        worker=("$PYTHON" -m megatron_deadpool.megatron_lm "$MEGATRON_LM_PATH/pretrain_gpt.py"
+            "${megatron_args[@]}" --deadpool "${deadpool_flags[@]}" "${extra_args[@]}")
+    fi
+    ;;
+*) die "DEADPOOL_MODE must be embedded, megatron-lm or baseline, got '$DEADPOOL_MODE'" ;;
+esac
+if [ "$DEADPOOL_MODE" = baseline ]; then # the same active GPUs, nothing else
+    nnodes=$active_nodes
+    ntasks=$world
+    start_coordinator=0
+fi
+
+coordinator_cmd=("$PYTHON" -m megatron_deadpool.cli coordinator --host "$coord_host"
+    --port "$coord_port" --world-size "$world" --spares "$spares" --log-dir "$DEADPOOL_LOG_DIR")
+
+# One task per GPU; the survivors of a failure must keep running, so: no kill on a bad exit,
+# no kill when a node fails, and no limit on how long srun waits after the first task ends.
+cpus=()
+[ -z "${SLURM_CPUS_PER_TASK:-}" ] || cpus=(--cpus-per-task="$SLURM_CPUS_PER_TASK")
+# The task wrapper's $SLURM_PROCID/$SLURM_LOCALID expand in each task, not here.
+# shellcheck disable=SC2016
+srun_cmd=(srun --nodes="$nnodes" --ntasks="$ntasks" --ntasks-per-node="$GPUS_PER_NODE"
+    --distribution=block --kill-on-bad-exit=0 --no-kill --wait=0 "${cpus[@]}"
+    --output="$DEADPOOL_LOG_DIR/task-%t.log" "${srun_extra[@]}"
+    bash -c 'export RANK=$SLURM_PROCID LOCAL_RANK=$SLURM_LOCALID; exec "$@"' deadpool-task
+    "${worker[@]}")
+
+inject_cmd=()
+if [ -n "$DEADPOOL_INJECT" ]; then
+    read -r -a inject_args <<<"$DEADPOOL_INJECT"
+    inject_cmd=(bash "$DEADPOOL_HOME/scripts/inject_failure.sh" --job "${SLURM_JOB_ID:-0}"
+        --log-dir "$DEADPOOL_LOG_DIR" "${inject_args[@]}")
+fi
+
+[ "$DEADPOOL_MODE" != baseline ] || [ -z "$DEADPOOL_INJECT" ] ||
+    die "DEADPOOL_INJECT needs DeadPool (DEADPOOL_MODE embedded or megatron-lm)"
+echo "deadpool_launch: $nnodes nodes = $active_nodes active + $SPARE_NODES spare;" \
+    "world size $world, $spares spare ranks, coordinator $coordinator, logs $DEADPOOL_LOG_DIR"
+
+if dry_run; then
+    for name in MASTER_ADDR MASTER_PORT WORLD_SIZE LOCAL_WORLD_SIZE $DEADPOOL_SITE_ENV; do
+        echo "DRY-RUN env: $name=${!name}"
+    done
+    ((start_coordinator == 0)) || show coordinator "${coordinator_cmd[@]}"
+    ((${#inject_cmd[@]} == 0)) || show inject "${inject_cmd[@]}"
+    show workers "${srun_cmd[@]}"
+    exit 0
+fi
+
+mkdir -p "$DEADPOOL_LOG_DIR"
+coordinator_pid=
+inject_pid=
+# shellcheck disable=SC2329 # called by the EXIT trap
+cleanup() {
+    [ -z "$inject_pid" ] || kill "$inject_pid" 2>/dev/null || true
+    [ -z "$coordinator_pid" ] || kill "$coordinator_pid" 2>/dev/null || true
+}
+trap cleanup EXIT
+
+if ((start_coordinator)); then
+    "${coordinator_cmd[@]}" >"$DEADPOOL_LOG_DIR/coordinator.log" 2>&1 &
+    coordinator_pid=$!
+fi
+if [ "$DEADPOOL_MODE" != baseline ]; then
+    for _ in $(seq 1 120); do # wait up to 60 s for the coordinator's port
+        if (exec 3<>"/dev/tcp/$coord_host/$coord_port") 2>/dev/null; then
+            break
+        fi
+        [ -z "$coordinator_pid" ] || kill -0 "$coordinator_pid" 2>/dev/null ||
+            die "the coordinator exited; see $DEADPOOL_LOG_DIR/coordinator.log"
+        sleep 0.5
+    done
+    (exec 3<>"/dev/tcp/$coord_host/$coord_port") 2>/dev/null ||
+        die "no coordinator answers at $coordinator after 60 s"
+fi
+
+if ((${#inject_cmd[@]})); then
+    "${inject_cmd[@]}" >>"$DEADPOOL_LOG_DIR/inject.log" 2>&1 &
+    inject_pid=$!
+fi
+
+set +e
+"${srun_cmd[@]}"
+rc=$?
+set -e
+# srun reports the highest task status, so a run that survived killed processes ends non-zero
+# too: the coordinator's log says whether training finished.
+echo "deadpool_launch: srun exited with status $rc (see $DEADPOOL_LOG_DIR/coordinator.log)"
+exit "$rc"

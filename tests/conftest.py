@@ -1,0 +1,49 @@
+"""Shared test set-up: the harness on the import path, and a runner for the real `deadpool` CLI.
+
+Multi-process tests use `tests/mp.py` (fresh interpreters joined in a gloo world on a loopback
+TCPStore); CLI tests run the installed `deadpool` command as a subprocess, the way a user does.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+TESTS_DIR = Path(__file__).resolve().parent
+REPO_ROOT = TESTS_DIR.parent
+if str(TESTS_DIR) not in sys.path:
+    sys.path.insert(0, str(TESTS_DIR))
+
+
+def deadpool_command() -> list[str]:
+    """The installed `deadpool` entry point next to this interpreter, else `-m` on the CLI."""
+    script = Path(sys.executable).parent / "deadpool"
+    return [str(script)] if script.exists() else [sys.executable, "-m", "megatron_deadpool.cli"]
+
+
+def run_deadpool(
+    *args: str, timeout: float = 120.0, cwd: Path | None = None
+) -> subprocess.CompletedProcess:
+    """Run `deadpool ARGS...` to completion; stdout and stderr captured as text."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env.pop("PYTHONWARNINGS", None)  # what a user sees, warnings included
+    return subprocess.run(
+        [*deadpool_command(), *args],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=str(cwd or REPO_ROOT),
+        env=env,
+    )
+
+
+@pytest.fixture
+def deadpool_cli() -> Callable[..., subprocess.CompletedProcess]:
+    """`deadpool_cli("train", "--tp", "0")` runs the real CLI and returns the finished process."""
+    return run_deadpool

@@ -1,0 +1,207 @@
+"""A small multi-process harness: run one function in N fresh processes joined in a gloo world.
+
+    results = run_world("test_replication:_replication_rank", 4, kwargs={"tp": 2}, timeout=150)
+
+The test process hosts a loopback `TCPStore(port=0)`; each child is a fresh interpreter
+(`sys.executable -c ...`, its own session so its whole process group can be killed) that
+connects to the store, selects the CPU development mode (`select_device("cpu")`), sets one
+torch thread, joins a gloo default group of `world_size` ranks and calls
+`target(rank=..., world_size=..., store=..., **kwargs)`. The target returns JSON-serialisable
+data; it travels back through the store as JSON (nothing is ever unpickled). A child that
+raises reports its traceback the same way.
+
+`run_world` returns the per-rank results in rank order, or raises `WorldError` (an
+`AssertionError`) with every failing rank's traceback and log tail when a rank fails, exits
+without a result, or the hard timeout passes. In every case all children's process groups are
+SIGKILLed in a `finally` before it returns.
+"""
+
+from __future__ import annotations
+
+import datetime
+import importlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+TESTS_DIR = Path(__file__).resolve().parent
+REPO_ROOT = TESTS_DIR.parent
+_RESULT = "mp/result/{rank}"
+_BOOT = "import sys; sys.path.insert(0, {tests!r}); import mp; mp._child_main()"
+
+
+class WorldError(AssertionError):
+    """A multi-process run failed: a rank raised, died, or the run timed out."""
+
+
+def run_world(
+    target: str,
+    world_size: int,
+    *,
+    kwargs: dict[str, Any] | None = None,
+    timeout: float = 120.0,
+    env: dict[str, str] | None = None,
+) -> list[Any]:
+    """Run `target` ("module:function", importable from tests/) on `world_size` ranks."""
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    log_dir = Path(tempfile.mkdtemp(prefix="deadpool-mp-"))
+    child_env = dict(os.environ)
+    child_env.update(
+        OMP_NUM_THREADS="1",
+        PYTHONUNBUFFERED="1",
+        PYTHONWARNINGS="ignore",
+        MP_PORT=str(store.port),
+        MP_WORLD=str(world_size),
+        MP_TARGET=target,
+        MP_KWARGS=json.dumps(kwargs or {}),
+        MP_TIMEOUT=str(timeout),
+        **(env or {}),
+    )
+    procs: list[subprocess.Popen] = []
+    failed = False
+    try:
+        for rank in range(world_size):
+            with open(log_dir / f"rank{rank}.log", "w") as log:
+                procs.append(
+                    subprocess.Popen(
+                        [sys.executable, "-c", _BOOT.format(tests=str(TESTS_DIR))],
+                        env={**child_env, "MP_RANK": str(rank)},
+                        stdout=log,
+                        stderr=subprocess.STDOUT,
+                        start_new_session=True,
+                        cwd=str(REPO_ROOT),
+                    )
+                )
+        results = _collect(store, procs, timeout, log_dir)
+    except BaseException:
+        failed = True
+        raise
+    finally:
+        _kill(procs)
+        if not failed:
+            shutil.rmtree(log_dir, ignore_errors=True)
+    return results
+
+
+def _collect(store: Any, procs: list[subprocess.Popen], timeout: float, log_dir: Path) -> list:
+    world_size = len(procs)
+    deadline = time.monotonic() + timeout
+    results: dict[int, Any] = {}
+    while len(results) < world_size:
+        if _problems(store, procs, results):
+            # One rank's failure makes its peers' collectives fail too: give them a moment to
+            # report, then show every rank's story (the root cause is usually the first one).
+            time.sleep(1.0)
+            raise WorldError(_describe(_problems(store, procs, results), log_dir))
+        if len(results) < world_size and time.monotonic() > deadline:
+            missing = sorted(set(range(world_size)) - set(results))
+            what = f"timed out after {timeout:.0f}s; no result from ranks {missing}"
+            raise WorldError(_describe([what], log_dir))
+        time.sleep(0.05)
+    # Every rank reported; give them a moment to leave their final barrier, then kill.
+    end = time.monotonic() + 10
+    while time.monotonic() < end and any(p.poll() is None for p in procs):
+        time.sleep(0.05)
+    return [results[r] for r in range(world_size)]
+
+
+def _problems(store: Any, procs: list[subprocess.Popen], results: dict[int, Any]) -> list[str]:
+    """Collect new results into `results`; describe ranks that failed (tracebacks first)."""
+    raised, died = [], []
+    for rank, proc in enumerate(procs):
+        if rank in results:
+            continue
+        key = _RESULT.format(rank=rank)
+        exited = proc.poll() is not None
+        if store.check([key]):
+            report = json.loads(store.get(key))
+            if report["ok"]:
+                results[rank] = report["value"]
+            else:
+                raised.append(f"rank {rank} raised:\n{report['error'].rstrip()}")
+        elif exited:
+            died.append(f"rank {rank} exited with code {proc.returncode} without a result")
+    return raised + died
+
+
+def _describe(problems: list[str], log_dir: Path, lines: int = 25) -> str:
+    parts = list(problems)
+    for log in sorted(log_dir.glob("rank*.log")):
+        text = log.read_text(errors="replace").splitlines()[-lines:]
+        parts.append(f"--- {log.name} (last {lines} lines; logs kept in {log_dir})")
+        parts.extend(text)
+    return "\n".join(parts)
+
+
+def _kill(procs: list[subprocess.Popen]) -> None:
+    for proc in procs:
+        if proc.poll() is None:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    for proc in procs:
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:  # pragma: no cover - SIGKILL does not fail
+            pass
+
+
+# ---------------------------------------------------------------------- child side
+def _child_main() -> None:
+    """Entry point of one child process (see module docstring)."""
+    rank = int(os.environ["MP_RANK"])
+    world_size = int(os.environ["MP_WORLD"])
+    timeout = float(os.environ["MP_TIMEOUT"])
+    sys.path.insert(0, str(TESTS_DIR))
+    import torch
+    import torch.distributed as dist
+
+    store = dist.TCPStore(
+        "127.0.0.1",
+        int(os.environ["MP_PORT"]),
+        is_master=False,
+        timeout=datetime.timedelta(seconds=timeout),
+        wait_for_workers=False,
+    )
+    key = _RESULT.format(rank=rank)
+    try:
+        torch.set_num_threads(1)
+        from megatron_deadpool.devices import select_device
+
+        select_device("cpu")
+        dist.init_process_group(
+            backend="gloo",
+            store=dist.PrefixStore("mp/world", store),
+            rank=rank,
+            world_size=world_size,
+            timeout=datetime.timedelta(seconds=timeout),
+        )
+        module_name, _, func_name = os.environ["MP_TARGET"].partition(":")
+        func = getattr(importlib.import_module(module_name), func_name)
+        value = func(
+            rank=rank,
+            world_size=world_size,
+            store=dist.PrefixStore("mp/user", store),
+            **json.loads(os.environ["MP_KWARGS"]),
+        )
+        store.set(key, json.dumps({"ok": True, "value": value}))
+        dist.barrier()  # nobody leaves while a peer may still read from it
+    except BaseException:  # noqa: BLE001 - report everything, the parent decides
+        store.set(key, json.dumps({"ok": False, "error": traceback.format_exc()}))
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # skip interpreter teardown (gloo threads, atexit hooks)
