@@ -126,16 +126,19 @@ class Replicator:
         self._round = iteration
         return header
 
-    def _local_slot(self) -> int:
-        """Keep the local copy of the committed iteration: overwrite the other slot."""
-        for slot, it in enumerate(self.local.verified):
+    def _slot_to_fill(self, pair: SlotPair) -> int:
+        """Keep the copy of the committed iteration (else the newest): fill the other slot."""
+        for slot, it in enumerate(pair.verified):
             if it is not None and it == self.committed:
                 return 1 - slot
-        return self.local.free_slot()
+        return pair.free_slot()
+
+    def _local_slot(self) -> int:
+        return self._slot_to_fill(self.local)
 
     def _post(self, iteration: int, slot: int) -> None:
         buf = self.local.buffers[slot]
-        self._held_slots = {o: self.held[o].free_slot() for o in self.owners}
+        self._held_slots = {o: self._slot_to_fill(self.held[o]) for o in self.owners}
         for owner, s in self._held_slots.items():
             self.held[owner].verified[s] = None  # being overwritten by round `iteration`
         self._pending = [dist.isend(buf, dst=h, group=self.group) for h in self.holders]

@@ -82,7 +82,6 @@ def job_from_args(args: argparse.Namespace) -> JobConfig:
 
 def run(args: argparse.Namespace) -> int:
     from .faults import check_faults, parse_fault
-    from .launch import LocalLauncher
 
     job = job_from_args(args)
     check_faults(
@@ -91,6 +90,8 @@ def run(args: argparse.Namespace) -> int:
         job.ranks_per_node,
         job.train.iters,
     )
+    from .launch import LocalLauncher  # imports megatron-core: only once the input is valid
+
     result = LocalLauncher(
         job,
         json_log=args.json_log,

@@ -13,7 +13,8 @@ raises reports its traceback the same way.
 `run_world` returns the per-rank results in rank order, or raises `WorldError` (an
 `AssertionError`) with every failing rank's traceback and log tail when a rank fails, exits
 without a result, or the hard timeout passes. In every case all children's process groups are
-SIGKILLed in a `finally` before it returns.
+SIGKILLed in a `finally` before it returns; should the test process itself be killed, a
+watchdog thread in every child ends it within a second.
 """
 
 from __future__ import annotations
@@ -49,8 +50,13 @@ def run_world(
     kwargs: dict[str, Any] | None = None,
     timeout: float = 120.0,
     env: dict[str, str] | None = None,
+    keep_logs_on_failure: bool = True,
 ) -> list[Any]:
-    """Run `target` ("module:function", importable from tests/) on `world_size` ranks."""
+    """Run `target` ("module:function", importable from tests/) on `world_size` ranks.
+
+    The children's logs are removed after a success, and kept (their path is in the error)
+    after a failure unless `keep_logs_on_failure` is False (tests of failures themselves).
+    """
     import torch.distributed as dist
 
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
@@ -65,6 +71,7 @@ def run_world(
         MP_TARGET=target,
         MP_KWARGS=json.dumps(kwargs or {}),
         MP_TIMEOUT=str(timeout),
+        MP_PARENT=str(os.getpid()),
         **(env or {}),
     )
     procs: list[subprocess.Popen] = []
@@ -88,7 +95,7 @@ def run_world(
         raise
     finally:
         _kill(procs)
-        if not failed:
+        if not failed or not keep_logs_on_failure:
             shutil.rmtree(log_dir, ignore_errors=True)
     return results
 
@@ -164,6 +171,7 @@ def _child_main() -> None:
     world_size = int(os.environ["MP_WORLD"])
     timeout = float(os.environ["MP_TIMEOUT"])
     sys.path.insert(0, str(TESTS_DIR))
+    _start_watchdog(parent=int(os.environ["MP_PARENT"]), limit_s=timeout + 30.0)
     import torch
     import torch.distributed as dist
 
@@ -205,3 +213,18 @@ def _child_main() -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)  # skip interpreter teardown (gloo threads, atexit hooks)
+
+
+def _start_watchdog(parent: int, limit_s: float) -> None:
+    """Exit when the test process is gone (even SIGKILLed) or the run is far past its limit."""
+    import threading
+
+    deadline = time.monotonic() + limit_s
+
+    def watch() -> None:
+        while True:
+            if os.getppid() != parent or time.monotonic() > deadline:
+                os._exit(3)
+            time.sleep(0.5)
+
+    threading.Thread(target=watch, name="mp-watchdog", daemon=True).start()
