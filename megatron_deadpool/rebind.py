@@ -175,6 +175,10 @@ def release(roots: Iterable[Any], extra: dict[str, Any] | None = None) -> int:
     for root in roots:
         _walk(root, visit)
     ps.destroy_model_parallel()
+    # destroy_model_parallel (0.16.1) leaves a few globals set, e.g.
+    # _INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP(_GLOO): clear whatever still holds a group.
+    for name in group_globals():
+        setattr(ps, name, None)
     if dist.is_initialized():
         dist.destroy_process_group()
     gc.collect()

@@ -194,6 +194,7 @@ class Runtime:
             self._stamp("first_iteration")
         record: dict[str, Any] = {
             "iteration": it,
+            "time": time.time(),
             "loss": loss,
             "grad_norm": grad_norm,
             "lr": self.objs.optimizer.param_groups[0]["lr"],
