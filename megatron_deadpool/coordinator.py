@@ -132,7 +132,9 @@ class Coordinator:
             self._mark_dead(pid, f"exited with code {code}")
             return True
         age = self._heartbeat_age(pid, now)
-        if code is None and age is not None and age > self.heartbeat_timeout:
+        if age is not None and age > self.heartbeat_timeout and code is None:
+            if self.store.check([f"done/{pid}"]):  # finished; its heartbeat stopped on purpose
+                return False
             killed = self.liveness.kill(pid)
             self._mark_dead(pid, f"silent for {age:.1f}s (hung)" + ("; killed" if killed else ""))
             return True
@@ -279,6 +281,15 @@ class Coordinator:
             values.append(float(self.store.get(key).decode()))
         return max(values)
 
+    def _stale_refs(self, g: int) -> int:
+        """Old-generation group handles survivors found after rebinding (must be 0)."""
+        total = 0
+        for r in range(self.world):
+            key = f"gen{g}/stale_refs/{r}"
+            if self.store.check([key]):
+                total += int(self.store.get(key).decode())
+        return total
+
     def _track_phases(self) -> None:
         rec = self.recovery
         assert rec is not None and rec.t_agreed is not None
@@ -302,6 +313,7 @@ class Coordinator:
             "restore_iteration": rec.restore_iteration,
             "recomputed_iterations": max(0, rec.prev_last_iteration - rec.restore_iteration),
             "phases_s": {k: round(max(0.0, v), 4) for k, v in phases.items()},
+            "stale_group_refs": self._stale_refs(g),
             "total_s": round(first - rec.t_failure, 4),
         }
         self.finished.append(record)

@@ -158,9 +158,27 @@ class TrainConfig:
     seed: int = 1234
     """Seed of model initialisation and of the mock data."""
 
+    save: str | None = None
+    """Directory for persistent Megatron checkpoints (torch_dist), as Megatron-LM's --save."""
+
+    save_interval: int = 0
+    """Save a persistent checkpoint every this many iterations (0: only when the run must
+    stop: preemption, or a failure memory cannot recover)."""
+
+    load: str | None = None
+    """Resume from the latest persistent checkpoint in this directory, as Megatron-LM's --load."""
+
     def __post_init__(self) -> None:
         for name in ("iters", "micro_batch_size", "num_microbatches"):
             _positive(getattr(self, name), f"train.{name}")
+        if (
+            isinstance(self.save_interval, bool)
+            or not isinstance(self.save_interval, int)
+            or (self.save_interval < 0)
+        ):
+            raise ConfigError(f"train.save_interval: must be >= 0, got {self.save_interval!r}")
+        if self.save_interval and not self.save:
+            raise ConfigError("train.save_interval: set train.save (--save DIR) as well")
         if isinstance(self.lr_warmup_iters, bool) or self.lr_warmup_iters < 0:
             raise ConfigError("train.lr_warmup_iters: must be >= 0")
         if not self.lr > 0:

@@ -16,6 +16,7 @@ committed; the previous one stays in force.
 
 from __future__ import annotations
 
+import datetime
 import logging
 from dataclasses import dataclass, field
 
@@ -103,6 +104,7 @@ class Replicator:
         self.corrupt_seen: list[tuple[int, int, str]] = []  # (owner, iteration, reason)
         self._flip_on_arrival: tuple[int, int, int] | None = None
         self._held_slots: dict[int, int] = {}
+        self._recvs: dict[int, dist.Work] = {}
         self.bytes_per_round = sum(self.sizes[rank] for _ in self.holders)
 
     # ------------------------------------------------------------------ round t
@@ -142,10 +144,11 @@ class Replicator:
         for owner, s in self._held_slots.items():
             self.held[owner].verified[s] = None  # being overwritten by round `iteration`
         self._pending = [dist.isend(buf, dst=h, group=self.group) for h in self.holders]
-        self._pending += [
-            dist.irecv(self.held[o].buffers[s], src=o, group=self.group)
+        self._recvs = {
+            o: dist.irecv(self.held[o].buffers[s], src=o, group=self.group)
             for o, s in self._held_slots.items()
-        ]
+        }
+        self._pending += list(self._recvs.values())
 
     def before_step(self) -> None:
         """The next optimizer step must not overwrite the shard before the capture read it."""
@@ -184,10 +187,32 @@ class Replicator:
         self.committed = value if value >= 0 else None
         return self.committed
 
-    def abandon(self) -> None:
-        """Forget an in-flight round after a failure (its transfers died with the groups)."""
+    def abandon(self) -> list[int]:
+        """After a failure: keep what already arrived of the in-flight round, drop the rest.
+
+        A replica whose receive completed and whose checksum verifies is as good as a
+        committed one for recovery (agreement picks the newest iteration every needed party
+        holds), so a failure right after a round's transfers costs no recomputation. Returns
+        the owners whose replica of the round was salvaged.
+        """
+        salvaged: list[int] = []
+        if self._round is not None:
+            for owner, work in self._recvs.items():
+                slot = self._held_slots[owner]
+                try:  # bytes that arrived before the owner died complete the receive
+                    work.wait(timeout=datetime.timedelta(seconds=0.5))
+                except RuntimeError:
+                    continue
+                try:
+                    verify(self.held[owner].buffers[slot], owner=owner, iteration=self._round)
+                except CorruptReplicaError:
+                    continue
+                self.held[owner].verified[slot] = self._round
+                salvaged.append(owner)
         self._pending = []
+        self._recvs = {}
         self._round = None
+        return salvaged
 
     def drain(self) -> None:
         """Finish an in-flight round (end of training)."""

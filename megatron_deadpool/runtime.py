@@ -82,6 +82,8 @@ class Runtime:
         start = 1
         if roster.generation > 0:  # a spare taking a dead rank's slot
             start = self._restore(roster, needy=True) + 1
+        elif self.job.train.load:
+            start = self._load(self.job.train.load) + 1
         try:
             while True:
                 try:
@@ -159,12 +161,17 @@ class Runtime:
 
     # ------------------------------------------------------------------ training
     def _train(self, start: int) -> None:
-        faults = my_faults(self.job, self.rank) if self.generation == 0 else {}
+        faults = my_faults(self.job, self.rank)
         for it in range(start, self.job.train.iters + 1):
-            if it in faults:
-                log.warning("fault injection: %s at iteration %d", faults[it], it)
+            # Each injected fault fires once per job: not again for the process that takes
+            # the slot, nor when the iteration is recomputed after a rollback.
+            if (
+                it in faults
+                and self.members.store.add(f"fault/fired/{faults[it][0]}/{self.rank}", 1) == 1
+            ):
+                log.warning("fault injection: %s at iteration %d", faults[it][1], it)
                 self.members.store.set(f"fault/{self.pid}", repr(time.time()))
-                inject(faults[it])
+                inject(faults[it][1])
             t0 = time.perf_counter()
             if self.replicator is not None:
                 self.replicator.before_step()
@@ -177,6 +184,9 @@ class Runtime:
                 committed = self.replicator.finish_round()
                 self.replicator.start_round(it)
             self._report(it, loss, grad_norm, time.perf_counter() - t0, compute_s, committed)
+            interval = self.job.train.save_interval
+            if interval and it % interval == 0:
+                self._save(it)
 
     def _report(
         self,
@@ -215,8 +225,30 @@ class Runtime:
         digest = rank_digest(self.objs.model)
         self.members.store.set(f"digest/{self.rank}", digest)
         dist.barrier()
+        self.members.store.set(f"done/{self.pid}", repr(time.time()))
         self.heartbeat.stopped.set()
+        dist.destroy_process_group()
         log.info("done: parameter digest %s", digest[:16])
+
+    # ------------------------------------------------------------------ persistent checkpoints
+    def _save(self, iteration: int) -> None:
+        from . import checkpoint
+
+        t0 = time.perf_counter()
+        path = checkpoint.save(self.objs, iteration, self.job.train.save)
+        log.info("saved checkpoint %s in %.2fs", path, time.perf_counter() - t0)
+
+    def _load(self, root: str) -> int:
+        from . import checkpoint
+
+        if checkpoint.latest_iteration(root) is None:
+            log.info("no checkpoint in %s: starting from iteration 1", root)
+            return 0
+        t0 = time.perf_counter()
+        iteration = checkpoint.load(self.objs, root)
+        self.members.store.set(f"load/{self.rank}", repr(time.perf_counter() - t0))
+        log.info("loaded checkpoint of iteration %d in %.2fs", iteration, time.perf_counter() - t0)
+        return iteration
 
     # ------------------------------------------------------------------ recovery
     def _recover(self, exc: BaseException) -> int:
@@ -227,7 +259,9 @@ class Runtime:
         # (and its connections) outlive the release below.
         traceback.clear_frames(exc.__traceback__)
         if self.replicator is not None:
-            self.replicator.abandon()
+            salvaged = self.replicator.abandon()
+            if salvaged:
+                log.info("kept the in-flight round's verified replicas of ranks %s", salvaged)
         extra = {"DEADPOOL_REPLICATION": self.repl_group}
         self.repl_group = None
         released = rebind.release([*self._roots(), self.replicator], extra)
@@ -237,7 +271,11 @@ class Runtime:
         n = rebind.attach(
             [*self._roots(), self.replicator], {"DEADPOOL_REPLICATION": self.repl_group}
         )
-        log.info("released %d group handles; re-attached %d", released, n)
+        stale = rebind.stale_group_refs([*self._roots(), self.replicator])
+        self.members.store.set(f"gen{self.generation}/stale_refs/{self.rank}", str(len(stale)))
+        if stale:
+            raise RuntimeError(f"objects still reference groups of an old generation: {stale[:3]}")
+        log.info("released %d group handles; re-attached %d; none stale", released, n)
         gpt.seed_rng(self.job.train.seed)  # recreate the RNG tracker; restored below
         gpt.mirror_optimizer_build(self.objs)
         log.info("rebuilt Megatron groups; rebound %d process-group references", n)

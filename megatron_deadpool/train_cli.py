@@ -23,6 +23,9 @@ _TRAIN_FLAGS = {  # flag dest -> (section, field)
     "num_microbatches": ("train", "num_microbatches"),
     "micro_batch_size": ("train", "micro_batch_size"),
     "lr": ("train", "lr"),
+    "save": ("train", "save"),
+    "save_interval": ("train", "save_interval"),
+    "load": ("train", "load"),
     "num_layers": ("model", "num_layers"),
     "hidden_size": ("model", "hidden_size"),
     "num_attention_heads": ("model", "num_attention_heads"),
@@ -33,7 +36,7 @@ _TRAIN_FLAGS = {  # flag dest -> (section, field)
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", help="YAML job config (configs/cpu-demo.yaml, ...)")
     g = parser.add_argument_group("layout and schedule")
-    types = {"lr": float}
+    types = {"lr": float, "save": str, "load": str}
     for dest in _TRAIN_FLAGS:
         g.add_argument(f"--{dest.replace('_', '-')}", dest=dest, type=types.get(dest, int))
     parser.add_argument("--json-log", help="write one JSON object per iteration, then a summary")

@@ -101,13 +101,13 @@ def inject(kind: str) -> None:
     os.kill(os.getpid(), signal.SIGKILL if kind == "kill" else signal.SIGSTOP)
 
 
-def my_faults(job: JobConfig, rank: int) -> dict[int, str]:
-    """iteration -> kind for the faults that hit `rank` (first generation only)."""
-    out: dict[int, str] = {}
-    for spec in job.deadpool.fail:
+def my_faults(job: JobConfig, rank: int) -> dict[int, tuple[int, str]]:
+    """iteration -> (spec index, kind) for the faults that hit `rank`."""
+    out: dict[int, tuple[int, str]] = {}
+    for index, spec in enumerate(job.deadpool.fail):
         fault = parse_fault(spec)
         if rank in fault.ranks(job.ranks_per_node):
-            out[fault.iteration] = fault.kind
+            out[fault.iteration] = (index, fault.kind)
     return out
 
 
