@@ -26,6 +26,7 @@ checkpoint as the latest one.
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import os
 import random
@@ -38,14 +39,16 @@ import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing
 from megatron.core import parallel_state as ps
-from megatron.core import tensor_parallel
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 from megatron.core.dist_checkpointing.serialization import (
     get_default_load_sharded_strategy,
     get_default_save_sharded_strategy,
 )
+from megatron.core.tensor_parallel import get_cuda_rng_tracker
+from megatron.core.utils import unwrap_model
 
 from .gpt import TrainingObjects
+from .snapshot import inner_optimizers
 
 log = logging.getLogger("megatron_deadpool.checkpoint")
 
@@ -57,6 +60,9 @@ CHECKPOINT_VERSION = 3.0
 SHARDING_TYPE = "dp_reshardable"
 """Each rank writes its distributed-optimizer buffers as they are (Megatron-LM's default for
 torch_dist without `--dist-ckpt-optim-fully-reshardable`): no gather, resharding only in DP."""
+
+_SCALAR_DTYPE = torch.float32
+"""dtype of torch Adam's per-parameter `step` (a CPU float32 scalar unless capturable/fused)."""
 
 
 class CheckpointError(RuntimeError):
@@ -107,7 +113,7 @@ def _rng_state() -> dict[str, Any]:
         "random_rng_state": random.getstate(),
         "np_rng_state": np.random.get_state(),
         "torch_rng_state": torch.get_rng_state(),
-        "rng_tracker_states": tensor_parallel.get_cuda_rng_tracker().get_states(),
+        "rng_tracker_states": get_cuda_rng_tracker().get_states(),
     }
     if _real_cuda():
         state["cuda_rng_state"] = torch.cuda.get_rng_state()
@@ -147,7 +153,53 @@ def _set_rng_state(state: dict[str, Any]) -> None:
     tracker_states = state["rng_tracker_states"]
     if not tracker_states:
         raise CheckpointError("checkpoint has no Megatron RNG-tracker states")
-    tensor_parallel.get_cuda_rng_tracker().set_states(tracker_states)
+    get_cuda_rng_tracker().set_states(tracker_states)
+
+
+def _ensure_optimizer_state(optimizer: Any) -> None:
+    """Give a freshly built optimizer's Adam state tensors to load into.
+
+    Megatron's `DistributedOptimizer.sharded_state_dict(is_loading=True)` reads the inner
+    optimizer's state (every parameter's `step`) before loading; torch's Adam creates that state
+    only in its first `step()` (Apex/TE Adam keep `step` in the param groups, which is why
+    Megatron-LM on GPUs does not hit this). Zeros of the right shapes, overwritten by the load.
+    """
+    for inner in inner_optimizers(optimizer):
+        for group in inner.param_groups:
+            for param in group["params"]:
+                state = inner.state[param]
+                if "step" in state:
+                    continue
+                state["step"] = torch.zeros((), dtype=_SCALAR_DTYPE)
+                state.setdefault(
+                    "exp_avg", torch.zeros_like(param, memory_format=torch.preserve_format)
+                )
+                state.setdefault(
+                    "exp_avg_sq", torch.zeros_like(param, memory_format=torch.preserve_format)
+                )
+                if group.get("amsgrad"):
+                    state.setdefault("max_exp_avg_sq", torch.zeros_like(param))
+
+
+def _restore_adam_steps(optimizer: Any) -> None:
+    """Give every parameter its own `step` again, the saved one.
+
+    With torch's Adam, megatron-core 0.16.1 keeps the step count in the param groups of the
+    saved state dict; its `load_state_dict` hands one shared step tensor to every parameter and
+    then copies each parameter's pre-load step over it (the `dp_reshardable` layout carries
+    `step` as a non-persistent object), so the count ends up wrong and shared (torch's Adam
+    increments it in place, once per parameter). Rebuild it from the loaded param groups, as a
+    separate tensor per parameter like torch's Adam makes, and drop the group key that an
+    uninterrupted optimizer does not have.
+    """
+    for inner in inner_optimizers(optimizer):
+        for group in inner.param_groups:
+            if "step" not in group:
+                continue
+            step = float(group.pop("step"))
+            for param in group["params"]:
+                if "step" in inner.state[param]:
+                    inner.state[param]["step"] = torch.tensor(step, dtype=_SCALAR_DTYPE)
 
 
 def _state_dict(
@@ -160,7 +212,7 @@ def _state_dict(
 ) -> dict[str, Any]:
     """Megatron-LM's `generate_state_dict` for torch_dist (one model chunk or several)."""
     state: dict[str, Any] = {"checkpoint_version": CHECKPOINT_VERSION, "iteration": iteration}
-    for i, chunk in enumerate(objs.model):
+    for i, chunk in enumerate(unwrap_model(objs.model)):
         key = "model" if len(objs.model) == 1 else f"model{i}"
         state[key] = chunk.sharded_state_dict(metadata=metadata)
     state["optimizer"] = objs.optimizer.sharded_state_dict(
@@ -177,6 +229,9 @@ def save(objs: TrainingObjects, iteration: int, root: str | os.PathLike[str]) ->
     Call it after the iteration's optimizer and scheduler steps. Returns the iteration's
     directory. The marker file names it only once every rank finished writing.
     """
+    if importlib.util.find_spec("psutil") is None:
+        # Megatron's torch_dist writer processes need it; without it they die and the save hangs.
+        raise CheckpointError("saving a torch_dist checkpoint needs psutil: pip install psutil")
     t0 = time.perf_counter()
     path = iteration_dir(root, iteration)
     path.mkdir(parents=True, exist_ok=True)
@@ -225,6 +280,7 @@ def load(
     metadata["dp_cp_group"] = ps.get_data_parallel_group(with_context_parallel=True)
     if sharding != SHARDING_TYPE:
         log.info("checkpoint uses optimizer sharding %r", sharding)
+    _ensure_optimizer_state(objs.optimizer)
     sharded = _state_dict(objs, metadata=metadata, is_loading=True)
     loaded = dist_checkpointing.load(
         sharded,
@@ -239,7 +295,9 @@ def load(
     for i, chunk in enumerate(objs.model):
         key = "model" if len(objs.model) == 1 else f"model{i}"
         chunk.load_state_dict(loaded[key], strict=True)
-    objs.optimizer.load_state_dict(loaded["optimizer"])
+    with torch.no_grad():  # fp32 main params are views of the (leaf) model params
+        objs.optimizer.load_state_dict(loaded["optimizer"])
+    _restore_adam_steps(objs.optimizer)
     # Megatron's scheduler adds the saved step count to its own: start from zero so that a
     # scheduler that already stepped lands on the saved count too.
     objs.scheduler.num_steps = 0

@@ -25,7 +25,7 @@ from typing import Any, Protocol
 
 from .membership import Membership, Roster
 from .restore_plan import plan_restore
-from .topology import Placement
+from .topology import Layout, Placement, place_replicas
 
 log = logging.getLogger("megatron_deadpool.coordinator")
 
@@ -213,6 +213,14 @@ class Coordinator:
             f"recovery: generation {generation}, dead ranks {sorted(all_dead)}; {replaced}"
         )
 
+    def _placement(self) -> Placement:
+        """The job's placement; a cluster coordinator learns the layout from rank 0."""
+        if self.placement is None:
+            d = json.loads(self.store.get("job/layout"))
+            layout = Layout(d["tp"], d["pp"], d["dp"], d["ranks_per_node"])
+            self.placement = place_replicas(layout, d["replicas"])
+        return self.placement
+
     def _last_iteration(self) -> int:
         key = "progress/last"
         return int(self.store.get(key).decode()) if self.store.check([key]) else 0
@@ -238,8 +246,7 @@ class Coordinator:
             [rec.prev_last_iteration] + [h.get("last_completed", 0) for h in holdings.values()]
         )
         rec.prev_last_iteration = last
-        assert self.placement is not None, "recovery needs replica placement (DeadPool on)"
-        plan = plan_restore(self.placement, {r: h["holds"] for r, h in holdings.items()}, rec.needy)
+        plan = plan_restore(self._placement(), {r: h["holds"] for r, h in holdings.items()}, rec.needy)
         if not plan.ok:
             self._abort(now, plan.reason, lost_ranks=plan.lost_ranks)
             return
@@ -262,7 +269,9 @@ class Coordinator:
         )
 
     def _abort(self, now: float, reason: str, *, lost_ranks: list[int]) -> None:
-        holders = self.placement.holders if self.placement else {}
+        holders = self._placement().holders if self.store.check(["job/layout"]) or (
+            self.placement is not None
+        ) else None
         shards = {str(r): list(holders[r]) if holders else [] for r in lost_ranks}
         self.aborted = {"reason": reason, "lost_ranks": lost_ranks, "lost_shards_holders": shards}
         generation = self.next_generation

@@ -130,6 +130,10 @@ class Runtime:
             tensor_model_parallel_size=self.job.parallel.tp,
             pipeline_model_parallel_size=self.job.parallel.pp,
         )
+        if self.cfg.enabled and self.generation == 0 and self.rank == 0:
+            layout = {"tp": self.layout.tp, "pp": self.layout.pp, "dp": self.layout.dp,
+                      "ranks_per_node": self.layout.ranks_per_node, "replicas": self.cfg.replicas}
+            self.members.publish("job/layout", layout)
         if self.cfg.enabled:
             backend = (
                 "gloo"

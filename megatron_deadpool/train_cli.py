@@ -33,16 +33,14 @@ _TRAIN_FLAGS = {  # flag dest -> (section, field)
 }
 
 
-def configure(parser: argparse.ArgumentParser) -> None:
+def add_job_flags(parser: argparse.ArgumentParser) -> None:
+    """--config, the layout/schedule flags and every --deadpool-* flag (shared with the worker
+    and the coordinator, so one command line means the same job everywhere)."""
     parser.add_argument("--config", help="YAML job config (configs/cpu-demo.yaml, ...)")
     g = parser.add_argument_group("layout and schedule")
     types = {"lr": float, "save": str, "load": str}
     for dest in _TRAIN_FLAGS:
         g.add_argument(f"--{dest.replace('_', '-')}", dest=dest, type=types.get(dest, int))
-    parser.add_argument("--json-log", help="write one JSON object per iteration, then a summary")
-    parser.add_argument("--run-dir", help="directory for per-process logs (default: a temp dir)")
-    parser.add_argument("--timeout", type=float, default=900.0, help="wall-clock limit (s)")
-    parser.add_argument("--quiet", action="store_true", help="no progress output")
     d = parser.add_argument_group("DeadPool (--deadpool-* flags; --spares/--ranks-per-node/--fail)")
     add_flags(
         d,
@@ -55,6 +53,14 @@ def configure(parser: argparse.ArgumentParser) -> None:
         },
         defaults={f.name: None for f in dataclasses.fields(DeadpoolConfig)},
     )
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    add_job_flags(parser)
+    parser.add_argument("--json-log", help="write one JSON object per iteration, then a summary")
+    parser.add_argument("--run-dir", help="directory for per-process logs (default: a temp dir)")
+    parser.add_argument("--timeout", type=float, default=900.0, help="wall-clock limit (s)")
+    parser.add_argument("--quiet", action="store_true", help="no progress output")
 
 
 def job_from_args(args: argparse.Namespace) -> JobConfig:

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from .config import parse_host_port
 from .errors import ConfigError, CoordinatorUnreachableError
 from .faults import parse_fault
-from .jobspec import JobConfig, load_job
+from .jobspec import JobConfig
 from .logs import setup_logging
 from .membership import Membership
 
@@ -70,20 +70,22 @@ class Heartbeat(threading.Thread):
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    from .train_cli import add_job_flags, job_from_args
+
     parser = argparse.ArgumentParser(prog="python -m megatron_deadpool.worker")
-    parser.add_argument("--config", required=True, help="resolved job YAML")
+    add_job_flags(parser)
     parser.add_argument("--pid", help="process id a{rank} or s{spare}; default from SLURM_PROCID")
-    parser.add_argument("--deadpool-coordinator", dest="coordinator", required=True)
-    parser.add_argument("--deadpool-job-token", dest="job_token", default=None)
     args = parser.parse_args(argv)
     setup_logging()
-    job = load_job(args.config)
+    job = job_from_args(args)
+    if not job.deadpool.coordinator:
+        raise ConfigError("deadpool-coordinator: a worker needs the coordinator's HOST:PORT")
     pid = args.pid or _pid_from_env(job)
-    token = args.job_token or job.deadpool.job_token or os.environ.get("DEADPOOL_JOB_TOKEN", "")
+    token = job.deadpool.job_token or os.environ.get("DEADPOOL_JOB_TOKEN", "")
     torch.set_num_threads(int(os.environ.get("DEADPOOL_THREADS", "1")))
     from .runtime import Runtime
 
-    runtime = Runtime(job, pid=pid, coordinator=args.coordinator, token=token)
+    runtime = Runtime(job, pid=pid, coordinator=job.deadpool.coordinator, token=token)
     return runtime.run()
 
 
