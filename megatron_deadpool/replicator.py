@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import datetime
 import logging
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -104,6 +105,7 @@ class Replicator:
         self.corrupt_seen: list[tuple[int, int, str]] = []  # (owner, iteration, reason)
         self._flip_on_arrival: tuple[int, int, int] | None = None
         self._held_slots: dict[int, int] = {}
+        self.timings: dict[str, float] = {}  # seconds spent in the last round, by part
         self._recvs: dict[int, dist.Work] = {}
         self.bytes_per_round = sum(self.sizes[rank] for _ in self.holders)
 
@@ -111,6 +113,7 @@ class Replicator:
     def start_round(self, iteration: int) -> Header:
         """Capture state `iteration` locally and post its transfers (non-blocking)."""
         assert self._round is None, "finish_round() the previous round first"
+        t0 = time.perf_counter()
         slot = self._local_slot()
         buf = self.local.buffers[slot]
         self.local.verified[slot] = None
@@ -123,9 +126,11 @@ class Replicator:
                 self._post(iteration, slot)
         else:
             header = self.snap.capture(iteration, buf)
+            self.timings["capture"] = time.perf_counter() - t0
             self._post(iteration, slot)
         self.local.verified[slot] = iteration
         self._round = iteration
+        self.timings["capture_post"] = time.perf_counter() - t0
         return header
 
     def _slot_to_fill(self, pair: SlotPair) -> int:
@@ -160,9 +165,11 @@ class Replicator:
         if self._round is None:
             return self.committed
         iteration = self._round
+        t0 = time.perf_counter()
         for work in self._pending:
             work.wait()
         self._pending = []
+        t1 = time.perf_counter()
         if self._flip_on_arrival is not None:  # fault injection: damage in transit
             owner, byte, bit = self._flip_on_arrival
             self._flip_on_arrival = None
@@ -181,10 +188,12 @@ class Replicator:
                 continue
             pair.verified[slot] = iteration
         self._round = None
+        t2 = time.perf_counter()
         mine = torch.tensor([iteration if ok else (self.committed or -1)], dtype=torch.int64)
         dist.all_reduce(mine, op=dist.ReduceOp.MIN, group=self.group)
         value = int(mine.item())
         self.committed = value if value >= 0 else None
+        self.timings.update(wait=t1 - t0, verify=t2 - t1, commit=time.perf_counter() - t2)
         return self.committed
 
     def abandon(self) -> list[int]:

@@ -217,6 +217,7 @@ class Runtime:
             "generation": self.generation,
             "committed_iteration": committed,
             "replica_bytes_sent": self.replicator.bytes_per_round if self.replicator else 0,
+            "replication_parts_s": dict(self.replicator.timings) if self.replicator else {},
         }
         self.members.publish(f"metrics/g{self.generation}/{it}", record)
         self.members.store.set("progress/last", str(it))

@@ -146,10 +146,16 @@ class RankState:
                         out.append(value)
         return out
 
-    def small_state(self, iteration: int) -> dict[str, Any]:
-        """Iteration and LR-scheduler state (JSON-safe)."""
+    def small_state(
+        self, iteration: int, manifest: list[list[Any]] | None = None
+    ) -> dict[str, Any]:
+        """Iteration, LR-scheduler state and the state manifest (JSON-safe)."""
         sched = {k: v for k, v in self.scheduler.state_dict().items()}
-        return {"iteration": iteration, "scheduler": sched, "manifest": self.manifest()}
+        return {
+            "iteration": iteration,
+            "scheduler": sched,
+            "manifest": manifest if manifest is not None else self.manifest(),
+        }
 
     def load_small_state(self, meta: dict[str, Any]) -> None:
         # Megatron's load_state_dict steps the scheduler forward by the saved count from its
@@ -191,12 +197,12 @@ def _encode_meta(meta: dict[str, Any]) -> bytes:
     return json.dumps(meta, separators=(",", ":")).encode()
 
 
-def _meta_tensor(raw: bytes, size: int) -> torch.Tensor:
-    if len(raw) > size:
-        raise DeadpoolRuntimeError(f"per-rank metadata of {len(raw)} B exceeds its {size} B")
-    buf = torch.zeros(size, dtype=torch.uint8)
+def _fill_meta(buf: torch.Tensor, raw: bytes) -> None:
+    """Write `raw` into the fixed-size meta buffer, zero-padded."""
+    if len(raw) > buf.numel():
+        raise DeadpoolRuntimeError(f"per-rank metadata of {len(raw)} B exceeds its {buf.numel()} B")
+    buf.zero_()
     buf[: len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
-    return buf
 
 
 def _meta_from(buf: torch.Tensor) -> dict[str, Any]:
@@ -211,11 +217,16 @@ class Snapshotter:
         """`state` must hold optimizer state already (after the first step, or restored)."""
         self.state = state
         self.owner = owner
-        probe = len(_encode_meta(state.small_state(0)))
+        # The optimizer updates its tensors in place: their list and manifest are fixed from
+        # here on (a restore builds a new Snapshotter), so compute them once, off the hot path.
+        self.manifest = state.manifest()
+        self.live = state.state_tensors()
+        probe = len(_encode_meta(state.small_state(0, self.manifest)))
         self.meta_nbytes = -(-(probe * 2 + 1024) // META_ALIGN) * META_ALIGN
+        self.meta_buf = torch.zeros(self.meta_nbytes, dtype=torch.uint8)
 
     def _tensors(self, meta_buf: torch.Tensor, rng: list[torch.Tensor]) -> list[torch.Tensor]:
-        return [*self.state.state_tensors(), *rng, meta_buf]
+        return [*self.live, *rng, meta_buf]
 
     def flat_nbytes(self) -> int:
         """Size of this rank's flat snapshot (packed region + header)."""
@@ -224,8 +235,9 @@ class Snapshotter:
 
     def capture(self, iteration: int, out: torch.Tensor) -> Header:
         """Copy the live state of `iteration` into `out` (one pass: pack + checksum)."""
-        raw = _encode_meta(self.state.small_state(iteration))
-        tensors = self._tensors(_meta_tensor(raw, self.meta_nbytes), rng_tensors())
+        raw = _encode_meta(self.state.small_state(iteration, self.manifest))
+        _fill_meta(self.meta_buf, raw)
+        tensors = self._tensors(self.meta_buf, rng_tensors())
         nbytes = pack.packed_nbytes(tensors)
         checksum = pack.pack(tensors, out[:nbytes])
         header = Header(
