@@ -32,7 +32,7 @@ import os
 import random
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -47,8 +47,10 @@ from megatron.core.dist_checkpointing.serialization import (
 from megatron.core.tensor_parallel import get_cuda_rng_tracker
 from megatron.core.utils import unwrap_model
 
-from .gpt import TrainingObjects
 from .snapshot import inner_optimizers
+
+if TYPE_CHECKING:  # importing gpt builds Megatron's layer specs: not needed to read a marker
+    from .gpt import TrainingObjects
 
 log = logging.getLogger("megatron_deadpool.checkpoint")
 
@@ -251,10 +253,29 @@ def save(objs: TrainingObjects, iteration: int, root: str | os.PathLike[str]) ->
         tmp.write_text(f"{iteration}\n")
         os.replace(tmp, tracker)  # readers see the old or the new marker, never half of one
     dist.barrier()
-    log.info(
+    log.debug(
         "saved checkpoint of iteration %d to %s in %.2fs", iteration, path, time.perf_counter() - t0
     )
     return path
+
+
+def close_writers() -> None:
+    """Stop the helper process megatron-core's torch_dist writer keeps for later saves.
+
+    The first save of a process starts a `multiprocessing` manager (spawn context) that holds
+    the writer processes' result queue; it is reused by every later save and stopped at a normal
+    interpreter exit. A process that leaves another way (`os._exit`, as the test harness does)
+    calls this first, or the manager outlives it. Harmless when nothing was saved.
+    """
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    queue = getattr(filesystem_async, "_results_queue", None)
+    if queue is None:
+        return
+    filesystem_async._results_queue = None
+    manager = getattr(queue, "_manager", None)
+    if manager is not None:
+        manager.shutdown()
 
 
 def load(
@@ -305,7 +326,7 @@ def load(
     rng = loaded["rng_state"]
     _set_rng_state(rng[0] if isinstance(rng, list) else rng)
     dist.barrier()
-    log.info(
+    log.debug(
         "loaded checkpoint of iteration %d from %s in %.2fs",
         iteration,
         path,

@@ -51,6 +51,10 @@ class DeadpoolConfig:
     """Timeout in seconds of every collective DeadPool creates (and of the rebuilt groups);
     the bound on how long a survivor can block on a dead peer."""
 
+    connect_timeout: float = 60.0
+    """Seconds a process may take to reach the coordinator at start-up, and the bound on any
+    single store operation; past it the process exits with a clear error instead of hanging."""
+
     coordinator: str | None = None
     """HOST:PORT of the coordinator's store. Unset: the launcher hosts it on loopback."""
 
@@ -73,7 +77,7 @@ class DeadpoolConfig:
             )
         if self.ranks_per_node is not None:
             _check_int(self.ranks_per_node, "ranks-per-node", minimum=1)
-        for name in ("heartbeat_interval", "heartbeat_timeout", "pg_timeout"):
+        for name in ("heartbeat_interval", "heartbeat_timeout", "pg_timeout", "connect_timeout"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
                 flag = name.replace("_", "-")

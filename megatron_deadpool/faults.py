@@ -1,9 +1,15 @@
-"""Fault-injection specs (`--fail RANK@ITER[:kill|hang]`, `--fail node:N@ITER`): parsing only.
+"""Fault-injection specs (`--fail ...`): parsing and who-is-hit, nothing else.
 
-A spec names who fails (one rank, or every rank of failure domain N), at which iteration
-(the rank fails as it starts that iteration, so its peers are caught in that iteration's
-collectives) and how: `kill` (SIGKILL, the default) or `hang` (SIGSTOP: the process stays alive but
-silent, as a hung GPU or a stuck NIC would).
+Forms (each fault fires once per job):
+  RANK@ITER[:kill|hang|flip]   rank RANK fails as it starts iteration ITER, so its peers are
+                               caught in that iteration's collectives
+  node:N@ITER[:kill|hang]      every rank of failure domain N, likewise
+  spare:I@ITER[:kill|hang]     waiting spare s{I}, once training has reached iteration ITER
+  RANK@recovery[:kill|hang]    rank RANK fails when it enters the next recovery (a second
+                               failure during recovery)
+Kinds: `kill` (SIGKILL, the default), `hang` (SIGSTOP: alive but silent, as a hung GPU or a
+stuck NIC), `flip` (flip one bit of every replica the rank holds, at rest: memory corruption
+that checksums must catch before the replica is used).
 """
 
 from __future__ import annotations
@@ -14,58 +20,79 @@ from typing import Literal
 
 from .errors import ConfigError
 
-_SPEC = re.compile(r"^(?:(?P<node>node:)?(?P<who>\d+))@(?P<iter>\d+)(?::(?P<kind>kill|hang))?$")
+_SPEC = re.compile(
+    r"^(?:(?P<node>node:)|(?P<spare>spare:))?(?P<who>\d+)@(?P<when>\d+|recovery)"
+    r"(?::(?P<kind>kill|hang|flip))?$"
+)
 
-FaultKind = Literal["kill", "hang"]
+FaultKind = Literal["kill", "hang", "flip"]
+FORMS = "RANK@ITER[:kill|hang|flip], node:N@ITER, spare:I@ITER or RANK@recovery"
 
 
 @dataclass(frozen=True)
 class FaultSpec:
-    """One injected failure."""
+    """One injected failure; `iteration` is 0 for `@recovery` faults."""
 
     iteration: int
     kind: FaultKind
     rank: int | None = None
     node: int | None = None
+    spare: int | None = None
+    during_recovery: bool = False
 
     def ranks(self, ranks_per_node: int) -> list[int]:
-        """The world ranks this fault hits."""
+        """The world ranks this fault hits (none for a spare)."""
         if self.rank is not None:
             return [self.rank]
-        assert self.node is not None
-        return list(range(self.node * ranks_per_node, (self.node + 1) * ranks_per_node))
+        if self.node is not None:
+            return list(range(self.node * ranks_per_node, (self.node + 1) * ranks_per_node))
+        return []
 
     def __str__(self) -> str:
-        who = f"rank {self.rank}" if self.rank is not None else f"node {self.node}"
-        return f"{who} {self.kind} at iteration {self.iteration}"
+        if self.rank is not None:
+            who = f"rank {self.rank}"
+        elif self.node is not None:
+            who = f"node {self.node}"
+        else:
+            who = f"spare s{self.spare}"
+        when = "in recovery" if self.during_recovery else f"at iteration {self.iteration}"
+        return f"{who} {self.kind} {when}"
 
 
 def parse_fault(text: str) -> FaultSpec:
-    """Parse one `--fail` value; raise `ConfigError` naming the expected form."""
+    """Parse one `--fail` value; raise `ConfigError` naming the expected forms."""
     match = _SPEC.match(text.strip())
     if match is None:
-        raise ConfigError(
-            f"fail: {text!r} is not RANK@ITER[:kill|hang] or node:N@ITER[:kill|hang] "
-            "(e.g. 2@5:kill, node:1@4)"
-        )
-    iteration = int(match["iter"])
-    if iteration < 1:
-        raise ConfigError(f"fail: iteration in {text!r} must be >= 1")
+        raise ConfigError(f"fail: {text!r} is not one of {FORMS} (e.g. 2@5:kill, node:1@4)")
     kind: FaultKind = match["kind"] or "kill"  # type: ignore[assignment]
     who = int(match["who"])
+    recovery = match["when"] == "recovery"
+    iteration = 0 if recovery else int(match["when"])
+    if not recovery and iteration < 1:
+        raise ConfigError(f"fail: iteration in {text!r} must be >= 1")
+    if kind == "flip" and (match["node"] or match["spare"] or recovery):
+        raise ConfigError(f"fail: {text!r}: 'flip' applies to one rank at an iteration (R@IT:flip)")
+    if recovery and (match["node"] or match["spare"]):
+        raise ConfigError(f"fail: {text!r}: '@recovery' applies to one rank (RANK@recovery)")
     if match["node"]:
         return FaultSpec(iteration=iteration, kind=kind, node=who)
-    return FaultSpec(iteration=iteration, kind=kind, rank=who)
+    if match["spare"]:
+        return FaultSpec(iteration=iteration, kind=kind, spare=who)
+    return FaultSpec(iteration=iteration, kind=kind, rank=who, during_recovery=recovery)
 
 
-def check_faults(faults: list[FaultSpec], world_size: int, ranks_per_node: int, iters: int) -> None:
-    """Check that every fault targets existing ranks within the run's iterations."""
+def check_faults(
+    faults: list[FaultSpec], world_size: int, ranks_per_node: int, iters: int, spares: int = 0
+) -> None:
+    """Check that every fault targets existing ranks/spares within the run's iterations."""
     nodes = world_size // ranks_per_node
     for fault in faults:
         if fault.rank is not None and fault.rank >= world_size:
             raise ConfigError(f"fail: rank {fault.rank} does not exist (world size {world_size})")
         if fault.node is not None and fault.node >= nodes:
             raise ConfigError(f"fail: node {fault.node} does not exist ({nodes} nodes)")
+        if fault.spare is not None and fault.spare >= spares:
+            raise ConfigError(f"fail: spare {fault.spare} does not exist ({spares} spares)")
         if fault.iteration > iters:
             raise ConfigError(
                 f"fail: iteration {fault.iteration} is past the run's last iteration {iters}"

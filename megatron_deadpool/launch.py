@@ -103,12 +103,13 @@ class LocalLauncher:
         log.close()
 
     def _kill_all(self) -> None:
+        # Every child's whole process group, exited or not: a child that ended may have left
+        # helpers behind (megatron-core's checkpoint writer process, its resource tracker).
         for proc in self.procs.values():
-            if proc.poll() is None:
-                try:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
         for proc in self.procs.values():
             try:
                 proc.wait(timeout=10)
@@ -182,7 +183,7 @@ class LocalLauncher:
     ) -> int:
         coord = self.coordinator
         deadpool = self.job.deadpool.enabled
-        next_it, generation = 1, 0
+        next_it, generation = self._first_iteration(), 0
         while True:
             if deadpool:
                 coord.tick()
@@ -220,6 +221,13 @@ class LocalLauncher:
                 self.progress.event(f"run exceeded its {self.timeout_s:.0f}s limit; stopping")
                 return 124
             time.sleep(0.02)
+
+    def _first_iteration(self) -> int:
+        """1, or the iteration after the checkpoint `--load` resumes from."""
+        from .checkpoint import latest_iteration
+
+        load = self.job.train.load
+        return (latest_iteration(load) or 0) + 1 if load else 1
 
     def _wait_exit(self, pids: list[str], timeout: float) -> None:
         deadline = time.monotonic() + timeout

@@ -229,14 +229,39 @@ class Replicator:
 
     # ------------------------------------------------------------------ recovery support
     def holdings(self) -> dict[str, list[int]]:
-        """Verified iterations this rank can provide: its own ('local') and each held owner's."""
-        out = {"local": self.local.iterations()}
-        out.update({str(o): pair.iterations() for o, pair in self.held.items()})
+        """Verified iterations this rank can provide: its own ('local') and each held owner's.
+
+        Every copy is checked against its checksum again first: memory corrupted at rest is
+        dropped here, before agreement could pick it (agreement then falls back to another
+        copy, or reports the shard lost).
+        """
+        pairs = {"local": (self.rank, self.local)}
+        pairs.update({str(o): (o, pair) for o, pair in self.held.items()})
+        out: dict[str, list[int]] = {}
+        for key, (owner, pair) in pairs.items():
+            for slot, it in enumerate(pair.verified):
+                if it is None:
+                    continue
+                try:
+                    verify(pair.buffers[slot], owner=owner, iteration=it)
+                except CorruptReplicaError as exc:
+                    pair.verified[slot] = None
+                    self.corrupt_seen.append((owner, it, str(exc)))
+                    log.error("dropping a corrupt copy before recovery: %s", exc)
+            out[key] = pair.iterations()
         return out
 
     def flip_bit_on_arrival(self, owner: int, byte: int, bit: int) -> None:
         """Fault injection: flip one bit of `owner`'s next replica before it is verified."""
         self._flip_on_arrival = (owner, byte, bit)
+
+    def flip_bits_at_rest(self) -> None:
+        """Fault injection: flip one bit in every verified replica this rank holds."""
+        for owner, pair in self.held.items():
+            for slot, it in enumerate(pair.verified):
+                if it is not None:
+                    pair.buffers[slot][97] ^= 1 << 3
+                    log.warning("fault injection: flipped a bit of rank %d's replica %d", owner, it)
 
     def flip_bit_at_rest(self, owner: int, byte: int, bit: int) -> None:
         """Fault injection: flip one bit of the newest verified replica held for `owner`."""

@@ -22,14 +22,21 @@ from megatron.core import parallel_state as ps
 from . import gpt, rebind
 from .devices import Device, select_device
 from .digest import rank_digest
-from .errors import OutOfRedundancyError
+from .errors import CoordinatorUnreachableError, OutOfRedundancyError
 from .jobspec import JobConfig
 from .logs import set_context
 from .membership import Membership, Roster
 from .replicator import Replicator
 from .snapshot import RankState, Snapshotter
 from .topology import Layout, place_replicas
-from .worker import Heartbeat, connect_store, inject, my_faults
+from .worker import (
+    Heartbeat,
+    connect_store,
+    inject,
+    my_faults,
+    recovery_faults,
+    spare_faults,
+)
 
 log = logging.getLogger("megatron_deadpool.runtime")
 
@@ -63,13 +70,27 @@ class Runtime:
 
     # ------------------------------------------------------------------ set-up
     def run(self) -> int:
-        store = connect_store(self.coordinator, self.cfg.pg_timeout)
+        """The process's life; its exit code (0 done, 3 out of redundancy, 4 coordinator lost)."""
+        try:
+            return self._run()
+        except OutOfRedundancyError as exc:
+            log.error("%s", exc)
+            return 3
+        except (dist.DistStoreError, dist.DistNetworkError) as exc:
+            log.error("%s", self._coordinator_lost(str(exc)))
+            return 4
+        except CoordinatorUnreachableError as exc:
+            log.error("%s", exc)
+            return 4
+
+    def _run(self) -> int:
+        store = connect_store(self.coordinator, self.cfg.connect_timeout)
         self.members = Membership(store, self.pid)
         self.members.check_token(self.token)
         set_context(spare=self.pid) if self.pid.startswith("s") else None
         self.members.announce()
         self.heartbeat = Heartbeat(
-            self.coordinator, self.pid, self.cfg.heartbeat_interval, self.cfg.pg_timeout
+            self.coordinator, self.pid, self.cfg.heartbeat_interval, self.cfg.connect_timeout
         )
         self.heartbeat.start()
         roster = self._wait_for_slot()
@@ -84,25 +105,39 @@ class Runtime:
             start = self._restore(roster, needy=True) + 1
         elif self.job.train.load:
             start = self._load(self.job.train.load) + 1
-        try:
-            while True:
-                try:
-                    self._train(start=start)
-                    self._finish()
-                    return 0
-                except OutOfRedundancyError:
-                    raise
-                except RuntimeError as exc:  # a collective failed: a peer died or hung
-                    start = self._recover(exc) + 1
-        except OutOfRedundancyError as exc:
-            log.error("%s", exc)
-            return 3
+        while True:
+            try:
+                self._train(start=start)
+                self._finish()
+                return 0
+            except (OutOfRedundancyError, CoordinatorUnreachableError):
+                raise
+            except (dist.DistStoreError, dist.DistNetworkError):
+                raise
+            except RuntimeError as exc:  # a collective failed: a peer died or hung
+                start = self._recover(exc) + 1
+
+    def _coordinator_lost(self, why: str) -> CoordinatorUnreachableError:
+        who = f"rank {self.rank}" if self.rank is not None else self.pid
+        return CoordinatorUnreachableError(
+            f"lost the coordinator {self.coordinator} ({why.splitlines()[0][:160]}); stopping "
+            f"{who}: without it no failure could be recovered"
+        )
 
     def _wait_for_slot(self) -> Roster | None:
         """Block until a roster names this process (or the job shuts down)."""
+        faults = spare_faults(self.job, self.pid)
         while True:
             if self.members.shutdown_requested():
                 return None
+            for index, iteration, kind in faults:
+                store = self.members.store
+                last = int(store.get("progress/last").decode()) if store.check(
+                    ["progress/last"]
+                ) else 0
+                if last >= iteration and store.add(f"fault/fired/{index}/{self.pid}", 1) == 1:
+                    log.warning("fault injection: spare %s %s", self.pid, kind)
+                    inject(kind)
             g = self.members.generation()
             if g >= 0:
                 roster = self.members.roster(g)
@@ -167,15 +202,16 @@ class Runtime:
     def _train(self, start: int) -> None:
         faults = my_faults(self.job, self.rank)
         for it in range(start, self.job.train.iters + 1):
+            if self.heartbeat.lost:
+                raise self._coordinator_lost(self.heartbeat.lost)
             # Each injected fault fires once per job: not again for the process that takes
             # the slot, nor when the iteration is recomputed after a rollback.
-            if (
-                it in faults
-                and self.members.store.add(f"fault/fired/{faults[it][0]}/{self.rank}", 1) == 1
-            ):
-                log.warning("fault injection: %s at iteration %d", faults[it][1], it)
-                self.members.store.set(f"fault/{self.pid}", repr(time.time()))
-                inject(faults[it][1])
+            if it in faults and self._fire(faults[it][0]):
+                if faults[it][1] == "flip":
+                    if self.replicator is not None:  # nothing held before the first round
+                        self.replicator.flip_bits_at_rest()
+                else:
+                    self._fail(faults[it][1], f"at iteration {it}")
             t0 = time.perf_counter()
             if self.replicator is not None:
                 self.replicator.before_step()
@@ -191,6 +227,15 @@ class Runtime:
             interval = self.job.train.save_interval
             if interval and it % interval == 0:
                 self._save(it)
+
+    def _fire(self, index: int) -> bool:
+        """True once per job for fault spec `index` on this rank."""
+        return self.members.store.add(f"fault/fired/{index}/{self.rank}", 1) == 1
+
+    def _fail(self, kind: str, when: str) -> None:
+        log.warning("fault injection: %s %s", kind, when)
+        self.members.store.set(f"fault/{self.pid}", repr(time.time()))
+        inject(kind)
 
     def _report(
         self,
@@ -271,6 +316,9 @@ class Runtime:
         self.repl_group = None
         released = rebind.release([*self._roots(), self.replicator], extra)
         log.info("released %d group handles", released)
+        for index, kind in recovery_faults(self.job, self.rank):
+            if self._fire(index):
+                self._fail(kind, "while in recovery")
         roster = self._agree(exc, t0)
         self._join(roster)
         n = rebind.attach(

@@ -19,8 +19,6 @@ from collections import Counter
 from dataclasses import dataclass
 from functools import cached_property
 
-from megatron.core.parallel_state import RankGenerator
-
 from .errors import PlacementError
 
 ORDER = "tp-cp-ep-dp-pp"
@@ -55,7 +53,11 @@ class Layout:
         return list(range(node * self.ranks_per_node, (node + 1) * self.ranks_per_node))
 
     @cached_property
-    def _generator(self) -> RankGenerator:
+    def _generator(self) -> Any:
+        # Imported here: megatron-core takes seconds to import, and the coordinator and the
+        # CLI's input checks need only the pure functions of this module.
+        from megatron.core.parallel_state import RankGenerator
+
         return RankGenerator(tp=self.tp, ep=1, dp=self.dp, pp=self.pp, cp=1, order=ORDER)
 
     def groups(self, token: str) -> list[list[int]]:

@@ -98,6 +98,7 @@ def run(args: argparse.Namespace) -> int:
         job.parallel.world_size,
         job.ranks_per_node,
         job.train.iters,
+        job.deadpool.spares,
     )
     from .launch import LocalLauncher  # imports megatron-core: only once the input is valid
 

@@ -35,18 +35,22 @@ def connect_store(address: str, timeout_s: float) -> dist.TCPStore:
     host, port = parse_host_port(address, "deadpool-coordinator", resolve=True)
     deadline = time.monotonic() + timeout_s
     while True:
-        try:
-            return dist.TCPStore(
+        try:  # short attempts: torch's own retry back-off can outlast the whole deadline
+            attempt = max(0.5, min(10.0, deadline - time.monotonic()))
+            store = dist.TCPStore(
                 host,
                 port,
                 is_master=False,
-                timeout=datetime.timedelta(seconds=max(1.0, timeout_s)),
+                timeout=datetime.timedelta(seconds=attempt),
                 wait_for_workers=False,
             )
+            store.set_timeout(datetime.timedelta(seconds=timeout_s))
+            return store
         except (RuntimeError, TimeoutError) as exc:
             if time.monotonic() > deadline:
+                why = str(exc).splitlines()[0][:160]
                 raise CoordinatorUnreachableError(
-                    f"coordinator {address} unreachable after {timeout_s:.0f}s ({exc}); start "
+                    f"coordinator {address} unreachable after {timeout_s:.0f}s ({why}); start "
                     "`deadpool coordinator` first or fix --deadpool-coordinator"
                 ) from None
             time.sleep(0.2)
@@ -60,12 +64,14 @@ class Heartbeat(threading.Thread):
         self.membership = Membership(connect_store(address, timeout), pid)
         self.interval = interval
         self.stopped = threading.Event()
+        self.lost: str | None = None  # why the coordinator became unreachable, if it did
 
     def run(self) -> None:
         while not self.stopped.wait(self.interval):
             try:
                 self.membership.heartbeat()
-            except Exception:  # the store is gone: the job is over
+            except (RuntimeError, OSError) as exc:  # the coordinator's store is gone
+                self.lost = str(exc).splitlines()[0][:200]
                 return
 
 
@@ -104,12 +110,32 @@ def inject(kind: str) -> None:
 
 
 def my_faults(job: JobConfig, rank: int) -> dict[int, tuple[int, str]]:
-    """iteration -> (spec index, kind) for the faults that hit `rank`."""
+    """iteration -> (spec index, kind) for the iteration faults that hit `rank`."""
     out: dict[int, tuple[int, str]] = {}
     for index, spec in enumerate(job.deadpool.fail):
         fault = parse_fault(spec)
-        if rank in fault.ranks(job.ranks_per_node):
+        if not fault.during_recovery and rank in fault.ranks(job.ranks_per_node):
             out[fault.iteration] = (index, fault.kind)
+    return out
+
+
+def recovery_faults(job: JobConfig, rank: int) -> list[tuple[int, str]]:
+    """(spec index, kind) of the faults that hit `rank` when it enters a recovery."""
+    out = []
+    for index, spec in enumerate(job.deadpool.fail):
+        fault = parse_fault(spec)
+        if fault.during_recovery and fault.rank == rank:
+            out.append((index, fault.kind))
+    return out
+
+
+def spare_faults(job: JobConfig, pid: str) -> list[tuple[int, int, str]]:
+    """(spec index, iteration, kind) of the faults that hit waiting spare `pid`."""
+    out = []
+    for index, spec in enumerate(job.deadpool.fail):
+        fault = parse_fault(spec)
+        if fault.spare is not None and pid == f"s{fault.spare}":
+            out.append((index, fault.iteration, fault.kind))
     return out
 
 

@@ -151,12 +151,11 @@ def _describe(problems: list[str], log_dir: Path, lines: int = 25) -> str:
 
 
 def _kill(procs: list[subprocess.Popen]) -> None:
-    for proc in procs:
-        if proc.poll() is None:
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+    for proc in procs:  # whole groups, exited or not: helpers (checkpoint writers) linger
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
     for proc in procs:
         try:
             proc.wait(timeout=10)

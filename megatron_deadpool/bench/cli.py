@@ -24,7 +24,10 @@ BENCHES: dict[str, tuple[str, str]] = {
         "megatron_deadpool.bench.pack_bench",
         "pack + checksum throughput of snapshot buffers",
     ),
-    # "recovery": ("megatron_deadpool.bench.recovery", "time of each recovery phase"),
+    "recovery": (
+        "megatron_deadpool.bench.recovery",
+        "hot swap vs restart from a persistent checkpoint: recovery time by phase",
+    ),
     # "paper": ("megatron_deadpool.bench.paper", "the paper's figures and tables"),
 }
 

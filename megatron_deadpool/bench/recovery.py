@@ -1,0 +1,510 @@
+"""`deadpool bench recovery`: hot swap vs. the restart from a checkpoint a user has today.
+
+The same job meets the same failure twice:
+
+(a) **DeadPool hot swap**: DeadPool on with spares; the failed rank is replaced in place and the
+    survivors roll back to the last replicated iteration. Phases from the run's summary
+    (`recoveries`: detect, agree, reconstruct, restore, first iteration).
+(b) **Restart baseline**: DeadPool off, persistent Megatron checkpoints every `--save-interval`
+    iterations (`--save DIR`); the failure kills the job; the launcher stops every process (as
+    torchrun does on a worker failure) and the whole job is relaunched at once with
+    `--load DIR`, resuming from the last checkpoint. Phases: detect (the launcher sees the
+    exit), teardown (every process stopped), relaunch + init (process start, imports,
+    process groups, model and optimizer build), checkpoint load, recomputation of the lost
+    iterations (checkpoint + 1 .. failure - 1), first iteration.
+
+Both times run from the failure (the dying process's own timestamp) until training is back where
+it failed: the iteration during which it failed has completed again. A failure-free reference
+run (DeadPool off) gives the loss sequence and final parameter digest both must reproduce.
+
+    deadpool bench recovery --iters 12 --fail 2@8 --save-interval 5 --json recovery.json
+
+writes `{"deadpool_recovery_s", "restart_recovery_s", "speedup", "deadpool_recomputed",
+"restart_recomputed", "deadpool_phases_s", "restart_phases_s", "deadpool_matches_reference",
+"restart_matches_reference", ...}`. Exit status 1 when a run fails or does not reproduce the
+failure-free run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import shutil
+import signal
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from ..errors import ConfigError
+from ..faults import check_faults, parse_fault
+from ..jobspec import JobConfig
+from .overhead import base_job
+
+DEADPOOL_PHASES = ("detect", "agree", "reconstruct", "restore")
+RESTART_PHASES = ("detect", "teardown", "relaunch_init", "checkpoint_load")
+COMMON_PHASES = ("recompute", "first_iteration")
+PHASE_LABELS = {
+    "detect": "detect failure",
+    "agree": "agree (dead set, restore iteration)",
+    "reconstruct": "reconstruct process groups",
+    "restore": "restore state from replicas",
+    "teardown": "tear down the job",
+    "relaunch_init": "relaunch + init (start to load)",
+    "checkpoint_load": "load persistent checkpoint",
+    "recompute": "recompute lost iterations",
+    "first_iteration": "the failed iteration again",
+}
+
+
+@dataclasses.dataclass
+class Launch:
+    """One launched run and what the bench recorded around it."""
+
+    returncode: int
+    records: list[dict[str, Any]]
+    summary: dict[str, Any]
+    run_dir: Path
+    spawned_at: float
+    """Wall clock when the launcher started the first process."""
+    failed_at: float | None = None
+    """Earliest fault-injection stamp of a dying process (`fault/{pid}` in the store)."""
+    stopped_at: float | None = None
+    """When every process of a failed run was gone (restart baseline only)."""
+    detected_at: float | None = None
+    """When the launcher saw the failure (restart baseline only)."""
+    load_s: float | None = None
+    """Slowest rank's `checkpoint.load` (`load/{rank}` in the store), if the run loaded one."""
+
+
+Runner = Callable[[JobConfig, Path, bool], Launch]
+"""(job, run_dir, stop_on_failure) -> Launch."""
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--config",
+        help="YAML job config (default: configs/cpu-demo.yaml when present, else tp 2 x dp 2)",
+    )
+    parser.add_argument("--iters", type=int, default=12, help="iterations per run (default 12)")
+    parser.add_argument(
+        "--fail",
+        default="2@8",
+        help="the failure, RANK@ITER or node:N@ITER (a crash; default 2@8)",
+    )
+    parser.add_argument(
+        "--save-interval",
+        type=int,
+        default=5,
+        help="restart baseline: persistent checkpoint every N iterations (default 5)",
+    )
+    parser.add_argument(
+        "--spares",
+        type=int,
+        default=None,
+        help="spares for the hot swap (default: the config's, at least one per failed rank)",
+    )
+    parser.add_argument("--json", dest="json_path", help="write the results as JSON here")
+    parser.add_argument(
+        "--timeout", type=float, default=600.0, help="wall-clock limit of one run in s"
+    )
+    parser.add_argument("--keep", action="store_true", help="keep run logs and checkpoints")
+
+
+# ---------------------------------------------------------------------- jobs
+def jobs(
+    job: JobConfig, *, iters: int, fail: str, save_interval: int, save_dir: str, spares: int | None
+) -> dict[str, JobConfig]:
+    """The four launches: reference, hot swap, restart (failing part), restart (relaunch)."""
+    fault = parse_fault(fail)
+    if fault.kind != "kill":
+        raise ConfigError(
+            f"fail: the restart baseline needs a crash ({fail!r} is a hang, which only the "
+            "collective timeout would end); use RANK@ITER or RANK@ITER:kill"
+        )
+    if save_interval < 0:
+        raise ConfigError(f"save-interval: must be >= 0, got {save_interval}")
+    train = dataclasses.replace(job.train, iters=iters, save=None, save_interval=0, load=None)
+    dp = job.deadpool.replace(fail=[])
+    check_faults([fault], job.parallel.world_size, job.ranks_per_node, iters)
+    hit = len(fault.ranks(job.ranks_per_node))
+    hot_spares = max(dp.spares, hit) if spares is None else spares
+    off = dp.replace(enabled=False, spares=0)
+    saving = dataclasses.replace(
+        train, save=save_dir if save_interval else None, save_interval=save_interval
+    )
+    return {
+        "reference": dataclasses.replace(job, train=train, deadpool=off),
+        "deadpool": dataclasses.replace(
+            job, train=train, deadpool=dp.replace(enabled=True, spares=hot_spares, fail=[fail])
+        ),
+        "restart_fail": dataclasses.replace(job, train=saving, deadpool=off.replace(fail=[fail])),
+        "restart_resume": dataclasses.replace(
+            job, train=dataclasses.replace(saving, load=save_dir), deadpool=off
+        ),
+    }
+
+
+# ---------------------------------------------------------------------- launching
+def _launch(job: JobConfig, run_dir: Path, stop_on_failure: bool, timeout_s: float) -> Launch:
+    """Run `job` with the local launcher, recording the times the bench needs."""
+    from ..launch import LocalLauncher
+
+    class TimedLauncher(LocalLauncher):
+        """Stamps process start and failure handling; reads fault and load stamps at the end."""
+
+        spawned_at: float | None = None
+        detected_at: float | None = None
+        stopped_at: float | None = None
+        extra: dict[str, Any] | None = None
+
+        def _spawn(self, *args: Any, **kwargs: Any) -> None:
+            if self.spawned_at is None:
+                self.spawned_at = time.time()
+            super()._spawn(*args, **kwargs)
+
+        def _monitor(self, *args: Any, **kwargs: Any) -> int:
+            rc = super()._monitor(*args, **kwargs)
+            if rc != 0 and stop_on_failure:
+                self.detected_at = time.time()
+                # Like torchrun on a worker failure: stop everyone at once, including what the
+                # dead process left behind in its process group (the checkpoint writer's helper).
+                for proc in self.procs.values():
+                    try:
+                        os.killpg(proc.pid, signal.SIGKILL)
+                    except (ProcessLookupError, PermissionError):
+                        pass
+                self._kill_all()
+                self.stopped_at = time.time()
+            return rc
+
+        def _summary(self, members: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
+            store = members.store
+            faults = [
+                float(store.get(f"fault/{pid}").decode())
+                for pid in self.procs
+                if store.check([f"fault/{pid}"])
+            ]
+            loads = [
+                float(store.get(f"load/{r}").decode())
+                for r in range(self.job.parallel.world_size)
+                if store.check([f"load/{r}"])
+            ]
+            self.extra = {
+                "failed_at": min(faults) if faults else None,
+                "load_s": max(loads) if loads else None,
+            }
+            return super()._summary(members, *args, **kwargs)
+
+    launcher = TimedLauncher(job, run_dir=str(run_dir), quiet=True, timeout_s=timeout_s)
+    result = launcher.run()
+    return Launch(
+        returncode=result.returncode,
+        records=result.records,
+        summary=result.summary,
+        run_dir=run_dir,
+        spawned_at=launcher.spawned_at or 0.0,
+        failed_at=(launcher.extra or {}).get("failed_at"),
+        stopped_at=launcher.stopped_at,
+        detected_at=launcher.detected_at,
+        load_s=(launcher.extra or {}).get("load_s"),
+    )
+
+
+# ---------------------------------------------------------------------- timing
+def _by_iteration(records: list[dict[str, Any]]) -> dict[int, dict[str, Any]]:
+    return {r["iteration"]: r for r in records}
+
+
+def catch_up(
+    records: list[dict[str, Any]], *, fail_iter: int, resumed_from: int, ready_at: float
+) -> dict[str, float]:
+    """Recompute and first-iteration phases after training restarts at `resumed_from + 1`.
+
+    `ready_at` is when state was back (restored or loaded); `records` are the ones of the run
+    after the failure. Recompute covers iterations resumed_from + 1 .. fail_iter - 1, the first
+    iteration is `fail_iter` itself.
+    """
+    by_it = _by_iteration(records)
+    if fail_iter not in by_it:
+        raise RuntimeError(f"no record of iteration {fail_iter} after the failure")
+    recompute, start = 0.0, ready_at
+    if resumed_from < fail_iter - 1:
+        recompute = by_it[fail_iter - 1]["time"] - ready_at
+        start = by_it[fail_iter - 1]["time"]
+    return {"recompute": recompute, "first_iteration": by_it[fail_iter]["time"] - start}
+
+
+def deadpool_timing(run: Launch, fail_iter: int) -> dict[str, Any]:
+    """Phases of the hot swap, from the summary's recovery record and the iteration records."""
+    recoveries = run.summary.get("recoveries") or []
+    if run.returncode != 0 or not recoveries or run.failed_at is None:
+        raise RuntimeError(
+            f"hot-swap run failed (exit {run.returncode}, {len(recoveries)} recoveries); "
+            f"logs in {run.run_dir}"
+        )
+    rec = recoveries[0]
+    phases = {k: float(rec["phases_s"][k]) for k in DEADPOOL_PHASES}
+    restored_at = run.failed_at + sum(phases.values())
+    phases.update(
+        catch_up(
+            run.records,
+            fail_iter=fail_iter,
+            resumed_from=rec["restore_iteration"],
+            ready_at=restored_at,
+        )
+    )
+    back = _by_iteration(run.records)[fail_iter]["time"]
+    return {
+        "recovery_s": back - run.failed_at,
+        "phases_s": phases,
+        "recomputed": int(rec["recomputed_iterations"]),
+        "restore_iteration": rec["restore_iteration"],
+        "summary_total_s": rec.get("total_s"),
+    }
+
+
+def restart_timing(failing: Launch, resumed: Launch, fail_iter: int) -> dict[str, Any]:
+    """Phases of the restart: failure -> detect -> teardown -> relaunch -> load -> catch up."""
+    if failing.failed_at is None or failing.detected_at is None or failing.stopped_at is None:
+        raise RuntimeError(
+            f"restart baseline: the failing run did not fail as injected (exit "
+            f"{failing.returncode}); logs in {failing.run_dir}"
+        )
+    if resumed.returncode != 0 or not resumed.records:
+        raise RuntimeError(
+            f"restart baseline: the relaunch failed (exit {resumed.returncode}); logs in "
+            f"{resumed.run_dir}"
+        )
+    first = resumed.records[0]
+    checkpoint_iter = first["iteration"] - 1
+    first_start = first["time"] - first["iter_time_s"]  # the load ends right before it
+    load_s = resumed.load_s if checkpoint_iter > 0 and resumed.load_s is not None else 0.0
+    phases = {
+        "detect": failing.detected_at - failing.failed_at,
+        "teardown": failing.stopped_at - failing.detected_at,
+        "relaunch_init": first_start - load_s - failing.stopped_at,
+        "checkpoint_load": load_s,
+    }
+    phases.update(
+        catch_up(
+            resumed.records,
+            fail_iter=fail_iter,
+            resumed_from=checkpoint_iter,
+            ready_at=first_start,
+        )
+    )
+    back = _by_iteration(resumed.records)[fail_iter]["time"]
+    return {
+        "recovery_s": back - failing.failed_at,
+        "phases_s": phases,
+        "recomputed": max(0, fail_iter - 1 - checkpoint_iter),
+        "checkpoint_iteration": checkpoint_iter,
+        "load_measured": resumed.load_s is not None,
+        "relaunch_gap_s": resumed.spawned_at - failing.stopped_at,
+    }
+
+
+def first_save_stall_s(run: Launch, save_interval: int) -> float | None:
+    """How long the first persistent save held training up (gap after its iteration)."""
+    by_it = _by_iteration(run.records)
+    if not save_interval or save_interval + 1 not in by_it or save_interval not in by_it:
+        return None
+    nxt = by_it[save_interval + 1]
+    return nxt["time"] - nxt["iter_time_s"] - by_it[save_interval]["time"]
+
+
+# ---------------------------------------------------------------------- the bench
+def measure(
+    job: JobConfig,
+    *,
+    iters: int,
+    fail: str,
+    save_interval: int,
+    spares: int | None,
+    runner: Runner,
+    work_dir: Path,
+    progress: Callable[[str], None] = lambda line: None,
+) -> dict[str, Any]:
+    """Run reference, hot swap and restart; compare. Raises RuntimeError when a run fails."""
+    save_dir = work_dir / "checkpoints"
+    variants = jobs(
+        job,
+        iters=iters,
+        fail=fail,
+        save_interval=save_interval,
+        save_dir=str(save_dir),
+        spares=spares,
+    )
+    fail_iter = parse_fault(fail).iteration
+    runs: dict[str, Launch] = {}
+    describe = {
+        "reference": "reference: DeadPool off, no failure",
+        "deadpool": f"hot swap: DeadPool on, {fail}",
+        "restart_fail": f"restart: DeadPool off, checkpoint every {save_interval}, {fail}",
+        "restart_resume": "restart: relaunch with --load",
+    }
+    for name, variant in variants.items():
+        t0 = time.monotonic()
+        runs[name] = runner(variant, work_dir / name, name == "restart_fail")
+        run = runs[name]
+        progress(
+            f"  {describe[name]:<52} exit {run.returncode}, {len(run.records)} iterations "
+            f"recorded, {time.monotonic() - t0:.1f}s"
+        )
+    ref = runs["reference"]
+    if ref.returncode != 0 or not ref.summary.get("final_param_digest"):
+        raise RuntimeError(f"reference run failed (exit {ref.returncode}); logs in {ref.run_dir}")
+    hot = deadpool_timing(runs["deadpool"], fail_iter)
+    restart = restart_timing(runs["restart_fail"], runs["restart_resume"], fail_iter)
+    reference_digest = ref.summary["final_param_digest"]
+    ckpt = restart["checkpoint_iteration"]
+    restart_losses = [r["loss"] for r in runs["restart_fail"].records[:ckpt]] + [
+        r["loss"] for r in runs["restart_resume"].records
+    ]
+    hot_losses = [r["loss"] for r in runs["deadpool"].records]
+    ref_losses = [r["loss"] for r in ref.records]
+    p = job.parallel
+    return {
+        "deadpool_recovery_s": hot["recovery_s"],
+        "restart_recovery_s": restart["recovery_s"],
+        "speedup": restart["recovery_s"] / hot["recovery_s"],
+        "deadpool_recomputed": hot["recomputed"],
+        "restart_recomputed": restart["recomputed"],
+        "deadpool_phases_s": hot["phases_s"],
+        "restart_phases_s": restart["phases_s"],
+        "deadpool_restore_iteration": hot["restore_iteration"],
+        "deadpool_summary_total_s": hot["summary_total_s"],
+        "restart_checkpoint_iteration": ckpt,
+        "restart_load_measured": restart["load_measured"],
+        "restart_relaunch_gap_s": restart["relaunch_gap_s"],
+        "restart_first_save_stall_s": first_save_stall_s(runs["restart_fail"], save_interval),
+        "reference_digest": reference_digest,
+        "deadpool_digest": runs["deadpool"].summary.get("final_param_digest"),
+        "restart_digest": runs["restart_resume"].summary.get("final_param_digest"),
+        "deadpool_matches_reference": runs["deadpool"].summary.get("final_param_digest")
+        == reference_digest
+        and hot_losses == ref_losses,
+        "restart_matches_reference": runs["restart_resume"].summary.get("final_param_digest")
+        == reference_digest
+        and restart_losses == ref_losses,
+        "job_wall_s": {
+            "reference": ref.summary.get("wall_s"),
+            "deadpool": runs["deadpool"].summary.get("wall_s"),
+            "restart": (runs["restart_fail"].summary.get("wall_s") or 0.0)
+            + (runs["restart_resume"].summary.get("wall_s") or 0.0),
+        },
+        "median_iter_s": ref.summary.get("median_iter_time_s"),
+        "definition": (
+            "seconds from the failure (the dying process's timestamp) until the iteration "
+            "during which it failed has completed again"
+        ),
+        "config": {
+            "tp": p.tp,
+            "pp": p.pp,
+            "dp": p.dp,
+            "ranks_per_node": variants["deadpool"].ranks_per_node,
+            "replicas": variants["deadpool"].deadpool.replicas,
+            "spares": variants["deadpool"].deadpool.spares,
+            "iters": iters,
+            "fail": fail,
+            "fail_iteration": fail_iter,
+            "save_interval": save_interval,
+        },
+    }
+
+
+def table(result: dict[str, Any]) -> list[str]:
+    """The side-by-side table, then totals, recomputation, correctness and the speedup."""
+    hot, rst = result["deadpool_phases_s"], result["restart_phases_s"]
+    width = 36
+    lines = [f"{'phase':<{width}} {'DeadPool hot swap':>18} {'restart from ckpt':>18}"]
+    for key in (*DEADPOOL_PHASES, *RESTART_PHASES[1:], *COMMON_PHASES):
+        cells = [f"{d[key]:>17.3f}s" if key in d else f"{'-':>18}" for d in (hot, rst)]
+        lines.append(f"{PHASE_LABELS[key]:<{width}} {cells[0]} {cells[1]}")
+    lines.append("-" * (width + 38))
+    lines.append(
+        f"{'failure -> failed iteration done':<{width}} {result['deadpool_recovery_s']:>17.3f}s "
+        f"{result['restart_recovery_s']:>17.3f}s"
+    )
+    lines.append(
+        f"{'iterations recomputed':<{width}} {result['deadpool_recomputed']:>18d} "
+        f"{result['restart_recomputed']:>18d}"
+    )
+
+    def yes(flag: bool) -> str:
+        return "yes" if flag else "NO"
+
+    lines.append(
+        f"{'same losses + params as no failure':<{width}} "
+        f"{yes(result['deadpool_matches_reference']):>18} "
+        f"{yes(result['restart_matches_reference']):>18}"
+    )
+    c = result["config"]
+    lines.append(
+        f"restart resumed from the checkpoint of iteration {result['restart_checkpoint_iteration']}"
+        f" (every {c['save_interval']}); DeadPool restored iteration "
+        f"{result['deadpool_restore_iteration']} from memory"
+    )
+    stall = result.get("restart_first_save_stall_s")
+    if stall is not None:
+        lines.append(f"the restart run's first persistent save held training up {stall:.2f}s")
+    lines.append(f"speedup of the hot swap: {result['speedup']:.1f}x")
+    return lines
+
+
+def run(args: argparse.Namespace, runner: Runner | None = None) -> int:
+    job = base_job(args.config)
+    try:
+        jobs(
+            job,
+            iters=args.iters,
+            fail=args.fail,
+            save_interval=args.save_interval,
+            save_dir="-",
+            spares=args.spares,
+        )
+    except ConfigError as exc:
+        print(f"deadpool bench recovery: {exc}", file=sys.stderr)
+        return 2
+    work_dir = Path(tempfile.mkdtemp(prefix="deadpool-bench-recovery-"))
+    p = job.parallel
+    print(
+        f"deadpool bench recovery: tp={p.tp} pp={p.pp} dp={p.dp}, {args.iters} iterations, "
+        f"failure {args.fail}, restart baseline checkpoints every {args.save_interval}; runs in "
+        f"{work_dir}",
+        flush=True,
+    )
+    launch = runner or (lambda j, d, stop: _launch(j, d, stop, args.timeout))
+    try:
+        result = measure(
+            job,
+            iters=args.iters,
+            fail=args.fail,
+            save_interval=args.save_interval,
+            spares=args.spares,
+            runner=launch,
+            work_dir=work_dir,
+            progress=lambda line: print(line, flush=True),
+        )
+    except RuntimeError as exc:
+        print(f"deadpool bench recovery: {exc}", file=sys.stderr)
+        return 1
+    for line in table(result):
+        print(line)
+    if args.json_path:
+        Path(args.json_path).write_text(json.dumps(result, indent=1) + "\n")
+        print(f"wrote {args.json_path}")
+    if not args.keep:
+        shutil.rmtree(work_dir, ignore_errors=True)
+    if not (result["deadpool_matches_reference"] and result["restart_matches_reference"]):
+        print(
+            "deadpool bench recovery: a recovered run differs from the failure-free run",
+            file=sys.stderr,
+        )
+        return 1
+    return 0
