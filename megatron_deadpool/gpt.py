@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import partial
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from megatron.core import parallel_state as ps
@@ -180,11 +180,22 @@ def _loss_func(loss_mask: torch.Tensor, per_token: torch.Tensor) -> tuple[torch.
     return loss, {"lm loss": loss.detach()}
 
 
-def train_step(job: JobConfig, objs: TrainingObjects, iteration: int) -> tuple[float, float]:
+class StepResult(NamedTuple):
+    """What every rank learns from one iteration (identical on all ranks)."""
+
+    loss: float
+    grad_norm: float
+    stop: bool
+
+
+def train_step(
+    job: JobConfig, objs: TrainingObjects, iteration: int, stop_vote: bool = False
+) -> StepResult:
     """One iteration: forward/backward over the micro-batches, optimizer step, LR step.
 
-    Returns (loss averaged over micro-batches and data-parallel ranks, grad norm); every rank
-    gets the same values (one small world all-reduce, also done without DeadPool).
+    Returns the loss averaged over micro-batches and data-parallel ranks, the grad norm, and
+    whether any rank voted to stop after this iteration (preemption), all agreed through one
+    small world all-reduce that runs with and without DeadPool.
     """
     t = job.train
     for chunk in objs.model:
@@ -211,9 +222,10 @@ def train_step(job: JobConfig, objs: TrainingObjects, iteration: int) -> tuple[f
     _, grad_norm, _ = objs.optimizer.step()
     objs.scheduler.step(increment=1)
     contributes = ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0
-    total = torch.zeros(2, dtype=torch.float64)
+    total = torch.zeros(3, dtype=torch.float64)
     if contributes and losses:
         total[0] = torch.stack([x["lm loss"] for x in losses]).double().mean()
         total[1] = 1.0
+    total[2] = float(stop_vote)
     torch.distributed.all_reduce(total)
-    return float(total[0] / total[1]), float(grad_norm or 0.0)
+    return StepResult(float(total[0] / total[1]), float(grad_norm or 0.0), bool(total[2] > 0))

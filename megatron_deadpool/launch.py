@@ -161,12 +161,19 @@ class LocalLauncher:
             self._spawn(f"s{s}", config_path, address)
         records: list[dict[str, Any]] = []
         log_file = open(self.json_log, "w") if self.json_log else None
+        self._sigterm = False
+
+        def on_sigterm(*_: object) -> None:
+            self._sigterm = True
+
+        previous = signal.signal(signal.SIGTERM, on_sigterm)
         try:
             rc = self._monitor(members, records, log_file, t_start)
             summary = self._summary(members, records, rc, time.monotonic() - t_start)
             if log_file:
                 log_file.write(json.dumps(summary) + "\n")
         finally:
+            signal.signal(signal.SIGTERM, previous)
             store.set("shutdown", "1")
             deadline = time.monotonic() + 10
             while time.monotonic() < deadline and any(
@@ -183,8 +190,16 @@ class LocalLauncher:
     ) -> int:
         coord = self.coordinator
         deadpool = self.job.deadpool.enabled
+        preempt_sent = False
         next_it, generation = self._first_iteration(), 0
         while True:
+            if self._sigterm and not preempt_sent:  # preemption: save and stop, together
+                members.store.set("preempt", "1")
+                preempt_sent = True
+                self.progress.event(
+                    "SIGTERM: every rank stops after the current iteration"
+                    + (" and saves a checkpoint" if self.job.train.save else "")
+                )
             if deadpool:
                 coord.tick()
             if coord.roster.generation != generation:  # a recovery agreed: rewind the display
@@ -216,6 +231,8 @@ class LocalLauncher:
                     self.progress.event("its log ends:\n" + self._tail(pid))
                 return 1
             if all(c == 0 for c in codes.values()) and coord.recovery is None:
+                if members.store.check(["preempted"]):
+                    return 143  # 128 + SIGTERM: stopped on purpose, resumable with --load
                 return 0 if next_it > self.job.train.iters else 1
             if time.monotonic() - t_start > self.timeout_s:
                 self.progress.event(f"run exceeded its {self.timeout_s:.0f}s limit; stopping")
@@ -265,6 +282,7 @@ class LocalLauncher:
             "deadpool": self.job.deadpool.enabled,
             "recoveries": self.coordinator.finished,
             "out_of_redundancy": self.coordinator.aborted,
+            "preempted": members.read("preempted"),
             "wall_s": wall_s,
             "median_iter_time_s": _median([r["iter_time_s"] for r in records]),
         }

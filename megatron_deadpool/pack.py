@@ -42,7 +42,7 @@ copies, stale pages), not a cryptographic hash.
 
 Backends
 --------
-When the optional extension ``deadpool_cuda_kernels`` (``pip install ./cuda_kernels``) imports
+When the optional extension ``deadpool_cuda_kernels`` (``cuda_kernels/README.md``) imports
 and the tensors are on a CUDA device, one fused kernel copies, zero-fills and checksums
 (uint64 arithmetic, whose wraparound is exactly mod ``2**64``). Otherwise a pure-torch
 fallback computes the same value exactly: the buffer is processed in cache-sized chunks of
@@ -308,6 +308,8 @@ class _Accumulator:
         nchunks = -(-self.nrows // self.chunk_rows)
         self.rowsums = torch.empty(self.nrows, dtype=torch.int64, device=device)
         self.colsums = torch.empty(nchunks, _ROW_WORDS, dtype=torch.int64, device=device)
+        rows = min(self.chunk_rows, self.nrows)
+        self.wide = _SCRATCH.get("wide", rows * _ROW_WORDS, torch.int64, device)
         self.tail = 0
 
     def chunks(self) -> list[tuple[int, int]]:
@@ -322,9 +324,8 @@ class _Accumulator:
         rows = min(words.numel() // _ROW_WORDS, self.nrows - row0)
         if rows:
             block = words[: rows * _ROW_WORDS].view(rows, _ROW_WORDS)
-            wide = _SCRATCH.get("wide", rows * _ROW_WORDS, torch.int64, self.device)
-            wide = wide.view(rows, _ROW_WORDS)
-            wide.copy_(block)
+            wide = self.wide[: rows * _ROW_WORDS].view(rows, _ROW_WORDS)
+            wide.copy_(block)  # widen while the chunk is in cache; both sums read it there
             torch.sum(wide, 1, out=self.rowsums[row0 : row0 + rows])
             torch.sum(wide, 0, out=self.colsums[row0 // self.chunk_rows])
         rest = words[rows * _ROW_WORDS :]

@@ -10,6 +10,8 @@ handling around it.
 from __future__ import annotations
 
 import datetime
+import signal
+import threading
 import logging
 import time
 import traceback
@@ -67,6 +69,8 @@ class Runtime:
         self.repl_group: dist.ProcessGroup | None = None
         self.last_completed = 0
         self.resumed_at = 0
+        self.preempted_at: int | None = None
+        self.sigterm = threading.Event()
 
     # ------------------------------------------------------------------ set-up
     def run(self) -> int:
@@ -84,6 +88,9 @@ class Runtime:
             return 4
 
     def _run(self) -> int:
+        # Slurm's time limit and preemption send SIGTERM: finish the iteration, agree on it
+        # with every rank, save (with --save), and exit cleanly.
+        signal.signal(signal.SIGTERM, lambda *_: self.sigterm.set())
         store = connect_store(self.coordinator, self.cfg.connect_timeout)
         self.members = Membership(store, self.pid)
         self.members.check_token(self.token)
@@ -128,13 +135,15 @@ class Runtime:
         """Block until a roster names this process (or the job shuts down)."""
         faults = spare_faults(self.job, self.pid)
         while True:
-            if self.members.shutdown_requested():
+            if self.members.shutdown_requested() or self.sigterm.is_set():
                 return None
             for index, iteration, kind in faults:
                 store = self.members.store
-                last = int(store.get("progress/last").decode()) if store.check(
-                    ["progress/last"]
-                ) else 0
+                last = (
+                    int(store.get("progress/last").decode())
+                    if store.check(["progress/last"])
+                    else 0
+                )
                 if last >= iteration and store.add(f"fault/fired/{index}/{self.pid}", 1) == 1:
                     log.warning("fault injection: spare %s %s", self.pid, kind)
                     inject(kind)
@@ -166,8 +175,13 @@ class Runtime:
             pipeline_model_parallel_size=self.job.parallel.pp,
         )
         if self.cfg.enabled and self.generation == 0 and self.rank == 0:
-            layout = {"tp": self.layout.tp, "pp": self.layout.pp, "dp": self.layout.dp,
-                      "ranks_per_node": self.layout.ranks_per_node, "replicas": self.cfg.replicas}
+            layout = {
+                "tp": self.layout.tp,
+                "pp": self.layout.pp,
+                "dp": self.layout.dp,
+                "ranks_per_node": self.layout.ranks_per_node,
+                "replicas": self.cfg.replicas,
+            }
             self.members.publish("job/layout", layout)
         if self.cfg.enabled:
             backend = (
@@ -215,7 +229,7 @@ class Runtime:
             t0 = time.perf_counter()
             if self.replicator is not None:
                 self.replicator.before_step()
-            loss, grad_norm = gpt.train_step(self.job, self.objs, it)
+            loss, grad_norm, stop = gpt.train_step(self.job, self.objs, it, self._stop_vote())
             compute_s = time.perf_counter() - t0
             committed = None
             if self.cfg.enabled:
@@ -225,8 +239,22 @@ class Runtime:
                 self.replicator.start_round(it)
             self._report(it, loss, grad_norm, time.perf_counter() - t0, compute_s, committed)
             interval = self.job.train.save_interval
-            if interval and it % interval == 0:
+            if (interval and it % interval == 0) or (stop and self.job.train.save):
                 self._save(it)
+            if stop:
+                self.preempted_at = it
+                log.warning(
+                    "preempted: stopping after iteration %d%s",
+                    it,
+                    " (checkpoint saved)" if self.job.train.save else "",
+                )
+                return
+
+    def _stop_vote(self) -> bool:
+        """This rank votes to stop: it got SIGTERM, or (rank 0) the launcher asked."""
+        if self.sigterm.is_set():
+            return True
+        return self.rank == 0 and self.members.store.check(["preempt"])
 
     def _fire(self, index: int) -> bool:
         """True once per job for fault spec `index` on this rank."""
@@ -274,6 +302,10 @@ class Runtime:
                 self.members.publish("replication/final", {"committed_iteration": committed})
         digest = rank_digest(self.objs.model)
         self.members.store.set(f"digest/{self.rank}", digest)
+        if self.preempted_at is not None and self.rank == 0:
+            self.members.publish(
+                "preempted", {"iteration": self.preempted_at, "saved": bool(self.job.train.save)}
+            )
         dist.barrier()
         self.members.store.set(f"done/{self.pid}", repr(time.time()))
         self.heartbeat.stopped.set()

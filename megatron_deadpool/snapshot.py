@@ -224,6 +224,7 @@ class Snapshotter:
         probe = len(_encode_meta(state.small_state(0, self.manifest)))
         self.meta_nbytes = -(-(probe * 2 + 1024) // META_ALIGN) * META_ALIGN
         self.meta_buf = torch.zeros(self.meta_nbytes, dtype=torch.uint8)
+        self._staging: torch.Tensor | None = None
 
     def _tensors(self, meta_buf: torch.Tensor, rng: list[torch.Tensor]) -> list[torch.Tensor]:
         return [*self.live, *rng, meta_buf]
@@ -237,9 +238,17 @@ class Snapshotter:
         """Copy the live state of `iteration` into `out` (one pass: pack + checksum)."""
         raw = _encode_meta(self.state.small_state(iteration, self.manifest))
         _fill_meta(self.meta_buf, raw)
-        tensors = self._tensors(self.meta_buf, rng_tensors())
+        device = self.live[0].device if self.live else out.device
+        small = [t.to(device, non_blocking=True) for t in [*rng_tensors(), self.meta_buf]]
+        tensors = [*self.live, *small]
         nbytes = pack.packed_nbytes(tensors)
-        checksum = pack.pack(tensors, out[:nbytes])
+        if out.device == device:
+            checksum = pack.pack(tensors, out[:nbytes])
+        else:  # GPU state, host replicas: pack on the GPU, then one copy to pinned memory
+            if self._staging is None or self._staging.numel() < nbytes:
+                self._staging = torch.empty(nbytes, dtype=torch.uint8, device=device)
+            checksum = pack.pack(tensors, self._staging[:nbytes])
+            out[:nbytes].copy_(self._staging[:nbytes], non_blocking=True)
         header = Header(
             owner=self.owner,
             iteration=iteration,
@@ -260,15 +269,17 @@ class Snapshotter:
         header = verify(flat, owner=owner, iteration=iteration)
         meta = _meta_from(flat[header.nbytes - header.meta_nbytes : header.nbytes])
         state.ensure_state(meta["manifest"])
-        rng = [torch.empty_like(t) for t in rng_tensors()]
-        meta_buf = torch.empty(header.meta_nbytes, dtype=torch.uint8)
-        tensors = [*state.state_tensors(), *rng, meta_buf]
+        live = state.state_tensors()
+        device = live[0].device if live else flat.device
+        rng = [torch.empty_like(t, device=device) for t in rng_tensors()]
+        meta_buf = torch.empty(header.meta_nbytes, dtype=torch.uint8, device=device)
+        tensors = [*live, *rng, meta_buf]
         if pack.packed_nbytes(tensors) != header.nbytes:
             raise CorruptReplicaError(
                 f"replica of rank {owner} has {header.nbytes} B, this rank's state packs "
                 f"to {pack.packed_nbytes(tensors)} B: the layouts differ"
             )
-        pack.unpack(flat[: header.nbytes], tensors)
-        set_rng_tensors(rng)
+        pack.unpack(flat[: header.nbytes].to(device), tensors)
+        set_rng_tensors([t.cpu() for t in rng])
         state.load_small_state(meta)
         return meta

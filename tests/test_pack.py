@@ -9,6 +9,7 @@ kernels themselves run only where CUDA is available.
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import random
 import shutil
@@ -232,6 +233,21 @@ def test_chunk_geometry_respects_the_int64_bounds() -> None:
         assert rows * rows // 2 * pack._ROW_WORDS * 2**31 < 2**63
 
 
+@pytest.mark.timeout(60)
+def test_pack_bench_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from megatron_deadpool.bench import pack_bench
+
+    result = pack_bench.run_pack_bench(sizes_mb=[0.25], repeats=1, threads=[1])
+    (row,) = result["rows"]
+    assert row["backend"] == "torch" and row["threads"] == 1 and row["copy_gbps"] > 0
+    assert row["ratio"] == pytest.approx(row["pack_gbps"] / row["copy_gbps"])
+    path = tmp_path / "pack.json"
+    argv = ["--sizes-mb", "0.25", "--repeats", "1", "--threads", "1", "--json", str(path)]
+    assert pack_bench.main(argv) == 0
+    assert "pack/copy" in capsys.readouterr().out
+    assert json.loads(path.read_text())["rows"][0]["nbytes"] == row["nbytes"]
+
+
 # ---------------------------------------------------------------------------------------------
 # Fault detection
 
@@ -248,7 +264,7 @@ def test_every_single_bit_flip_is_detected() -> None:
         data = bytearray(raw_bytes(buf))
         for bit in range(len(data) * 8):
             data[bit // 8] ^= 1 << (bit % 8)
-            flipped = torch.frombuffer(bytes(data), dtype=torch.uint8)
+            flipped = torch.frombuffer(bytearray(data), dtype=torch.uint8)
             value = pack.checksum(flipped)
             assert value != base, f"flip of bit {bit} undetected"
             assert value == ref_checksum_py(bytes(data))
@@ -443,6 +459,7 @@ def test_cuda_source_compiles_links_and_matches_fallback(tmp_path: Path) -> None
     assert ext.emulate_pack(tensors, offsets, out, total) & MASK64 == expected
     assert torch.equal(out, expected_out)
     restored = [torch.empty_like(t) for t in tensors]
+    restored[-1] = torch.empty(9, dtype=torch.bfloat16)[1:]  # misaligned destination
     assert ext.emulate_unpack(out, restored, offsets, total) & MASK64 == expected
     assert all(raw_bytes(a) == raw_bytes(b) for a, b in zip(tensors, restored))
     for nbytes in (0, 4, 12, 20, 4096 + 12):
@@ -464,6 +481,15 @@ def test_cuda_source_compiles_links_and_matches_fallback(tmp_path: Path) -> None
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
+def to_cuda(tensor: torch.Tensor) -> torch.Tensor:
+    """A CUDA copy that keeps the storage offset (so a misaligned view stays misaligned)."""
+    offset = tensor.storage_offset()
+    base = torch.empty(offset + tensor.numel(), dtype=tensor.dtype, device="cuda")
+    view = base[offset:].view(tensor.shape)
+    view.copy_(tensor)
+    return view
+
+
 def _cuda_cases() -> list[list[torch.Tensor]]:
     big = shard(seed=6)
     big.append(torch.randn(9, dtype=torch.bfloat16)[1:])  # source not 16-byte aligned
@@ -478,7 +504,7 @@ def test_cuda_fallback_matches_cpu() -> None:
         total = pack.packed_nbytes(tensors)
         cpu_out = torch.empty(total, dtype=torch.uint8)
         expected = pack.pack(tensors, cpu_out)
-        gpu = [t.cuda() for t in tensors]
+        gpu = [to_cuda(t) for t in tensors]
         gpu_out = torch.empty(total, dtype=torch.uint8, device="cuda")
         os.environ["DEADPOOL_PACK_BACKEND"] = "torch"
         try:
@@ -500,12 +526,15 @@ def test_cuda_kernel_matches_fallback_bit_for_bit() -> None:
         total = pack.packed_nbytes(tensors)
         cpu_out = torch.empty(total, dtype=torch.uint8)
         expected = pack.pack(tensors, cpu_out)
-        gpu = [t.cuda() for t in tensors]
+        gpu = [to_cuda(t) for t in tensors]
         gpu_out = torch.full((total + 16,), 0xEE, dtype=torch.uint8, device="cuda")
         assert pack.pack(gpu, gpu_out) == expected
         assert torch.equal(gpu_out[:total].cpu(), cpu_out)
         assert (gpu_out[total:] == 0xEE).all()
         restored = [torch.empty_like(t) for t in gpu]
+        if tensors[-1].storage_offset():  # also scatter into a misaligned destination
+            restored[-1] = torch.empty(tensors[-1].numel() + 1, dtype=tensors[-1].dtype)
+            restored[-1] = restored[-1].cuda()[1:]
         assert pack.unpack(gpu_out, restored) == expected
         assert all(raw_bytes(a) == raw_bytes(b.cpu()) for a, b in zip(tensors, restored))
         assert pack.checksum(gpu_out[:total]) == expected

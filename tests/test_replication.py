@@ -115,7 +115,7 @@ def _replication_rank(
     for it in range(1, iters + 1):
         if repl is not None:
             repl.before_step()
-        loss, _ = gpt.train_step(job, objs, it)
+        loss = gpt.train_step(job, objs, it).loss
         out["losses"].append(loss)
         if repl is None:
             repl = Replicator(Snapshotter(state, rank), placement, rank, group, torch.device("cpu"))
