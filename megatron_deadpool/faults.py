@@ -5,8 +5,9 @@ Forms (each fault fires once per job):
                                caught in that iteration's collectives
   node:N@ITER[:kill|hang]      every rank of failure domain N, likewise
   spare:I@ITER[:kill|hang]     waiting spare s{I}, once training has reached iteration ITER
-  RANK@recovery[:kill|hang]    rank RANK fails when it enters the next recovery (a second
-                               failure during recovery)
+  RANK@recovery[:kill|hang|flip]  rank RANK fails when it enters the next recovery (a
+                               second failure during recovery; `flip`: its replicas rot
+                               just before agreement would use them)
 Kinds: `kill` (SIGKILL, the default), `hang` (SIGSTOP: alive but silent, as a hung GPU or a
 stuck NIC), `flip` (flip one bit of every replica the rank holds, at rest: memory corruption
 that checksums must catch before the replica is used).
@@ -70,8 +71,8 @@ def parse_fault(text: str) -> FaultSpec:
     iteration = 0 if recovery else int(match["when"])
     if not recovery and iteration < 1:
         raise ConfigError(f"fail: iteration in {text!r} must be >= 1")
-    if kind == "flip" and (match["node"] or match["spare"] or recovery):
-        raise ConfigError(f"fail: {text!r}: 'flip' applies to one rank at an iteration (R@IT:flip)")
+    if kind == "flip" and (match["node"] or match["spare"]):
+        raise ConfigError(f"fail: {text!r}: 'flip' applies to one rank (RANK@ITER:flip)")
     if recovery and (match["node"] or match["spare"]):
         raise ConfigError(f"fail: {text!r}: '@recovery' applies to one rank (RANK@recovery)")
     if match["node"]:

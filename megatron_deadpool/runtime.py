@@ -350,7 +350,11 @@ class Runtime:
         log.info("released %d group handles", released)
         for index, kind in recovery_faults(self.job, self.rank):
             if self._fire(index):
-                self._fail(kind, "while in recovery")
+                if kind == "flip":
+                    if self.replicator is not None:
+                        self.replicator.flip_bits_at_rest()
+                else:
+                    self._fail(kind, "while in recovery")
         roster = self._agree(exc, t0)
         self._join(roster)
         n = rebind.attach(
