@@ -70,8 +70,10 @@ class LocalLauncher:
         timeout_s: float = 900.0,
         stream: TextIO | None = None,
         quiet: bool = False,
+        replenish_spares: bool = False,
     ) -> None:
         self.job = job
+        self.replenish_spares = replenish_spares
         self.json_log = json_log
         self.run_dir = Path(run_dir or job.deadpool.log_dir or tempfile.mkdtemp(prefix="deadpool-"))
         self.timeout_s = timeout_s
@@ -159,6 +161,8 @@ class LocalLauncher:
             self._spawn(f"a{r}", config_path, address)
         for s in range(spares):
             self._spawn(f"s{s}", config_path, address)
+        self._spawn_spare = lambda: self._spawn(f"s{self._next_spare}", config_path, address)
+        self._next_spare = spares
         records: list[dict[str, Any]] = []
         log_file = open(self.json_log, "w") if self.json_log else None
         self._sigterm = False
@@ -202,6 +206,7 @@ class LocalLauncher:
                 )
             if deadpool:
                 coord.tick()
+                self._replenish(coord)
             if coord.roster.generation != generation:  # a recovery agreed: rewind the display
                 generation = coord.roster.generation
                 next_it = (coord.roster.restore_iteration or 0) + 1
@@ -238,6 +243,15 @@ class LocalLauncher:
                 self.progress.event(f"run exceeded its {self.timeout_s:.0f}s limit; stopping")
                 return 124
             time.sleep(0.02)
+
+    def _replenish(self, coord: Coordinator) -> None:
+        """Keep the spare pool full (as a cluster's scheduler would add nodes), if asked."""
+        while self.replenish_spares and len(coord.spares) < self.job.deadpool.spares:
+            pid = f"s{self._next_spare}"
+            self._spawn_spare()
+            self._next_spare += 1
+            coord.spares.append(pid)
+            coord.events("spare_added", pid=pid, spares=len(coord.spares))
 
     def _first_iteration(self) -> int:
         """1, or the iteration after the checkpoint `--load` resumes from."""
