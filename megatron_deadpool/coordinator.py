@@ -60,6 +60,8 @@ class Recovery:
     t_detect: float
     t_plan: float
     prev_last_iteration: int = 0
+    no_spare: str = ""
+    """Why this recovery can only save what survives (no spare left), if so."""
     t_agreed: float | None = None
     restore_iteration: int | None = None
     record: dict[str, Any] = field(default_factory=dict)
@@ -108,6 +110,7 @@ class Coordinator:
         self.on_event = on_event
         self.roster = Roster(0, self.world, {r: f"a{r}" for r in range(self.world)})
         self.dead_pids: set[str] = set()
+        self.handled: set[str] = set()  # dead processes a plan already accounts for
         self.recovery: Recovery | None = None
         self.finished: list[dict[str, Any]] = []
         self.aborted: dict[str, Any] | None = None
@@ -153,7 +156,10 @@ class Coordinator:
                 self.spares.remove(pid)
                 self.events("spare_lost", pid=pid, spares_left=len(self.spares))
         current = self.recovery.slots if self.recovery else self.roster.slots
-        dead = {r for r, pid in current.items() if self._is_dead(pid, now)}
+        dead = {
+            r for r, pid in current.items() if pid not in self.handled and self._is_dead(pid, now)
+        }
+        self.handled.update(current[r] for r in dead)
         if dead and self.aborted is None:
             self._plan(dead, now)
         if self.recovery is not None and self.recovery.t_agreed is None:
@@ -175,16 +181,13 @@ class Coordinator:
         all_dead = (rec.dead if rec else set()) | dead
         slots = dict(base)
         needy = set(rec.needy) if rec else set()
+        no_spare = rec.no_spare if rec else ""
         for rank in sorted(dead):
-            if not self.spares:
-                self._abort(
-                    now,
-                    f"no spare left to replace rank(s) {sorted(dead)}",
-                    lost_ranks=sorted(all_dead),
-                )
-                return
-            slots[rank] = self.spares.pop(0)
             needy.add(rank)
+            if self.spares and not no_spare:
+                slots[rank] = self.spares.pop(0)
+            else:  # nothing can take the slot: agree anyway, to save what survives
+                no_spare = f"no spare left to replace rank(s) {sorted(all_dead)}"
         generation = self.next_generation
         self.next_generation += 1
         dead_pids = [base[r] for r in dead]
@@ -198,6 +201,7 @@ class Coordinator:
             t_detect=rec.t_detect if rec else now,
             t_plan=now,
             prev_last_iteration=self._last_iteration(),
+            no_spare=no_spare,
         )
         plan = {
             "generation": generation,
@@ -246,9 +250,16 @@ class Coordinator:
             [rec.prev_last_iteration] + [h.get("last_completed", 0) for h in holdings.values()]
         )
         rec.prev_last_iteration = last
-        plan = plan_restore(self._placement(), {r: h["holds"] for r, h in holdings.items()}, rec.needy)
-        if not plan.ok:
-            self._abort(now, plan.reason, lost_ranks=plan.lost_ranks)
+        holds = {r: h["holds"] for r, h in holdings.items()}
+        plan = plan_restore(self._placement(), holds, rec.needy)
+        if rec.no_spare or not plan.ok:
+            self._abort(
+                now,
+                rec.no_spare or plan.reason,
+                lost_ranks=plan.lost_ranks,
+                dead=sorted(rec.dead),
+                save=self._salvage(plan, holds, rec.needy),
+            )
             return
         rec.t_agreed = time.time()
         rec.restore_iteration = plan.iteration
@@ -268,12 +279,50 @@ class Coordinator:
             + ", ".join(f"rank {h} -> rank {n}" for n, h in plan.sources.items())
         )
 
-    def _abort(self, now: float, reason: str, *, lost_ranks: list[int]) -> None:
-        holders = self._placement().holders if self.store.check(["job/layout"]) or (
-            self.placement is not None
-        ) else None
+    def _salvage(
+        self, plan: Any, holds: dict[int, dict[str, list[int]]], needy: set[int]
+    ) -> dict[str, Any] | None:
+        """What survivors write before stopping: one common iteration, and who writes what."""
+        if plan.ok:  # every shard survives in memory: a complete set
+            return {"iteration": plan.iteration, "sources": plan.sources, "complete": True}
+        common: set[int] | None = None
+        for r, h in holds.items():
+            if r not in needy:
+                mine = set(h.get("local", []))
+                common = mine if common is None else common & mine
+        if not common:
+            return None
+        t = max(common)
+        sources = {}
+        for n in sorted(needy):
+            for holder in self._placement().holders[n]:
+                if t in holds.get(holder, {}).get(str(n), []):
+                    sources[n] = holder
+                    break
+        return {"iteration": t, "sources": sources, "complete": len(sources) == len(needy)}
+
+    def _abort(
+        self,
+        now: float,
+        reason: str,
+        *,
+        lost_ranks: list[int],
+        dead: list[int] | None = None,
+        save: dict[str, Any] | None = None,
+    ) -> None:
+        holders = (
+            self._placement().holders
+            if self.store.check(["job/layout"]) or (self.placement is not None)
+            else None
+        )
         shards = {str(r): list(holders[r]) if holders else [] for r in lost_ranks}
-        self.aborted = {"reason": reason, "lost_ranks": lost_ranks, "lost_shards_holders": shards}
+        self.aborted = {
+            "reason": reason,
+            "dead_ranks": dead if dead is not None else lost_ranks,
+            "lost_ranks": lost_ranks,
+            "lost_shards_holders": shards,
+            "save": save and {**save, "sources": {str(k): v for k, v in save["sources"].items()}},
+        }
         generation = self.next_generation
         self.store.set("abort", json.dumps(self.aborted))
         self.store.set("plan/latest", str(generation))

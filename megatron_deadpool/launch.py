@@ -255,10 +255,11 @@ class LocalLauncher:
 
     def _first_iteration(self) -> int:
         """1, or the iteration after the checkpoint `--load` resumes from."""
-        from .checkpoint import latest_iteration
+        from .salvage import resume_point
 
         load = self.job.train.load
-        return (latest_iteration(load) or 0) + 1 if load else 1
+        point = resume_point(load) if load else None
+        return point[1] + 1 if point else 1
 
     def _wait_exit(self, pids: list[str], timeout: float) -> None:
         deadline = time.monotonic() + timeout

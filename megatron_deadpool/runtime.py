@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
-from . import gpt, rebind
+from . import gpt, rebind, salvage
 from .devices import Device, select_device
 from .digest import rank_digest
 from .errors import CoordinatorUnreachableError, OutOfRedundancyError
@@ -312,6 +312,50 @@ class Runtime:
         dist.destroy_process_group()
         log.info("done: parameter digest %s", digest[:16])
 
+    def _salvage(self, report: dict[str, Any]) -> str:
+        """Write this survivor's part of the snapshot set the coordinator chose; say what."""
+        root, save = self.job.train.save, report.get("save")
+        if not root:
+            return "nothing saved (no --save directory)"
+        if not save or self.replicator is None:
+            return "no snapshot iteration common to the survivors: nothing saved"
+        t, world = save["iteration"], self.layout.world_size
+        own = self.replicator.local.find(t)
+        if own is not None:
+            salvage.write_flat(salvage.rank_file(root, t, self.rank), own)
+        for needy, holder in save["sources"].items():
+            if holder == self.rank:
+                flat = self.replicator.held[int(needy)].find(t)
+                salvage.write_flat(salvage.rank_file(root, t, int(needy)), flat)
+        store = self.members.store
+        store.set(f"salvaged/{self.rank}", "1")
+        if store.add("salvage/manifest", 1) == 1:  # one survivor writes the manifest
+            survivors = [r for r in range(world) if r not in report.get("dead_ranks", [])]
+            deadline = time.time() + 30
+            while time.time() < deadline and not store.check([f"salvaged/{r}" for r in survivors]):
+                time.sleep(0.1)
+            present = sorted(
+                int(p.stem.split("_")[1]) for p in salvage.set_dir(root, t).glob("rank_*.snap")
+            )
+            salvage.write_manifest(
+                root,
+                {
+                    "iteration": t,
+                    "complete": present == list(range(world)),
+                    "world_size": world,
+                    "ranks_present": present,
+                    "ranks_missing": sorted(set(range(world)) - set(present)),
+                    "reason": report.get("reason"),
+                },
+            )
+        where = salvage.set_dir(root, t)
+        if save["complete"]:
+            return f"saved every rank's state of iteration {t} to {where}: resume with --load"
+        return (
+            f"saved the surviving snapshots of iteration {t} to {where} (incomplete: "
+            "--load resumes from the last complete checkpoint)"
+        )
+
     # ------------------------------------------------------------------ persistent checkpoints
     def _save(self, iteration: int) -> None:
         from . import checkpoint
@@ -323,9 +367,18 @@ class Runtime:
     def _load(self, root: str) -> int:
         from . import checkpoint
 
-        if checkpoint.latest_iteration(root) is None:
+        point = salvage.resume_point(root)
+        if point is None:
             log.info("no checkpoint in %s: starting from iteration 1", root)
             return 0
+        if point[0] == "snapshots":  # the set survivors saved when memory could not recover
+            t = point[1]
+            state = RankState(self.objs.optimizer, self.objs.scheduler)
+            flat = salvage.read_flat(salvage.rank_file(root, t, self.rank))
+            Snapshotter.restore_into(state, flat, owner=self.rank, iteration=t)
+            gpt.sync_params_from_main(self.objs)
+            log.info("resumed from DeadPool snapshot set of iteration %d", t)
+            return t
         t0 = time.perf_counter()
         iteration = checkpoint.load(self.objs, root)
         self.members.store.set(f"load/{self.rank}", repr(time.perf_counter() - t0))
@@ -382,9 +435,10 @@ class Runtime:
         while True:
             if self.members.store.check(["abort"]):
                 report = self.members.read("abort") or {}
+                saved = self._salvage(report)
                 raise OutOfRedundancyError(
-                    f"out of redundancy: {report.get('reason')}; lost ranks "
-                    f"{report.get('lost_ranks')}"
+                    f"out of redundancy: {report.get('reason')}; shards lost: ranks "
+                    f"{report.get('lost_ranks')}; {saved}"
                 )
             latest = self.members.store.check(["plan/latest"]) and int(
                 self.members.store.get("plan/latest").decode()

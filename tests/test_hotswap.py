@@ -38,7 +38,8 @@ CASES: dict[str, list[str]] = {
     ],
     "pp_kill": ["--pp", "2", "--dp", "2", "--spares", "1", "--fail", "3@4"],
     "node": ["--tp", "2", "--dp", "2", "--spares", "2", "--fail", "node:1@3"],
-    "no_spare": ["--tp", "2", "--dp", "2", "--spares", "0", "--fail", "2@4"],
+    # With --save: memory still holds every shard, so survivors save a complete set.
+    "no_spare": ["--tp", "2", "--dp", "2", "--spares", "0", "--fail", "2@4", "--save", "{ckpt}"],
     "owner_and_holder": [
         "--tp",
         "2",
@@ -50,6 +51,10 @@ CASES: dict[str, list[str]] = {
         "0@3",
         "--fail",
         "2@3",
+        "--save",
+        "{ckpt}",
+        "--save-interval",
+        "2",
     ],
 }
 
@@ -60,7 +65,7 @@ def run(case: str, root: str) -> tuple[subprocess.CompletedProcess, list[dict[st
     log = out / "run.jsonl"
     proc = run_deadpool(
         "train",
-        *CASES[case],
+        *(a.replace("{ckpt}", str(out / "ckpt")) for a in CASES[case]),
         "--iters",
         ITERS,
         *FAST,
@@ -125,21 +130,65 @@ def test_whole_node_is_replaced_by_two_spares(root: str) -> None:
     _check_recovered("node", "ref_tp", root, [[2, 3]])
 
 
-@pytest.mark.timeout(300)
-def test_no_spare_left_ends_the_run_with_a_report(root: str) -> None:
+def _resume(case: str, root: str) -> dict[str, Any]:
+    """`--load` the directory the failed run saved into; the run must end as if unbroken."""
+    out = Path(root) / case
+    proc = run_deadpool(
+        "train",
+        "--tp",
+        "2",
+        "--dp",
+        "2",
+        "--iters",
+        ITERS,
+        "--load",
+        str(out / "ckpt"),
+        "--json-log",
+        str(out / "resume.jsonl"),
+        timeout=240,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    summary = json.loads((out / "resume.jsonl").read_text().splitlines()[-1])
+    _, _, reference = run("ref_tp", root)
+    assert summary["losses"] == reference["losses"][-len(summary["losses"]) :]
+    assert summary["final_param_digest"] == reference["final_param_digest"]
+    return summary
+
+
+@pytest.mark.timeout(600)
+def test_no_spare_left_saves_every_shard_and_resumes_exactly(root: str) -> None:
     proc, _, summary = run("no_spare", root)
     assert proc.returncode != 0
-    assert summary["out_of_redundancy"]["lost_ranks"] == [2]
-    assert "no spare left" in summary["out_of_redundancy"]["reason"]
+    report = summary["out_of_redundancy"]
+    assert report["dead_ranks"] == [2] and report["lost_ranks"] == []  # nothing lost
+    assert "no spare left" in report["reason"]
+    assert report["save"]["complete"] and report["save"]["sources"] == {"2": 0}
     assert "OUT OF REDUNDANCY" in proc.stdout
     assert summary["final_param_digest"] is None
+    manifest = json.loads(
+        next(
+            (Path(root) / "no_spare" / "ckpt" / "deadpool").glob("iter_*/manifest.json")
+        ).read_text()
+    )
+    assert manifest["complete"] and manifest["ranks_present"] == [0, 1, 2, 3]
+    resumed = _resume("no_spare", root)
+    assert len(resumed["losses"]) == int(ITERS) - manifest["iteration"]
 
 
-@pytest.mark.timeout(300)
-def test_owner_and_its_holder_lost_together_is_reported(root: str) -> None:
+@pytest.mark.timeout(600)
+def test_owner_and_its_holder_lost_together_is_reported_and_resumable(root: str) -> None:
     proc, _, summary = run("owner_and_holder", root)
     assert proc.returncode != 0
     report = summary["out_of_redundancy"]
     assert report["lost_ranks"] == [0, 2]
     assert report["lost_shards_holders"] == {"0": [2], "2": [0]}
     assert "no surviving copy" in report["reason"]
+    assert report["save"] and not report["save"]["complete"]
+    manifest = json.loads(
+        next(
+            (Path(root) / "owner_and_holder" / "ckpt" / "deadpool").glob("iter_*/manifest.json")
+        ).read_text()
+    )
+    assert manifest["ranks_missing"] == [0, 2] and not manifest["complete"]
+    resumed = _resume("owner_and_holder", root)  # from the Megatron checkpoint of iteration 2
+    assert len(resumed["losses"]) == int(ITERS) - 2
