@@ -59,14 +59,19 @@ ran; `backend_for` reports it. Setting ``DEADPOOL_PACK_BACKEND=torch`` forces th
 
 from __future__ import annotations
 
+import functools
 import importlib
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from types import ModuleType
+from typing import ParamSpec, TypeVar
 
 import torch
+
+P = ParamSpec("P")
+R = TypeVar("R")
 
 ALIGN = 16
 """Every tensor starts at a multiple of this many bytes; gap bytes are zero."""
@@ -210,6 +215,20 @@ def _cuda_call(fn_name: str, device: torch.device, *args: object) -> int:
 # Public operations
 
 
+def _plain_torch(fn: Callable[P, R]) -> Callable[P, R]:
+    """Run `fn` without torch-function modes (the CPU development mode installs one): its many
+    small calls would each pay the mode's Python hook, and none creates a tensor on a device
+    that needs redirecting."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
+        with torch._C.DisableTorchFunction():
+            return fn(*args, **kwargs)
+
+    return wrapper
+
+
+@_plain_torch
 def pack(tensors: Sequence[torch.Tensor], out: torch.Tensor) -> int:
     """Copy `tensors` into `out` in the packed layout and return the region's checksum.
 
@@ -229,6 +248,7 @@ def pack(tensors: Sequence[torch.Tensor], out: torch.Tensor) -> int:
         return _torch_pack(tensors, offsets, out[:total])
 
 
+@_plain_torch
 def unpack(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> int:
     """Copy the packed bytes of `flat` back into the preallocated `tensors`.
 
@@ -248,6 +268,7 @@ def unpack(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> int:
         return _torch_unpack(flat[:total], tensors, offsets)
 
 
+@_plain_torch
 def checksum(buf: torch.Tensor) -> int:
     """The checksum (module docstring) of a 1-D uint8 buffer whose length is a multiple of 4."""
     _check_flat(buf, "checksum")
