@@ -31,7 +31,9 @@ def setup_logging(level: int = logging.INFO) -> None:
     handler = logging.StreamHandler(sys.stderr)
     handler.addFilter(_Prefix())
     handler.setFormatter(
-        logging.Formatter("%(asctime)s [%(dp_prefix)s] %(levelname)s %(message)s", "%H:%M:%S")
+        logging.Formatter(
+            "%(asctime)s.%(msecs)03d [%(dp_prefix)s] %(levelname)s %(message)s", "%H:%M:%S"
+        )
     )
     root = logging.getLogger("megatron_deadpool")
     root.handlers[:] = [handler]
