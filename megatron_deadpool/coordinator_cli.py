@@ -11,22 +11,22 @@ every active rank has finished, 1 when a failure ran out of redundancy. Workers 
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
 import secrets
 import time
 from pathlib import Path
 
-import torch.distributed as dist
 
 from .coordinator import Coordinator, EventLog, HeartbeatOnly
 from .errors import ConfigError
 from .logs import setup_logging
-from .membership import Membership
+from .membership import Membership, host_store
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback)")
+    parser.add_argument(
+        "--host", default="127.0.0.1", help="address to listen on (default loopback only)"
+    )
     parser.add_argument("--port", type=int, default=29400, help="store port")
     parser.add_argument("--world-size", type=int, required=True, help="active ranks (tp*pp*dp)")
     parser.add_argument("--spares", type=int, default=0, help="spare ranks started with the job")
@@ -49,10 +49,8 @@ def run(args: argparse.Namespace) -> int:
     setup_logging()
     token = args.job_token or os.environ.get("DEADPOOL_JOB_TOKEN") or secrets.token_hex(16)
     try:
-        store = dist.TCPStore(
-            args.host, args.port, is_master=True, wait_for_workers=False,
-            timeout=datetime.timedelta(seconds=60),
-        )
+        # `listener` must outlive the store: it is the socket the store serves on.
+        store, listener = host_store(args.host, args.port)  # listens on --host only
     except (RuntimeError, OSError) as exc:
         raise ConfigError(f"host/port: cannot listen on {args.host}:{args.port} ({exc})") from None
     store.set("job/token", token)
@@ -72,8 +70,11 @@ def run(args: argparse.Namespace) -> int:
         on_event=lambda text: print(f"deadpool coordinator: {text}", flush=True),
     )
     coord.start()
-    print(f"deadpool coordinator: listening on {args.host}:{args.port}, world size "
-          f"{args.world_size}, {args.spares} spare(s)", flush=True)
+    print(
+        f"deadpool coordinator: listening on {args.host}:{args.port}, world size "
+        f"{args.world_size}, {args.spares} spare(s)",
+        flush=True,
+    )
     deadline = time.monotonic() + args.max_wait
     while time.monotonic() < deadline:
         coord.tick()

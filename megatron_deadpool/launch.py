@@ -19,13 +19,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
-import torch.distributed as dist
 import yaml
 
 from .coordinator import Coordinator, EventLog
 from .digest import job_digest
 from .jobspec import JobConfig
-from .membership import Membership
+from .membership import Membership, host_store
 from .progress import Progress
 from .topology import Layout, place_replicas
 
@@ -132,7 +131,7 @@ class LocalLauncher:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         config_path = self.run_dir / "job.yaml"
         config_path.write_text(yaml.safe_dump(job.to_dict(), sort_keys=False))
-        store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        store, self._listener = host_store("127.0.0.1", 0)  # loopback only
         address = f"127.0.0.1:{store.port}"
         members = Membership(store, "launcher")
         store.set("job/token", self.token)

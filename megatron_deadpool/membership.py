@@ -14,6 +14,7 @@ A process id (pid) is `a{r}` for the initial active of rank r and `s{i}` for spa
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import socket
@@ -105,3 +106,27 @@ class Membership:
         if not self.store.check([key]):
             return None
         return json.loads(self.store.get(key))
+
+
+def host_store(
+    host: str, port: int, timeout_s: float = 300.0
+) -> tuple[dist.TCPStore, socket.socket]:
+    """Host the job's store listening on `host` only (torch's own server binds every interface).
+
+    The caller keeps the returned socket alive for as long as the store serves. Port 0 picks a
+    free port (read it from the socket).
+    """
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(1024)
+    store = dist.TCPStore(
+        host,
+        sock.getsockname()[1],
+        is_master=True,
+        wait_for_workers=False,
+        timeout=datetime.timedelta(seconds=timeout_s),
+        master_listen_fd=sock.fileno(),
+    )
+    return store, sock

@@ -304,3 +304,21 @@ def test_sigterm_saves_a_checkpoint_and_resumes_exactly(tmp_path: Path) -> None:
     assert summary["losses"][:stopped] == ref["losses"][:stopped]
     assert post["losses"] == ref["losses"][stopped:]
     assert post["final_param_digest"] == ref["final_param_digest"]
+
+
+@pytest.mark.timeout(60)
+def test_store_listens_on_loopback_only() -> None:
+    from megatron_deadpool.membership import host_store
+
+    store, listener = host_store("127.0.0.1", 0)
+    port = listener.getsockname()[1]
+    listening = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            local, state = line.split()[1], line.split()[3]
+            if state == "0A" and int(local.split(":")[1], 16) == port:  # 0A: LISTEN
+                listening.append(local.split(":")[0])
+    assert listening == ["0100007F"], listening  # 127.0.0.1, nothing else
+    store.set("k", "v")
+    assert store.get("k") == b"v"
+    listener.close()
