@@ -20,6 +20,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "train": ("megatron_deadpool.train_cli", "train the embedded GPT job with actives + spares"),
     "bench": ("megatron_deadpool.bench.cli", "benchmarks: overhead, recovery, pack, paper"),
     "plan": ("megatron_deadpool.plan_cli", "capacity planner: memory, traffic, recovery, coverage"),
+    "chaos": (
+        "megatron_deadpool.chaos_cli",
+        "soak: the CPU demo under random kills, hangs and node failures, checked bitwise",
+    ),
     "coordinator": (
         "megatron_deadpool.coordinator_cli",
         "run the coordinator (store host, heartbeat monitor, spare assignment) on a cluster",
