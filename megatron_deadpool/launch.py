@@ -178,11 +178,9 @@ class LocalLauncher:
         finally:
             signal.signal(signal.SIGTERM, previous)
             store.set("shutdown", "1")
-            deadline = time.monotonic() + 10
-            while time.monotonic() < deadline and any(
-                p.poll() is None for p in self.procs.values()
-            ):
-                time.sleep(0.05)
+            # Ranks finish on their own; spares without a slot (maybe still starting up, and
+            # unable to see the shutdown yet) are simply stopped.
+            self._wait_exit(list(self.coordinator.roster.slots.values()), 10.0)
             self._kill_all()
             if log_file:
                 log_file.close()
