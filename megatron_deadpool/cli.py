@@ -24,6 +24,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "megatron_deadpool.chaos_cli",
         "soak: the CPU demo under random kills, hangs and node failures, checked bitwise",
     ),
+    "megatron-lm": (
+        "megatron_deadpool.megatron_lm_cli",
+        "run a Megatron-LM training script on this machine with spares and hot swap",
+    ),
     "coordinator": (
         "megatron_deadpool.coordinator_cli",
         "run the coordinator (store host, heartbeat monitor, spare assignment) on a cluster",
