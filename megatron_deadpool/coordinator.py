@@ -17,6 +17,9 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import signal
+import subprocess
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -36,6 +39,24 @@ class Liveness(Protocol):
     def exited(self, pid: str) -> int | None: ...
 
     def kill(self, pid: str) -> bool: ...
+
+
+class ProcessLiveness:
+    """A launcher on the same machine sees its children exit and can kill a hung one."""
+
+    def __init__(self, procs: dict[str, subprocess.Popen]) -> None:
+        self.procs = procs
+
+    def exited(self, pid: str) -> int | None:
+        proc = self.procs.get(pid)
+        return None if proc is None else proc.poll()
+
+    def kill(self, pid: str) -> bool:
+        proc = self.procs.get(pid)
+        if proc is None or proc.poll() is not None:
+            return False
+        os.killpg(proc.pid, signal.SIGKILL)
+        return True
 
 
 class HeartbeatOnly:

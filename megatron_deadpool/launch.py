@@ -21,30 +21,12 @@ from typing import Any, TextIO
 
 import yaml
 
-from .coordinator import Coordinator, EventLog
+from .coordinator import Coordinator, EventLog, ProcessLiveness
 from .digest import job_digest
 from .jobspec import JobConfig
 from .membership import Membership, host_store
 from .progress import Progress
 from .topology import Layout, place_replicas
-
-
-class _LocalLiveness:
-    """The launcher sees its children exit and can kill a hung one."""
-
-    def __init__(self, procs: dict[str, subprocess.Popen]) -> None:
-        self.procs = procs
-
-    def exited(self, pid: str) -> int | None:
-        proc = self.procs.get(pid)
-        return None if proc is None else proc.poll()
-
-    def kill(self, pid: str) -> bool:
-        proc = self.procs.get(pid)
-        if proc is None or proc.poll() is not None:
-            return False
-        os.killpg(proc.pid, signal.SIGKILL)
-        return True
 
 
 @dataclass
@@ -143,7 +125,7 @@ class LocalLauncher:
             [f"s{i}" for i in range(spares)],
             heartbeat_timeout=cfg.heartbeat_timeout,
             agree_timeout=cfg.heartbeat_timeout + 30.0,
-            liveness=_LocalLiveness(self.procs),
+            liveness=ProcessLiveness(self.procs),
             events=EventLog(self.run_dir / "events.jsonl"),
             on_event=self.progress.event,
         )

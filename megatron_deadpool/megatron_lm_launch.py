@@ -34,24 +34,6 @@ from .megatron_lm import preparse
 CONFIG_ERROR_EXIT = 2
 
 
-class _Liveness:
-    """The launcher sees its children exit and can kill a hung one."""
-
-    def __init__(self, procs: dict[str, subprocess.Popen]) -> None:
-        self.procs = procs
-
-    def exited(self, pid: str) -> int | None:
-        proc = self.procs.get(pid)
-        return None if proc is None else proc.poll()
-
-    def kill(self, pid: str) -> bool:
-        proc = self.procs.get(pid)
-        if proc is None or proc.poll() is not None:
-            return False
-        os.killpg(proc.pid, signal.SIGKILL)
-        return True
-
-
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -174,7 +156,7 @@ class MegatronLauncher:
         )
         store = None
         if self.cfg.enabled:
-            from .coordinator import Coordinator, EventLog
+            from .coordinator import Coordinator, EventLog, ProcessLiveness
             from .membership import Membership, host_store
 
             store, self._listener = host_store("127.0.0.1", 0)  # loopback only
@@ -189,7 +171,7 @@ class MegatronLauncher:
                 [f"s{i}" for i in range(self.spares)],
                 heartbeat_timeout=self.cfg.heartbeat_timeout,
                 agree_timeout=self.cfg.heartbeat_timeout + 30.0,
-                liveness=_Liveness(self.procs),
+                liveness=ProcessLiveness(self.procs),
                 events=EventLog(self.run_dir / "events.jsonl"),
                 on_event=lambda text: self._print(f"[deadpool] {text}"),
             )

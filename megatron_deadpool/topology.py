@@ -14,10 +14,11 @@ matching. A layout that cannot be placed raises `PlacementError` saying what to 
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
 from collections import Counter
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from functools import cached_property
+from typing import Any
 
 from .errors import PlacementError
 
