@@ -28,7 +28,7 @@ BENCHES: dict[str, tuple[str, str]] = {
         "megatron_deadpool.bench.recovery",
         "hot swap vs restart from a persistent checkpoint: recovery time by phase",
     ),
-    # "paper": ("megatron_deadpool.bench.paper", "the paper's figures and tables"),
+    "paper": ("megatron_deadpool.bench.paper", "the paper's figures and tables"),
 }
 
 
