@@ -141,8 +141,14 @@ def test_second_failure_during_recovery_starts_over(root: str) -> None:
 def test_dead_spare_shrinks_the_pool_and_the_next_one_is_used(root: str) -> None:
     summary = _same_as("spare_dies", "ref_tp", root)
     assert summary["recoveries"][0]["replaced_by"] == {"2": "s1"}
-    events = (Path(root) / "spare_dies" / "logs" / "events.jsonl").read_text()
-    assert '"event": "spare_lost", "pid": "s0"' in events
+    events = [
+        json.loads(x)
+        for x in (Path(root) / "spare_dies" / "logs" / "events.jsonl").read_text().splitlines()
+    ]
+    # s0 died while waiting: it leaves the pool (spare_lost), or - if it was picked for the slot
+    # in the same instant - the plan is redone with s1. Either way it is never used.
+    assert any(e["event"] == "process_dead" and e["pid"] == "s0" for e in events)
+    assert not any(e["event"] == "recovered" and "s0" in e["replaced_by"].values() for e in events)
 
 
 def _free_port() -> int:
