@@ -41,8 +41,21 @@ CASES: dict[str, list[str]] = {
         "--fail",
         "1@recovery:flip",
     ],
-    # k=1: rank 0 holds the only copy of rank 2's shard; it rots, rank 2 dies.
-    "flip_lost": ["--tp", "2", "--dp", "2", "--spares", "1", "--fail", "0@4:flip", "--fail", "2@4"],
+    # k=1: rank 0 holds the only copy of rank 2's shard; rank 2 dies and that copy rots.
+    # (flipped as recovery starts: an earlier flip can miss the in-flight round's copy, which
+    # then arrives intact and is rightly used)
+    "flip_lost": [
+        "--tp",
+        "2",
+        "--dp",
+        "2",
+        "--spares",
+        "1",
+        "--fail",
+        "2@4",
+        "--fail",
+        "0@recovery:flip",
+    ],
     # A second failure while the first is being recovered.
     "during_recovery": [
         "--tp",
