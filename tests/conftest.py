@@ -47,3 +47,35 @@ def run_deadpool(
 def deadpool_cli() -> Callable[..., subprocess.CompletedProcess]:
     """`deadpool_cli("train", "--tp", "0")` runs the real CLI and returns the finished process."""
     return run_deadpool
+
+
+# Fast failure detection for tests: hangs are named after 3 s of silence.
+FAST_HEARTBEAT = ["--deadpool-heartbeat-timeout", "3", "--deadpool-heartbeat-interval", "0.5"]
+
+
+def train_case(
+    out: Path, args: list[str], iters: str
+) -> tuple[subprocess.CompletedProcess, list[dict], dict]:
+    """`deadpool train ARGS` with logs under `out` ("{ckpt}" in ARGS becomes out/ckpt).
+
+    Returns the finished process, the per-iteration records and the summary ({} if none).
+    """
+    import json
+
+    log = out / "run.jsonl"
+    proc = run_deadpool(
+        "train",
+        *(a.replace("{ckpt}", str(out / "ckpt")) for a in args),
+        "--iters",
+        iters,
+        *FAST_HEARTBEAT,
+        "--json-log",
+        str(log),
+        "--run-dir",
+        str(out / "logs"),
+        timeout=240,
+    )
+    lines = [json.loads(x) for x in log.read_text().splitlines()] if log.exists() else []
+    if lines and lines[-1].get("event") == "summary":
+        return proc, lines[:-1], lines[-1]
+    return proc, lines, {}

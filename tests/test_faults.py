@@ -18,10 +18,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import REPO_ROOT, deadpool_command, run_deadpool
+from conftest import REPO_ROOT, deadpool_command, run_deadpool, train_case
 
 ITERS = "6"
-FAST = ["--deadpool-heartbeat-timeout", "3", "--deadpool-heartbeat-interval", "0.5"]
 CASES: dict[str, list[str]] = {
     "ref_tp": ["--tp", "2", "--dp", "2"],
     "ref_dp3": ["--tp", "1", "--dp", "3"],
@@ -92,22 +91,8 @@ def root(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 @cache
 def run(case: str, root: str) -> tuple[subprocess.CompletedProcess, dict[str, Any]]:
-    out = Path(root) / case
-    log = out / "run.jsonl"
-    proc = run_deadpool(
-        "train",
-        *CASES[case],
-        "--iters",
-        ITERS,
-        *FAST,
-        "--json-log",
-        str(log),
-        "--run-dir",
-        str(out / "logs"),
-        timeout=240,
-    )
-    lines = [json.loads(x) for x in log.read_text().splitlines()] if log.exists() else []
-    return proc, (lines[-1] if lines and lines[-1].get("event") == "summary" else {})
+    proc, _, summary = train_case(Path(root) / case, CASES[case], ITERS)
+    return proc, summary
 
 
 def _same_as(case: str, ref: str, root: str) -> dict[str, Any]:

@@ -16,10 +16,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import run_deadpool
+from conftest import run_deadpool, train_case
 
 ITERS = "6"
-FAST = ["--deadpool-heartbeat-timeout", "3", "--deadpool-heartbeat-interval", "0.5"]
 CASES: dict[str, list[str]] = {
     "ref_tp": ["--tp", "2", "--dp", "2"],
     "ref_pp": ["--pp", "2", "--dp", "2"],
@@ -61,23 +60,7 @@ CASES: dict[str, list[str]] = {
 
 @cache
 def run(case: str, root: str) -> tuple[subprocess.CompletedProcess, list[dict[str, Any]], dict]:
-    out = Path(root) / case
-    log = out / "run.jsonl"
-    proc = run_deadpool(
-        "train",
-        *(a.replace("{ckpt}", str(out / "ckpt")) for a in CASES[case]),
-        "--iters",
-        ITERS,
-        *FAST,
-        "--json-log",
-        str(log),
-        "--run-dir",
-        str(out / "logs"),
-        timeout=240,
-    )
-    lines = [json.loads(x) for x in log.read_text().splitlines()] if log.exists() else []
-    summary = lines[-1] if lines and lines[-1].get("event") == "summary" else {}
-    return proc, lines[:-1], summary
+    return train_case(Path(root) / case, CASES[case], ITERS)
 
 
 @pytest.fixture(scope="module")
