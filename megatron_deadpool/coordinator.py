@@ -21,7 +21,7 @@ import os
 import signal
 import subprocess
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -57,6 +57,25 @@ class ProcessLiveness:
             return False
         os.killpg(proc.pid, signal.SIGKILL)
         return True
+
+
+def kill_groups(procs: Iterable[subprocess.Popen]) -> None:
+    """SIGKILL every child's whole process group, exited or not, and reap the children.
+
+    A child that ended may have left helpers behind (data-loader workers, megatron-core's
+    checkpoint writer and its resource tracker); they share its group.
+    """
+    procs = list(procs)
+    for proc in procs:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+    for proc in procs:
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:  # pragma: no cover - SIGKILL does not fail
+            pass
 
 
 class HeartbeatOnly:

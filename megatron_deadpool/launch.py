@@ -21,7 +21,7 @@ from typing import Any, TextIO
 
 import yaml
 
-from .coordinator import Coordinator, EventLog, ProcessLiveness
+from .coordinator import Coordinator, EventLog, ProcessLiveness, kill_groups
 from .digest import job_digest
 from .jobspec import JobConfig
 from .membership import Membership, host_store
@@ -86,18 +86,7 @@ class LocalLauncher:
         log.close()
 
     def _kill_all(self) -> None:
-        # Every child's whole process group, exited or not: a child that ended may have left
-        # helpers behind (megatron-core's checkpoint writer process, its resource tracker).
-        for proc in self.procs.values():
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
-        for proc in self.procs.values():
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                pass
+        kill_groups(self.procs.values())
 
     def _tail(self, pid: str, lines: int = 15) -> str:
         path = self.run_dir / f"{pid}.log"

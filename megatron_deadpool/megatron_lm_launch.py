@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import os
 import secrets
-import signal
 import socket
 import subprocess
 import sys
@@ -28,6 +27,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
+from .coordinator import kill_groups
 from .errors import ConfigError
 from .megatron_lm import preparse
 
@@ -126,20 +126,7 @@ class MegatronLauncher:
         self.threads.append(thread)
 
     def _kill_all(self) -> None:
-        # Every process group, also those whose leader is gone: a killed rank's own children
-        # (data-loader workers, the checkpoint writer's manager) outlive it otherwise.
-        for proc in self.procs.values():
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
-        for proc in self.procs.values():
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:  # pragma: no cover - SIGKILL does not fail
-                pass
-        for thread in self.threads:
-            thread.join(timeout=5)
+        kill_groups(self.procs.values())
 
     # ------------------------------------------------------------------ run
     def run(self) -> int:
