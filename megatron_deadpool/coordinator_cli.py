@@ -16,7 +16,6 @@ import secrets
 import time
 from pathlib import Path
 
-
 from .coordinator import Coordinator, EventLog, HeartbeatOnly
 from .errors import ConfigError
 from .logs import setup_logging

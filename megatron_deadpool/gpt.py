@@ -7,6 +7,7 @@ Megatron's `get_forward_backward_func()`, so tensor and pipeline parallelism run
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 from typing import Any, NamedTuple
@@ -186,16 +187,25 @@ class StepResult(NamedTuple):
     loss: float
     grad_norm: float
     stop: bool
+    replicas_ok: bool | None = None
+    """Every rank verified the replication round settled in this step (None: none was)."""
 
 
 def train_step(
-    job: JobConfig, objs: TrainingObjects, iteration: int, stop_vote: bool = False
+    job: JobConfig,
+    objs: TrainingObjects,
+    iteration: int,
+    stop_vote: bool = False,
+    settle: Callable[[], bool | None] | None = None,
 ) -> StepResult:
     """One iteration: forward/backward over the micro-batches, optimizer step, LR step.
 
     Returns the loss averaged over micro-batches and data-parallel ranks, the grad norm, and
     whether any rank voted to stop after this iteration (preemption), all agreed through one
-    small world all-reduce that runs with and without DeadPool.
+    small world all-reduce that runs with and without DeadPool. `settle` (DeadPool's
+    `Replicator.settle`, run after the optimizer step so the replication round in flight has
+    had the whole step to arrive) gives this rank's verdict on the replicas it received; the
+    verdicts ride on the same all-reduce and come back as `replicas_ok`.
     """
     t = job.train
     for chunk in objs.model:
@@ -222,10 +232,17 @@ def train_step(
     _, grad_norm, _ = objs.optimizer.step()
     objs.scheduler.step(increment=1)
     contributes = ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0
-    total = torch.zeros(3, dtype=torch.float64)
+    settled = settle() if settle is not None else None
+    total = torch.zeros(4, dtype=torch.float64)
     if contributes and losses:
         total[0] = torch.stack([x["lm loss"] for x in losses]).double().mean()
         total[1] = 1.0
     total[2] = float(stop_vote)
+    total[3] = float(settled is False)
     torch.distributed.all_reduce(total)
-    return StepResult(float(total[0] / total[1]), float(grad_norm or 0.0), bool(total[2] > 0))
+    return StepResult(
+        loss=float(total[0] / total[1]),
+        grad_norm=float(grad_norm or 0.0),
+        stop=bool(total[2] > 0),
+        replicas_ok=None if settled is None else bool(total[3] == 0),
+    )

@@ -6,12 +6,16 @@ Round t, started right after optimizer step t (`start_round`):
   (b) it posts non-blocking sends of that slot to its k holders and non-blocking receives
       from the owners it holds, each into a slot, on a dedicated process group;
   then training goes on: the transfers overlap the next iteration's forward/backward.
-Round t is finished after step t+1 (`finish_round`): wait for the transfers (normally long
-done), verify every received replica's checksum, and agree on the globally committed
-iteration with one tiny all-reduce (MIN) on the replication group. Every pair of slots keeps
-its newest verified (for local slots: the committed) copy untouched while round t is in flight, so a failure mid-transfer always leaves it a
-complete, verified copy (double buffering). A replica that fails its checksum is not
-committed; the previous one stays in force.
+Round t is settled during step t+1, after its forward/backward and optimizer step (`settle`):
+wait for the transfers (normally long done) and verify every received replica's checksum. It
+is committed (`commit`) once every rank's verdict is known: the embedded job carries the
+verdicts on the world all-reduce every training step makes anyway (`gpt.train_step`), so
+replication adds no collective of its own to the critical path; `finish_round` does settle and
+commit with one tiny all-reduce on the replication group, for callers without such a step
+(restore, end of training, the Megatron-LM hooks). Every pair of slots keeps its newest
+verified (for local slots: the committed) copy untouched while round t is in flight, so a
+failure mid-transfer always leaves it a complete, verified copy (double buffering). A replica
+that fails its checksum is not committed on any rank; the previous one stays in force.
 """
 
 from __future__ import annotations
@@ -160,10 +164,14 @@ class Replicator:
         if self._capture_event is not None:
             torch.cuda.current_stream().wait_event(self._capture_event)
 
-    def finish_round(self) -> int | None:
-        """Wait for the round's transfers, verify, agree; returns the global committed iteration."""
+    def settle(self) -> bool | None:
+        """Wait for the in-flight round's transfers and verify what arrived.
+
+        Returns whether every replica this rank received verified (None: no round in
+        flight). The round stays in flight until `commit`.
+        """
         if self._round is None:
-            return self.committed
+            return None
         iteration = self._round
         t0 = time.perf_counter()
         for work in self._pending:
@@ -187,14 +195,27 @@ class Replicator:
                 log.warning("replica not committed: %s", exc)
                 continue
             pair.verified[slot] = iteration
+        self.timings.update(wait=t1 - t0, verify=time.perf_counter() - t1)
+        return ok
+
+    def commit(self, all_verified: bool | None) -> int | None:
+        """End the settled round: committed if every rank's replicas verified (all ranks
+        must pass the same verdict); returns the globally committed iteration."""
+        if self._round is not None and all_verified:
+            self.committed = self._round
         self._round = None
-        t2 = time.perf_counter()
-        mine = torch.tensor([iteration if ok else (self.committed or -1)], dtype=torch.int64)
-        dist.all_reduce(mine, op=dist.ReduceOp.MIN, group=self.group)
-        value = int(mine.item())
-        self.committed = value if value >= 0 else None
-        self.timings.update(wait=t1 - t0, verify=t2 - t1, commit=time.perf_counter() - t2)
+        self._recvs = {}
         return self.committed
+
+    def finish_round(self) -> int | None:
+        """Settle and commit the in-flight round, agreeing on the verdict with one all-reduce."""
+        if self._round is None:
+            return self.committed
+        failed = torch.tensor([0 if self.settle() else 1], dtype=torch.int64)
+        t0 = time.perf_counter()
+        dist.all_reduce(failed, group=self.group)
+        self.timings["commit"] = time.perf_counter() - t0
+        return self.commit(int(failed.item()) == 0)
 
     def abandon(self) -> list[int]:
         """After a failure: keep what already arrived of the in-flight round, drop the rest.

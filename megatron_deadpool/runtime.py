@@ -3,16 +3,16 @@
 Survivors keep their Python objects for the whole run; a spare builds its own when it is
 assigned a slot. The training loop is Megatron's: forward/backward through
 `get_forward_backward_func`, the distributed optimizer's step, the LR scheduler; DeadPool adds
-`Replicator.finish_round/start_round` after each step (off the critical path) and failure
-handling around it.
+a replication round after each step (`Replicator.start_round`, settled and committed during
+the next step, off the critical path) and failure handling around it.
 """
 
 from __future__ import annotations
 
 import datetime
+import logging
 import signal
 import threading
-import logging
 import time
 import traceback
 from typing import Any
@@ -227,21 +227,24 @@ class Runtime:
                 else:
                     self._fail(faults[it][1], f"at iteration {it}")
             t0 = time.perf_counter()
-            if self.replicator is not None:
-                self.replicator.before_step()
-            loss, grad_norm, stop = gpt.train_step(self.job, self.objs, it, self._stop_vote())
+            repl = self.replicator
+            if repl is not None:
+                repl.before_step()
+            step = gpt.train_step(
+                self.job, self.objs, it, self._stop_vote(), repl.settle if repl else None
+            )
             compute_s = time.perf_counter() - t0
             committed = None
             if self.cfg.enabled:
                 if self.replicator is None:
                     self.replicator = self._make_replicator()
-                committed = self.replicator.finish_round()
+                committed = self.replicator.commit(step.replicas_ok)
                 self.replicator.start_round(it)
-            self._report(it, loss, grad_norm, time.perf_counter() - t0, compute_s, committed)
+            self._report(it, step, time.perf_counter() - t0, compute_s, committed)
             interval = self.job.train.save_interval
-            if (interval and it % interval == 0) or (stop and self.job.train.save):
+            if (interval and it % interval == 0) or (step.stop and self.job.train.save):
                 self._save(it)
-            if stop:
+            if step.stop:
                 self.preempted_at = it
                 log.warning(
                     "preempted: stopping after iteration %d%s",
@@ -268,8 +271,7 @@ class Runtime:
     def _report(
         self,
         it: int,
-        loss: float,
-        grad_norm: float,
+        step: gpt.StepResult,
         iter_s: float,
         compute_s: float,
         committed: int | None,
@@ -282,8 +284,8 @@ class Runtime:
         record: dict[str, Any] = {
             "iteration": it,
             "time": time.time(),
-            "loss": loss,
-            "grad_norm": grad_norm,
+            "loss": step.loss,
+            "grad_norm": step.grad_norm,
             "lr": self.objs.optimizer.param_groups[0]["lr"],
             "iter_time_s": iter_s,
             "replication_s": iter_s - compute_s,

@@ -2,7 +2,7 @@
 
 Each layout (TP2xDP2 with two ranks per node, PP2xDP2 with one rank per node) runs once, in
 one spawn of 4 gloo processes that build the embedded GPT job with `gpt.build` and drive a
-`Replicator` exactly as `runtime.py` does (step, `finish_round`, `start_round`). The children
+`Replicator` exactly as `runtime.py` does (step with `settle`, `commit`, `start_round`). The children
 record what they observe (sha256 of every flat buffer, commit results, restore checks) and
 return it as JSON; the tests below check those records:
 
@@ -115,13 +115,13 @@ def _replication_rank(
     for it in range(1, iters + 1):
         if repl is not None:
             repl.before_step()
-        loss = gpt.train_step(job, objs, it).loss
-        out["losses"].append(loss)
+            if it == flip_at and rank == flipper:
+                repl.flip_bit_on_arrival(0, byte=repl.sizes[0] // 3, bit=5)
+        step = gpt.train_step(job, objs, it, settle=repl.settle if repl else None)
+        out["losses"].append(step.loss)
         if repl is None:
             repl = Replicator(Snapshotter(state, rank), placement, rank, group, torch.device("cpu"))
-        if it == flip_at and rank == flipper:
-            repl.flip_bit_on_arrival(0, byte=repl.sizes[0] // 3, bit=5)
-        committed = repl.finish_round()
+        committed = repl.commit(step.replicas_ok)
         out["committed"][str(it)] = committed
         if it > 1:
             record_round(repl, it - 1)
@@ -301,13 +301,15 @@ def test_bit_flip_at_rest_is_detected(world: dict[str, Any]) -> None:
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("mode", ["raise", "hang"])
 def test_harness_reports_failures_and_kills_every_child(mode: str, tmp_path: Any) -> None:
-    expected = "boom from rank 1" if mode == "raise" else "timed out after 10s"
+    # The hang's limit also covers start-up (importing torch, joining the group), which takes
+    # several seconds on a loaded 2-core machine: the pid files must be written before it.
+    expected = "boom from rank 1" if mode == "raise" else "timed out after 25s"
     with pytest.raises(WorldError, match=expected):
         run_world(
             "test_replication:_misbehave",
             2,
             kwargs={"mode": mode, "pid_dir": str(tmp_path)},
-            timeout=60 if mode == "raise" else 10,
+            timeout=60 if mode == "raise" else 25,
             keep_logs_on_failure=False,
         )
     pids = [int(p.read_text()) for p in tmp_path.glob("*.pid")]
