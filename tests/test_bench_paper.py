@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from megatron_deadpool.bench import paper, plots
+from megatron_deadpool.bench.overhead import base_job
 from megatron_deadpool.bench.recovery import Launch
 from megatron_deadpool.errors import ConfigError
 
@@ -161,6 +162,32 @@ def test_recovery_table_and_all_plots(tmp_path: Path) -> None:
     assert "| iterations recomputed | 1 | 3 |" in text
     assert "Hot swap 4.6x faster" in text
     assert "not measured: forked writer hangs" in text
+
+
+@pytest.mark.timeout(120)
+def test_worker_launcher_is_passed_not_swapped(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from megatron_deadpool import launch
+    from megatron_deadpool.bench import recovery
+
+    local = launch.LocalLauncher
+    passed: list = []
+
+    def timed(job, run_dir: Path, stop: bool, timeout_s: float, launcher=None) -> Launch:
+        assert launch.LocalLauncher is local
+        passed.append(launcher)
+        return Launch(0, [], {}, run_dir, spawned_at=0.0)
+
+    monkeypatch.setattr(recovery, "launch", timed)
+    job = base_job(None)
+    paper.launch(job, tmp_path, False, "", timeout_s=1.0, python="py")
+    paper.launch(job, tmp_path, False, "async", timeout_s=1.0, python="py")
+    assert passed[0] is None and issubclass(passed[1], local) and passed[1] is not local
+    commands: list[list[str]] = []
+    monkeypatch.setattr(paper.subprocess, "Popen", lambda cmd, **_: commands.append(cmd))
+    passed[1](job, run_dir=str(tmp_path), quiet=True)._spawn("a0", tmp_path / "j.yaml", "h:1")
+    assert commands[0][:4] == ["py", "-m", "megatron_deadpool.bench.paper", "--worker"]
 
 
 def test_worker_entry_needs_a_kind() -> None:

@@ -235,14 +235,14 @@ def _worker_env() -> dict[str, str]:
 def launch(
     job: JobConfig, run_dir: Path, stop: bool, worker: str, *, timeout_s: float, python: str
 ) -> rec.Launch:
-    """bench recovery's timed launcher; `worker` runs the processes through `_worker_main`."""
+    """`bench recovery`'s timed launch; a `worker` kind runs its processes through `_worker_main`."""
     if not worker:
-        return rec._launch(job, run_dir, stop, timeout_s)
-    from .. import launch as launch_mod
+        return rec.launch(job, run_dir, stop, timeout_s)
+    from ..launch import LocalLauncher
 
-    real = launch_mod.LocalLauncher
+    class WorkerLauncher(LocalLauncher):
+        """Starts `python -m megatron_deadpool.bench.paper --worker KIND` instead of the worker."""
 
-    class Wrapped(real):  # type: ignore[misc,valid-type]
         def _spawn(self, pid: str, config_path: Path, address: str) -> None:
             env = _worker_env()
             env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PYTHONWARNINGS="ignore")
@@ -266,11 +266,7 @@ def launch(
                     cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
                 )
 
-    launch_mod.LocalLauncher = Wrapped  # bench recovery's TimedLauncher derives from it
-    try:
-        return rec._launch(job, run_dir, stop, timeout_s)
-    finally:
-        launch_mod.LocalLauncher = real
+    return rec.launch(job, run_dir, stop, timeout_s, WorkerLauncher)
 
 
 # ---------------------------------------------------------------------- failure-free

@@ -30,20 +30,21 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 import shutil
-import signal
 import sys
 import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..errors import ConfigError
 from ..faults import check_faults, parse_fault
 from ..jobspec import JobConfig
 from .overhead import base_job
+
+if TYPE_CHECKING:
+    from ..launch import LocalLauncher
 
 DEADPOOL_PHASES = ("detect", "agree", "reconstruct", "restore")
 RESTART_PHASES = ("detect", "teardown", "relaunch_init", "checkpoint_load")
@@ -150,11 +151,21 @@ def jobs(
 
 
 # ---------------------------------------------------------------------- launching
-def _launch(job: JobConfig, run_dir: Path, stop_on_failure: bool, timeout_s: float) -> Launch:
-    """Run `job` with the local launcher, recording the times the bench needs."""
-    from ..launch import LocalLauncher
+def launch(
+    job: JobConfig,
+    run_dir: Path,
+    stop_on_failure: bool,
+    timeout_s: float,
+    launcher: type[LocalLauncher] | None = None,
+) -> Launch:
+    """Run `job` with `launcher` (default: the local launcher), recording the times the bench
+    needs."""
+    if launcher is None:
+        from ..launch import LocalLauncher
 
-    class TimedLauncher(LocalLauncher):
+        launcher = LocalLauncher
+
+    class TimedLauncher(launcher):  # type: ignore[valid-type,misc]
         """Stamps process start and failure handling; reads fault and load stamps at the end."""
 
         spawned_at: float | None = None
@@ -173,11 +184,6 @@ def _launch(job: JobConfig, run_dir: Path, stop_on_failure: bool, timeout_s: flo
                 self.detected_at = time.time()
                 # Like torchrun on a worker failure: stop everyone at once, including what the
                 # dead process left behind in its process group (the checkpoint writer's helper).
-                for proc in self.procs.values():
-                    try:
-                        os.killpg(proc.pid, signal.SIGKILL)
-                    except (ProcessLookupError, PermissionError):
-                        pass
                 self._kill_all()
                 self.stopped_at = time.time()
             return rc
@@ -200,18 +206,18 @@ def _launch(job: JobConfig, run_dir: Path, stop_on_failure: bool, timeout_s: flo
             }
             return super()._summary(members, *args, **kwargs)
 
-    launcher = TimedLauncher(job, run_dir=str(run_dir), quiet=True, timeout_s=timeout_s)
-    result = launcher.run()
+    timed = TimedLauncher(job, run_dir=str(run_dir), quiet=True, timeout_s=timeout_s)
+    result = timed.run()
     return Launch(
         returncode=result.returncode,
         records=result.records,
         summary=result.summary,
         run_dir=run_dir,
-        spawned_at=launcher.spawned_at or 0.0,
-        failed_at=(launcher.extra or {}).get("failed_at"),
-        stopped_at=launcher.stopped_at,
-        detected_at=launcher.detected_at,
-        load_s=(launcher.extra or {}).get("load_s"),
+        spawned_at=timed.spawned_at or 0.0,
+        failed_at=(timed.extra or {}).get("failed_at"),
+        stopped_at=timed.stopped_at,
+        detected_at=timed.detected_at,
+        load_s=(timed.extra or {}).get("load_s"),
     )
 
 
@@ -479,7 +485,7 @@ def run(args: argparse.Namespace, runner: Runner | None = None) -> int:
         f"{work_dir}",
         flush=True,
     )
-    launch = runner or (lambda j, d, stop: _launch(j, d, stop, args.timeout))
+    launch_fn = runner or (lambda j, d, stop: launch(j, d, stop, args.timeout))
     try:
         result = measure(
             job,
@@ -487,7 +493,7 @@ def run(args: argparse.Namespace, runner: Runner | None = None) -> int:
             fail=args.fail,
             save_interval=args.save_interval,
             spares=args.spares,
-            runner=launch,
+            runner=launch_fn,
             work_dir=work_dir,
             progress=lambda line: print(line, flush=True),
         )
