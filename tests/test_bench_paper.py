@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_deadpool.bench import paper, plots
+from megatron_deadpool.bench import paper, plots, report
 from megatron_deadpool.bench.overhead import base_job
 from megatron_deadpool.bench.recovery import Launch
 from megatron_deadpool.errors import ConfigError
@@ -162,6 +162,17 @@ def test_recovery_table_and_all_plots(tmp_path: Path) -> None:
     assert "| iterations recomputed | 1 | 3 |" in text
     assert "Hot swap 4.6x faster" in text
     assert "not measured: forked writer hangs" in text
+
+
+def test_report_helpers(tmp_path: Path) -> None:
+    assert report.text_row(["a", "1.5s"], ["<3", ">6"]) == "a     1.5s"
+    assert report.markdown_table(["x", "y", "z"], [["1", "", "3"]]) == [
+        "| x | y | z |",
+        "|---|---|---|",
+        "| 1 | | 3 |",
+    ]
+    report.write_json(tmp_path / "r.json", {"a": 1, "p": tmp_path})
+    assert json.loads((tmp_path / "r.json").read_text()) == {"a": 1, "p": str(tmp_path)}
 
 
 @pytest.mark.timeout(120)

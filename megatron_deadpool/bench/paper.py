@@ -38,7 +38,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib.util
-import json
 import os
 import platform
 import shutil
@@ -57,6 +56,7 @@ from ..jobspec import JobConfig
 from . import plots
 from . import recovery as rec
 from .overhead import base_job
+from .report import job_shape, write_json
 
 
 @dataclasses.dataclass(frozen=True)
@@ -506,21 +506,16 @@ def run(args: argparse.Namespace, runner: Runner | None = None) -> int:
         return 1
     hot_job = jobs["deadpool"]
     result["config"] = {
-        "tp": p.tp,
-        "pp": p.pp,
-        "dp": p.dp,
+        **job_shape(hot_job),
         "world": p.world_size,
-        "ranks_per_node": hot_job.ranks_per_node,
-        "replicas": hot_job.deadpool.replicas,
         "spares": hot_job.deadpool.spares,
     }
     result["wall_s"] = time.monotonic() - t_start
     plots.draw(result, out)
     (out / "results.md").write_text(plots.markdown(result))
-    text = json.dumps(result, indent=1, default=str) + "\n"
-    (out / "results.json").write_text(text)
+    write_json(out / "results.json", result)
     if args.json_path:
-        Path(args.json_path).write_text(text)
+        write_json(args.json_path, result)
     print((out / "results.md").read_text())
     print(f"wrote {out / 'results.md'}, {', '.join(result['figures'])}, results.json")
     if not args.keep:
