@@ -17,8 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from megatron_deadpool.bench import paper, plots
-from megatron_deadpool.bench.recovery import Launch
+from megatron_deadpool.bench import paper, paper_matrix, plots, report
+from megatron_deadpool.bench.overhead import base_job
+from megatron_deadpool.bench.recovery import PHASE_LABELS, Launch
 from megatron_deadpool.errors import ConfigError
 
 STEP, SAVE, FIRST = 0.1, 0.05, 1.0
@@ -52,7 +53,7 @@ def fake_runner(calls: list[tuple[str, int, str]]):
 def test_settings_quick_defaults_and_validation() -> None:
     s = paper.settings(parse("--quick"))
     assert (s["iters"], s["interval"], s["repeats"], s["warmup"]) == (13, 4, 1, 5)
-    assert s["modes"] == list(paper.MODE_KEYS)
+    assert s["modes"] == list(paper_matrix.MODE_KEYS)
     s = paper.settings(parse("--modes", "ckpt_1,deadpool"))
     assert s["modes"] == ["no_ft", "deadpool", "ckpt_1"]  # the baseline is always there
     assert s["repeats"] == paper.DEFAULT["repeats"]
@@ -67,17 +68,16 @@ def test_settings_quick_defaults_and_validation() -> None:
 def test_run_figures_count_every_save_in_the_window() -> None:
     calls: list = []
     runner = fake_runner(calls)
-    base = paper.base_job(None)
-    jobs = paper.matrix_jobs(base, paper.settings(parse("--quick")))
-    every_n = paper.mode_job(jobs, paper.MODES[3], 4, Path("/nonexistent"))
+    jobs = paper_matrix.matrix_jobs(base_job(None), paper.settings(parse("--quick")))
+    every_n = paper_matrix.mode_job(jobs, paper_matrix.MODES[3], 4, Path("/nonexistent"))
     assert every_n.train.save_interval == 4 and not every_n.deadpool.enabled
-    fig = paper.run_figures(runner(every_n, Path("."), False, "").records, 5, 4)
+    fig = paper_matrix.run_figures(runner(every_n, Path("."), False, "").records, 5, 4)
     assert len(fig["gaps_s"]) == 8  # iterations 6..13
     assert fig["saves_in_window"] == 2  # after iterations 8 and 12
     assert fig["amortised_s"] == pytest.approx(STEP + 2 * SAVE / 8)
     assert fig["median_s"] == pytest.approx(STEP)
     assert fig["first_save_s"] == pytest.approx(SAVE + FIRST)
-    hot = paper.mode_job(jobs, paper.MODES[1], 4, Path("/nonexistent"))
+    hot = paper_matrix.mode_job(jobs, paper_matrix.MODES[1], 4, Path("/nonexistent"))
     assert hot.deadpool.enabled and hot.deadpool.spares >= 1 and not hot.deadpool.fail
     assert not hot.train.save
 
@@ -123,7 +123,7 @@ def synthetic_recovery() -> dict:
         "restart_checkpoint_iteration": 4, "deadpool_matches_reference": True,
         "restart_matches_reference": True, "repeats": 1,
         "config": {"fail": "2@8", "save_interval": 4},
-        "phase_labels": dict(paper.rec.PHASE_LABELS),
+        "phase_labels": dict(PHASE_LABELS),
     }  # fmt: skip
 
 
@@ -163,9 +163,46 @@ def test_recovery_table_and_all_plots(tmp_path: Path) -> None:
     assert "not measured: forked writer hangs" in text
 
 
+def test_report_helpers(tmp_path: Path) -> None:
+    assert report.text_row(["a", "1.5s"], ["<3", ">6"]) == "a     1.5s"
+    assert report.markdown_table(["x", "y", "z"], [["1", "", "3"]]) == [
+        "| x | y | z |",
+        "|---|---|---|",
+        "| 1 | | 3 |",
+    ]
+    report.write_json(tmp_path / "r.json", {"a": 1, "p": tmp_path})
+    assert json.loads((tmp_path / "r.json").read_text()) == {"a": 1, "p": str(tmp_path)}
+
+
+@pytest.mark.timeout(120)
+def test_worker_launcher_is_passed_not_swapped(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from megatron_deadpool import launch
+    from megatron_deadpool.bench import paper_workers, recovery
+
+    local = launch.LocalLauncher
+    passed: list = []
+
+    def timed(job, run_dir: Path, stop: bool, timeout_s: float, launcher=None) -> Launch:
+        assert launch.LocalLauncher is local
+        passed.append(launcher)
+        return Launch(0, [], {}, run_dir, spawned_at=0.0)
+
+    monkeypatch.setattr(recovery, "launch", timed)
+    job = base_job(None)
+    paper_workers.launch(job, tmp_path, False, "", timeout_s=1.0, python="py")
+    paper_workers.launch(job, tmp_path, False, "async", timeout_s=1.0, python="py")
+    assert passed[0] is None and issubclass(passed[1], local) and passed[1] is not local
+    commands: list[list[str]] = []
+    monkeypatch.setattr(paper_workers.subprocess, "Popen", lambda cmd, **_: commands.append(cmd))
+    passed[1](job, run_dir=str(tmp_path), quiet=True)._spawn("a0", tmp_path / "j.yaml", "h:1")
+    assert commands[0][:4] == ["py", "-m", "megatron_deadpool.bench.paper_workers", "async"]
+
+
 def test_worker_entry_needs_a_kind() -> None:
     out = subprocess.run(
-        [sys.executable, "-m", "megatron_deadpool.bench.paper"],
+        [sys.executable, "-m", "megatron_deadpool.bench.paper_workers"],
         capture_output=True, text=True, timeout=120, check=False,
     )  # fmt: skip
     assert out.returncode != 0 and "usage" in out.stderr

@@ -263,7 +263,7 @@ def test_bench_recovery_phases_add_up(
     from megatron_deadpool import cli
     from megatron_deadpool.bench import recovery
 
-    monkeypatch.setattr(recovery, "_launch", _fake_launch({"deadpool": "ref", "restart": "ref"}))
+    monkeypatch.setattr(recovery, "launch", _fake_launch({"deadpool": "ref", "restart": "ref"}))
     out = tmp_path / "recovery.json"
     args = ["--fail", f"2@{FAIL_AT}", "--save-interval", str(INTERVAL), "--json", str(out)]
     assert cli.main(["bench", "recovery", *args]) == 0, capsys.readouterr().err
@@ -289,7 +289,7 @@ def test_bench_recovery_fails_when_a_recovered_run_differs(
     from megatron_deadpool import cli
     from megatron_deadpool.bench import recovery
 
-    monkeypatch.setattr(recovery, "_launch", _fake_launch({"deadpool": "ref", "restart": "x"}))
+    monkeypatch.setattr(recovery, "launch", _fake_launch({"deadpool": "ref", "restart": "x"}))
     assert cli.main(["bench", "recovery", "--fail", f"2@{FAIL_AT}"]) == 1
     assert "differs from the failure-free run" in capsys.readouterr().err
     assert cli.main(["bench", "recovery", "--fail", "2@8:hang"]) == 2

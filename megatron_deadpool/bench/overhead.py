@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import shutil
 import statistics
 import sys
@@ -28,6 +27,7 @@ from typing import Any, Protocol
 
 from ..errors import ConfigError
 from ..jobspec import JobConfig, ParallelConfig, load_job
+from .report import publish, text_row
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "cpu-demo.yaml"
 """The CPU demo job, used when no --config is given (and present in the source tree)."""
@@ -176,14 +176,19 @@ def measure(
     }
 
 
-_HEADER = f"{'run':>4} {'deadpool':>8} {'median s/it':>12} {'repl s/it':>10} {'bytes/rank':>11}"
+_SPECS = (">4", ">8", ">12", ">10", ">11")
+_HEADER = text_row(["run", "deadpool", "median s/it", "repl s/it", "bytes/rank"], _SPECS)
 
 
 def _row(run: dict[str, Any]) -> str:
-    return (
-        f"{run['repeat']:>4} {run['mode']:>8} {run['median_iter_s']:>12.4f} "
-        f"{run['median_replication_s']:>10.4f} {run['replica_bytes_per_rank']:>11,d}"
-    )
+    cells = [
+        str(run["repeat"]),
+        run["mode"],
+        f"{run['median_iter_s']:.4f}",
+        f"{run['median_replication_s']:.4f}",
+        f"{run['replica_bytes_per_rank']:,d}",
+    ]
+    return text_row(cells, _SPECS)
 
 
 def summary_lines(result: dict[str, Any]) -> list[str]:
@@ -226,11 +231,7 @@ def run(args: argparse.Namespace, runner: Runner | None = None) -> int:
     except RuntimeError as exc:
         print(f"deadpool bench overhead: {exc}", file=sys.stderr)
         return 1
-    for line in summary_lines(result):
-        print(line)
-    if args.json_path:
-        Path(args.json_path).write_text(json.dumps(result, indent=1) + "\n")
-        print(f"wrote {args.json_path}")
+    publish(summary_lines(result), result, args.json_path)
     shutil.rmtree(work_dir, ignore_errors=True)
     if not (result["losses_identical"] and result["digests_identical"]):
         print(

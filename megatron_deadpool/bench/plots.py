@@ -1,8 +1,9 @@
 """The report of `deadpool bench paper`: results.md and its PNG figures (matplotlib, the `plots`
 extra).
 
-`markdown` renders the tables, `draw` the figures next to them; each figure function takes the plain dictionaries `paper.py` writes to its JSON (so figures can be
-redrawn from a saved result) and writes one PNG:
+`markdown` renders the tables, `draw` the figures next to them; each figure function takes the
+plain dictionaries `paper.py` writes to its JSON (so figures can be redrawn from a saved result)
+and writes one PNG:
 
 - `iteration_time_bars`: failure-free time per iteration of each configuration, with the ratio
   to the run without fault tolerance above each bar; configurations that could not be measured
@@ -19,7 +20,8 @@ import textwrap
 from pathlib import Path
 from typing import Any
 
-from .recovery import COMMON_PHASES, DEADPOOL_PHASES, PHASE_LABELS, RESTART_PHASES
+from .recovery import phase_rows
+from .report import markdown_table, yes_no
 
 PHASE_COLORS = {
     "detect": "#d62728",
@@ -199,9 +201,8 @@ def loss_curve(loss: dict[str, Any], path: str | Path, *, title: str = "") -> Pa
     same = loss.get("bitwise_identical")
     heading = title or "Loss with a failure and a hot swap"
     if same is not None:
-        heading += "\nlosses and final parameters bitwise identical to the failure-free run: " + (
-            "yes" if same else "NO"
-        )
+        heading += "\nlosses and final parameters bitwise identical to the failure-free run: "
+        heading += yes_no(same)
     ax.set_xlabel("iteration")
     ax.set_ylabel("training loss")
     ax.set_xticks(its if len(its) <= 30 else its[:: max(1, len(its) // 15)])
@@ -243,30 +244,40 @@ def markdown(result: dict[str, Any]) -> str:
             "no-fault-tolerance run's of the same repeat (median over repeats)."
         ),
         "",
-        (
-            "| configuration | amortised s/iter | median s/iter | vs no FT | saves in window "
-            "| first-save start-up (s) | losses = no FT | protection |"
-        ),
-        "|---|---|---|---|---|---|---|---|",
     ]
-    for key, m in result["failure_free"]["modes"].items():
+    rows: list[list[str]] = []
+    for m in result["failure_free"]["modes"].values():
         if m.get("amortised_s") is None:
-            lines.append(
-                f"| {m['label']} | not measured: {m['reason']} | | | | | | " f"{m['protects']} |"
-            )
+            rows.append([m["label"], f"not measured: {m['reason']}", *[""] * 5, m["protects"]])
             continue
-        same = "yes" if m["losses_match_no_ft"] and m["digests_match_no_ft"] else "NO"
-        lines.append(
-            f"| {m['label']} | {_s(m['amortised_s'])} | {_s(m['median_s'])} | "
-            f"{_s(m['ratio_vs_no_ft'], 2)}x | {m['saves_in_window']} | {_s(m['first_save_s'], 2)} "
-            f"| {same} | {m['protects']} |"
+        rows.append(
+            [
+                m["label"],
+                _s(m["amortised_s"]),
+                _s(m["median_s"]),
+                f"{_s(m['ratio_vs_no_ft'], 2)}x",
+                str(m["saves_in_window"]),
+                _s(m["first_save_s"], 2),
+                yes_no(m["losses_match_no_ft"] and m["digests_match_no_ft"]),
+                m["protects"],
+            ]
         )
+    header = [
+        "configuration",
+        "amortised s/iter",
+        "median s/iter",
+        "vs no FT",
+        "saves in window",
+        "first-save start-up (s)",
+        "losses = no FT",
+        "protection",
+    ]
+    lines += markdown_table(header, rows)
     notes = result["failure_free"].get("notes") or []
     if notes:
         lines += [""] + [f"- {n}" for n in notes]
     r = result.get("recovery")
     if r:
-        hot, rst = r["deadpool_phases_s"], r["restart_phases_s"]
         lines += [
             "",
             (
@@ -279,23 +290,23 @@ def markdown(result: dict[str, Any]) -> str:
                 f"which it failed has completed again; median of {r['repeats']} repeat(s)."
             ),
             "",
-            "| phase | DeadPool hot swap | restart from checkpoint |",
-            "|---|---|---|",
         ]
-        for key in (*DEADPOOL_PHASES, *RESTART_PHASES[1:], *COMMON_PHASES):
-            cells = [_s(d.get(key)) for d in (hot, rst)]
-            lines.append(f"| {PHASE_LABELS[key]} | {cells[0]} | {cells[1]} |")
-        yes = {True: "yes", False: "NO"}
+        rows = [
+            *phase_rows(r, _s),
+            [
+                "**total**",
+                f"**{_s(r['deadpool_recovery_s'], 2)} s**",
+                f"**{_s(r['restart_recovery_s'], 2)} s**",
+            ],
+            ["iterations recomputed", str(r["deadpool_recomputed"]), str(r["restart_recomputed"])],
+            [
+                "same losses + parameters as no failure",
+                yes_no(r["deadpool_matches_reference"]),
+                yes_no(r["restart_matches_reference"]),
+            ],
+        ]
+        lines += markdown_table(["phase", "DeadPool hot swap", "restart from checkpoint"], rows)
         lines += [
-            (
-                f"| **total** | **{_s(r['deadpool_recovery_s'], 2)} s** | "
-                f"**{_s(r['restart_recovery_s'], 2)} s** |"
-            ),
-            f"| iterations recomputed | {r['deadpool_recomputed']} | {r['restart_recomputed']} |",
-            (
-                f"| same losses + parameters as no failure | {yes[r['deadpool_matches_reference']]} | "
-                f"{yes[r['restart_matches_reference']]} |"
-            ),
             "",
             (
                 f"Hot swap {r['speedup']:.1f}x faster; DeadPool restored iteration "

@@ -29,25 +29,28 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
-import os
 import shutil
-import signal
 import sys
 import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..errors import ConfigError
 from ..faults import check_faults, parse_fault
 from ..jobspec import JobConfig
 from .overhead import base_job
+from .report import job_shape, publish, text_row, yes_no
+
+if TYPE_CHECKING:
+    from ..launch import LocalLauncher
 
 DEADPOOL_PHASES = ("detect", "agree", "reconstruct", "restore")
 RESTART_PHASES = ("detect", "teardown", "relaunch_init", "checkpoint_load")
 COMMON_PHASES = ("recompute", "first_iteration")
+PHASE_ORDER = (*DEADPOOL_PHASES, *RESTART_PHASES[1:], *COMMON_PHASES)
+"""The rows of a side-by-side table: the hot swap's phases, then the restart's own."""
 PHASE_LABELS = {
     "detect": "detect failure",
     "agree": "agree (dead set, restore iteration)",
@@ -150,11 +153,21 @@ def jobs(
 
 
 # ---------------------------------------------------------------------- launching
-def _launch(job: JobConfig, run_dir: Path, stop_on_failure: bool, timeout_s: float) -> Launch:
-    """Run `job` with the local launcher, recording the times the bench needs."""
-    from ..launch import LocalLauncher
+def launch(
+    job: JobConfig,
+    run_dir: Path,
+    stop_on_failure: bool,
+    timeout_s: float,
+    launcher: type[LocalLauncher] | None = None,
+) -> Launch:
+    """Run `job` with `launcher` (default: the local launcher), recording the times the bench
+    needs."""
+    if launcher is None:
+        from ..launch import LocalLauncher
 
-    class TimedLauncher(LocalLauncher):
+        launcher = LocalLauncher
+
+    class TimedLauncher(launcher):  # type: ignore[valid-type,misc]
         """Stamps process start and failure handling; reads fault and load stamps at the end."""
 
         spawned_at: float | None = None
@@ -173,11 +186,6 @@ def _launch(job: JobConfig, run_dir: Path, stop_on_failure: bool, timeout_s: flo
                 self.detected_at = time.time()
                 # Like torchrun on a worker failure: stop everyone at once, including what the
                 # dead process left behind in its process group (the checkpoint writer's helper).
-                for proc in self.procs.values():
-                    try:
-                        os.killpg(proc.pid, signal.SIGKILL)
-                    except (ProcessLookupError, PermissionError):
-                        pass
                 self._kill_all()
                 self.stopped_at = time.time()
             return rc
@@ -200,18 +208,18 @@ def _launch(job: JobConfig, run_dir: Path, stop_on_failure: bool, timeout_s: flo
             }
             return super()._summary(members, *args, **kwargs)
 
-    launcher = TimedLauncher(job, run_dir=str(run_dir), quiet=True, timeout_s=timeout_s)
-    result = launcher.run()
+    timed = TimedLauncher(job, run_dir=str(run_dir), quiet=True, timeout_s=timeout_s)
+    result = timed.run()
     return Launch(
         returncode=result.returncode,
         records=result.records,
         summary=result.summary,
         run_dir=run_dir,
-        spawned_at=launcher.spawned_at or 0.0,
-        failed_at=(launcher.extra or {}).get("failed_at"),
-        stopped_at=launcher.stopped_at,
-        detected_at=launcher.detected_at,
-        load_s=(launcher.extra or {}).get("load_s"),
+        spawned_at=timed.spawned_at or 0.0,
+        failed_at=(timed.extra or {}).get("failed_at"),
+        stopped_at=timed.stopped_at,
+        detected_at=timed.detected_at,
+        load_s=(timed.extra or {}).get("load_s"),
     )
 
 
@@ -368,7 +376,6 @@ def measure(
     ]
     hot_losses = [r["loss"] for r in runs["deadpool"].records]
     ref_losses = [r["loss"] for r in ref.records]
-    p = job.parallel
     return {
         "deadpool_recovery_s": hot["recovery_s"],
         "restart_recovery_s": restart["recovery_s"],
@@ -404,11 +411,7 @@ def measure(
             "during which it failed has completed again"
         ),
         "config": {
-            "tp": p.tp,
-            "pp": p.pp,
-            "dp": p.dp,
-            "ranks_per_node": variants["deadpool"].ranks_per_node,
-            "replicas": variants["deadpool"].deadpool.replicas,
+            **job_shape(variants["deadpool"]),
             "spares": variants["deadpool"].deadpool.spares,
             "iters": iters,
             "fail": fail,
@@ -418,32 +421,37 @@ def measure(
     }
 
 
+def phase_rows(result: dict[str, Any], cell: Callable[[float], str]) -> list[list[str]]:
+    """Label, hot-swap cell, restart cell for each phase of `PHASE_ORDER` ('-': not a phase of
+    that side)."""
+    sides = (result["deadpool_phases_s"], result["restart_phases_s"])
+    return [[PHASE_LABELS[k], *(cell(d[k]) if k in d else "-" for d in sides)] for k in PHASE_ORDER]
+
+
 def table(result: dict[str, Any]) -> list[str]:
     """The side-by-side table, then totals, recomputation, correctness and the speedup."""
-    hot, rst = result["deadpool_phases_s"], result["restart_phases_s"]
-    width = 36
-    lines = [f"{'phase':<{width}} {'DeadPool hot swap':>18} {'restart from ckpt':>18}"]
-    for key in (*DEADPOOL_PHASES, *RESTART_PHASES[1:], *COMMON_PHASES):
-        cells = [f"{d[key]:>17.3f}s" if key in d else f"{'-':>18}" for d in (hot, rst)]
-        lines.append(f"{PHASE_LABELS[key]:<{width}} {cells[0]} {cells[1]}")
-    lines.append("-" * (width + 38))
-    lines.append(
-        f"{'failure -> failed iteration done':<{width}} {result['deadpool_recovery_s']:>17.3f}s "
-        f"{result['restart_recovery_s']:>17.3f}s"
-    )
-    lines.append(
-        f"{'iterations recomputed':<{width}} {result['deadpool_recomputed']:>18d} "
-        f"{result['restart_recomputed']:>18d}"
-    )
-
-    def yes(flag: bool) -> str:
-        return "yes" if flag else "NO"
-
-    lines.append(
-        f"{'same losses + params as no failure':<{width}} "
-        f"{yes(result['deadpool_matches_reference']):>18} "
-        f"{yes(result['restart_matches_reference']):>18}"
-    )
+    specs = ("<36", ">18", ">18")
+    header = text_row(["phase", "DeadPool hot swap", "restart from ckpt"], specs)
+    totals = [
+        [
+            "failure -> failed iteration done",
+            f"{result['deadpool_recovery_s']:.3f}s",
+            f"{result['restart_recovery_s']:.3f}s",
+        ],
+        [
+            "iterations recomputed",
+            str(result["deadpool_recomputed"]),
+            str(result["restart_recomputed"]),
+        ],
+        [
+            "same losses + params as no failure",
+            yes_no(result["deadpool_matches_reference"]),
+            yes_no(result["restart_matches_reference"]),
+        ],
+    ]
+    lines = [header, *(text_row(r, specs) for r in phase_rows(result, lambda s: f"{s:.3f}s"))]
+    lines.append("-" * len(header))
+    lines += [text_row(r, specs) for r in totals]
     c = result["config"]
     lines.append(
         f"restart resumed from the checkpoint of iteration {result['restart_checkpoint_iteration']}"
@@ -479,7 +487,6 @@ def run(args: argparse.Namespace, runner: Runner | None = None) -> int:
         f"{work_dir}",
         flush=True,
     )
-    launch = runner or (lambda j, d, stop: _launch(j, d, stop, args.timeout))
     try:
         result = measure(
             job,
@@ -487,18 +494,14 @@ def run(args: argparse.Namespace, runner: Runner | None = None) -> int:
             fail=args.fail,
             save_interval=args.save_interval,
             spares=args.spares,
-            runner=launch,
+            runner=runner or (lambda j, d, stop: launch(j, d, stop, args.timeout)),
             work_dir=work_dir,
             progress=lambda line: print(line, flush=True),
         )
     except RuntimeError as exc:
         print(f"deadpool bench recovery: {exc}", file=sys.stderr)
         return 1
-    for line in table(result):
-        print(line)
-    if args.json_path:
-        Path(args.json_path).write_text(json.dumps(result, indent=1) + "\n")
-        print(f"wrote {args.json_path}")
+    publish(table(result), result, args.json_path)
     if not args.keep:
         shutil.rmtree(work_dir, ignore_errors=True)
     if not (result["deadpool_matches_reference"] and result["restart_matches_reference"]):
