@@ -49,7 +49,7 @@ def run(args: argparse.Namespace) -> int:
     token = args.job_token or os.environ.get("DEADPOOL_JOB_TOKEN") or secrets.token_hex(16)
     try:
         # `listener` must outlive the store: it is the socket the store serves on.
-        store, listener = host_store(args.host, args.port)  # listens on --host only
+        store, _listener = host_store(args.host, args.port)  # listens on --host only
     except (RuntimeError, OSError) as exc:
         raise ConfigError(f"host/port: cannot listen on {args.host}:{args.port} ({exc})") from None
     store.set("job/token", token)

@@ -13,6 +13,7 @@ import ast
 import dataclasses
 import functools
 import inspect
+import itertools
 import textwrap
 import types
 import typing
@@ -33,7 +34,7 @@ def field_docs(cls: type) -> dict[str, str]:
             continue
         tree = ast.parse(textwrap.dedent(inspect.getsource(klass)))
         body = tree.body[0].body  # type: ignore[attr-defined]
-        for stmt, nxt in zip(body, body[1:]):
+        for stmt, nxt in itertools.pairwise(body):
             if (
                 isinstance(stmt, ast.AnnAssign)
                 and isinstance(stmt.target, ast.Name)

@@ -66,7 +66,6 @@ class LocalLauncher:
     def _spawn(self, pid: str, config_path: Path, address: str) -> None:
         env = dict(os.environ)
         env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PYTHONWARNINGS="ignore")
-        log = open(self.run_dir / f"{pid}.log", "w")
         cmd = [
             sys.executable,
             "-m",
@@ -80,9 +79,10 @@ class LocalLauncher:
             "--deadpool-job-token",
             self.token,
         ]
-        self.procs[pid] = subprocess.Popen(
-            cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
-        )
+        with open(self.run_dir / f"{pid}.log", "w") as log:  # the child keeps its own copy
+            self.procs[pid] = subprocess.Popen(
+                cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+            )
         log.close()
 
     def _kill_all(self) -> None:
@@ -134,7 +134,8 @@ class LocalLauncher:
         self._spawn_spare = lambda: self._spawn(f"s{self._next_spare}", config_path, address)
         self._next_spare = spares
         records: list[dict[str, Any]] = []
-        log_file = open(self.json_log, "w") if self.json_log else None
+        # Closed in the `finally` below, after the monitor loop that writes it.
+        log_file = open(self.json_log, "w") if self.json_log else None  # noqa: SIM115
         self._sigterm = False
 
         def on_sigterm(*_: object) -> None:

@@ -172,6 +172,7 @@ def _worker(*args: str, env: dict[str, str] | None = None, timeout: float = 120)
         ],
         capture_output=True,
         text=True,
+        check=False,
         timeout=timeout,
         env={**os.environ, **(env or {})},
     )

@@ -56,7 +56,7 @@ def select_device(mode: Mode = "auto", local_rank: int | None = None) -> Device:
     if mode == "cuda" and not has_cuda:
         raise ConfigError("device: 'cuda' was asked for but no CUDA device is available")
     if mode == "cuda" or (mode == "auto" and has_cuda):
-        index = local_rank if local_rank is not None else int(os.environ.get("LOCAL_RANK", 0))
+        index = local_rank if local_rank is not None else int(os.environ.get("LOCAL_RANK", "0"))
         torch.cuda.set_device(index)
         return Device(kind="cuda", backend="nccl", index=index)
     from .cpu import activate

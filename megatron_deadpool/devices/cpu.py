@@ -23,7 +23,7 @@ import contextlib
 import os
 from collections.abc import Callable
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, Self
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -83,7 +83,7 @@ class _NullStream:
     def query(self) -> bool:
         return True
 
-    def __enter__(self) -> _NullStream:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:
