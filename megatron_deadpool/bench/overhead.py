@@ -27,7 +27,7 @@ from typing import Any, Protocol
 
 from ..errors import ConfigError
 from ..jobspec import JobConfig, ParallelConfig, load_job
-from .report import publish, text_row
+from .report import job_shape, publish, text_row
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "cpu-demo.yaml"
 """The CPU demo job, used when no --config is given (and present in the source tree)."""
@@ -151,7 +151,6 @@ def measure(
     on_iter = _median([t for r in on for t in r["iter_times_s"]])
     ratios = [b["median_iter_s"] / a["median_iter_s"] for a, b in zip(off, on)]
     ratio = _median(ratios)
-    p = jobs["on"].parallel
     return {
         "off_iter_s": off_iter,
         "on_iter_s": on_iter,
@@ -162,11 +161,7 @@ def measure(
         "digests_identical": runs[0]["final_param_digest"] is not None
         and len({r["final_param_digest"] for r in runs}) == 1,
         "config": {
-            "tp": p.tp,
-            "pp": p.pp,
-            "dp": p.dp,
-            "ranks_per_node": jobs["on"].ranks_per_node,
-            "replicas": jobs["on"].deadpool.replicas,
+            **job_shape(jobs["on"]),
             "spares_on": jobs["on"].deadpool.spares,
             "iters": iters,
             "warmup": warmup,
