@@ -4,8 +4,10 @@ Every iteration a rank gathers the tensors of its optimizer shard (fp32 main par
 ``exp_avg`` / ``exp_avg_sq``, ``step``, bf16/fp16 tensors, RNG bytes, ...) into one contiguous
 ``uint8`` buffer that peers hold as a replica, together with a 64-bit checksum the holders
 verify. This module is the one interface for that: `pack`, `unpack`, `checksum`,
-`packed_nbytes`. It reads every byte once - the checksum is computed while the bytes are copied
-(on CPU chunk by chunk while each chunk is still in cache; on CUDA in one fused kernel).
+`packed_nbytes`, and `PackPlan` for packing the same tensors again and again (the layout and
+the copy lists are worked out once; on CPU each chunk is then filled by one `torch.cat`). It
+reads every byte once - the checksum is computed while the bytes are copied (on CPU chunk by
+chunk while each chunk is still in cache; on CUDA in one fused kernel).
 
 Packed layout
 -------------
@@ -133,7 +135,7 @@ def packed_nbytes(tensors: Sequence[torch.Tensor]) -> int:
     return total
 
 
-def _check_tensors(tensors: Sequence[torch.Tensor], device: torch.device, role: str) -> None:
+def _check_tensors(tensors: Sequence[torch.Tensor], device: torch.device) -> None:
     for index, tensor in enumerate(tensors):
         if not isinstance(tensor, torch.Tensor):
             raise PackError(f"tensor {index} is a {type(tensor).__name__}, not a torch.Tensor")
@@ -148,8 +150,8 @@ def _check_tensors(tensors: Sequence[torch.Tensor], device: torch.device, role: 
             raise PackError(f"tensor {index} has a lazy conj/neg bit; call resolve_conj() first")
         if tensor.device != device:
             raise PackError(
-                f"device mismatch: tensor {index} is on {tensor.device}, the {role} buffer is on "
-                f"{device}"
+                f"device mismatch: tensor {index} is on {tensor.device}, the packed buffer is "
+                f"on {device}"
             )
 
 
@@ -199,7 +201,11 @@ def _extension() -> ModuleType | None:
 
 def backend_for(tensor: torch.Tensor) -> str:
     """``"cuda"`` if the fused CUDA kernel handles buffers on `tensor`'s device, else ``"torch"``."""
-    return "cuda" if tensor.is_cuda and _extension() is not None else "torch"
+    return _backend(tensor.device)
+
+
+def _backend(device: torch.device) -> str:
+    return "cuda" if device.type == "cuda" and _extension() is not None else "torch"
 
 
 def _cuda_call(fn_name: str, device: torch.device, *args: object) -> int:
@@ -228,27 +234,101 @@ def _plain_torch(fn: Callable[P, R]) -> Callable[P, R]:
     return wrapper
 
 
-@_plain_torch
+class PackPlan:
+    """The packed layout of a fixed list of tensors, worked out once.
+
+    Validation, offsets, the byte views of every tensor and the per-chunk copy lists depend
+    only on the tensors' shapes, dtypes and storage, so a caller that packs the same live
+    tensors every iteration (a rank's optimizer shard, updated in place) builds the plan once
+    and each `pack`/`unpack` then only moves bytes. The tensors must keep their storage for
+    the plan's life (in-place updates are fine; a reallocated tensor needs a new plan).
+    """
+
+    @_plain_torch
+    def __init__(self, tensors: Sequence[torch.Tensor], device: torch.device | None = None) -> None:
+        self.device = device if device is not None else _device_of(tensors)
+        _check_tensors(tensors, self.device)
+        self.tensors = list(tensors)
+        self.offsets = packed_offsets(self.tensors)
+        self.nbytes = packed_nbytes(self.tensors)
+        _check_size(self.nbytes)
+        # Per chunk: word range, the byte ranges it copies (None: zero padding), and the same
+        # as one list of sources that `torch.cat` writes into the chunk in a single call.
+        self._chunks: list[tuple[int, int, list[tuple[int, int, torch.Tensor | None]]]] = []
+        self._sources: list[list[torch.Tensor]] = []
+        self.backend = _backend(self.device)
+        if self.backend == "torch":
+            zeros = torch.zeros(ALIGN, dtype=torch.uint8, device=self.device)
+            pieces = _pieces(self.tensors, self.offsets, self.nbytes)
+            cursor = 0
+            for start, stop in _Accumulator.chunk_bounds(self.nbytes // WORD_BYTES, self.device):
+                lo, hi = start * WORD_BYTES, stop * WORD_BYTES
+                found, cursor = _overlapping(pieces, lo, hi, cursor)
+                copies = [
+                    (a, b, None if p.data is None else p.data[a - p.start : b - p.start])
+                    for p, a, b in found
+                ]
+                self._chunks.append((start, stop, copies))
+                self._sources.append([zeros[: b - a] if t is None else t for a, b, t in copies])
+
+    def _check_buffer(self, buf: torch.Tensor, role: str) -> None:
+        _check_flat(buf, role)
+        if buf.device != self.device:
+            raise PackError(
+                f"device mismatch: the tensors are on {self.device}, the {role} buffer is on "
+                f"{buf.device}"
+            )
+        if buf.numel() < self.nbytes:
+            raise PackError(f"{role} is too small: {buf.numel()} B < packed_nbytes {self.nbytes} B")
+
+    @_plain_torch
+    def pack(self, out: torch.Tensor) -> int:
+        """Copy the tensors into `out` (1-D contiguous uint8, at least `nbytes` long) in the
+        packed layout and return the region's checksum; bytes beyond it are left untouched."""
+        self._check_buffer(out, "out")
+        if self.backend == "cuda":
+            return _cuda_call("pack", out.device, self.tensors, self.offsets, out, self.nbytes)
+        acc = _Accumulator(self.nbytes // WORD_BYTES, self.device)
+        with torch.no_grad():
+            for (start, stop, _), sources in zip(self._chunks, self._sources):
+                chunk = out[start * WORD_BYTES : stop * WORD_BYTES]
+                torch.cat(sources, out=chunk)
+                acc.feed(start, _as_words(chunk))
+        return acc.result()
+
+    @_plain_torch
+    def unpack(self, flat: torch.Tensor) -> int:
+        """Copy the packed bytes of `flat` back into the tensors; returns the checksum of
+        ``flat[:nbytes]`` computed in the same pass (the tensors are written either way)."""
+        self._check_buffer(flat, "flat")
+        if self.backend == "cuda":
+            return _cuda_call("unpack", flat.device, flat, self.tensors, self.offsets, self.nbytes)
+        acc = _Accumulator(self.nbytes // WORD_BYTES, self.device)
+        with torch.no_grad():
+            for start, stop, copies in self._chunks:
+                acc.feed(start, _as_words(flat[start * WORD_BYTES : stop * WORD_BYTES]))
+                for a, b, dst in copies:
+                    if dst is not None:
+                        dst.copy_(flat[a:b])
+        return acc.result()
+
+
+def _device_of(tensors: Sequence[torch.Tensor]) -> torch.device:
+    first = next((t for t in tensors if isinstance(t, torch.Tensor)), None)
+    return first.device if first is not None else torch.device("cpu")
+
+
 def pack(tensors: Sequence[torch.Tensor], out: torch.Tensor) -> int:
     """Copy `tensors` into `out` in the packed layout and return the region's checksum.
 
     `out` is a 1-D contiguous uint8 tensor on the tensors' device with at least
     `packed_nbytes(tensors)` elements; bytes beyond the packed region are left untouched.
+    (One-off form of `PackPlan(tensors, out.device).pack(out)`.)
     """
     _check_flat(out, "out")
-    _check_tensors(tensors, out.device, "out")
-    offsets = packed_offsets(tensors)
-    total = packed_nbytes(tensors)
-    _check_size(total)
-    if out.numel() < total:
-        raise PackError(f"out is too small: {out.numel()} B < packed_nbytes {total} B")
-    if backend_for(out) == "cuda":
-        return _cuda_call("pack", out.device, list(tensors), offsets, out, total)
-    with torch.no_grad():
-        return _torch_pack(tensors, offsets, out[:total])
+    return PackPlan(tensors, out.device).pack(out)
 
 
-@_plain_torch
 def unpack(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> int:
     """Copy the packed bytes of `flat` back into the preallocated `tensors`.
 
@@ -256,16 +336,7 @@ def unpack(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> int:
     caller can verify while restoring (the tensors are written either way).
     """
     _check_flat(flat, "flat")
-    _check_tensors(tensors, flat.device, "flat")
-    offsets = packed_offsets(tensors)
-    total = packed_nbytes(tensors)
-    _check_size(total)
-    if flat.numel() < total:
-        raise PackError(f"flat is too small: {flat.numel()} B < packed_nbytes {total} B")
-    if backend_for(flat) == "cuda":
-        return _cuda_call("unpack", flat.device, flat, list(tensors), offsets, total)
-    with torch.no_grad():
-        return _torch_unpack(flat[:total], tensors, offsets)
+    return PackPlan(tensors, flat.device).unpack(flat)
 
 
 @_plain_torch
@@ -335,9 +406,13 @@ class _Accumulator:
 
     def chunks(self) -> list[tuple[int, int]]:
         """Word ranges [start, stop) of the chunks, in order; the last one holds the tail."""
-        step = self.chunk_rows * _ROW_WORDS
-        bounds = [(start, min(start + step, self.nwords)) for start in range(0, self.nwords, step)]
-        return bounds
+        return self.chunk_bounds(self.nwords, self.device)
+
+    @staticmethod
+    def chunk_bounds(nwords: int, device: torch.device) -> list[tuple[int, int]]:
+        """The chunks of an `nwords`-word buffer on `device` (see `chunks`)."""
+        step = _chunk_rows(device) * _ROW_WORDS
+        return [(start, min(start + step, nwords)) for start in range(0, nwords, step)]
 
     def feed(self, start: int, words: torch.Tensor) -> None:
         """Account the int32 `words` that start at word `start` (a chunk from `chunks`)."""
@@ -428,38 +503,6 @@ def _overlapping(
         found.append((piece, max(piece.start, lo), min(piece.stop, hi)))
         index += 1
     return found, cursor
-
-
-def _torch_pack(tensors: Sequence[torch.Tensor], offsets: list[int], out: torch.Tensor) -> int:
-    total = out.numel()
-    pieces = _pieces(tensors, offsets, total)
-    acc = _Accumulator(total // WORD_BYTES, out.device)
-    cursor = 0
-    for start, stop in acc.chunks():
-        lo, hi = start * WORD_BYTES, stop * WORD_BYTES
-        found, cursor = _overlapping(pieces, lo, hi, cursor)
-        for piece, a, b in found:
-            if piece.data is None:
-                out[a:b].zero_()
-            else:
-                out[a:b].copy_(piece.data[a - piece.start : b - piece.start])
-        acc.feed(start, _as_words(out[lo:hi]))
-    return acc.result()
-
-
-def _torch_unpack(flat: torch.Tensor, tensors: Sequence[torch.Tensor], offsets: list[int]) -> int:
-    total = flat.numel()
-    pieces = _pieces(tensors, offsets, total)
-    acc = _Accumulator(total // WORD_BYTES, flat.device)
-    cursor = 0
-    for start, stop in acc.chunks():
-        lo, hi = start * WORD_BYTES, stop * WORD_BYTES
-        acc.feed(start, _as_words(flat[lo:hi]))
-        found, cursor = _overlapping(pieces, lo, hi, cursor)
-        for piece, a, b in found:
-            if piece.data is not None:
-                piece.data[a - piece.start : b - piece.start].copy_(flat[a:b])
-    return acc.result()
 
 
 def _torch_checksum(buf: torch.Tensor) -> int:

@@ -217,38 +217,39 @@ class Snapshotter:
         """`state` must hold optimizer state already (after the first step, or restored)."""
         self.state = state
         self.owner = owner
-        # The optimizer updates its tensors in place: their list and manifest are fixed from
-        # here on (a restore builds a new Snapshotter), so compute them once, off the hot path.
+        # The optimizer updates its tensors in place: their list, manifest and packed layout
+        # are fixed from here on (a restore builds a new Snapshotter), so work them out once,
+        # off the hot path. RNG states and metadata are staged into buffers of their own.
         self.manifest = state.manifest()
-        self.live = state.state_tensors()
+        live = state.state_tensors()
+        device = live[0].device if live else torch.device("cpu")
         probe = len(_encode_meta(state.small_state(0, self.manifest)))
         self.meta_nbytes = -(-(probe * 2 + 1024) // META_ALIGN) * META_ALIGN
         self.meta_buf = torch.zeros(self.meta_nbytes, dtype=torch.uint8)
+        self._meta_staged = self.meta_buf.to(device)
+        self._rng_staged = [t.to(device, copy=True) for t in rng_tensors()]
+        self.plan = pack.PackPlan([*live, *self._rng_staged, self._meta_staged], device)
         self._staging: torch.Tensor | None = None
-
-    def _tensors(self, meta_buf: torch.Tensor, rng: list[torch.Tensor]) -> list[torch.Tensor]:
-        return [*self.live, *rng, meta_buf]
 
     def flat_nbytes(self) -> int:
         """Size of this rank's flat snapshot (packed region + header)."""
-        probe = self._tensors(torch.empty(self.meta_nbytes, dtype=torch.uint8), rng_tensors())
-        return pack.packed_nbytes(probe) + HEADER_BYTES
+        return self.plan.nbytes + HEADER_BYTES
 
     def capture(self, iteration: int, out: torch.Tensor) -> Header:
         """Copy the live state of `iteration` into `out` (one pass: pack + checksum)."""
-        raw = _encode_meta(self.state.small_state(iteration, self.manifest))
-        _fill_meta(self.meta_buf, raw)
-        device = self.live[0].device if self.live else out.device
-        small = [t.to(device, non_blocking=True) for t in [*rng_tensors(), self.meta_buf]]
-        tensors = [*self.live, *small]
-        nbytes = pack.packed_nbytes(tensors)
-        if out.device == device:
-            checksum = pack.pack(tensors, out[:nbytes])
+        _fill_meta(self.meta_buf, _encode_meta(self.state.small_state(iteration, self.manifest)))
+        for staged, rng in zip(self._rng_staged, rng_tensors()):
+            staged.copy_(rng, non_blocking=True)
+        if self._meta_staged is not self.meta_buf:
+            self._meta_staged.copy_(self.meta_buf, non_blocking=True)
+        nbytes = self.plan.nbytes
+        if out.device == self.plan.device:
+            checksum = self.plan.pack(out[:nbytes])
         else:  # GPU state, host replicas: pack on the GPU, then one copy to pinned memory
-            if self._staging is None or self._staging.numel() < nbytes:
-                self._staging = torch.empty(nbytes, dtype=torch.uint8, device=device)
-            checksum = pack.pack(tensors, self._staging[:nbytes])
-            out[:nbytes].copy_(self._staging[:nbytes], non_blocking=True)
+            if self._staging is None:
+                self._staging = torch.empty(nbytes, dtype=torch.uint8, device=self.plan.device)
+            checksum = self.plan.pack(self._staging)
+            out[:nbytes].copy_(self._staging, non_blocking=True)
         header = Header(
             owner=self.owner,
             iteration=iteration,
