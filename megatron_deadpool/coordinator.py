@@ -155,6 +155,7 @@ class Coordinator:
         self.finished: list[dict[str, Any]] = []
         self.aborted: dict[str, Any] | None = None
         self.next_generation = 1
+        self._hb_read: dict[str, float] = {}  # pid -> when its heartbeat was last read
 
     def start(self) -> None:
         self.members.publish_roster(self.roster)
@@ -174,6 +175,9 @@ class Coordinator:
         if code is not None and code != 0:  # 0: finished its work, not a failure
             self._mark_dead(pid, f"exited with code {code}")
             return True
+        if now - self._hb_read.get(pid, 0.0) < self.heartbeat_timeout / 20:
+            return False  # read heartbeats a little more often than the timeout resolves
+        self._hb_read[pid] = now
         age = self._heartbeat_age(pid, now)
         if age is not None and age > self.heartbeat_timeout and code is None:
             if self.store.check([f"done/{pid}"]):  # finished; its heartbeat stopped on purpose
