@@ -133,7 +133,7 @@ class Runtime:
 
     def _wait_for_slot(self) -> Roster | None:
         """Block until a roster names this process (or the job shuts down)."""
-        faults = spare_faults(self.job, self.pid)
+        faults = spare_faults(self.cfg, self.pid)
         while True:
             if self.members.shutdown_requested() or self.sigterm.is_set():
                 return None
@@ -401,7 +401,7 @@ class Runtime:
         self.repl_group = None
         released = rebind.release([*self._roots(), self.replicator], extra)
         log.info("released %d group handles", released)
-        for index, kind in recovery_faults(self.job, self.rank):
+        for index, kind in recovery_faults(self.cfg, self.rank):
             if self._fire(index):
                 if kind == "flip":
                     if self.replicator is not None:
