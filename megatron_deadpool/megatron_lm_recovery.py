@@ -12,16 +12,11 @@ new groups in the placeholders; needy ranks receive their shard of T from its ho
 (verified by checksum), the others roll back to their local snapshot of T; weights are
 re-derived from the main params, replication restarts with a round of T, Megatron's rerun
 state machine and the data iterator are set back to T.
-
-Testing aid: with DEADPOOL_DROP_IN_FLIGHT=1 survivors forget the replication round that was
-in flight at the failure (as if the failure had cut its transfers), so the restore goes one
-round further back and the recomputation path runs.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import time
 import traceback
 from typing import Any
@@ -54,14 +49,7 @@ class Recovery:
         )
         traceback.clear_frames(exc.__traceback__)
         if self.replicator is not None:
-            in_flight = self.replicator._round
             salvaged = self.replicator.abandon()
-            if os.environ.get("DEADPOOL_DROP_IN_FLIGHT") == "1" and in_flight is not None:
-                # Testing aid: forget the in-flight round, as if the failure had cut its
-                # transfers, so the restore goes one round back and recomputes a step.
-                for pair in [self.replicator.local, *self.replicator.held.values()]:
-                    pair.verified = [None if it == in_flight else it for it in pair.verified]
-                salvaged = []
             if salvaged:
                 log.info("kept the in-flight round's verified replicas of ranks %s", salvaged)
         extra = {"DEADPOOL_REPLICATION": self.repl_group}

@@ -544,6 +544,13 @@ def test_failure_free_run_replicates_every_iteration(baseline: Run) -> None:
         assert "lm loss" in acc.Tags()["scalars"]  # Megatron's own, same writer
 
 
+def _drop_in_flight_env() -> dict[str, str]:
+    """Children import tests/hooks/drop_in_flight/sitecustomize.py: a failure drops the
+    replication round in flight (as if it cut the transfers), so recovery recomputes a step."""
+    hook = REPO / "tests" / "hooks" / "drop_in_flight"
+    return {"PYTHONPATH": os.pathsep.join([str(hook), os.environ.get("PYTHONPATH", "")])}
+
+
 @pytest.mark.timeout(3 * RUN_TIMEOUT)
 def test_killed_rank_is_hot_swapped_bitwise(baseline: Run, tmp_path: Path) -> None:
     """Rank 2 is SIGKILLed as iteration 4 starts; the in-flight round is dropped, so the
@@ -551,8 +558,7 @@ def test_killed_rank_is_hot_swapped_bitwise(baseline: Run, tmp_path: Path) -> No
     tree = _megatron_lm()
     args = [*MEGATRON_ARGS, "--use-distributed-optimizer", "--save", str(tmp_path / "ckpt"),
             "--save-interval", "3", *DEADPOOL_ARGS, "--deadpool-fail", "2@4"]  # fmt: skip
-    run = _launch(tmp_path, "swap", tree / "pretrain_gpt.py", args,
-                  env={"DEADPOOL_DROP_IN_FLIGHT": "1"})  # fmt: skip
+    run = _launch(tmp_path, "swap", tree / "pretrain_gpt.py", args, env=_drop_in_flight_env())
     _assert_same_training(run, baseline)
     (rec,) = run.summary["recoveries"]
     assert rec["dead_ranks"] == [2] and rec["replaced_by"] == {"2": "s0"}
