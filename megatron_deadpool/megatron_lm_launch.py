@@ -32,6 +32,7 @@ from .errors import ConfigError
 from .megatron_lm import preparse
 
 CONFIG_ERROR_EXIT = 2
+OUT_OF_REDUNDANCY_EXIT = 3
 
 
 def _free_port() -> int:
@@ -209,9 +210,9 @@ class MegatronLauncher:
                     pid, code = next(iter(failed.items()))
                     self._print(f"[deadpool] {pid} exited with code {code}; stopping the job")
                     return code
-            elif coord.aborted is not None:
-                self._wait_exit(actives, 30.0)
-                return 1
+            elif coord.aborted is not None:  # survivors save what survives, then exit 3
+                self._wait_exit(actives, 60.0)
+                return OUT_OF_REDUNDANCY_EXIT
             if all(c == 0 for c in codes.values()) and (coord is None or coord.recovery is None):
                 return 0
             if time.monotonic() - t0 > self.timeout_s:
