@@ -120,7 +120,8 @@ def _pretrain(pretrain: Callable[..., Any], bound: inspect.BoundArguments) -> An
         sys.argv = [sys.argv[0], *megatron_lm_cpu.with_cpu_flags(sys.argv[1:])]
     from . import megatron_lm_resume
 
-    megatron_lm_resume.install()  # --load from a snapshot set saved out of redundancy
+    # --load from a snapshot set saved out of redundancy
+    megatron_lm_resume.install(sys.modules.get(pretrain.__module__))
     if not cfg.enabled:
         return pretrain(*bound.args, **bound.kwargs)
     from . import megatron_lm_hooks

@@ -26,6 +26,7 @@ import functools
 import logging
 from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import torch
@@ -158,16 +159,21 @@ class Resumer:
         return real(*args, **kwargs)
 
 
-def install() -> Resumer:
-    """Hook a `Resumer` into megatron.training (under any hooks installed after it)."""
-    from megatron.training import training as tr
+HOOKED = ("setup_model_and_optimizer", "train_step")
 
+
+def install(training: ModuleType | None) -> Resumer | None:
+    """Hook a `Resumer` into `training`, the module of the `pretrain` being wrapped
+    (`megatron.training.training`), under any hooks installed after it; None when that module
+    is not Megatron's training loop (it lacks the functions hooked)."""
+    if training is None or not all(callable(getattr(training, n, None)) for n in HOOKED):
+        return None
     resumer = Resumer()
-    for name in ("setup_model_and_optimizer", "train_step"):
-        real = getattr(tr, name)
+    for name in HOOKED:
+        real = getattr(training, name)
         if getattr(real, "_deadpool_resume", False):
             continue
         hook = functools.wraps(real)(functools.partial(getattr(resumer, name), real))
         hook._deadpool_resume = True  # type: ignore[attr-defined]
-        setattr(tr, name, hook)
+        setattr(training, name, hook)
     return resumer

@@ -310,6 +310,24 @@ def test_an_incomplete_or_foreign_snapshot_set_is_not_resumed(tmp_path: Path) ->
         snapshot_to_resume(str(tmp_path), None, 4)
 
 
+def test_resume_hooks_go_only_into_megatrons_training_module() -> None:
+    from types import ModuleType
+
+    from megatron_deadpool.megatron_lm_resume import install
+
+    assert install(None) is None
+    assert install(ModuleType("not_megatron")) is None
+    training = ModuleType("training")
+    training.setup_model_and_optimizer = lambda *a, **k: ("model", "opt", "sched")
+    training.train_step = lambda *a, **k: "stepped"
+    resumer = install(training)
+    assert resumer is not None and training.train_step._deadpool_resume
+    hooked = training.train_step
+    install(training)
+    assert training.train_step is hooked  # once, not twice
+    assert training.train_step(1, iteration=0) == "stepped"  # nothing to resume: inert
+
+
 def _run_python(code: str, timeout: float = 90.0) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
     return subprocess.run(
@@ -664,6 +682,37 @@ def test_out_of_redundancy_saves_every_shard_and_load_resumes_bitwise(
         else:
             assert loss == theirs[it][1], (it, ours[it], theirs[it])
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == str(ITERS)
+
+
+@pytest.mark.timeout(3 * RUN_TIMEOUT)
+def test_out_of_redundancy_with_shards_lost_saves_what_survives(tmp_path: Path) -> None:
+    """Ranks 0 and 2, each other's replica holder, are SIGKILLed as iteration 5 starts: their
+    shards are gone. The survivors save their own snapshots (an incomplete set), name the lost
+    ranks and exit 3; --load then resumes from Megatron's checkpoint of iteration 3."""
+    from megatron_deadpool import salvage
+
+    tree = _megatron_lm()
+    ckpt = tmp_path / "ckpt"
+    base = [*MEGATRON_ARGS, "--use-distributed-optimizer", "--save", str(ckpt),
+            "--save-interval", "3", "--deadpool", "--deadpool-ranks-per-node", "2"]  # fmt: skip
+    fail = ["--deadpool-fail", "0@5", "--deadpool-fail", "2@5"]
+    run = _launch(tmp_path, "lost", tree / "pretrain_gpt.py", [*base, *fail])
+    assert run.returncode == 3, run.describe()
+    oor = run.summary["out_of_redundancy"]
+    assert oor["lost_ranks"] == [0, 2] and oor["lost_shards_holders"] == {"0": [2], "2": [0]}
+    assert not oor["save"]["complete"] and oor["save"]["missing"] == [0, 2]
+    t = oor["save"]["iteration"]
+    assert re.search(rf"shards lost: ranks \[0, 2\]; saved the surviving snapshots of "
+                     rf"iteration {t} to \S+; the shards of ranks \[0, 2\] are lost",
+                     run.text), run.describe()  # fmt: skip
+    manifest = salvage.read_manifest(ckpt, t)
+    assert manifest["ranks_present"] == [1, 3] and manifest["ranks_missing"] == [0, 2]
+    assert salvage.latest_complete(ckpt) is None
+
+    resumed = _launch(tmp_path, "resumed", tree / "pretrain_gpt.py", [*base, "--load", str(ckpt)])
+    assert resumed.returncode == 0, resumed.describe()
+    assert "resumed from DeadPool's snapshot set" not in resumed.text
+    assert sorted(resumed.iterations()) == [4, 5, 6], resumed.describe()
 
 
 @pytest.fixture(scope="module")
