@@ -10,6 +10,7 @@ Unlike torchrun it does not stop the job when a rank dies: the coordinator hands
 rank's slot to a spare. Every process's output is forwarded as it comes (Megatron prints its
 iteration lines on the last rank) and kept in RUN_DIR/{a0,a1,...,s0}.log; coordinator events
 print as `[deadpool] ...` lines; RUN_DIR/summary.json records the outcome and each recovery.
+Out of redundancy it waits for the survivors to save what survives and exits with code 3.
 """
 
 from __future__ import annotations

@@ -18,6 +18,11 @@ Megatron's own `save_checkpoint`, so from then on the state is a Megatron checkp
 Megatron-LM's own `--load` and tools read. The RNG states of T are put back just before the
 first training step (building the data iterators in between may draw random numbers), so the
 iterations after T are those of the run without the failure.
+
+Megatron's own `load_checkpoint` runs under `torch.no_grad()` here: with fp32 parameters and
+the distributed optimizer it copies the loaded state into views of leaf parameters, which
+autograd refuses otherwise, so `--load` of such a checkpoint (the one written above, or any
+`--save-interval` one) would fail.
 """
 
 from __future__ import annotations
@@ -149,6 +154,15 @@ class Resumer:
         )
         log.info("wrote iteration %d as a Megatron checkpoint to %s", a.iteration, a.save)
 
+    @staticmethod
+    def load_checkpoint(real: Any, *args: Any, **kwargs: Any) -> Any:
+        """Megatron's `load_checkpoint` under `torch.no_grad()`: with fp32 parameters the
+        distributed optimizer's main params are views of the (leaf) model parameters, and
+        Megatron copies the loaded state into them in place, which autograd refuses outside
+        no_grad (what is loaded does not change)."""
+        with torch.no_grad():
+            return real(*args, **kwargs)
+
     def train_step(self, real: Any, *args: Any, **kwargs: Any) -> Any:
         """The first step starts from T's RNG states."""
         if self.rng is not None:
@@ -159,7 +173,7 @@ class Resumer:
         return real(*args, **kwargs)
 
 
-HOOKED = ("setup_model_and_optimizer", "train_step")
+HOOKED = ("setup_model_and_optimizer", "load_checkpoint", "train_step")
 
 
 def install(training: ModuleType | None) -> Resumer | None:

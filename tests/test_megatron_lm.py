@@ -313,6 +313,8 @@ def test_an_incomplete_or_foreign_snapshot_set_is_not_resumed(tmp_path: Path) ->
 def test_resume_hooks_go_only_into_megatrons_training_module() -> None:
     from types import ModuleType
 
+    import torch
+
     from megatron_deadpool.megatron_lm_resume import install
 
     assert install(None) is None
@@ -320,12 +322,14 @@ def test_resume_hooks_go_only_into_megatrons_training_module() -> None:
     training = ModuleType("training")
     training.setup_model_and_optimizer = lambda *a, **k: ("model", "opt", "sched")
     training.train_step = lambda *a, **k: "stepped"
+    training.load_checkpoint = lambda *a, **k: torch.is_grad_enabled()
     resumer = install(training)
     assert resumer is not None and training.train_step._deadpool_resume
     hooked = training.train_step
     install(training)
     assert training.train_step is hooked  # once, not twice
     assert training.train_step(1, iteration=0) == "stepped"  # nothing to resume: inert
+    assert training.load_checkpoint() is False  # Megatron's load runs under no_grad
 
 
 def _run_python(code: str, timeout: float = 90.0) -> subprocess.CompletedProcess:
