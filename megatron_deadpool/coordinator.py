@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from .membership import Membership, Roster
-from .restore_plan import plan_restore
+from .restore_plan import plan_restore, plan_salvage
 from .topology import Layout, Placement, place_replicas
 
 log = logging.getLogger("megatron_deadpool.coordinator")
@@ -327,23 +327,15 @@ class Coordinator:
         self, plan: Any, holds: dict[int, dict[str, list[int]]], needy: set[int]
     ) -> dict[str, Any] | None:
         """What survivors write before stopping: one common iteration, and who writes what."""
-        if plan.ok:  # every shard survives in memory: a complete set
-            return {"iteration": plan.iteration, "sources": plan.sources, "complete": True}
-        common: set[int] | None = None
-        for r, h in holds.items():
-            if r not in needy:
-                mine = set(h.get("local", []))
-                common = mine if common is None else common & mine
-        if not common:
+        salvage = plan_salvage(self._placement(), holds, needy, plan)
+        if salvage is None:
             return None
-        t = max(common)
-        sources = {}
-        for n in sorted(needy):
-            for holder in self._placement().holders[n]:
-                if t in holds.get(holder, {}).get(str(n), []):
-                    sources[n] = holder
-                    break
-        return {"iteration": t, "sources": sources, "complete": len(sources) == len(needy)}
+        return {
+            "iteration": salvage.iteration,
+            "sources": salvage.sources,
+            "complete": salvage.complete,
+            "missing": salvage.missing(needy),
+        }
 
     def _abort(
         self,

@@ -17,9 +17,12 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from .errors import ConfigError
+
+if TYPE_CHECKING:  # config.py validates specs with `parse_fault`
+    from .config import DeadpoolConfig
 
 _SPEC = re.compile(
     r"^(?:(?P<node>node:)|(?P<spare>spare:))?(?P<who>\d+)@(?P<when>\d+|recovery)"
@@ -98,3 +101,36 @@ def check_faults(
             raise ConfigError(
                 f"fail: iteration {fault.iteration} is past the run's last iteration {iters}"
             )
+
+
+def iteration_faults(
+    cfg: DeadpoolConfig, rank: int, ranks_per_node: int
+) -> dict[int, tuple[int, FaultKind]]:
+    """iteration -> (spec index, kind) of the `--fail` specs that hit `rank` as an iteration
+    starts (`RANK@ITER`, `node:N@ITER`)."""
+    out: dict[int, tuple[int, FaultKind]] = {}
+    for index, spec in enumerate(cfg.fail):
+        fault = parse_fault(spec)
+        if not fault.during_recovery and rank in fault.ranks(ranks_per_node):
+            out[fault.iteration] = (index, fault.kind)
+    return out
+
+
+def recovery_faults(cfg: DeadpoolConfig, rank: int) -> list[tuple[int, FaultKind]]:
+    """(spec index, kind) of the specs that hit `rank` as it enters a recovery."""
+    out: list[tuple[int, FaultKind]] = []
+    for index, spec in enumerate(cfg.fail):
+        fault = parse_fault(spec)
+        if fault.during_recovery and fault.rank == rank:
+            out.append((index, fault.kind))
+    return out
+
+
+def spare_faults(cfg: DeadpoolConfig, pid: str) -> list[tuple[int, int, FaultKind]]:
+    """(spec index, iteration, kind) of the specs that hit waiting spare `pid` (`s{I}`)."""
+    out: list[tuple[int, int, FaultKind]] = []
+    for index, spec in enumerate(cfg.fail):
+        fault = parse_fault(spec)
+        if fault.spare is not None and pid == f"s{fault.spare}":
+            out.append((index, fault.iteration, fault.kind))
+    return out

@@ -15,7 +15,15 @@ The runner runs the unmodified script with `runpy`, with `megatron.training.pret
 by `wrap_pretrain(pretrain)`, which adds the flags to Megatron's parser (chained with the
 script's own `extra_args_provider`), supplies the CPU settings on a machine without a GPU, and
 with `--deadpool` starts a `MegatronSession` and installs the training hooks
-(`megatron_lm_hooks`). Without `--deadpool` nothing but the flags (and the CPU mode) is added.
+(`megatron_lm_hooks`). Without `--deadpool` nothing but the flags, the CPU mode and the resume
+from a snapshot set (below) is added.
+
+Out of redundancy (no spare left, or a shard with no surviving copy) every survivor exits with
+code 3 after writing DeadPool's snapshot set of one common iteration under `--save`
+(`megatron_lm_recovery`); the message names the dead ranks and any shard that was lost. When
+the set is complete, launching the same command with `--load` resumes from it and, with
+`--save`, writes it as a Megatron checkpoint through Megatron's own `save_checkpoint`
+(`megatron_lm_resume` says why that cannot happen before the exit).
 """
 
 from __future__ import annotations
@@ -110,6 +118,10 @@ def _pretrain(pretrain: Callable[..., Any], bound: inspect.BoundArguments) -> An
     if megatron_lm_cpu.needs_cpu():
         megatron_lm_cpu.activate()
         sys.argv = [sys.argv[0], *megatron_lm_cpu.with_cpu_flags(sys.argv[1:])]
+    from . import megatron_lm_resume
+
+    # --load from a snapshot set saved out of redundancy
+    megatron_lm_resume.install(sys.modules.get(pretrain.__module__))
     if not cfg.enabled:
         return pretrain(*bound.args, **bound.kwargs)
     from . import megatron_lm_hooks

@@ -10,6 +10,7 @@ Unlike torchrun it does not stop the job when a rank dies: the coordinator hands
 rank's slot to a spare. Every process's output is forwarded as it comes (Megatron prints its
 iteration lines on the last rank) and kept in RUN_DIR/{a0,a1,...,s0}.log; coordinator events
 print as `[deadpool] ...` lines; RUN_DIR/summary.json records the outcome and each recovery.
+Out of redundancy it waits for the survivors to save what survives and exits with code 3.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from .errors import ConfigError
 from .megatron_lm import preparse
 
 CONFIG_ERROR_EXIT = 2
+OUT_OF_REDUNDANCY_EXIT = 3
 
 
 def _free_port() -> int:
@@ -209,9 +211,9 @@ class MegatronLauncher:
                     pid, code = next(iter(failed.items()))
                     self._print(f"[deadpool] {pid} exited with code {code}; stopping the job")
                     return code
-            elif coord.aborted is not None:
-                self._wait_exit(actives, 30.0)
-                return 1
+            elif coord.aborted is not None:  # survivors save what survives, then exit 3
+                self._wait_exit(actives, 60.0)
+                return OUT_OF_REDUNDANCY_EXIT
             if all(c == 0 for c in codes.values()) and (coord is None or coord.recovery is None):
                 return 0
             if time.monotonic() - t0 > self.timeout_s:

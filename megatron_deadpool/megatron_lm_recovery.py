@@ -11,32 +11,36 @@ creates generation g's default group on `gen{g}`, repeats Megatron's exact
 new groups in the placeholders; needy ranks receive their shard of T from its holder
 (verified by checksum), the others roll back to their local snapshot of T; weights are
 re-derived from the main params, replication restarts with a round of T, Megatron's rerun
-state machine and the data iterator are set back to T.
+state machine and the data iterator are set back to T. The protocol's communication is shared
+with the embedded runtime (`recovery.py`).
 
-Testing aid: with DEADPOOL_DROP_IN_FLIGHT=1 survivors forget the replication round that was
-in flight at the failure (as if the failure had cut its transfers), so the restore goes one
-round further back and the recomputation path runs.
+Out of redundancy (no spare left, or a shard with no surviving copy) the coordinator aborts:
+survivors write DeadPool's snapshot set of one common iteration under Megatron's `--save`
+directory (`recovery.salvage`; Megatron's sample and FLOP counters of that iteration go into
+its manifest) and the process exits with code 3. Megatron's own `save_checkpoint` cannot run
+then: it is collective over the full world (its distributed-optimizer state is written by
+every data-parallel rank, its metadata gathered across all ranks), and the dead ranks are gone.
+A complete set is turned into a Megatron checkpoint by the next launch of the same command with
+`--load` (`megatron_lm_resume`), where a full world exists again.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import time
 import traceback
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
 from . import megatron_lm_newcomer as newcomer
-from . import rebind
-from .errors import DeadpoolRuntimeError, OutOfRedundancyError
+from . import rebind, recovery
+from .errors import DeadpoolRuntimeError
 from .logs import set_context
 from .megatron_lm_replay import reset_rerun_iterators
 from .megatron_lm_report import dump_log_state
 from .membership import Roster
-from .snapshot import RankState, Snapshotter
+from .snapshot import RankState
 
 log = logging.getLogger("megatron_deadpool.megatron_lm")
 
@@ -54,14 +58,7 @@ class Recovery:
         )
         traceback.clear_frames(exc.__traceback__)
         if self.replicator is not None:
-            in_flight = self.replicator._round
             salvaged = self.replicator.abandon()
-            if os.environ.get("DEADPOOL_DROP_IN_FLIGHT") == "1" and in_flight is not None:
-                # Testing aid: forget the in-flight round, as if the failure had cut its
-                # transfers, so the restore goes one round back and recomputes a step.
-                for pair in [self.replicator.local, *self.replicator.held.values()]:
-                    pair.verified = [None if it == in_flight else it for it in pair.verified]
-                salvaged = []
             if salvaged:
                 log.info("kept the in-flight round's verified replicas of ranks %s", salvaged)
         extra = {"DEADPOOL_REPLICATION": self.repl_group}
@@ -90,50 +87,45 @@ class Recovery:
         )
 
     def _agree(self, exc: BaseException, t0: float, target: int) -> Roster:
-        """Report holdings for the coordinator's plan(s) until a roster includes this process."""
+        """Report holdings (and Megatron's counters) until a roster includes this process."""
         from megatron.training import get_args
 
         a = get_args()
         flags = [bool(getattr(a, name, False)) for name in ("do_train", "do_valid", "do_test")]
-        deadline = t0 + self.cfg.heartbeat_timeout + 30.0
-        reported: set[int] = set()
-        holds = self.replicator.holdings() if self.replicator else {"local": []}
-        while True:
-            if self.members.store.check(["abort"]):
-                info = self.members.read("abort") or {}
-                raise OutOfRedundancyError(
-                    f"out of redundancy: {info.get('reason')}; lost ranks {info.get('lost_ranks')}"
-                )
-            latest = self.members.store.check(["plan/latest"]) and int(
-                self.members.store.get("plan/latest").decode()
-            )
-            if latest and latest > self.generation:
-                plan = self.members.read(f"gen{latest}/plan") or {}
-                if latest not in reported and "slots" in plan:
-                    mine = self.pid in plan["slots"].values() and self.rank not in plan["needy"]
-                    self.members.publish(
-                        f"gen{latest}/holdings/{self.rank}",
-                        {
-                            "holds": holds if mine else {"local": []},
-                            "last_completed": self.last_completed,
-                            "pid": self.pid,
-                            "target": target,
-                            "counters": {str(k): v for k, v in self.counters.items()},
-                            "flags": flags,
-                            "log_state": dump_log_state(self.total_loss_dict),
-                        },
-                    )
-                    reported.add(latest)
-                if self.members.store.check([f"gen{latest}/roster"]):
-                    roster = self.members.roster(latest)
-                    if roster.rank_of(self.pid) is not None:
-                        return roster
-            elif time.time() > deadline:
-                raise DeadpoolRuntimeError(
-                    "a collective failed but the coordinator planned no recovery within "
-                    f"{deadline - t0:.0f}s: not a peer failure"
-                ) from exc
-            time.sleep(0.02)
+        return recovery.agree(
+            self.members,
+            generation=self.generation,
+            rank=self.rank,
+            pid=self.pid,
+            holds=self.replicator.holdings() if self.replicator else {"local": []},
+            report={
+                "last_completed": self.last_completed,
+                "target": target,
+                "counters": {str(k): v for k, v in self.counters.items()},
+                "flags": flags,
+                "log_state": dump_log_state(self.total_loss_dict),
+            },
+            deadline=t0 + self.cfg.heartbeat_timeout + 30.0,
+            cause=exc,
+            on_abort=self._salvage,
+        )
+
+    def _salvage(self, report: dict[str, Any]) -> str:
+        """Out of redundancy: this survivor's part of the snapshot set (under `--save`)."""
+        from megatron.training import get_args
+
+        save = report.get("save") or {}
+        counters = self.counters.get(save.get("iteration", -1))
+        return recovery.salvage(
+            self.members,
+            self.replicator,
+            root=get_args().save,
+            report=report,
+            rank=self.rank,
+            world_size=self.roster.world_size,
+            extra={"megatron": counters} if counters is not None else None,
+            resume_hint="run the same command with --load to resume",
+        )
 
     def _check_targets(self, roster: Roster, target: int) -> None:
         targets = {r["target"] for r in self._survivor_reports(roster).values()}
@@ -199,36 +191,17 @@ class Recovery:
 
         model, optimizer, scheduler, _ = self.objs
         t_iter = roster.restore_iteration
-        sources = {
-            int(k): v
-            for k, v in (self.members.read(f"gen{roster.generation}/sources") or {}).items()
-        }
-        self._stamp("joined")
-        if needy and self.rank not in sources:
-            raise DeadpoolRuntimeError(
-                f"rank {self.rank} must restore but the plan names no source"
-            )
-        state = RankState(optimizer, scheduler)
-        works = []
-        if self.rank in sources:
-            size = torch.zeros(1, dtype=torch.int64)
-            dist.recv(size, src=sources[self.rank], group=self.repl_group)
-            flat = torch.empty(int(size.item()), dtype=torch.uint8)
-            dist.recv(flat, src=sources[self.rank], group=self.repl_group)
-        else:
-            flat = self.replicator.local.find(t_iter)
-            for target, holder in sources.items():
-                if holder == self.rank:
-                    buf = self.replicator.held[target].find(t_iter)
-                    works.append(
-                        dist.isend(torch.tensor([buf.numel()]), dst=target, group=self.repl_group)
-                    )
-                    works.append(dist.isend(buf, dst=target, group=self.repl_group))
-        Snapshotter.restore_into(state, flat, owner=self.rank, iteration=t_iter)
-        for work in works:
-            work.wait()
+        from_holder = recovery.exchange_shards(
+            self.members,
+            roster,
+            rank=self.rank,
+            state=RankState(optimizer, scheduler),
+            replicator=self.replicator,
+            group=self.repl_group,
+            needy=needy,
+        )
         _reset_ddp(model)
-        _sync_params_from_main(model, optimizer)
+        sync_params_from_main(model, optimizer)
         self.replicator = self._make_replicator()
         self.replicator.start_round(t_iter)
         self.committed = self.replicator.finish_round()
@@ -246,7 +219,7 @@ class Recovery:
         log.info(
             "restored iteration %d (%s)",
             t_iter,
-            "from holder" if self.rank in sources else "from local snapshot",
+            "from holder" if from_holder else "from local snapshot",
         )
 
     def _record(self, roster: Roster, target: int, t0: float, phases: dict[str, float]) -> None:
@@ -277,7 +250,7 @@ def _reset_ddp(model: list[Any]) -> None:
                 bg.param_gather_dispatched = False
 
 
-def _sync_params_from_main(model: list[Any], optimizer: Any) -> None:
+def sync_params_from_main(model: list[Any], optimizer: Any) -> None:
     """Model weights from the (restored) main params: copy, then the distributed optimizer's
     param all-gather over data-parallel peers."""
     chained = getattr(optimizer, "chained_optimizers", None) or [optimizer]

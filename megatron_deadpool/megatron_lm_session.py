@@ -31,12 +31,12 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
+from . import faults
 from . import megatron_lm_newcomer as newcomer
 from . import megatron_lm_report as report
 from .config import DeadpoolConfig
 from .devices.base import Device
 from .errors import ConfigError, DeadpoolRuntimeError
-from .faults import FaultSpec, check_faults, parse_fault
 from .logs import set_context
 from .megatron_lm_recovery import Recovery
 from .megatron_lm_replay import BatchRecorder, install_recorder
@@ -170,19 +170,15 @@ class MegatronSession(Recovery):
         return True
 
     def _wait_for_slot(self) -> Roster | None:
-        spare_faults = [
-            (index, fault)
-            for index, fault in self._faults()
-            if fault.spare is not None and self.pid == f"s{fault.spare}"
-        ]
+        spare_faults = faults.spare_faults(self.cfg, self.pid)
         while True:
             if self.members.shutdown_requested():
                 return None
             store = self.members.store
-            for index, fault in spare_faults:  # `spare:I@ITER`: a waiting spare fails
+            for index, iteration, kind in spare_faults:  # `spare:I@ITER`: a waiting spare fails
                 last = int(store.get("progress/last")) if store.check(["progress/last"]) else 0
-                if last >= fault.iteration and self._fire(index):
-                    self._inject(fault.kind, f"while waiting (training at iteration {last})")
+                if last >= iteration and self._fire(index):
+                    self._inject(kind, f"while waiting (training at iteration {last})")
             g = self.members.generation()
             if g >= 0:
                 roster = self.members.roster(g)
@@ -257,8 +253,8 @@ class MegatronSession(Recovery):
         )
         self.layout = Layout(tp=tp, pp=pp, dp=dp, ranks_per_node=per_node)
         self.placement = place_replicas(self.layout, self.cfg.replicas)
-        check_faults(
-            [parse_fault(spec) for spec in self.cfg.fail],
+        faults.check_faults(
+            [faults.parse_fault(spec) for spec in self.cfg.fail],
             self.layout.world_size,
             per_node,
             margs.train_iters or 0,
@@ -403,20 +399,15 @@ class MegatronSession(Recovery):
         """Fault injection, `--deadpool-fail RANK@ITER[:kill|hang|flip]` / `node:N@ITER`:
         as step n starts; each spec fires once per job (not again for the process that takes
         the slot, nor when the step is recomputed)."""
-        for index, fault in self._faults():
-            if fault.during_recovery or fault.spare is not None or fault.iteration != n:
-                continue
-            if self.rank in fault.ranks(self.layout.ranks_per_node) and self._fire(index):
-                self._inject(fault.kind, f"at iteration {n}")
+        hit = faults.iteration_faults(self.cfg, self.rank, self.layout.ranks_per_node).get(n)
+        if hit is not None and self._fire(hit[0]):
+            self._inject(hit[1], f"at iteration {n}")
 
     def fail_in_recovery(self) -> None:
         """`--deadpool-fail RANK@recovery[:kind]`: this rank fails as it enters a recovery."""
-        for index, fault in self._faults():
-            if fault.during_recovery and fault.rank == self.rank and self._fire(index):
-                self._inject(fault.kind, "while in recovery")
-
-    def _faults(self) -> list[tuple[int, FaultSpec]]:
-        return [(index, parse_fault(spec)) for index, spec in enumerate(self.cfg.fail)]
+        for index, kind in faults.recovery_faults(self.cfg, self.rank):
+            if self._fire(index):
+                self._inject(kind, "while in recovery")
 
     def _fire(self, index: int) -> bool:
         who = self.pid if self.rank is None else self.rank  # a rank's fault fires once per job

@@ -5,6 +5,10 @@ their own local snapshot and of every replica they hold). A rank whose process h
 snapshot (a spare taking a dead rank's slot, or a newcomer that had not finished restoring)
 is "needy": its shard must come from a holder. T is the newest iteration that every
 non-needy rank has locally and that some live holder has for every needy rank.
+
+When memory cannot recover (no spare left, or a shard without a surviving copy), the survivors
+save what survives instead: `plan_salvage` picks the iteration and who writes which dead
+rank's shard.
 """
 
 from __future__ import annotations
@@ -66,3 +70,48 @@ def plan_restore(
         )
     t = max(candidates)
     return RestorePlan(t, sources={r: available[r][t] for r in sorted(needy)})
+
+
+@dataclass(frozen=True)
+class SalvagePlan:
+    """What survivors write before an out-of-redundancy exit: the snapshots of `iteration`,
+    their own and, for each needy rank in `sources`, the copy its holder keeps."""
+
+    iteration: int
+    sources: dict[int, int]
+    complete: bool  # every rank's shard of `iteration` will be on disk
+
+    def missing(self, needy: set[int]) -> list[int]:
+        """The needy ranks whose shard of `iteration` no survivor has."""
+        return sorted(set(needy) - set(self.sources))
+
+
+def plan_salvage(
+    placement: Placement,
+    holdings: dict[int, dict[str, list[int]]],
+    needy: set[int],
+    restore: RestorePlan | None = None,
+) -> SalvagePlan | None:
+    """The snapshot set survivors save; None when they share no snapshot iteration.
+
+    A recoverable plan (`restore.ok`: every shard survives, only no spare is left) gives a
+    complete set of its iteration. Otherwise the newest iteration every surviving rank has
+    locally, with the dead ranks' copies that survive of it.
+    """
+    if restore is not None and restore.ok:
+        return SalvagePlan(restore.iteration, dict(restore.sources), complete=True)
+    common: set[int] | None = None
+    for rank, held in holdings.items():
+        if rank not in needy:
+            mine = set(held.get("local", []))
+            common = mine if common is None else common & mine
+    if not common:
+        return None
+    t = max(common)
+    sources: dict[int, int] = {}
+    for rank in sorted(needy):
+        for holder in placement.holders[rank]:
+            if holder not in needy and t in holdings.get(holder, {}).get(str(rank), []):
+                sources[rank] = holder
+                break
+    return SalvagePlan(t, sources, complete=len(sources) == len(needy))

@@ -17,11 +17,10 @@ import time
 import traceback
 from typing import Any
 
-import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
-from . import gpt, rebind, salvage
+from . import gpt, rebind, recovery, salvage
 from .devices import Device, select_device
 from .digest import rank_digest
 from .errors import CoordinatorUnreachableError, OutOfRedundancyError
@@ -133,7 +132,7 @@ class Runtime:
 
     def _wait_for_slot(self) -> Roster | None:
         """Block until a roster names this process (or the job shuts down)."""
-        faults = spare_faults(self.job, self.pid)
+        faults = spare_faults(self.cfg, self.pid)
         while True:
             if self.members.shutdown_requested() or self.sigterm.is_set():
                 return None
@@ -316,46 +315,13 @@ class Runtime:
 
     def _salvage(self, report: dict[str, Any]) -> str:
         """Write this survivor's part of the snapshot set the coordinator chose; say what."""
-        root, save = self.job.train.save, report.get("save")
-        if not root:
-            return "nothing saved (no --save directory)"
-        if not save or self.replicator is None:
-            return "no snapshot iteration common to the survivors: nothing saved"
-        t, world = save["iteration"], self.layout.world_size
-        own = self.replicator.local.find(t)
-        if own is not None:
-            salvage.write_flat(salvage.rank_file(root, t, self.rank), own)
-        for needy, holder in save["sources"].items():
-            if holder == self.rank:
-                flat = self.replicator.held[int(needy)].find(t)
-                salvage.write_flat(salvage.rank_file(root, t, int(needy)), flat)
-        store = self.members.store
-        store.set(f"salvaged/{self.rank}", "1")
-        if store.add("salvage/manifest", 1) == 1:  # one survivor writes the manifest
-            survivors = [r for r in range(world) if r not in report.get("dead_ranks", [])]
-            deadline = time.time() + 30
-            while time.time() < deadline and not store.check([f"salvaged/{r}" for r in survivors]):
-                time.sleep(0.1)
-            present = sorted(
-                int(p.stem.split("_")[1]) for p in salvage.set_dir(root, t).glob("rank_*.snap")
-            )
-            salvage.write_manifest(
-                root,
-                {
-                    "iteration": t,
-                    "complete": present == list(range(world)),
-                    "world_size": world,
-                    "ranks_present": present,
-                    "ranks_missing": sorted(set(range(world)) - set(present)),
-                    "reason": report.get("reason"),
-                },
-            )
-        where = salvage.set_dir(root, t)
-        if save["complete"]:
-            return f"saved every rank's state of iteration {t} to {where}: resume with --load"
-        return (
-            f"saved the surviving snapshots of iteration {t} to {where} (incomplete: "
-            "--load resumes from the last complete checkpoint)"
+        return recovery.salvage(
+            self.members,
+            self.replicator,
+            root=self.job.train.save,
+            report=report,
+            rank=self.rank,
+            world_size=self.layout.world_size,
         )
 
     # ------------------------------------------------------------------ persistent checkpoints
@@ -403,7 +369,7 @@ class Runtime:
         self.repl_group = None
         released = rebind.release([*self._roots(), self.replicator], extra)
         log.info("released %d group handles", released)
-        for index, kind in recovery_faults(self.job, self.rank):
+        for index, kind in recovery_faults(self.cfg, self.rank):
             if self._fire(index):
                 if kind == "flip":
                     if self.replicator is not None:
@@ -431,41 +397,17 @@ class Runtime:
 
     def _agree(self, exc: BaseException, t0: float) -> Roster:
         """Report holdings for the coordinator's plan(s) until a roster includes this process."""
-        deadline = t0 + self.cfg.heartbeat_timeout + 30.0
-        reported: set[int] = set()
-        holds = self.replicator.holdings() if self.replicator else {"local": []}
-        while True:
-            if self.members.store.check(["abort"]):
-                report = self.members.read("abort") or {}
-                saved = self._salvage(report)
-                raise OutOfRedundancyError(
-                    f"out of redundancy: {report.get('reason')}; shards lost: ranks "
-                    f"{report.get('lost_ranks')}; {saved}"
-                )
-            latest = self.members.store.check(["plan/latest"]) and int(
-                self.members.store.get("plan/latest").decode()
-            )
-            if latest and latest > self.generation:
-                plan = self.members.read(f"gen{latest}/plan") or {}
-                if latest not in reported and "slots" in plan:
-                    mine = self.pid in plan["slots"].values() and self.rank not in plan["needy"]
-                    value = {
-                        "holds": holds if mine else {"local": []},
-                        "last_completed": self.last_completed,
-                        "pid": self.pid,
-                    }
-                    self.members.publish(f"gen{latest}/holdings/{self.rank}", value)
-                    reported.add(latest)
-                if self.members.store.check([f"gen{latest}/roster"]):
-                    roster = self.members.roster(latest)
-                    if roster.rank_of(self.pid) is not None:
-                        return roster
-            elif time.time() > deadline:
-                raise RuntimeError(
-                    "a collective failed but the coordinator planned no recovery within "
-                    f"{deadline - t0:.0f}s: not a peer failure"
-                ) from exc
-            time.sleep(0.02)
+        return recovery.agree(
+            self.members,
+            generation=self.generation,
+            rank=self.rank,
+            pid=self.pid,
+            holds=self.replicator.holdings() if self.replicator else {"local": []},
+            report={"last_completed": self.last_completed},
+            deadline=t0 + self.cfg.heartbeat_timeout + 30.0,
+            cause=exc,
+            on_abort=self._salvage,
+        )
 
     def _restore(self, roster: Roster, *, needy: bool) -> int:
         """Bring every rank to the restore iteration T; returns T.
@@ -477,33 +419,15 @@ class Runtime:
         """
         assert self.objs is not None and self.repl_group is not None
         t_iter = roster.restore_iteration
-        sources = {
-            int(k): v
-            for k, v in (self.members.read(f"gen{roster.generation}/sources") or {}).items()
-        }
-        self._stamp("joined")
-        if needy and self.rank not in sources:
-            raise RuntimeError(f"rank {self.rank} must restore but the plan names no source")
-        state = RankState(self.objs.optimizer, self.objs.scheduler)
-        works = []
-        if self.rank in sources:
-            size = torch.zeros(1, dtype=torch.int64)
-            dist.recv(size, src=sources[self.rank], group=self.repl_group)
-            flat = torch.empty(int(size.item()), dtype=torch.uint8)
-            dist.recv(flat, src=sources[self.rank], group=self.repl_group)
-        else:
-            assert self.replicator is not None
-            flat = self.replicator.local.find(t_iter)
-            for target, holder in sources.items():
-                if holder == self.rank:
-                    buf = self.replicator.held[target].find(t_iter)
-                    works.append(
-                        dist.isend(torch.tensor([buf.numel()]), dst=target, group=self.repl_group)
-                    )
-                    works.append(dist.isend(buf, dst=target, group=self.repl_group))
-        Snapshotter.restore_into(state, flat, owner=self.rank, iteration=t_iter)
-        for work in works:
-            work.wait()
+        from_holder = recovery.exchange_shards(
+            self.members,
+            roster,
+            rank=self.rank,
+            state=RankState(self.objs.optimizer, self.objs.scheduler),
+            replicator=self.replicator,
+            group=self.repl_group,
+            needy=needy,
+        )
         gpt.sync_params_from_main(self.objs)
         self.replicator = self._make_replicator()
         self.replicator.start_round(t_iter)
@@ -514,6 +438,6 @@ class Runtime:
         log.info(
             "restored iteration %d (%s)",
             t_iter,
-            "from holder" if self.rank in sources else "from local snapshot",
+            "from holder" if from_holder else "from local snapshot",
         )
         return t_iter

@@ -44,6 +44,16 @@ def read_flat(path: Path) -> torch.Tensor:
     return torch.from_numpy(np.fromfile(path, dtype=np.uint8))
 
 
+def ranks_present(root: str | Path, iteration: int) -> list[int]:
+    """The ranks whose snapshot of `iteration` is on disk."""
+    return sorted(int(p.stem.split("_")[1]) for p in set_dir(root, iteration).glob("rank_*.snap"))
+
+
+def read_manifest(root: str | Path, iteration: int) -> dict[str, Any]:
+    """The manifest of the snapshot set of `iteration`."""
+    return json.loads((set_dir(root, iteration) / "manifest.json").read_text())
+
+
 def write_manifest(root: str | Path, manifest: dict[str, Any]) -> Path:
     """The set's manifest; a complete set also becomes `latest.json`."""
     path = set_dir(root, manifest["iteration"]) / "manifest.json"

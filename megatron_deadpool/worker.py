@@ -20,9 +20,9 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from .config import parse_host_port
+from . import faults
+from .config import DeadpoolConfig, parse_host_port
 from .errors import ConfigError, CoordinatorUnreachableError
-from .faults import parse_fault
 from .jobspec import JobConfig
 from .logs import setup_logging
 from .membership import Membership
@@ -111,32 +111,17 @@ def inject(kind: str) -> None:
 
 def my_faults(job: JobConfig, rank: int) -> dict[int, tuple[int, str]]:
     """iteration -> (spec index, kind) for the iteration faults that hit `rank`."""
-    out: dict[int, tuple[int, str]] = {}
-    for index, spec in enumerate(job.deadpool.fail):
-        fault = parse_fault(spec)
-        if not fault.during_recovery and rank in fault.ranks(job.ranks_per_node):
-            out[fault.iteration] = (index, fault.kind)
-    return out
+    return faults.iteration_faults(job.deadpool, rank, job.ranks_per_node)
 
 
-def recovery_faults(job: JobConfig, rank: int) -> list[tuple[int, str]]:
+def recovery_faults(cfg: DeadpoolConfig, rank: int) -> list[tuple[int, str]]:
     """(spec index, kind) of the faults that hit `rank` when it enters a recovery."""
-    out = []
-    for index, spec in enumerate(job.deadpool.fail):
-        fault = parse_fault(spec)
-        if fault.during_recovery and fault.rank == rank:
-            out.append((index, fault.kind))
-    return out
+    return faults.recovery_faults(cfg, rank)
 
 
-def spare_faults(job: JobConfig, pid: str) -> list[tuple[int, int, str]]:
+def spare_faults(cfg: DeadpoolConfig, pid: str) -> list[tuple[int, int, str]]:
     """(spec index, iteration, kind) of the faults that hit waiting spare `pid`."""
-    out = []
-    for index, spec in enumerate(job.deadpool.fail):
-        fault = parse_fault(spec)
-        if fault.spare is not None and pid == f"s{fault.spare}":
-            out.append((index, fault.iteration, fault.kind))
-    return out
+    return faults.spare_faults(cfg, pid)
 
 
 if __name__ == "__main__":

@@ -269,6 +269,69 @@ def test_session_refuses_what_it_cannot_protect() -> None:
             session._check_megatron_args(SimpleNamespace(**{**vars(ok), **change}))
 
 
+def _snapshot_set(root: Path, iteration: int, **manifest: object) -> None:
+    from megatron_deadpool import salvage
+
+    salvage.set_dir(root, iteration).mkdir(parents=True)
+    counters = {"consumed_train": 8 * iteration, "consumed_valid": 0, "skipped_train": 0,
+                "flops": 1e9 * iteration}  # fmt: skip
+    salvage.write_manifest(root, {"iteration": iteration, "complete": True, "world_size": 4,
+                                  "megatron": counters, **manifest})  # fmt: skip
+
+
+def test_load_resumes_from_a_complete_snapshot_set_newer_than_megatrons(tmp_path: Path) -> None:
+    from megatron_deadpool.megatron_lm_resume import snapshot_to_resume
+
+    assert snapshot_to_resume(None, None, 4) is None
+    assert snapshot_to_resume(str(tmp_path), None, 4) is None  # nothing saved there
+    _snapshot_set(tmp_path, 3)
+    point = snapshot_to_resume(str(tmp_path), None, 4)
+    assert point is not None and point.iteration == 3
+    assert point.counters["consumed_train"] == 24 and point.counters["flops"] == 3e9
+    assert snapshot_to_resume(str(tmp_path), 2, 4) is None  # --ckpt-step: Megatron's own
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text("2\n")
+    assert snapshot_to_resume(str(tmp_path), None, 4).iteration == 3  # older than the set
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text("3\n")  # written from it
+    assert snapshot_to_resume(str(tmp_path), None, 4) is None
+    with pytest.raises(ConfigError, match="saved by 4 ranks, this run has 8"):
+        _snapshot_set(tmp_path, 5)
+        snapshot_to_resume(str(tmp_path), None, 8)
+
+
+def test_an_incomplete_or_foreign_snapshot_set_is_not_resumed(tmp_path: Path) -> None:
+    from megatron_deadpool import salvage
+    from megatron_deadpool.megatron_lm_resume import snapshot_to_resume
+
+    _snapshot_set(tmp_path, 3, complete=False, ranks_missing=[2])
+    assert salvage.latest_complete(tmp_path) is None
+    assert snapshot_to_resume(str(tmp_path), None, 4) is None
+    _snapshot_set(tmp_path, 4, megatron=None)  # as `deadpool train` writes them
+    with pytest.raises(ConfigError, match="no Megatron counters"):
+        snapshot_to_resume(str(tmp_path), None, 4)
+
+
+def test_resume_hooks_go_only_into_megatrons_training_module() -> None:
+    from types import ModuleType
+
+    import torch
+
+    from megatron_deadpool.megatron_lm_resume import install
+
+    assert install(None) is None
+    assert install(ModuleType("not_megatron")) is None
+    training = ModuleType("training")
+    training.setup_model_and_optimizer = lambda *a, **k: ("model", "opt", "sched")
+    training.train_step = lambda *a, **k: "stepped"
+    training.load_checkpoint = lambda *a, **k: torch.is_grad_enabled()
+    resumer = install(training)
+    assert resumer is not None and training.train_step._deadpool_resume
+    hooked = training.train_step
+    install(training)
+    assert training.train_step is hooked  # once, not twice
+    assert training.train_step(1, iteration=0) == "stepped"  # nothing to resume: inert
+    assert training.load_checkpoint() is False  # Megatron's load runs under no_grad
+
+
 def _run_python(code: str, timeout: float = 90.0) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
     return subprocess.run(
@@ -544,6 +607,13 @@ def test_failure_free_run_replicates_every_iteration(baseline: Run) -> None:
         assert "lm loss" in acc.Tags()["scalars"]  # Megatron's own, same writer
 
 
+def _drop_in_flight_env() -> dict[str, str]:
+    """Children import tests/hooks/drop_in_flight/sitecustomize.py: a failure drops the
+    replication round in flight (as if it cut the transfers), so recovery recomputes a step."""
+    hook = REPO / "tests" / "hooks" / "drop_in_flight"
+    return {"PYTHONPATH": os.pathsep.join([str(hook), os.environ.get("PYTHONPATH", "")])}
+
+
 @pytest.mark.timeout(3 * RUN_TIMEOUT)
 def test_killed_rank_is_hot_swapped_bitwise(baseline: Run, tmp_path: Path) -> None:
     """Rank 2 is SIGKILLed as iteration 4 starts; the in-flight round is dropped, so the
@@ -551,8 +621,7 @@ def test_killed_rank_is_hot_swapped_bitwise(baseline: Run, tmp_path: Path) -> No
     tree = _megatron_lm()
     args = [*MEGATRON_ARGS, "--use-distributed-optimizer", "--save", str(tmp_path / "ckpt"),
             "--save-interval", "3", *DEADPOOL_ARGS, "--deadpool-fail", "2@4"]  # fmt: skip
-    run = _launch(tmp_path, "swap", tree / "pretrain_gpt.py", args,
-                  env={"DEADPOOL_DROP_IN_FLIGHT": "1"})  # fmt: skip
+    run = _launch(tmp_path, "swap", tree / "pretrain_gpt.py", args, env=_drop_in_flight_env())
     _assert_same_training(run, baseline)
     (rec,) = run.summary["recoveries"]
     assert rec["dead_ranks"] == [2] and rec["replaced_by"] == {"2": "s0"}
@@ -568,6 +637,86 @@ def test_killed_rank_is_hot_swapped_bitwise(baseline: Run, tmp_path: Path) -> No
     for key in ("iteration", "opt_param_scheduler", "num_floating_point_operations_so_far"):
         assert ours[key] == theirs[key], key
     assert ours["args"].consumed_train_samples == theirs["args"].consumed_train_samples
+
+
+@pytest.mark.timeout(3 * RUN_TIMEOUT)
+def test_out_of_redundancy_saves_every_shard_and_load_resumes_bitwise(
+    baseline: Run, tmp_path: Path
+) -> None:
+    """No spare: rank 2 is SIGKILLed as iteration 4 starts. Its shard survives on its holder,
+    so the survivors save a complete snapshot set of the last common iteration and exit 3; the
+    same command with --load resumes from it (writing it as a Megatron checkpoint through
+    Megatron's save_checkpoint) and logs the failure-free run's iterations from there on."""
+    from megatron_deadpool import salvage
+
+    tree = _megatron_lm()
+    ckpt = tmp_path / "ckpt"
+    base = [*MEGATRON_ARGS, "--use-distributed-optimizer", "--save", str(ckpt),
+            "--save-interval", "100", "--deadpool", "--deadpool-ranks-per-node", "2"]  # fmt: skip
+    run = _launch(tmp_path, "oor", tree / "pretrain_gpt.py", [*base, "--deadpool-fail", "2@4"])
+    assert run.returncode == 3, run.describe()
+    oor = run.summary["out_of_redundancy"]
+    assert oor["dead_ranks"] == [2] and "no spare left" in oor["reason"]
+    t = oor["save"]["iteration"]
+    assert oor["save"]["complete"] and t in (2, 3), oor
+    assert {c for p, c in run.summary["exit_codes"].items() if p != "a2"} == {3}
+    assert re.search(rf"saved every rank's state of iteration {t} to \S+: run the same "
+                     "command with --load", run.text), run.describe()  # fmt: skip
+    manifest = salvage.read_manifest(ckpt, t)
+    assert manifest["complete"] and manifest["ranks_present"] == [0, 1, 2, 3]
+    assert manifest["megatron"]["consumed_train"] == 8 * t  # global batch 8
+    assert not (ckpt / "latest_checkpointed_iteration.txt").exists()  # none before the failure
+
+    resumed = _launch(tmp_path, "resumed", tree / "pretrain_gpt.py", [*base, "--load", str(ckpt)])
+    assert resumed.returncode == 0, resumed.describe()
+    assert re.search(rf"resumed from DeadPool's snapshot set of iteration {t}", resumed.text)
+    assert (ckpt / f"iter_{t:07d}" / "metadata.json").is_file()  # Megatron's format now
+    ours, theirs = resumed.iterations(), baseline.iterations()
+    assert sorted(ours) == list(range(t + 1, ITERS + 1)), resumed.describe()
+    assert resumed.summary["param_digests"] == baseline.summary["param_digests"]
+    # Megatron does not reset its running loss sums after a process's first logged iteration
+    # (`should_reset = not is_first_iteration`), so in any resumed run the line of T+2
+    # averages T+1 and T+2; every other value is the failure-free run's, bit for bit.
+    for it in ours:
+        lr, loss, grad_norm = ours[it]
+        assert (lr, grad_norm) == (theirs[it][0], theirs[it][2]), (it, ours[it], theirs[it])
+        if it == t + 2:
+            mean = (float(theirs[t + 1][1]) + float(theirs[t + 2][1])) / 2
+            assert float(loss) == pytest.approx(mean, rel=1e-6), (it, loss, theirs)
+        else:
+            assert loss == theirs[it][1], (it, ours[it], theirs[it])
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == str(ITERS)
+
+
+@pytest.mark.timeout(3 * RUN_TIMEOUT)
+def test_out_of_redundancy_with_shards_lost_saves_what_survives(tmp_path: Path) -> None:
+    """Ranks 0 and 2, each other's replica holder, are SIGKILLed as iteration 5 starts: their
+    shards are gone. The survivors save their own snapshots (an incomplete set), name the lost
+    ranks and exit 3; --load then resumes from Megatron's checkpoint of iteration 3."""
+    from megatron_deadpool import salvage
+
+    tree = _megatron_lm()
+    ckpt = tmp_path / "ckpt"
+    base = [*MEGATRON_ARGS, "--use-distributed-optimizer", "--save", str(ckpt),
+            "--save-interval", "3", "--deadpool", "--deadpool-ranks-per-node", "2"]  # fmt: skip
+    fail = ["--deadpool-fail", "0@5", "--deadpool-fail", "2@5"]
+    run = _launch(tmp_path, "lost", tree / "pretrain_gpt.py", [*base, *fail])
+    assert run.returncode == 3, run.describe()
+    oor = run.summary["out_of_redundancy"]
+    assert oor["lost_ranks"] == [0, 2] and oor["lost_shards_holders"] == {"0": [2], "2": [0]}
+    assert not oor["save"]["complete"] and oor["save"]["missing"] == [0, 2]
+    t = oor["save"]["iteration"]
+    assert re.search(rf"shards lost: ranks \[0, 2\]; saved the surviving snapshots of "
+                     rf"iteration {t} to \S+; the shards of ranks \[0, 2\] are lost",
+                     run.text), run.describe()  # fmt: skip
+    manifest = salvage.read_manifest(ckpt, t)
+    assert manifest["ranks_present"] == [1, 3] and manifest["ranks_missing"] == [0, 2]
+    assert salvage.latest_complete(ckpt) is None
+
+    resumed = _launch(tmp_path, "resumed", tree / "pretrain_gpt.py", [*base, "--load", str(ckpt)])
+    assert resumed.returncode == 0, resumed.describe()
+    assert "resumed from DeadPool's snapshot set" not in resumed.text
+    assert sorted(resumed.iterations()) == [4, 5, 6], resumed.describe()
 
 
 @pytest.fixture(scope="module")
