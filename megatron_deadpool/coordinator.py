@@ -256,14 +256,20 @@ class Coordinator:
         self.store.set(f"gen{generation}/plan", json.dumps(plan))
         self.store.set("plan/latest", str(generation))
         self.events("plan", **plan)
-        replaced = ", ".join(f"rank {r} <- {slots[r]}" for r in sorted(dead))
+        replaced = ", ".join(
+            f"rank {r} <- {slots[r]}" if slots[r] != base[r] else f"rank {r}: no spare"
+            for r in sorted(dead)
+        )
         self.on_event(
             f"recovery: generation {generation}, dead ranks {sorted(all_dead)}; {replaced}"
         )
 
-    def _placement(self) -> Placement:
-        """The job's placement; a cluster coordinator learns the layout from rank 0."""
+    def _placement(self) -> Placement | None:
+        """The job's placement; a cluster coordinator learns the layout from rank 0 (None
+        until rank 0 published it: no rank got as far as replicating)."""
         if self.placement is None:
+            if not self.store.check(["job/layout"]):
+                return None
             d = json.loads(self.store.get("job/layout"))
             layout = Layout(d["tp"], d["pp"], d["dp"], d["ranks_per_node"])
             self.placement = place_replicas(layout, d["replicas"])
@@ -295,14 +301,23 @@ class Coordinator:
         )
         rec.prev_last_iteration = last
         holds = {r: h["holds"] for r, h in holdings.items()}
-        plan = plan_restore(self._placement(), holds, rec.needy)
+        placement = self._placement()
+        if placement is None:  # failed during start-up: nothing was ever replicated
+            self._abort(
+                now,
+                f"rank(s) {sorted(rec.dead)} failed before replication started: nothing in "
+                "memory to recover from (see their logs)",
+                lost_ranks=sorted(rec.dead),
+            )
+            return
+        plan = plan_restore(placement, holds, rec.needy)
         if rec.no_spare or not plan.ok:
             self._abort(
                 now,
                 rec.no_spare or plan.reason,
                 lost_ranks=plan.lost_ranks,
                 dead=sorted(rec.dead),
-                save=self._salvage(plan, holds, rec.needy),
+                save=self._salvage(placement, plan, holds, rec.needy),
             )
             return
         rec.t_agreed = time.time()
@@ -324,10 +339,14 @@ class Coordinator:
         )
 
     def _salvage(
-        self, plan: Any, holds: dict[int, dict[str, list[int]]], needy: set[int]
+        self,
+        placement: Placement,
+        plan: Any,
+        holds: dict[int, dict[str, list[int]]],
+        needy: set[int],
     ) -> dict[str, Any] | None:
         """What survivors write before stopping: one common iteration, and who writes what."""
-        salvage = plan_salvage(self._placement(), holds, needy, plan)
+        salvage = plan_salvage(placement, holds, needy, plan)
         if salvage is None:
             return None
         return {
@@ -346,11 +365,8 @@ class Coordinator:
         dead: list[int] | None = None,
         save: dict[str, Any] | None = None,
     ) -> None:
-        holders = (
-            self._placement().holders
-            if self.store.check(["job/layout"]) or (self.placement is not None)
-            else None
-        )
+        placement = self._placement()
+        holders = placement.holders if placement is not None else None
         shards = {str(r): list(holders[r]) if holders else [] for r in lost_ranks}
         self.aborted = {
             "reason": reason,

@@ -24,20 +24,14 @@ from . import gpt, rebind, recovery, salvage
 from .devices import Device, select_device
 from .digest import rank_digest
 from .errors import CoordinatorUnreachableError, OutOfRedundancyError
+from .faults import iteration_faults, recovery_faults, spare_faults
 from .jobspec import JobConfig
 from .logs import set_context
 from .membership import Membership, Roster
 from .replicator import Replicator
 from .snapshot import RankState, Snapshotter
 from .topology import Layout, place_replicas
-from .worker import (
-    Heartbeat,
-    connect_store,
-    inject,
-    my_faults,
-    recovery_faults,
-    spare_faults,
-)
+from .worker import Heartbeat, connect_store, inject
 
 log = logging.getLogger("megatron_deadpool.runtime")
 
@@ -213,7 +207,7 @@ class Runtime:
 
     # ------------------------------------------------------------------ training
     def _train(self, start: int) -> None:
-        faults = my_faults(self.job, self.rank)
+        faults = iteration_faults(self.cfg, self.rank, self.job.ranks_per_node)
         for it in range(start, self.job.train.iters + 1):
             if self.heartbeat.lost:
                 raise self._coordinator_lost(self.heartbeat.lost)

@@ -20,8 +20,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from . import faults
-from .config import DeadpoolConfig, parse_host_port
+from .config import parse_host_port
 from .errors import ConfigError, CoordinatorUnreachableError
 from .jobspec import JobConfig
 from .logs import setup_logging
@@ -107,21 +106,6 @@ def _pid_from_env(job: JobConfig) -> str:
 def inject(kind: str) -> None:
     """Fail this process now: SIGKILL (crash) or SIGSTOP (hang)."""
     os.kill(os.getpid(), signal.SIGKILL if kind == "kill" else signal.SIGSTOP)
-
-
-def my_faults(job: JobConfig, rank: int) -> dict[int, tuple[int, str]]:
-    """iteration -> (spec index, kind) for the iteration faults that hit `rank`."""
-    return faults.iteration_faults(job.deadpool, rank, job.ranks_per_node)
-
-
-def recovery_faults(cfg: DeadpoolConfig, rank: int) -> list[tuple[int, str]]:
-    """(spec index, kind) of the faults that hit `rank` when it enters a recovery."""
-    return faults.recovery_faults(cfg, rank)
-
-
-def spare_faults(cfg: DeadpoolConfig, pid: str) -> list[tuple[int, int, str]]:
-    """(spec index, iteration, kind) of the faults that hit waiting spare `pid`."""
-    return faults.spare_faults(cfg, pid)
 
 
 if __name__ == "__main__":

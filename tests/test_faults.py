@@ -327,3 +327,40 @@ def test_store_listens_on_loopback_only() -> None:
     store.set("k", "v")
     assert store.get("k") == b"v"
     listener.close()
+
+
+@pytest.mark.timeout(60)
+def test_failure_before_replication_started_aborts_at_once(tmp_path: Path) -> None:
+    """Every rank exits during start-up (say, a bad script argument) before rank 0 published
+    the layout (the Megatron-LM runner's coordinator learns it only then): the coordinator must
+    abort with a reason instead of blocking on the layout it will never get."""
+    import sys
+
+    from megatron_deadpool.coordinator import Coordinator, EventLog, ProcessLiveness
+    from megatron_deadpool.membership import Membership, host_store
+
+    store, _listener = host_store("127.0.0.1", 0)
+    procs = {
+        f"a{r}": subprocess.Popen([sys.executable, "-c", "import sys; sys.exit(2)"])
+        for r in range(2)
+    }
+    for proc in procs.values():
+        proc.wait(timeout=30)
+    coord = Coordinator(
+        Membership(store, "launcher"),
+        2,
+        None,  # no layout published yet
+        ["s0"],
+        heartbeat_timeout=3.0,
+        agree_timeout=30.0,
+        liveness=ProcessLiveness(procs),
+        events=EventLog(tmp_path / "events.jsonl"),
+    )
+    coord.start()
+    t0 = time.monotonic()
+    for _ in range(5):
+        coord.tick()
+    assert time.monotonic() - t0 < 5.0
+    assert coord.aborted is not None
+    assert "failed before replication started" in coord.aborted["reason"]
+    assert coord.aborted["lost_ranks"] == [0, 1]

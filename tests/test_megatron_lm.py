@@ -2,7 +2,7 @@
 
 The unit tests run everywhere. The end-to-end tests run Megatron-LM's own `pretrain_gpt.py`
 (tag core_v0.16.1) on CPU, TP2 x DP2 + 1 spare, and skip unless MEGATRON_LM_PATH points at
-that tree (see docs/megatron-lm.md):
+that tree (README, "Use with Megatron-LM" > Prerequisites):
 
     mkdir -p ~/.cache/megatron-lm/core_v0.16.1
     git --git-dir <a clone of NVIDIA/Megatron-LM> archive core_v0.16.1 \\
@@ -501,7 +501,7 @@ def _megatron_lm() -> Path:
     if not path:
         pytest.skip(
             "MEGATRON_LM_PATH is not set: export MEGATRON_LM_PATH=<Megatron-LM tree at tag "
-            "core_v0.16.1> to run pretrain_gpt.py on CPU (docs/megatron-lm.md says how to get it)"
+            "core_v0.16.1> to run pretrain_gpt.py on CPU (README: Use with Megatron-LM, Prerequisites)"
         )
     tree = Path(path).expanduser()
     if not (tree / "pretrain_gpt.py").is_file():
