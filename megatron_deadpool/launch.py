@@ -63,13 +63,18 @@ class LocalLauncher:
         self.token = job.deadpool.job_token or secrets.token_hex(8)
 
     # ------------------------------------------------------------------ processes
+    def _worker_command(self) -> list[str]:
+        """The program each process runs (before its arguments); benchmarks substitute theirs."""
+        return [sys.executable, "-m", "megatron_deadpool.worker"]
+
+    def _worker_env(self) -> dict[str, str]:
+        return dict(os.environ)
+
     def _spawn(self, pid: str, config_path: Path, address: str) -> None:
-        env = dict(os.environ)
+        env = self._worker_env()
         env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PYTHONWARNINGS="ignore")
         cmd = [
-            sys.executable,
-            "-m",
-            "megatron_deadpool.worker",
+            *self._worker_command(),
             "--config",
             str(config_path),
             "--pid",

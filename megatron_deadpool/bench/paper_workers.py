@@ -92,27 +92,11 @@ def launch(
     class WorkerLauncher(LocalLauncher):
         """Starts `python -m megatron_deadpool.bench.paper_workers KIND` instead of the worker."""
 
-        def _spawn(self, pid: str, config_path: Path, address: str) -> None:
-            env = _worker_env()
-            env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PYTHONWARNINGS="ignore")
-            with open(self.run_dir / f"{pid}.log", "w") as log:
-                cmd = [
-                    python,
-                    "-m",
-                    "megatron_deadpool.bench.paper_workers",
-                    worker,
-                    "--config",
-                    str(config_path),
-                    "--pid",
-                    pid,
-                    "--deadpool-coordinator",
-                    address,
-                    "--deadpool-job-token",
-                    self.token,
-                ]
-                self.procs[pid] = subprocess.Popen(
-                    cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
-                )
+        def _worker_command(self) -> list[str]:
+            return [python, "-m", "megatron_deadpool.bench.paper_workers", worker]
+
+        def _worker_env(self) -> dict[str, str]:
+            return _worker_env()
 
     return rec.launch(job, run_dir, stop, timeout_s, WorkerLauncher)
 
