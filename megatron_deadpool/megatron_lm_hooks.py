@@ -29,6 +29,7 @@ from collections.abc import Callable
 from typing import Any
 
 from .errors import ConfigError, DeadpoolRuntimeError
+from .megatron_lm_resume import build_without_loading
 from .megatron_lm_session import MegatronSession
 
 _ORIGINALS: dict[tuple[Any, str], Any] = {}
@@ -84,12 +85,7 @@ def wrap_setup_model_and_optimizer(real: Any, session: Any, get_args: Callable[[
         if plan is None:
             return real(*args, **kwargs)
         a = get_args()
-        saved = (a.load, a.pretrained_checkpoint)
-        a.load = a.pretrained_checkpoint = None  # the state comes from peers' memory
-        try:
-            out = real(*args, **kwargs)
-        finally:
-            a.load, a.pretrained_checkpoint = saved
+        out = build_without_loading(a, real, *args, **kwargs)  # the state: peers' memory
         a.iteration = plan.target - 1
         a.num_floating_point_operations_so_far = plan.counters[str(plan.target - 1)]["flops"]
         return out

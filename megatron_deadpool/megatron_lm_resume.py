@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import functools
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -42,6 +43,17 @@ from .errors import ConfigError
 log = logging.getLogger("megatron_deadpool.megatron_lm")
 
 COUNTERS = ("consumed_train", "consumed_valid", "skipped_train", "flops")
+
+
+def build_without_loading(a: Any, real: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """Megatron's `setup_model_and_optimizer` (`real`) with `--load` and
+    `--pretrained-checkpoint` switched off for the call: the state comes from elsewhere."""
+    saved = (a.load, a.pretrained_checkpoint)
+    a.load = a.pretrained_checkpoint = None
+    try:
+        return real(*args, **kwargs)
+    finally:
+        a.load, a.pretrained_checkpoint = saved
 
 
 @dataclass(frozen=True)
@@ -104,12 +116,7 @@ class Resumer:
         point = snapshot_to_resume(a.load, a.ckpt_step, dist.get_world_size())
         if point is None:
             return real(*args, **kwargs)
-        saved = (a.load, a.pretrained_checkpoint)
-        a.load = a.pretrained_checkpoint = None  # the state comes from the snapshot set
-        try:
-            out = real(*args, **kwargs)
-        finally:
-            a.load, a.pretrained_checkpoint = saved
+        out = build_without_loading(a, real, *args, **kwargs)  # the state: the snapshot set
         model, optimizer, scheduler = out
         self._restore(point, model, optimizer, scheduler, dist.get_rank())
         a.iteration = point.iteration
