@@ -57,13 +57,8 @@ class Recovery:
             target,
         )
         traceback.clear_frames(exc.__traceback__)
-        if self.replicator is not None:
-            salvaged = self.replicator.abandon()
-            if salvaged:
-                log.info("kept the in-flight round's verified replicas of ranks %s", salvaged)
-        extra = {"DEADPOOL_REPLICATION": self.repl_group}
-        self.repl_group = None
-        released = rebind.release(self._roots(), extra)
+        group, self.repl_group = self.repl_group, None  # no reference may outlive the release
+        released = recovery.release_groups(self.replicator, self._roots(), group)
         self.fail_in_recovery()
         t_released = time.time()
         roster = self._agree(exc, t0, target)

@@ -4,6 +4,8 @@
 training step) run the same protocol around the coordinator's decisions; the pure planning
 (restore iteration T, replica sources) is `restore_plan.py`, run by the coordinator:
 
+- `release_groups`: keep what already arrived of the in-flight replication round, then swap
+  every process-group handle for a placeholder and destroy the broken groups.
 - `agree`: report what this process holds under the newest plan's generation until a roster
   includes it; on the coordinator's abort (out of redundancy) save what survives and raise.
 - `exchange_shards`: bring this rank to T - a needy rank receives its shard from the holder the
@@ -16,6 +18,7 @@ training step) run the same protocol around the coordinator's decisions; the pur
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from typing import Any
@@ -23,14 +26,29 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from . import rebind
 from . import salvage as snapshot_set
 from .errors import DeadpoolRuntimeError, OutOfRedundancyError
 from .membership import Membership, Roster
 from .replicator import Replicator
 from .snapshot import RankState, Snapshotter
 
+log = logging.getLogger(__name__)
+
 SALVAGE_WAIT_S = 30.0
 """How long the manifest writer waits for the other survivors' snapshot files."""
+
+
+def release_groups(
+    replicator: Replicator | None, roots: list[Any], repl_group: dist.ProcessGroup | None
+) -> int:
+    """Salvage the in-flight round (`Replicator.abandon`), then `rebind.release` every group
+    handle under `roots` and the replication group; returns how many handles were swapped."""
+    if replicator is not None:
+        salvaged = replicator.abandon()
+        if salvaged:
+            log.info("kept the in-flight round's verified replicas of ranks %s", salvaged)
+    return rebind.release(roots, {"DEADPOOL_REPLICATION": repl_group})
 
 
 def agree(

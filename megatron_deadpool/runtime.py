@@ -355,13 +355,9 @@ class Runtime:
         # The traceback's frames hold the failed collective's group: drop them, or the group
         # (and its connections) outlive the release below.
         traceback.clear_frames(exc.__traceback__)
-        if self.replicator is not None:
-            salvaged = self.replicator.abandon()
-            if salvaged:
-                log.info("kept the in-flight round's verified replicas of ranks %s", salvaged)
-        extra = {"DEADPOOL_REPLICATION": self.repl_group}
-        self.repl_group = None
-        released = rebind.release([*self._roots(), self.replicator], extra)
+        roots = [*self._roots(), self.replicator]
+        group, self.repl_group = self.repl_group, None  # no reference may outlive the release
+        released = recovery.release_groups(self.replicator, roots, group)
         log.info("released %d group handles", released)
         for index, kind in recovery_faults(self.cfg, self.rank):
             if self._fire(index):
