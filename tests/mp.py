@@ -24,7 +24,6 @@ import importlib
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -58,6 +57,8 @@ def run_world(
     after a failure unless `keep_logs_on_failure` is False (tests of failures themselves).
     """
     import torch.distributed as dist
+
+    from megatron_deadpool.coordinator import kill_groups
 
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     log_dir = Path(tempfile.mkdtemp(prefix="deadpool-mp-"))
@@ -94,7 +95,7 @@ def run_world(
         failed = True
         raise
     finally:
-        _kill(procs)
+        kill_groups(procs)  # whole groups: helpers (checkpoint writers) linger
         if not failed or not keep_logs_on_failure:
             shutil.rmtree(log_dir, ignore_errors=True)
     return results
@@ -148,19 +149,6 @@ def _describe(problems: list[str], log_dir: Path, lines: int = 25) -> str:
         parts.append(f"--- {log.name} (last {lines} lines; logs kept in {log_dir})")
         parts.extend(text)
     return "\n".join(parts)
-
-
-def _kill(procs: list[subprocess.Popen]) -> None:
-    for proc in procs:  # whole groups, exited or not: helpers (checkpoint writers) linger
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-    for proc in procs:
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:  # pragma: no cover - SIGKILL does not fail
-            pass
 
 
 # ---------------------------------------------------------------------- child side
