@@ -44,36 +44,42 @@ copies, stale pages), not a cryptographic hash.
 
 Backends
 --------
-When the optional extension ``deadpool_cuda_kernels`` (``cuda_kernels/README.md``) imports
-and the tensors are on a CUDA device, one fused kernel copies, zero-fills and checksums
-(uint64 arithmetic, whose wraparound is exactly mod ``2**64``). Otherwise a pure-torch
-fallback computes the same value exactly: the buffer is processed in cache-sized chunks of
-``_ROW_WORDS``-word rows; right after a chunk is copied, it is widened to int64 and reduced to
-its row sums and column sums, and with ``k = g * L + c`` (row ``g``, column ``c``, ``L`` words
-per row)::
+Three backends compute the same value exactly; callers never see which one ran
+(`backend_for` reports it). All process the buffer in cache-sized chunks, each checksummed
+right after it is copied, while it is still in cache:
 
-    sum_k (k + 1) w_k = L * sum_g g * rowsum_g + sum_c (c + 1) * colsum_c
+* ``cuda``: when the optional extension ``deadpool_cuda_kernels`` (``cuda_kernels/README.md``)
+  imports and the tensors are on a CUDA device, one fused kernel copies, zero-fills and
+  checksums (uint64 arithmetic, whose wraparound is exactly mod ``2**64``).
+* ``numpy`` (host memory): each chunk's words are sign-extended to uint64 and multiplied by
+  their weights ``1..n`` in one numpy call, then summed - uint64 wraparound again, so
+  ``sum_k (start + k + 1) w_k = sum_k (k + 1) w_k + start * sum_k w_k`` (mod ``2**64``)
+  combines the chunks.
+* ``torch`` (device memory without the extension; or anywhere with
+  ``DEADPOOL_PACK_BACKEND=torch``): torch has no uint64 arithmetic, so a chunk of
+  ``_ROW_WORDS``-word rows is widened to int64 and reduced to its row sums and column sums,
+  and with ``k = g * L + c`` (row ``g``, column ``c``, ``L`` words per row)::
 
-which is combined exactly from bounded int64 partial sums and Python integers (the bounds are
-noted where they are used; nothing relies on signed overflow). Callers never see which backend
-ran; `backend_for` reports it. Setting ``DEADPOOL_PACK_BACKEND=torch`` forces the fallback.
+      sum_k (k + 1) w_k = L * sum_g g * rowsum_g + sum_c (c + 1) * colsum_c
+
+  which is combined exactly from bounded int64 partial sums and Python integers (the bounds
+  are noted where they are used; nothing relies on signed overflow).
 """
 
 from __future__ import annotations
 
-import functools
 import importlib
 import os
+import struct
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from types import ModuleType
-from typing import ParamSpec, TypeVar
 
+import numpy as np
 import torch
 
-P = ParamSpec("P")
-R = TypeVar("R")
+from .devices.cpu import plain_torch
 
 ALIGN = 16
 """Every tensor starts at a multiple of this many bytes; gap bytes are zero."""
@@ -194,18 +200,24 @@ def _extension() -> ModuleType | None:
         if module is not None and getattr(module, "ABI", None) != EXTENSION_ABI:
             module = None
         _EXTENSION = module
-    if os.environ.get("DEADPOOL_PACK_BACKEND", "").lower() == "torch":
+    if _forced_torch():
         return None
     return _EXTENSION
 
 
+def _forced_torch() -> bool:
+    return os.environ.get("DEADPOOL_PACK_BACKEND", "").lower() == "torch"
+
+
 def backend_for(tensor: torch.Tensor) -> str:
-    """``"cuda"`` if the fused CUDA kernel handles buffers on `tensor`'s device, else ``"torch"``."""
+    """The backend (module docstring) that handles buffers on `tensor`'s device."""
     return _backend(tensor.device)
 
 
 def _backend(device: torch.device) -> str:
-    return "cuda" if device.type == "cuda" and _extension() is not None else "torch"
+    if device.type == "cuda" and _extension() is not None:
+        return "cuda"
+    return "numpy" if device.type == "cpu" and not _forced_torch() else "torch"
 
 
 def _cuda_call(fn_name: str, device: torch.device, *args: object) -> int:
@@ -221,19 +233,6 @@ def _cuda_call(fn_name: str, device: torch.device, *args: object) -> int:
 # Public operations
 
 
-def _plain_torch(fn: Callable[P, R]) -> Callable[P, R]:
-    """Run `fn` without torch-function modes (the CPU development mode installs one): its many
-    small calls would each pay the mode's Python hook, and none creates a tensor on a device
-    that needs redirecting."""
-
-    @functools.wraps(fn)
-    def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
-        with torch._C.DisableTorchFunction():
-            return fn(*args, **kwargs)
-
-    return wrapper
-
-
 class PackPlan:
     """The packed layout of a fixed list of tensors, worked out once.
 
@@ -244,7 +243,7 @@ class PackPlan:
     the plan's life (in-place updates are fine; a reallocated tensor needs a new plan).
     """
 
-    @_plain_torch
+    @plain_torch
     def __init__(self, tensors: Sequence[torch.Tensor], device: torch.device | None = None) -> None:
         self.device = device if device is not None else _device_of(tensors)
         _check_tensors(tensors, self.device)
@@ -257,11 +256,11 @@ class PackPlan:
         self._chunks: list[tuple[int, int, list[tuple[int, int, torch.Tensor | None]]]] = []
         self._sources: list[list[torch.Tensor]] = []
         self.backend = _backend(self.device)
-        if self.backend == "torch":
+        if self.backend != "cuda":
             zeros = torch.zeros(ALIGN, dtype=torch.uint8, device=self.device)
             pieces = _pieces(self.tensors, self.offsets, self.nbytes)
             cursor = 0
-            for start, stop in _Accumulator.chunk_bounds(self.nbytes // WORD_BYTES, self.device):
+            for start, stop in _chunk_bounds(self.nbytes // WORD_BYTES, self.device):
                 lo, hi = start * WORD_BYTES, stop * WORD_BYTES
                 found, cursor = _overlapping(pieces, lo, hi, cursor)
                 copies = [
@@ -281,32 +280,32 @@ class PackPlan:
         if buf.numel() < self.nbytes:
             raise PackError(f"{role} is too small: {buf.numel()} B < packed_nbytes {self.nbytes} B")
 
-    @_plain_torch
+    @plain_torch
     def pack(self, out: torch.Tensor) -> int:
         """Copy the tensors into `out` (1-D contiguous uint8, at least `nbytes` long) in the
         packed layout and return the region's checksum; bytes beyond it are left untouched."""
         self._check_buffer(out, "out")
         if self.backend == "cuda":
             return _cuda_call("pack", out.device, self.tensors, self.offsets, out, self.nbytes)
-        acc = _Accumulator(self.nbytes // WORD_BYTES, self.device)
+        acc = _accumulator(self.nbytes // WORD_BYTES, self.backend, self.device)
         with torch.no_grad():
             for (start, stop, _), sources in zip(self._chunks, self._sources):
                 chunk = out[start * WORD_BYTES : stop * WORD_BYTES]
                 torch.cat(sources, out=chunk)
-                acc.feed(start, _as_words(chunk))
+                acc.feed(start, chunk)
         return acc.result()
 
-    @_plain_torch
+    @plain_torch
     def unpack(self, flat: torch.Tensor) -> int:
         """Copy the packed bytes of `flat` back into the tensors; returns the checksum of
         ``flat[:nbytes]`` computed in the same pass (the tensors are written either way)."""
         self._check_buffer(flat, "flat")
         if self.backend == "cuda":
             return _cuda_call("unpack", flat.device, flat, self.tensors, self.offsets, self.nbytes)
-        acc = _Accumulator(self.nbytes // WORD_BYTES, self.device)
+        acc = _accumulator(self.nbytes // WORD_BYTES, self.backend, self.device)
         with torch.no_grad():
             for start, stop, copies in self._chunks:
-                acc.feed(start, _as_words(flat[start * WORD_BYTES : stop * WORD_BYTES]))
+                acc.feed(start, flat[start * WORD_BYTES : stop * WORD_BYTES])
                 for a, b, dst in copies:
                     if dst is not None:
                         dst.copy_(flat[a:b])
@@ -339,28 +338,82 @@ def unpack(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> int:
     return PackPlan(tensors, flat.device).unpack(flat)
 
 
-@_plain_torch
+@plain_torch
 def checksum(buf: torch.Tensor) -> int:
     """The checksum (module docstring) of a 1-D uint8 buffer whose length is a multiple of 4."""
     _check_flat(buf, "checksum")
     if buf.numel() % WORD_BYTES:
         raise PackError(f"checksum buffer length {buf.numel()} B is not a multiple of 4")
     _check_size(buf.numel())
-    if backend_for(buf) == "cuda":
+    backend = backend_for(buf)
+    if backend == "cuda":
         return _cuda_call("checksum", buf.device, buf)
-    return _torch_checksum(buf)
+    nwords = buf.numel() // WORD_BYTES
+    acc = _accumulator(nwords, backend, buf.device)
+    for start, stop in _chunk_bounds(nwords, buf.device):
+        acc.feed(start, buf[start * WORD_BYTES : stop * WORD_BYTES])
+    return acc.result()
+
+
+def checksum_bytes(data: bytes) -> int:
+    """The checksum of a few bytes (a length a multiple of 4) in Python ints: for headers and
+    other small records, where a tensor round trip would cost more than the arithmetic."""
+    if len(data) % WORD_BYTES:
+        raise PackError(f"checksum buffer length {len(data)} B is not a multiple of 4")
+    words = struct.unpack(f"<{len(data) // WORD_BYTES}i", data)
+    return sum((i + 1) * w for i, w in enumerate(words)) & _MASK64
 
 
 # ---------------------------------------------------------------------------------------------
-# Pure-torch fallback
+# Host and pure-torch backends
+
+
+def _chunk_bounds(nwords: int, device: torch.device) -> list[tuple[int, int]]:
+    """Word ranges [start, stop) of the chunks of an `nwords`-word buffer on `device`."""
+    step = _chunk_rows(device) * _ROW_WORDS
+    return [(start, min(start + step, nwords)) for start in range(0, nwords, step)]
+
+
+def _accumulator(
+    nwords: int, backend: str, device: torch.device
+) -> _NumpyAccumulator | _Accumulator:
+    return _NumpyAccumulator() if backend == "numpy" else _Accumulator(nwords, device)
+
+
+class _NumpyAccumulator:
+    """Exact checksum of host memory fed chunk by chunk, in order (uint64 numpy arithmetic)."""
+
+    def __init__(self) -> None:
+        self.total = 0
+
+    def feed(self, start: int, chunk: torch.Tensor) -> None:
+        """Account the bytes of `chunk` (uint8, a multiple of 4 long) that start at word `start`."""
+        words = chunk.numpy().view(np.int32)  # numpy reads unaligned words as they are
+        # int32 -> uint64 is sign extension mod 2**64; products and sums wrap mod 2**64.
+        # einsum streams the products through small buffers: no temporary of the chunk's size.
+        weights = _SCRATCH.weights(words.size)
+        self.total += int(np.einsum("i,i->", words, weights, dtype=np.uint64, casting="unsafe"))
+        if start:  # |sum of a chunk's words| <= 2**19 * 2**31: exact in int64
+            self.total += start * int(words.sum(dtype=np.int64))
+
+    def result(self) -> int:
+        return self.total & _MASK64
 
 
 class _Scratch(threading.local):
-    """Per-thread reusable buffers (int64 rows, an aligned byte bounce buffer, row indices)."""
+    """Per-thread reusable buffers (int64 rows, an aligned byte bounce buffer, row indices, and
+    the host backend's uint64 weights)."""
 
     def __init__(self) -> None:
         self.buffers: dict[tuple[str, torch.device, torch.dtype], torch.Tensor] = {}
         self.aranges: dict[tuple[int, torch.device], torch.Tensor] = {}
+        self.host_weights = np.empty(0, dtype=np.uint64)
+
+    def weights(self, n: int) -> np.ndarray:
+        """The uint64 array [1, 2, ..., n] (grown as needed)."""
+        if self.host_weights.size < n:
+            self.host_weights = np.arange(1, n + 1, dtype=np.uint64)
+        return self.host_weights[:n]
 
     def arange(self, n: int, device: torch.device) -> torch.Tensor:
         """The int64 tensor [0, 1, ..., n - 1] on `device` (cached)."""
@@ -404,18 +457,9 @@ class _Accumulator:
         self.wide = _SCRATCH.get("wide", rows * _ROW_WORDS, torch.int64, device)
         self.tail = 0
 
-    def chunks(self) -> list[tuple[int, int]]:
-        """Word ranges [start, stop) of the chunks, in order; the last one holds the tail."""
-        return self.chunk_bounds(self.nwords, self.device)
-
-    @staticmethod
-    def chunk_bounds(nwords: int, device: torch.device) -> list[tuple[int, int]]:
-        """The chunks of an `nwords`-word buffer on `device` (see `chunks`)."""
-        step = _chunk_rows(device) * _ROW_WORDS
-        return [(start, min(start + step, nwords)) for start in range(0, nwords, step)]
-
-    def feed(self, start: int, words: torch.Tensor) -> None:
-        """Account the int32 `words` that start at word `start` (a chunk from `chunks`)."""
+    def feed(self, start: int, chunk: torch.Tensor) -> None:
+        """Account the bytes of `chunk` that start at word `start` (a chunk of `_chunk_bounds`)."""
+        words = _as_words(chunk)
         row0 = start // _ROW_WORDS
         rows = min(words.numel() // _ROW_WORDS, self.nrows - row0)
         if rows:
@@ -503,10 +547,3 @@ def _overlapping(
         found.append((piece, max(piece.start, lo), min(piece.stop, hi)))
         index += 1
     return found, cursor
-
-
-def _torch_checksum(buf: torch.Tensor) -> int:
-    acc = _Accumulator(buf.numel() // WORD_BYTES, buf.device)
-    for start, stop in acc.chunks():
-        acc.feed(start, _as_words(buf[start * WORD_BYTES : stop * WORD_BYTES]))
-    return acc.result()

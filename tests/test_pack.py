@@ -1,7 +1,7 @@
 """Tests of megatron_deadpool.pack: layout, checksum definition, fault detection, errors.
 
-The pure-torch fallback is checked against independent references (pure Python integers and
-numpy uint64 arithmetic). The CUDA kernel source is compiled and linked with nvcc when nvcc is
+Both host backends (numpy, and the pure-torch one GPUs use without the extension) are checked
+against independent references (pure Python integers and numpy uint64 arithmetic). The CUDA kernel source is compiled and linked with nvcc when nvcc is
 on PATH, and its per-vector code is run on the host (`emulate_*`) against the fallback; the
 kernels themselves run only where CUDA is available.
 """
@@ -90,11 +90,24 @@ def shard(seed: int = 0) -> list[torch.Tensor]:
     ]
 
 
+@pytest.fixture(params=["numpy", "torch"])
+def host_backend(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Run a test on host memory with each backend: numpy (the default there) and the
+    pure-torch one GPUs use without the extension (forced by DEADPOOL_PACK_BACKEND=torch)."""
+    if request.param == "torch":
+        monkeypatch.setenv("DEADPOOL_PACK_BACKEND", "torch")
+    else:
+        monkeypatch.delenv("DEADPOOL_PACK_BACKEND", raising=False)
+    assert pack.backend_for(torch.empty(1)) == request.param
+    return request.param
+
+
 # ---------------------------------------------------------------------------------------------
 # Checksum definition
 
 
 @pytest.mark.timeout(30)
+@pytest.mark.usefixtures("host_backend")
 def test_checksum_pinned_values() -> None:
     def words(*values: int) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.int32).view(torch.uint8)
@@ -112,6 +125,7 @@ def test_checksum_pinned_values() -> None:
 
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize("nbytes", [4, 12, 16, 1020, 1024, 4096 + 8, (2 << 20) + 1024, 5_000_004])
+@pytest.mark.usefixtures("host_backend")
 def test_checksum_matches_references(nbytes: int) -> None:
     buf = random_bytes(nbytes, seed=nbytes)
     data = raw_bytes(buf)
@@ -122,6 +136,7 @@ def test_checksum_matches_references(nbytes: int) -> None:
 
 
 @pytest.mark.timeout(30)
+@pytest.mark.usefixtures("host_backend")
 def test_checksum_extreme_words() -> None:
     values = [-(2**31), 2**31 - 1, -1, 0, 1] * 300  # 1500 words: several rows and a tail
     buf = torch.tensor(values, dtype=torch.int32).view(torch.uint8)
@@ -131,6 +146,7 @@ def test_checksum_extreme_words() -> None:
 
 
 @pytest.mark.timeout(30)
+@pytest.mark.usefixtures("host_backend")
 def test_checksum_of_misaligned_view() -> None:
     base = random_bytes(3 * 4096 + 7, seed=7)
     view = base[3 : 3 + 3 * 4096]  # storage offset not a multiple of 4
@@ -144,6 +160,7 @@ def test_checksum_of_misaligned_view() -> None:
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.int64])
 @pytest.mark.parametrize("numel", [1, 3, 17, 1000003])
+@pytest.mark.usefixtures("host_backend")
 def test_pack_matches_reference(dtype: torch.dtype, numel: int) -> None:
     gen = torch.Generator().manual_seed(numel)
     tensors = [make_tensor(dtype, numel, gen), make_tensor(torch.float32, 5, gen)]
@@ -159,6 +176,7 @@ def test_pack_matches_reference(dtype: torch.dtype, numel: int) -> None:
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.usefixtures("host_backend")
 def test_layout_offsets_and_zero_padding() -> None:
     tensors = shard()
     offsets = pack.packed_offsets(tensors)
@@ -174,6 +192,7 @@ def test_layout_offsets_and_zero_padding() -> None:
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.usefixtures("host_backend")
 def test_round_trip_is_bitwise_and_checksums_agree() -> None:
     tensors = shard(seed=1)
     tensors[2] = torch.tensor([float("nan"), -0.0, float("inf")], dtype=torch.bfloat16)
@@ -191,6 +210,7 @@ def test_round_trip_is_bitwise_and_checksums_agree() -> None:
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.usefixtures("host_backend")
 def test_tensors_that_require_grad() -> None:
     params = [torch.randn(33, requires_grad=True), torch.randn(4, 4, requires_grad=True)]
     out = torch.empty(pack.packed_nbytes(params), dtype=torch.uint8)
@@ -201,6 +221,7 @@ def test_tensors_that_require_grad() -> None:
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.usefixtures("host_backend")
 def test_many_chunks_and_pieces(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(pack, "_CPU_CHUNK_BYTES", 2 * 4 * pack._ROW_WORDS)  # 2 rows per chunk
     gen = torch.Generator().manual_seed(3)
@@ -220,7 +241,11 @@ def test_many_chunks_and_pieces(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.mark.timeout(30)
-def test_backend_on_cpu_is_torch() -> None:
+def test_backend_on_cpu_is_numpy_unless_torch_is_forced(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("DEADPOOL_PACK_BACKEND", raising=False)
+    assert pack.backend_for(torch.empty(1)) == "numpy"
+    assert pack.backend_for(torch.empty(1, device="meta")) == "torch"
+    monkeypatch.setenv("DEADPOOL_PACK_BACKEND", "torch")
     assert pack.backend_for(torch.empty(1)) == "torch"
 
 
@@ -239,7 +264,7 @@ def test_pack_bench_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[str]) ->
 
     result = pack_bench.run_pack_bench(sizes_mb=[0.25], repeats=1, threads=[1])
     (row,) = result["rows"]
-    assert row["backend"] == "torch" and row["threads"] == 1 and row["copy_gbps"] > 0
+    assert row["backend"] == "numpy" and row["threads"] == 1 and row["copy_gbps"] > 0
     assert row["ratio"] == pytest.approx(row["pack_gbps"] / row["copy_gbps"])
     path = tmp_path / "pack.json"
     argv = ["--sizes-mb", "0.25", "--repeats", "1", "--threads", "1", "--json", str(path)]
@@ -258,6 +283,7 @@ def small_buffers() -> list[torch.Tensor]:
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.usefixtures("host_backend")
 def test_every_single_bit_flip_is_detected() -> None:
     for buf in small_buffers():
         base = pack.checksum(buf)
@@ -272,6 +298,7 @@ def test_every_single_bit_flip_is_detected() -> None:
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.usefixtures("host_backend")
 def test_random_bit_flips_in_large_buffer() -> None:
     buf = random_bytes((3 << 20) + 64, seed=5)
     base = pack.checksum(buf)
@@ -285,6 +312,7 @@ def test_random_bit_flips_in_large_buffer() -> None:
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.usefixtures("host_backend")
 def test_every_word_swap_is_detected() -> None:
     for buf in small_buffers():
         words = buf.view(torch.int32)
@@ -300,6 +328,7 @@ def test_every_word_swap_is_detected() -> None:
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.usefixtures("host_backend")
 def test_random_word_swaps_in_large_buffer() -> None:
     buf = random_bytes(3 << 20, seed=9)
     words = buf.view(torch.int32)

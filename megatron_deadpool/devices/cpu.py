@@ -20,10 +20,11 @@ megatron-core 0.16.1, see shared/CPU_MODE.md):
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 from collections.abc import Callable
 from types import SimpleNamespace
-from typing import Any, Self
+from typing import Any, ParamSpec, Self, TypeVar
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -40,6 +41,8 @@ _CUDA_TYPES = {
     "torch.BoolTensor": "torch.cuda.BoolTensor",
 }
 _CPU = torch.device("cpu")
+P = ParamSpec("P")
+R = TypeVar("R")
 
 
 def _is_cuda(dev: object) -> bool:
@@ -48,6 +51,19 @@ def _is_cuda(dev: object) -> bool:
     if isinstance(dev, str):
         return dev.startswith("cuda")
     return False
+
+
+def plain_torch(fn: Callable[P, R]) -> Callable[P, R]:
+    """Run `fn` without torch-function modes (`activate` installs one): for hot paths whose
+    many small torch calls would each pay the mode's Python hook and that create no tensor on
+    a device needing redirection."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
+        with torch._C.DisableTorchFunction():
+            return fn(*args, **kwargs)
+
+    return wrapper
 
 
 class _CudaToCpu(TorchFunctionMode):
