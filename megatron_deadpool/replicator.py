@@ -112,6 +112,7 @@ class Replicator:
         self.timings: dict[str, float] = {}  # seconds spent in the last round, by part
         self._recvs: dict[int, dist.Work] = {}
         self.bytes_per_round = sum(self.sizes[rank] for _ in self.holders)
+        self._group_rank = {r: dist.get_group_rank(group, r) for r in (*self.holders, *self.owners)}
 
     # ------------------------------------------------------------------ round t
     def start_round(self, iteration: int) -> Header:
@@ -152,9 +153,11 @@ class Replicator:
         self._held_slots = {o: self._slot_to_fill(self.held[o]) for o in self.owners}
         for owner, s in self._held_slots.items():
             self.held[owner].verified[s] = None  # being overwritten by round `iteration`
-        self._pending = [dist.isend(buf, dst=h, group=self.group) for h in self.holders]
+        # The process group's own send/recv: `dist.isend`'s Python checks cost more CPU than
+        # the transfer's posting, every round.
+        self._pending = [self.group.send([buf], self._group_rank[h], 0) for h in self.holders]
         self._recvs = {
-            o: dist.irecv(self.held[o].buffers[s], src=o, group=self.group)
+            o: self.group.recv([self.held[o].buffers[s]], self._group_rank[o], 0)
             for o, s in self._held_slots.items()
         }
         self._pending += list(self._recvs.values())

@@ -16,12 +16,14 @@ meta region, so a holder can verify a replica, and a newcomer read it, on its ow
 from __future__ import annotations
 
 import json
+import struct
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from . import pack
+from .devices.cpu import plain_torch
 from .errors import DeadpoolRuntimeError
 
 MAGIC = 0x4445414450304F4C
@@ -44,15 +46,18 @@ class Header:
     checksum: int
     meta_nbytes: int
 
-    def encode(self) -> torch.Tensor:
+    def encode(self) -> bytes:
         words = [MAGIC, self.owner, self.iteration, self.nbytes, _signed(self.checksum)]
         words += [self.meta_nbytes, _header_check(words + [self.meta_nbytes]), 0]
-        return torch.tensor(words, dtype=torch.int64)
+        return struct.pack(_HEADER_FORMAT, *words)
+
+
+_HEADER_FORMAT = f"<{HEADER_WORDS}q"
 
 
 def _header_check(words: list[int]) -> int:
     """Checksum of the header's own six words (they are outside the packed region)."""
-    return _signed(pack.checksum(torch.tensor(words, dtype=torch.int64).view(torch.uint8)))
+    return _signed(pack.checksum_bytes(struct.pack("<6q", *words)))
 
 
 def _signed(value: int) -> int:
@@ -61,8 +66,8 @@ def _signed(value: int) -> int:
 
 def read_header(flat: torch.Tensor) -> Header | None:
     """The header of a flat snapshot, or None when the trailer is not a DeadPool header."""
-    words = flat[-HEADER_BYTES:].cpu().view(torch.int64).tolist()
-    if words[0] != MAGIC or words[6] != _header_check(words[:6]):
+    words = struct.unpack(_HEADER_FORMAT, flat[-HEADER_BYTES:].cpu().numpy().tobytes())
+    if words[0] != MAGIC or words[6] != _header_check(list(words[:6])):
         return None
     return Header(
         owner=words[1],
@@ -73,6 +78,7 @@ def read_header(flat: torch.Tensor) -> Header | None:
     )
 
 
+@plain_torch
 def verify(flat: torch.Tensor, *, owner: int | None = None, iteration: int | None = None) -> Header:
     """Check magic, identity and checksum; raise `CorruptReplicaError` naming what failed."""
     header = read_header(flat)
@@ -146,16 +152,9 @@ class RankState:
                         out.append(value)
         return out
 
-    def small_state(
-        self, iteration: int, manifest: list[list[Any]] | None = None
-    ) -> dict[str, Any]:
-        """Iteration, LR-scheduler state and the state manifest (JSON-safe)."""
-        sched = {k: v for k, v in self.scheduler.state_dict().items()}
-        return {
-            "iteration": iteration,
-            "scheduler": sched,
-            "manifest": manifest if manifest is not None else self.manifest(),
-        }
+    def small_state(self, iteration: int) -> dict[str, Any]:
+        """Iteration and LR-scheduler state (JSON-safe); snapshots add the state manifest."""
+        return {"iteration": iteration, "scheduler": dict(self.scheduler.state_dict())}
 
     def load_small_state(self, meta: dict[str, Any]) -> None:
         # Megatron's load_state_dict steps the scheduler forward by the saved count from its
@@ -193,8 +192,11 @@ def set_rng_tensors(states: list[torch.Tensor]) -> None:
     tracker.set_states({name: state for name, state in zip(names, states)})
 
 
-def _encode_meta(meta: dict[str, Any]) -> bytes:
-    return json.dumps(meta, separators=(",", ":")).encode()
+def _encode_meta(small: dict[str, Any], manifest_json: str) -> bytes:
+    """`small` plus the state manifest as one JSON object; the manifest never changes, so it
+    comes encoded already (it is most of the bytes)."""
+    head = json.dumps(small, separators=(",", ":"))
+    return f'{head[:-1]},"manifest":{manifest_json}}}'.encode()
 
 
 def _fill_meta(buf: torch.Tensor, raw: bytes) -> None:
@@ -221,9 +223,10 @@ class Snapshotter:
         # are fixed from here on (a restore builds a new Snapshotter), so work them out once,
         # off the hot path. RNG states and metadata are staged into buffers of their own.
         self.manifest = state.manifest()
+        self._manifest_json = json.dumps(self.manifest, separators=(",", ":"))
         live = state.state_tensors()
         device = live[0].device if live else torch.device("cpu")
-        probe = len(_encode_meta(state.small_state(0, self.manifest)))
+        probe = len(_encode_meta(state.small_state(0), self._manifest_json))
         self.meta_nbytes = -(-(probe * 2 + 1024) // META_ALIGN) * META_ALIGN
         self.meta_buf = torch.zeros(self.meta_nbytes, dtype=torch.uint8)
         self._meta_staged = self.meta_buf.to(device)
@@ -235,9 +238,12 @@ class Snapshotter:
         """Size of this rank's flat snapshot (packed region + header)."""
         return self.plan.nbytes + HEADER_BYTES
 
+    @plain_torch
     def capture(self, iteration: int, out: torch.Tensor) -> Header:
         """Copy the live state of `iteration` into `out` (one pass: pack + checksum)."""
-        _fill_meta(self.meta_buf, _encode_meta(self.state.small_state(iteration, self.manifest)))
+        _fill_meta(
+            self.meta_buf, _encode_meta(self.state.small_state(iteration), self._manifest_json)
+        )
         for staged, rng in zip(self._rng_staged, rng_tensors()):
             staged.copy_(rng, non_blocking=True)
         if self._meta_staged is not self.meta_buf:
@@ -257,7 +263,8 @@ class Snapshotter:
             checksum=checksum,
             meta_nbytes=self.meta_nbytes,
         )
-        out[-HEADER_BYTES:].copy_(header.encode().view(torch.uint8).to(out.device))
+        trailer = torch.frombuffer(bytearray(header.encode()), dtype=torch.uint8)
+        out[-HEADER_BYTES:].copy_(trailer, non_blocking=out.device.type == "cuda")
         return header
 
     @staticmethod
