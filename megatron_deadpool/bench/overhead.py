@@ -8,7 +8,10 @@ medians of each mode:
 
     deadpool bench overhead --repeats 3 --iters 20 --json overhead.json
 
-writes `{"off_iter_s", "on_iter_s", "ratio_median", "overhead_pct", "runs": [...], ...}`.
+writes `{"off_iter_s", "on_iter_s", "ratio_median", "ratio_ci95", "overhead_pct", "runs": [...],
+...}`; `ratio_ci95` is a distribution-free 95% confidence interval of the median ratio
+(`stats.median_ci`; it needs at least 6 pairs), since a shared machine's run-to-run noise can
+be larger than the overhead measured.
 Runs also check the invariant that DeadPool does not change training: the losses and final
 parameter digests of all runs must be identical.
 """
@@ -28,6 +31,7 @@ from typing import Any, Protocol
 from ..errors import ConfigError
 from ..jobspec import JobConfig, ParallelConfig, load_job
 from .report import job_shape, publish, text_row
+from .stats import median_ci
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "cpu-demo.yaml"
 """The CPU demo job, used when no --config is given (and present in the source tree)."""
@@ -151,10 +155,12 @@ def measure(
     on_iter = _median([t for r in on for t in r["iter_times_s"]])
     ratios = [b["median_iter_s"] / a["median_iter_s"] for a, b in zip(off, on)]
     ratio = _median(ratios)
+    ci = median_ci(ratios)
     return {
         "off_iter_s": off_iter,
         "on_iter_s": on_iter,
         "ratio_median": ratio,
+        "ratio_ci95": list(ci) if ci else None,
         "ratios": ratios,
         "overhead_pct": (ratio - 1.0) * 100.0,
         "losses_identical": all(r["losses"] == runs[0]["losses"] for r in runs),
@@ -192,6 +198,12 @@ def summary_lines(result: dict[str, Any]) -> list[str]:
         f"DeadPool off: {result['off_iter_s']:.4f} s/it   on: {result['on_iter_s']:.4f} s/it   "
         f"on/off (median of {c['repeats']} pairs): {result['ratio_median']:.3f} "
         f"({result['overhead_pct']:+.1f}%)"
+    )
+    ci = result["ratio_ci95"]
+    ratio += (
+        f", 95% CI {ci[0]:.3f}-{ci[1]:.3f}"
+        if ci
+        else " (a 95% confidence interval needs --repeats >= 6)"
     )
     same = (
         f"losses identical across runs: {result['losses_identical']}; final parameters "
