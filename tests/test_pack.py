@@ -1,8 +1,9 @@
 """Tests of megatron_deadpool.pack: layout, checksum definition, fault detection, errors.
 
-Both host backends (numpy, and the pure-torch one GPUs use without the extension) are checked
-against independent references (pure Python integers and numpy uint64 arithmetic). The CUDA kernel source is compiled and linked with nvcc when nvcc is
-on PATH, and its per-vector code is run on the host (`emulate_*`) against the fallback; the
+Both host backends (numpy, and the pure-torch one larger host buffers and GPUs without the
+extension use) are checked against independent references (pure Python integers and numpy
+uint64 arithmetic), at every size. The CUDA kernel source is compiled and linked with nvcc when
+nvcc is on PATH, and its per-vector code is run on the host (`emulate_*`) against the fallback; the
 kernels themselves run only where CUDA is available.
 """
 
@@ -92,12 +93,13 @@ def shard(seed: int = 0) -> list[torch.Tensor]:
 
 @pytest.fixture(params=["numpy", "torch"])
 def host_backend(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Run a test on host memory with each backend: numpy (the default there) and the
-    pure-torch one GPUs use without the extension (forced by DEADPOOL_PACK_BACKEND=torch)."""
+    """Run a test on host memory with each backend, whatever the buffers' sizes: numpy (the
+    default for small host buffers) and the pure-torch one (DEADPOOL_PACK_BACKEND=torch)."""
     if request.param == "torch":
         monkeypatch.setenv("DEADPOOL_PACK_BACKEND", "torch")
     else:
         monkeypatch.delenv("DEADPOOL_PACK_BACKEND", raising=False)
+        monkeypatch.setattr(pack, "_NUMPY_MAX_BYTES", pack.MAX_PACKED_BYTES)
     assert pack.backend_for(torch.empty(1)) == request.param
     return request.param
 
@@ -241,9 +243,13 @@ def test_many_chunks_and_pieces(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.mark.timeout(30)
-def test_backend_on_cpu_is_numpy_unless_torch_is_forced(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_backend_on_cpu_is_numpy_for_small_buffers_unless_torch_is_forced(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     monkeypatch.delenv("DEADPOOL_PACK_BACKEND", raising=False)
     assert pack.backend_for(torch.empty(1)) == "numpy"
+    assert pack.backend_for(torch.empty(pack._NUMPY_MAX_BYTES, dtype=torch.uint8)) == "numpy"
+    assert pack.backend_for(torch.empty(pack._NUMPY_MAX_BYTES + 4, dtype=torch.uint8)) == "torch"
     assert pack.backend_for(torch.empty(1, device="meta")) == "torch"
     monkeypatch.setenv("DEADPOOL_PACK_BACKEND", "torch")
     assert pack.backend_for(torch.empty(1)) == "torch"
