@@ -381,8 +381,8 @@ def _chunk_bounds(nwords: int, device: torch.device) -> list[tuple[int, int]]:
 
 def _accumulator(
     nwords: int, backend: str, device: torch.device
-) -> _NumpyAccumulator | _Accumulator:
-    return _NumpyAccumulator() if backend == "numpy" else _Accumulator(nwords, device)
+) -> _NumpyAccumulator | _TorchAccumulator:
+    return _NumpyAccumulator() if backend == "numpy" else _TorchAccumulator(nwords, device)
 
 
 class _NumpyAccumulator:
@@ -447,8 +447,9 @@ def _chunk_rows(device: torch.device) -> int:
     return rows
 
 
-class _Accumulator:
-    """Exact checksum of a buffer of `nwords` words fed chunk by chunk, in order."""
+class _TorchAccumulator:
+    """Exact checksum of a buffer of `nwords` words fed chunk by chunk, in order (torch ops,
+    row and column sums)."""
 
     def __init__(self, nwords: int, device: torch.device) -> None:
         self.device = device

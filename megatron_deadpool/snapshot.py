@@ -263,8 +263,7 @@ class Snapshotter:
             checksum=checksum,
             meta_nbytes=self.meta_nbytes,
         )
-        trailer = torch.frombuffer(bytearray(header.encode()), dtype=torch.uint8)
-        out[-HEADER_BYTES:].copy_(trailer, non_blocking=out.device.type == "cuda")
+        out[-HEADER_BYTES:].copy_(torch.frombuffer(bytearray(header.encode()), dtype=torch.uint8))
         return header
 
     @staticmethod
