@@ -23,12 +23,17 @@ def _holds(local: list[int], **held: list[int]) -> dict[str, list[int]]:
     return {"local": local, **{k.lstrip("r"): v for k, v in held.items()}}
 
 
-def test_restore_takes_the_newest_iteration_every_party_has(placement) -> None:
-    holdings = {
+def _rank_2_dead_after_round_3() -> dict[int, dict[str, list[int]]]:
+    """The survivors' holdings when rank 2 died after its round 3 reached every holder."""
+    return {
         0: _holds([2, 3], r2=[2, 3]),
         1: _holds([2, 3], r3=[2, 3]),
         3: _holds([2, 3], r1=[2, 3]),
     }
+
+
+def test_restore_takes_the_newest_iteration_every_party_has(placement) -> None:
+    holdings = _rank_2_dead_after_round_3()
     plan = plan_restore(placement, holdings, needy={2})
     assert plan.ok and plan.iteration == 3 and plan.sources == {2: 0}
     holdings[0] = _holds([2, 3], r2=[2])  # rank 2's round 3 never reached its holder
@@ -37,11 +42,7 @@ def test_restore_takes_the_newest_iteration_every_party_has(placement) -> None:
 
 def test_salvage_of_a_recoverable_plan_is_a_complete_set(placement) -> None:
     """No spare left, but every shard survives: a complete set of the restore iteration."""
-    holdings = {
-        0: _holds([2, 3], r2=[2, 3]),
-        1: _holds([2, 3], r3=[2, 3]),
-        3: _holds([2, 3], r1=[2, 3]),
-    }
+    holdings = _rank_2_dead_after_round_3()
     restore = plan_restore(placement, holdings, needy={2})
     save = plan_salvage(placement, holdings, {2}, restore)
     assert save is not None and save.iteration == 3 and save.complete
