@@ -92,7 +92,7 @@ class Recovery:
             generation=self.generation,
             rank=self.rank,
             pid=self.pid,
-            holds=self.replicator.holdings() if self.replicator else {"local": []},
+            replicator=self.replicator,
             report={
                 "last_completed": self.last_completed,
                 "target": target,

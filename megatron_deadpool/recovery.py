@@ -57,7 +57,7 @@ def agree(
     generation: int,
     rank: int | None,
     pid: str,
-    holds: dict[str, list[int]],
+    replicator: Replicator | None,
     report: dict[str, Any],
     deadline: float,
     cause: BaseException,
@@ -66,9 +66,11 @@ def agree(
     """Report holdings for the coordinator's plan(s) until a roster includes this process.
 
     `report` is published with the holdings (e.g. Megatron's counters); only a process that
-    keeps its slot and is not needy reports `holds`. On an abort, `on_abort(the coordinator's
-    report)` saves what it can and says what; then `OutOfRedundancyError` is raised.
+    keeps its slot and is not needy reports what `replicator` holds. On an abort,
+    `on_abort(the coordinator's report)` saves what it can and says what; then
+    `OutOfRedundancyError` is raised.
     """
+    holds = replicator.holdings() if replicator is not None else {"local": []}
     reported: set[int] = set()
     while True:
         if members.store.check(["abort"]):

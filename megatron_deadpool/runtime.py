@@ -392,7 +392,7 @@ class Runtime:
             generation=self.generation,
             rank=self.rank,
             pid=self.pid,
-            holds=self.replicator.holdings() if self.replicator else {"local": []},
+            replicator=self.replicator,
             report={"last_completed": self.last_completed},
             deadline=t0 + self.cfg.heartbeat_timeout + 30.0,
             cause=exc,
