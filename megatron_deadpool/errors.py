@@ -30,3 +30,7 @@ class OutOfRedundancyError(DeadpoolRuntimeError):
 
 class CoordinatorUnreachableError(DeadpoolRuntimeError):
     """The coordinator's store could not be reached within the configured time."""
+
+
+class CheckpointError(DeadpoolRuntimeError):
+    """A checkpoint is missing, incomplete, or does not fit this job."""

@@ -51,14 +51,15 @@ def run_world(
     env: dict[str, str] | None = None,
     keep_logs_on_failure: bool = True,
 ) -> list[Any]:
-    """Run `target` ("module:function", importable from tests/) on `world_size` ranks.
+    """Run `target` ("module:function", a test module anywhere under tests/) on `world_size`
+    ranks.
 
     The children's logs are removed after a success, and kept (their path is in the error)
     after a failure unless `keep_logs_on_failure` is False (tests of failures themselves).
     """
     import torch.distributed as dist
 
-    from megatron_deadpool.coordinator import kill_groups
+    from megatron_deadpool.hotswap.coordinator import kill_groups
 
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     log_dir = Path(tempfile.mkdtemp(prefix="deadpool-mp-"))
@@ -70,6 +71,7 @@ def run_world(
         MP_PORT=str(store.port),
         MP_WORLD=str(world_size),
         MP_TARGET=target,
+        MP_PATH=str(_module_dir(target.partition(":")[0])),
         MP_KWARGS=json.dumps(kwargs or {}),
         MP_TIMEOUT=str(timeout),
         MP_PARENT=str(os.getpid()),
@@ -99,6 +101,14 @@ def run_world(
         if not failed or not keep_logs_on_failure:
             shutil.rmtree(log_dir, ignore_errors=True)
     return results
+
+
+def _module_dir(module: str) -> Path:
+    """The folder under tests/ that holds `module`.py (test files have unique names)."""
+    found = sorted(TESTS_DIR.rglob(f"{module}.py"))
+    if len(found) != 1:
+        raise WorldError(f"{module}.py: expected one such file under {TESTS_DIR}, found {found}")
+    return found[0].parent
 
 
 def _collect(store: Any, procs: list[subprocess.Popen], timeout: float, log_dir: Path) -> list:
@@ -157,7 +167,7 @@ def _child_main() -> None:
     rank = int(os.environ["MP_RANK"])
     world_size = int(os.environ["MP_WORLD"])
     timeout = float(os.environ["MP_TIMEOUT"])
-    sys.path.insert(0, str(TESTS_DIR))
+    sys.path[:0] = [os.environ["MP_PATH"], str(TESTS_DIR)]
     _start_watchdog(parent=int(os.environ["MP_PARENT"]), limit_s=timeout + 30.0)
     import torch
     import torch.distributed as dist

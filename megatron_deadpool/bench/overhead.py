@@ -28,8 +28,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
+from ..config.job import JobConfig, ParallelConfig, load_job
 from ..errors import ConfigError
-from ..jobspec import JobConfig, ParallelConfig, load_job
 from .report import job_shape, publish, text_row
 from .stats import median_ci
 
@@ -100,7 +100,7 @@ def check_counts(*, iters: int, repeats: int, warmup: int) -> None:
 
 
 def _launch(job: JobConfig, run_dir: Path, timeout_s: float = 600.0) -> _Result:
-    from ..launch import LocalLauncher
+    from ..embedded.launch import LocalLauncher
 
     return LocalLauncher(job, run_dir=str(run_dir), quiet=True, timeout_s=timeout_s).run()
 

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from .. import pack
+from ..replication import pack
 
 DEFAULT_SIZES_MB = (64, 256)
 DEFAULT_REPEATS = 7

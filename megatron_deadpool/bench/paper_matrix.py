@@ -18,7 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ..jobspec import JobConfig
+from ..config.job import JobConfig
 from . import recovery as rec
 from .paper_workers import Runner
 

@@ -12,8 +12,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ..faults import parse_fault
-from ..jobspec import JobConfig
+from ..config.faults import parse_fault
+from ..config.job import JobConfig
 from . import recovery as rec
 from .paper_matrix import matrix_jobs
 from .paper_workers import Runner

@@ -20,7 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ..jobspec import JobConfig
+from ..config.job import JobConfig
 from . import recovery as rec
 
 KINDS = ("async", "nvrx-local")
@@ -55,7 +55,7 @@ def probe_nvrx(python: str, job: JobConfig) -> str:
         )
     code = (
         "import nvidia_resiliency_ext as n, megatron.core.dist_checkpointing."
-        "tensor_aware_state_dict as t, megatron_deadpool.runtime; assert t.HAVE_NVRX; "
+        "tensor_aware_state_dict as t, megatron_deadpool.embedded.runtime; assert t.HAVE_NVRX; "
         "from importlib.metadata import version; print(version('nvidia-resiliency-ext'))"
     )
     try:
@@ -87,7 +87,7 @@ def launch(
     """`bench recovery`'s timed launch; a `worker` KIND runs its processes through `main`."""
     if not worker:
         return rec.launch(job, run_dir, stop, timeout_s)
-    from ..launch import LocalLauncher
+    from ..embedded.launch import LocalLauncher
 
     class WorkerLauncher(LocalLauncher):
         """Starts `python -m megatron_deadpool.bench.paper_workers KIND` instead of the worker."""
@@ -109,7 +109,7 @@ def _save_async(runtime: Any, iteration: int) -> None:
     from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
     from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
 
-    from .. import checkpoint as ck
+    from ..embedded import checkpoint as ck
 
     queue = _WORKER.setdefault("queue", AsyncCallsQueue(persistent=False))
     queue.maybe_finalize_async_calls(blocking=True)  # at most one save in flight
@@ -149,7 +149,7 @@ def _save_nvrx_local(runtime: Any, iteration: int) -> None:
         LazyCliqueReplicationStrategy,
     )
 
-    from .. import checkpoint as ck
+    from ..embedded import checkpoint as ck
 
     if "manager" not in _WORKER:
         strategy = LazyCliqueReplicationStrategy(runtime.job.ranks_per_node, 2)
@@ -172,7 +172,7 @@ _WORKER: dict[str, Any] = {}
 def main(argv: list[str]) -> int:
     """`python -m megatron_deadpool.bench.paper_workers KIND ARGS`: a worker whose saves are
     KIND (async, nvrx-local) instead of checkpoint.save; ARGS as for megatron_deadpool.worker."""
-    from .. import runtime, worker
+    from ..embedded import runtime, worker
 
     kind, rest = argv[0], argv[1:]
     save = {"async": _save_async, "nvrx-local": _save_nvrx_local}[kind]

@@ -37,14 +37,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ..config.faults import check_faults, parse_fault
+from ..config.job import JobConfig
 from ..errors import ConfigError
-from ..faults import check_faults, parse_fault
-from ..jobspec import JobConfig
 from .overhead import base_job
 from .report import job_shape, publish, text_row, yes_no
 
 if TYPE_CHECKING:
-    from ..launch import LocalLauncher
+    from ..embedded.launch import LocalLauncher
 
 DEADPOOL_PHASES = ("detect", "agree", "reconstruct", "restore")
 RESTART_PHASES = ("detect", "teardown", "relaunch_init", "checkpoint_load")
@@ -163,7 +163,7 @@ def launch(
     """Run `job` with `launcher` (default: the local launcher), recording the times the bench
     needs."""
     if launcher is None:
-        from ..launch import LocalLauncher
+        from ..embedded.launch import LocalLauncher
 
         launcher = LocalLauncher
 

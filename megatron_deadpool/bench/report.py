@@ -13,7 +13,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from ..jobspec import JobConfig
+from ..config.job import JobConfig
 
 
 def text_row(cells: Sequence[str], specs: Sequence[str]) -> str:

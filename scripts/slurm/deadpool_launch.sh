@@ -17,7 +17,7 @@
 # Variables (all optional; defaults after ':='):
 #   SPARE_NODES         spare nodes at the end of the allocation                    (1)
 #   GPUS_PER_NODE       processes per node = GPUs per node                          (site)
-#   DEADPOOL_MODE       embedded: python -m megatron_deadpool.worker --config ...
+#   DEADPOOL_MODE       embedded: python -m megatron_deadpool.embedded.worker --config ...
 #                       megatron-lm: python -m megatron_deadpool.megatron_lm
 #                         $MEGATRON_LM_PATH/pretrain_gpt.py $MEGATRON_ARGS --deadpool ...
 #                       baseline: plain Megatron-LM (python pretrain_gpt.py $MEGATRON_ARGS) on
@@ -141,7 +141,7 @@ deadpool_flags=(
 case $DEADPOOL_MODE in
 embedded)
     [ -f "$DEADPOOL_CONFIG" ] || die "DEADPOOL_CONFIG=$DEADPOOL_CONFIG: no such file"
-    worker=("$PYTHON" -m megatron_deadpool.worker --config "$DEADPOOL_CONFIG"
+    worker=("$PYTHON" -m megatron_deadpool.embedded.worker --config "$DEADPOOL_CONFIG"
         "${deadpool_flags[@]}" "${extra_args[@]}")
     ;;
 megatron-lm | baseline)

@@ -7,7 +7,7 @@ real failure leaves the in-flight round incomplete depends on timing). Nothing i
 `megatron_deadpool` knows about it.
 """
 
-from megatron_deadpool import replicator
+from megatron_deadpool.replication import replicator
 
 _abandon = replicator.Replicator.abandon
 

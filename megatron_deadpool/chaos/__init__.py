@@ -1,0 +1,1 @@
+"""Soak testing (`deadpool chaos`): failure schedules drawn from a seed, checked bitwise."""

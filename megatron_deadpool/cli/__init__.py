@@ -1,0 +1,1 @@
+"""The `deadpool` command, one module per subcommand. Nothing in the package imports it."""

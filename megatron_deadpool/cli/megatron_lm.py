@@ -1,0 +1,71 @@
+"""`deadpool megatron-lm`: run a Megatron-LM training script on this machine with DeadPool.
+
+    deadpool megatron-lm --nproc-per-node 4 PATH/pretrain_gpt.py <Megatron args> \\
+        --deadpool --deadpool-spares 1 --deadpool-ranks-per-node 2
+
+Everything after the script path goes to the script unchanged (Megatron's flags and the
+`--deadpool-*` flags, which the runner adds to Megatron's parser).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--nproc-per-node",
+        type=int,
+        required=True,
+        metavar="N",
+        help="active ranks to start on this machine (spares come on top: --deadpool-spares)",
+    )
+    parser.add_argument(
+        "--patched",
+        action="store_true",
+        help="run the script itself (patched by scripts/apply_patches.sh) instead of through "
+        "the zero-edit runner",
+    )
+    parser.add_argument("--run-dir", help="directory for per-process logs and summary.json")
+    parser.add_argument(
+        "--timeout", type=float, default=3600.0, help="wall-clock limit of the job in seconds"
+    )
+    parser.add_argument("script", help="the Megatron-LM training script, e.g. pretrain_gpt.py")
+    parser.add_argument(
+        "script_args", nargs=argparse.REMAINDER, help="the script's arguments, unchanged"
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..megatron_lm.launch import MegatronLauncher
+
+    launcher = MegatronLauncher(
+        args.script,
+        args.script_args,
+        args.nproc_per_node,
+        patched=args.patched,
+        run_dir=args.run_dir,
+        timeout_s=args.timeout,
+    )
+    return launcher.run()
+
+
+def main() -> int:
+    """`python -m megatron_deadpool.cli.megatron_lm ...`, the same as `deadpool megatron-lm`."""
+    import sys
+
+    from ..errors import ConfigError
+
+    parser = argparse.ArgumentParser(
+        prog="deadpool megatron-lm", description=__doc__.splitlines()[0]
+    )
+    configure(parser)
+    try:
+        return run(parser.parse_args())
+    except ConfigError as exc:
+        print(f"deadpool: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

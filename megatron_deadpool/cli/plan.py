@@ -1,0 +1,326 @@
+"""`deadpool plan`: the capacity planner's command line and text report (planning: `plan.py`).
+
+    deadpool plan --model configs/models/gpt-65b.yaml --tp 4 --pp 8 --dp 16 \\
+        --cluster configs/clusters/perlmutter.yaml --spares 4 --global-batch-size 1024 \\
+        [--replicas k] [--json plan.json]
+
+Defaults come from the model/job file: its `parallel` section for --tp/--pp/--dp, its
+`deadpool` section for --replicas/--spares (no spares there: one spare node's worth), its
+`train` section for the batch, its `cluster` section for --cluster (else generic figures).
+With --megatron-args it prints the matching Megatron-LM arguments instead of the report.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+from pathlib import Path
+
+from ..config.cluster import GB, GIB, ClusterConfig, load_cluster
+from ..config.job import ModelConfig, TrainConfig, load_job
+from ..errors import ConfigError
+from ..planner.capacity import PlanReport, RecoveryModel, Workload, format_seconds, plan
+from ..replication.placement import Layout
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    """Add `deadpool plan`'s flags."""
+    parser.add_argument(
+        "--model",
+        "--config",
+        dest="model",
+        required=True,
+        metavar="YAML",
+        help="model or job config (configs/models/*.yaml, configs/cpu-demo.yaml)",
+    )
+    parser.add_argument("--tp", type=int, help="tensor-parallel size (default: the file's)")
+    parser.add_argument("--pp", type=int, help="pipeline-parallel size (default: the file's)")
+    parser.add_argument("--dp", type=int, help="data-parallel size (default: the file's)")
+    parser.add_argument(
+        "--gpus-per-node",
+        type=int,
+        metavar="N",
+        help="GPUs (ranks) per node = failure domain (default: the cluster's, else the file's "
+        "deadpool.ranks_per_node, else tp)",
+    )
+    parser.add_argument("--replicas", type=int, metavar="K", help="replicas k per shard")
+    parser.add_argument(
+        "--spares",
+        type=int,
+        metavar="S",
+        help="spare ranks (default: the file's deadpool.spares, or one node's worth if 0)",
+    )
+    parser.add_argument(
+        "--cluster", metavar="YAML", help="cluster description (configs/clusters/*.yaml)"
+    )
+    parser.add_argument(
+        "--global-batch-size",
+        type=int,
+        metavar="SEQS",
+        help="sequences per iteration (default: the file's micro_batch_size x "
+        "num_microbatches x dp)",
+    )
+    parser.add_argument("--micro-batch-size", type=int, metavar="SEQS", help="default: the file's")
+    parser.add_argument("--mfu", type=float, default=0.4, help="model FLOPs utilisation (0.4)")
+    parser.add_argument(
+        "--recompute",
+        choices=["none", "selective", "full"],
+        default="selective",
+        help="activation recomputation assumed (selective)",
+    )
+    parser.add_argument(
+        "--json", metavar="PATH", help="also write the report as JSON ('-': stdout)"
+    )
+    parser.add_argument(
+        "--megatron-args",
+        action="store_true",
+        help="print only the Megatron-LM arguments of this model, layout and batch (for "
+        "MEGATRON_ARGS of scripts/slurm/*.sbatch)",
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    """Plan and print; bad input raises `ConfigError` (one line, exit 2 via the CLI)."""
+    job = load_job(args.model)
+    for name in ("tp", "pp", "dp", "gpus_per_node", "replicas", "spares"):
+        value = getattr(args, name)
+        if value is not None and value < (0 if name == "spares" else 1):
+            flag = name.replace("_", "-")
+            raise ConfigError(f"--{flag}: must be >= {0 if name == 'spares' else 1}, got {value}")
+    if args.cluster:
+        cluster = load_cluster(args.cluster)
+    else:
+        cluster = job.cluster
+    tp = args.tp or job.parallel.tp
+    pp = args.pp or job.parallel.pp
+    dp = args.dp or job.parallel.dp
+    gpus_per_node = args.gpus_per_node or (
+        cluster.gpus_per_node if cluster is not None else job.deadpool.ranks_per_node or tp
+    )
+    if cluster is None:
+        cluster = ClusterConfig(site="generic", gpus_per_node=gpus_per_node)
+    elif args.gpus_per_node and args.gpus_per_node != cluster.gpus_per_node:
+        raise ConfigError(
+            f"--gpus-per-node {args.gpus_per_node} contradicts cluster {cluster.site} "
+            f"({cluster.gpus_per_node} GPUs per node)"
+        )
+    layout = Layout(tp=tp, pp=pp, dp=dp, ranks_per_node=gpus_per_node)
+    replicas = args.replicas or job.deadpool.replicas
+    spares = args.spares if args.spares is not None else (job.deadpool.spares or gpus_per_node)
+    mbs = args.micro_batch_size or job.train.micro_batch_size
+    gbs = args.global_batch_size or job.train.micro_batch_size * job.train.num_microbatches * dp
+    workload = Workload(
+        global_batch_size=gbs, micro_batch_size=mbs, mfu=args.mfu, recompute=args.recompute
+    )
+    report = plan(
+        job.model,
+        layout,
+        replicas=replicas,
+        spares=spares,
+        cluster=cluster,
+        workload=workload,
+        deadpool=job.deadpool,
+        constants=RecoveryModel(),
+    )
+    if args.megatron_args:
+        print(shlex.join(megatron_args(job.model, layout, workload, job.train)))
+        return 0
+    text = format_report(report, title=Path(args.model).name)
+    data = json.dumps(report.to_dict(), indent=2, sort_keys=True)
+    if args.json == "-":
+        print(data)
+        return 0
+    print(text)
+    if args.json:
+        try:
+            Path(args.json).write_text(data + "\n")
+        except OSError as exc:
+            raise ConfigError(f"--json: cannot write {args.json}: {exc.strerror}") from None
+    return 0
+
+
+def megatron_args(
+    model: ModelConfig, layout: Layout, workload: Workload, train: TrainConfig
+) -> list[str]:
+    """Megatron-LM `pretrain_gpt.py` arguments for `model` on `layout` (mock data, bf16,
+    distributed optimizer, the recompute the plan assumed); DeadPool's flags are not included."""
+    out = [
+        f"--num-layers={model.num_layers}",
+        f"--hidden-size={model.hidden_size}",
+        f"--num-attention-heads={model.num_attention_heads}",
+        f"--ffn-hidden-size={model.ffn}",
+        f"--seq-length={model.seq_length}",
+        f"--max-position-embeddings={model.seq_length}",
+        f"--position-embedding-type={model.position_embedding_type}",
+        f"--normalization={model.normalization}",
+    ]
+    if model.num_query_groups:
+        out += ["--group-query-attention", f"--num-query-groups={model.num_query_groups}"]
+    if model.swiglu:
+        out.append("--swiglu")
+    if not model.add_bias_linear:
+        out.append("--disable-bias-linear")
+    if not model.tie_embeddings:
+        out.append("--untie-embeddings-and-output-weights")
+    out += [
+        f"--tensor-model-parallel-size={layout.tp}",
+        f"--pipeline-model-parallel-size={layout.pp}",
+        *(["--sequence-parallel"] if layout.tp > 1 else []),
+        "--use-distributed-optimizer",
+        "--bf16",
+        f"--micro-batch-size={workload.micro_batch_size}",
+        f"--global-batch-size={workload.global_batch_size}",
+    ]
+    if workload.recompute == "selective":
+        out.append("--recompute-activations")
+    elif workload.recompute == "full":
+        out += ["--recompute-granularity=full", "--recompute-method=uniform"]
+        out.append("--recompute-num-layers=1")
+    out += [
+        "--mock-data",
+        "--tokenizer-type=NullTokenizer",
+        f"--vocab-size={model.vocab_size}",
+        f"--train-iters={train.iters}",
+        f"--lr={train.lr}",
+        f"--lr-warmup-iters={train.lr_warmup_iters}",
+        f"--seed={train.seed}",
+    ]
+    return out
+
+
+def _bytes(n: float) -> str:
+    """Binary units for memory."""
+    for unit, size in (("GiB", GIB), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n:.0f} B"
+
+
+def _traffic(n: float) -> str:
+    """Decimal units for network traffic (bandwidths are in GB/s)."""
+    for unit, size in (("TB", 10**12), ("GB", GB), ("MB", 10**6), ("kB", 10**3)):
+        if n >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n:.0f} B"
+
+
+def _count(n: int) -> str:
+    for unit, size in (("B", 10**9), ("M", 10**6), ("K", 10**3)):
+        if n >= size:
+            return f"{n / size:.2f} {unit}"
+    return str(n)
+
+
+def format_report(report: PlanReport, *, title: str = "") -> str:
+    """The report as readable text."""
+    r, lay, g, it, c = report, report.layout, report.per_gpu, report.per_iteration, report.cluster
+    m, cov, w = r.model, r.coverage, r.workload
+    kinds = [
+        "SwiGLU" if m.swiglu else "GeLU",
+        m.normalization,
+        "rotary" if m.position_embedding_type == "rope" else "learned positions",
+        "tied" if m.tie_embeddings else "untied",
+    ]
+    if m.num_query_groups:
+        kinds.append(f"{m.num_query_groups} KV groups")
+    site = f"{c.site} ({c.gpus_per_node}x {c.gpu_model} per node)"
+    if c.site == "generic":
+        site += " - no cluster given: generic figures, pass --cluster"
+    lines: list[str] = []
+
+    def head(label: str, text: str) -> None:
+        lines.append(f"{label:<15}{text}")
+
+    def row(label: str, value: str, note: str = "") -> None:
+        lines.append(f"  {label:<44}{value:>12}{'  ' + note if note else ''}")
+
+    lines.append(f"DeadPool plan{f' for {title}' if title else ''} on {site}")
+    head(
+        "layout",
+        f"tp {lay.tp} x pp {lay.pp} x dp {lay.dp} = {lay.world_size} GPUs on {r.nodes} nodes "
+        f"+ {r.spares} spare ranks ({r.spare_nodes:g} node(s)); "
+        f"k = {r.replicas} replica(s) per shard",
+    )
+    head(
+        "model",
+        f"{_count(r.params)} parameters: {m.num_layers} layers, hidden {m.hidden_size}, "
+        f"{m.num_attention_heads} heads, ffn {m.ffn}, vocab {m.vocab_size}, seq {m.seq_length}; "
+        + ", ".join(kinds),
+    )
+    head("per GPU", f"{_count(g.params)} parameters ({g.stage})")
+    row("weights (bf16, 2 B/param)", _bytes(g.weights_bytes))
+    row("main grads (fp32, 4 B/param)", _bytes(g.grads_bytes))
+    row(f"optimizer shard (12 B/param / dp {lay.dp})", _bytes(g.optimizer_shard_bytes))
+    row(f"activations ({w.recompute} recompute, estimate)", _bytes(g.activation_bytes))
+    row("= training", _bytes(g.training_bytes))
+    row("+ local snapshot (= shard)", _bytes(g.snapshot_bytes))
+    row(f"+ replicas held ({r.replicas} x shard, double-buffered)", _bytes(g.replica_buffer_bytes))
+    fits = "fits" if g.fits_gpu else "DOES NOT FIT"
+    row(
+        "= total with DeadPool",
+        _bytes(g.total_bytes),
+        f"of {_bytes(g.usable_gpu_bytes)} usable ({c.gpu_memory_gib:g} GiB - "
+        f"{c.memory_reserve_fraction:.0%}): {fits}",
+    )
+    row(
+        "or snapshots + replicas in host memory",
+        _bytes(g.host_deadpool_bytes_per_node),
+        f"per node, of {_bytes(g.usable_host_bytes)} usable: "
+        + ("fits" if g.fits_host else "does not fit"),
+    )
+    head(
+        "per iteration",
+        f"{w.global_batch_size} sequences = {it.tokens:,} tokens (micro-batch "
+        f"{w.micro_batch_size}); compute {format_seconds(it.compute_s)} at {w.mfu:.0%} MFU of "
+        f"{c.gpu_tflops:g} TFLOP/s",
+    )
+    row(
+        "replication per GPU",
+        _traffic(it.replication_bytes),
+        f"in {format_seconds(it.replication_s)} at {c.inter_node_gb_s_per_gpu:g} GB/s per GPU; "
+        f"{_traffic(it.cluster_replication_bytes)} in all",
+    )
+    row("overlap headroom (compute / replication)", f"{it.overlap_headroom:.1f}x")
+    row(
+        "data-parallel traffic per GPU",
+        _traffic(it.dp_comm_bytes),
+        f"in {format_seconds(it.dp_comm_s)} (upper bound)",
+    )
+    for name, rec in (("crash", r.recovery), ("hang", r.recovery_hang)):
+        head(
+            "recovery" if name == "crash" else "",
+            f"{name}: {rec.total_s:.1f} s = detect {rec.detect_s:.1f} + agree "
+            f"{rec.agree_s:.1f} + reconstruct {rec.reconstruct_s:.1f} + restore "
+            f"{rec.restore_s:.2f} (training resumes after {rec.resume_s:.1f} s) + first "
+            f"iteration {rec.first_iteration_s:.1f} (estimate)",
+        )
+    fatal = len(cov.fatal_pairs)
+    detail = (
+        "state kept for every pair"
+        if not fatal
+        else f"{fatal} of {cov.node_pairs} node pairs lose a shard, e.g. nodes "
+        + ", ".join(f"{a}+{b}" for a, b in cov.fatal_pairs[:3])
+    )
+    state = "kept" if cov.single_node else "LOST"
+    spare_nodes = r.spares // lay.ranks_per_node
+    head(
+        "failures",
+        f"any single node: {_yes(r.survives_any_node)} (state {state}; spares for "
+        f"{spare_nodes} node(s))",
+    )
+    head(
+        "",
+        f"any two nodes: {_yes(r.survives_any_two_nodes)} ({detail}; checked by {cov.method})",
+    )
+    head(
+        "",
+        f"any {cov.guaranteed_node_failures} simultaneous node failure(s) keep all optimizer "
+        "state",
+    )
+    lines.extend(f"WARNING: {text}" for text in r.warnings)
+    return "\n".join(lines)
+
+
+def _yes(flag: bool) -> str:
+    return "yes" if flag else "no"

@@ -1,0 +1,43 @@
+"""`deadpool train`: the embedded default job (megatron-core GPT on mock data) on this machine.
+
+Flags: the job's layout and schedule, plus every `--deadpool-*` flag generated from
+`DeadpoolConfig`. A `--config` YAML provides defaults; flags given on the command line win.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from ..config.job_args import add_job_flags, job_from_args
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    add_job_flags(parser)
+    parser.add_argument("--json-log", help="write one JSON object per iteration, then a summary")
+    parser.add_argument("--run-dir", help="directory for per-process logs (default: a temp dir)")
+    parser.add_argument("--timeout", type=float, default=900.0, help="wall-clock limit (s)")
+    parser.add_argument("--quiet", action="store_true", help="no progress output")
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..config.faults import check_faults, parse_fault
+
+    job = job_from_args(args)
+    check_faults(
+        [parse_fault(s) for s in job.deadpool.fail],
+        job.parallel.world_size,
+        job.ranks_per_node,
+        job.train.iters,
+        job.deadpool.spares,
+    )
+    # Imports megatron-core: only once the input is valid.
+    from ..embedded.launch import LocalLauncher
+
+    result = LocalLauncher(
+        job,
+        json_log=args.json_log,
+        run_dir=args.run_dir,
+        timeout_s=args.timeout,
+        quiet=args.quiet,
+    ).run()
+    return result.returncode

@@ -1,0 +1,134 @@
+"""Fault-injection specs (`--fail ...`): parsing and who-is-hit, nothing else.
+
+Forms (each fault fires once per job):
+  RANK@ITER[:kill|hang|flip]   rank RANK fails as it starts iteration ITER, so its peers are
+                               caught in that iteration's collectives
+  node:N@ITER[:kill|hang]      every rank of failure domain N, likewise
+  spare:I@ITER[:kill|hang]     waiting spare s{I}, once training has reached iteration ITER
+  RANK@recovery[:kill|hang|flip]  rank RANK fails when it enters the next recovery (a
+                               second failure during recovery; `flip`: its replicas rot
+                               just before agreement would use them)
+Kinds: `kill` (SIGKILL, the default), `hang` (SIGSTOP: alive but silent, as a hung GPU or a
+stuck NIC), `flip` (flip one bit of every replica the rank holds, at rest: memory corruption
+that checksums must catch before the replica is used).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+from ..errors import ConfigError
+
+_SPEC = re.compile(
+    r"^(?:(?P<node>node:)|(?P<spare>spare:))?(?P<who>\d+)@(?P<when>\d+|recovery)"
+    r"(?::(?P<kind>kill|hang|flip))?$"
+)
+
+FaultKind = Literal["kill", "hang", "flip"]
+FORMS = "RANK@ITER[:kill|hang|flip], node:N@ITER, spare:I@ITER or RANK@recovery"
+
+
+@dataclass(frozen=True)
+class FaultSpec:
+    """One injected failure; `iteration` is 0 for `@recovery` faults."""
+
+    iteration: int
+    kind: FaultKind
+    rank: int | None = None
+    node: int | None = None
+    spare: int | None = None
+    during_recovery: bool = False
+
+    def ranks(self, ranks_per_node: int) -> list[int]:
+        """The world ranks this fault hits (none for a spare)."""
+        if self.rank is not None:
+            return [self.rank]
+        if self.node is not None:
+            return list(range(self.node * ranks_per_node, (self.node + 1) * ranks_per_node))
+        return []
+
+    def __str__(self) -> str:
+        if self.rank is not None:
+            who = f"rank {self.rank}"
+        elif self.node is not None:
+            who = f"node {self.node}"
+        else:
+            who = f"spare s{self.spare}"
+        when = "in recovery" if self.during_recovery else f"at iteration {self.iteration}"
+        return f"{who} {self.kind} {when}"
+
+
+def parse_fault(text: str) -> FaultSpec:
+    """Parse one `--fail` value; raise `ConfigError` naming the expected forms."""
+    match = _SPEC.match(text.strip())
+    if match is None:
+        raise ConfigError(f"fail: {text!r} is not one of {FORMS} (e.g. 2@5:kill, node:1@4)")
+    kind: FaultKind = match["kind"] or "kill"  # type: ignore[assignment]
+    who = int(match["who"])
+    recovery = match["when"] == "recovery"
+    iteration = 0 if recovery else int(match["when"])
+    if not recovery and iteration < 1:
+        raise ConfigError(f"fail: iteration in {text!r} must be >= 1")
+    if kind == "flip" and (match["node"] or match["spare"]):
+        raise ConfigError(f"fail: {text!r}: 'flip' applies to one rank (RANK@ITER:flip)")
+    if recovery and (match["node"] or match["spare"]):
+        raise ConfigError(f"fail: {text!r}: '@recovery' applies to one rank (RANK@recovery)")
+    if match["node"]:
+        return FaultSpec(iteration=iteration, kind=kind, node=who)
+    if match["spare"]:
+        return FaultSpec(iteration=iteration, kind=kind, spare=who)
+    return FaultSpec(iteration=iteration, kind=kind, rank=who, during_recovery=recovery)
+
+
+def check_faults(
+    faults: list[FaultSpec], world_size: int, ranks_per_node: int, iters: int, spares: int = 0
+) -> None:
+    """Check that every fault targets existing ranks/spares within the run's iterations."""
+    nodes = world_size // ranks_per_node
+    for fault in faults:
+        if fault.rank is not None and fault.rank >= world_size:
+            raise ConfigError(f"fail: rank {fault.rank} does not exist (world size {world_size})")
+        if fault.node is not None and fault.node >= nodes:
+            raise ConfigError(f"fail: node {fault.node} does not exist ({nodes} nodes)")
+        if fault.spare is not None and fault.spare >= spares:
+            raise ConfigError(f"fail: spare {fault.spare} does not exist ({spares} spares)")
+        if fault.iteration > iters:
+            raise ConfigError(
+                f"fail: iteration {fault.iteration} is past the run's last iteration {iters}"
+            )
+
+
+def iteration_faults(
+    specs: Sequence[str], rank: int, ranks_per_node: int
+) -> dict[int, tuple[int, FaultKind]]:
+    """iteration -> (spec index, kind) of the `--fail` specs that hit `rank` as an iteration
+    starts (`RANK@ITER`, `node:N@ITER`)."""
+    out: dict[int, tuple[int, FaultKind]] = {}
+    for index, spec in enumerate(specs):
+        fault = parse_fault(spec)
+        if not fault.during_recovery and rank in fault.ranks(ranks_per_node):
+            out[fault.iteration] = (index, fault.kind)
+    return out
+
+
+def recovery_faults(specs: Sequence[str], rank: int) -> list[tuple[int, FaultKind]]:
+    """(spec index, kind) of the specs that hit `rank` as it enters a recovery."""
+    out: list[tuple[int, FaultKind]] = []
+    for index, spec in enumerate(specs):
+        fault = parse_fault(spec)
+        if fault.during_recovery and fault.rank == rank:
+            out.append((index, fault.kind))
+    return out
+
+
+def spare_faults(specs: Sequence[str], pid: str) -> list[tuple[int, int, FaultKind]]:
+    """(spec index, iteration, kind) of the specs that hit waiting spare `pid` (`s{I}`)."""
+    out: list[tuple[int, int, FaultKind]] = []
+    for index, spec in enumerate(specs):
+        fault = parse_fault(spec)
+        if fault.spare is not None and pid == f"s{fault.spare}":
+            out.append((index, fault.iteration, fault.kind))
+    return out

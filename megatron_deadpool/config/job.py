@@ -1,0 +1,291 @@
+"""The job schema shared by `deadpool train`, the planner and the cluster scripts.
+
+A YAML job config has the sections `model`, `parallel`, `train` and `deadpool`, and optionally
+`cluster`; each maps onto one dataclass here (or `DeadpoolConfig`, `ClusterConfig`) and is
+validated against it: unknown keys, wrong types and impossible values raise `ConfigError`
+naming the key and the fix.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from ..errors import ConfigError
+from .cluster import ClusterConfig
+from .deadpool import DeadpoolConfig
+from .flags import from_mapping
+
+
+def _positive(value: int, where: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"{where}: must be a positive integer, got {value!r}")
+
+
+@dataclass(kw_only=True)
+class ModelConfig:
+    """A GPT-style decoder (Megatron-Core `GPTModel`)."""
+
+    num_layers: int = 2
+    """Transformer layers."""
+
+    hidden_size: int = 64
+    """Hidden size."""
+
+    num_attention_heads: int = 4
+    """Attention heads."""
+
+    ffn_hidden_size: int | None = None
+    """MLP hidden size (default 4 x hidden size)."""
+
+    seq_length: int = 64
+    """Sequence length in tokens."""
+
+    vocab_size: int = 128
+    """Vocabulary size (padded to a multiple of TP by the model builder)."""
+
+    swiglu: bool = False
+    """Gated SiLU MLP (LLaMA's SwiGLU: three weight matrices, Megatron's
+    `gated_linear_unit=True` with SiLU) instead of the two-matrix GeLU MLP."""
+
+    num_query_groups: int | None = None
+    """Key/value head groups for grouped-query attention (default: one per attention head,
+    i.e. plain multi-head attention)."""
+
+    tie_embeddings: bool = False
+    """Share the input embedding with the output layer (Megatron-LM's default; its flag
+    `--untie-embeddings-and-output-weights` turns it off). Off here: the embedded job builds a
+    separate output layer, as LLaMA does."""
+
+    normalization: Literal["LayerNorm", "RMSNorm"] = "LayerNorm"
+    """Normalization layers: LayerNorm (weight and bias) or RMSNorm (weight only)."""
+
+    add_bias_linear: bool = True
+    """Biases in the attention and MLP linear layers (LLaMA: false)."""
+
+    position_embedding_type: Literal["learned_absolute", "rope"] = "learned_absolute"
+    """Learned absolute position embeddings (a seq_length x hidden table) or rotary (no
+    parameters)."""
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length"):
+            _positive(getattr(self, name), f"model.{name}")
+        _positive(self.vocab_size, "model.vocab_size")
+        if self.ffn_hidden_size is not None:
+            _positive(self.ffn_hidden_size, "model.ffn_hidden_size")
+        if self.hidden_size % self.num_attention_heads:
+            raise ConfigError(
+                f"model.hidden_size ({self.hidden_size}) must be divisible by "
+                f"model.num_attention_heads ({self.num_attention_heads})"
+            )
+        if self.num_query_groups is not None:
+            _positive(self.num_query_groups, "model.num_query_groups")
+            if self.num_attention_heads % self.num_query_groups:
+                raise ConfigError(
+                    f"model.num_query_groups ({self.num_query_groups}) must divide "
+                    f"model.num_attention_heads ({self.num_attention_heads})"
+                )
+        for name in ("swiglu", "tie_embeddings", "add_bias_linear"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"model.{name}: expected true or false")
+        if self.normalization not in ("LayerNorm", "RMSNorm"):
+            raise ConfigError(
+                f"model.normalization: {self.normalization!r} is not one of LayerNorm, RMSNorm"
+            )
+        if self.position_embedding_type not in ("learned_absolute", "rope"):
+            raise ConfigError(
+                f"model.position_embedding_type: {self.position_embedding_type!r} is not one "
+                "of learned_absolute, rope"
+            )
+
+    @property
+    def ffn(self) -> int:
+        """The MLP hidden size in effect."""
+        return self.ffn_hidden_size or 4 * self.hidden_size
+
+    @property
+    def query_groups(self) -> int:
+        """The key/value head groups in effect."""
+        return self.num_query_groups or self.num_attention_heads
+
+
+@dataclass(kw_only=True)
+class ParallelConfig:
+    """Megatron's parallel layout: world size = tp x pp x dp."""
+
+    tp: int = 1
+    """Tensor-parallel size."""
+
+    pp: int = 1
+    """Pipeline-parallel size."""
+
+    dp: int = 2
+    """Data-parallel size."""
+
+    def __post_init__(self) -> None:
+        for name in ("tp", "pp", "dp"):
+            _positive(getattr(self, name), f"parallel.{name}")
+
+    @property
+    def world_size(self) -> int:
+        """Active ranks."""
+        return self.tp * self.pp * self.dp
+
+
+@dataclass(kw_only=True)
+class TrainConfig:
+    """The embedded training job's schedule."""
+
+    iters: int = 8
+    """Training iterations."""
+
+    micro_batch_size: int = 2
+    """Sequences per micro-batch."""
+
+    num_microbatches: int = 2
+    """Micro-batches per iteration and data-parallel rank (gradient accumulation)."""
+
+    lr: float = 1e-3
+    """Peak learning rate (linear warm-up, then cosine decay)."""
+
+    lr_warmup_iters: int = 2
+    """Warm-up iterations."""
+
+    seed: int = 1234
+    """Seed of model initialisation and of the mock data."""
+
+    save: str | None = None
+    """Directory for persistent Megatron checkpoints (torch_dist), as Megatron-LM's --save."""
+
+    save_interval: int = 0
+    """Save a persistent checkpoint every this many iterations (0: only when the run must
+    stop: preemption, or a failure memory cannot recover)."""
+
+    load: str | None = None
+    """Resume from the latest persistent checkpoint in this directory, as Megatron-LM's --load."""
+
+    def __post_init__(self) -> None:
+        for name in ("iters", "micro_batch_size", "num_microbatches"):
+            _positive(getattr(self, name), f"train.{name}")
+        if (
+            isinstance(self.save_interval, bool)
+            or not isinstance(self.save_interval, int)
+            or (self.save_interval < 0)
+        ):
+            raise ConfigError(f"train.save_interval: must be >= 0, got {self.save_interval!r}")
+        if self.save_interval and not self.save:
+            raise ConfigError("train.save_interval: set train.save (--save DIR) as well")
+        if isinstance(self.lr_warmup_iters, bool) or self.lr_warmup_iters < 0:
+            raise ConfigError("train.lr_warmup_iters: must be >= 0")
+        if not self.lr > 0:
+            raise ConfigError(f"train.lr: must be positive, got {self.lr}")
+
+
+@dataclass(kw_only=True)
+class JobConfig:
+    """A whole job: model, layout, schedule and DeadPool settings."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    deadpool: DeadpoolConfig = field(default_factory=lambda: DeadpoolConfig(enabled=True))
+    cluster: ClusterConfig | None = None
+    """The site's nodes (optional): the planner's hardware figures and the Slurm defaults."""
+
+    def __post_init__(self) -> None:
+        if self.model.num_attention_heads % self.parallel.tp:
+            raise ConfigError(
+                f"parallel.tp ({self.parallel.tp}) must divide model.num_attention_heads "
+                f"({self.model.num_attention_heads})"
+            )
+        if self.model.query_groups % self.parallel.tp:
+            raise ConfigError(
+                f"parallel.tp ({self.parallel.tp}) must divide model.num_query_groups "
+                f"({self.model.query_groups})"
+            )
+        if self.model.ffn % self.parallel.tp:
+            raise ConfigError(
+                f"parallel.tp ({self.parallel.tp}) must divide the MLP hidden size "
+                f"({self.model.ffn})"
+            )
+        if (
+            self.cluster is not None
+            and self.deadpool.ranks_per_node is not None
+            and self.deadpool.ranks_per_node != self.cluster.gpus_per_node
+        ):
+            raise ConfigError(
+                f"deadpool.ranks_per_node ({self.deadpool.ranks_per_node}) differs from "
+                f"cluster.gpus_per_node ({self.cluster.gpus_per_node}); drop one of them"
+            )
+        if self.model.num_layers % self.parallel.pp:
+            raise ConfigError(
+                f"parallel.pp ({self.parallel.pp}) must divide model.num_layers "
+                f"({self.model.num_layers})"
+            )
+        if self.parallel.pp > 1 and self.train.num_microbatches < self.parallel.pp:
+            raise ConfigError(
+                f"train.num_microbatches ({self.train.num_microbatches}) must be >= parallel.pp "
+                f"({self.parallel.pp}) for the pipeline schedule"
+            )
+
+    @property
+    def ranks_per_node(self) -> int:
+        """The failure-domain size in effect (default: the cluster's GPUs per node, else one
+        tensor-parallel group per node)."""
+        if self.deadpool.ranks_per_node:
+            return self.deadpool.ranks_per_node
+        return self.cluster.gpus_per_node if self.cluster is not None else self.parallel.tp
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data, for YAML and JSON."""
+        return dataclasses.asdict(self)
+
+
+SECTIONS = {
+    "model": ModelConfig,
+    "parallel": ParallelConfig,
+    "train": TrainConfig,
+    "deadpool": DeadpoolConfig,
+    "cluster": ClusterConfig,
+}
+OPTIONAL_SECTIONS = frozenset({"cluster"})
+"""Sections that stay `None` in `JobConfig` when the file leaves them out."""
+
+
+def job_from_mapping(data: Any, *, where: str = "config") -> JobConfig:
+    """Validate a parsed YAML document against the schema."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where}: expected a mapping with sections {', '.join(SECTIONS)}")
+    for key in data:
+        if key not in SECTIONS:
+            raise ConfigError(
+                f"{where}: unknown section {key!r}; known sections: {', '.join(SECTIONS)}"
+            )
+    parts: dict[str, Any] = {}
+    for name, cls in SECTIONS.items():
+        section = data.get(name)
+        if section is not None and not isinstance(section, dict):
+            raise ConfigError(f"{where}.{name}: expected a mapping")
+        if name in OPTIONAL_SECTIONS and section is None:
+            parts[name] = None
+            continue
+        if name == "deadpool":
+            section = {"enabled": True, **(section or {})}
+        parts[name] = from_mapping(cls, section, where=f"{where}.{name}")
+    return JobConfig(**parts)
+
+
+def load_job(path: str | Path) -> JobConfig:
+    """Read and validate a YAML job config."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"config: file {str(p)!r} does not exist")
+    try:
+        data = yaml.safe_load(p.read_text())
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"config: {p} is not valid YAML: {exc}") from None
+    return job_from_mapping(data or {}, where=p.name)

@@ -1,0 +1,248 @@
+"""Builds the embedded job's Megatron-Core objects: GPTModel, DDP, DistributedOptimizer, LR.
+
+The same calls a Megatron-LM user's training makes (local layer spec, distributed optimizer,
+`OptimizerParamScheduler`), sized by `JobConfig`. Also the one training step, through
+Megatron's `get_forward_backward_func()`, so tensor and pipeline parallelism run for real.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
+from typing import Any, NamedTuple
+
+import torch
+from megatron.core import parallel_state as ps
+from megatron.core import tensor_parallel
+from megatron.core.distributed import (
+    DistributedDataParallel,
+    DistributedDataParallelConfig,
+    finalize_model_grads,
+)
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.transformer import TransformerConfig
+
+from ..config.job import JobConfig
+from .data import iteration_batches
+
+
+@dataclass
+class TrainingObjects:
+    """What a rank trains with; survivors keep these across a hot swap."""
+
+    model: list[DistributedDataParallel]
+    optimizer: Any  # MegatronOptimizer (a ChainedOptimizer or DistributedOptimizer)
+    scheduler: OptimizerParamScheduler
+    config: TransformerConfig
+    opt_config: OptimizerConfig
+    optimizer_build_gathers: int = 0
+    """World all_gather_object calls `get_megatron_optimizer` made (a newcomer's survivors mirror
+    them while it builds)."""
+
+
+def transformer_config(job: JobConfig) -> TransformerConfig:
+    m, p = job.model, job.parallel
+    return TransformerConfig(
+        num_layers=m.num_layers,
+        hidden_size=m.hidden_size,
+        num_attention_heads=m.num_attention_heads,
+        ffn_hidden_size=m.ffn,
+        tensor_model_parallel_size=p.tp,
+        pipeline_model_parallel_size=p.pp,
+        pipeline_dtype=torch.float32,
+        use_cpu_initialization=True,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        bias_dropout_fusion=False,
+        gradient_accumulation_fusion=False,
+        masked_softmax_fusion=False,
+        persist_layer_norm=False,
+        apply_rope_fusion=False,
+        bias_activation_fusion=False,
+        init_method_std=0.02,
+    )
+
+
+def seed_rng(seed: int) -> None:
+    """Megatron's RNG set-up (data-parallel and model-parallel tracker seeds)."""
+    torch.manual_seed(seed)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+
+
+def build(job: JobConfig) -> TrainingObjects:
+    """Build model, DDP wrapper, distributed optimizer and LR scheduler on this rank.
+
+    Requires `parallel_state` initialised. Issues the same collectives on every rank
+    (`get_megatron_optimizer` aligns parameter-group keys with two world all-gathers).
+    """
+    cfg = transformer_config(job)
+    seed_rng(job.train.seed)
+    model = GPTModel(
+        config=cfg,
+        transformer_layer_spec=get_gpt_layer_local_spec(),
+        vocab_size=job.model.vocab_size,
+        max_sequence_length=job.model.seq_length,
+        pre_process=ps.is_pipeline_first_stage(),
+        post_process=ps.is_pipeline_last_stage(),
+        share_embeddings_and_output_weights=False,
+        position_embedding_type="learned_absolute",
+    )
+    ddp_cfg = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True,
+        overlap_grad_reduce=False,
+        use_distributed_optimizer=True,
+    )
+    ddp = DistributedDataParallel(config=cfg, ddp_config=ddp_cfg, module=model)
+    opt_cfg = OptimizerConfig(
+        optimizer="adam",
+        lr=job.train.lr,
+        min_lr=job.train.lr * 0.1,
+        weight_decay=0.01,
+        adam_beta1=0.9,
+        adam_beta2=0.95,
+        clip_grad=1.0,
+        use_distributed_optimizer=True,
+    )
+    gathers = [0]
+    real_gather = torch.distributed.all_gather_object
+
+    def counting_gather(*args: Any, **kwargs: Any) -> Any:
+        gathers[0] += 1
+        return real_gather(*args, **kwargs)
+
+    torch.distributed.all_gather_object = counting_gather
+    try:
+        optimizer = get_megatron_optimizer(opt_cfg, [ddp])
+    finally:
+        torch.distributed.all_gather_object = real_gather
+    scheduler = OptimizerParamScheduler(
+        optimizer,
+        init_lr=0.0,
+        max_lr=job.train.lr,
+        min_lr=job.train.lr * 0.1,
+        lr_warmup_steps=job.train.lr_warmup_iters,
+        lr_decay_steps=max(job.train.iters, job.train.lr_warmup_iters + 1),
+        lr_decay_style="cosine",
+        start_wd=0.01,
+        end_wd=0.01,
+        wd_incr_steps=job.train.iters,
+        wd_incr_style="constant",
+    )
+    cfg.finalize_model_grads_func = finalize_model_grads
+    cfg.no_sync_func = ddp.no_sync
+    return TrainingObjects(
+        model=[ddp],
+        optimizer=optimizer,
+        scheduler=scheduler,
+        config=cfg,
+        opt_config=opt_cfg,
+        optimizer_build_gathers=gathers[0],
+    )
+
+
+def mirror_optimizer_build(objs: TrainingObjects) -> None:
+    """Issue the world collectives a newcomer's `get_megatron_optimizer` issues.
+
+    `get_megatron_optimizer` aligns parameter-group keys across ranks with world
+    `all_gather_object` calls; survivors, who keep their optimizer, take part with their own
+    keys through the same function Megatron uses (`_get_param_groups`), as many times as their
+    own build did.
+    """
+    from megatron.core.optimizer import _get_param_groups
+
+    for _ in range(objs.optimizer_build_gathers):
+        _get_param_groups(objs.model, objs.opt_config, None)
+
+
+def sync_params_from_main(objs: TrainingObjects) -> None:
+    """Model weights from the (restored) main-param shards: copy, then DP all-gather."""
+    chained = getattr(objs.optimizer, "chained_optimizers", None) or [objs.optimizer]
+    for opt in chained:
+        opt._copy_main_params_to_model_params()
+    for chunk in objs.model:
+        chunk.start_param_sync(force_sync=True)
+
+
+def _forward_step(data_iterator: Any, model: torch.nn.Module) -> tuple[torch.Tensor, Any]:
+    batch = next(data_iterator)
+    output = model(
+        batch["tokens"], batch["position_ids"], None, labels=batch["labels"]
+    )  # [b, s] per-token losses on the last stage, activations elsewhere
+    return output, partial(_loss_func, batch["loss_mask"])
+
+
+def _loss_func(loss_mask: torch.Tensor, per_token: torch.Tensor) -> tuple[torch.Tensor, dict]:
+    loss = (per_token.float() * loss_mask).sum() / loss_mask.sum()
+    return loss, {"lm loss": loss.detach()}
+
+
+class StepResult(NamedTuple):
+    """What every rank learns from one iteration (identical on all ranks)."""
+
+    loss: float
+    grad_norm: float
+    stop: bool
+    replicas_ok: bool | None = None
+    """Every rank verified the replication round settled in this step (None: none was)."""
+
+
+def train_step(
+    job: JobConfig,
+    objs: TrainingObjects,
+    iteration: int,
+    stop_vote: bool = False,
+    settle: Callable[[], bool | None] | None = None,
+) -> StepResult:
+    """One iteration: forward/backward over the micro-batches, optimizer step, LR step.
+
+    Returns the loss averaged over micro-batches and data-parallel ranks, the grad norm, and
+    whether any rank voted to stop after this iteration (preemption), all agreed through one
+    small world all-reduce that runs with and without DeadPool. `settle` (DeadPool's
+    `Replicator.settle`, run after the optimizer step so the replication round in flight has
+    had the whole step to arrive) gives this rank's verdict on the replicas it received; the
+    verdicts ride on the same all-reduce and come back as `replicas_ok`.
+    """
+    t = job.train
+    for chunk in objs.model:
+        chunk.zero_grad_buffer()
+    objs.optimizer.zero_grad()
+    data = iteration_batches(
+        seed=t.seed,
+        iteration=iteration,
+        dp_rank=ps.get_data_parallel_rank(),
+        num_microbatches=t.num_microbatches,
+        mbs=t.micro_batch_size,
+        seq=job.model.seq_length,
+        vocab=job.model.vocab_size,
+    )
+    losses = get_forward_backward_func()(
+        forward_step_func=_forward_step,
+        data_iterator=data,
+        model=objs.model,
+        num_microbatches=t.num_microbatches,
+        seq_length=job.model.seq_length,
+        micro_batch_size=t.micro_batch_size,
+        forward_only=False,
+    )
+    _, grad_norm, _ = objs.optimizer.step()
+    objs.scheduler.step(increment=1)
+    contributes = ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0
+    settled = settle() if settle is not None else None
+    total = torch.zeros(4, dtype=torch.float64)
+    if contributes and losses:
+        total[0] = torch.stack([x["lm loss"] for x in losses]).double().mean()
+        total[1] = 1.0
+    total[2] = float(stop_vote)
+    total[3] = float(settled is False)
+    torch.distributed.all_reduce(total)
+    return StepResult(
+        loss=float(total[0] / total[1]),
+        grad_norm=float(grad_norm or 0.0),
+        stop=bool(total[2] > 0),
+        replicas_ok=None if settled is None else bool(total[3] == 0),
+    )

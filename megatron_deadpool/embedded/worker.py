@@ -1,0 +1,58 @@
+"""One process of the embedded job: an active rank, or a spare waiting for a slot.
+
+Run by `deadpool train` (one per active rank and spare, on this machine) or under Slurm as
+`python -m megatron_deadpool.embedded.worker --config JOB.yaml --deadpool-coordinator HOST:PORT`
+(rank from SLURM_PROCID: processes beyond the world size are spares).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Sequence
+
+import torch
+
+from ..config.job import JobConfig
+from ..config.job_args import add_job_flags, job_from_args
+from ..errors import ConfigError, CoordinatorUnreachableError
+from ..logs import setup_logging
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m megatron_deadpool.embedded.worker")
+    add_job_flags(parser)
+    parser.add_argument("--pid", help="process id a{rank} or s{spare}; default from SLURM_PROCID")
+    args = parser.parse_args(argv)
+    setup_logging()
+    job = job_from_args(args)
+    if not job.deadpool.coordinator:
+        raise ConfigError("deadpool-coordinator: a worker needs the coordinator's HOST:PORT")
+    pid = args.pid or _pid_from_env(job)
+    token = job.deadpool.job_token or os.environ.get("DEADPOOL_JOB_TOKEN", "")
+    torch.set_num_threads(int(os.environ.get("DEADPOOL_THREADS", "1")))
+    from .runtime import Runtime
+
+    runtime = Runtime(job, pid=pid, coordinator=job.deadpool.coordinator, token=token)
+    return runtime.run()
+
+
+def _pid_from_env(job: JobConfig) -> str:
+    procid = os.environ.get("SLURM_PROCID", os.environ.get("RANK"))
+    if procid is None:
+        raise ConfigError("worker: pass --pid or run under Slurm (SLURM_PROCID) / torchrun (RANK)")
+    world = job.parallel.world_size
+    n = int(procid)
+    return f"a{n}" if n < world else f"s{n - world}"
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    except ConfigError as exc:
+        print(f"deadpool worker: error: {exc}", file=sys.stderr)
+        sys.exit(2)
+    except CoordinatorUnreachableError as exc:
+        print(f"deadpool worker: error: {exc}", file=sys.stderr)
+        sys.exit(3)

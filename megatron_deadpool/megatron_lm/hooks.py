@@ -1,0 +1,255 @@
+"""Where DeadPool hooks into Megatron-LM's training (`megatron/training`, tag core_v0.16.1).
+
+`pretrain()` calls these module-level functions of `megatron.training.training` by name, so
+replacing the module attributes is enough (no source edit). Each hook and why:
+
+- `torch.distributed.init_process_group` (generation 0): on the coordinator's store under the
+  prefix `gen0`, with the rank the roster gives; later generations use `gen1`, ... .
+- `parallel_state.initialize_model_parallel`: record Megatron's exact call (a new generation
+  repeats it), check the layout and place replicas.
+- `setup_model_and_optimizer` (newcomer only): no checkpoint load (state comes from memory);
+  the iteration counter is set to the step before the survivors' resume step.
+- `build_train_valid_test_data_iterators` (newcomer only): the training data loader starts
+  at the restore iteration's sample count, the validation loader where the survivors' is.
+- `train`: remember Megatron's checkpointing context (its cached save strategy holds the
+  data-parallel group, which must be rebound like the model's groups).
+- `train_step`: replication after every optimizer step; recovery and recomputation in place
+  (`MegatronSession.train_step`).
+- `training_log`, `evaluate_and_print_results`, `post_training_step_callbacks`,
+  `checkpoint_and_decide_exit`: a collective that fails in them (a peer died between steps)
+  is deferred to the next step, so that all survivors resume at the same step; after
+  `training_log`, DeadPool's own log line and TensorBoard/W&B scalars.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+from ..errors import ConfigError, DeadpoolRuntimeError
+from .resume import build_without_loading
+from .session import MegatronSession
+
+_ORIGINALS: dict[tuple[Any, str], Any] = {}
+
+
+def _patch(owner: Any, name: str, make: Callable[[Any], Any]) -> None:
+    key = (owner, name)
+    if key not in _ORIGINALS:
+        _ORIGINALS[key] = getattr(owner, name)
+    setattr(owner, name, make(_ORIGINALS[key]))
+
+
+def uninstall() -> None:
+    """Put every original back (tests)."""
+    for (owner, name), value in _ORIGINALS.items():
+        setattr(owner, name, value)
+    _ORIGINALS.clear()
+
+
+def is_peer_failure(exc: BaseException) -> bool:
+    """A collective's error (a peer died or hung), not one of DeadPool's own decisions."""
+    return isinstance(exc, RuntimeError) and not isinstance(
+        exc, (DeadpoolRuntimeError, ConfigError)
+    )
+
+
+def wrap_init_process_group(real: Any, session: Any, restore: Callable[[Any], None]) -> Any:
+    """Generation 0's `init_process_group` through the session (then the real one again)."""
+
+    @functools.wraps(real)
+    def init_process_group(*args: Any, **kwargs: Any) -> None:
+        restore(real)  # later generations call the real one
+        if args:
+            kwargs = {**dict(zip(("backend", "init_method"), args)), **kwargs}
+        session.init_process_group(real, kwargs)
+
+    return init_process_group
+
+
+def wrap_initialize_model_parallel(real: Any, session: Any, get_args: Callable[[], Any]) -> Any:
+    @functools.wraps(real)
+    def initialize_model_parallel(*args: Any, **kwargs: Any) -> None:
+        real(*args, **kwargs)
+        session.model_parallel_ready(real, args, kwargs, get_args())
+
+    return initialize_model_parallel
+
+
+def wrap_setup_model_and_optimizer(real: Any, session: Any, get_args: Callable[[], Any]) -> Any:
+    @functools.wraps(real)
+    def setup_model_and_optimizer(*args: Any, **kwargs: Any) -> Any:
+        plan = session.newcomer
+        if plan is None:
+            return real(*args, **kwargs)
+        a = get_args()
+        out = build_without_loading(a, real, *args, **kwargs)  # the state: peers' memory
+        a.iteration = plan.target - 1
+        a.num_floating_point_operations_so_far = plan.counters[str(plan.target - 1)]["flops"]
+        return out
+
+    return setup_model_and_optimizer
+
+
+def wrap_build_data_iterators(real: Any, session: Any, get_args: Callable[[], Any]) -> Any:
+    @functools.wraps(real)
+    def build_train_valid_test_data_iterators(*args: Any, **kwargs: Any) -> Any:
+        plan = session.newcomer
+        if plan is None:
+            return real(*args, **kwargs)
+        a = get_args()
+        restore = plan.counters[str(plan.roster.restore_iteration)]
+        resume = plan.counters[str(plan.target - 1)]
+        a.iteration = plan.roster.restore_iteration
+        a.consumed_train_samples = int(restore["consumed_train"])
+        a.consumed_valid_samples = int(resume["consumed_valid"])
+        out = real(*args, **kwargs)
+        a.iteration = plan.target - 1
+        a.consumed_train_samples = int(resume["consumed_train"])
+        a.skipped_train_samples = int(resume["skipped_train"])
+        # A rank that builds no dataset takes these flags from rank 0's broadcast, which the
+        # private world cannot deliver: the survivors' values.
+        a.do_train, a.do_valid, a.do_test = plan.flags
+        return out
+
+    return build_train_valid_test_data_iterators
+
+
+def wrap_train(real: Any, session: Any) -> Any:
+    sig = inspect.signature(real)
+
+    @functools.wraps(real)
+    def train(*args: Any, **kwargs: Any) -> Any:
+        context = sig.bind(*args, **kwargs).arguments.get("checkpointing_context")
+        if context is not None:  # its cached save strategy holds the data-parallel group
+            session.extra_roots.append(context)
+        return real(*args, **kwargs)
+
+    return train
+
+
+def wrap_train_step(real: Any, session: Any) -> Any:
+    @functools.wraps(real)
+    def train_step(
+        forward_step_func,
+        data_iterator,
+        model,
+        optimizer,
+        opt_param_scheduler,
+        config,
+        forward_backward_func,
+        iteration=None,
+    ):
+        return session.train_step(
+            real,
+            forward_step_func,
+            data_iterator,
+            model,
+            optimizer,
+            opt_param_scheduler,
+            config,
+            forward_backward_func,
+            iteration,
+        )
+
+    return train_step
+
+
+def wrap_training_log(real: Any, session: Any) -> Any:
+    sig = inspect.signature(real)
+
+    @functools.wraps(real)
+    def training_log(*args: Any, **kwargs: Any) -> Any:
+        bound = sig.bind(*args, **kwargs)
+        session.before_log(bound.arguments["total_loss_dict"])
+        if session.joined_late:
+            # Megatron logs a process's first iteration unconditionally (with a world
+            # barrier); a newcomer's first iteration is not the job's.
+            bound.arguments["is_first_iteration"] = False
+        try:
+            out = real(*bound.args, **bound.kwargs)
+        except Exception as exc:
+            if not is_peer_failure(exc):
+                raise
+            session.defer(exc, "training_log")
+            return bound.arguments["report_memory_flag"]
+        session.after_log(bound.arguments["iteration"])
+        return out
+
+    return training_log
+
+
+def wrap_between_steps(
+    real: Any, session: Any, where: str, fallback: Callable[[inspect.BoundArguments], Any]
+) -> Any:
+    """`real` with a peer failure deferred to the next step (returning `fallback(args)`)."""
+    sig = inspect.signature(real)
+
+    @functools.wraps(real)
+    def guarded(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return real(*args, **kwargs)
+        except Exception as exc:
+            if not is_peer_failure(exc):
+                raise
+            session.defer(exc, where)
+            return fallback(sig.bind(*args, **kwargs))
+
+    return guarded
+
+
+def install(session: MegatronSession) -> None:
+    """Hook `session` into megatron.training (idempotent per process)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    from megatron.training import get_args
+    from megatron.training import training as tr
+
+    if session.newcomer is None:
+        _patch(
+            dist,
+            "init_process_group",
+            lambda real: wrap_init_process_group(
+                real, session, lambda r: setattr(dist, "init_process_group", r)
+            ),
+        )
+    _patch(
+        ps,
+        "initialize_model_parallel",
+        lambda real: wrap_initialize_model_parallel(real, session, get_args),
+    )
+    _patch(
+        tr,
+        "setup_model_and_optimizer",
+        lambda real: wrap_setup_model_and_optimizer(real, session, get_args),
+    )
+    _patch(
+        tr,
+        "build_train_valid_test_data_iterators",
+        lambda real: wrap_build_data_iterators(real, session, get_args),
+    )
+    _patch(tr, "train", lambda real: wrap_train(real, session))
+    _patch(tr, "train_step", lambda real: wrap_train_step(real, session))
+    _patch(tr, "training_log", lambda real: wrap_training_log(real, session))
+    _patch(
+        tr,
+        "evaluate_and_print_results",
+        lambda real: wrap_between_steps(real, session, "evaluation", lambda b: None),
+    )
+    _patch(
+        tr,
+        "post_training_step_callbacks",
+        lambda real: wrap_between_steps(
+            real,
+            session,
+            "post-step callbacks",
+            lambda b: b.arguments["num_floating_point_operations_since_last_log_event"],
+        ),
+    )
+    _patch(
+        tr,
+        "checkpoint_and_decide_exit",
+        lambda real: wrap_between_steps(real, session, "checkpoint/exit check", lambda b: False),
+    )

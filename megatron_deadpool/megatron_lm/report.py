@@ -1,0 +1,102 @@
+"""DeadPool's state where Megatron-LM users look: log lines in Megatron's format and scalars
+through Megatron's own TensorBoard / W&B writers.
+
+Megatron prints its iteration lines on the last rank and writes TensorBoard there, so
+DeadPool's lines and scalars come from the last rank too:
+
+     [2026-01-01 12:00:00.000000] deadpool | iteration        5/       8 | committed replica iteration: 4 | replica bytes per iteration: 1.1 MiB | replication time (ms): 2.1 |
+     [2026-01-01 12:00:03.000000] deadpool | recovered | generation: 1 | dead ranks: [2] | restored iteration: 4 | recomputed iterations: 0 | recovery time (s): 2.81 | release: 0.01 | agree: 0.95 | join: 1.60 | restore: 0.25 |
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any
+
+import torch.distributed as dist
+
+from ..units import human_bytes
+
+
+def megatron_line(*fields: str) -> str:
+    """' [timestamp] deadpool | a | b |' - the shape of Megatron's training_log lines."""
+    stamp = datetime.now().strftime("%Y-%m-%d %H:%M:%S.%f")
+    return f" [{stamp}] deadpool | " + " | ".join(fields) + " |"
+
+
+def is_last_rank() -> bool:
+    return dist.is_initialized() and dist.get_rank() == dist.get_world_size() - 1
+
+
+def print_last(*fields: str) -> None:
+    """Print one Megatron-style line on the last rank (where Megatron prints iterations)."""
+    if is_last_rank():
+        print(megatron_line(*fields), flush=True)
+
+
+def print_any(*fields: str) -> None:
+    print(megatron_line(*fields), flush=True)
+
+
+def replication_fields(
+    iteration: int, total: int, committed: int | None, nbytes: int, seconds: float
+) -> list[str]:
+    committed_text = str(committed) if committed is not None else "none yet"
+    return [
+        f"iteration {iteration:8d}/{total:8d}",
+        f"committed replica iteration: {committed_text}",
+        f"replica bytes per iteration: {human_bytes(nbytes)}",
+        f"replication time (ms): {seconds * 1000:.1f}",
+    ]
+
+
+def recovery_fields(record: dict[str, Any]) -> list[str]:
+    fields = [
+        "recovered",
+        f"generation: {record['generation']}",
+        f"dead ranks: {record['dead']}",
+        f"restored iteration: {record['restore_iteration']}",
+        f"recomputed iterations: {record['recomputed']}",
+        f"recovery time (s): {record['total_s']:.2f}",
+    ]
+    fields += [f"{k}: {v:.2f}" for k, v in record["phases_s"].items()]
+    return fields
+
+
+def write_scalars(iteration: int, scalars: dict[str, float]) -> None:
+    """Write `deadpool/<name>` scalars through Megatron's TensorBoard and W&B writers."""
+    from megatron.training import get_tensorboard_writer, get_wandb_writer
+
+    writer = get_tensorboard_writer()
+    wandb_writer = get_wandb_writer()
+    for name, value in scalars.items():
+        if writer:
+            writer.add_scalar(f"deadpool/{name}", value, iteration)
+    if wandb_writer:
+        wandb_writer.log({f"deadpool/{k}": v for k, v in scalars.items()}, iteration)
+
+
+def dump_log_state(total_loss_dict: dict[str, Any] | None) -> dict[str, Any] | None:
+    """Megatron's `training_log` running sums (tensors and counts) as JSON-safe data."""
+    if total_loss_dict is None:
+        return None
+    out: dict[str, Any] = {}
+    for key, value in total_loss_dict.items():
+        if hasattr(value, "tolist"):
+            out[key] = {"tensor": value.detach().cpu().tolist(), "dtype": str(value.dtype)}
+        else:
+            out[key] = value
+    return out
+
+
+def load_log_state(total_loss_dict: dict[str, Any], state: dict[str, Any]) -> None:
+    """Fill `total_loss_dict` (in place: it is Megatron's own object) from `dump_log_state`."""
+    import torch
+
+    total_loss_dict.clear()
+    for key, value in state.items():
+        if isinstance(value, dict) and "tensor" in value:
+            dtype = getattr(torch, value["dtype"].removeprefix("torch."))
+            total_loss_dict[key] = torch.tensor(value["tensor"], dtype=dtype, device="cuda")
+        else:
+            total_loss_dict[key] = value

@@ -1,0 +1,221 @@
+"""Megatron-LM integration: the `--deadpool` flags, the hooks, and the zero-edit runner.
+
+Users keep their `pretrain_gpt.py` command line and add `--deadpool ...` flags. Three ways in:
+
+- Locally (like torchrun, but nobody is restarted when a rank dies):
+      deadpool megatron-lm --nproc-per-node 4 PATH/pretrain_gpt.py <Megatron args> --deadpool ...
+- On a cluster, one process per task (RANK/WORLD_SIZE/LOCAL_RANK or SLURM_* env; the last
+  `--deadpool-spares` tasks are spares), with `deadpool coordinator` running somewhere:
+      python -m megatron_deadpool.megatron_lm PATH/pretrain_gpt.py <Megatron args> --deadpool ...
+- A patched script (`scripts/apply_patches.sh`) that calls `prepare()` before Megatron's
+  imports, `wrap_pretrain(pretrain)`, and passes `extra_args_provider(...)` itself; it behaves
+  exactly as the runner does.
+
+The runner runs the unmodified script with `runpy`, with `megatron.training.pretrain` replaced
+by `wrap_pretrain(pretrain)`, which adds the flags to Megatron's parser (chained with the
+script's own `extra_args_provider`), supplies the CPU settings on a machine without a GPU, and
+with `--deadpool` starts a `MegatronSession` and installs the training hooks
+(`megatron_lm_hooks`). Without `--deadpool` nothing but the flags, the CPU mode and the resume
+from a snapshot set (below) is added.
+
+Out of redundancy (no spare left, or a shard with no surviving copy) every survivor exits with
+code 3 after writing DeadPool's snapshot set of one common iteration under `--save`
+(`megatron_lm_recovery`); the message names the dead ranks and any shard that was lost. When
+the set is complete, launching the same command with `--load` resumes from it and, with
+`--save`, writes it as a Megatron checkpoint through Megatron's own `save_checkpoint`
+(`megatron_lm_resume` says why that cannot happen before the exit).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import inspect
+import logging
+import os
+import runpy
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from ..config.deadpool import DeadpoolConfig
+from ..config.flags import add_flags, from_namespace
+from ..errors import ConfigError, OutOfRedundancyError
+
+log = logging.getLogger("megatron_deadpool.megatron_lm")
+
+USAGE = (
+    "usage: python -m megatron_deadpool.megatron_lm SCRIPT [Megatron-LM args] [--deadpool ...]\n"
+    "Runs a Megatron-LM training script (e.g. pretrain_gpt.py) unmodified, with DeadPool's\n"
+    "--deadpool-* flags and hooks. One process per task; see `deadpool megatron-lm` for a\n"
+    "local launcher."
+)
+
+
+def add_deadpool_flags(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Every `--deadpool-*` flag (generated from `DeadpoolConfig`) on `parser`."""
+    group = parser.add_argument_group(
+        "DeadPool", "in-memory replication of optimizer shards and hot swap with spares"
+    )
+    add_flags(group, DeadpoolConfig, prefix="deadpool")
+    return parser
+
+
+def extra_args_provider(
+    user_provider: Callable[[argparse.ArgumentParser], Any] | None = None,
+) -> Callable[[argparse.ArgumentParser], argparse.ArgumentParser]:
+    """An `extra_args_provider` for `pretrain()`: the script's own one, then DeadPool's flags."""
+    if getattr(user_provider, "_deadpool", False):
+        return user_provider  # type: ignore[return-value]
+
+    def provider(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        if user_provider is not None:
+            parser = user_provider(parser) or parser
+        return add_deadpool_flags(parser)
+
+    provider._deadpool = True  # type: ignore[attr-defined]
+    return provider
+
+
+def preparse(argv: Sequence[str]) -> DeadpoolConfig:
+    """The `--deadpool-*` flags of a Megatron command line (everything else is ignored)."""
+    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    add_flags(parser, DeadpoolConfig, prefix="deadpool")
+    known, _ = parser.parse_known_args(list(argv))
+    return from_namespace(DeadpoolConfig, known, prefix="deadpool")
+
+
+def wrap_pretrain(pretrain: Callable[..., Any]) -> Callable[..., Any]:
+    """`pretrain` with DeadPool: flags chained into its `extra_args_provider`, CPU mode when
+    there is no GPU, and with `--deadpool` replication and hot swap (idempotent)."""
+    if getattr(pretrain, "_deadpool", False):
+        return pretrain
+    signature = inspect.signature(pretrain)
+
+    @functools.wraps(pretrain)
+    def pretrain_with_deadpool(*args: Any, **kwargs: Any) -> Any:
+        bound = signature.bind(*args, **kwargs)
+        bound.arguments["extra_args_provider"] = extra_args_provider(
+            bound.arguments.get("extra_args_provider")
+        )
+        try:
+            return _pretrain(pretrain, bound)
+        except ConfigError as exc:
+            print(f"deadpool: error: {exc}", file=sys.stderr, flush=True)
+            raise SystemExit(2) from None
+        except OutOfRedundancyError as exc:
+            print(f"deadpool: {exc}", file=sys.stderr, flush=True)
+            raise SystemExit(3) from None
+
+    pretrain_with_deadpool._deadpool = True  # type: ignore[attr-defined]
+    return pretrain_with_deadpool
+
+
+def _pretrain(pretrain: Callable[..., Any], bound: inspect.BoundArguments) -> Any:
+    from . import cpu as megatron_lm_cpu
+
+    cfg = preparse(sys.argv[1:])
+    if megatron_lm_cpu.needs_cpu():
+        megatron_lm_cpu.activate()
+        sys.argv = [sys.argv[0], *megatron_lm_cpu.with_cpu_flags(sys.argv[1:])]
+    from . import resume as megatron_lm_resume
+
+    # --load from a snapshot set saved out of redundancy
+    megatron_lm_resume.install(sys.modules.get(pretrain.__module__))
+    if not cfg.enabled:
+        return pretrain(*bound.args, **bound.kwargs)
+    from ..logs import setup_logging
+    from . import hooks as megatron_lm_hooks
+    from .session import MegatronSession, task_from_env
+
+    setup_logging()
+    token = cfg.job_token or os.environ.get("DEADPOOL_JOB_TOKEN", "")
+    session = MegatronSession(cfg, task_from_env(), token)
+    if not session.begin():
+        return None  # a spare the job never needed
+    megatron_lm_hooks.install(session)
+    out = pretrain(*bound.args, **bound.kwargs)
+    session.finish()
+    return out
+
+
+def prepare() -> None:
+    """Call before Megatron's modules are imported: on a machine without a GPU, install the
+    CPU development mode (Megatron-LM's imports and `initialize_megatron` expect CUDA)."""
+    from . import cpu as megatron_lm_cpu
+
+    if megatron_lm_cpu.needs_cpu():
+        megatron_lm_cpu.activate()
+
+
+def install() -> None:
+    """Replace `megatron.training.pretrain` by `wrap_pretrain(pretrain)` (the runner does this
+    before the script imports it)."""
+    import megatron.training as mt
+    from megatron.training import training as tr
+
+    wrapped = wrap_pretrain(tr.pretrain)
+    tr.pretrain = wrapped
+    mt.pretrain = wrapped
+
+
+def run_script(script: str, script_args: Sequence[str]) -> None:
+    """Run a Megatron-LM training script as `python SCRIPT ARGS` would, with DeadPool hooked
+    in. The script's folder comes first on the import path, so `megatron` is that tree's."""
+    path = os.path.abspath(script)
+    sys.path.insert(0, os.path.dirname(path))
+    sys.argv = [path, *script_args]
+    os.environ["DEADPOOL_MAIN_SCRIPT"] = path  # for spawned children (`_spawned_child`)
+    prepare()
+    install()
+    _spawn_through_runner()
+    runpy.run_path(path, run_name="__main__")
+
+
+def _spawn_through_runner() -> None:
+    """Children started with multiprocessing's *spawn* method re-import the parent's main
+    script first (Megatron's checkpoint writer starts a `Manager` that way). The runner's main
+    script is the user's unprepared one, so such children import this module instead: it
+    prepares the CPU mode, then runs the script's top level as spawn would have."""
+    from multiprocessing import spawn
+
+    if getattr(spawn.get_preparation_data, "_deadpool", False):
+        return
+    real = spawn.get_preparation_data
+
+    def get_preparation_data(name: str) -> dict[str, Any]:
+        data = real(name)
+        if data.pop("init_main_from_path", None) is not None:
+            data["init_main_from_name"] = "megatron_deadpool.megatron_lm.runner"
+        return data
+
+    get_preparation_data._deadpool = True  # type: ignore[attr-defined]
+    spawn.get_preparation_data = get_preparation_data
+
+
+def _spawned_child() -> None:
+    """This module as a spawned child's `__mp_main__`: prepare, then the script's top level."""
+    prepare()
+    namespace = runpy.run_path(os.environ["DEADPOOL_MAIN_SCRIPT"], run_name="__mp_main__")
+    globals().update({k: v for k, v in namespace.items() if not k.startswith("__")})
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(USAGE)
+        return 0 if argv else 2
+    script, script_args = argv[0], argv[1:]
+    if not os.path.isfile(script):
+        print(f"deadpool: error: script {script!r} does not exist", file=sys.stderr)
+        return 2
+    try:
+        run_script(script, script_args)
+    except ConfigError as exc:
+        print(f"deadpool: error: {exc}", file=sys.stderr, flush=True)
+        return 2
+    return 0
+
+
+if __name__ == "__mp_main__":
+    _spawned_child()

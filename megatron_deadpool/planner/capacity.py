@@ -1,0 +1,544 @@
+"""Capacity planner: memory, replication traffic, recovery time and failure coverage of a job.
+
+`plan(model, layout, ...)` is a pure function from a model, a Megatron layout and a cluster
+description to a `PlanReport`, which `PlanReport.to_dict` turns into JSON. The text
+rendering and the command line (`deadpool plan`) are in `plan_cli.py`.
+
+Memory accounting per GPU (Megatron-LM, bf16 training, distributed optimizer), with P the
+parameters one rank holds (its pipeline stage's share for its TP rank, `paramcount`), laid
+out in Megatron's buffer with its alignment padding (P' = `buffer_numel`, < 0.01% more than P
+for the paper's models):
+
+- weights: bf16, 2 B x P';
+- main gradients: fp32 grad buffer (Megatron-LM accumulates bf16 grads in fp32), 4 B x P';
+- optimizer shard: fp32 main params + Adam exp_avg + exp_avg_sq = 12 B per parameter, split
+  over the dp data-parallel ranks: 12 x P' / dp;
+- activations: an estimate after Korthikanti et al. (sequence parallel when tp > 1), per layer
+  and micro-batch 34 s b h / tp bytes with selective recompute, 2 s b h / tp with full
+  recompute, s b h (34 + 5 a s / h) / tp with none; the first stage of a 1F1B pipeline keeps
+  min(pp, microbatches) micro-batches of its num_layers / pp layers alive;
+- DeadPool: a local snapshot = the optimizer shard (plus < 1 MiB of per-rank state: RNG,
+  LR scheduler, data position, not counted), and replicas held = k x shard, allocated
+  double-buffered (2 k x shard: the last committed copy stays intact while the next arrives).
+
+Time model: an iteration computes 6 x params x tokens FLOPs (8 with full recompute) at
+`mfu` of the GPUs' peak; the replication of k shards per GPU runs over the GPU's share of its
+node's NICs; the data-parallel gradient reduce-scatter (fp32) and parameter all-gather (bf16)
+are counted as inter-node traffic too (an upper bound). Recovery phases: detect (crash: one
+heartbeat interval; hang: the heartbeat timeout), agree (store round trips), reconstruct
+(a new world and Megatron's groups, growing with log2 of the world size), restore (a
+newcomer's bf16 weights from a data-parallel peer and its shard from a holder, over the
+network), first iteration (the recomputed iteration plus communicator warm-up). The constants
+are in `RecoveryModel`: estimates to be calibrated with `deadpool bench recovery`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from ..config.cluster import GB, GIB, ClusterConfig
+from ..config.deadpool import DeadpoolConfig
+from ..config.job import JobConfig, ModelConfig, ParallelConfig, TrainConfig
+from ..errors import ConfigError
+from ..replication.placement import Layout, place_replicas
+from .coverage import NodeCoverage, node_coverage
+from .paramcount import count_params
+
+WEIGHT_BYTES = 2
+GRAD_BYTES = 4
+OPTIMIZER_BYTES = 12
+Recompute = Literal["none", "selective", "full"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Workload:
+    """The training schedule the time and activation figures assume."""
+
+    global_batch_size: int
+    """Sequences per iteration (all data-parallel ranks together)."""
+
+    micro_batch_size: int = 1
+    """Sequences per micro-batch."""
+
+    mfu: float = 0.4
+    """Model FLOPs utilisation: achieved share of the GPUs' peak."""
+
+    recompute: Recompute = "selective"
+    """Activation recomputation: none, selective (attention core) or full (every layer)."""
+
+    def __post_init__(self) -> None:
+        for name in ("global_batch_size", "micro_batch_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"{name.replace('_', '-')}: must be a positive integer")
+        if not 0 < self.mfu <= 1:
+            raise ConfigError(f"mfu: must be in (0, 1], got {self.mfu}")
+        if self.recompute not in ("none", "selective", "full"):
+            raise ConfigError(f"recompute: {self.recompute!r} is not none, selective or full")
+
+
+@dataclass(frozen=True, kw_only=True)
+class RecoveryModel:
+    """Constants of the recovery-time estimate (not measured: calibrate them on a cluster)."""
+
+    agree_s: float = 1.0
+    """Survivors register and fix the dead set and restore iteration in the store."""
+
+    reconstruct_base_s: float = 2.0
+    """Abort old groups, new default group, Megatron's groups: fixed part."""
+
+    reconstruct_per_doubling_s: float = 1.0
+    """Reconstruction time added per doubling of the world size (communicator set-up)."""
+
+    network_efficiency: float = 0.8
+    """Share of the NIC bandwidth a bulk transfer achieves."""
+
+    first_iteration_overhead_s: float = 2.0
+    """Extra time of the first iteration after a swap (lazy communicator connections)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class PerGpu:
+    """Memory of one GPU of the largest pipeline stage, in bytes."""
+
+    params: int
+    """Parameters this GPU holds."""
+
+    buffer_elements: int
+    """Elements of its param/grad buffer: the parameters with Megatron's alignment padding."""
+
+    stage: str
+    """Which pipeline stage these figures are for (the one with the most parameters)."""
+
+    weights_bytes: int
+    """bf16 model weights."""
+
+    grads_bytes: int
+    """fp32 main-gradient buffer."""
+
+    optimizer_shard_bytes: int
+    """This rank's distributed-optimizer shard: fp32 main params, exp_avg, exp_avg_sq."""
+
+    activation_bytes: int
+    """Activation memory estimate."""
+
+    training_bytes: int
+    """Weights + gradients + optimizer shard + activations: training without DeadPool."""
+
+    snapshot_bytes: int
+    """DeadPool's local snapshot of the shard."""
+
+    replica_bytes: int
+    """Replicas this GPU holds for its peers (k x shard)."""
+
+    replica_buffer_bytes: int
+    """Memory the replicas take, double-buffered (2 k x shard)."""
+
+    deadpool_bytes: int
+    """Snapshot + replica buffers: what DeadPool adds."""
+
+    total_bytes: int
+    """Training + DeadPool with snapshot and replicas in GPU memory."""
+
+    usable_gpu_bytes: int
+    """GPU memory after the cluster's reserve."""
+
+    fits_gpu: bool
+    """Training and DeadPool fit in GPU memory together."""
+
+    host_deadpool_bytes_per_node: int
+    """Snapshots and replicas of a whole node, when kept in host memory instead."""
+
+    usable_host_bytes: int
+    """Host memory of one node after the cluster's reserve."""
+
+    fits_host: bool
+    """Snapshots and replicas of a node fit in its host memory."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class PerIteration:
+    """Work and traffic of one training iteration."""
+
+    tokens: int
+    """Tokens per iteration (global batch x sequence length)."""
+
+    compute_s: float
+    """Compute time of an iteration at the given MFU."""
+
+    replication_bytes: int
+    """Bytes each GPU sends to its k holders (on other nodes)."""
+
+    cluster_replication_bytes: int
+    """Replication bytes of all GPUs together."""
+
+    replication_s: float
+    """Time to send them over the GPU's share of its node's NICs."""
+
+    dp_comm_bytes: int
+    """Data-parallel gradient reduce-scatter + parameter all-gather bytes per GPU."""
+
+    dp_comm_s: float
+    """Their time at the same bandwidth (upper bound: all counted as inter-node)."""
+
+    snapshot_copy_s: float
+    """Device-to-host copy of the snapshot per iteration, when kept in host memory."""
+
+    overlap_headroom: float
+    """compute_s / replication_s: how many times over the iteration hides the replication."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class RecoveryPhases:
+    """Estimated seconds of each recovery phase."""
+
+    detect_s: float
+    """Until the failure is published."""
+
+    agree_s: float
+    """Survivors agree on the dead set and the restore iteration."""
+
+    reconstruct_s: float
+    """New world and Megatron groups with spares in the dead slots."""
+
+    restore_s: float
+    """Newcomers receive weights and shards; survivors roll back."""
+
+    first_iteration_s: float
+    """The recomputed iteration plus warm-up."""
+
+    @property
+    def resume_s(self) -> float:
+        """From the failure until training runs again (all phases but the first iteration)."""
+        return self.detect_s + self.agree_s + self.reconstruct_s + self.restore_s
+
+    @property
+    def total_s(self) -> float:
+        """From the failure until the first iteration after it has completed."""
+        return self.resume_s + self.first_iteration_s
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlanReport:
+    """Everything `deadpool plan` reports about one configuration."""
+
+    model: ModelConfig
+    """The model planned for."""
+
+    layout: Layout
+    """The rank layout and failure domains."""
+
+    cluster: ClusterConfig
+    """The cluster's figures used."""
+
+    workload: Workload
+    """The schedule assumed."""
+
+    replicas: int
+    """k: replicas per shard."""
+
+    spares: int
+    """Spare ranks."""
+
+    params: int
+    """Distinct model parameters."""
+
+    per_gpu: PerGpu
+    """Per-GPU memory."""
+
+    per_iteration: PerIteration
+    """Per-iteration work and traffic."""
+
+    recovery: RecoveryPhases
+    """Recovery after a crash (processes or node die)."""
+
+    recovery_hang: RecoveryPhases
+    """Recovery after a hang (found by the heartbeat timeout)."""
+
+    coverage: NodeCoverage
+    """Node failures the placement survives."""
+
+    warnings: list[str] = field(default_factory=list)
+    """Problems found: memory that does not fit, replication that cannot hide, too few spares."""
+
+    @property
+    def nodes(self) -> int:
+        """Active nodes."""
+        return self.layout.world_size // self.layout.ranks_per_node
+
+    @property
+    def spare_nodes(self) -> float:
+        """Spare ranks in nodes."""
+        return self.spares / self.layout.ranks_per_node
+
+    @property
+    def survives_any_node(self) -> bool:
+        """Any one node can die: the state survives and the spares can replace it."""
+        return self.coverage.single_node and self.spares >= self.layout.ranks_per_node
+
+    @property
+    def survives_any_two_nodes(self) -> bool:
+        """Any two nodes can die at once: the state survives and spares replace both."""
+        return self.coverage.any_two_nodes and self.spares >= 2 * self.layout.ranks_per_node
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data for JSON."""
+        lay = self.layout
+        return {
+            "params": self.params,
+            "model": dataclasses.asdict(self.model),
+            "layout": {
+                "tp": lay.tp,
+                "pp": lay.pp,
+                "dp": lay.dp,
+                "world_size": lay.world_size,
+                "gpus_per_node": lay.ranks_per_node,
+                "nodes": self.nodes,
+                "replicas": self.replicas,
+                "spares": self.spares,
+                "spare_nodes": self.spare_nodes,
+            },
+            "cluster": dataclasses.asdict(self.cluster),
+            "workload": dataclasses.asdict(self.workload),
+            "per_gpu": dataclasses.asdict(self.per_gpu),
+            "per_iteration": dataclasses.asdict(self.per_iteration),
+            "recovery_estimate_s": self.recovery.total_s,
+            "recovery": {
+                "crash": _phases(self.recovery),
+                "hang": _phases(self.recovery_hang),
+            },
+            "failures": {
+                **dataclasses.asdict(self.coverage),
+                "any_two_nodes_state": self.coverage.any_two_nodes,
+                "survives_any_node": self.survives_any_node,
+                "survives_any_two_nodes": self.survives_any_two_nodes,
+            },
+            "warnings": list(self.warnings),
+        }
+
+
+def _phases(phases: RecoveryPhases) -> dict[str, float]:
+    return {**dataclasses.asdict(phases), "resume_s": phases.resume_s, "total_s": phases.total_s}
+
+
+def activation_bytes(
+    model: ModelConfig, layout: Layout, workload: Workload, microbatches: int
+) -> int:
+    """Activation memory of the first pipeline stage (see the module docstring)."""
+    s, b, h = model.seq_length, workload.micro_batch_size, model.hidden_size
+    if workload.recompute == "full":
+        per_layer = 2 * s * b * h
+    elif workload.recompute == "selective":
+        per_layer = 34 * s * b * h
+    else:
+        per_layer = s * b * h * 34 + 5 * model.num_attention_heads * s * s * b
+    in_flight = min(layout.pp, microbatches)
+    return per_layer * (model.num_layers // layout.pp) * in_flight // layout.tp
+
+
+def plan(
+    model: ModelConfig,
+    layout: Layout,
+    *,
+    replicas: int,
+    spares: int,
+    cluster: ClusterConfig,
+    workload: Workload,
+    deadpool: DeadpoolConfig | None = None,
+    constants: RecoveryModel = RecoveryModel(),
+) -> PlanReport:
+    """Plan `model` on `layout` with k = `replicas` and `spares` spare ranks on `cluster`.
+
+    Raises `ConfigError` (or its `PlacementError`) for layouts the model or DeadPool cannot
+    use: sizes that do not divide, a batch too small for the pipeline, replicas that cannot
+    leave their owner's node.
+    """
+    deadpool = deadpool or DeadpoolConfig(enabled=True)
+    if cluster.gpus_per_node != layout.ranks_per_node:
+        raise ConfigError(
+            f"gpus-per-node ({layout.ranks_per_node}) differs from cluster "
+            f"{cluster.site}'s gpus_per_node ({cluster.gpus_per_node})"
+        )
+    if isinstance(spares, bool) or not isinstance(spares, int) or spares < 0:
+        raise ConfigError(f"spares: must be an integer >= 0, got {spares!r}")
+    per_step = workload.micro_batch_size * layout.dp
+    if workload.global_batch_size % per_step:
+        raise ConfigError(
+            f"global-batch-size ({workload.global_batch_size}) must be a multiple of "
+            f"micro-batch-size x dp = {per_step}"
+        )
+    microbatches = workload.global_batch_size // per_step
+    JobConfig(  # the job schema's own checks: divisibility by tp/pp, microbatches >= pp
+        model=model,
+        parallel=ParallelConfig(tp=layout.tp, pp=layout.pp, dp=layout.dp),
+        train=TrainConfig(
+            micro_batch_size=workload.micro_batch_size, num_microbatches=microbatches
+        ),
+        deadpool=deadpool,
+    )
+    placement = place_replicas(layout, replicas)
+    counts = count_params(model, tp=layout.tp, pp=layout.pp)
+    k = replicas
+    p_gpu = counts.per_gpu
+    numel = counts.buffer_numel(counts.max_stage, layout.dp)
+    shard = OPTIMIZER_BYTES * numel // layout.dp
+
+    weights, grads = WEIGHT_BYTES * numel, GRAD_BYTES * numel
+    acts = activation_bytes(model, layout, workload, microbatches)
+    training = weights + grads + shard + acts
+    extra = shard + 2 * k * shard
+    host_node = layout.ranks_per_node * extra
+    per_gpu = PerGpu(
+        params=p_gpu,
+        buffer_elements=numel,
+        stage=_stage_name(counts.max_stage, layout.pp),
+        weights_bytes=weights,
+        grads_bytes=grads,
+        optimizer_shard_bytes=shard,
+        activation_bytes=acts,
+        training_bytes=training,
+        snapshot_bytes=shard,
+        replica_bytes=k * shard,
+        replica_buffer_bytes=2 * k * shard,
+        deadpool_bytes=extra,
+        total_bytes=training + extra,
+        usable_gpu_bytes=cluster.usable_gpu_bytes,
+        fits_gpu=training + extra <= cluster.usable_gpu_bytes,
+        host_deadpool_bytes_per_node=host_node,
+        usable_host_bytes=cluster.usable_host_bytes,
+        fits_host=host_node <= cluster.usable_host_bytes,
+    )
+
+    net = cluster.inter_node_gb_s_per_gpu * GB * constants.network_efficiency
+    tokens = workload.global_batch_size * model.seq_length
+    flops = (8 if workload.recompute == "full" else 6) * counts.total * tokens
+    compute_s = flops / (layout.world_size * cluster.gpu_tflops * 1e12 * workload.mfu)
+    dp_bytes = (GRAD_BYTES + WEIGHT_BYTES) * p_gpu * (layout.dp - 1) // layout.dp
+    replication_s = k * shard / net
+    per_iteration = PerIteration(
+        tokens=tokens,
+        compute_s=compute_s,
+        replication_bytes=k * shard,
+        cluster_replication_bytes=k * shard * layout.world_size,
+        replication_s=replication_s,
+        dp_comm_bytes=dp_bytes,
+        dp_comm_s=dp_bytes / net,
+        snapshot_copy_s=shard / (cluster.host_device_gb_s * GB),
+        overlap_headroom=compute_s / replication_s if replication_s else math.inf,
+    )
+
+    reconstruct = constants.reconstruct_base_s + constants.reconstruct_per_doubling_s * math.log2(
+        layout.world_size + spares
+    )
+    restore = (weights + shard) / net
+    if not per_gpu.fits_gpu:  # snapshots in host memory: survivors copy theirs back
+        restore = max(restore, per_iteration.snapshot_copy_s)
+    first = compute_s + constants.first_iteration_overhead_s
+    crash = RecoveryPhases(
+        detect_s=deadpool.heartbeat_interval,
+        agree_s=constants.agree_s,
+        reconstruct_s=reconstruct,
+        restore_s=restore,
+        first_iteration_s=first,
+    )
+    hang = dataclasses.replace(crash, detect_s=deadpool.heartbeat_timeout)
+    report = PlanReport(
+        model=model,
+        layout=layout,
+        cluster=cluster,
+        workload=workload,
+        replicas=k,
+        spares=spares,
+        params=counts.total,
+        per_gpu=per_gpu,
+        per_iteration=per_iteration,
+        recovery=crash,
+        recovery_hang=hang,
+        coverage=node_coverage(placement),
+    )
+    report.warnings.extend(_warnings(report))
+    return report
+
+
+def _stage_name(stage: int, pp: int) -> str:
+    if pp == 1:
+        return "no pipeline parallelism"
+    if stage == 0:
+        return f"first of {pp} pipeline stages, with the embedding"
+    if stage == pp - 1:
+        return f"last of {pp} pipeline stages, with the output layer"
+    return f"pipeline stage {stage} of {pp}"
+
+
+def _warnings(report: PlanReport) -> list[str]:
+    g, it, lay = report.per_gpu, report.per_iteration, report.layout
+    out: list[str] = []
+    usable = _gib(g.usable_gpu_bytes)
+    if g.training_bytes > g.usable_gpu_bytes:
+        out.append(
+            f"training alone needs {_gib(g.training_bytes)} per GPU, more than the "
+            f"{usable} usable: raise tp or pp, or use --recompute full"
+        )
+    elif not g.fits_gpu and g.fits_host:
+        out.append(
+            f"snapshot + replicas ({_gib(g.deadpool_bytes)}) do not fit in GPU memory next to "
+            f"training ({_gib(g.training_bytes)} of {usable}); run with "
+            f"--deadpool-replica-device cpu: a node's {_gib(g.host_deadpool_bytes_per_node)} "
+            f"fit in its {_gib(g.usable_host_bytes)} of usable host memory"
+        )
+    elif not g.fits_gpu:
+        out.append(
+            f"snapshot + replicas fit neither in GPU memory ({_gib(g.deadpool_bytes)} next to "
+            f"{_gib(g.training_bytes)} of {usable}) nor in host memory "
+            f"({_gib(g.host_deadpool_bytes_per_node)} per node of "
+            f"{_gib(g.usable_host_bytes)}): lower --replicas or raise dp"
+        )
+    if it.dp_comm_s > it.compute_s:
+        out.append(
+            f"data-parallel traffic alone ({format_seconds(it.dp_comm_s)}, upper bound) exceeds "
+            f"the iteration's compute ({format_seconds(it.compute_s)}): the job is "
+            "communication-bound with or without DeadPool, whose replication adds "
+            f"{format_seconds(it.replication_s)}; raise the batch per GPU"
+        )
+    elif it.replication_s + it.dp_comm_s > it.compute_s:
+        out.append(
+            f"replication ({format_seconds(it.replication_s)}) plus data-parallel traffic "
+            f"({format_seconds(it.dp_comm_s)}) exceed the iteration's compute "
+            f"({format_seconds(it.compute_s)}): replication cannot hide behind compute; raise "
+            "the batch or lower --replicas"
+        )
+    if not g.fits_gpu and it.snapshot_copy_s > it.compute_s:
+        out.append(
+            "copying the snapshot to host memory takes "
+            f"{format_seconds(it.snapshot_copy_s)}, longer than an iteration "
+            f"({format_seconds(it.compute_s)})"
+        )
+    if report.spares < lay.ranks_per_node:
+        out.append(
+            f"{report.spares} spare rank(s) cannot replace a whole node of "
+            f"{lay.ranks_per_node}: use --spares {lay.ranks_per_node} (one spare node) or more"
+        )
+    elif report.spares % lay.ranks_per_node:
+        out.append(
+            f"spares ({report.spares}) is not a whole number of nodes of {lay.ranks_per_node}"
+        )
+    if lay.tp > lay.ranks_per_node:
+        out.append(
+            f"tp ({lay.tp}) exceeds GPUs per node ({lay.ranks_per_node}): tensor-parallel "
+            "traffic crosses nodes"
+        )
+    return out
+
+
+def _gib(n: float) -> str:
+    return f"{n / GIB:.2f} GiB"
+
+
+def format_seconds(t: float) -> str:
+    """Seconds, or milli-/microseconds for short times."""
+    if t >= 0.01:
+        return f"{t:.2f} s"
+    return f"{t * 1e3:.2f} ms" if t >= 1e-5 else f"{t * 1e6:.2f} us"

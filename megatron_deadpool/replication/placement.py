@@ -1,0 +1,212 @@
+"""Pure planning over rank lists: Megatron's rank layout, failure domains, replica placement.
+
+Nothing here communicates, and nothing imports torch or Megatron. The layout is
+Megatron-Core's own (its `RankGenerator`'s default order tp-cp-ep-dp-pp, computed by
+`rank_groups`), so a rank's data-parallel peers here are exactly the ranks `parallel_state`
+puts in its data-parallel group. A replica of rank r's optimizer shard is
+held by a peer with the same (tp, pp) position - a data-parallel peer, which owns the same
+parameters' shards' neighbours and so has the same shapes - in another failure domain.
+
+Placement is a set of k permutations of each data-parallel group, so every rank holds exactly
+k replicas (balanced) and no owner-holder pair shares a failure domain. Rings with a fixed
+shift are tried first (O(n) each); layouts where no shift works fall back to bipartite
+matching. A layout that cannot be placed raises `PlacementError` saying what to change.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from functools import cached_property
+
+from ..errors import PlacementError
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Megatron's rank layout for tp x pp x dp and its failure domains."""
+
+    tp: int
+    pp: int
+    dp: int
+    ranks_per_node: int
+
+    def __post_init__(self) -> None:
+        if self.world_size % self.ranks_per_node:
+            raise PlacementError(
+                f"ranks-per-node ({self.ranks_per_node}) must divide the world size "
+                f"tp*pp*dp = {self.world_size}"
+            )
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.pp * self.dp
+
+    def domain(self, rank: int) -> int:
+        """The failure domain (node index) of `rank`."""
+        return rank // self.ranks_per_node
+
+    def domain_ranks(self, node: int) -> list[int]:
+        """The ranks of failure domain `node`."""
+        return list(range(node * self.ranks_per_node, (node + 1) * self.ranks_per_node))
+
+    def groups(self, token: str) -> list[list[int]]:
+        """Megatron's rank groups for `token` ('tp', 'pp', 'dp', 'tp-pp', ...), in Megatron's
+        order (`parallel_state.RankGenerator.get_ranks` with context and expert size 1)."""
+        return rank_groups(self.sizes, token.split("-"))
+
+    @property
+    def sizes(self) -> dict[str, int]:
+        """Each parallel dimension's size, in Megatron's default order (fastest first)."""
+        return {"tp": self.tp, "cp": 1, "ep": 1, "dp": self.dp, "pp": self.pp}
+
+    @cached_property
+    def dp_groups(self) -> list[list[int]]:
+        return self.groups("dp")
+
+    @cached_property
+    def dp_group_of(self) -> dict[int, list[int]]:
+        """Each rank's data-parallel group (ranks in dp-rank order)."""
+        return {r: g for g in self.dp_groups for r in g}
+
+
+def rank_groups(sizes: dict[str, int], varying: Sequence[str]) -> list[list[int]]:
+    """The groups of ranks that differ only in the `varying` dimensions.
+
+    `sizes` lists every dimension, fastest-varying first (a rank is the mixed-radix number of
+    its coordinates). Groups are ordered by their fixed coordinates and the ranks in a group by
+    their varying ones, the first dimension fastest in both - as Megatron enumerates them.
+    """
+    unknown = set(varying) - set(sizes)
+    if unknown:
+        raise ValueError(f"unknown parallel dimension(s) {sorted(unknown)}")
+    stride, strides = 1, {}
+    for name, size in sizes.items():
+        strides[name] = stride
+        stride *= size
+
+    def offsets(names: list[str]) -> list[int]:
+        out = [0]
+        for name in names:  # the first name varies fastest
+            out = [o + i * strides[name] for i in range(sizes[name]) for o in out]
+        return out
+
+    inside = offsets([d for d in sizes if d in varying])
+    return [[base + o for o in inside] for base in offsets([d for d in sizes if d not in varying])]
+
+
+@dataclass(frozen=True)
+class Placement:
+    """holders[r] = the k ranks holding rank r's replicas (in preference order)."""
+
+    layout: Layout
+    replicas: int
+    holders: tuple[tuple[int, ...], ...]
+
+    @cached_property
+    def held_by(self) -> tuple[tuple[int, ...], ...]:
+        """held_by[h] = the owners whose replicas rank h holds."""
+        out: list[list[int]] = [[] for _ in range(self.layout.world_size)]
+        for owner, hs in enumerate(self.holders):
+            for h in hs:
+                out[h].append(owner)
+        return tuple(tuple(sorted(x)) for x in out)
+
+    def lost_owners(self, dead: Iterable[int]) -> list[int]:
+        """Dead owners none of whose holders survives: their shard is gone from memory."""
+        dead_set = set(dead)
+        return [r for r in sorted(dead_set) if all(h in dead_set for h in self.holders[r])]
+
+    def survivable(self, dead: Iterable[int]) -> bool:
+        """True when every dead rank's shard survives in some holder's memory."""
+        return not self.lost_owners(dead)
+
+
+def place_replicas(layout: Layout, replicas: int) -> Placement:
+    """Place `replicas` copies of every rank's shard; raise `PlacementError` when impossible."""
+    if replicas < 1:
+        raise PlacementError("deadpool-replicas: must be >= 1")
+    if layout.dp == 1:
+        raise PlacementError(
+            "cannot place replicas: data-parallel size is 1, so no rank shares a (tp, pp) "
+            "position with another; run with dp >= 2 (e.g. halve tp or pp)"
+        )
+    holders: list[tuple[int, ...]] = [()] * layout.world_size
+    for group in layout.dp_groups:
+        for owner, hs in _place_group(group, layout, replicas).items():
+            holders[owner] = hs
+    return Placement(layout=layout, replicas=replicas, holders=tuple(holders))
+
+
+def _place_group(group: Sequence[int], layout: Layout, k: int) -> dict[int, tuple[int, ...]]:
+    n = len(group)
+    domains = [layout.domain(r) for r in group]
+    distinct = len(set(domains))
+    if distinct == 1:
+        raise PlacementError(
+            f"cannot place replicas: the data-parallel group {_short(group)} lies entirely in "
+            f"failure domain {domains[0]} (ranks-per-node={layout.ranks_per_node} >= "
+            f"tp*dp={layout.tp * layout.dp}); lower ranks-per-node or raise dp so that "
+            "data-parallel peers span nodes"
+        )
+    # Each holder must be in another domain than its owner: an owner in a domain of size m
+    # has n - m candidates, so k <= n - max_m is necessary.
+    largest = max(Counter(domains).values())
+    if k > n - largest:
+        raise PlacementError(
+            f"cannot place {k} replicas: data-parallel group {_short(group)} spans {distinct} "
+            f"failure domains with up to {largest} of its {n} ranks in one, so at most "
+            f"{n - largest} replica(s) fit outside an owner's domain; lower deadpool-replicas "
+            "to that or spread data-parallel peers over more nodes"
+        )
+    perms: list[list[int]] = []
+    used: set[tuple[int, int]] = set()
+    for shift in range(1, n):
+        if len(perms) == k:
+            break
+        if all(domains[i] != domains[(i + shift) % n] for i in range(n)):
+            perm = [(i + shift) % n for i in range(n)]
+            perms.append(perm)
+            used.update((i, perm[i]) for i in range(n))
+    while len(perms) < k:
+        perm = _matching(domains, used)
+        if perm is None:
+            raise PlacementError(
+                f"cannot place {k} replicas in data-parallel group {_short(group)} with each "
+                f"rank holding exactly {k}; lower deadpool-replicas to {len(perms)}"
+            )
+        perms.append(perm)
+        used.update((i, perm[i]) for i in range(n))
+    return {group[i]: tuple(group[p[i]] for p in perms) for i in range(n)}
+
+
+def _matching(domains: list[int], used: set[tuple[int, int]]) -> list[int] | None:
+    """A perfect matching owner->holder avoiding same-domain and already used pairs."""
+    n = len(domains)
+    match_of_holder: list[int] = [-1] * n
+
+    def allowed(i: int, j: int) -> bool:
+        return domains[i] != domains[j] and (i, j) not in used
+
+    def augment(i: int, seen: list[bool]) -> bool:
+        for j in range(n):
+            if allowed(i, j) and not seen[j]:
+                seen[j] = True
+                if match_of_holder[j] < 0 or augment(match_of_holder[j], seen):
+                    match_of_holder[j] = i
+                    return True
+        return False
+
+    for i in range(n):
+        if not augment(i, [False] * n):
+            return None
+    perm = [0] * n
+    for j, i in enumerate(match_of_holder):
+        perm[i] = j
+    return perm
+
+
+def _short(ranks: Sequence[int]) -> str:
+    text = ", ".join(map(str, ranks[:8]))
+    return f"[{text}{', ...' if len(ranks) > 8 else ''}]"

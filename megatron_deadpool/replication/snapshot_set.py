@@ -1,0 +1,74 @@
+"""What survives a failure memory cannot recover, written to disk and read back.
+
+When no spare is left, or an owner and every holder of its shard died together, the run must
+stop. Before it does, every survivor writes the flat snapshots it has of one common iteration
+T - its own, and those it holds for dead ranks - under `SAVE/deadpool/iter_T/`, plus a
+manifest naming what is present and what was lost. A complete set (every rank's shard) is a
+checkpoint: `--load SAVE` resumes from it exactly (each rank restores its flat snapshot,
+checksum-verified). An incomplete set is kept for inspection, and `--load` resumes from the
+last complete checkpoint instead (a Megatron checkpoint written by `--save-interval`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+SUBDIR = "deadpool"
+
+
+def set_dir(root: str | Path, iteration: int) -> Path:
+    """The directory of the snapshot set of `iteration`."""
+    return Path(root) / SUBDIR / f"iter_{iteration:07d}"
+
+
+def rank_file(root: str | Path, iteration: int, rank: int) -> Path:
+    return set_dir(root, iteration) / f"rank_{rank:05d}.snap"
+
+
+def write_flat(path: Path, flat: torch.Tensor) -> None:
+    """Write one flat snapshot (payload and header) atomically."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    flat.detach().cpu().numpy().tofile(tmp)
+    os.replace(tmp, path)
+
+
+def read_flat(path: Path) -> torch.Tensor:
+    """Read a flat snapshot written by `write_flat`."""
+    return torch.from_numpy(np.fromfile(path, dtype=np.uint8))
+
+
+def ranks_present(root: str | Path, iteration: int) -> list[int]:
+    """The ranks whose snapshot of `iteration` is on disk."""
+    return sorted(int(p.stem.split("_")[1]) for p in set_dir(root, iteration).glob("rank_*.snap"))
+
+
+def read_manifest(root: str | Path, iteration: int) -> dict[str, Any]:
+    """The manifest of the snapshot set of `iteration`."""
+    return json.loads((set_dir(root, iteration) / "manifest.json").read_text())
+
+
+def write_manifest(root: str | Path, manifest: dict[str, Any]) -> Path:
+    """The set's manifest; a complete set also becomes `latest.json`."""
+    path = set_dir(root, manifest["iteration"]) / "manifest.json"
+    path.write_text(json.dumps(manifest, indent=1))
+    if manifest["complete"]:
+        latest = Path(root) / SUBDIR / "latest.json"
+        tmp = latest.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"iteration": manifest["iteration"]}))
+        os.replace(tmp, latest)
+    return path
+
+
+def latest_complete(root: str | Path) -> int | None:
+    """Iteration of the newest complete snapshot set under `root`, if any."""
+    latest = Path(root) / SUBDIR / "latest.json"
+    if not latest.is_file():
+        return None
+    return int(json.loads(latest.read_text())["iteration"])

@@ -1,0 +1,290 @@
+"""The Slurm scripts: syntax, documented #SBATCH lines, and the command lines they generate.
+
+Each sbatch script is rendered in dry-run mode (DEADPOOL_DRY_RUN=1) for a faked allocation
+of 2 active + 1 spare node; nothing is started.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from megatron_deadpool.config.cluster import load_cluster
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPTS = sorted([*ROOT.glob("scripts/**/*.sh"), *ROOT.glob("scripts/**/*.sbatch")])
+SITES = ["perlmutter", "vista"]
+BASH = shutil.which("bash") or "/bin/bash"
+
+
+def render(script: str, **env: str) -> tuple[int, dict[str, list[str]], dict[str, str], str]:
+    """Run `script` dry; return (status, {what: argv}, {env name: value}, stderr)."""
+    base = {
+        "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+        "HOME": os.environ.get("HOME", "/tmp"),
+        "SLURM_JOB_NUM_NODES": "3",
+        "SLURM_JOB_ID": "4242",
+        "SLURM_JOB_NAME": "deadpool",
+        "SLURM_SUBMIT_DIR": str(ROOT),
+        "SLURM_JOB_NODELIST": "nid[001000-001002]",
+        "DEADPOOL_DRY_RUN": "1",
+    }
+    done = subprocess.run(
+        [BASH, str(ROOT / script)],
+        check=False,
+        env={**base, **env},
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    commands: dict[str, list[str]] = {}
+    variables: dict[str, str] = {}
+    for line in done.stdout.splitlines():
+        if line.startswith("DRY-RUN env: "):
+            name, _, value = line.removeprefix("DRY-RUN env: ").partition("=")
+            variables[name] = value
+        elif line.startswith("DRY-RUN "):
+            what, _, rest = line.removeprefix("DRY-RUN ").partition(": ")
+            commands[what] = shlex.split(rest)
+    return done.returncode, commands, variables, done.stderr
+
+
+def flag(argv: list[str], name: str) -> str:
+    """The value of `--name VALUE` or `--name=VALUE` in argv."""
+    for i, arg in enumerate(argv):
+        if arg == name:
+            return argv[i + 1]
+        if arg.startswith(name + "="):
+            return arg.split("=", 1)[1]
+    raise AssertionError(f"{name} not in {argv}")
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("path", SCRIPTS, ids=lambda p: p.name)
+def test_bash_syntax(path: Path) -> None:
+    done = subprocess.run(
+        [BASH, "-n", str(path)], check=False, capture_output=True, text=True, timeout=10
+    )
+    assert done.returncode == 0, done.stderr
+
+
+@pytest.mark.timeout(10)
+@pytest.mark.parametrize("site", SITES)
+def test_every_sbatch_line_is_documented_and_matches_the_cluster(site: str) -> None:
+    lines = (ROOT / "scripts" / "slurm" / f"{site}.sbatch").read_text().splitlines()
+    directives = {}
+    for i, line in enumerate(lines):
+        if line.startswith("#SBATCH"):
+            before = lines[i - 1]
+            assert before.startswith("# ") and not before.startswith("#SBATCH"), line
+            key, _, value = line.split()[1].partition("=")
+            directives[key] = value
+    assert "--no-kill" in directives
+    cluster = load_cluster(ROOT / "configs" / "clusters" / f"{site}.yaml")
+    for key, value in (
+        ("--partition", cluster.slurm_partition),
+        ("--constraint", cluster.slurm_constraint),
+        ("--qos", cluster.slurm_qos),
+    ):
+        assert directives.get(key, "") == value, key
+    assert directives["--ntasks-per-node"] == str(cluster.gpus_per_node)
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("site", SITES)
+def test_sbatch_renders_two_active_nodes_and_one_spare(site: str) -> None:
+    status, cmds, env, err = render(f"scripts/slurm/{site}.sbatch")
+    assert status == 0, err
+    gpus = load_cluster(ROOT / "configs" / "clusters" / f"{site}.yaml").gpus_per_node
+    srun = cmds["workers"]
+    assert srun[0] == "srun"
+    for keep_survivors in ("--kill-on-bad-exit=0", "--no-kill", "--wait=0"):
+        assert keep_survivors in srun
+    assert flag(srun, "--nodes") == "3"
+    assert flag(srun, "--ntasks") == str(3 * gpus)
+    assert flag(srun, "--ntasks-per-node") == str(gpus)
+    assert flag(srun, "--distribution") == "block"  # node i holds ranks i*G .. i*G+G-1
+    assert flag(srun, "--output").endswith("logs/deadpool-4242/task-%t.log")
+    worker = srun[srun.index("-m") - 1 :]
+    assert worker[:4] == ["python", "-m", "megatron_deadpool.embedded.worker", "--config"]
+    assert flag(worker, "--config") == "configs/cpu-demo.yaml"
+    assert flag(worker, "--deadpool-spares") == str(gpus)
+    assert flag(worker, "--deadpool-ranks-per-node") == str(gpus)
+    # The task wrapper takes the rank from Slurm.
+    assert "RANK=$SLURM_PROCID" in srun[srun.index("-c") + 1]
+
+    coord = cmds["coordinator"]
+    assert coord[:4] == ["python", "-m", "megatron_deadpool.cli", "coordinator"]
+    assert flag(coord, "--world-size") == str(2 * gpus)
+    assert flag(coord, "--spares") == str(gpus)
+    address = f"{flag(coord, '--host')}:{flag(coord, '--port')}"
+    assert flag(worker, "--deadpool-coordinator") == address
+    assert flag(coord, "--log-dir") == flag(worker, "--deadpool-log-dir")
+    assert env["MASTER_ADDR"] == flag(coord, "--host")
+    assert env["WORLD_SIZE"] == str(2 * gpus)
+    assert env["LOCAL_WORLD_SIZE"] == str(gpus)
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("site", SITES)
+def test_site_environment_matches_the_cluster_file(site: str) -> None:
+    cluster = load_cluster(ROOT / "configs" / "clusters" / f"{site}.yaml")
+    status, cmds, env, err = render(f"scripts/slurm/{site}.sbatch")
+    assert status == 0, err
+    for name, value in cluster.env_mapping.items():
+        assert env.get(name) == value, name
+    assert [c[-1] for w, c in cmds.items() if w == "module"] == cluster.modules[-1:]
+    # Every site value is a default the submitting shell can override.
+    name = next(iter(cluster.env_mapping))
+    status, _, env, err = render(f"scripts/slurm/{site}.sbatch", **{name: "override"})
+    assert status == 0 and env[name] == "override", err
+
+
+@pytest.mark.timeout(30)
+def test_megatron_lm_mode_and_external_coordinator() -> None:
+    status, cmds, _, err = render(
+        "scripts/slurm/perlmutter.sbatch",
+        DEADPOOL_MODE="megatron-lm",
+        MEGATRON_LM_PATH="/opt/Megatron-LM",
+        MEGATRON_ARGS="--num-layers 80 --bf16 --use-distributed-optimizer",
+        DEADPOOL_COORDINATOR="login01:31000",
+        DEADPOOL_REPLICAS="2",
+    )
+    assert status == 0, err
+    assert "coordinator" not in cmds  # one is running elsewhere
+    srun = cmds["workers"]
+    worker = srun[srun.index("-m") - 1 :]
+    assert worker[:4] == [
+        "python",
+        "-m",
+        "megatron_deadpool.megatron_lm",
+        "/opt/Megatron-LM/pretrain_gpt.py",
+    ]
+    assert worker[4:8] == ["--num-layers", "80", "--bf16", "--use-distributed-optimizer"]
+    assert "--deadpool" in worker
+    assert flag(worker, "--deadpool-coordinator") == "login01:31000"
+    assert flag(worker, "--deadpool-spares") == "4"
+    assert flag(worker, "--deadpool-replicas") == "2"
+
+
+@pytest.mark.timeout(30)
+def test_baseline_mode_runs_plain_megatron_lm_on_the_active_nodes() -> None:
+    status, cmds, env, err = render(
+        "scripts/slurm/perlmutter.sbatch",
+        DEADPOOL_MODE="baseline",
+        MEGATRON_LM_PATH="/opt/Megatron-LM",
+        MEGATRON_ARGS="--bf16",
+    )
+    assert status == 0, err
+    assert "coordinator" not in cmds
+    srun = cmds["workers"]
+    assert flag(srun, "--nodes") == "2" and flag(srun, "--ntasks") == "8"
+    assert srun[-3:] == ["python", "/opt/Megatron-LM/pretrain_gpt.py", "--bf16"]
+    assert env["WORLD_SIZE"] == "8"
+
+
+@pytest.mark.timeout(30)
+def test_injection_is_started_with_the_job() -> None:
+    status, cmds, _, err = render(
+        "scripts/slurm/vista.sbatch", DEADPOOL_INJECT="--node-index 1 --at-iteration 20"
+    )
+    assert status == 0, err
+    inject = cmds["inject"]
+    assert inject[1].endswith("scripts/inject_failure.sh")
+    assert flag(inject, "--job") == "4242"
+    assert flag(inject, "--node-index") == "1"
+    assert flag(inject, "--at-iteration") == "20"
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize(
+    ("env", "message"),
+    [
+        ({"SPARE_NODES": "3"}, "no active node"),
+        ({"SLURM_JOB_NUM_NODES": ""}, "not inside a Slurm allocation"),
+        ({"DEADPOOL_MODE": "torchrun"}, "DEADPOOL_MODE"),
+        ({"DEADPOOL_MODE": "megatron-lm"}, "MEGATRON_LM_PATH"),
+        ({"DEADPOOL_CONFIG": "nope.yaml"}, "no such file"),
+    ],
+)
+def test_launcher_refuses_bad_settings(env: dict[str, str], message: str) -> None:
+    status, _, _, err = render("scripts/slurm/perlmutter.sbatch", **env)
+    assert status == 2 and message in err
+
+
+@pytest.mark.timeout(30)
+def test_inject_failure_targets_one_node_without_ssh() -> None:
+    if shutil.which("scontrol") is not None:
+        pytest.skip("a real scontrol would expand the fake node list")
+    done = subprocess.run(
+        [
+            BASH,
+            str(ROOT / "scripts/inject_failure.sh"),
+            "--job",
+            "4242",
+            "--node-index",
+            "3",
+            "--at-iteration",
+            "20",
+            "--log-dir",
+            "/tmp/none",
+        ],
+        check=False,
+        env={
+            "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+            "SLURM_JOB_ID": "4242",
+            "SLURM_JOB_NODELIST": "nid[001000-001002,001007]",
+            "DEADPOOL_DRY_RUN": "1",
+        },
+        capture_output=True,
+        text=True,
+        timeout=10,
+    )
+    assert done.returncode == 0, done.stderr
+    kill = shlex.split(done.stdout.removeprefix("DRY-RUN kill: "))
+    assert kill[:3] == ["srun", "--jobid=4242", "--overlap"]
+    assert "--nodelist=nid001007" in kill
+    assert kill[-4:-1] == ["pkill", "-KILL", "-f"]
+
+
+@pytest.mark.timeout(30)
+def test_kill_pattern_spares_srun_and_matches_workers() -> None:
+    text = (ROOT / "scripts/inject_failure.sh").read_text()
+    found = re.search(r"^pattern='(.*)'$", text, re.MULTILINE)
+    assert found is not None
+    pattern = found.group(1)
+    workers = [
+        "python -m megatron_deadpool.embedded.worker --config c.yaml --deadpool-coordinator h:1",
+        "/opt/venv/bin/python3 -u -m megatron_deadpool.megatron_lm /m/pretrain_gpt.py --bf16",
+    ]
+    others = [
+        "srun --nodes=3 bash -c x deadpool-task python -m megatron_deadpool.embedded.worker --config c",
+        "bash scripts/inject_failure.sh --job 1 --node-index 1",
+        "python -m megatron_deadpool.cli coordinator --host h --port 1",
+        "python -m megatron_deadpool.workers_other",
+    ]
+    lines = "\n".join(workers + others) + "\n"
+    done = subprocess.run(
+        ["grep", "-E", pattern], check=False, input=lines, capture_output=True, text=True
+    )
+    assert done.stdout.splitlines() == workers  # POSIX ERE, as pkill -f uses
+
+
+@pytest.mark.timeout(30)
+def test_inject_failure_rejects_bad_arguments() -> None:
+    for argv in (["--job", "1"], ["--job", "1", "--node", "a", "--at-iteration", "3"]):
+        done = subprocess.run(
+            [BASH, str(ROOT / "scripts/inject_failure.sh"), *argv],
+            check=False,
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
+        assert done.returncode == 2 and "inject_failure: error" in done.stderr

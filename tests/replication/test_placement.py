@@ -1,0 +1,231 @@
+"""Replica placement: never in the owner's failure domain, balanced, among data-parallel peers.
+
+Small layouts are checked exhaustively against an independent oracle: a placement with every
+rank holding exactly k replicas exists iff a max-flow (owners -> allowed holders -> sink,
+capacities k, 1, k) saturates; `place_replicas` must succeed exactly then and raise a
+`PlacementError` saying what to change otherwise. Loss of state after a failure is checked by
+brute force over every small set of dead ranks.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections import deque
+from collections.abc import Callable
+
+import pytest
+from megatron.core.parallel_state import RankGenerator
+
+from megatron_deadpool.errors import ConfigError, PlacementError
+from megatron_deadpool.replication.placement import Layout, Placement, place_replicas
+
+
+def _coords(rank: int, tp: int, dp: int) -> tuple[int, int, int]:
+    """(tp, dp, pp) index of `rank` in Megatron's default order tp-cp-ep-dp-pp (cp=ep=1)."""
+    return rank % tp, (rank // tp) % dp, rank // (tp * dp)
+
+
+def _max_flow_feasible(group: list[int], domain: dict[int, int], k: int) -> bool:
+    """Oracle: can every rank of `group` give k replicas and hold k, never in its domain?"""
+    n = len(group)
+    src, sink = 2 * n, 2 * n + 1
+    cap: dict[tuple[int, int], int] = {}
+    adj: dict[int, set[int]] = {v: set() for v in range(2 * n + 2)}
+
+    def edge(u: int, v: int, c: int) -> None:
+        cap[(u, v)] = cap.get((u, v), 0) + c
+        cap.setdefault((v, u), 0)
+        adj[u].add(v)
+        adj[v].add(u)
+
+    for i in range(n):
+        edge(src, i, k)
+        edge(n + i, sink, k)
+        for j in range(n):
+            if domain[group[i]] != domain[group[j]]:
+                edge(i, n + j, 1)
+    flow = 0
+    while True:
+        parent = {src: src}
+        queue = deque([src])
+        while queue and sink not in parent:
+            u = queue.popleft()
+            for v in adj[u]:
+                if v not in parent and cap[(u, v)] > 0:
+                    parent[v] = u
+                    queue.append(v)
+        if sink not in parent:
+            return flow == n * k
+        v = sink
+        while v != src:
+            u = parent[v]
+            cap[(u, v)] -= 1
+            cap[(v, u)] += 1
+            v = u
+        flow += 1
+
+
+def _small_cases() -> list[tuple[int, int, int, int, int]]:
+    cases = []
+    for tp, pp, dp in itertools.product((1, 2, 4), (1, 2, 3), (1, 2, 3, 4, 6)):
+        world = tp * pp * dp
+        for rpn in (d for d in range(1, world + 1) if world % d == 0):
+            for k in (1, 2, 3):
+                cases.append((tp, pp, dp, rpn, k))
+    return cases
+
+
+def _check_placement(placement: Placement, k: int) -> None:
+    layout = placement.layout
+    world = layout.world_size
+    assert len(placement.holders) == world
+    for owner, holders in enumerate(placement.holders):
+        assert len(holders) == k and len(set(holders)) == k, (owner, holders)
+        o_tp, o_dp, o_pp = _coords(owner, layout.tp, layout.dp)
+        for h in holders:
+            h_tp, h_dp, h_pp = _coords(h, layout.tp, layout.dp)
+            assert (h_tp, h_pp) == (o_tp, o_pp) and h_dp != o_dp, (owner, h)
+            assert layout.domain(h) != layout.domain(owner), (owner, h)
+    held = placement.held_by
+    assert all(len(x) == k for x in held), "every rank must hold exactly k replicas"
+    assert sorted(o for x in held for o in x) == sorted(list(range(world)) * k)
+
+
+@pytest.mark.timeout(120)
+def test_small_layouts_exhaustively_against_a_max_flow_oracle() -> None:
+    placed = refused = 0
+    for tp, pp, dp, rpn, k in _small_cases():
+        layout = Layout(tp=tp, pp=pp, dp=dp, ranks_per_node=rpn)
+        domain = {r: r // rpn for r in range(layout.world_size)}
+        feasible = dp >= 2 and all(_max_flow_feasible(g, domain, k) for g in layout.dp_groups)
+        case = f"tp={tp} pp={pp} dp={dp} ranks_per_node={rpn} k={k}"
+        if feasible:
+            try:
+                placement = place_replicas(layout, k)
+            except PlacementError as exc:
+                pytest.fail(f"{case}: a placement exists but place_replicas refused: {exc}")
+            _check_placement(placement, k)
+            placed += 1
+        else:
+            with pytest.raises(PlacementError) as info:
+                place_replicas(layout, k)
+            assert "lower" in str(info.value) or "dp >= 2" in str(info.value), case
+            refused += 1
+    assert placed > 100 and refused > 100  # the grid really covers both outcomes
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    "tp,pp,dp", [(1, 1, 8), (2, 1, 4), (2, 2, 2), (1, 4, 2), (4, 2, 3), (2, 3, 2)]
+)
+def test_dp_groups_are_megatrons(tp: int, pp: int, dp: int) -> None:
+    layout = Layout(tp=tp, pp=pp, dp=dp, ranks_per_node=tp)
+    ours = sorted(sorted(g) for g in layout.dp_groups)
+    gen = RankGenerator(tp=tp, ep=1, dp=dp, pp=pp, cp=1, order="tp-cp-ep-dp-pp")
+    assert ours == sorted(sorted(g) for g in gen.get_ranks("dp"))
+    # ... and equal to the groups of the closed-form rank layout.
+    by_position: dict[tuple[int, int], list[int]] = {}
+    for r in range(layout.world_size):
+        t, _, p = _coords(r, tp, dp)
+        by_position.setdefault((t, p), []).append(r)
+    assert ours == sorted(by_position.values())
+
+
+@pytest.mark.timeout(60)
+def test_dp_of_one_is_refused_with_the_fix() -> None:
+    with pytest.raises(PlacementError, match=r"data-parallel size is 1.*dp >= 2"):
+        place_replicas(Layout(tp=2, pp=2, dp=1, ranks_per_node=2), 1)
+
+
+@pytest.mark.timeout(60)
+def test_dp_group_inside_one_node_is_refused_with_the_fix() -> None:
+    with pytest.raises(PlacementError, match=r"entirely in failure domain 0.*lower ranks-per-node"):
+        place_replicas(Layout(tp=2, pp=1, dp=2, ranks_per_node=4), 1)
+
+
+@pytest.mark.timeout(60)
+def test_too_many_replicas_is_refused_with_the_fix() -> None:
+    with pytest.raises(PlacementError, match=r"cannot place 2 replicas.*lower deadpool-replicas"):
+        place_replicas(Layout(tp=2, pp=1, dp=2, ranks_per_node=2), 2)
+    with pytest.raises(PlacementError, match="deadpool-replicas"):
+        place_replicas(Layout(tp=1, pp=1, dp=4, ranks_per_node=1), 0)
+
+
+@pytest.mark.timeout(60)
+def test_placement_errors_are_config_errors_and_value_errors() -> None:
+    assert issubclass(PlacementError, ConfigError) and issubclass(PlacementError, ValueError)
+    with pytest.raises(PlacementError, match=r"ranks-per-node \(4\) must divide"):
+        Layout(tp=2, pp=1, dp=3, ranks_per_node=4)
+
+
+def _best_of(n: int, fn: Callable[[], object]) -> float:
+    best = float("inf")
+    for _ in range(n):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+@pytest.mark.timeout(120)
+def test_16k_ranks_are_placed_in_under_a_second() -> None:
+    """Acceptance: tp=8 pp=4 dp=512 (16,384 ranks), 4 per node, k=2 in under a second."""
+    placements = []
+
+    def place() -> None:
+        placements.append(place_replicas(Layout(tp=8, pp=4, dp=512, ranks_per_node=4), 2))
+
+    elapsed = _best_of(3, place)
+    assert elapsed < 1.0, f"placing 16,384 ranks took {elapsed:.2f}s"
+    placement = placements[-1]
+    assert placement.layout.world_size == 16384
+    held = placement.held_by
+    assert all(len(x) == 2 for x in held)
+    for owner, holders in enumerate(placement.holders):
+        assert len(set(holders)) == 2
+        assert all(h // 4 != owner // 4 and h % 8 == owner % 8 for h in holders)
+        assert all(h // (8 * 512) == owner // (8 * 512) for h in holders)  # same pp stage
+
+
+@pytest.mark.timeout(120)
+def test_16k_pure_data_parallel_ranks_are_placed_in_under_a_second() -> None:
+    layout = Layout(tp=1, pp=1, dp=16384, ranks_per_node=1)
+    layout.dp_groups  # noqa: B018 - build Megatron's groups outside the timed part
+    t0 = time.perf_counter()
+    place_replicas(layout, 2)
+    elapsed = time.perf_counter() - t0
+    assert elapsed < 1.0, f"placing 16,384 data-parallel ranks took {elapsed:.2f}s"
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    "tp,pp,dp,rpn,k",
+    [
+        (1, 1, 4, 1, 1),
+        (1, 1, 4, 1, 2),
+        (2, 1, 3, 2, 2),
+        (1, 2, 4, 2, 1),
+        (2, 2, 3, 2, 1),
+        (1, 1, 6, 2, 3),
+    ],
+)
+def test_lost_owners_and_survivable_by_brute_force(
+    tp: int, pp: int, dp: int, rpn: int, k: int
+) -> None:
+    placement = place_replicas(Layout(tp=tp, pp=pp, dp=dp, ranks_per_node=rpn), k)
+    world = placement.layout.world_size
+    for size in range(min(world, 4) + 1):
+        for dead in itertools.combinations(range(world), size):
+            alive = set(range(world)) - set(dead)
+            # What survives in memory: each living rank's own shard and the replicas it holds.
+            in_memory = set(alive) | {o for s in alive for o in placement.held_by[s]}
+            expected = sorted(set(dead) - in_memory)
+            assert placement.lost_owners(dead) == expected, dead
+            assert placement.survivable(dead) == (not expected), dead
+    # Losing any one whole node is always survivable: no replica shares its owner's node.
+    for node in range(world // rpn):
+        assert placement.survivable(placement.layout.domain_ranks(node))
+    # Losing every rank of a DP group loses all of it.
+    group = placement.layout.dp_groups[0]
+    assert placement.lost_owners(group) == sorted(group)
