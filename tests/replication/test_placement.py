@@ -133,6 +133,18 @@ def test_dp_groups_are_megatrons(tp: int, pp: int, dp: int) -> None:
 
 
 @pytest.mark.timeout(60)
+def test_rank_groups_are_megatrons_for_every_token_in_order() -> None:
+    """`Layout.groups` computes what Megatron's `RankGenerator` does, order included, for
+    every combination of dimensions (the coordinator and the planner never import Megatron)."""
+    tokens = ["tp", "pp", "dp", "cp", "tp-pp", "tp-dp", "dp-pp", "tp-dp-pp", "tp-cp", "dp-cp"]
+    for tp, pp, dp in itertools.product([1, 2, 3, 4], [1, 2, 3], [1, 2, 3, 5]):
+        layout = Layout(tp=tp, pp=pp, dp=dp, ranks_per_node=1)
+        gen = RankGenerator(tp=tp, ep=1, dp=dp, pp=pp, cp=1, order="tp-cp-ep-dp-pp")
+        for token in tokens:
+            assert layout.groups(token) == gen.get_ranks(token), (tp, pp, dp, token)
+
+
+@pytest.mark.timeout(60)
 def test_dp_of_one_is_refused_with_the_fix() -> None:
     with pytest.raises(PlacementError, match=r"data-parallel size is 1.*dp >= 2"):
         place_replicas(Layout(tp=2, pp=2, dp=1, ranks_per_node=2), 1)
