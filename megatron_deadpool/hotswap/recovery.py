@@ -140,10 +140,10 @@ def exchange_shards(
     else:
         if replicator is None:
             raise DeadpoolRuntimeError(f"rank {rank} has no snapshot of iteration {t_iter}")
-        flat = replicator.local.find(t_iter)
+        flat = replicator.verified_copy(rank, t_iter)
         for target, holder in sources.items():
             if holder == rank:
-                buf = replicator.held[target].find(t_iter)
+                buf = replicator.verified_copy(target, t_iter)
                 works.append(dist.isend(torch.tensor([buf.numel()]), dst=target, group=group))
                 works.append(dist.isend(buf, dst=target, group=group))
     Snapshotter.restore_into(state, flat, owner=rank, iteration=t_iter)
@@ -174,12 +174,12 @@ def salvage(
     if not save or replicator is None or rank is None:
         return "no snapshot iteration common to the survivors: nothing saved"
     t = save["iteration"]
-    own = replicator.local.find(t)
+    own = replicator.verified_copy(rank, t)
     if own is not None:
         snapshot_set.write_flat(snapshot_set.rank_file(root, t, rank), own)
     for needy, holder in save["sources"].items():
         if holder == rank:
-            flat = replicator.held[int(needy)].find(t)
+            flat = replicator.verified_copy(int(needy), t)
             snapshot_set.write_flat(snapshot_set.rank_file(root, t, int(needy)), flat)
     store = members.store
     store.set(f"salvaged/{rank}", "1")

@@ -252,6 +252,11 @@ class Replicator:
         self.finish_round()
 
     # ------------------------------------------------------------------ recovery support
+    def verified_copy(self, owner: int, iteration: int) -> torch.Tensor | None:
+        """The verified flat snapshot of `owner` (this rank: its local one) of `iteration`."""
+        pair = self.local if owner == self.rank else self.held.get(owner)
+        return pair.find(iteration) if pair is not None else None
+
     def holdings(self) -> dict[str, list[int]]:
         """Verified iterations this rank can provide: its own ('local') and each held owner's.
 
