@@ -89,7 +89,7 @@ class HeartbeatOnly:
 
 
 @dataclass
-class Recovery:
+class PendingRecovery:
     """One recovery in progress (re-planned with a larger dead set if more ranks die)."""
 
     generation: int
@@ -139,7 +139,6 @@ class Coordinator:
         on_event: Callable[[str], None] = lambda text: None,
     ) -> None:
         self.members = members
-        self.store = members.store
         self.placement = placement
         self.world = world_size
         self.spares = list(spares)
@@ -151,7 +150,7 @@ class Coordinator:
         self.roster = Roster(0, self.world, {r: f"a{r}" for r in range(self.world)})
         self.dead_pids: set[str] = set()
         self.handled: set[str] = set()  # dead processes a plan already accounts for
-        self.recovery: Recovery | None = None
+        self.recovery: PendingRecovery | None = None
         self.finished: list[dict[str, Any]] = []
         self.aborted: dict[str, Any] | None = None
         self.next_generation = 1
@@ -163,10 +162,8 @@ class Coordinator:
 
     # ------------------------------------------------------------------ liveness
     def _heartbeat_age(self, pid: str, now: float) -> float | None:
-        key = f"hb/{pid}"
-        if not self.store.check([key]):
-            return None
-        return now - float(self.store.get(key).decode())
+        beat = self.members.heartbeat_time(pid)
+        return None if beat is None else now - beat
 
     def _is_dead(self, pid: str, now: float) -> bool:
         if pid in self.dead_pids:
@@ -180,7 +177,7 @@ class Coordinator:
         self._hb_read[pid] = now
         age = self._heartbeat_age(pid, now)
         if age is not None and age > self.heartbeat_timeout and code is None:
-            if self.store.check([f"done/{pid}"]):  # finished; its heartbeat stopped on purpose
+            if self.members.is_done(pid):  # finished; its heartbeat stopped on purpose
                 return False
             killed = self.liveness.kill(pid)
             self._mark_dead(pid, f"silent for {age:.1f}s (hung)" + ("; killed" if killed else ""))
@@ -212,11 +209,7 @@ class Coordinator:
             self._track_phases()
 
     def _failure_time(self, pids: list[str], default: float) -> float:
-        times = [
-            float(self.store.get(f"fault/{p}").decode())
-            for p in pids
-            if self.store.check([f"fault/{p}"])
-        ]
+        times = [t for t in map(self.members.fault_time, pids) if t is not None]
         return min(times) if times else default
 
     def _plan(self, dead: set[int], now: float) -> None:
@@ -236,7 +229,7 @@ class Coordinator:
         self.next_generation += 1
         dead_pids = [base[r] for r in dead]
         t_failure = rec.t_failure if rec else self._failure_time(dead_pids, now)
-        self.recovery = Recovery(
+        self.recovery = PendingRecovery(
             generation=generation,
             dead=all_dead,
             slots=slots,
@@ -253,8 +246,7 @@ class Coordinator:
             "needy": sorted(needy),
             "slots": {str(r): p for r, p in slots.items()},
         }
-        self.store.set(f"gen{generation}/plan", json.dumps(plan))
-        self.store.set("plan/latest", str(generation))
+        self.members.publish_plan(generation, plan)
         self.events("plan", **plan)
         replaced = ", ".join(
             f"rank {r} <- {slots[r]}" if slots[r] != base[r] else f"rank {r}: no spare"
@@ -268,16 +260,15 @@ class Coordinator:
         """The job's placement; a cluster coordinator learns the layout from rank 0 (None
         until rank 0 published it: no rank got as far as replicating)."""
         if self.placement is None:
-            if not self.store.check(["job/layout"]):
+            d = self.members.layout()
+            if d is None:
                 return None
-            d = json.loads(self.store.get("job/layout"))
             layout = Layout(d["tp"], d["pp"], d["dp"], d["ranks_per_node"])
             self.placement = place_replicas(layout, d["replicas"])
         return self.placement
 
     def _last_iteration(self) -> int:
-        key = "progress/last"
-        return int(self.store.get(key).decode()) if self.store.check([key]) else 0
+        return self.members.progress()
 
     def _try_agree(self, now: float) -> None:
         rec = self.recovery
@@ -286,9 +277,9 @@ class Coordinator:
         survivors = [r for r in range(self.world) if r not in rec.needy]
         holdings: dict[int, dict[str, list[int]]] = {}
         for r in survivors:
-            key = f"gen{g}/holdings/{r}"
-            if self.store.check([key]):
-                holdings[r] = json.loads(self.store.get(key))
+            report = self.members.holdings(g, r)
+            if report is not None:
+                holdings[r] = report
         if len(holdings) < len(survivors):
             if now - rec.t_plan > self.agree_timeout:
                 missing = [r for r in survivors if r not in holdings]
@@ -323,7 +314,7 @@ class Coordinator:
         rec.t_agreed = time.time()
         rec.restore_iteration = plan.iteration
         roster = Roster(g, self.world, rec.slots, restore_iteration=plan.iteration)
-        self.store.set(f"gen{g}/sources", json.dumps({str(k): v for k, v in plan.sources.items()}))
+        self.members.publish_sources(g, plan.sources)
         self.members.publish_roster(roster)
         self.roster = roster
         self.events(
@@ -376,29 +367,17 @@ class Coordinator:
             "save": save and {**save, "sources": {str(k): v for k, v in save["sources"].items()}},
         }
         generation = self.next_generation
-        self.store.set("abort", json.dumps(self.aborted))
-        self.store.set("plan/latest", str(generation))
-        self.store.set(f"gen{generation}/plan", json.dumps({"abort": self.aborted}))
+        self.members.publish_abort(generation, self.aborted)
         self.events("out_of_redundancy", **self.aborted)
         self.on_event(f"OUT OF REDUNDANCY: {reason}")
 
     def _stamp(self, g: int, what: str, ranks: list[int]) -> float | None:
-        values = []
-        for r in ranks:
-            key = f"gen{g}/{what}/{r}"
-            if not self.store.check([key]):
-                return None
-            values.append(float(self.store.get(key).decode()))
-        return max(values)
+        values = [self.members.stamp_time(g, what, r) for r in ranks]
+        return None if None in values else max(values)  # type: ignore[type-var]
 
     def _stale_refs(self, g: int) -> int:
         """Old-generation group handles survivors found after rebinding (must be 0)."""
-        total = 0
-        for r in range(self.world):
-            key = f"gen{g}/stale_refs/{r}"
-            if self.store.check([key]):
-                total += int(self.store.get(key).decode())
-        return total
+        return sum(self.members.stale_refs(g, r) for r in range(self.world))
 
     def _track_phases(self) -> None:
         rec = self.recovery

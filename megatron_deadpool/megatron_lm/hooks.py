@@ -28,7 +28,7 @@ import inspect
 from collections.abc import Callable
 from typing import Any
 
-from ..errors import ConfigError, DeadpoolRuntimeError
+from ..hotswap.driver import Driver
 from .resume import build_without_loading
 from .session import MegatronSession
 
@@ -49,11 +49,7 @@ def uninstall() -> None:
     _ORIGINALS.clear()
 
 
-def is_peer_failure(exc: BaseException) -> bool:
-    """A collective's error (a peer died or hung), not one of DeadPool's own decisions."""
-    return isinstance(exc, RuntimeError) and not isinstance(
-        exc, (DeadpoolRuntimeError, ConfigError)
-    )
+is_peer_failure = Driver.is_peer_failure
 
 
 def wrap_init_process_group(real: Any, session: Any, restore: Callable[[Any], None]) -> Any:
