@@ -70,22 +70,25 @@ class LocalLauncher:
     def _worker_env(self) -> dict[str, str]:
         return dict(os.environ)
 
-    def _spawn(self, pid: str) -> None:
-        env = self._worker_env()
-        env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PYTHONWARNINGS="ignore")
-        cmd = [
+    def _command(self, pid: str, address: str) -> list[str]:
+        """Process `pid`'s command line, the coordinator's store at `address`."""
+        return [
             *self._worker_command(),
             "--config",
             str(self.run_dir / "job.yaml"),
             "--pid",
             pid,
             "--deadpool-coordinator",
-            self.local.address,
+            address,
             "--deadpool-job-token",
             self.token,
         ]
+
+    def _spawn(self, pid: str) -> None:
+        env = self._worker_env()
+        env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PYTHONWARNINGS="ignore")
         with open(self.run_dir / f"{pid}.log", "w") as log:  # the child keeps its own copy
-            self.local.spawn(pid, cmd, env, log)
+            self.local.spawn(pid, self._command(pid, self.local.address), env, log)
 
     def _tail(self, pid: str, lines: int = 15) -> str:
         path = self.run_dir / f"{pid}.log"
