@@ -133,16 +133,20 @@ class EmbeddedJob:
             start = self._load(self.spec.train.load) + 1
         while True:
             try:
-                self._train(start)
-                self._finish()
-                return 0
+                last = self._train(start)
+                d.finish_training(last)
+                break
             except Exception as exc:
                 if not d.is_peer_failure(exc):
                     raise
                 start = d.recover(exc) + 1
+        self._finish()
+        return 0
 
-    def _train(self, start: int) -> None:
+    def _train(self, start: int) -> int:
+        """Iterations `start`.. to the end (or a preemption); returns the last one done."""
         d, spec = self.driver, self.spec
+        it = start - 1
         for it in range(start, spec.train.iters + 1):
             d.begin_step(it)
             t0 = time.perf_counter()
@@ -166,7 +170,8 @@ class EmbeddedJob:
                     it,
                     " (checkpoint saved)" if spec.train.save else "",
                 )
-                return
+                break
+        return it
 
     def _stop_vote(self) -> bool:
         """This rank votes to stop: it got SIGTERM, or (rank 0) the launcher asked."""
@@ -212,17 +217,24 @@ class EmbeddedJob:
         )
 
     def _finish(self) -> None:
+        """Training is complete: the final reports, then leave the groups together. A peer
+        lost now costs no recovery: what it held survives in its holders' memory."""
         d = self.driver
-        committed = d.drain()
         if d.rank == 0:
             if d.replicator is not None:
-                d.members.publish_final_replication(committed)
+                d.members.publish_final_replication(d.committed)
             if self.preempted_at is not None:
                 d.members.publish_preempted(self.preempted_at, bool(self.spec.train.save))
         self.on_finish()
-        dist.barrier()
+        try:
+            dist.barrier()
+        except Exception as exc:
+            if not d.is_peer_failure(exc):
+                raise
+            log.warning("%s", d.end_failure(exc, "the final barrier"))
+        else:
+            dist.destroy_process_group()
         digest = d.finish()
-        dist.destroy_process_group()
         log.info("done: parameter digest %s", digest[:16])
 
     # ------------------------------------------------------------------ persistent checkpoints

@@ -203,21 +203,27 @@ class LocalLauncher:
         )
         local = self.local
         digests = local.digests()
-        dp0 = {g[0] for g in layout.dp_groups}
-        complete = rc == 0 and all(r in digests for r in range(layout.world_size))
+        # Data-parallel peers hold the same weights: each group's digest is any member's (a
+        # rank lost after training completed has none).
+        by_group = [[digests[r] for r in g if r in digests] for g in layout.dp_groups]
+        complete = rc == 0 and all(by_group)
         summary = {
             "event": "summary",
             "returncode": rc,
             "iterations": len(records),
             "losses": [r["loss"] for r in records],
-            "final_param_digest": job_digest({r: digests[r] for r in dp0}) if complete else None,
+            "final_param_digest": (
+                job_digest({g[0]: d[0] for g, d in zip(layout.dp_groups, by_group)})
+                if complete
+                else None
+            ),
             "rank_digests": {str(r): d for r, d in sorted(digests.items())},
-            "dp_replicas_identical": complete
-            and all(len({digests[r] for r in g}) == 1 for g in layout.dp_groups),
+            "dp_replicas_identical": complete and all(len(set(d)) == 1 for d in by_group),
             "committed_iteration": local.members.final_replication().get("committed_iteration"),
             "deadpool": self.job.deadpool.enabled,
             "recoveries": local.coordinator.finished,
             "out_of_redundancy": local.coordinator.aborted,
+            "lost_after_training": local.coordinator.ended,
             "preempted": local.members.preempted(),
             "wall_s": wall_s,
             "median_iter_time_s": (

@@ -137,7 +137,11 @@ class Coordinator:
         liveness: Liveness,
         events: EventLog,
         on_event: Callable[[str], None] = lambda text: None,
+        suspect_after: float | None = None,
     ) -> None:
+        """`suspect_after`: once a survivor reported a failed collective, a rank silent this
+        long (default: the heartbeat timeout) is declared dead - a crashed process's peers
+        see its connections close at once, and its heartbeat has stopped."""
         self.members = members
         self.placement = placement
         self.world = world_size
@@ -154,6 +158,12 @@ class Coordinator:
         self.finished: list[dict[str, Any]] = []
         self.aborted: dict[str, Any] | None = None
         self.next_generation = 1
+        self.suspect_after = min(suspect_after or heartbeat_timeout, heartbeat_timeout)
+        self.failures_seen = 0
+        self.suspicion_base = 0  # failure reports seen before the current suspicion
+        self.suspicious_until = 0.0  # while a reported failure is unexplained
+        self.ended: dict[str, Any] | None = None  # processes lost after training completed
+        self.after_training: set[str] = set()  # processes gone after their work was done
         self._hb_read: dict[str, float] = {}  # pid -> when its heartbeat was last read
 
     def start(self) -> None:
@@ -170,19 +180,48 @@ class Coordinator:
             return True
         code = self.liveness.exited(pid)
         if code is not None and code != 0:  # 0: finished its work, not a failure
+            if self.members.is_done(pid):  # its work was done: nothing to recover
+                self._note_exit_after_done(pid, code)
+                return False
             self._mark_dead(pid, f"exited with code {code}")
             return True
-        if now - self._hb_read.get(pid, 0.0) < self.heartbeat_timeout / 20:
+        suspicious = now < self.suspicious_until and not self._reported_failure(pid)
+        limit = self.suspect_after if suspicious else self.heartbeat_timeout
+        if not suspicious and now - self._hb_read.get(pid, 0.0) < self.heartbeat_timeout / 20:
             return False  # read heartbeats a little more often than the timeout resolves
         self._hb_read[pid] = now
         age = self._heartbeat_age(pid, now)
-        if age is not None and age > self.heartbeat_timeout and code is None:
+        if age is not None and age > limit and code is None:
             if self.members.is_done(pid):  # finished; its heartbeat stopped on purpose
                 return False
             killed = self.liveness.kill(pid)
-            self._mark_dead(pid, f"silent for {age:.1f}s (hung)" + ("; killed" if killed else ""))
+            why = "after a peer's collective failed" if suspicious else "(hung)"
+            self._mark_dead(pid, f"silent for {age:.1f}s {why}" + ("; killed" if killed else ""))
             return True
         return False
+
+    def _note_exit_after_done(self, pid: str, code: int) -> None:
+        if pid not in self.handled:
+            self.handled.add(pid)
+            self.after_training.add(pid)
+            self.events("exited_after_done", pid=pid, code=code)
+            self.on_event(f"process {pid} exited with code {code} after finishing its work")
+
+    def _watch_failure_reports(self, now: float) -> None:
+        """A survivor saw a collective fail: suspect silent ranks for a heartbeat timeout."""
+        count = self.members.failure_count()
+        if count > self.failures_seen:
+            if now >= self.suspicious_until:
+                self.suspicion_base = self.failures_seen
+            self.failures_seen = count
+            self.suspicious_until = now + self.heartbeat_timeout
+            self.events("failure_reported", count=count)
+
+    def _reported_failure(self, pid: str) -> bool:
+        """`pid` itself reported a failed collective since the suspicion began: it is alive,
+        only its heartbeat may lag (a busy or starved process), so only the heartbeat timeout
+        can condemn it."""
+        return self.members.failure_number(pid) > self.suspicion_base
 
     def _mark_dead(self, pid: str, why: str) -> None:
         self.dead_pids.add(pid)
@@ -192,6 +231,7 @@ class Coordinator:
     # ------------------------------------------------------------------ tick
     def tick(self) -> None:
         now = time.time()
+        self._watch_failure_reports(now)
         for pid in list(self.spares):
             if self._is_dead(pid, now):
                 self.spares.remove(pid)
@@ -202,7 +242,11 @@ class Coordinator:
         }
         self.handled.update(current[r] for r in dead)
         if dead and self.aborted is None:
-            self._plan(dead, now)
+            completed = self.members.training_complete() if self.recovery is None else None
+            if completed is None:
+                self._plan(dead, now)
+            else:
+                self._end(dead, completed)
         if self.recovery is not None and self.recovery.t_agreed is None:
             self._try_agree(now)
         if self.recovery is not None and self.recovery.t_agreed is not None:
@@ -254,6 +298,39 @@ class Coordinator:
         )
         self.on_event(
             f"recovery: generation {generation}, dead ranks {sorted(all_dead)}; {replaced}"
+        )
+
+    def _end(self, dead: set[int], completed: int) -> None:
+        """Ranks lost after training completed: no recovery (nothing to recompute); the
+        survivors are told who died and who holds each dead rank's final state, to save it."""
+        all_dead = sorted(set((self.ended or {}).get("dead_ranks", [])) | dead)
+        self.after_training.update(self.roster.slots[r] for r in dead)
+        placement = self._placement()
+        sources: dict[str, int] = {}
+        for rank in all_dead:
+            holders = placement.holders[rank] if placement else ()
+            alive = [h for h in holders if h not in all_dead]
+            if alive:
+                sources[str(rank)] = alive[0]
+        lost = [r for r in all_dead if str(r) not in sources]
+        self.ended = {
+            "reason": f"rank(s) {all_dead} lost after training completed at iteration {completed}",
+            "completed_iteration": completed,
+            "dead_ranks": all_dead,
+            "lost_ranks": lost,
+            "save": {
+                "iteration": completed,
+                "sources": sources,
+                "complete": not lost,
+                "missing": lost,
+            },
+        }
+        self.members.publish_end(self.ended)
+        self.events("lost_after_training", **self.ended)
+        self.on_event(
+            f"rank(s) {sorted(dead)} lost after training completed at iteration {completed}: "
+            "nothing to recompute"
+            + (f"; the final state of rank(s) {lost} is gone with them" if lost else "")
         )
 
     def _placement(self) -> Placement | None:

@@ -29,7 +29,7 @@ from typing import Any, Protocol
 import torch.distributed as dist
 
 from ..config.deadpool import DeadpoolConfig
-from ..config.faults import iteration_faults, recovery_faults, spare_faults
+from ..config.faults import end_faults, iteration_faults, recovery_faults, spare_faults
 from ..devices import Device
 from ..digest import rank_digest
 from ..errors import ConfigError, CoordinatorUnreachableError, DeadpoolRuntimeError
@@ -126,6 +126,7 @@ class Driver:
         self.pg_backend = device.backend
         self.pg_timeout = datetime.timedelta(seconds=cfg.pg_timeout)
         self.committed: int | None = None
+        self.completed: int | None = None  # training completed at this iteration
         self.last_completed = 0
         self.resumed_at: int | None = None
         self.recoveries: list[RecoveryRecord] = []
@@ -297,6 +298,7 @@ class Driver:
         T. `target`: the step the job returns to afterwards (recomputing T+1..target-1)."""
         t0 = time.time()
         log.warning("collective failed (%s): entering recovery", _first_line(exc))
+        self.members.report_failure(_first_line(exc))
         # The traceback's frames hold the failed collective's group: drop them, or the group
         # (and its connections) outlive the release below.
         traceback.clear_frames(exc.__traceback__)
@@ -313,7 +315,7 @@ class Driver:
             pid=self.pid,
             replicator=self.replicator,
             report={"last_completed": self.last_completed, **self.job.recovery_report()},
-            deadline=t0 + self.cfg.heartbeat_timeout + 30.0,
+            deadline=t0 + self.cfg.heartbeat_timeout + self.cfg.agreement_timeout,
             cause=exc,
             on_abort=self._salvage,
         )
@@ -421,6 +423,51 @@ class Driver:
         )
 
     # ------------------------------------------------------------------ the end
+    def finish_training(self, n: int) -> None:
+        """Step n was the last: commit its replication round (a peer failure here is an
+        ordinary one: step n is recomputed after the recovery) and report training complete,
+        so that a loss from now on costs no recovery (`end_failure`)."""
+        for _ in range(2):  # a replica of n that failed its checksum: send the round again
+            if self.drain() == n or self.replicator is None:
+                break
+            self.replicator.start_round(n)
+        self.completed = n
+        if self.cfg.enabled:
+            self.members.report_finished(self.rank, n)
+            for index, kind in end_faults(self.cfg.fail, self.rank):
+                if self._fire(index):
+                    self._inject(kind, "after training completed")
+
+    def end_failure(self, exc: BaseException, where: str) -> str:
+        """A collective failed after training completed (final save, final report): a peer
+        is gone, but no step is lost. Release the groups, learn from the coordinator who died,
+        save the final state of this rank and the dead ranks' copies it holds under the job's
+        save directory (a complete snapshot set of the completed iteration, when every dead
+        rank's holder survives), and say what was saved. The job's remaining final work, which
+        needs the dead peers, is skipped."""
+        log.warning(
+            "collective failed in %s after training completed (%s)", where, _first_line(exc)
+        )
+        traceback.clear_frames(exc.__traceback__)
+        self.members.report_failure(_first_line(exc))
+        group, self.repl_group = self.repl_group, None
+        rebind.release(self._roots(), {"DEADPOOL_REPLICATION": group})
+        deadline = time.time() + self.cfg.heartbeat_timeout + self.cfg.agreement_timeout
+        report = self.members.end()
+        while report is None and time.time() < deadline:
+            time.sleep(0.05)
+            report = self.members.end()
+        if report is None:
+            return (
+                f"training completed at iteration {self.completed}; a collective failed in "
+                f"{where} but the coordinator named no lost process: nothing saved"
+            )
+        saved = self._salvage(report)
+        return (
+            f"training completed at iteration {self.completed}; rank(s) "
+            f"{report['dead_ranks']} lost afterwards, in {where}: {saved}"
+        )
+
     def drain(self) -> int | None:
         """Settle and commit the round in flight (end of training); the committed iteration."""
         if self.replicator is not None and self.repl_group is not None:

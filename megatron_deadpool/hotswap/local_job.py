@@ -51,7 +51,8 @@ class LocalJob:
             placement,
             [f"s{i}" for i in range(self.spares)],
             heartbeat_timeout=cfg.heartbeat_timeout,
-            agree_timeout=cfg.heartbeat_timeout + 30.0,
+            agree_timeout=cfg.agreement_timeout,
+            suspect_after=3 * cfg.heartbeat_interval,
             liveness=ProcessLiveness(self.procs),
             events=EventLog(run_dir / "events.jsonl"),
             on_event=on_event,
@@ -107,9 +108,13 @@ class LocalJob:
         }
 
     def finished(self) -> bool:
-        """Every active exited 0 and no recovery is under way."""
+        """Every active exited - with 0, or lost after its training was complete - and no
+        recovery is under way."""
+        gone = self.coordinator.after_training
         codes = self.exit_codes(self.actives())
-        return all(c == 0 for c in codes.values()) and self.coordinator.recovery is None
+        return self.coordinator.recovery is None and all(
+            c == 0 or (c is not None and pid in gone) for pid, c in codes.items()
+        )
 
     def wait_exit(self, pids: list[str], timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s

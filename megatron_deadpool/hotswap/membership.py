@@ -23,6 +23,15 @@ Keys:
   gen{g}/...                    torch's own rendezvous keys of generation g's process groups
                                 (`process_group_store`)
   abort                         the out-of-redundancy report (reason, dead, lost, what to save)
+  failures                      counter: survivors that saw a collective fail (the coordinator
+                                then suspects silent ranks sooner than the heartbeat timeout)
+  failure/{pid}                 what the survivor saw fail: the report's number (the counter's
+                                value), its wall time and the error
+  finished/{rank}               the iteration the rank finished training at (replicated)
+  training/complete             the iteration training completed at (every rank's last step
+                                done and replicated: a later loss needs no recomputation)
+  end                           the coordinator's report of processes lost after training
+                                completed: dead ranks and who writes their final state
   fault/{pid}                   wall time an injected fault struck `pid`
   fault/fired/{index}/{who}     counter: fault spec `index` fired for rank/pid `who`
   progress/last                 the newest iteration rank 0 completed
@@ -233,6 +242,38 @@ class Membership:
     def stale_refs(self, generation: int, rank: int) -> int:
         text = self._get(f"gen{generation}/stale_refs/{rank}")
         return 0 if text is None else int(text)
+
+    def report_failure(self, why: str) -> None:
+        """This survivor saw a collective fail (a peer died or hung)."""
+        number = self.store.add("failures", 1)
+        self._publish(f"failure/{self.pid}", {"number": number, "time": time.time(), "why": why})
+
+    def failure_number(self, pid: str) -> int:
+        """The number of `pid`'s latest failure report (0: none): reports are numbered in the
+        order they reach the store."""
+        report = self._read(f"failure/{pid}")
+        return 0 if report is None else int(report["number"])
+
+    def failure_count(self) -> int:
+        """How many failure reports survivors made so far."""
+        return self.store.add("failures", 0)
+
+    # ------------------------------------------------------------------ the end of training
+    def report_finished(self, rank: int, iteration: int) -> None:
+        """`rank` finished training at `iteration`, its final state replicated."""
+        self._set(f"finished/{rank}", str(iteration))
+        self._set("training/complete", str(iteration))
+
+    def training_complete(self) -> int | None:
+        """The iteration training completed at, once any rank finished (None before)."""
+        text = self._get("training/complete")
+        return None if text is None else int(text)
+
+    def publish_end(self, report: dict[str, Any]) -> None:
+        self._publish("end", report)
+
+    def end(self) -> dict[str, Any] | None:
+        return self._read("end")
 
     # ------------------------------------------------------------------ faults
     def record_fault(self) -> None:

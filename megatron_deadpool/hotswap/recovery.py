@@ -153,7 +153,6 @@ def salvage(
     rank: int | None,
     world_size: int,
     extra: dict[str, Any] | None = None,
-    resume_hint: str = "resume with --load",
 ) -> str:
     """Write this survivor's part of the snapshot set the coordinator chose; say what.
 
@@ -194,7 +193,10 @@ def salvage(
         )
     where = snapshot_set.set_dir(root, t)
     if save["complete"]:
-        return f"saved every rank's state of iteration {t} to {where}: {resume_hint}"
+        return (
+            f"saved every rank's state of iteration {t} to {where}: run the same command with "
+            "--load to resume"
+        )
     missing = save.get("missing", [])
     return (
         f"saved the surviving snapshots of iteration {t} to {where}; the shards of ranks "

@@ -176,6 +176,7 @@ class MegatronLauncher:
             "deadpool": self.cfg.enabled,
             "recoveries": coord.finished if coord else [],
             "out_of_redundancy": coord.aborted if coord else None,
+            "lost_after_training": coord.ended if coord else None,
             "exit_codes": {pid: p.poll() for pid, p in local.procs.items()},
             "param_digests": {str(r): d for r, d in local.digests().items()},
         }

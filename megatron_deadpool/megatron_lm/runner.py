@@ -40,7 +40,12 @@ from typing import Any
 
 from ..config.deadpool import DeadpoolConfig
 from ..config.flags import add_flags, from_namespace
-from ..errors import ConfigError, CoordinatorUnreachableError, OutOfRedundancyError
+from ..errors import (
+    ConfigError,
+    CoordinatorUnreachableError,
+    LostAfterTrainingError,
+    OutOfRedundancyError,
+)
 
 log = logging.getLogger("megatron_deadpool.megatron_lm")
 
@@ -109,6 +114,9 @@ def wrap_pretrain(pretrain: Callable[..., Any]) -> Callable[..., Any]:
         except CoordinatorUnreachableError as exc:
             print(f"deadpool: error: {exc}", file=sys.stderr, flush=True)
             raise SystemExit(4) from None
+        except LostAfterTrainingError as exc:
+            print(f"deadpool: {exc}", file=sys.stderr, flush=True)
+            raise SystemExit(0) from None
 
     pretrain_with_deadpool._deadpool = True  # type: ignore[attr-defined]
     return pretrain_with_deadpool

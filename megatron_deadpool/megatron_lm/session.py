@@ -39,7 +39,7 @@ from typing import Any
 from ..config.deadpool import DeadpoolConfig
 from ..config.faults import check_faults, parse_fault
 from ..devices import active_device
-from ..errors import ConfigError, DeadpoolRuntimeError
+from ..errors import ConfigError, DeadpoolRuntimeError, LostAfterTrainingError
 from ..hotswap.driver import Driver
 from ..hotswap.membership import Roster
 from ..replication.snapshot import RankState
@@ -278,6 +278,8 @@ class MegatronSession:
     def salvage_target(self, iteration: int) -> tuple[str | None, dict[str, Any] | None]:
         from megatron.training import get_args
 
+        if iteration not in self.counters and iteration == self.driver.completed:
+            self._note_counters(iteration + 1)  # Megatron's counters after the last step
         counters = self.counters.get(iteration)
         return get_args().save, ({"megatron": counters} if counters is not None else None)
 
@@ -315,12 +317,21 @@ class MegatronSession:
                 d.begin_step(n)
                 while self.next_step < n:
                     self._run(call, self.next_step)
-                return self._run(call, n)
+                result = self._run(call, n)
+                if n == self.last_step:  # a failure in here is recovered like any other
+                    d.finish_training(n)
+                return result
             except Exception as exc:
                 if not d.is_peer_failure(exc):
                     raise
                 _stop_timers_since(running)
                 failure = exc
+
+    @property
+    def last_step(self) -> int:
+        from megatron.training import get_args
+
+        return get_args().train_iters
 
     def _bind(self, model, optimizer, scheduler, config, data_iterator, n: int) -> None:
         self.objs = (model, optimizer, scheduler, config)
@@ -386,8 +397,26 @@ class MegatronSession:
         d.record_newcomer(plan.roster, n, t0, t_joined)
 
     # ------------------------------------------------------------------ between steps
+    def training_returned(self, iteration: int) -> None:
+        """Megatron's `train()` returned after `iteration` (its last step, or an exit
+        condition: --exit-interval, --exit-duration-in-mins, a signal)."""
+        if self.objs is None or self.driver.completed is not None:
+            return
+        try:
+            self.driver.finish_training(iteration)
+        except Exception as exc:
+            if not self.driver.is_peer_failure(exc):
+                raise
+            self.driver.completed = iteration  # no step to recompute outside Megatron's loop
+            self.defer(exc, "the last replication round")
+
     def defer(self, exc: BaseException, where: str) -> None:
-        """A collective failed outside a training step: recover at the next step."""
+        """A collective failed outside a training step: recover at the next step - or, once
+        training completed, save what survives and end (`LostAfterTrainingError`)."""
+        if self.driver.completed is not None:
+            message = self.driver.end_failure(exc, where)
+            self.driver.finish()
+            raise LostAfterTrainingError(message)
         log.warning(
             "collective failed in %s (%s): recovering at the next step",
             where,
