@@ -718,7 +718,7 @@ def test_rank_lost_after_training_completed_costs_nothing(baseline: Run, tmp_pat
     assert run.summary["param_digests"] == expected
     assert re.search(
         rf"training completed at iteration {ITERS}; rank\(s\) \[2\] lost "
-        r"afterwards, in a checkpoint save: saved every rank's state",
+        r"afterwards, in Megatron's final work after training: saved every rank's state",
         run.text,
     )
     manifest = salvage.read_manifest(ckpt, ITERS)
