@@ -16,10 +16,18 @@ import secrets
 import time
 from pathlib import Path
 
+from ..config.deadpool import DeadpoolConfig
+from ..config.flags import field_docs
+from ..config.job import load_job
+from ..digest import job_digest
 from ..errors import ConfigError
 from ..hotswap.coordinator import Coordinator, EventLog, HeartbeatOnly
 from ..hotswap.membership import Membership, host_store
 from ..logs import setup_logging
+from ..replication.placement import Layout
+
+# The job's settings the coordinator needs, under the workers' flag names.
+_JOB_TIMEOUTS = ("heartbeat_interval", "heartbeat_timeout", "pg_timeout")
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -31,7 +39,17 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--spares", type=int, default=0, help="spare ranks started with the job")
     parser.add_argument("--log-dir", help="directory for events.jsonl")
     parser.add_argument("--job-token", help="job token (default: $DEADPOOL_JOB_TOKEN or new)")
-    parser.add_argument("--heartbeat-timeout", type=float, default=10.0)
+    parser.add_argument(
+        "--config", help="the embedded job's YAML: its deadpool: section sets the flags below"
+    )
+    docs = field_docs(DeadpoolConfig)
+    for name in _JOB_TIMEOUTS:
+        flag = "--deadpool-" + name.replace("_", "-")
+        aliases = ["--heartbeat-timeout"] if name == "heartbeat_timeout" else []
+        default = getattr(DeadpoolConfig(), name)
+        parser.add_argument(
+            flag, *aliases, dest=name, type=float, help=f"the job's {flag}: {docs[name]} ({default})"
+        )
     parser.add_argument("--agree-timeout", type=float, default=60.0)
     parser.add_argument(
         "--max-wait", type=float, default=7 * 24 * 3600, help="give up after this many seconds"
@@ -45,6 +63,7 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError("spares: must be >= 0")
     if not 0 < args.port < 65536:
         raise ConfigError("port: must be in 1-65535")
+    cfg = _job_settings(args)
     setup_logging()
     token = args.job_token or os.environ.get("DEADPOOL_JOB_TOKEN") or secrets.token_hex(16)
     try:
@@ -62,16 +81,20 @@ def run(args: argparse.Namespace) -> int:
         args.world_size,
         None,  # the layout arrives from rank 0 (job/layout)
         [f"s{i}" for i in range(args.spares)],
-        heartbeat_timeout=args.heartbeat_timeout,
+        heartbeat_timeout=cfg.heartbeat_timeout,
         agree_timeout=args.agree_timeout,
         liveness=HeartbeatOnly(),
         events=EventLog(log_dir / "events.jsonl" if log_dir else None),
         on_event=lambda text: print(f"deadpool coordinator: {text}", flush=True),
     )
     coord.start()
+    settings = {name: getattr(cfg, name) for name in _JOB_TIMEOUTS}
+    coord.events("settings", **settings, agree_timeout=args.agree_timeout)
     print(
         f"deadpool coordinator: listening on {args.host}:{args.port}, world size "
-        f"{args.world_size}, {args.spares} spare(s)",
+        f"{args.world_size}, {args.spares} spare(s); "
+        + ", ".join(f"{k.replace('_', ' ')} {v:g}s" for k, v in settings.items())
+        + f", agree timeout {args.agree_timeout:g}s",
         flush=True,
     )
     deadline = time.monotonic() + args.max_wait
@@ -83,9 +106,29 @@ def run(args: argparse.Namespace) -> int:
         done = all(store.check([f"done/{p}"]) for p in coord.roster.slots.values())
         if done and coord.recovery is None:
             store.set("shutdown", "1")
-            print("deadpool coordinator: every rank finished", flush=True)
+            digest = _final_digest(members, args.world_size)
+            coord.events("finished", final_param_digest=digest)
+            print(f"deadpool coordinator: every rank finished; digest {digest}", flush=True)
             time.sleep(2.0)  # let spares see the shutdown before the store goes away
             return 0
         time.sleep(0.05)
     print("deadpool coordinator: --max-wait reached", flush=True)
     return 1
+
+
+def _job_settings(args: argparse.Namespace) -> DeadpoolConfig:
+    """The job's timeouts: --config's deadpool: section < flags, checked as the workers do."""
+    base = load_job(args.config).deadpool if args.config else DeadpoolConfig()
+    flags = {name: getattr(args, name) for name in _JOB_TIMEOUTS}
+    return base.replace(**{k: v for k, v in flags.items() if v is not None})
+
+
+def _final_digest(members: Membership, world_size: int) -> str | None:
+    """The job's parameter digest as `deadpool train` reports it (None if a rank's is missing)."""
+    layout = members.read("job/layout")
+    store = members.store
+    keys = [f"digest/{r}" for r in range(world_size)]
+    if layout is None or not all(store.check([k]) for k in keys):
+        return None
+    groups = Layout(layout["tp"], layout["pp"], layout["dp"], layout["ranks_per_node"]).dp_groups
+    return job_digest({g[0]: store.get(f"digest/{g[0]}").decode() for g in groups})

@@ -5,7 +5,9 @@
 # inside any allocation (salloc) as well. It
 #   1. loads $DEADPOOL_MODULES and activates $DEADPOOL_VENV if set;
 #   2. starts the coordinator (store host, heartbeat monitor, spare assignment) on this host,
-#      in the background, unless DEADPOOL_COORDINATOR names one already running;
+#      in the background, unless DEADPOOL_COORDINATOR names one already running; it gets the
+#      job's heartbeat and process-group timeouts (DEADPOOL_CONFIG's deadpool: section and any
+#      --deadpool-heartbeat-interval/-timeout, --deadpool-pg-timeout in the workers' arguments);
 #   3. starts one process per GPU on every node with one `srun` that keeps the survivors alive
 #      when processes or nodes die (--kill-on-bad-exit=0, --no-kill, --wait=0). Tasks are laid
 #      out in blocks, so node i holds ranks i*G .. i*G+G-1; tasks >= the world size (the last
@@ -131,6 +133,7 @@ fi
 
 read -r -a extra_args <<<"$DEADPOOL_EXTRA_ARGS"
 read -r -a srun_extra <<<"$SRUN_EXTRA_ARGS"
+megatron_args=()
 deadpool_flags=(
     --deadpool-coordinator "$coordinator"
     --deadpool-spares "$spares"
@@ -163,8 +166,26 @@ if [ "$DEADPOOL_MODE" = baseline ]; then # the same active GPUs, nothing else
     start_coordinator=0
 fi
 
+# The coordinator judges the workers by the job's own failure-detection settings: the embedded
+# job's config (its deadpool: section) and the same --deadpool-heartbeat-*/--deadpool-pg-timeout
+# flags the workers get (later ones win, as in the workers' parsers).
+job_settings=()
+[ "$DEADPOOL_MODE" != embedded ] || job_settings=(--config "$DEADPOOL_CONFIG")
+worker_args=("${megatron_args[@]}" "${extra_args[@]}")
+for ((i = 0; i < ${#worker_args[@]}; i++)); do
+    case ${worker_args[i]} in
+    --deadpool-heartbeat-interval=* | --deadpool-heartbeat-timeout=* | --deadpool-pg-timeout=*)
+        job_settings+=("${worker_args[i]}")
+        ;;
+    --deadpool-heartbeat-interval | --deadpool-heartbeat-timeout | --deadpool-pg-timeout)
+        job_settings+=("${worker_args[i]}" "${worker_args[i + 1]:-}")
+        i=$((i + 1))
+        ;;
+    esac
+done
 coordinator_cmd=("$PYTHON" -m megatron_deadpool.cli coordinator --host "$coord_host"
-    --port "$coord_port" --world-size "$world" --spares "$spares" --log-dir "$DEADPOOL_LOG_DIR")
+    --port "$coord_port" --world-size "$world" --spares "$spares" --log-dir "$DEADPOOL_LOG_DIR"
+    "${job_settings[@]}")
 
 # One task per GPU; the survivors of a failure must keep running, so: no kill on a bad exit,
 # no kill when a node fails, and no limit on how long srun waits after the first task ends.
