@@ -106,8 +106,8 @@ def run(args: argparse.Namespace) -> int:
         done = all(store.check([f"done/{p}"]) for p in coord.roster.slots.values())
         if done and coord.recovery is None:
             store.set("shutdown", "1")
-            digest = _final_digest(members, args.world_size)
-            coord.events("finished", final_param_digest=digest)
+            digest, ranks = _digests(members, args.world_size)
+            coord.events("finished", final_param_digest=digest, rank_digests=ranks)
             print(f"deadpool coordinator: every rank finished; digest {digest}", flush=True)
             time.sleep(2.0)  # let spares see the shutdown before the store goes away
             return 0
@@ -123,12 +123,17 @@ def _job_settings(args: argparse.Namespace) -> DeadpoolConfig:
     return base.replace(**{k: v for k, v in flags.items() if v is not None})
 
 
-def _final_digest(members: Membership, world_size: int) -> str | None:
-    """The job's parameter digest as `deadpool train` reports it (None if a rank's is missing)."""
-    layout = members.read("job/layout")
+def _digests(members: Membership, world_size: int) -> tuple[str | None, dict[str, str]]:
+    """The job's parameter digest as `deadpool train` reports it (None unless every rank
+    published its own), and each rank's."""
     store = members.store
-    keys = [f"digest/{r}" for r in range(world_size)]
-    if layout is None or not all(store.check([k]) for k in keys):
-        return None
+    ranks = {
+        str(r): store.get(f"digest/{r}").decode()
+        for r in range(world_size)
+        if store.check([f"digest/{r}"])
+    }
+    layout = members.read("job/layout")
+    if layout is None or len(ranks) < world_size:
+        return None, ranks
     groups = Layout(layout["tp"], layout["pp"], layout["dp"], layout["ranks_per_node"]).dp_groups
-    return job_digest({g[0]: store.get(f"digest/{g[0]}").decode() for g in groups})
+    return job_digest({g[0]: ranks[str(g[0])] for g in groups}), ranks

@@ -256,8 +256,24 @@ fi
 set +e
 "${srun_cmd[@]}"
 rc=$?
-set -e
+echo "deadpool_launch: srun exited with status $rc"
 # srun reports the highest task status, so a run that survived killed processes ends non-zero
-# too: the coordinator's log says whether training finished.
-echo "deadpool_launch: srun exited with status $rc (see $DEADPOOL_LOG_DIR/coordinator.log)"
+# too. The coordinator's verdict is the job's: 0 once every rank finished, 1 out of redundancy
+# (it exits within seconds of the last rank); one still running means training did not finish.
+if [ -n "$coordinator_pid" ]; then
+    for _ in $(seq 1 60); do
+        kill -0 "$coordinator_pid" 2>/dev/null || break
+        sleep 0.5
+    done
+    if kill -0 "$coordinator_pid" 2>/dev/null; then
+        echo "deadpool_launch: training did not finish (see $DEADPOOL_LOG_DIR/coordinator.log)"
+        ((rc != 0)) || rc=1
+    else
+        wait "$coordinator_pid"
+        rc=$?
+        coordinator_pid=
+        echo "deadpool_launch: the coordinator exited with status $rc" \
+            "(see $DEADPOOL_LOG_DIR/coordinator.log)"
+    fi
+fi
 exit "$rc"

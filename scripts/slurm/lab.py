@@ -253,6 +253,8 @@ class Lab:
         if len(str(socket_path)) > 100:
             raise LabError(f"--state {self.dir}: too long for a unix socket path; pick a shorter one")
         install_packages()
+        for sub in ("ctld", "spool", "run"):  # an earlier lab's jobs must not come back
+            shutil.rmtree(self.dir / sub, ignore_errors=True)
         for sub in ("munge", "ctld", "spool", "log", "run", "dev"):
             (self.dir / sub).mkdir(parents=True, exist_ok=True)
         self.state = {"tag": self.tag, "procs": {}, "nodes": {}, "links": [], "netns": []}
@@ -595,8 +597,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         sub.add_parser(name, help=text).add_argument("node", help="n1, n2, ...")
     sub.add_parser("down", help="stop and remove everything the lab created")
     args = parser.parse_args(argv)
-    lab = Lab(args.state)
     try:
+        lab = Lab(args.state)
         if args.command == "up":
             lab.up(args.nodes, args.gpus_per_node, args.cpus_per_node)
             print(lab.status())
@@ -616,7 +618,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             result = getattr(lab, args.command)(args.node)
             if isinstance(result, int):
                 print(f"{args.command}: {result} processes of {args.node}")
-    except LabError as exc:
+    except (LabError, OSError) as exc:
         print(f"lab: error: {exc}", file=sys.stderr)
         return 2
     return 0
