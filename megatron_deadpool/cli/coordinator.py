@@ -48,7 +48,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
         aliases = ["--heartbeat-timeout"] if name == "heartbeat_timeout" else []
         default = getattr(DeadpoolConfig(), name)
         parser.add_argument(
-            flag, *aliases, dest=name, type=float, help=f"the job's {flag}: {docs[name]} ({default})"
+            flag,
+            *aliases,
+            dest=name,
+            type=float,
+            help=f"the job's {flag}: {docs[name]} ({default})",
         )
     parser.add_argument("--agree-timeout", type=float, default=60.0)
     parser.add_argument(

@@ -276,7 +276,9 @@ class Runtime:
         self.last_completed = it
         # One line per iteration on every rank: scripts/inject_failure.sh --at-iteration N
         # matches "iteration N/" in the task logs (Megatron-LM's own lines read the same).
-        log.info("iteration %d/%d | loss %.6f | %.3f s/it", it, self.job.train.iters, step.loss, iter_s)
+        log.info(
+            "iteration %d/%d | loss %.6f | %.3f s/it", it, self.job.train.iters, step.loss, iter_s
+        )
         if self.rank != 0:
             return
         if self.generation > 0 and it == self.resumed_at:

@@ -155,9 +155,11 @@ def unavailable() -> str | None:
     )
     if probe.returncode != 0:
         why = probe.stderr.strip().splitlines()
-        return "no network/PID namespace support here (unshare: " + (
-            why[-1] if why else f"exit {probe.returncode}"
-        ) + ")"
+        return (
+            "no network/PID namespace support here (unshare: "
+            + (why[-1] if why else f"exit {probe.returncode}")
+            + ")"
+        )
     return None
 
 
@@ -251,7 +253,9 @@ class Lab:
             raise LabError(f"a lab is already up in {self.dir}: run `down` first")
         socket_path = self.dir / "munge" / "munge.socket"
         if len(str(socket_path)) > 100:
-            raise LabError(f"--state {self.dir}: too long for a unix socket path; pick a shorter one")
+            raise LabError(
+                f"--state {self.dir}: too long for a unix socket path; pick a shorter one"
+            )
         install_packages()
         for sub in ("ctld", "spool", "run"):  # an earlier lab's jobs must not come back
             shutil.rmtree(self.dir / sub, ignore_errors=True)
@@ -602,7 +606,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "up":
             lab.up(args.nodes, args.gpus_per_node, args.cpus_per_node)
             print(lab.status())
-            print(f"next: eval \"$(python3 {sys.argv[0]} --state {lab.dir} env)\"")
+            print(f'next: eval "$(python3 {sys.argv[0]} --state {lab.dir} env)"')
         elif args.command == "env":
             for key, value in lab.env().items():
                 print(f"export {key}={value}")

@@ -32,7 +32,6 @@ from typing import Any
 
 import pytest
 import yaml
-
 from conftest import run_deadpool
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -203,8 +202,9 @@ class Job:
         return dict(re.findall(r"(\w+)=(\S+)", record))
 
 
-def submit(lab: Any, folder: Path, site: str, config: Path, **env: str) -> Job:
-    """sbatch scripts/slurm/SITE.sbatch from the repository root, as a user does."""
+def submit(lab: Any, folder: Path, site: str, config: Path | None, **env: str) -> Job:
+    """sbatch scripts/slurm/SITE.sbatch from the repository root, as a user does (the embedded
+    job with `config`, else as `env` says)."""
     folder.mkdir(parents=True, exist_ok=True)
     base = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
     base.update(lab.env())
@@ -212,12 +212,13 @@ def submit(lab: Any, folder: Path, site: str, config: Path, **env: str) -> Job:
         GPUS_PER_NODE="2",
         DEADPOOL_MODULES="",  # no environment modules here
         PYTHON=sys.executable,
-        DEADPOOL_CONFIG=str(config),
         DEADPOOL_LOG_DIR=str(folder),
         DEADPOOL_EXTRA_ARGS="--deadpool-pg-timeout 30",
         PYTHONWARNINGS="ignore",
         OMP_NUM_THREADS="1",
     )
+    if config is not None:
+        base["DEADPOOL_CONFIG"] = str(config)
     base.update(env)
     site_args = ["-A", "lab"] if site == "perlmutter" else []  # Perlmutter wants an account
     proc = subprocess.run(
@@ -266,8 +267,8 @@ def test_down_removes_everything_the_lab_recorded(lab: Any) -> None:
     lab.down()
     assert not any(labmod._alive(r) for r in state["procs"].values())
     assert not any(labmod._alive(n["init"]) for n in state["nodes"].values())
-    netns = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
-    links = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout
+    netns = labmod._run(["ip", "netns", "list"]).stdout
+    links = labmod._run(["ip", "-o", "link"]).stdout
     assert not any(name in netns for name in state["netns"])
     assert not any(f" {name}:" in links or f" {name}@" in links for name in state["links"])
     assert not (LAB_DIR / "state.json").exists()
@@ -471,3 +472,66 @@ def test_batch_host_crash_loses_no_training_state_and_ends_the_job(
     assert resumed.returncode == 0, resumed.stdout[-3000:]
     summary = json.loads((tmp_path / "resumed.jsonl").read_text().splitlines()[-1])
     assert summary["final_param_digest"] == reference["final_param_digest"]
+
+
+# ---------------------------------------------------------------------- Megatron-LM
+MLM_ITERS = 16
+MLM_ARGS = (
+    "--tensor-model-parallel-size 2 --num-layers 2 --hidden-size 64 --num-attention-heads 4 "
+    "--seq-length 64 --max-position-embeddings 64 --micro-batch-size 2 --global-batch-size 8 "
+    f"--train-iters {MLM_ITERS} --lr 1e-3 --min-lr 1e-4 --lr-decay-style cosine "
+    "--lr-warmup-iters 2 --mock-data --tokenizer-type NullTokenizer --vocab-size 128 "
+    "--eval-iters 0 --eval-interval 1000 --log-interval 1 --seed 1234 --attention-dropout 0.1 "
+    "--hidden-dropout 0.1 --use-distributed-optimizer"
+)
+MLM_FLAGS = (
+    "--deadpool-heartbeat-timeout 3 --deadpool-heartbeat-interval 0.5 --deadpool-pg-timeout 30"
+)
+
+
+def _megatron_lm_tree() -> Path:
+    path = os.environ.get("MEGATRON_LM_PATH")
+    if not path:
+        pytest.skip("MEGATRON_LM_PATH is not set (a Megatron-LM tree at tag core_v0.16.1)")
+    tree = Path(path).expanduser()
+    if not (tree / "pretrain_gpt.py").is_file():
+        pytest.skip(f"MEGATRON_LM_PATH={path} has no pretrain_gpt.py")
+    if not list((tree / "megatron/core/datasets").glob("helpers_cpp*.so")):
+        pytest.skip(f"build Megatron's dataset helpers in {tree}/megatron/core/datasets first")
+    return tree
+
+
+@pytest.mark.timeout(3 * JOB_TIMEOUT + 600)
+def test_megatron_lm_node_killed_mid_run_the_spare_node_takes_over(
+    lab: Any, tmp_path: Path
+) -> None:
+    """DEADPOOL_MODE=megatron-lm through vista.sbatch: pretrain_gpt.py unmodified, node 1's
+    tasks killed at an iteration from Megatron's own log line; the final weights are those of
+    `deadpool megatron-lm` on one machine without a failure."""
+    tree = _megatron_lm_tree()
+    local = run_deadpool(
+        "megatron-lm", "--nproc-per-node", "4", "--run-dir", str(tmp_path / "reference"),
+        str(tree / "pretrain_gpt.py"), *MLM_ARGS.split(), "--deadpool",
+        "--deadpool-ranks-per-node", "2", *MLM_FLAGS.split(),
+        timeout=2 * JOB_TIMEOUT,
+    )  # fmt: skip
+    assert local.returncode == 0, local.stdout[-3000:] + local.stderr[-3000:]
+    expected = json.loads((tmp_path / "reference" / "summary.json").read_text())["param_digests"]
+    job = submit(
+        lab,
+        tmp_path / "logs",
+        "vista",
+        None,
+        DEADPOOL_MODE="megatron-lm",
+        MEGATRON_LM_PATH=str(tree),
+        MEGATRON_ARGS=MLM_ARGS,
+        DEADPOOL_EXTRA_ARGS=MLM_FLAGS,
+        DEADPOOL_INJECT="--node-index 1 --at-iteration 6",
+    )
+    record = job.wait_end(timeout=2 * JOB_TIMEOUT)
+    assert "at iteration 6" in job.text("inject.log"), job.describe()
+    recovered = job.event("recovered")
+    assert recovered is not None and recovered["dead_ranks"] == [2, 3], job.describe()
+    finished = job.event("finished")
+    assert finished is not None and finished["rank_digests"] == expected, job.describe()
+    assert record["JobState"] == "COMPLETED" and record["ExitCode"] == "0:0"
