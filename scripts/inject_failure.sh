@@ -99,14 +99,15 @@ if [ -n "$node_index" ]; then
     [ -n "$node" ] || die "job $job has no node with index $node_index ($nodelist)"
 fi
 
-# Runs on NODE as its own step: $0 is the signal. listpids prints "PID JOBID STEPID LOCALID
-# GLOBALID" per process of the job on this node.
+# Runs on NODE as its own step ($0: the signal), in one line so that dry runs print it so.
+# listpids prints "PID JOBID STEPID LOCALID GLOBALID" for each process of the job on the node.
 # shellcheck disable=SC2016 # expanded by the step on NODE
-signal_job='pids=$(scontrol listpids "$SLURM_JOB_ID" | awk -v me="$SLURM_STEP_ID" \
-    '\''NR > 1 && $3 != me && $3 != "batch" && $3 != "extern" { print $1 }'\'')
-[ -n "$pids" ] || { echo "no process of job $SLURM_JOB_ID on $(hostname)" >&2; exit 3; }
-echo "SIG$0 to" $pids
-kill -s "$0" $pids'
+{
+    signal_job='pids=$(scontrol listpids "$SLURM_JOB_ID" | awk -v me="$SLURM_STEP_ID"'
+    signal_job+=" 'NR > 1 && \$3 != me && \$3 != \"batch\" && \$3 != \"extern\" { print \$1 }');"
+    signal_job+=' if [ -z "$pids" ]; then echo "no process of job $SLURM_JOB_ID on $(hostname)" >&2;'
+    signal_job+=' exit 3; fi; echo "SIG$0 to" $pids; kill -s "$0" $pids'
+}
 kill_cmd=(srun --jobid="$job" --overlap --nodelist="$node" --nodes=1 --ntasks=1
     bash -c "$signal_job" "$signal")
 
