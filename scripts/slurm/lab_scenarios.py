@@ -93,6 +93,7 @@ def run(args: argparse.Namespace, lab: Any, out: Path) -> dict[str, Any]:
             if not job_state() or time.time() - t_submit > args.max_wait:
                 raise SystemExit(f"iteration {args.at} never came; see {out}")
             time.sleep(0.05)
+        t_fail = time.time()  # the kill or stop is under way from here (inject: ~0.5 s later)
         if args.scenario == "kill-tasks":
             subprocess.run(
                 ["bash", "scripts/inject_failure.sh", "--job", job, "--node", node,
@@ -103,7 +104,7 @@ def run(args: argparse.Namespace, lab: Any, out: Path) -> dict[str, Any]:
             lab.freeze(node)
         else:
             lab.crash(node)
-        t_fail = time.time()
+        report["failure_took_s"] = round(time.time() - t_fail, 2)
     t0 = t_fail or t_submit
     report["failed_at_epoch"] = t_fail
 
@@ -157,11 +158,11 @@ def run(args: argparse.Namespace, lab: Any, out: Path) -> dict[str, Any]:
             t = _epoch(m.group(1), t0)
             text = m.group(5)
             it = re.match(r"iteration (\d+)/", text)
-            if it and t <= t0:
+            if it and t < t0:
                 last_before = (int(it.group(1)), rel(t))
-            if it and t > t0 and first_after is None:
+            if it and t >= t0 and first_after is None:
                 first_after = (int(it.group(1)), rel(t), f"g{m.group(3)}")
-            if m.group(4) in ("WARNING", "ERROR") and t > t0 and first_failure is None:
+            if m.group(4) in ("WARNING", "ERROR") and t >= t0 and first_failure is None:
                 first_failure = (rel(t), text[:160])
         ranks[path.stem] = {
             "last_iteration_before": last_before,

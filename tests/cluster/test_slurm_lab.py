@@ -39,7 +39,7 @@ ROOT = Path(__file__).resolve().parents[2]
 LAB_DIR = Path("/tmp") / f"dplab-{hashlib.sha256(str(ROOT).encode()).hexdigest()[:8]}"
 ITERS = 40
 FAIL_AT = 10  # the iteration after which a node fails
-JOB_TIMEOUT = 240.0  # per Slurm job: start-up of 6 Python processes on 2 shared cores included
+JOB_TIMEOUT = 300.0  # per Slurm job: start-up of 6 Python processes on 2 shared cores included
 RUN_FAILOVER = os.environ.get("DEADPOOL_RUN_NEEDS_FAILOVER") == "1"
 
 
@@ -166,9 +166,9 @@ class Job:
         parts = [f"job {self.id} in {self.dir}"]
         for name in ("batch.out", "coordinator.log", "inject.log"):
             parts.append(f"--- {name}\n{self.text(name)[-2500:]}")
-        for rank, text in self.task_logs().items():
-            lines = [x for x in text.splitlines() if "arn" not in x and "return func" not in x]
-            parts.append(f"--- task {rank}\n" + "\n".join(lines[-12:]))
+        for rank, text in self.task_logs().items():  # DeadPool's and Slurm's lines
+            lines = [x for x in text.splitlines() if "[deadpool " in x or "slurmstepd" in x]
+            parts.append(f"--- task {rank}\n" + "\n".join(lines[-8:]))
         return "\n".join(parts)
 
     def wait_for_iteration(self, iteration: int, timeout: float) -> None:
