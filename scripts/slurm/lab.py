@@ -35,6 +35,7 @@ import secrets
 import shutil
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import time
@@ -352,11 +353,11 @@ class Lab:
         node_opts = f"CPUs={cpus} Feature=gpu State=UNKNOWN"
         if gpus:
             lines.append("GresTypes=gpu")
-            node_opts = f"CPUs={cpus} Gres=gpu:{gpus} Feature=gpu State=UNKNOWN"
-            for g in range(gpus):  # fake devices: Slurm checks that gres files exist
+            node_opts += f" Gres=gpu:{gpus}"
+            for g in range(gpus):  # fake devices (like /dev/null): Slurm checks they exist
                 dev = d / "dev" / f"gpu{g}"
                 if not dev.exists():
-                    os.mknod(dev, 0o666 | 0o020000, os.makedev(1, 3))
+                    os.mknod(dev, 0o666 | stat.S_IFCHR, os.makedev(1, 3))
             last = f"gpu[0-{gpus - 1}]" if gpus > 1 else "gpu0"
             (d / "gres.conf").write_text(f"NodeName=n[1-{nodes}] Name=gpu File={d}/dev/{last}\n")
         for name, node in self.state["nodes"].items():
@@ -390,6 +391,7 @@ class Lab:
         if not key.exists():
             key.write_bytes(secrets.token_bytes(128))
         key.chmod(0o400)
+        (m / "munge.socket").unlink(missing_ok=True)  # an earlier lab's, if any
         self._daemon(
             "munged",
             [
