@@ -10,6 +10,7 @@ import os
 import shlex
 import shutil
 import subprocess
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -187,6 +188,37 @@ def test_baseline_mode_runs_plain_megatron_lm_on_the_active_nodes() -> None:
     assert flag(srun, "--nodes") == "2" and flag(srun, "--ntasks") == "8"
     assert srun[-3:] == ["python", "/opt/Megatron-LM/pretrain_gpt.py", "--bf16"]
     assert env["WORLD_SIZE"] == "8"
+
+
+@pytest.mark.timeout(30)
+def test_coordinator_gets_the_jobs_own_timeouts() -> None:
+    flags = "--deadpool-heartbeat-timeout 4 --deadpool-pg-timeout=50 --deadpool-fail 1@3"
+    status, cmds, _, err = render("scripts/slurm/vista.sbatch", DEADPOOL_EXTRA_ARGS=flags)
+    assert status == 0, err
+    coord = cmds["coordinator"]
+    assert flag(coord, "--config") == "configs/cpu-demo.yaml"  # its deadpool: section
+    assert flag(coord, "--deadpool-heartbeat-timeout") == "4"
+    assert flag(coord, "--deadpool-pg-timeout") == "50"
+    assert "--deadpool-fail" not in coord
+    status, cmds, _, err = render(
+        "scripts/slurm/perlmutter.sbatch",
+        DEADPOOL_MODE="megatron-lm",
+        MEGATRON_LM_PATH="/opt/Megatron-LM",
+        MEGATRON_ARGS="--bf16 --deadpool-heartbeat-interval 2",
+    )
+    assert status == 0, err
+    coord = cmds["coordinator"]
+    assert "--config" not in coord and flag(coord, "--deadpool-heartbeat-interval") == "2"
+
+
+@pytest.mark.timeout(60)
+def test_coordinator_refuses_timeouts_out_of_order(
+    deadpool_cli: Callable[..., subprocess.CompletedProcess],
+) -> None:
+    proc = deadpool_cli("coordinator", "--world-size", "4", "--deadpool-heartbeat-timeout", "200")
+    assert proc.returncode == 2
+    (line,) = proc.stderr.strip().splitlines()
+    assert "deadpool-pg-timeout (120.0s) must exceed deadpool-heartbeat-timeout (200.0s)" in line
 
 
 @pytest.mark.timeout(30)
