@@ -9,7 +9,7 @@ of the model exactly once.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 
 import torch
 
@@ -31,3 +31,20 @@ def job_digest(per_rank: Mapping[int, str]) -> str:
     for rank in sorted(per_rank):
         h.update(f"{rank}:{per_rank[rank]};".encode())
     return h.hexdigest()
+
+
+def final_digest(
+    dp_groups: Iterable[Sequence[int]], per_rank: Mapping[int, str]
+) -> tuple[str | None, bool]:
+    """The job's digest from the ranks' digests, and whether data-parallel peers agree.
+
+    Data-parallel peers hold the same weights, so each group's digest is any member's that is
+    known (a rank lost after training completed published none); `job_digest` of one per group,
+    keyed by the group's first rank. None when a whole group is missing.
+    """
+    groups = [[per_rank[r] for r in g if r in per_rank] for g in dp_groups]
+    starts = [g[0] for g in dp_groups]
+    if not all(groups):
+        return None, False
+    digest = job_digest({start: known[0] for start, known in zip(starts, groups)})
+    return digest, all(len(set(known)) == 1 for known in groups)

@@ -1,16 +1,19 @@
 #!/usr/bin/env bash
-# inject_failure.sh: kill (or freeze) every training process of one node of a running Slurm job.
+# inject_failure.sh: kill (or freeze) every process of one Slurm job on one of its nodes.
 #
 #   scripts/inject_failure.sh --job JOBID (--node NAME | --node-index I)
-#       (--at-seconds T | --at-iteration N --log-dir DIR) [--signal KILL|STOP] [--pattern REGEX]
+#       (--at-seconds T | --at-iteration N --log-dir DIR) [--signal KILL|STOP|TERM]
 #
 # --node-index I counts the job's nodes from 0 in Slurm's order (node I holds ranks I*G..);
 # --at-iteration waits until a task log in DIR (task-*.log, as deadpool_launch.sh writes them)
-# prints "iteration N"; --at-seconds waits T seconds. The kill runs on the node itself as a job
-# step sharing the allocation (`srun --overlap --nodelist=NODE pkill`), no ssh needed.
-# --signal STOP freezes the processes instead, as a hung GPU or NIC would (found by the
-# heartbeat timeout). The default pattern matches the Python workers' command lines only -
-# never srun's or this script's, which contain the module names too.
+# prints "iteration N/" (the embedded job's workers log "iteration N/TOTAL | loss ..." on every
+# rank, Megatron-LM "iteration      N/  TOTAL |"); --at-seconds waits T seconds.
+# The signal is sent on the node itself, by a job step sharing the allocation (`srun --overlap
+# --nodelist=NODE`, no ssh), to the processes Slurm itself lists for this job there (`scontrol
+# listpids JOBID`): the tasks of the job's steps, never another job's processes. Left alone: the
+# batch step (batch script, srun, coordinator on the first node), the extern step, and the
+# injecting step itself.
+# --signal STOP freezes them instead, as a hung GPU or NIC would (found by the heartbeat timeout).
 # DEADPOOL_DRY_RUN=1 prints the kill command instead of waiting and running it.
 set -euo pipefail
 
@@ -31,7 +34,6 @@ at_seconds=
 at_iteration=
 log_dir=
 signal=KILL
-pattern='^[^ ]*python[^ ]* (-[^ ]+ )*-m megatron_deadpool\.(embedded\.worker|megatron_lm)( |$)'
 while (($#)); do
     case $1 in
     --job) job=${2:?}; shift 2 ;;
@@ -41,7 +43,6 @@ while (($#)); do
     --at-iteration) at_iteration=${2:?}; shift 2 ;;
     --log-dir) log_dir=${2:?}; shift 2 ;;
     --signal) signal=${2:?}; shift 2 ;;
-    --pattern) pattern=${2:?}; shift 2 ;;
     -h | --help) usage ;;
     *) die "unknown argument '$1' (see --help)" ;;
     esac
@@ -98,8 +99,17 @@ if [ -n "$node_index" ]; then
     [ -n "$node" ] || die "job $job has no node with index $node_index ($nodelist)"
 fi
 
+# Runs on NODE as its own step ($0: the signal), in one line so that dry runs print it so.
+# listpids prints "PID JOBID STEPID LOCALID GLOBALID" for each process of the job on the node.
+# shellcheck disable=SC2016 # expanded by the step on NODE
+{
+    signal_job='pids=$(scontrol listpids "$SLURM_JOB_ID" | awk -v me="$SLURM_STEP_ID"'
+    signal_job+=" 'NR > 1 && \$3 != me && \$3 != \"batch\" && \$3 != \"extern\" { print \$1 }');"
+    signal_job+=' if [ -z "$pids" ]; then echo "no process of job $SLURM_JOB_ID on $(hostname)" >&2;'
+    signal_job+=' exit 3; fi; echo "SIG$0 to" $pids; kill -s "$0" $pids'
+}
 kill_cmd=(srun --jobid="$job" --overlap --nodelist="$node" --nodes=1 --ntasks=1
-    pkill "-$signal" -f "$pattern")
+    bash -c "$signal_job" "$signal")
 
 if [ "${DEADPOOL_DRY_RUN:-0}" = 1 ]; then
     printf 'DRY-RUN kill:'
@@ -112,11 +122,11 @@ if [ -n "$at_seconds" ]; then
     sleep "$at_seconds"
     when="after ${at_seconds} s"
 else
-    regex="iteration[[:space:]]+${at_iteration}([^0-9]|$)"
+    regex="iteration[[:space:]]+${at_iteration}/"
     until grep -Eqs "$regex" "$log_dir"/task-*.log; do
-        sleep 1
+        sleep 0.2
     done
     when="at iteration $at_iteration"
 fi
-echo "inject_failure: $(date +%T) SIG$signal to the training processes of $node $when"
-"${kill_cmd[@]}" || echo "inject_failure: pkill found nothing to signal on $node" >&2
+echo "inject_failure: $(date +%T.%N) SIG$signal to job $job's processes on $node $when"
+"${kill_cmd[@]}" || echo "inject_failure: nothing signalled on $node (status $?)" >&2

@@ -16,10 +16,19 @@ import secrets
 import time
 from pathlib import Path
 
+from ..config.deadpool import DeadpoolConfig
+from ..config.flags import field_docs
+from ..config.job import load_job
+from ..digest import final_digest
 from ..errors import ConfigError
 from ..hotswap.coordinator import Coordinator, EventLog, HeartbeatOnly
 from ..hotswap.membership import Membership, host_store
 from ..logs import setup_logging
+from ..replication.placement import Layout
+
+# The job's settings the coordinator needs, under the workers' flag names.
+_JOB_TIMEOUTS = ("heartbeat_interval", "heartbeat_timeout", "agree_timeout", "pg_timeout")
+_ALIASES = {"heartbeat_timeout": ["--heartbeat-timeout"], "agree_timeout": ["--agree-timeout"]}
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -31,8 +40,15 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--spares", type=int, default=0, help="spare ranks started with the job")
     parser.add_argument("--log-dir", help="directory for events.jsonl")
     parser.add_argument("--job-token", help="job token (default: $DEADPOOL_JOB_TOKEN or new)")
-    parser.add_argument("--heartbeat-timeout", type=float, default=10.0)
-    parser.add_argument("--agree-timeout", type=float, default=60.0)
+    parser.add_argument(
+        "--config", help="the embedded job's YAML: its deadpool: section sets the flags below"
+    )
+    docs = field_docs(DeadpoolConfig)
+    for name in _JOB_TIMEOUTS:
+        flag = "--deadpool-" + name.replace("_", "-")
+        parser.add_argument(
+            flag, *_ALIASES.get(name, []), dest=name, type=float, help=f"the job's {docs[name]}"
+        )
     parser.add_argument(
         "--max-wait", type=float, default=7 * 24 * 3600, help="give up after this many seconds"
     )
@@ -45,6 +61,7 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError("spares: must be >= 0")
     if not 0 < args.port < 65536:
         raise ConfigError("port: must be in 1-65535")
+    cfg = _job_settings(args)
     setup_logging()
     token = args.job_token or os.environ.get("DEADPOOL_JOB_TOKEN") or secrets.token_hex(16)
     try:
@@ -62,16 +79,21 @@ def run(args: argparse.Namespace) -> int:
         args.world_size,
         None,  # the layout arrives from rank 0 (job/layout)
         [f"s{i}" for i in range(args.spares)],
-        heartbeat_timeout=args.heartbeat_timeout,
-        agree_timeout=args.agree_timeout,
+        heartbeat_timeout=cfg.heartbeat_timeout,
+        agree_timeout=cfg.agreement_timeout,
+        suspect_after=cfg.suspect_after,
         liveness=HeartbeatOnly(),
         events=EventLog(log_dir / "events.jsonl" if log_dir else None),
         on_event=lambda text: print(f"deadpool coordinator: {text}", flush=True),
     )
     coord.start()
+    settings = {name: getattr(cfg, name) for name in _JOB_TIMEOUTS}
+    settings["agree_timeout"] = cfg.agreement_timeout
+    coord.events("settings", **settings)
     print(
         f"deadpool coordinator: listening on {args.host}:{args.port}, world size "
-        f"{args.world_size}, {args.spares} spare(s)",
+        f"{args.world_size}, {args.spares} spare(s); "
+        + ", ".join(f"{k.replace('_', ' ')} {v:g}s" for k, v in settings.items()),
         flush=True,
     )
     deadline = time.monotonic() + args.max_wait
@@ -83,9 +105,28 @@ def run(args: argparse.Namespace) -> int:
         done = members.all_done(list(coord.roster.slots.values()))
         if done and coord.recovery is None:
             members.request_shutdown()
-            print("deadpool coordinator: every rank finished", flush=True)
+            digest, ranks = _digests(members, args.world_size)
+            coord.events("finished", final_param_digest=digest, rank_digests=ranks)
+            print(f"deadpool coordinator: every rank finished; digest {digest}", flush=True)
             time.sleep(2.0)  # let spares see the shutdown before the store goes away
             return 0
         time.sleep(0.05)
     print("deadpool coordinator: --max-wait reached", flush=True)
     return 1
+
+
+def _job_settings(args: argparse.Namespace) -> DeadpoolConfig:
+    """The job's timeouts: --config's deadpool: section < flags, checked as the workers do."""
+    base = load_job(args.config).deadpool if args.config else DeadpoolConfig()
+    flags = {name: getattr(args, name) for name in _JOB_TIMEOUTS}
+    return base.replace(**{k: v for k, v in flags.items() if v is not None})
+
+
+def _digests(members: Membership, world_size: int) -> tuple[str | None, dict[str, str]]:
+    """The job's parameter digest as `deadpool train` reports it, and each rank's."""
+    ranks = {r: d for r in range(world_size) if (d := members.digest(r)) is not None}
+    layout = members.layout()
+    if layout is None:
+        return None, {str(r): d for r, d in ranks.items()}
+    groups = Layout(layout["tp"], layout["pp"], layout["dp"], layout["ranks_per_node"]).dp_groups
+    return final_digest(groups, ranks)[0], {str(r): d for r, d in ranks.items()}

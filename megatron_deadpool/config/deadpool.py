@@ -122,6 +122,12 @@ class DeadpoolConfig:
             return float(self.agree_timeout)
         return (self.heartbeat_timeout + self.pg_timeout) / 2
 
+    @property
+    def suspect_after(self) -> float:
+        """Silence that names a rank dead once a survivor reported a failed collective: half
+        the heartbeat timeout, at least 3 heartbeat intervals."""
+        return max(3 * self.heartbeat_interval, self.heartbeat_timeout / 2)
+
     def replace(self, **changes: object) -> DeadpoolConfig:
         """A validated copy with `changes` applied."""
         return dataclasses.replace(self, **changes)

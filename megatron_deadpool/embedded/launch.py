@@ -22,7 +22,7 @@ from typing import Any, TextIO
 import yaml
 
 from ..config.job import JobConfig
-from ..digest import job_digest
+from ..digest import final_digest
 from ..hotswap.local_job import LocalJob
 from ..replication.placement import Layout, place_replicas
 from ..replication.save_dir import resume_point
@@ -203,22 +203,16 @@ class LocalLauncher:
         )
         local = self.local
         digests = local.digests()
-        # Data-parallel peers hold the same weights: each group's digest is any member's (a
-        # rank lost after training completed has none).
-        by_group = [[digests[r] for r in g if r in digests] for g in layout.dp_groups]
-        complete = rc == 0 and all(by_group)
+        digest, identical = final_digest(layout.dp_groups, digests)
+        complete = rc == 0 and digest is not None
         summary = {
             "event": "summary",
             "returncode": rc,
             "iterations": len(records),
             "losses": [r["loss"] for r in records],
-            "final_param_digest": (
-                job_digest({g[0]: d[0] for g, d in zip(layout.dp_groups, by_group)})
-                if complete
-                else None
-            ),
+            "final_param_digest": digest if complete else None,
             "rank_digests": {str(r): d for r, d in sorted(digests.items())},
-            "dp_replicas_identical": complete and all(len(set(d)) == 1 for d in by_group),
+            "dp_replicas_identical": complete and identical,
             "committed_iteration": local.members.final_replication().get("committed_iteration"),
             "deadpool": self.job.deadpool.enabled,
             "recoveries": local.coordinator.finished,

@@ -5,7 +5,9 @@
 # inside any allocation (salloc) as well. It
 #   1. loads $DEADPOOL_MODULES and activates $DEADPOOL_VENV if set;
 #   2. starts the coordinator (store host, heartbeat monitor, spare assignment) on this host,
-#      in the background, unless DEADPOOL_COORDINATOR names one already running;
+#      in the background, unless DEADPOOL_COORDINATOR names one already running; it gets the
+#      job's heartbeat and process-group timeouts (DEADPOOL_CONFIG's deadpool: section and any
+#      --deadpool-heartbeat-interval/-timeout, --deadpool-pg-timeout in the workers' arguments);
 #   3. starts one process per GPU on every node with one `srun` that keeps the survivors alive
 #      when processes or nodes die (--kill-on-bad-exit=0, --no-kill, --wait=0). Tasks are laid
 #      out in blocks, so node i holds ranks i*G .. i*G+G-1; tasks >= the world size (the last
@@ -131,6 +133,7 @@ fi
 
 read -r -a extra_args <<<"$DEADPOOL_EXTRA_ARGS"
 read -r -a srun_extra <<<"$SRUN_EXTRA_ARGS"
+megatron_args=()
 deadpool_flags=(
     --deadpool-coordinator "$coordinator"
     --deadpool-spares "$spares"
@@ -163,8 +166,28 @@ if [ "$DEADPOOL_MODE" = baseline ]; then # the same active GPUs, nothing else
     start_coordinator=0
 fi
 
+# The coordinator judges the workers by the job's own failure-detection settings: the embedded
+# job's config (its deadpool: section) and the same --deadpool-heartbeat-*, --deadpool-agree-timeout
+# and --deadpool-pg-timeout flags the workers get (later ones win, as in the workers' parsers).
+job_settings=()
+[ "$DEADPOOL_MODE" != embedded ] || job_settings=(--config "$DEADPOOL_CONFIG")
+worker_args=("${megatron_args[@]}" "${extra_args[@]}")
+for ((i = 0; i < ${#worker_args[@]}; i++)); do
+    case ${worker_args[i]} in
+    --deadpool-heartbeat-interval=* | --deadpool-heartbeat-timeout=* | \
+        --deadpool-agree-timeout=* | --deadpool-pg-timeout=*)
+        job_settings+=("${worker_args[i]}")
+        ;;
+    --deadpool-heartbeat-interval | --deadpool-heartbeat-timeout | --deadpool-agree-timeout | \
+        --deadpool-pg-timeout)
+        job_settings+=("${worker_args[i]}" "${worker_args[i + 1]:-}")
+        i=$((i + 1))
+        ;;
+    esac
+done
 coordinator_cmd=("$PYTHON" -m megatron_deadpool.cli coordinator --host "$coord_host"
-    --port "$coord_port" --world-size "$world" --spares "$spares" --log-dir "$DEADPOOL_LOG_DIR")
+    --port "$coord_port" --world-size "$world" --spares "$spares" --log-dir "$DEADPOOL_LOG_DIR"
+    "${job_settings[@]}")
 
 # One task per GPU; the survivors of a failure must keep running, so: no kill on a bad exit,
 # no kill when a node fails, and no limit on how long srun waits after the first task ends.
@@ -235,8 +258,24 @@ fi
 set +e
 "${srun_cmd[@]}"
 rc=$?
-set -e
+echo "deadpool_launch: srun exited with status $rc"
 # srun reports the highest task status, so a run that survived killed processes ends non-zero
-# too: the coordinator's log says whether training finished.
-echo "deadpool_launch: srun exited with status $rc (see $DEADPOOL_LOG_DIR/coordinator.log)"
+# too. The coordinator's verdict is the job's: 0 once every rank finished, 1 out of redundancy
+# (it exits within seconds of the last rank); one still running means training did not finish.
+if [ -n "$coordinator_pid" ]; then
+    for _ in $(seq 1 60); do
+        kill -0 "$coordinator_pid" 2>/dev/null || break
+        sleep 0.5
+    done
+    if kill -0 "$coordinator_pid" 2>/dev/null; then
+        echo "deadpool_launch: training did not finish (see $DEADPOOL_LOG_DIR/coordinator.log)"
+        ((rc != 0)) || rc=1
+    else
+        wait "$coordinator_pid"
+        rc=$?
+        coordinator_pid=
+        echo "deadpool_launch: the coordinator exited with status $rc" \
+            "(see $DEADPOOL_LOG_DIR/coordinator.log)"
+    fi
+fi
 exit "$rc"

@@ -1,0 +1,537 @@
+"""The cluster scripts end to end, on a real Slurm of several nodes on this machine.
+
+Each test brings up `scripts/slurm/lab.py`'s cluster (3 nodes, each its own network, PID, UTS
+and mount namespace), submits a shipped sbatch file unchanged (only `--nodes 3
+--ntasks-per-node 2` and the output file on sbatch's command line) running the embedded job
+in CPU mode - 2 active nodes + 1 spare node, 2 tasks each, TP2 x DP2 - polls squeue, and tears
+the whole lab down whatever happens. Results are compared bit for bit with `deadpool train` on
+one machine. Skipped, with the reason, without root or network namespaces; the lab installs
+Debian's Slurm packages when they are missing.
+
+Tests marked `needs_failover` state behaviour issue 16 demands that hotswap/ lacks today (a
+hung node's processes killed or cut off in cluster mode, a job that survives its batch host):
+they run only with DEADPOOL_RUN_NEEDS_FAILOVER=1 and fail today; drop the mark once the
+driver provides it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from conftest import run_deadpool
+
+ROOT = Path(__file__).resolve().parents[2]
+# Short (munge's socket path), fixed per checkout (an interrupted run's lab is taken down first).
+LAB_DIR = Path("/tmp") / f"dplab-{hashlib.sha256(str(ROOT).encode()).hexdigest()[:8]}"
+ITERS = 40
+FAIL_AT = 10  # the iteration after which a node fails
+JOB_TIMEOUT = 300.0  # per Slurm job: start-up of 6 Python processes on 2 shared cores included
+RUN_FAILOVER = os.environ.get("DEADPOOL_RUN_NEEDS_FAILOVER") == "1"
+
+
+def _load_lab() -> Any:
+    spec = importlib.util.spec_from_file_location("deadpool_lab", ROOT / "scripts/slurm/lab.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+labmod = _load_lab()
+
+
+def needs_failover(what: str) -> Callable:
+    """Mark a test of behaviour the lead's hot-swap driver still has to provide."""
+
+    def mark(fn: Callable) -> Callable:
+        fn = pytest.mark.needs_failover(fn)
+        reason = f"needs_failover: {what}; fails today (DEADPOOL_RUN_NEEDS_FAILOVER=1 runs it)"
+        return pytest.mark.skipif(not RUN_FAILOVER, reason=reason)(fn)
+
+    return mark
+
+
+# ---------------------------------------------------------------------- the lab
+@pytest.fixture(scope="module")
+def lab_host() -> None:
+    """Skip without root or namespaces; install Slurm once when missing."""
+    reason = labmod.unavailable()
+    if reason:
+        pytest.skip(reason)
+    labmod.install_packages()
+
+
+@pytest.fixture
+def lab(lab_host: None) -> Iterator[Any]:
+    """A fresh 3-node lab per test; everything it started is gone afterwards, whatever happens."""
+    lab = labmod.Lab(LAB_DIR)
+    lab.down()  # what an interrupted earlier run of this checkout left behind, if anything
+    try:
+        lab.up(nodes=3, gpus_per_node=4)
+        yield lab
+    finally:
+        lab.down()
+
+
+# ---------------------------------------------------------------------- the job
+def write_job(folder: Path, **train: Any) -> Path:
+    """The embedded job's config: the CPU demo model, 40 iterations, fast hang detection."""
+    folder.mkdir(parents=True, exist_ok=True)
+    config = {
+        "model": {
+            "num_layers": 2,
+            "hidden_size": 64,
+            "num_attention_heads": 4,
+            "seq_length": 64,
+            "vocab_size": 128,
+        },
+        "parallel": {"tp": 2, "pp": 1, "dp": 2},
+        "train": {"iters": ITERS, **train},
+        # Timeouts from the config (and --deadpool-pg-timeout from the workers' flags below):
+        # deadpool_launch.sh must pass both to the coordinator.
+        "deadpool": {"replicas": 1, "ranks_per_node": 2, "heartbeat_interval": 0.5,
+                     "heartbeat_timeout": 3.0},
+    }  # fmt: skip
+    path = folder / "job.yaml"
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+    return path
+
+
+EXPECTED_SETTINGS = {"heartbeat_interval": 0.5, "heartbeat_timeout": 3.0, "pg_timeout": 30.0}
+
+
+@pytest.fixture(scope="module")
+def reference(lab_host: None, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """`deadpool train` on one machine with the same job: its JSON summary."""
+    tmp = tmp_path_factory.mktemp("reference")
+    proc = run_deadpool(
+        "train",
+        "--config",
+        str(write_job(tmp)),
+        "--spares",
+        "0",
+        "--json-log",
+        str(tmp / "run.jsonl"),
+        "--run-dir",
+        str(tmp / "logs"),
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    summary = json.loads((tmp / "run.jsonl").read_text().splitlines()[-1])
+    assert summary["event"] == "summary" and summary["final_param_digest"]
+    return summary
+
+
+@dataclass
+class Job:
+    """One submitted sbatch job and its log folder."""
+
+    lab: Any
+    id: str
+    dir: Path
+    submitted: float = field(default_factory=time.time)
+
+    def text(self, name: str) -> str:
+        path = self.dir / name
+        return path.read_text(errors="replace") if path.exists() else ""
+
+    def task_logs(self) -> dict[int, str]:
+        return {
+            int(p.stem.split("-")[1]): p.read_text(errors="replace")
+            for p in sorted(self.dir.glob("task-*.log"))
+        }
+
+    def events(self) -> list[dict[str, Any]]:
+        return [json.loads(line) for line in self.text("events.jsonl").splitlines() if line]
+
+    def event(self, name: str) -> dict[str, Any] | None:
+        found = [e for e in self.events() if e["event"] == name]
+        return found[-1] if found else None
+
+    def describe(self) -> str:
+        parts = [f"job {self.id} in {self.dir}"]
+        for name in ("batch.out", "coordinator.log", "inject.log"):
+            parts.append(f"--- {name}\n{self.text(name)[-2500:]}")
+        for rank, text in self.task_logs().items():  # DeadPool's and Slurm's lines
+            lines = [x for x in text.splitlines() if "[deadpool " in x or "slurmstepd" in x]
+            parts.append(f"--- task {rank}\n" + "\n".join(lines[-8:]))
+        return "\n".join(parts)
+
+    def wait_for_iteration(self, iteration: int, timeout: float) -> None:
+        """Until some task logged iteration N (the line inject_failure.sh also waits for)."""
+        pattern = re.compile(rf"iteration\s+{iteration}/")
+        deadline = time.time() + timeout
+        while not any(pattern.search(t) for t in self.task_logs().values()):
+            assert time.time() < deadline, f"no iteration {iteration} yet\n{self.describe()}"
+            assert self.state() is not None, f"the job ended early\n{self.describe()}"
+            time.sleep(0.1)
+
+    def state(self) -> str | None:
+        """Its squeue state (RUNNING, COMPLETING, ...); None once Slurm no longer lists it."""
+        out = self.lab.slurm("squeue", "-h", "-j", self.id, "-o", "%T", check=False).strip()
+        return out or None
+
+    def wait_end(self, timeout: float = JOB_TIMEOUT) -> dict[str, str]:
+        """Poll squeue until the job is gone; Slurm's final record (JobState, ExitCode, ...).
+        A job still listed after `timeout` is cancelled and the test fails."""
+        deadline = self.submitted + timeout
+        while self.state() is not None:
+            if time.time() > deadline:
+                held = self.lab.slurm("squeue", "-h", "-j", self.id, "-o", "%T %M %N", check=False)
+                self.lab.slurm("scancel", self.id, check=False)
+                pytest.fail(
+                    f"Slurm still holds the job after {timeout:.0f}s ({held.strip()}): "
+                    f"cancelled\n{self.describe()}"
+                )
+            time.sleep(0.5)
+        record = self.lab.slurm("scontrol", "show", "job", self.id, check=False)
+        return dict(re.findall(r"(\w+)=(\S+)", record))
+
+
+def submit(lab: Any, folder: Path, site: str, config: Path | None, **env: str) -> Job:
+    """sbatch scripts/slurm/SITE.sbatch from the repository root, as a user does (the embedded
+    job with `config`, else as `env` says)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    base = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    base.update(lab.env())
+    base.update(
+        GPUS_PER_NODE="2",
+        DEADPOOL_MODULES="",  # no environment modules here
+        PYTHON=sys.executable,
+        DEADPOOL_LOG_DIR=str(folder),
+        DEADPOOL_EXTRA_ARGS="--deadpool-pg-timeout 30",
+        PYTHONWARNINGS="ignore",
+        OMP_NUM_THREADS="1",
+    )
+    if config is not None:
+        base["DEADPOOL_CONFIG"] = str(config)
+    base.update(env)
+    site_args = ["-A", "lab"] if site == "perlmutter" else []  # Perlmutter wants an account
+    proc = subprocess.run(
+        ["sbatch", "--parsable", *site_args, "--nodes=3", "--ntasks-per-node=2",
+         f"--output={folder}/batch.out", f"scripts/slurm/{site}.sbatch"],
+        cwd=ROOT, env=base, capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    return Job(lab, proc.stdout.strip().split(";")[0], folder)
+
+
+def assert_trained_like(job: Job, reference: dict[str, Any]) -> None:
+    finished = job.event("finished")
+    assert finished is not None, job.describe()
+    assert finished["rank_digests"] == reference["rank_digests"], job.describe()
+    assert finished["final_param_digest"] == reference["final_param_digest"]
+
+
+# ---------------------------------------------------------------------- the lab itself
+@pytest.mark.timeout(120)
+def test_lab_nodes_are_separate_machines(lab: Any) -> None:
+    names = lab.slurm("srun", "-N3", "--ntasks-per-node=1", "hostname").split()
+    assert sorted(names) == ["n1", "n2", "n3"]
+    # Each node resolves the others over the lab's bridge; n2's slurmd answers n1.
+    probe = "timeout 3 bash -c 'exec 3<>/dev/tcp/n2/6818' && echo open || echo unreachable"
+    reach_n2 = ["srun", "-w", "n1", "-N1", "bash", "-c", probe]
+    assert lab.slurm(*reach_n2, timeout=30).strip() == "open"
+    lab.cut("n2")
+    assert lab.slurm(*reach_n2, timeout=30).strip() == "unreachable"
+    lab.cut("n2", up=True)
+    # freeze/thaw: every process of the node stops, and only those.
+    n3 = lab.node_pids("n3")
+    assert lab.freeze("n3") == len(n3) >= 2
+    assert {_state(p) for p in lab.node_pids("n3")} == {"T"}
+    assert "T" not in {_state(p) for p in lab.node_pids("n2")}
+    assert lab.thaw("n3") == len(n3)
+    assert "T" not in {_state(p) for p in lab.node_pids("n3")}
+    # crash: the whole node, and nothing else, is gone.
+    lab.crash("n3")
+    assert lab.node_pids("n3") == [] and len(lab.node_pids("n2")) >= 2
+
+
+@pytest.mark.timeout(60)
+def test_down_removes_everything_the_lab_recorded(lab: Any) -> None:
+    state = dict(lab.state)
+    lab.down()
+    assert not any(labmod._alive(r) for r in state["procs"].values())
+    assert not any(labmod._alive(n["init"]) for n in state["nodes"].values())
+    netns = labmod._run(["ip", "netns", "list"]).stdout
+    links = labmod._run(["ip", "-o", "link"]).stdout
+    assert not any(name in netns for name in state["netns"])
+    assert not any(f" {name}:" in links or f" {name}@" in links for name in state["links"])
+    assert not (LAB_DIR / "state.json").exists()
+
+
+@pytest.mark.timeout(60)
+def test_lab_refuses_to_run_without_root() -> None:
+    python = shutil.which("python3", path="/usr/bin:/bin")
+    if os.geteuid() != 0 or python is None or shutil.which("setpriv") is None:
+        pytest.skip("needs root, setpriv and a system python3 to run the lab as another user")
+    script = ROOT / "scripts/slurm/lab.py"
+    proc = subprocess.run(
+        ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", python, str(script),
+         "--state", f"/tmp/dplab-not-root-{os.getpid()}", "up", "--nodes", "1"],
+        capture_output=True, text=True, timeout=30, check=False,
+    )  # fmt: skip
+    if "Permission denied" in proc.stderr:
+        pytest.skip(f"user nobody cannot read {script}")
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        "lab: error: the lab must run as root (it creates network namespaces and Slurm daemons)"
+    ]
+
+
+# ---------------------------------------------------------------------- inject_failure.sh
+def _state(pid: int) -> str:
+    """A process's state letter: R running, S sleeping, T stopped, ..."""
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+
+
+def _job_processes(lab: Any, node: str, job_id: str) -> dict[int, str]:
+    """PID -> state (R, S, T, ...) of job `job_id`'s task processes on `node`."""
+    found = {}
+    for pid in lab.node_pids(node):
+        try:
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            if f"SLURM_JOB_ID={job_id}".encode() in environ and b"SLURM_STEP_ID=0" in environ:
+                found[pid] = _state(pid)
+        except OSError:  # it ended meanwhile
+            continue
+    return found
+
+
+@pytest.mark.timeout(120)
+def test_inject_failure_signals_only_its_jobs_processes_at_an_iteration(
+    lab: Any, tmp_path: Path
+) -> None:
+    """Two jobs share n2; the injection stops, then kills, only the target job's tasks there,
+    when a task log shows the iteration (the embedded job's and Megatron-LM's line formats)."""
+    env = {**os.environ, **lab.env()}
+
+    def sbatch(*args: str) -> str:
+        proc = subprocess.run(["sbatch", "--parsable", *args], env=env, capture_output=True,
+                              text=True, timeout=30, check=False)  # fmt: skip
+        assert proc.returncode == 0, proc.stderr
+        return proc.stdout.strip()
+
+    other = sbatch("-w", "n2", f"--output={tmp_path}/other.out", "--wrap", "srun sleep 300")
+    # Task 0 (n1) logs as the embedded job does, task 1 (n2) as Megatron-LM does.
+    lines = [
+        "12:00:00.000 [deadpool r0 g0] INFO iteration 3/40 | loss 2.1",
+        "12:00:00.100 [deadpool r0 g1] INFO restored iteration 4 (from holder)",
+        " [2026-11-22 12:00:01] iteration        5/      40 | consumed samples: 40 |",
+    ]
+    script = tmp_path / "task.sh"
+    script.write_text(
+        f"#!/bin/bash\nif [ $SLURM_PROCID = 0 ]; then echo '{lines[0]}'; echo '{lines[1]}'; "
+        f"else echo '{lines[2]}'; fi\nexec sleep 300\n"
+    )
+    target = sbatch("-N2", "-w", "n1,n2", f"--output={tmp_path}/target.out", "--wrap",
+                    f"srun --no-kill --kill-on-bad-exit=0 --output={tmp_path}/task-%t.log "
+                    f"bash {script}")  # fmt: skip
+    deadline = time.time() + 30
+    while not (
+        _job_processes(lab, "n2", other)
+        and _job_processes(lab, "n2", target)
+        and "iteration        5/" in Job(lab, target, tmp_path).text("task-1.log")
+    ):
+        assert time.time() < deadline, lab.slurm("squeue")
+        time.sleep(0.2)
+    inject = [
+        "bash", str(ROOT / "scripts/inject_failure.sh"), "--job", target, "--node-index", "1",
+        "--log-dir", str(tmp_path),
+    ]  # fmt: skip
+    # "restored iteration 4" is no iteration line: nothing fires.
+    early = subprocess.run(["timeout", "3", *inject, "--at-iteration", "4"], env=env,
+                           capture_output=True, text=True, timeout=30, check=False)  # fmt: skip
+    assert early.returncode == 124, early.stdout + early.stderr
+    stop = subprocess.run([*inject, "--signal", "STOP", "--at-iteration", "3"], env=env,
+                          capture_output=True, text=True, timeout=30, check=False)  # fmt: skip
+    assert stop.returncode == 0, stop.stderr
+    assert set(_job_processes(lab, "n2", target).values()) == {"T"}, stop.stdout
+    assert "T" not in _job_processes(lab, "n2", other).values()
+    assert "T" not in _job_processes(lab, "n1", target).values()
+    kill = subprocess.run([*inject, "--signal", "KILL", "--at-iteration", "5"], env=env,
+                          capture_output=True, text=True, timeout=30, check=False)  # fmt: skip
+    assert kill.returncode == 0, kill.stderr
+    assert "at iteration 5" in kill.stdout
+    deadline = time.time() + 10
+    while _job_processes(lab, "n2", target):
+        assert time.time() < deadline, kill.stdout
+        time.sleep(0.1)
+    assert _job_processes(lab, "n2", other) and _job_processes(lab, "n1", target)
+
+
+# ---------------------------------------------------------------------- training jobs
+@pytest.mark.timeout(2 * JOB_TIMEOUT + 300)
+def test_failure_free_job_matches_deadpool_train(
+    lab: Any, reference: dict[str, Any], tmp_path: Path
+) -> None:
+    """perlmutter.sbatch unchanged (account, QoS, GPU constraint, --gpus-per-node=4)."""
+    job = submit(lab, tmp_path / "logs", "perlmutter", write_job(tmp_path))
+    record = job.wait_end()
+    assert record["JobState"] == "COMPLETED" and record["ExitCode"] == "0:0", job.describe()
+    settings = job.event("settings")
+    assert settings is not None and {k: settings[k] for k in EXPECTED_SETTINGS} == EXPECTED_SETTINGS
+    assert job.event("plan") is None, job.describe()
+    assert_trained_like(job, reference)
+    assert "spare s0] INFO released" in job.task_logs()[4]
+
+
+@pytest.mark.timeout(2 * JOB_TIMEOUT + 300)
+def test_training_node_killed_mid_run_the_spare_node_takes_over(
+    lab: Any, reference: dict[str, Any], tmp_path: Path
+) -> None:
+    """vista.sbatch unchanged (partition gh); inject_failure.sh kills node 1's tasks."""
+    job = submit(
+        lab,
+        tmp_path / "logs",
+        "vista",
+        write_job(tmp_path),
+        DEADPOOL_INJECT=f"--node-index 1 --at-iteration {FAIL_AT}",
+    )
+    record = job.wait_end()
+    assert f"SIGKILL to job {job.id}'s processes on n2 at iteration {FAIL_AT}" in job.text(
+        "inject.log"
+    ), job.describe()
+    recovered = job.event("recovered")
+    assert recovered is not None, job.describe()
+    assert recovered["dead_ranks"] == [2, 3]
+    assert sorted(recovered["replaced_by"].values()) == ["s0", "s1"]
+    assert recovered["restore_iteration"] >= FAIL_AT
+    assert_trained_like(job, reference)
+    # srun ends non-zero (two tasks were killed); the job's status is the coordinator's verdict.
+    assert "srun exited with status 137" in job.text("batch.out")
+    assert record["JobState"] == "COMPLETED" and record["ExitCode"] == "0:0", job.describe()
+
+
+@needs_failover("a hung node's processes are killed or cut off in cluster mode")
+@pytest.mark.timeout(2 * JOB_TIMEOUT + 300)
+def test_frozen_node_is_detected_by_heartbeat_and_replaced(
+    lab: Any, reference: dict[str, Any], tmp_path: Path
+) -> None:
+    """Every process of n2 (slurmd too) is SIGSTOPped: a hung node. The coordinator names its
+    ranks hung after the heartbeat timeout, the survivors stop waiting on them, the spare node
+    takes over, and the job ends although n2's processes never run again."""
+    job = submit(lab, tmp_path / "logs", "vista", write_job(tmp_path))
+    job.wait_for_iteration(FAIL_AT, JOB_TIMEOUT)
+    lab.freeze("n2")
+    record = job.wait_end()
+    dead = [e for e in job.events() if e["event"] == "process_dead"]
+    assert {e["pid"] for e in dead} == {"a2", "a3"}, job.describe()
+    assert all("hung" in e["why"] for e in dead)
+    recovered = job.event("recovered")
+    assert recovered is not None and recovered["dead_ranks"] == [2, 3], job.describe()
+    assert_trained_like(job, reference)
+    assert record["JobState"] == "COMPLETED", job.describe()
+
+
+@needs_failover("the job survives its batch host (coordinator elsewhere, or a standby)")
+@pytest.mark.timeout(2 * JOB_TIMEOUT + 300)
+def test_batch_host_crash_loses_no_training_state_and_ends_the_job(
+    lab: Any, reference: dict[str, Any], tmp_path: Path
+) -> None:
+    """n1 - the batch host, the coordinator's host today, ranks 0 and 1 - dies whole. Either
+    training goes on and ends like the failure-free run, or (where it truly cannot) the
+    survivors save a complete snapshot set that `--load` resumes bit for bit, a survivor's log
+    says why, and Slurm lets go of the job instead of holding its nodes."""
+    save = tmp_path / "save"
+    config = write_job(tmp_path, save=str(save))
+    job = submit(lab, tmp_path / "logs", "vista", config)
+    job.wait_for_iteration(FAIL_AT, JOB_TIMEOUT)
+    lab.crash("n1")
+    crashed = time.time()
+    job.wait_end(timeout=crashed - job.submitted + 120)  # node DOWN ~30 s, then a margin
+    if job.event("finished") is not None:
+        assert_trained_like(job, reference)
+        return
+    from megatron_deadpool.replication import save_dir
+
+    point = save_dir.resume_point(str(save))
+    assert point is not None and point[0] == "snapshots", f"nothing saved\n{job.describe()}"
+    assert point[1] >= FAIL_AT, point
+    survivors = [t for r, t in job.task_logs().items() if r >= 2]
+    assert any(" ERROR " in t for t in survivors), job.describe()
+    resumed = run_deadpool(
+        "train", "--config", str(config), "--load", str(save), "--spares", "0",
+        "--json-log", str(tmp_path / "resumed.jsonl"), "--run-dir", str(tmp_path / "resumed"),
+        timeout=300,
+    )  # fmt: skip
+    assert resumed.returncode == 0, resumed.stdout[-3000:]
+    summary = json.loads((tmp_path / "resumed.jsonl").read_text().splitlines()[-1])
+    assert summary["final_param_digest"] == reference["final_param_digest"]
+
+
+# ---------------------------------------------------------------------- Megatron-LM
+MLM_ITERS = 16
+MLM_ARGS = (
+    "--tensor-model-parallel-size 2 --num-layers 2 --hidden-size 64 --num-attention-heads 4 "
+    "--seq-length 64 --max-position-embeddings 64 --micro-batch-size 2 --global-batch-size 8 "
+    f"--train-iters {MLM_ITERS} --lr 1e-3 --min-lr 1e-4 --lr-decay-style cosine "
+    "--lr-warmup-iters 2 --mock-data --tokenizer-type NullTokenizer --vocab-size 128 "
+    "--eval-iters 0 --eval-interval 1000 --log-interval 1 --seed 1234 --attention-dropout 0.1 "
+    "--hidden-dropout 0.1 --use-distributed-optimizer"
+)
+MLM_FLAGS = (
+    "--deadpool-heartbeat-timeout 3 --deadpool-heartbeat-interval 0.5 --deadpool-pg-timeout 30"
+)
+
+
+def _megatron_lm_tree() -> Path:
+    path = os.environ.get("MEGATRON_LM_PATH")
+    if not path:
+        pytest.skip("MEGATRON_LM_PATH is not set (a Megatron-LM tree at tag core_v0.16.1)")
+    tree = Path(path).expanduser()
+    if not (tree / "pretrain_gpt.py").is_file():
+        pytest.skip(f"MEGATRON_LM_PATH={path} has no pretrain_gpt.py")
+    if not list((tree / "megatron/core/datasets").glob("helpers_cpp*.so")):
+        pytest.skip(f"build Megatron's dataset helpers in {tree}/megatron/core/datasets first")
+    return tree
+
+
+@pytest.mark.timeout(3 * JOB_TIMEOUT + 600)
+def test_megatron_lm_node_killed_mid_run_the_spare_node_takes_over(
+    lab: Any, tmp_path: Path
+) -> None:
+    """DEADPOOL_MODE=megatron-lm through vista.sbatch: pretrain_gpt.py unmodified, node 1's
+    tasks killed at an iteration from Megatron's own log line; the final weights are those of
+    `deadpool megatron-lm` on one machine without a failure."""
+    tree = _megatron_lm_tree()
+    local = run_deadpool(
+        "megatron-lm", "--nproc-per-node", "4", "--run-dir", str(tmp_path / "reference"),
+        str(tree / "pretrain_gpt.py"), *MLM_ARGS.split(), "--deadpool",
+        "--deadpool-ranks-per-node", "2", *MLM_FLAGS.split(),
+        timeout=2 * JOB_TIMEOUT,
+    )  # fmt: skip
+    assert local.returncode == 0, local.stdout[-3000:] + local.stderr[-3000:]
+    expected = json.loads((tmp_path / "reference" / "summary.json").read_text())["param_digests"]
+    job = submit(
+        lab,
+        tmp_path / "logs",
+        "vista",
+        None,
+        DEADPOOL_MODE="megatron-lm",
+        MEGATRON_LM_PATH=str(tree),
+        MEGATRON_ARGS=MLM_ARGS,
+        DEADPOOL_EXTRA_ARGS=MLM_FLAGS,
+        DEADPOOL_INJECT="--node-index 1 --at-iteration 6",
+    )
+    record = job.wait_end(timeout=2 * JOB_TIMEOUT)
+    assert "at iteration 6" in job.text("inject.log"), job.describe()
+    recovered = job.event("recovered")
+    assert recovered is not None and recovered["dead_ranks"] == [2, 3], job.describe()
+    finished = job.event("finished")
+    assert finished is not None and finished["rank_digests"] == expected, job.describe()
+    assert record["JobState"] == "COMPLETED" and record["ExitCode"] == "0:0"
