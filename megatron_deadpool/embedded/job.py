@@ -119,7 +119,7 @@ class EmbeddedJob:
         # Slurm's time limit and preemption send SIGTERM: finish the iteration, agree on it
         # with every rank, save (with --save), and exit cleanly.
         d.catch_sigterm()
-        d.connect()
+        d.connect(self.spec.parallel.world_size)
         roster = d.wait_for_slot()
         if roster is None:
             return 0

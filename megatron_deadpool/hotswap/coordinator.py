@@ -240,6 +240,7 @@ class Coordinator:
         dead = {
             r for r, pid in current.items() if pid not in self.handled and self._is_dead(pid, now)
         }
+        dead |= self._silent_node_mates(dead, current, now)
         self.handled.update(current[r] for r in dead)
         if dead and self.aborted is None:
             completed = self.members.training_complete() if self.recovery is None else None
@@ -251,6 +252,29 @@ class Coordinator:
             self._try_agree(now)
         if self.recovery is not None and self.recovery.t_agreed is not None:
             self._track_phases()
+
+    def _silent_node_mates(self, dead: set[int], slots: dict[int, str], now: float) -> set[int]:
+        """Ranks on a dead rank's node that are silent too (longer than the suspicion window):
+        a lost node's ranks go into one plan, not one plan per rank as their beats age."""
+        placement = self._placement() if dead else None
+        if placement is None:
+            return set()
+        layout, mates = placement.layout, set()
+        for rank in dead:
+            for mate in layout.domain_ranks(layout.domain(rank)):
+                pid = slots.get(mate)
+                if mate in dead or pid is None or pid in self.handled or pid in self.dead_pids:
+                    continue
+                age = self._heartbeat_age(pid, now)
+                if age is not None and age > self.suspect_after and not self.members.is_done(pid):
+                    killed = self.liveness.kill(pid)
+                    self._mark_dead(
+                        pid,
+                        f"silent for {age:.1f}s, on the node of dead rank {rank}"
+                        + ("; killed" if killed else ""),
+                    )
+                    mates.add(mate)
+        return mates
 
     def _failure_time(self, pids: list[str], default: float) -> float:
         times = [t for t in map(self.members.fault_time, pids) if t is not None]

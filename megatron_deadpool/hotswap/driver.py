@@ -132,13 +132,21 @@ class Driver:
         self.recoveries: list[RecoveryRecord] = []
 
     # ------------------------------------------------------------------ start-up
-    def connect(self) -> None:
-        """Reach the coordinator, show the job token, announce this process, start beating."""
+    def connect(self, world_size: int | None = None) -> None:
+        """Reach the coordinator, show the job token, announce this process, start beating.
+        `world_size`: the job's own, which must be the coordinator's."""
         store = connect_store(self.coordinator, self.cfg.connect_timeout)
         members = Membership(store, self.pid or f"task{self.task}")
         members.check_token(self.token)
-        if not self.pid:  # the coordinator's first roster is the authority on the world size
-            world = members.wait_roster(0, self.cfg.pg_timeout).world_size
+        # The coordinator's first roster is the authority on the world size.
+        world = members.wait_roster(0, self.cfg.pg_timeout).world_size
+        if world_size is not None and world != world_size:
+            raise ConfigError(
+                f"deadpool-coordinator: the coordinator at {self.coordinator} runs a job of "
+                f"{world} ranks, this process's job has {world_size} (tp*pp*dp); start "
+                f"`deadpool coordinator --world-size {world_size}`"
+            )
+        if not self.pid:
             self.pid = pid_of(self.task, world)
             members = Membership(store, self.pid)
         self.members = members
