@@ -52,8 +52,7 @@ class LocalJob:
             [f"s{i}" for i in range(self.spares)],
             heartbeat_timeout=cfg.heartbeat_timeout,
             agree_timeout=cfg.agreement_timeout,
-            suspect_after=cfg.suspect_after,
-            liveness=ProcessLiveness(self.procs),
+            liveness=ProcessLiveness(self.procs),  # sees exits: no need to suspect silence
             events=EventLog(run_dir / "events.jsonl"),
             on_event=on_event,
         )
