@@ -1,0 +1,85 @@
+"""The hooks into `megatron.training.training` (hooks.py), on Megatron's signatures."""
+
+from __future__ import annotations
+
+import pytest
+
+from megatron_deadpool.errors import DeadpoolRuntimeError
+
+
+class _FakeSession:
+    def __init__(self, joined_late: bool = False) -> None:
+        self.joined_late = joined_late
+        self.deferred: list[str] = []
+        self.logged: list[int] = []
+        self.extra_roots: list[object] = []
+
+    def defer(self, exc: BaseException, where: str) -> None:
+        self.deferred.append(where)
+
+    def before_log(self, total_loss_dict: dict) -> None:
+        total_loss_dict["seen"] = True
+
+    def after_log(self, iteration: int) -> None:
+        self.logged.append(iteration)
+
+
+def _megatron_training_log(loss_dict, total_loss_dict, learning_rate, iteration, loss_scale,
+                           report_memory_flag, skipped_iter, grad_norm, params_norm,
+                           num_zeros_in_grad, max_attention_logit, pg_collection=None,
+                           is_first_iteration=False):  # fmt: skip
+    """Megatron-LM's `training_log` signature (core_v0.16.1)."""
+    if loss_dict == "fail":
+        raise RuntimeError("Connection closed by peer")
+    if loss_dict == "bug":
+        raise DeadpoolRuntimeError("not a peer failure")
+    return ("logged", is_first_iteration)
+
+
+def test_training_log_hook_defers_peer_failures_and_hides_a_newcomers_first_iteration() -> None:
+    from megatron_deadpool.megatron_lm.hooks import wrap_training_log
+
+    session = _FakeSession(joined_late=True)
+    log = wrap_training_log(_megatron_training_log, session)
+    args = (None, {}, 1e-3, 7, 1.0, True, 0, 1.0, None, None, 0)
+    assert log(*args, is_first_iteration=True) == ("logged", False)
+    assert session.logged == [7]
+    assert log("fail", *args[1:]) is True  # report_memory_flag back, failure deferred
+    assert session.deferred == ["training_log"]
+    with pytest.raises(DeadpoolRuntimeError):
+        log("bug", *args[1:])
+    survivor = _FakeSession()
+    assert wrap_training_log(_megatron_training_log, survivor)(*args, is_first_iteration=True)[1]
+
+
+def test_between_steps_guard_returns_megatrons_neutral_value() -> None:
+    from megatron_deadpool.megatron_lm.hooks import wrap_between_steps
+
+    def post_training_step_callbacks(model, optimizer, opt_param_scheduler, iteration, prof,
+                                     num_floating_point_operations_since_last_log_event,
+                                     nsys_nvtx_context=None):  # fmt: skip
+        raise RuntimeError("gloo: Connection reset by peer")
+
+    session = _FakeSession()
+    guarded = wrap_between_steps(
+        post_training_step_callbacks,
+        session,
+        "post-step callbacks",
+        lambda b: b.arguments["num_floating_point_operations_since_last_log_event"],
+    )
+    assert guarded(1, 2, 3, 4, None, 12.5) == 12.5
+    assert session.deferred == ["post-step callbacks"]
+
+
+def test_train_hook_keeps_the_checkpointing_context_for_rebinding() -> None:
+    from megatron_deadpool.megatron_lm.hooks import wrap_train
+
+    def train(forward_step_func, model, optimizer, opt_param_scheduler, train_data_iterator,
+              valid_data_iterator, process_non_loss_data_func, config, checkpointing_context,
+              non_loss_data_func, inference_model=None):  # fmt: skip
+        return "trained"
+
+    session = _FakeSession()
+    context = {"save_strategy": object()}
+    assert wrap_train(train, session)(1, 2, 3, 4, 5, 6, 7, 8, context, 10) == "trained"
+    assert session.extra_roots == [context]

@@ -1,0 +1,39 @@
+"""`scripts/apply_patches.sh` and the patches under patches/megatron-lm/."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+from pathlib import Path
+
+from mlm import APPLY
+from mlm import megatron_lm_tree as _megatron_lm
+
+
+def _fake_tree(root: Path, version: tuple[int, int, int]) -> Path:
+    info = root / "megatron" / "core" / "package_info.py"
+    info.parent.mkdir(parents=True)
+    info.write_text("MAJOR = {}\nMINOR = {}\nPATCH = {}\nPRE_RELEASE = ''\n".format(*version))
+    return root
+
+
+def test_apply_patches_refuses_other_versions_and_non_trees(tmp_path: Path) -> None:
+    tree = _fake_tree(tmp_path / "mlm", (0, 15, 0))
+    proc = subprocess.run(
+        ["bash", str(APPLY), str(tree)], capture_output=True, text=True, check=False
+    )
+    assert proc.returncode == 3
+    assert "core_v0.15.0" in proc.stderr and "supported tags: core_v0.16.1" in proc.stderr
+    proc = subprocess.run(
+        ["bash", str(APPLY), str(tmp_path)], capture_output=True, text=True, check=False
+    )
+    assert proc.returncode == 2 and "not a Megatron-LM tree" in proc.stderr
+
+
+def test_patch_applies_cleanly_to_the_supported_tag() -> None:
+    tree = _megatron_lm()
+    proc = subprocess.run(
+        ["bash", str(APPLY), str(tree), "--check"], capture_output=True, text=True, check=False
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert re.search(r"(applies cleanly|already applied) \(core_v0\.16\.1\)", proc.stdout)
