@@ -172,7 +172,9 @@ class Coordinator:
         if pid in self.dead_pids:
             return True
         code = self.liveness.exited(pid)
-        if code is not None and code != 0:  # 0: finished its work, not a failure
+        # 0, or marked done before exiting (a job ended on purpose, e.g. by Megatron's rerun
+        # state machine with code 16/17): finished its work, not a failure
+        if code is not None and code != 0 and not self.store.check([f"done/{pid}"]):
             self._mark_dead(pid, f"exited with code {code}")
             return True
         if now - self._hb_read.get(pid, 0.0) < self.heartbeat_timeout / 20:

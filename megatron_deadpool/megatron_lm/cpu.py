@@ -86,6 +86,7 @@ def _stand_in_for_triton() -> None:
         module = types.ModuleType(name)
         module.__getattr__ = stand_in.__getattr__  # type: ignore[attr-defined]
         module.__deadpool_stand_in__ = True  # type: ignore[attr-defined]
+        module.__version__ = "0.0.0"  # type: ignore[attr-defined]  # "too old": no kernels
         sys.modules[name] = module
     sys.modules["triton"].language = sys.modules["triton.language"]  # type: ignore[attr-defined]
 
@@ -122,14 +123,16 @@ def activate() -> None:
     """Install the CPU mode in this process (idempotent); call before `pretrain()`."""
     os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
     os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
-    from ..devices.cpu import activate as activate_cpu
-
-    activate_cpu(pretend_cuda=True)
-    _stand_in_for_triton()
-    _load_before_the_first_step()
     import torch._dynamo  # the script may have imported it before the variable was set
 
     torch._dynamo.config.disable = True
+    # After torch._dynamo (torch decides on import that Triton is absent), before the first
+    # import of megatron.core (core_v0.19.0 imports a Triton kernel module there).
+    _stand_in_for_triton()
+    from ..devices.cpu import activate as activate_cpu
+
+    activate_cpu(pretend_cuda=True)
+    _load_before_the_first_step()
     try:
         from megatron.legacy import fused_kernels
     except ImportError:  # not a Megatron-LM tree: nothing to skip

@@ -204,8 +204,9 @@ class MegatronLauncher:
             elif coord.aborted is not None:  # survivors save what survives, then exit 3
                 self._wait_exit(actives, 60.0)
                 return OUT_OF_REDUNDANCY_EXIT
-            if all(c == 0 for c in codes.values()) and (coord is None or coord.recovery is None):
-                return 0
+            ended = [c for p, c in codes.items() if c == 0 or (c is not None and self._done(p))]
+            if len(ended) == len(codes) and (coord is None or coord.recovery is None):
+                return next((c for c in ended if c), 0)  # e.g. Megatron's exit code 16/17
             if time.monotonic() - t0 > self.timeout_s:
                 self._print(f"[deadpool] the job exceeded its {self.timeout_s:.0f}s limit")
                 return 124
@@ -215,6 +216,10 @@ class MegatronLauncher:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline and any(self.procs[p].poll() is None for p in pids):
             time.sleep(0.05)
+
+    def _done(self, pid: str) -> bool:
+        """The process marked itself done (DeadPool runs): it ended the job on purpose."""
+        return self.store is not None and self.store.check([f"done/{pid}"])
 
     def _digests(self) -> dict[str, str]:
         """Each rank's final parameter digest (DeadPool runs): equal digests, equal weights."""

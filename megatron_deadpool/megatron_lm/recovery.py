@@ -38,7 +38,7 @@ from ..hotswap import rebind, recovery
 from ..hotswap.membership import Roster
 from ..logs import set_context
 from ..replication.snapshot import RankState
-from . import newcomer
+from . import newcomer, versions
 from .replay import reset_rerun_iterators
 from .report import dump_log_state
 
@@ -196,6 +196,7 @@ class Recovery:
             needy=needy,
         )
         _reset_ddp(model)
+        versions.forget_cached_collectives(optimizer)
         sync_params_from_main(model, optimizer)
         self.replicator = self._make_replicator()
         self.replicator.start_round(t_iter)

@@ -6,7 +6,8 @@ import re
 import subprocess
 from pathlib import Path
 
-from mlm import APPLY
+import pytest
+from mlm import APPLY, TAGS
 from mlm import megatron_lm_tree as _megatron_lm
 
 
@@ -23,17 +24,19 @@ def test_apply_patches_refuses_other_versions_and_non_trees(tmp_path: Path) -> N
         ["bash", str(APPLY), str(tree)], capture_output=True, text=True, check=False
     )
     assert proc.returncode == 3
-    assert "core_v0.15.0" in proc.stderr and "supported tags: core_v0.16.1" in proc.stderr
+    assert "core_v0.15.0" in proc.stderr
+    assert "supported tags: core_v0.16.1, core_v0.19.0." in proc.stderr
     proc = subprocess.run(
         ["bash", str(APPLY), str(tmp_path)], capture_output=True, text=True, check=False
     )
     assert proc.returncode == 2 and "not a Megatron-LM tree" in proc.stderr
 
 
-def test_patch_applies_cleanly_to_the_supported_tag() -> None:
-    tree = _megatron_lm()
+@pytest.mark.parametrize("tag", TAGS)
+def test_patch_applies_cleanly_to_each_supported_tag(tag: str) -> None:
+    tree = _megatron_lm(tag)
     proc = subprocess.run(
         ["bash", str(APPLY), str(tree), "--check"], capture_output=True, text=True, check=False
     )
     assert proc.returncode == 0, proc.stderr
-    assert re.search(r"(applies cleanly|already applied) \(core_v0\.16\.1\)", proc.stdout)
+    assert re.search(rf"(applies cleanly|already applied) \({re.escape(tag)}\)", proc.stdout)

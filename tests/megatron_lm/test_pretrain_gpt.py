@@ -1,19 +1,17 @@
-"""Megatron-LM integration: its own `pretrain_gpt.py` on CPU with DeadPool.
+"""Megatron-LM integration: each supported tag's own `pretrain_gpt.py` on CPU with DeadPool.
 
-These tests run Megatron-LM's own `pretrain_gpt.py` (tag core_v0.16.1) on CPU, TP2 x DP2 + 1
-spare, and skip unless MEGATRON_LM_PATH points at that tree (README, "Use with Megatron-LM" >
-Prerequisites):
+These tests run Megatron-LM's `pretrain_gpt.py` on CPU, TP2 x DP2 + 1 spare, once per
+supported tag (core_v0.16.1, core_v0.19.0; a test id names its tag), and skip unless
+MEGATRON_LM_PATH lists a tree of that tag (tests/mlm.py; README, "Use with Megatron-LM" >
+Prerequisites), e.g. prepared by scripts/prepare_megatron_lm.sh:
 
-    mkdir -p ~/.cache/megatron-lm/core_v0.16.1
-    git --git-dir <a clone of NVIDIA/Megatron-LM> archive core_v0.16.1 \\
-        | tar -x -C ~/.cache/megatron-lm/core_v0.16.1
-    pip install six regex tqdm pydantic einops pybind11 tensorboard
-    (cd ~/.cache/megatron-lm/core_v0.16.1/megatron/core/datasets && \\
-        make LIBEXT=$(python -c "import sysconfig; print(sysconfig.get_config_var('EXT_SUFFIX'))"))
-    export MEGATRON_LM_PATH=~/.cache/megatron-lm/core_v0.16.1
+    pip install -e '.[megatron-lm]'
+    export MEGATRON_LM_PATH=$(scripts/prepare_megatron_lm.sh ../shared/megatron-lm)
 
 They compare every logged iteration (lm loss, grad norm, learning rate) and the final
-parameter digests of runs with a killed rank against a failure-free run.
+parameter digests of runs with a killed or hung rank against a failure-free run. Both tags
+run the failure-free, killed, hung and out-of-redundancy runs; each of the others runs on one
+tag, to keep the suite within its time budget (README, "Tested combinations").
 """
 
 from __future__ import annotations
@@ -23,14 +21,16 @@ import json
 import os
 import re
 import subprocess
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from mlm import APPLY, REPO
+from mlm import APPLY, NEWEST, OLDEST, REPO, TAGS
 from mlm import megatron_lm_tree as _megatron_lm
 
 RUN_TIMEOUT = 300.0
+BOTH = pytest.mark.parametrize("tag", TAGS)
 
 
 ITERS = 6
@@ -81,16 +81,38 @@ def _launch(tmp: Path, name: str, script: Path, args: list[str], *, patched: boo
     return Run(rc, out.read_text(errors="replace"), summary, tmp / name)
 
 
-@pytest.fixture(scope="module")
-def baseline(tmp_path_factory: pytest.TempPathFactory) -> Run:
+def _baseline(tag: str, tmp: Path) -> Run:
     """Failure-free TP2 x DP2 run with DeadPool on, checkpoints at 3 and 6, TensorBoard."""
-    tree = _megatron_lm()
-    tmp = tmp_path_factory.mktemp("mlm-baseline")
+    tree = _megatron_lm(tag)
     args = [*MEGATRON_ARGS, "--use-distributed-optimizer", "--save", str(tmp / "ckpt"),
             "--save-interval", "3", "--tensorboard-dir", str(tmp / "tb"), *DEADPOOL_ARGS]  # fmt: skip
     run = _launch(tmp, "baseline", tree / "pretrain_gpt.py", args)
     assert run.returncode == 0, run.describe()
     return run
+
+
+def _nodistopt(tag: str, tmp: Path) -> Run:
+    """Without --use-distributed-optimizer, rank 1 killed as iteration 4 starts; checkpoint
+    of iteration 3 (written before the failure) for the resume test."""
+    tree = _megatron_lm(tag)
+    args = [*MEGATRON_ARGS, "--save", str(tmp / "ckpt"), "--save-interval", "3",
+            *DEADPOOL_ARGS, "--deadpool-fail", "1@4"]  # fmt: skip
+    return _launch(tmp, "nodistopt", tree / "pretrain_gpt.py", args)
+
+
+@pytest.fixture(scope="module")
+def shared_runs(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str, str], Run]:
+    """`shared_runs(tag, name)`: the run `name` ("baseline", "nodistopt") of `tag`'s tree,
+    launched once per module and shared by the tests comparing against it."""
+    makers = {"baseline": _baseline, "nodistopt": _nodistopt}
+    done: dict[tuple[str, str], Run] = {}
+
+    def get(tag: str, name: str) -> Run:
+        if (tag, name) not in done:
+            done[tag, name] = makers[name](tag, tmp_path_factory.mktemp(f"mlm-{name}-{tag}"))
+        return done[tag, name]
+
+    return get
 
 
 def _assert_same_training(run: Run, baseline: Run) -> None:
@@ -101,7 +123,9 @@ def _assert_same_training(run: Run, baseline: Run) -> None:
 
 
 @pytest.mark.timeout(2 * RUN_TIMEOUT)
-def test_failure_free_run_replicates_every_iteration(baseline: Run) -> None:
+@BOTH
+def test_failure_free_run_replicates_every_iteration(shared_runs, tag: str) -> None:
+    baseline = shared_runs(tag, "baseline")
     assert sorted(baseline.iterations()) == list(range(1, ITERS + 1))
     committed = re.findall(r"deadpool \| iteration +(\d+)/ +\d+ \| committed replica iteration: "
                            r"(\d+|none yet)", baseline.text)  # fmt: skip
@@ -129,10 +153,13 @@ def _drop_in_flight_env() -> dict[str, str]:
 
 
 @pytest.mark.timeout(3 * RUN_TIMEOUT)
-def test_killed_rank_is_hot_swapped_bitwise(baseline: Run, tmp_path: Path) -> None:
+@BOTH
+def test_killed_rank_is_hot_swapped_bitwise(shared_runs, tag: str, tmp_path: Path) -> None:
     """Rank 2 is SIGKILLed as iteration 4 starts; the in-flight round is dropped, so the
-    survivors roll back to iteration 2 and recompute iteration 3 with replayed data."""
-    tree = _megatron_lm()
+    survivors roll back to iteration 2 and recompute iteration 3 with replayed data. DeadPool
+    logs at INFO, Megatron's default."""
+    tree = _megatron_lm(tag)
+    baseline = shared_runs(tag, "baseline")
     args = [*MEGATRON_ARGS, "--use-distributed-optimizer", "--save", str(tmp_path / "ckpt"),
             "--save-interval", "3", *DEADPOOL_ARGS, "--deadpool-fail", "2@4"]  # fmt: skip
     run = _launch(tmp_path, "swap", tree / "pretrain_gpt.py", args, env=_drop_in_flight_env())
@@ -143,6 +170,7 @@ def test_killed_rank_is_hot_swapped_bitwise(baseline: Run, tmp_path: Path) -> No
     assert rec["stale_group_refs"] == 0
     assert re.search(r"deadpool \| recovered \| generation: 1 \| dead ranks: \[2\] \| "
                      r"restored iteration: 2 \| recomputed iterations: 1", run.text)  # fmt: skip
+    assert "[deadpool r2 g1] INFO joined generation 1 as rank 2 of 4" in run.text
     # Megatron's own checkpoint after the swap holds the failure-free run's weights.
     torch = pytest.importorskip("torch")
     ours = torch.load(tmp_path / "ckpt/iter_0000006/common.pt", weights_only=False)
@@ -153,20 +181,68 @@ def test_killed_rank_is_hot_swapped_bitwise(baseline: Run, tmp_path: Path) -> No
     assert ours["args"].consumed_train_samples == theirs["args"].consumed_train_samples
 
 
+def _patched_view(tree: Path, where: Path) -> Path:
+    """A view of `tree` whose pretrain_gpt.py is a patched copy (scripts/apply_patches.sh);
+    everything else links to the tree."""
+    where.mkdir()
+    for entry in tree.iterdir():
+        if entry.name != "pretrain_gpt.py":
+            (where / entry.name).symlink_to(entry)
+    (where / "pretrain_gpt.py").write_bytes((tree / "pretrain_gpt.py").read_bytes())
+    applied = subprocess.run(
+        ["bash", str(APPLY), str(where)], capture_output=True, text=True, check=False
+    )
+    assert applied.returncode == 0, applied.stderr
+    return where / "pretrain_gpt.py"
+
+
+HANG_HEARTBEAT = ["--deadpool-heartbeat-timeout", "6", "--deadpool-heartbeat-interval", "0.5"]
+
+
 @pytest.mark.timeout(3 * RUN_TIMEOUT)
+@BOTH
+def test_hung_rank_is_hot_swapped_bitwise(shared_runs, tag: str, tmp_path: Path) -> None:
+    """Rank 2 is stopped (SIGSTOP) as iteration 4 starts: its sockets stay open, so only its
+    silence names it; the coordinator kills it and the spare takes its place. The newest tag
+    runs its patched script here (the runner is tested above), and Megatron's
+    MEGATRON_LOGGING_LEVEL=30 (WARNING) holds for DeadPool's log lines too."""
+    tree = _megatron_lm(tag)
+    baseline = shared_runs(tag, "baseline")
+    script = tree / "pretrain_gpt.py"
+    if tag == NEWEST:
+        script = _patched_view(tree, tmp_path / "mlm")
+    args = [*MEGATRON_ARGS, "--use-distributed-optimizer", *DEADPOOL_ARGS, *HANG_HEARTBEAT,
+            "--deadpool-fail", "2@4:hang"]  # fmt: skip
+    run = _launch(tmp_path, "hang", script, args, patched=tag == NEWEST,
+                  env={"MEGATRON_LOGGING_LEVEL": "30"})  # fmt: skip
+    _assert_same_training(run, baseline)
+    (rec,) = run.summary["recoveries"]
+    assert rec["dead_ranks"] == [2] and rec["replaced_by"] == {"2": "s0"}
+    assert rec["restore_iteration"] in (2, 3) and rec["recomputed_iterations"] <= 1
+    assert re.search(r"process a2 silent for [\d.]+s \(hung\); killed", run.text), run.describe()
+    assert "[deadpool r2 g0] WARNING fault injection: hang at iteration 4" in run.text
+    assert not re.search(r"\[deadpool (r\d+ g\d+|spare s\d+)\] INFO ", run.text), run.describe()
+
+
+@pytest.mark.timeout(3 * RUN_TIMEOUT)
+@BOTH
 def test_out_of_redundancy_saves_every_shard_and_load_resumes_bitwise(
-    baseline: Run, tmp_path: Path
+    shared_runs, tag: str, tmp_path: Path
 ) -> None:
     """No spare: rank 2 is SIGKILLed as iteration 4 starts. Its shard survives on its holder,
     so the survivors save a complete snapshot set of the last common iteration and exit 3; the
     same command with --load resumes from it (writing it as a Megatron checkpoint through
-    Megatron's save_checkpoint) and logs the failure-free run's iterations from there on."""
+    Megatron's save_checkpoint) and logs the failure-free run's iterations from there on.
+    The newest tag adds Megatron's --verify-integrity: that checkpoint gets its manifest."""
     from megatron_deadpool.replication import snapshot_set as salvage
 
-    tree = _megatron_lm()
+    tree = _megatron_lm(tag)
+    baseline = shared_runs(tag, "baseline")
     ckpt = tmp_path / "ckpt"
     base = [*MEGATRON_ARGS, "--use-distributed-optimizer", "--save", str(ckpt),
             "--save-interval", "100", "--deadpool", "--deadpool-ranks-per-node", "2"]  # fmt: skip
+    if tag == NEWEST:
+        base.append("--verify-integrity")
     run = _launch(tmp_path, "oor", tree / "pretrain_gpt.py", [*base, "--deadpool-fail", "2@4"])
     assert run.returncode == 3, run.describe()
     oor = run.summary["out_of_redundancy"]
@@ -185,6 +261,8 @@ def test_out_of_redundancy_saves_every_shard_and_load_resumes_bitwise(
     assert resumed.returncode == 0, resumed.describe()
     assert re.search(rf"resumed from DeadPool's snapshot set of iteration {t}", resumed.text)
     assert (ckpt / f"iter_{t:07d}" / "metadata.json").is_file()  # Megatron's format now
+    if tag == NEWEST:
+        assert (ckpt / f"iter_{t:07d}" / "integrity.json").is_file()
     ours, theirs = resumed.iterations(), baseline.iterations()
     assert sorted(ours) == list(range(t + 1, ITERS + 1)), resumed.describe()
     assert resumed.summary["param_digests"] == baseline.summary["param_digests"]
@@ -203,13 +281,14 @@ def test_out_of_redundancy_saves_every_shard_and_load_resumes_bitwise(
 
 
 @pytest.mark.timeout(3 * RUN_TIMEOUT)
-def test_out_of_redundancy_with_shards_lost_saves_what_survives(tmp_path: Path) -> None:
+@pytest.mark.parametrize("tag", [NEWEST])
+def test_out_of_redundancy_with_shards_lost_saves_what_survives(tag: str, tmp_path: Path) -> None:
     """Ranks 0 and 2, each other's replica holder, are SIGKILLed as iteration 5 starts: their
     shards are gone. The survivors save their own snapshots (an incomplete set), name the lost
     ranks and exit 3; --load then resumes from Megatron's checkpoint of iteration 3."""
     from megatron_deadpool.replication import snapshot_set as salvage
 
-    tree = _megatron_lm()
+    tree = _megatron_lm(tag)
     ckpt = tmp_path / "ckpt"
     base = [*MEGATRON_ARGS, "--use-distributed-optimizer", "--save", str(ckpt),
             "--save-interval", "3", "--deadpool", "--deadpool-ranks-per-node", "2"]  # fmt: skip
@@ -233,22 +312,10 @@ def test_out_of_redundancy_with_shards_lost_saves_what_survives(tmp_path: Path) 
     assert sorted(resumed.iterations()) == [4, 5, 6], resumed.describe()
 
 
-@pytest.fixture(scope="module")
-def nodistopt(tmp_path_factory: pytest.TempPathFactory) -> Run:
-    """Without --use-distributed-optimizer, rank 1 killed as iteration 4 starts; checkpoint
-    of iteration 3 (written before the failure) for the resume test."""
-    tree = _megatron_lm()
-    tmp = tmp_path_factory.mktemp("mlm-nodistopt")
-    args = [*MEGATRON_ARGS, "--save", str(tmp / "ckpt"), "--save-interval", "3",
-            *DEADPOOL_ARGS, "--deadpool-fail", "1@4"]  # fmt: skip
-    return _launch(tmp, "nodistopt", tree / "pretrain_gpt.py", args)
-
-
 @pytest.mark.timeout(3 * RUN_TIMEOUT)
-def test_without_distributed_optimizer_the_newcomer_copies_a_dp_peer(
-    baseline: Run, nodistopt: Run
-) -> None:
-    run = nodistopt
+@pytest.mark.parametrize("tag", [OLDEST])
+def test_without_distributed_optimizer_the_newcomer_copies_a_dp_peer(shared_runs, tag: str) -> None:
+    run, baseline = shared_runs(tag, "nodistopt"), shared_runs(tag, "baseline")
     assert run.returncode == 0, run.describe()
     (rec,) = run.summary["recoveries"]
     assert rec["dead_ranks"] == [1] and rec["restore_iteration"] == 3
@@ -264,31 +331,25 @@ def test_without_distributed_optimizer_the_newcomer_copies_a_dp_peer(
 
 
 @pytest.mark.timeout(4 * RUN_TIMEOUT)
+@pytest.mark.parametrize("tag", [OLDEST])
 def test_patched_script_resumes_from_megatrons_checkpoint_and_hot_swaps(
-    nodistopt: Run, tmp_path: Path
+    shared_runs, tag: str, tmp_path: Path
 ) -> None:
     """Both resume with --load from the checkpoint of iteration 3: the runner on the
     unmodified script without a failure, the patched script with the last rank (the one that
     prints Megatron's iteration lines) killed as iteration 5 starts. They must agree bit for
     bit (a resumed run is compared with a resumed run: Megatron's own resume is not bitwise
     equal to an uninterrupted run)."""
-    tree = _megatron_lm()
+    tree = _megatron_lm(tag)
+    nodistopt = shared_runs(tag, "nodistopt")
     assert nodistopt.returncode == 0, nodistopt.describe()
     load = ["--load", str(nodistopt.run_dir.parent / "ckpt"), "--ckpt-step", "3"]
     reference = _launch(tmp_path, "resumed", tree / "pretrain_gpt.py",
                         [*MEGATRON_ARGS, *load, *DEADPOOL_ARGS])  # fmt: skip
     assert reference.returncode == 0, reference.describe()
-    view = tmp_path / "mlm"
-    view.mkdir()
-    for name in ("megatron", "gpt_builders.py", "model_provider.py"):
-        (view / name).symlink_to(tree / name)
-    (view / "pretrain_gpt.py").write_bytes((tree / "pretrain_gpt.py").read_bytes())
-    applied = subprocess.run(
-        ["bash", str(APPLY), str(view)], capture_output=True, text=True, check=False
-    )
-    assert applied.returncode == 0, applied.stderr
+    script = _patched_view(tree, tmp_path / "mlm")
     args = [*MEGATRON_ARGS, *load, *DEADPOOL_ARGS, "--deadpool-fail", "3@5"]
-    run = _launch(tmp_path, "patched", view / "pretrain_gpt.py", args, patched=True)
+    run = _launch(tmp_path, "patched", script, args, patched=True)
     assert run.returncode == 0, run.describe()
     (rec,) = run.summary["recoveries"]
     assert rec["dead_ranks"] == [3] and rec["restore_iteration"] == 4
@@ -297,3 +358,25 @@ def test_patched_script_resumes_from_megatrons_checkpoint_and_hot_swaps(
     # the line of iteration 5 averages 4 and 5: the newcomer printing it took the sums over.
     assert run.iterations() == reference.iterations(), run.describe()
     assert run.summary["param_digests"] == reference.summary["param_digests"]
+
+
+@pytest.mark.timeout(2 * RUN_TIMEOUT)
+@pytest.mark.parametrize("tag", [NEWEST])
+def test_megatrons_own_exit_ends_the_job_and_is_no_failure(tag: str, tmp_path: Path) -> None:
+    """Megatron's rerun state machine (--rerun-mode validate_results, its default) with its own
+    error injector reporting a persistent error: every rank saves a checkpoint and exits with
+    code 16 together. DeadPool takes that as the end of the job (exit code 16 passed on, no
+    recovery, the spare released), not as four failed ranks."""
+    tree = _megatron_lm(tag)
+    ckpt = tmp_path / "ckpt"
+    args = [*MEGATRON_ARGS, "--use-distributed-optimizer", "--save", str(ckpt),
+            "--rerun-mode", "validate_results", "--error-injection-rate", "1",
+            "--error-injection-type", "persistent_error", *DEADPOOL_ARGS]  # fmt: skip
+    run = _launch(tmp_path, "rerun", tree / "pretrain_gpt.py", args)
+    assert run.returncode == 16, run.describe()
+    assert "Saving a checkpoint and exiting now" in run.text, run.describe()
+    assert run.summary["recoveries"] == [] and run.summary["out_of_redundancy"] is None
+    codes = run.summary["exit_codes"]
+    assert {codes[f"a{r}"] for r in range(4)} == {16} and codes["s0"] == 0, codes
+    assert "exited with code 16" not in run.text  # no rank was taken for dead
+    assert (ckpt / "latest_checkpointed_iteration.txt").is_file()
