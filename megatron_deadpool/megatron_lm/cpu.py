@@ -10,6 +10,7 @@ gloo, the local transformer implementation, CPU initialisation, no fusions).
 from __future__ import annotations
 
 import importlib.util
+import logging
 import os
 import sys
 import types
@@ -77,8 +78,10 @@ class _TritonStandIn:
 
 
 def _stand_in_for_triton() -> None:
-    """Megatron-LM's initialize.py imports a Triton kernel module unconditionally; CPU-only
-    torch comes without Triton."""
+    """Megatron-LM imports Triton kernel modules unconditionally (core_v0.16.1: in
+    `megatron.training.initialize`; core_v0.19.0: already in `megatron.core`); CPU-only torch
+    comes without Triton. The stand-in reports version 0.0.0, so that Megatron's guarded
+    imports that check the version take their no-Triton paths."""
     if "triton" in sys.modules or importlib.util.find_spec("triton") is not None:
         return
     stand_in = _TritonStandIn()
@@ -119,6 +122,24 @@ def _load_before_the_first_step() -> None:
     dopt.DistributedOptimizer.state_dict = state_dict
 
 
+class _DropMessage(logging.Filter):
+    def __init__(self, message: str) -> None:
+        super().__init__()
+        self.message = message
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.getMessage() != self.message
+
+
+def _quiet_rng_fork_check() -> None:
+    """core_v0.19.0's RNG tracker warns when the CPU generator changed inside a forked CUDA RNG
+    state; in the CPU mode the CUDA generator *is* the CPU generator, so it warns on every
+    fork (several lines per step and rank) about nothing."""
+    logger = logging.getLogger("megatron.core.tensor_parallel.random")
+    if not any(isinstance(f, _DropMessage) for f in logger.filters):
+        logger.addFilter(_DropMessage("CPU RNG state changed within GPU RNG context"))
+
+
 def activate() -> None:
     """Install the CPU mode in this process (idempotent); call before `pretrain()`."""
     os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
@@ -133,6 +154,7 @@ def activate() -> None:
 
     activate_cpu(pretend_cuda=True)
     _load_before_the_first_step()
+    _quiet_rng_fork_check()
     try:
         from megatron.legacy import fused_kernels
     except ImportError:  # not a Megatron-LM tree: nothing to skip

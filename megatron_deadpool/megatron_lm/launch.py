@@ -76,6 +76,7 @@ class MegatronLauncher:
         self.lock = threading.Lock()
         self.coordinator: Any = None
         self.store: Any = None
+        self.ended = False  # every active rank finished (or ended the job on purpose)
 
     # ------------------------------------------------------------------ output
     def _print(self, text: str) -> None:
@@ -171,7 +172,7 @@ class MegatronLauncher:
         finally:
             if store is not None:
                 store.set("shutdown", "1")  # waiting spares leave
-            deadline = time.monotonic() + (10 if rc == 0 else 0)
+            deadline = time.monotonic() + (10 if self.ended else 0)  # spares leave on their own
             while time.monotonic() < deadline and any(
                 p.poll() is None for p in self.procs.values()
             ):
@@ -206,6 +207,7 @@ class MegatronLauncher:
                 return OUT_OF_REDUNDANCY_EXIT
             ended = [c for p, c in codes.items() if c == 0 or (c is not None and self._done(p))]
             if len(ended) == len(codes) and (coord is None or coord.recovery is None):
+                self.ended = True
                 return next((c for c in ended if c), 0)  # e.g. Megatron's exit code 16/17
             if time.monotonic() - t0 > self.timeout_s:
                 self._print(f"[deadpool] the job exceeded its {self.timeout_s:.0f}s limit")

@@ -11,12 +11,17 @@ Users keep their `pretrain_gpt.py` command line and add `--deadpool ...` flags. 
   imports, `wrap_pretrain(pretrain)`, and passes `extra_args_provider(...)` itself; it behaves
   exactly as the runner does.
 
-The runner runs the unmodified script with `runpy`, with `megatron.training.pretrain` replaced
-by `wrap_pretrain(pretrain)`, which adds the flags to Megatron's parser (chained with the
-script's own `extra_args_provider`), supplies the CPU settings on a machine without a GPU, and
-with `--deadpool` starts a `MegatronSession` and installs the training hooks
-(`megatron_lm_hooks`). Without `--deadpool` nothing but the flags, the CPU mode and the resume
-from a snapshot set (below) is added.
+Before the script runs, `prepare()` refuses a Megatron-LM flag that cannot be combined with
+`--deadpool` (`interplay.py`) and a Megatron-LM release DeadPool does not support
+(`versions.py`, which also says what differs between the supported tags), and on a
+machine without a GPU installs the CPU mode and its flags. The runner then runs the
+unmodified script with `runpy`, with `megatron.training.pretrain` replaced by
+`wrap_pretrain(pretrain)` and the flags added to Megatron's parser (chained with the script's
+own `extra_args_provider`: in `pretrain` for core_v0.16.1, in `parse_and_validate_args`,
+which the script calls first, for core_v0.19.0). With `--deadpool`, `wrap_pretrain` starts a
+`MegatronSession` and installs the training hooks (`megatron_lm_hooks`); DeadPool's log level
+follows Megatron's (`log_level.py`). Without `--deadpool` nothing but the flags, the
+CPU mode and the resume from a snapshot set (below) is added.
 
 Out of redundancy (no spare left, or a shard with no surviving copy) every survivor exits with
 code 3 after writing DeadPool's snapshot set of one common iteration under `--save`

@@ -83,3 +83,58 @@ def test_train_hook_keeps_the_checkpointing_context_for_rebinding() -> None:
     context = {"save_strategy": object()}
     assert wrap_train(train, session)(1, 2, 3, 4, 5, 6, 7, 8, context, 10) == "trained"
     assert session.extra_roots == [context]
+
+
+class _StepSession(_FakeSession):
+    def __init__(self) -> None:
+        super().__init__()
+        self.finished = 0
+
+    def train_step(self, step, *args):  # MegatronSession.train_step's order
+        *fixed, iteration = args
+        return step(*fixed, iteration=iteration)
+
+    def finish(self) -> None:
+        self.finished += 1
+
+
+def _train_step_16(forward_step_func, data_iterator, model, optimizer, opt_param_scheduler,
+                   config, forward_backward_func, iteration=None):  # fmt: skip
+    """Megatron-LM's `train_step` signature (core_v0.16.1)."""
+    return ("stepped", iteration)
+
+
+def _train_step_19(forward_step_func, data_iterator, model, optimizer, opt_param_scheduler,
+                   config, forward_backward_func, iteration=None, pg_collection=None,
+                   p2p_communicator=None):  # fmt: skip
+    """Megatron-LM's `train_step` signature (core_v0.19.0)."""
+    return ("stepped", iteration, pg_collection, p2p_communicator)
+
+
+def test_train_step_hook_passes_each_tags_arguments_through() -> None:
+    from megatron_deadpool.megatron_lm.hooks import wrap_train_step
+
+    session = _StepSession()
+    assert wrap_train_step(_train_step_16, session)(*range(7), iteration=4) == ("stepped", 4)
+    step = wrap_train_step(_train_step_19, session)
+    assert step(*range(7), 4, pg_collection="pgs") == ("stepped", 4, "pgs", None)
+    assert step(*range(7), iteration=5) == ("stepped", 5, None, None)
+
+
+def test_train_hook_marks_the_rank_done_when_megatron_ends_the_job() -> None:
+    """Megatron's own `sys.exit` at the end of `train` (after a world barrier) ends the job:
+    the session is finished first, the exit code passes through."""
+    from megatron_deadpool.megatron_lm.hooks import wrap_train
+
+    def train(forward_step_func, model, optimizer, opt_param_scheduler, train_data_iterator,
+              valid_data_iterator, process_non_loss_data_func, config, checkpointing_context,
+              non_loss_data_func, inference_model=None, p2p_communicator=None,
+              pg_collection=None):  # fmt: skip
+        raise SystemExit(16)
+
+    session = _StepSession()
+    context = {}
+    with pytest.raises(SystemExit) as exited:
+        wrap_train(train, session)(*range(8), context, 9, pg_collection="pgs")
+    assert exited.value.code == 16 and session.finished == 1
+    assert session.extra_roots == [context, "pgs"]  # rebound after a swap like the model

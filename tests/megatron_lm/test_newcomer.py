@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import json
 
-from mlm import run_python as _run_python
+from mlm import run_python
 
 
 def test_newcomer_builds_in_a_private_world() -> None:
-    proc = _run_python("""
+    proc = run_python("""
         import datetime, json
         import torch, torch.distributed as dist
         from megatron_deadpool.megatron_lm import newcomer

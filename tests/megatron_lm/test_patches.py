@@ -7,8 +7,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from mlm import APPLY, TAGS
-from mlm import megatron_lm_tree as _megatron_lm
+from mlm import APPLY, TAGS, megatron_lm_tree
 
 
 def _fake_tree(root: Path, version: tuple[int, int, int]) -> Path:
@@ -34,7 +33,7 @@ def test_apply_patches_refuses_other_versions_and_non_trees(tmp_path: Path) -> N
 
 @pytest.mark.parametrize("tag", TAGS)
 def test_patch_applies_cleanly_to_each_supported_tag(tag: str) -> None:
-    tree = _megatron_lm(tag)
+    tree = megatron_lm_tree(tag)
     proc = subprocess.run(
         ["bash", str(APPLY), str(tree), "--check"], capture_output=True, text=True, check=False
     )

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from mlm import run_python as _run_python
+from mlm import run_python
 
 
 def test_data_loader_workers_drop_inherited_tcp_sockets() -> None:
-    proc = _run_python("""
+    proc = run_python("""
         import os, socket
         from megatron_deadpool.megatron_lm.workers import close_inherited_tcp_sockets
         tcp = socket.socket(); tcp.bind(("127.0.0.1", 0)); tcp.listen()
