@@ -127,9 +127,7 @@ def wrap_parse_and_validate_args(real: Callable[..., Any]) -> Callable[..., Any]
         bound.arguments["extra_args_provider"] = extra_args_provider(
             bound.arguments.get("extra_args_provider")
         )
-        with _exit_codes():
-            preparse(sys.argv[1:])  # a bad --deadpool-* value: one line, before Megatron's
-            return real(*bound.args, **bound.kwargs)
+        return real(*bound.args, **bound.kwargs)
 
     parse_and_validate_args._deadpool = True  # type: ignore[attr-defined]
     return parse_and_validate_args

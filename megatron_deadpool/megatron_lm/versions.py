@@ -18,7 +18,13 @@ What differs, core_v0.16.1 -> core_v0.19.0:
 - `megatron.core` imports a Triton kernel module unconditionally in 0.19 (in 0.16 only
   `megatron.training.initialize` did): the CPU mode's Triton stand-in must exist before the
   first import of `megatron.core`.
-- `train_step` takes `pg_collection` and `p2p_communicator` keywords in 0.19.
+- `train_step` takes `pg_collection` and `p2p_communicator` keywords in 0.19 (the hooks pass
+  what they do not know through).
+- 0.19's optimizer answers `has_grad_norm_group` with a world all-reduce on its first step and
+  caches the answer; a newcomer's optimizer has no answer yet, so after a swap every rank
+  drops it and computes it again, together (`forget_cached_collectives`).
+- 0.19 writes Megatron's common checkpoint state inside the `torch_dist` files instead of
+  `common.pt` (nothing DeadPool reads; the tests do).
 """
 
 from __future__ import annotations

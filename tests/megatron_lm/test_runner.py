@@ -78,3 +78,36 @@ def test_wrap_pretrain_chains_flags_and_is_idempotent(monkeypatch: pytest.Monkey
     assert wrapped(1, 2, 3, 4, extra_args_provider=user) == "done"
     parser = seen["provider"](argparse.ArgumentParser(allow_abbrev=False))
     assert {"--user-flag", "--deadpool", "--deadpool-spares"} <= set(parser._option_string_actions)
+
+
+def test_core_v0_19_parses_the_arguments_before_pretrain(monkeypatch: pytest.MonkeyPatch) -> None:
+    """core_v0.19.0's script calls `parse_and_validate_args(extra_args_provider=...)` itself and
+    hands `pretrain` a config container (no `extra_args_provider` there): the flags are
+    chained into the former, `pretrain` is called as given."""
+    from megatron_deadpool.megatron_lm.runner import wrap_parse_and_validate_args
+
+    monkeypatch.setenv("DEADPOOL_DEVICE", "cuda")  # no CPU mode in the test process
+    monkeypatch.setattr(sys, "argv", ["pretrain_gpt.py", "--num-layers", "2"])
+    seen = {}
+
+    def parse_and_validate_args(extra_args_provider=None, ignore_unknown_args=False,
+                                args_defaults={}):  # noqa: B006  # fmt: skip
+        seen["provider"] = extra_args_provider
+        return "args"
+
+    def pretrain(cfg_container, train_valid_test_dataset_provider, model_type,
+                 forward_step_func, model_provider=None, store=None):  # fmt: skip
+        seen["pretrain"] = (cfg_container, store)
+        return "done"
+
+    def user(parser):
+        parser.add_argument("--user-flag")
+        return parser
+
+    parse = wrap_parse_and_validate_args(parse_and_validate_args)
+    assert wrap_parse_and_validate_args(parse) is parse
+    assert parse(extra_args_provider=user, args_defaults={"x": 1}) == "args"
+    parser = seen["provider"](argparse.ArgumentParser(allow_abbrev=False))
+    assert {"--user-flag", "--deadpool", "--deadpool-spares"} <= set(parser._option_string_actions)
+    assert wrap_pretrain(pretrain)("config", 1, 2, 3, store=None) == "done"
+    assert seen["pretrain"] == ("config", None)
