@@ -4,8 +4,8 @@ fresh interpreter for code that must not touch the test process.
 The end-to-end tests run each supported tag's own `pretrain_gpt.py`. MEGATRON_LM_PATH lists
 the Megatron-LM trees to run them against, separated by the path separator (`:`), in any
 order; each tree's tag is read from its `megatron/core/package_info.py`. A test of a tag with
-no tree in the list skips, naming what to set (README, "Use with Megatron-LM" >
-Prerequisites). `.ci/run` sets it to prepared copies of `../shared/megatron-lm/<tag>`.
+no tree in the list skips, naming what to set (README, "Use with Megatron-LM" > "Tested
+combinations"). `.ci/run` sets it to prepared copies of `../shared/megatron-lm/<tag>`.
 """
 
 from __future__ import annotations
@@ -58,8 +58,9 @@ def megatron_lm_tree(tag: str = OLDEST) -> Path:
     if tree is None:
         pytest.skip(
             f"no Megatron-LM tree at tag {tag} in MEGATRON_LM_PATH="
-            f"{os.environ.get('MEGATRON_LM_PATH', '')!r}: list one tree per tag, separated "
-            f"by {os.pathsep!r} (README: Use with Megatron-LM, Prerequisites)"
+            f"{os.environ.get('MEGATRON_LM_PATH', '')!r}: list one tree per tag, separated by "
+            f"{os.pathsep!r}, e.g. from scripts/prepare_megatron_lm.sh (README: Use with "
+            "Megatron-LM, Tested combinations)"
         )
     if not (tree / "pretrain_gpt.py").is_file():
         pytest.skip(f"{tree} (MEGATRON_LM_PATH) has no pretrain_gpt.py")

@@ -3,7 +3,7 @@
 These tests run Megatron-LM's `pretrain_gpt.py` on CPU, TP2 x DP2 + 1 spare, once per
 supported tag (core_v0.16.1, core_v0.19.0; a test id names its tag), and skip unless
 MEGATRON_LM_PATH lists a tree of that tag (tests/mlm.py; README, "Use with Megatron-LM" >
-Prerequisites), e.g. prepared by scripts/prepare_megatron_lm.sh:
+"Tested combinations"), e.g. prepared by scripts/prepare_megatron_lm.sh:
 
     pip install -e '.[megatron-lm]'
     export MEGATRON_LM_PATH=$(scripts/prepare_megatron_lm.sh ../shared/megatron-lm)
