@@ -31,7 +31,7 @@ import inspect
 from collections.abc import Callable
 from typing import Any
 
-from ..errors import ConfigError, DeadpoolRuntimeError
+from ..hotswap.driver import Driver
 from .resume import build_without_loading
 from .session import MegatronSession
 
@@ -52,11 +52,7 @@ def uninstall() -> None:
     _ORIGINALS.clear()
 
 
-def is_peer_failure(exc: BaseException) -> bool:
-    """A collective's error (a peer died or hung), not one of DeadPool's own decisions."""
-    return isinstance(exc, RuntimeError) and not isinstance(
-        exc, (DeadpoolRuntimeError, ConfigError)
-    )
+is_peer_failure = Driver.is_peer_failure
 
 
 def wrap_init_process_group(real: Any, session: Any, restore: Callable[[Any], None]) -> Any:
@@ -132,13 +128,15 @@ def wrap_train(real: Any, session: Any) -> Any:
             if arguments.get(name) is not None:
                 session.extra_roots.append(arguments[name])
         try:
-            return real(*args, **kwargs)
+            out = real(*args, **kwargs)
         except SystemExit:
             # Megatron's own end of the job, decided by every rank together (after a world
             # barrier): --exit-interval, --exit-duration-in-mins, the exit signal handler,
             # the rerun state machine's codes 16/17. Done on purpose, not a failed rank.
             session.finish()
             raise
+        session.training_returned(out[0])  # (iteration, floating-point operations so far)
+        return out
 
     return train
 

@@ -46,7 +46,12 @@ from typing import Any
 
 from ..config.deadpool import DeadpoolConfig
 from ..config.flags import add_flags, from_namespace
-from ..errors import ConfigError, OutOfRedundancyError
+from ..errors import (
+    ConfigError,
+    CoordinatorUnreachableError,
+    LostAfterTrainingError,
+    OutOfRedundancyError,
+)
 from . import interplay, versions
 
 log = logging.getLogger("megatron_deadpool.megatron_lm")
@@ -135,7 +140,8 @@ def wrap_parse_and_validate_args(real: Callable[..., Any]) -> Callable[..., Any]
 
 @contextlib.contextmanager
 def _exit_codes() -> Iterator[None]:
-    """Bad input: one line and exit code 2; out of redundancy: exit code 3."""
+    """One line and an exit code: bad input 2, out of redundancy 3, no coordinator 4, a rank
+    lost after training completed 0 (what survives was saved)."""
     try:
         yield
     except ConfigError as exc:
@@ -144,6 +150,12 @@ def _exit_codes() -> Iterator[None]:
     except OutOfRedundancyError as exc:
         print(f"deadpool: {exc}", file=sys.stderr, flush=True)
         raise SystemExit(3) from None
+    except CoordinatorUnreachableError as exc:
+        print(f"deadpool: error: {exc}", file=sys.stderr, flush=True)
+        raise SystemExit(4) from None
+    except LostAfterTrainingError as exc:
+        print(f"deadpool: {exc}", file=sys.stderr, flush=True)
+        raise SystemExit(0) from None
 
 
 def _pretrain(pretrain: Callable[..., Any], bound: inspect.BoundArguments) -> Any:
@@ -166,7 +178,14 @@ def _pretrain(pretrain: Callable[..., Any], bound: inspect.BoundArguments) -> An
     if not session.begin():
         return None  # a spare the job never needed
     megatron_lm_hooks.install(session)
-    out = pretrain(*bound.args, **bound.kwargs)
+    try:
+        out = pretrain(*bound.args, **bound.kwargs)
+    except Exception as exc:
+        # pretrain()'s work after train() (its barriers, final save, evaluation) with a peer
+        # lost after training completed: save what survives, end (LostAfterTrainingError).
+        if session.driver.completed is None or not session.driver.is_peer_failure(exc):
+            raise
+        session.defer(exc, "Megatron's final work after training")
     session.finish()
     return out
 

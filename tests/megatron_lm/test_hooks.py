@@ -23,6 +23,9 @@ class _FakeSession:
     def after_log(self, iteration: int) -> None:
         self.logged.append(iteration)
 
+    def training_returned(self, iteration: object) -> None:
+        self.returned = iteration
+
 
 def _megatron_training_log(loss_dict, total_loss_dict, learning_rate, iteration, loss_scale,
                            report_memory_flag, skipped_iter, grad_norm, params_norm,

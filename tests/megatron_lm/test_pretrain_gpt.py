@@ -129,7 +129,8 @@ def test_failure_free_run_replicates_every_iteration(shared_runs, tag: str) -> N
     committed = re.findall(r"deadpool \| iteration +(\d+)/ +\d+ \| committed replica iteration: "
                            r"(\d+|none yet)", baseline.text)  # fmt: skip
     assert committed[0] == ("1", "none yet")
-    assert all(int(c) == int(it) - 1 for it, c in committed[1:]) and len(committed) == ITERS
+    assert all(int(c) == int(it) - 1 for it, c in committed[1:-1]) and len(committed) == ITERS
+    assert committed[-1] == (str(ITERS), str(ITERS))  # the last step commits its own round
     assert baseline.summary["recoveries"] == []
     digests = baseline.summary["param_digests"]
     assert len(digests) == 4 and digests["0"] == digests["2"] and digests["1"] == digests["3"]
@@ -140,7 +141,7 @@ def test_failure_free_run_replicates_every_iteration(shared_runs, tag: str) -> N
         acc = EventAccumulator(str(events))
         acc.Reload()
         scalars = acc.Scalars("deadpool/committed-iteration")
-        assert [(s.step, s.value) for s in scalars][-1] == (ITERS, ITERS - 1)
+        assert [(s.step, s.value) for s in scalars][-1] == (ITERS, ITERS)
         assert "lm loss" in acc.Tags()["scalars"]  # Megatron's own, same writer
 
 
@@ -312,6 +313,52 @@ def test_out_of_redundancy_saves_every_shard_and_load_resumes_bitwise(
         else:
             assert loss == theirs[it][1], (it, ours[it], theirs[it])
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == str(ITERS)
+
+
+@pytest.mark.timeout(3 * RUN_TIMEOUT)
+@pytest.mark.parametrize("tag", [NEWEST])
+def test_rank_lost_after_training_completed_costs_nothing(
+    shared_runs, tag: str, tmp_path: Path
+) -> None:
+    """Rank 2 is SIGKILLed right after the last step completed and was replicated, before
+    pretrain()'s final save: no recovery, the run succeeds with the failure-free iterations,
+    and the survivors save the final state - rank 2's from its holder - as a complete snapshot
+    set, which the same command with --load turns into Megatron's checkpoint of that step."""
+    from megatron_deadpool.replication import snapshot_set as salvage
+
+    tree = megatron_lm_tree(tag)
+    baseline = shared_runs(tag, "baseline")
+    ckpt = tmp_path / "ckpt"
+    base = [*MEGATRON_ARGS, "--use-distributed-optimizer", "--save", str(ckpt),
+            "--save-interval", "4", *DEADPOOL_ARGS]  # fmt: skip
+    run = _launch(tmp_path, "end", tree / "pretrain_gpt.py", [*base, "--deadpool-fail", "2@end"])
+    assert run.returncode == 0, run.describe()
+    assert run.iterations() == baseline.iterations(), run.describe()
+    assert run.summary["recoveries"] == []
+    lost = run.summary["lost_after_training"]
+    assert lost["dead_ranks"] == [2] and lost["completed_iteration"] == ITERS
+    assert lost["save"]["complete"] and lost["save"]["sources"] == {"2": 0}
+    actives = {p: c for p, c in run.summary["exit_codes"].items() if p.startswith("a")}
+    assert actives == {"a0": 0, "a1": 0, "a2": -9, "a3": 0}
+    expected = {r: d for r, d in baseline.summary["param_digests"].items() if r != "2"}
+    assert run.summary["param_digests"] == expected
+    assert re.search(
+        rf"training completed at iteration {ITERS}; rank\(s\) \[2\] lost "
+        r"afterwards, in Megatron's final work after training: saved every rank's state",
+        run.text,
+    )
+    manifest = salvage.read_manifest(ckpt, ITERS)
+    assert manifest["complete"] and manifest["ranks_present"] == [0, 1, 2, 3]
+    assert manifest["megatron"]["consumed_train"] == 8 * ITERS  # global batch 8
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "4"
+
+    converted = _launch(tmp_path, "converted", tree / "pretrain_gpt.py", [*base, "--load",
+                        str(ckpt)])  # fmt: skip
+    assert converted.returncode == 0, converted.describe()
+    assert re.search(rf"resumed from DeadPool's snapshot set of iteration {ITERS}", converted.text)
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == str(ITERS)
+    ours, theirs = _common_state(tree, ckpt, baseline.run_dir.parent / "ckpt", iteration=ITERS)
+    assert ours == theirs
 
 
 @pytest.mark.timeout(3 * RUN_TIMEOUT)
