@@ -459,5 +459,8 @@ def test_megatrons_own_exit_ends_the_job_and_is_no_failure(tag: str, tmp_path: P
     assert run.summary["recoveries"] == [] and run.summary["out_of_redundancy"] is None
     codes = run.summary["exit_codes"]
     assert {codes[f"a{r}"] for r in range(4)} == {16}, codes
-    assert "exited with code 16" not in run.text  # no rank was taken for dead
+    assert "[deadpool] recovery:" not in run.text  # no rank was taken for dead
+    assert (
+        len(re.findall(r"process a\d exited with code 16 after finishing its work", run.text)) == 4
+    )
     assert (ckpt / "latest_checkpointed_iteration.txt").is_file()
