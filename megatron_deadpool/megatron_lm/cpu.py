@@ -123,6 +123,8 @@ def _load_before_the_first_step() -> None:
 
 
 class _DropMessage(logging.Filter):
+    """Drops the records of one exact message."""
+
     def __init__(self, message: str) -> None:
         super().__init__()
         self.message = message
