@@ -5,10 +5,11 @@
 #   scripts/apply_patches.sh MEGATRON_LM_DIR --check    only check that they apply cleanly
 #   scripts/apply_patches.sh MEGATRON_LM_DIR --reverse  take them out again
 #
-# The tag is read from the tree itself (megatron/core/package_info.py: MAJOR.MINOR.PATCH ->
-# core_vMAJOR.MINOR.PATCH); a tree of a version without patches here is refused. The patches
-# only make the hooks explicit: the zero-edit runner
-# (python -m megatron_deadpool.megatron_lm pretrain_gpt.py ...) needs none of them.
+# The release is read from the tree itself (megatron/core/package_info.py: MAJOR.MINOR) and
+# picks patches/megatron-lm/core_vMAJOR.MINOR.*/ (one per supported series: core_v0.16.1,
+# core_v0.19.0); a tree of any other series is refused. The patches only make the hooks
+# explicit: the zero-edit runner (python -m megatron_deadpool.megatron_lm pretrain_gpt.py ...)
+# needs none of them.
 set -euo pipefail
 
 usage() {
@@ -38,16 +39,18 @@ if [[ -z "$major" || -z "$minor" || -z "$patch" ]]; then
     echo "error: cannot read the version from $info" >&2
     exit 2
 fi
-tag="core_v$major.$minor.$patch"
-pdir="$here/patches/megatron-lm/$tag"
-if [[ ! -d "$pdir" ]]; then
-    supported=$(cd "$here/patches/megatron-lm" && ls -d core_v* 2>/dev/null | tr '\n' ' ' | sed 's/ *$//')
-    echo "error: Megatron-LM $major.$minor.$patch ($tag) is not supported by these patches;" \
-        "supported tags: ${supported:-none}. The zero-edit runner" \
-        "(python -m megatron_deadpool.megatron_lm SCRIPT ...) may still work." >&2
+# One folder of patches per release series, named by the tag they were made for (tag
+# core_v0.19.0's package_info.py reads 0.19.1): core_v$major.$minor.*
+shopt -s nullglob
+series=("$here"/patches/megatron-lm/core_v"$major.$minor".*)
+if [[ ${#series[@]} -ne 1 ]]; then
+    supported=$(cd "$here/patches/megatron-lm" && ls -d core_v* 2>/dev/null | paste -sd, - | sed 's/,/, /g')
+    echo "error: Megatron-LM $major.$minor.$patch (core_v$major.$minor.$patch) is not supported" \
+        "by these patches; supported tags: ${supported:-none}." >&2
     exit 3
 fi
-shopt -s nullglob
+pdir=${series[0]}
+tag=$(basename "$pdir")
 patches=("$pdir"/*.patch)
 if [[ ${#patches[@]} -eq 0 ]]; then
     echo "error: no patches in $pdir" >&2

@@ -10,6 +10,7 @@ gloo, the local transformer implementation, CPU initialisation, no fusions).
 from __future__ import annotations
 
 import importlib.util
+import logging
 import os
 import sys
 import types
@@ -77,8 +78,10 @@ class _TritonStandIn:
 
 
 def _stand_in_for_triton() -> None:
-    """Megatron-LM's initialize.py imports a Triton kernel module unconditionally; CPU-only
-    torch comes without Triton."""
+    """Megatron-LM imports Triton kernel modules unconditionally (core_v0.16.1: in
+    `megatron.training.initialize`; core_v0.19.0: already in `megatron.core`); CPU-only torch
+    comes without Triton. The stand-in reports version 0.0.0, so that Megatron's guarded
+    imports that check the version take their no-Triton paths."""
     if "triton" in sys.modules or importlib.util.find_spec("triton") is not None:
         return
     stand_in = _TritonStandIn()
@@ -86,6 +89,7 @@ def _stand_in_for_triton() -> None:
         module = types.ModuleType(name)
         module.__getattr__ = stand_in.__getattr__  # type: ignore[attr-defined]
         module.__deadpool_stand_in__ = True  # type: ignore[attr-defined]
+        module.__version__ = "0.0.0"  # type: ignore[attr-defined]  # "too old": no kernels
         sys.modules[name] = module
     sys.modules["triton"].language = sys.modules["triton.language"]  # type: ignore[attr-defined]
 
@@ -118,18 +122,41 @@ def _load_before_the_first_step() -> None:
     dopt.DistributedOptimizer.state_dict = state_dict
 
 
+class _DropMessage(logging.Filter):
+    """Drops the records of one exact message."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__()
+        self.message = message
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.getMessage() != self.message
+
+
+def _quiet_rng_fork_check() -> None:
+    """core_v0.19.0's RNG tracker warns when the CPU generator changed inside a forked CUDA RNG
+    state; in the CPU mode the CUDA generator *is* the CPU generator, so it warns on every
+    fork (several lines per step and rank) about nothing."""
+    logger = logging.getLogger("megatron.core.tensor_parallel.random")
+    if not any(isinstance(f, _DropMessage) for f in logger.filters):
+        logger.addFilter(_DropMessage("CPU RNG state changed within GPU RNG context"))
+
+
 def activate() -> None:
     """Install the CPU mode in this process (idempotent); call before `pretrain()`."""
     os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
     os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
-    from ..devices.cpu import activate as activate_cpu
-
-    activate_cpu(pretend_cuda=True)
-    _stand_in_for_triton()
-    _load_before_the_first_step()
     import torch._dynamo  # the script may have imported it before the variable was set
 
     torch._dynamo.config.disable = True
+    # After torch._dynamo (torch decides on import that Triton is absent), before the first
+    # import of megatron.core (core_v0.19.0 imports a Triton kernel module there).
+    _stand_in_for_triton()
+    from ..devices.cpu import activate as activate_cpu
+
+    activate_cpu(pretend_cuda=True)
+    _load_before_the_first_step()
+    _quiet_rng_fork_check()
     try:
         from megatron.legacy import fused_kernels
     except ImportError:  # not a Megatron-LM tree: nothing to skip

@@ -1,4 +1,4 @@
-"""Where DeadPool hooks into Megatron-LM's training (`megatron/training`, tag core_v0.16.1).
+"""Where DeadPool hooks into Megatron-LM's training (`megatron/training`, every supported tag).
 
 `pretrain()` calls these module-level functions of `megatron.training.training` by name, so
 replacing the module attributes is enough (no source edit). Each hook and why:
@@ -12,7 +12,10 @@ replacing the module attributes is enough (no source edit). Each hook and why:
 - `build_train_valid_test_data_iterators` (newcomer only): the training data loader starts
   at the restore iteration's sample count, the validation loader where the survivors' is.
 - `train`: remember Megatron's checkpointing context (its cached save strategy holds the
-  data-parallel group, which must be rebound like the model's groups).
+  data-parallel group, which must be rebound like the model's groups) and any process groups
+  `pretrain` was given (core_v0.19.0); when Megatron ends the job from inside `train` (its
+  `sys.exit` after a world barrier) every rank is marked done first, so the coordinator does
+  not take the exits for failures.
 - `train_step`: replication after every optimizer step; recovery and recomputation in place
   (`MegatronSession.train_step`).
 - `training_log`, `evaluate_and_print_results`, `post_training_step_callbacks`,
@@ -118,39 +121,49 @@ def wrap_train(real: Any, session: Any) -> Any:
 
     @functools.wraps(real)
     def train(*args: Any, **kwargs: Any) -> Any:
-        context = sig.bind(*args, **kwargs).arguments.get("checkpointing_context")
-        if context is not None:  # its cached save strategy holds the data-parallel group
-            session.extra_roots.append(context)
-        out = real(*args, **kwargs)
+        arguments = sig.bind(*args, **kwargs).arguments
+        # Megatron's checkpointing context (its cached save strategy holds the data-parallel
+        # group) and, core_v0.19.0, the groups `pretrain` was given for the schedule.
+        for name in ("checkpointing_context", "pg_collection", "p2p_communicator"):
+            if arguments.get(name) is not None:
+                session.extra_roots.append(arguments[name])
+        try:
+            out = real(*args, **kwargs)
+        except SystemExit:
+            # Megatron's own end of the job, decided by every rank together (after a world
+            # barrier): --exit-interval, --exit-duration-in-mins, the exit signal handler,
+            # the rerun state machine's codes 16/17. Done on purpose, not a failed rank.
+            session.finish()
+            raise
         session.training_returned(out[0])  # (iteration, floating-point operations so far)
         return out
 
     return train
 
 
+STEP_ARGS = (
+    "forward_step_func",
+    "data_iterator",
+    "model",
+    "optimizer",
+    "opt_param_scheduler",
+    "config",
+    "forward_backward_func",
+)
+"""`train_step`'s arguments in every supported release; later ones (core_v0.19.0:
+`pg_collection`, `p2p_communicator`) are passed through as given."""
+
+
 def wrap_train_step(real: Any, session: Any) -> Any:
+    sig = inspect.signature(real)
+
     @functools.wraps(real)
-    def train_step(
-        forward_step_func,
-        data_iterator,
-        model,
-        optimizer,
-        opt_param_scheduler,
-        config,
-        forward_backward_func,
-        iteration=None,
-    ):
-        return session.train_step(
-            real,
-            forward_step_func,
-            data_iterator,
-            model,
-            optimizer,
-            opt_param_scheduler,
-            config,
-            forward_backward_func,
-            iteration,
-        )
+    def train_step(*args: Any, **kwargs: Any) -> Any:
+        arguments = dict(sig.bind(*args, **kwargs).arguments)
+        fixed = [arguments.pop(name) for name in STEP_ARGS]
+        iteration = arguments.pop("iteration", None)
+        step = functools.partial(real, **arguments) if arguments else real
+        return session.train_step(step, *fixed, iteration)
 
     return train_step
 

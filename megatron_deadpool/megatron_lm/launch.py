@@ -74,6 +74,7 @@ class MegatronLauncher:
         self.threads: list[threading.Thread] = []
         self.lock = threading.Lock()
         self.local: LocalJob | None = None
+        self.ended = False  # every active rank finished its work (`LocalJob.finished`)
 
     # ------------------------------------------------------------------ output
     def _print(self, text: str) -> None:
@@ -136,7 +137,7 @@ class MegatronLauncher:
                 self._spawn(pid, env)
             rc = self._monitor(t0)
         finally:
-            local.close(grace_s=10 if rc == 0 else 0)
+            local.close(grace_s=10 if self.ended else 0)
             self._write_summary(rc, time.monotonic() - t0)
         return rc
 
@@ -159,7 +160,12 @@ class MegatronLauncher:
                 local.wait_exit(local.actives(), 60.0)
                 return OUT_OF_REDUNDANCY_EXIT
             if local.finished():
-                return 0
+                self.ended = True
+                # The same exit code from every rank is the job's own (Megatron's rerun state
+                # machine ends a job with 16 or 17 on all of them); a rank lost after its work
+                # was done (killed: a negative code) is not.
+                ends = set(codes.values())
+                return ends.pop() if len(ends) == 1 and min(ends) > 0 else 0
             if time.monotonic() - t0 > self.timeout_s:
                 self._print(f"[deadpool] the job exceeded its {self.timeout_s:.0f}s limit")
                 return 124

@@ -11,12 +11,17 @@ Users keep their `pretrain_gpt.py` command line and add `--deadpool ...` flags. 
   imports, `wrap_pretrain(pretrain)`, and passes `extra_args_provider(...)` itself; it behaves
   exactly as the runner does.
 
-The runner runs the unmodified script with `runpy`, with `megatron.training.pretrain` replaced
-by `wrap_pretrain(pretrain)`, which adds the flags to Megatron's parser (chained with the
-script's own `extra_args_provider`), supplies the CPU settings on a machine without a GPU, and
-with `--deadpool` starts a `MegatronSession` and installs the training hooks
-(`megatron_lm_hooks`). Without `--deadpool` nothing but the flags, the CPU mode and the resume
-from a snapshot set (below) is added.
+Before the script runs, `prepare()` refuses a Megatron-LM flag that cannot be combined with
+`--deadpool` (`interplay.py`) and a Megatron-LM release DeadPool does not support
+(`versions.py`, which also says what differs between the supported tags), and on a
+machine without a GPU installs the CPU mode and its flags. The runner then runs the
+unmodified script with `runpy`, with `megatron.training.pretrain` replaced by
+`wrap_pretrain(pretrain)` and the flags added to Megatron's parser (chained with the script's
+own `extra_args_provider`: in `pretrain` for core_v0.16.1, in `parse_and_validate_args`,
+which the script calls first, for core_v0.19.0). With `--deadpool`, `wrap_pretrain` starts a
+`MegatronSession` and installs the training hooks (`megatron_lm_hooks`); DeadPool's log level
+follows Megatron's (`log_level.py`). Without `--deadpool` nothing but the flags, the
+CPU mode and the resume from a snapshot set (below) is added.
 
 Out of redundancy (no spare left, or a shard with no surviving copy) every survivor exits with
 code 3 after writing DeadPool's snapshot set of one common iteration under `--save`
@@ -29,13 +34,14 @@ the set is complete, launching the same command with `--load` resumes from it an
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import inspect
 import logging
 import os
 import runpy
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from ..config.deadpool import DeadpoolConfig
@@ -46,6 +52,7 @@ from ..errors import (
     LostAfterTrainingError,
     OutOfRedundancyError,
 )
+from . import interplay, versions
 
 log = logging.getLogger("megatron_deadpool.megatron_lm")
 
@@ -91,8 +98,9 @@ def preparse(argv: Sequence[str]) -> DeadpoolConfig:
 
 
 def wrap_pretrain(pretrain: Callable[..., Any]) -> Callable[..., Any]:
-    """`pretrain` with DeadPool: flags chained into its `extra_args_provider`, CPU mode when
-    there is no GPU, and with `--deadpool` replication and hot swap (idempotent)."""
+    """`pretrain` with DeadPool: flags chained into its `extra_args_provider` (where it parses
+    the arguments: core_v0.16.1), CPU mode when there is no GPU, and with `--deadpool`
+    replication and hot swap (idempotent)."""
     if getattr(pretrain, "_deadpool", False):
         return pretrain
     signature = inspect.signature(pretrain)
@@ -100,35 +108,59 @@ def wrap_pretrain(pretrain: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(pretrain)
     def pretrain_with_deadpool(*args: Any, **kwargs: Any) -> Any:
         bound = signature.bind(*args, **kwargs)
-        bound.arguments["extra_args_provider"] = extra_args_provider(
-            bound.arguments.get("extra_args_provider")
-        )
-        try:
+        if "extra_args_provider" in signature.parameters:
+            bound.arguments["extra_args_provider"] = extra_args_provider(
+                bound.arguments.get("extra_args_provider")
+            )
+        with _exit_codes():
             return _pretrain(pretrain, bound)
-        except ConfigError as exc:
-            print(f"deadpool: error: {exc}", file=sys.stderr, flush=True)
-            raise SystemExit(2) from None
-        except OutOfRedundancyError as exc:
-            print(f"deadpool: {exc}", file=sys.stderr, flush=True)
-            raise SystemExit(3) from None
-        except CoordinatorUnreachableError as exc:
-            print(f"deadpool: error: {exc}", file=sys.stderr, flush=True)
-            raise SystemExit(4) from None
-        except LostAfterTrainingError as exc:
-            print(f"deadpool: {exc}", file=sys.stderr, flush=True)
-            raise SystemExit(0) from None
 
     pretrain_with_deadpool._deadpool = True  # type: ignore[attr-defined]
     return pretrain_with_deadpool
 
 
-def _pretrain(pretrain: Callable[..., Any], bound: inspect.BoundArguments) -> Any:
-    from . import cpu as megatron_lm_cpu
+def wrap_parse_and_validate_args(real: Callable[..., Any]) -> Callable[..., Any]:
+    """Megatron's `parse_and_validate_args` (core_v0.19.0: the script parses the arguments
+    before `pretrain`) with DeadPool's flags chained into its `extra_args_provider`."""
+    if getattr(real, "_deadpool", False):
+        return real
+    signature = inspect.signature(real)
 
+    @functools.wraps(real)
+    def parse_and_validate_args(*args: Any, **kwargs: Any) -> Any:
+        bound = signature.bind(*args, **kwargs)
+        bound.arguments["extra_args_provider"] = extra_args_provider(
+            bound.arguments.get("extra_args_provider")
+        )
+        return real(*bound.args, **bound.kwargs)
+
+    parse_and_validate_args._deadpool = True  # type: ignore[attr-defined]
+    return parse_and_validate_args
+
+
+@contextlib.contextmanager
+def _exit_codes() -> Iterator[None]:
+    """One line and an exit code: bad input 2, out of redundancy 3, no coordinator 4, a rank
+    lost after training completed 0 (what survives was saved)."""
+    try:
+        yield
+    except ConfigError as exc:
+        print(f"deadpool: error: {exc}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
+    except OutOfRedundancyError as exc:
+        print(f"deadpool: {exc}", file=sys.stderr, flush=True)
+        raise SystemExit(3) from None
+    except CoordinatorUnreachableError as exc:
+        print(f"deadpool: error: {exc}", file=sys.stderr, flush=True)
+        raise SystemExit(4) from None
+    except LostAfterTrainingError as exc:
+        print(f"deadpool: {exc}", file=sys.stderr, flush=True)
+        raise SystemExit(0) from None
+
+
+def _pretrain(pretrain: Callable[..., Any], bound: inspect.BoundArguments) -> Any:
     cfg = preparse(sys.argv[1:])
-    if megatron_lm_cpu.needs_cpu():
-        megatron_lm_cpu.activate()
-        sys.argv = [sys.argv[0], *megatron_lm_cpu.with_cpu_flags(sys.argv[1:])]
+    _cpu_mode()
     from . import resume as megatron_lm_resume
 
     # --load from a snapshot set saved out of redundancy
@@ -137,9 +169,10 @@ def _pretrain(pretrain: Callable[..., Any], bound: inspect.BoundArguments) -> An
         return pretrain(*bound.args, **bound.kwargs)
     from ..logs import setup_logging
     from . import hooks as megatron_lm_hooks
+    from .log_level import megatron_logging_level
     from .session import MegatronSession, task_from_env
 
-    setup_logging()
+    setup_logging(megatron_logging_level(sys.argv[1:], os.environ))
     token = cfg.job_token or os.environ.get("DEADPOOL_JOB_TOKEN", "")
     session = MegatronSession(cfg, task_from_env(), token)
     if not session.begin():
@@ -157,24 +190,43 @@ def _pretrain(pretrain: Callable[..., Any], bound: inspect.BoundArguments) -> An
     return out
 
 
-def prepare() -> None:
-    """Call before Megatron's modules are imported: on a machine without a GPU, install the
-    CPU development mode (Megatron-LM's imports and `initialize_megatron` expect CUDA)."""
+def _cpu_mode() -> None:
+    """Without a GPU: the CPU development mode, and its flags on the command line (before
+    Megatron parses it; idempotent)."""
     from . import cpu as megatron_lm_cpu
 
     if megatron_lm_cpu.needs_cpu():
         megatron_lm_cpu.activate()
+        sys.argv = [sys.argv[0], *megatron_lm_cpu.with_cpu_flags(sys.argv[1:])]
+
+
+def prepare() -> None:
+    """Call before Megatron's modules are imported: refuse a Megatron-LM flag that cannot be
+    combined with `--deadpool` and an unsupported Megatron-LM tree, adapt Python to its
+    release, and on a machine without a GPU install the CPU development mode (Megatron-LM's
+    imports and `initialize_megatron` expect CUDA) and its flags."""
+    with _exit_codes():
+        interplay.check_megatron_flags(sys.argv[1:], preparse(sys.argv[1:]))
+        versions.prepare_python(versions.current())
+        _cpu_mode()
 
 
 def install() -> None:
-    """Replace `megatron.training.pretrain` by `wrap_pretrain(pretrain)` (the runner does this
-    before the script imports it)."""
+    """Replace `megatron.training.pretrain` by `wrap_pretrain(pretrain)` and, where the script
+    parses the arguments itself, `parse_and_validate_args` by its wrapper (the runner does
+    this before the script imports them)."""
     import megatron.training as mt
     from megatron.training import training as tr
 
     wrapped = wrap_pretrain(tr.pretrain)
     tr.pretrain = wrapped
     mt.pretrain = wrapped
+    if versions.current().script_parses_args:
+        from megatron.training import arguments
+
+        arguments.parse_and_validate_args = wrap_parse_and_validate_args(
+            arguments.parse_and_validate_args
+        )
 
 
 def run_script(script: str, script_args: Sequence[str]) -> None:

@@ -46,6 +46,7 @@ from ..replication.snapshot import RankState
 from . import newcomer
 from . import report as mreport
 from .replay import BatchRecorder, install_recorder, reset_rerun_iterators
+from .versions import forget_cached_collectives
 
 log = logging.getLogger("megatron_deadpool.megatron_lm")
 
@@ -250,12 +251,14 @@ class MegatronSession:
             )
 
     def after_restore(self, iteration: int, *, needy: bool) -> None:
-        """Megatron's rerun state machine and data iterators back at `iteration`."""
+        """Megatron's rerun state machine and data iterators back at `iteration`; the
+        optimizer's cached answers of collectives dropped on every rank (`versions.py`)."""
         from megatron.core.rerun_state_machine import RerunState, get_rerun_state_machine
 
         rsm = get_rerun_state_machine()
         rsm.state = RerunState.NOT_RUNNING_YET
         rsm.current_iteration = iteration
+        forget_cached_collectives(self.objs[1])
         reset_rerun_iterators(self.data_iterator)
         if not needy:
             for rec in self.recorders:

@@ -1,0 +1,44 @@
+"""Megatron-LM's own resilience flags next to `--deadpool` (interplay.py)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from megatron_deadpool.config.deadpool import DeadpoolConfig
+from megatron_deadpool.errors import ConfigError
+from megatron_deadpool.megatron_lm.interplay import check_megatron_flags
+
+ON, OFF = DeadpoolConfig(enabled=True), DeadpoolConfig()
+
+
+def test_in_process_restart_is_refused_with_deadpool_only() -> None:
+    with pytest.raises(ConfigError, match=r"^--inprocess-restart: .*drop --inprocess-restart"):
+        check_megatron_flags(["--num-layers", "2", "--inprocess-restart"], ON)
+    check_megatron_flags(["--inprocess-restart"], OFF)  # Megatron's own, DeadPool is off
+    for combinable in (
+        ["--verify-integrity"],
+        ["--rerun-mode", "validate_results", "--error-injection-rate", "1"],
+        ["--fault-injector-ranks", "1", "--fault-injector-fault-types", "hang"],
+    ):
+        check_megatron_flags(combinable, ON)
+
+
+def test_the_runner_refuses_before_the_script_runs(tmp_path: Path) -> None:
+    """Megatron creates in-process restart's store in the script itself, before `pretrain`:
+    the refusal comes first, in one line."""
+    info = tmp_path / "megatron" / "core" / "package_info.py"
+    info.parent.mkdir(parents=True)
+    info.write_text("MAJOR = 0\nMINOR = 19\nPATCH = 1\n")
+    (tmp_path / "pretrain_gpt.py").write_text("print('the script ran')\n")
+    proc = subprocess.run(
+        [sys.executable, "-m", "megatron_deadpool.megatron_lm", str(tmp_path / "pretrain_gpt.py"),
+         "--inprocess-restart", "--deadpool", "--deadpool-spares", "1"],
+        capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 2 and "the script ran" not in proc.stdout
+    (line,) = proc.stderr.strip().splitlines()
+    assert line.startswith("deadpool: error: --inprocess-restart: ")
