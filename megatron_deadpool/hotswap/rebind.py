@@ -205,9 +205,15 @@ def release(roots: Iterable[Any], extra: dict[str, Any] | None = None) -> int:
     return count
 
 
-def attach(roots: Iterable[Any], extra: dict[str, Any] | None = None) -> int:
-    """Replace every `GroupSlot` in `roots` by the new generation's group of that name."""
+def attach(
+    roots: Iterable[Any], extra: dict[str, Any] | None = None, stale: list[str] | None = None
+) -> int:
+    """Replace every `GroupSlot` in `roots` by the new generation's group of that name.
+
+    With `stale`, the same walk also appends what `stale_group_refs` would report (one walk
+    over Megatron's objects instead of two)."""
     groups = groups_by_name(extra)
+    live = {id(pg) for pg in dist.distributed_c10d._world.pg_map}
     count = 0
     missing: list[str] = []
 
@@ -219,6 +225,8 @@ def attach(roots: Iterable[Any], extra: dict[str, Any] | None = None) -> int:
                 return None
             count += 1
             return groups[value.name]
+        if stale is not None and isinstance(value, dist.ProcessGroup) and id(value) not in live:
+            stale.append(f"{value!r} (id {id(value):#x})")
         return None
 
     for root in roots:
