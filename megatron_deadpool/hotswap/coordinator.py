@@ -316,7 +316,20 @@ class Coordinator:
             "needy": sorted(needy),
             "slots": {str(r): p for r, p in slots.items()},
         }
-        self.members.publish_plan(generation, plan)
+        # What every survivor reads: the changes to the published roster, not all the slots
+        # (16,384 survivors reading 200 KB each would keep the store busy for seconds).
+        published = self.roster.slots
+        self.members.publish_plan(
+            generation,
+            {
+                "generation": generation,
+                "base": self.roster.generation,
+                "world_size": self.world,
+                "dead": plan["dead"],
+                "needy": plan["needy"],
+                "replaced": {str(r): p for r, p in slots.items() if published[r] != p},
+            },
+        )
         if rec is not None:  # survivors waiting on the old plan move on to this one
             self.members.decide(rec.generation, {"superseded": generation})
         self.events("plan", **plan)

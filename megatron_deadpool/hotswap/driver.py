@@ -317,7 +317,7 @@ class Driver:
         t_released = time.time()
         roster = recovery.agree(
             self.members,
-            generation=self.generation,
+            roster=self.roster,
             rank=self.rank,
             pid=self.pid,
             replicator=self.replicator,

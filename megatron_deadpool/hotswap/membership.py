@@ -21,7 +21,9 @@ Keys:
   gen{g}/roster                 {"generation", "world_size", "slots": {rank: pid},
                                 "restore_iteration"}
   plan/latest                   the newest planned generation (a recovery, or the abort)
-  gen{g}/plan                   {"generation", "dead", "needy", "slots"} or {"abort": report}
+  gen{g}/plan                   {"generation", "base", "world_size", "dead", "needy",
+                                "replaced"}: the slots that change from roster `base` (rank ->
+                                pid), or {"abort": report}
   gen{g}/holdings/{rank}        a survivor's report: verified iterations it holds ("holds"),
                                 "last_completed", "pid", and the job's own fields
   gen{g}/holdings/count         counter of those reports (the last expected one wakes the
@@ -81,6 +83,14 @@ class Roster:
             if p == pid:
                 return rank
         return None
+
+    def successor(self, plan: dict[str, Any], restore_iteration: int) -> Roster | None:
+        """The roster `plan` (built on this one) leads to, without reading it from the store;
+        None when the plan is built on another roster."""
+        if plan.get("base") != self.generation:
+            return None
+        slots = {**self.slots, **{int(r): p for r, p in plan["replaced"].items()}}
+        return Roster(plan["generation"], self.world_size, slots, restore_iteration)
 
     def to_json(self) -> str:
         return json.dumps(

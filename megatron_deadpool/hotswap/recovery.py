@@ -64,7 +64,7 @@ def release_groups(
 def agree(
     members: Membership,
     *,
-    generation: int,
+    roster: Roster,
     rank: int | None,
     pid: str,
     replicator: Replicator | None,
@@ -75,10 +75,11 @@ def agree(
 ) -> Roster:
     """Report holdings for the coordinator's plan(s) until a roster includes this process.
 
-    Blocks on the store instead of polling it: first until a generation after `generation` is
-    planned (by the wall-clock `deadline`, else this was no peer failure), then until the
-    coordinator decides that plan - a roster, an abort, or a newer plan that supersedes it (more
-    ranks died), which is then reported for in turn.
+    Blocks on the store instead of polling it: first until a generation after `roster`'s (the
+    one this process is in) is planned (by the wall-clock `deadline`, else this was no peer
+    failure), then until the coordinator decides that plan - a roster, an abort, or a newer plan
+    that supersedes it (more ranks died), which is then reported for in turn. The new roster is
+    `roster` with the plan's replacements (read in full only if the plan has another base).
 
     `report` is published with the holdings (e.g. Megatron's counters); only a process that
     keeps its slot and is not needy reports what `replicator` holds. On an abort,
@@ -86,23 +87,22 @@ def agree(
     `OutOfRedundancyError` is raised.
     """
     holds = replicator.holdings() if replicator is not None else {"local": []}
-    g = generation + 1
+    g = roster.generation + 1
     if not members.wait_plan(g, deadline - time.time()):
         raise DeadpoolRuntimeError(
             "a collective failed but the coordinator planned no recovery in time: "
             "not a peer failure"
         ) from cause
     while True:
-        g = max(g, members.latest_plan())  # plans published meanwhile supersede this one
         plan = members.plan(g)
         if "abort" in plan:
             _out_of_redundancy(members.abort() or plan["abort"], on_abort)
-        mine = pid in plan["slots"].values() and rank not in plan["needy"]
+        keeps_slot = rank is not None and rank not in plan["needy"]
         members.report_holdings(
             g,
             rank,
-            {**report, "holds": holds if mine else {"local": []}, "pid": pid},
-            expected=len(plan["slots"]) - len(plan["needy"]),
+            {**report, "holds": holds if keeps_slot else {"local": []}, "pid": pid},
+            expected=plan["world_size"] - len(plan["needy"]),
         )
         decision = None
         while decision is None:  # the coordinator decides within its agree timeout
@@ -110,13 +110,13 @@ def agree(
         if "abort" in decision:
             _out_of_redundancy(members.abort() or {}, on_abort)
         if "roster" in decision:
-            roster = members.roster(g)
-            if roster.rank_of(pid) is None:
+            new = roster.successor(plan, decision["roster"]) or members.roster(g)
+            if new.rank_of(pid) is None:
                 raise DeadpoolRuntimeError(
                     f"the coordinator's roster of generation {g} leaves this process ({pid}) "
                     "out: it was presumed dead"
                 )
-            return roster
+            return new
         g = decision["superseded"]
 
 
