@@ -6,12 +6,13 @@ in the machine's load hits both alike. Each run's first `--warmup` iterations ar
 The result is the median over repeats of the on/off ratio of paired runs, plus the pooled
 medians of each mode:
 
-    deadpool bench overhead --repeats 3 --iters 20 --json overhead.json
+    deadpool bench overhead --repeats 20 --iters 30 --json overhead.json
 
-writes `{"off_iter_s", "on_iter_s", "ratio_median", "ratio_ci95", "overhead_pct", "runs": [...],
-...}`; `ratio_ci95` is a distribution-free 95% confidence interval of the median ratio
-(`stats.median_ci`; it needs at least 6 pairs), since a shared machine's run-to-run noise can
-be larger than the overhead measured.
+writes `{"off_iter_s", "on_iter_s", "ratio_median", "ratio_ci95", "ratio", "overhead_pct",
+"runs": [...], ...}`; `ratio_ci95` is a distribution-free 95% confidence interval of the median
+ratio (`stats.median_ci`; it needs at least 6 pairs), since a shared machine's run-to-run noise
+can be larger than the overhead measured. The ratio is printed as a figure only when that
+interval excludes 1 (`stats.ratio_text`), else as "no difference measurable at this noise".
 Runs also check the invariant that DeadPool does not change training: the losses and final
 parameter digests of all runs must be identical.
 """
@@ -31,7 +32,7 @@ from typing import Any, Protocol
 from ..config.job import JobConfig, ParallelConfig, load_job
 from ..errors import ConfigError
 from .report import job_shape, publish, text_row
-from .stats import median_ci
+from .stats import median_ci, ratio_summary, ratio_text
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "cpu-demo.yaml"
 """The CPU demo job, used when no --config is given (and present in the source tree)."""
@@ -53,7 +54,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--iters", type=int, default=20, help="iterations per run (default 20)")
     parser.add_argument(
-        "--repeats", type=int, default=3, help="pairs of runs, off then on (default 3)"
+        "--repeats",
+        type=int,
+        default=6,
+        help="pairs of runs, off then on (default 6, the fewest that give a 95%% interval)",
     )
     parser.add_argument(
         "--warmup", type=int, default=2, help="first iterations of each run left out (default 2)"
@@ -161,6 +165,7 @@ def measure(
         "on_iter_s": on_iter,
         "ratio_median": ratio,
         "ratio_ci95": list(ci) if ci else None,
+        "ratio": ratio_summary(ratios),
         "ratios": ratios,
         "overhead_pct": (ratio - 1.0) * 100.0,
         "losses_identical": all(r["losses"] == runs[0]["losses"] for r in runs),
@@ -193,17 +198,9 @@ def _row(run: dict[str, Any]) -> str:
 
 
 def summary_lines(result: dict[str, Any]) -> list[str]:
-    c = result["config"]
     ratio = (
         f"DeadPool off: {result['off_iter_s']:.4f} s/it   on: {result['on_iter_s']:.4f} s/it   "
-        f"on/off (median of {c['repeats']} pairs): {result['ratio_median']:.3f} "
-        f"({result['overhead_pct']:+.1f}%)"
-    )
-    ci = result["ratio_ci95"]
-    ratio += (
-        f", 95% CI {ci[0]:.3f}-{ci[1]:.3f}"
-        if ci
-        else " (a 95% confidence interval needs --repeats >= 6)"
+        f"on/off, median of paired runs: {ratio_text(result['ratio'], digits=3)}"
     )
     same = (
         f"losses identical across runs: {result['losses_identical']}; final parameters "

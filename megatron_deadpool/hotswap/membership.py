@@ -293,9 +293,10 @@ class Membership:
     def plan(self, generation: int) -> dict[str, Any]:
         return self._read(f"gen{generation}/plan") or {}
 
-    def wait_plan(self, generation: int, timeout_s: float) -> bool:
-        """Block until generation g is planned; False on timeout."""
-        return self._wait(f"gen{generation}/plan", timeout_s)
+    def wait_plan(self, generation: int, timeout_s: float) -> dict[str, Any] | None:
+        """Block until generation g is planned, then its plan; None on timeout."""
+        key = f"gen{generation}/plan"
+        return json.loads(self.store.get(key)) if self._wait(key, timeout_s) else None
 
     def decide(self, generation: int, decision: dict[str, Any]) -> None:
         """The coordinator's decision on plan g (see the module docstring)."""
@@ -303,9 +304,8 @@ class Membership:
 
     def wait_decision(self, generation: int, timeout_s: float) -> dict[str, Any] | None:
         """Block until plan g is decided; None on timeout."""
-        if not self._wait(f"gen{generation}/decided", timeout_s):
-            return None
-        return self._read(f"gen{generation}/decided")
+        key = f"gen{generation}/decided"
+        return json.loads(self.store.get(key)) if self._wait(key, timeout_s) else None
 
     def publish_abort(self, generation: int, report: dict[str, Any]) -> None:
         """Out of redundancy: the report, also as generation g's plan (so waiters see it)."""
@@ -342,8 +342,9 @@ class Membership:
         self._publish(f"gen{generation}/sources", {str(k): v for k, v in sources.items()})
 
     def sources(self, generation: int) -> dict[int, int]:
-        """needy rank -> holder, as the coordinator fixed them for `generation`."""
-        raw = self._read(f"gen{generation}/sources") or {}
+        """needy rank -> holder, as the coordinator fixed them for `generation` (published
+        before its roster: read it once the roster is known)."""
+        raw = json.loads(self.store.get(f"gen{generation}/sources"))
         return {int(k): int(v) for k, v in raw.items()}
 
     def stamp(self, generation: int, phase: str, rank: int) -> None:

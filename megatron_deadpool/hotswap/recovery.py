@@ -88,13 +88,13 @@ def agree(
     """
     holds = replicator.holdings() if replicator is not None else {"local": []}
     g = roster.generation + 1
-    if not members.wait_plan(g, deadline - time.time()):
+    plan = members.wait_plan(g, deadline - time.time())
+    if plan is None:
         raise DeadpoolRuntimeError(
             "a collective failed but the coordinator planned no recovery in time: "
             "not a peer failure"
         ) from cause
     while True:
-        plan = members.plan(g)
         if "abort" in plan:
             _out_of_redundancy(members.abort() or plan["abort"], on_abort)
         keeps_slot = rank is not None and rank not in plan["needy"]
@@ -118,6 +118,7 @@ def agree(
                 )
             return new
         g = decision["superseded"]
+        plan = members.wait_plan(g, DECISION_WAIT_S)  # published before the decision
 
 
 def _out_of_redundancy(info: dict[str, Any], on_abort: Callable[[dict[str, Any]], str]) -> None:
