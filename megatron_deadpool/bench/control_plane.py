@@ -60,6 +60,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="job sizes to measure (default 1024 4096 16384; multiples of 32)",
     )
     parser.add_argument(
+        "--sim-ranks",
+        type=int,
+        nargs="*",
+        default=None,
+        help="sizes to also run with simulated ranks, one connection each (default: --ranks)",
+    )
+    parser.add_argument(
         "--procs", type=int, default=8, help="processes that run the simulated ranks (default 8)"
     )
     parser.add_argument(
@@ -363,7 +370,94 @@ class Bench:
         self.coord.close()
 
 
+def coordinator_alone(ranks: int, args: argparse.Namespace, sweeps: int = 9) -> dict[str, Any]:
+    """The coordinator's own work at `ranks`, the ranks' side written in bulk.
+
+    One client writes what `ranks` processes would (beat counters, then every survivor's report)
+    with batched `multi_set`s, so that what is timed is the coordinator and its store requests
+    alone: a heartbeat sweep, the tick that notices a crash and publishes the plan, and the
+    tick that reads every report, decides and publishes the roster. Not the ranks' traffic (the
+    simulated ranks measure that).
+    """
+    layout = layout_for(ranks)
+    placement = place_replicas(layout, 1)
+    store, listener = host_store("127.0.0.1", 0, timeout_s=args.timeout)
+    rss0 = _rss_mib()
+    liveness = SimLiveness()
+    coord = MeasuredCoordinator(
+        Membership(store, "coordinator"),
+        ranks,
+        placement,
+        [f"s{i}" for i in range(SPARES)],
+        heartbeat_timeout=args.heartbeat_timeout,
+        agree_timeout=args.timeout,
+        liveness=liveness,
+        events=EventLog(None),
+    )
+    coord.sweeps, coord.decisions = [], []
+    writer = store.clone()
+    try:
+        t0 = time.perf_counter()
+        coord.start()
+        start_s = time.perf_counter() - t0
+        pids = coord._live_pids()
+        keys = [f"hb/{p}" for p in pids]
+        for beat in range(1, sweeps + 2):  # every counter moves between sweeps
+            for i in range(0, len(keys), BATCH_KEYS):
+                writer.multi_set(
+                    keys[i : i + BATCH_KEYS], [str(beat)] * len(keys[i : i + BATCH_KEYS])
+                )
+            writer.check(keys[-1:])  # the sets are one-way: a round trip orders them first
+            coord._sweep(time.monotonic())
+        sweep = coord.sweeps[1:]  # the first saw every counter for the first time
+        coord._next_sweep = math.inf  # the ticks below time failure handling alone
+        dead = ranks // 2 + 1
+        liveness.codes[coord.roster.slots[dead]] = -signal.SIGKILL
+        t0, cpu0 = time.perf_counter(), time.thread_time()
+        coord.tick()  # notices the exit, plans
+        plan_s, plan_cpu = time.perf_counter() - t0, time.thread_time() - cpu0
+        g = coord.recovery.generation
+        its = [99, 100]
+        reports = [
+            json.dumps(
+                {
+                    "last_completed": 100,
+                    "pid": f"a{r}",
+                    "holds": {"local": its, **{str(o): its for o in placement.held_by[r]}},
+                }
+            )
+            for r in range(ranks)
+            if r != dead
+        ]
+        report_keys = [f"gen{g}/holdings/{r}" for r in range(ranks) if r != dead]
+        for i in range(0, len(report_keys), BATCH_KEYS):
+            writer.multi_set(report_keys[i : i + BATCH_KEYS], reports[i : i + BATCH_KEYS])
+        writer.add(f"gen{g}/holdings/count", len(report_keys))
+        coord.tick()  # reads the reports, decides, publishes the roster
+        if not coord.decisions:
+            raise RuntimeError(f"coordinator alone at {ranks} ranks: no decision")
+        decision = coord.decisions[-1]
+        return {
+            "ranks": ranks,
+            "start_s": start_s,
+            "keys_per_sweep": sweep[0]["keys"],
+            "requests_per_sweep": math.ceil(sweep[0]["keys"] / BATCH_KEYS),
+            "sweep_cpu_ms": statistics.median(s["cpu_s"] for s in sweep) * 1e3,
+            "sweep_wall_ms": statistics.median(s["wall_s"] for s in sweep) * 1e3,
+            "sweep_core_share": statistics.median(s["cpu_s"] for s in sweep) / coord.sweep_interval,
+            "notice_to_plan_s": plan_s,
+            "notice_to_plan_cpu_s": plan_cpu,
+            "reports_to_roster_s": decision["wall_s"],
+            "reports_to_roster_cpu_s": decision["cpu_s"],
+            "store_rss_growth_mib": _rss_mib() - rss0,
+        }
+    finally:
+        coord.close()
+        listener.close()
+
+
 def measure(ranks: int, args: argparse.Namespace, progress=print) -> dict[str, Any]:
+    """The coordinator against simulated ranks, each with its own store connection."""
     bench = Bench(ranks, args)
     try:
         connect_s = bench.start()
@@ -402,90 +496,115 @@ def measure(ranks: int, args: argparse.Namespace, progress=print) -> dict[str, A
     }
 
 
-_SPECS = ("<44", *([">10"] * 3))
+def table(alone: list[dict[str, Any]], simulated: list[dict[str, Any]]) -> list[str]:
+    """The coordinator alone at every size, then with simulated ranks where they ran."""
+    sizes = [r["ranks"] for r in alone]
+    specs = ("<48", *([">10"] * len(sizes)))
+    by_size = {r["ranks"]: r for r in simulated}
 
+    def ms(value: float) -> str:
+        return f"{1e3 * value:.1f}ms"
 
-def table(results: list[dict[str, Any]]) -> list[str]:
-    sizes = [r["ranks"] for r in results]
-    rows: list[tuple[str, Any]] = [
+    def line(label: str, cells: list[str]) -> str:
+        return text_row([label, *cells], specs)
+
+    def sim(cell: Any) -> list[str]:
+        out = []
+        for n in sizes:
+            r = by_size.get(n)
+            out.append("-" if r is None or "error" in r else cell(r))
+        return out
+
+    lines = [line("ranks", [str(n) for n in sizes]), "coordinator alone (ranks' writes in bulk):"]
+    for label, key, fmt in (
+        ("  crash noticed -> plan published", "notice_to_plan_s", ms),
+        ("  every report in -> roster published", "reports_to_roster_s", ms),
+        ("  heartbeat sweep: coordinator CPU", "sweep_cpu_ms", lambda v: f"{v:.1f}ms"),
         (
-            "failure -> plan published (median)",
-            lambda r: f"{r['median']['failure_to_plan_s']:.3f}s",
+            "  sweep CPU / sweep interval (of one core)",
+            "sweep_core_share",
+            lambda v: f"{100 * v:.1f}%",
         ),
+    ):
+        lines.append(line(label, [fmt(r[key]) for r in alone]))
+    lines.append(
+        line(
+            "  sweep: keys / store requests",
+            [f"{r['keys_per_sweep']}/{r['requests_per_sweep']}" for r in alone],
+        )
+    )
+    lines.append("with simulated ranks (one store connection each):")
+    rows: list[tuple[str, Any]] = [
+        ("  failure -> plan published", lambda r: f"{r['median']['failure_to_plan_s']:.3f}s"),
         (
-            "failure -> last survivor's report in",
+            "  failure -> last report in",
             lambda r: f"{r['median']['failure_to_all_reports_s']:.3f}s",
         ),
+        ("  failure -> roster published", lambda r: f"{r['median']['failure_to_roster_s']:.3f}s"),
         (
-            "read reports + decide + publish (coordinator)",
-            lambda r: f"{r['median']['decide_s']:.3f}s",
-        ),
-        ("failure -> roster published", lambda r: f"{r['median']['failure_to_roster_s']:.3f}s"),
-        (
-            "failure -> every rank joined",
+            "  failure -> every rank joined",
             lambda r: f"{r['median']['failure_to_all_joined_s']:.3f}s",
         ),
         (
-            "coordinator process CPU, failure -> roster",
+            "  coordinator process CPU, failure -> roster",
             lambda r: f"{r['median']['coordinator_process_cpu_to_roster_s']:.3f}s",
         ),
-        ("heartbeat sweep: keys / store requests", lambda r: _sweep_keys(r["steady"])),
-        ("heartbeat sweep: coordinator CPU", lambda r: f"{r['steady']['sweep_cpu_ms']:.1f}ms"),
         (
-            "sweep CPU / sweep interval (of one core)",
-            lambda r: f"{100 * r['steady']['sweep_core_share']:.1f}%",
-        ),
-        (
-            "coordinator thread, steady (of one core)",
+            "  coordinator thread, steady (of one core)",
             lambda r: f"{100 * r['steady']['coordinator_thread_core_share']:.1f}%",
         ),
         (
-            "coordinator process incl. store server",
+            "  coordinator process incl. store server",
             lambda r: f"{100 * r['steady']['coordinator_process_core_share']:.1f}%",
         ),
-        ("coordinator resident memory", lambda r: f"{r['memory']['coordinator_rss_mib']:.0f}MiB"),
+        ("  coordinator resident memory", lambda r: f"{r['memory']['coordinator_rss_mib']:.0f}MiB"),
         (
-            "coordinator memory growth (store, ranks)",
-            lambda r: f"{r['memory']['coordinator_rss_growth_mib']:.0f}MiB",
-        ),
-        (
-            "store client memory per simulated rank",
+            "  store client memory per simulated rank",
             lambda r: f"{r['memory']['client_kib_per_rank']:.0f}KiB",
         ),
     ]
-    lines = [text_row(["ranks", *map(str, sizes)], _SPECS[: len(sizes) + 1])]
-    for label, cell in rows:
-        lines.append(text_row([label, *(cell(r) for r in results)], _SPECS[: len(sizes) + 1]))
+    lines += [line(label, sim(cell)) for label, cell in rows]
+    for r in simulated:
+        if "error" in r:
+            lines.append(f"  {r['ranks']} simulated ranks: not measured: {r['error']}")
     return lines
-
-
-def _sweep_keys(steady: dict[str, Any]) -> str:
-    return f"{steady['keys_per_sweep']}/{steady['requests_per_sweep']}"
 
 
 def run(args: argparse.Namespace) -> int:
     if not 1 <= args.failures <= SPARES:
         print(f"deadpool bench control-plane: failures: 1 to {SPARES}", file=sys.stderr)
         return 2
+    sim_ranks = args.ranks if args.sim_ranks is None else args.sim_ranks
     try:
-        for n in args.ranks:
+        for n in {*args.ranks, *sim_ranks}:
             layout_for(n)
     except ValueError as exc:
         print(f"deadpool bench control-plane: {exc}", file=sys.stderr)
         return 2
     print(
-        f"deadpool bench control-plane: {', '.join(map(str, args.ranks))} ranks, "
-        f"{args.procs} simulated-rank processes, heartbeat every {args.heartbeat_interval}s, "
-        f"{args.steady:.0f}s steady, {args.failures} failure(s) each; {os.cpu_count()} CPUs, "
-        f"load average {os.getloadavg()[0]:.1f}",
+        f"deadpool bench control-plane: {', '.join(map(str, args.ranks))} ranks (simulated: "
+        f"{', '.join(map(str, sim_ranks)) or 'none'}), {args.procs} simulated-rank processes, "
+        f"heartbeat every {args.heartbeat_interval}s, {args.steady:.0f}s steady, "
+        f"{args.failures} failure(s) each; {os.cpu_count()} CPUs, load average "
+        f"{os.getloadavg()[0]:.1f}",
         flush=True,
     )
-    results = []
-    try:
-        for n in args.ranks:
-            results.append(measure(n, args, progress=lambda line: print(line, flush=True)))
-    except RuntimeError as exc:
-        print(f"deadpool bench control-plane: {exc}", file=sys.stderr)
-        return 1
-    publish(table(results), {"command": " ".join(sys.argv), "results": results}, args.json_path)
-    return 0
+    alone = []
+    for n in args.ranks:
+        alone.append(coordinator_alone(n, args))
+        print(f"  coordinator alone at {n} ranks: done", flush=True)
+    simulated = []
+    for n in sim_ranks:
+        try:
+            simulated.append(measure(n, args, progress=lambda line: print(line, flush=True)))
+        except RuntimeError as exc:
+            print(f"  {n} simulated ranks: {exc}", flush=True)
+            simulated.append({"ranks": n, "error": str(exc)})
+    result = {
+        "command": "deadpool bench control-plane " + " ".join(sys.argv[3:]),
+        "machine": f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f} at the end",
+        "coordinator_alone": alone,
+        "simulated": simulated,
+    }
+    publish(table(alone, simulated), result, args.json_path)
+    return 1 if any("error" in r for r in simulated) else 0

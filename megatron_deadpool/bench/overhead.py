@@ -14,13 +14,17 @@ ratio (`stats.median_ci`; it needs at least 6 pairs), since a shared machine's r
 can be larger than the overhead measured. The ratio is printed as a figure only when that
 interval excludes 1 (`stats.ratio_text`), else as "no difference measurable at this noise".
 Runs also check the invariant that DeadPool does not change training: the losses and final
-parameter digests of all runs must be identical.
+parameter digests of all runs must be identical. Each run also records the CPU its processes
+used per timed iteration, by role (`cpu_use`: ranks, spares, the launcher with the store and
+coordinator): on a machine with fewer cores than processes, CPU spent outside the ranks'
+training is what a failure-free overhead is made of.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import shutil
 import statistics
 import sys
@@ -31,6 +35,7 @@ from typing import Any, Protocol
 
 from ..config.job import JobConfig, ParallelConfig, load_job
 from ..errors import ConfigError
+from .cpu_use import CpuSampler
 from .report import job_shape, publish, text_row
 from .stats import median_ci, ratio_summary, ratio_text
 
@@ -104,9 +109,35 @@ def check_counts(*, iters: int, repeats: int, warmup: int) -> None:
 
 
 def _launch(job: JobConfig, run_dir: Path, timeout_s: float = 600.0) -> _Result:
+    """Run `job`; the result also carries the CPU its processes used, by role (`cpu_use`)."""
     from ..embedded.launch import LocalLauncher
 
-    return LocalLauncher(job, run_dir=str(run_dir), quiet=True, timeout_s=timeout_s).run()
+    class SampledLauncher(LocalLauncher):
+        sampler: CpuSampler | None = None
+
+        def _monitor(self, *args: Any, **kwargs: Any) -> int:
+            self.sampler = CpuSampler(self.local.procs)
+            self.sampler.start()
+            try:
+                return super()._monitor(*args, **kwargs)
+            finally:
+                self.sampler.stop()
+
+    launcher = SampledLauncher(job, run_dir=str(run_dir), quiet=True, timeout_s=timeout_s)
+    result = launcher.run()
+    result.sampler = launcher.sampler  # type: ignore[attr-defined]
+    return result
+
+
+def cpu_per_iteration(result: Any, warmup: int) -> dict[str, float] | None:
+    """CPU seconds per timed iteration by role (ranks, spares, launcher), if sampled."""
+    sampler = getattr(result, "sampler", None)
+    records = result.records
+    if sampler is None or len(records) <= max(warmup, 1):
+        return None
+    start = records[max(warmup, 1) - 1]["time"]
+    timed = len(records) - max(warmup, 1)
+    return {k: v / timed for k, v in sampler.window(start, records[-1]["time"]).items()}
 
 
 def _median(values: list[float]) -> float:
@@ -150,6 +181,7 @@ def measure(
                 "losses": [r["loss"] for r in result.records],
                 "final_param_digest": result.summary.get("final_param_digest"),
                 "wall_s": result.summary.get("wall_s"),
+                "cpu_per_iter_s": cpu_per_iteration(result, warmup),
             }
             runs.append(run)
             progress(_row(run))
@@ -161,6 +193,7 @@ def measure(
     ratio = _median(ratios)
     ci = median_ci(ratios)
     return {
+        "cpu_per_iter_s": {mode: _cpu_medians(runs, mode) for mode in ("off", "on")},
         "off_iter_s": off_iter,
         "on_iter_s": on_iter,
         "ratio_median": ratio,
@@ -180,6 +213,12 @@ def measure(
         },
         "runs": runs,
     }
+
+
+def _cpu_medians(runs: list[dict[str, Any]], mode: str) -> dict[str, float] | None:
+    """Median over `mode`'s runs of the CPU seconds per iteration of each role."""
+    cpu = [r["cpu_per_iter_s"] for r in runs if r["mode"] == mode and r["cpu_per_iter_s"]]
+    return {k: _median([c[k] for c in cpu]) for k in cpu[0]} if cpu else None
 
 
 _SPECS = (">4", ">8", ">12", ">10", ">11")
@@ -206,7 +245,17 @@ def summary_lines(result: dict[str, Any]) -> list[str]:
         f"losses identical across runs: {result['losses_identical']}; final parameters "
         f"identical: {result['digests_identical']}"
     )
-    return [ratio, same]
+    lines = [ratio, same]
+    cpu = result.get("cpu_per_iter_s") or {}
+    if cpu.get("off") and cpu.get("on"):
+        lines.append(
+            f"CPU per iteration (median of runs), off -> on, on {os.cpu_count()} CPUs: "
+            + ", ".join(
+                f"{role} {1e3 * cpu['off'][role]:.1f} -> {1e3 * cpu['on'][role]:.1f} ms"
+                for role in cpu["on"]
+            )
+        )
+    return lines
 
 
 def run(args: argparse.Namespace, runner: Runner | None = None) -> int:

@@ -103,7 +103,9 @@ def test_report_from_fake_runs(tmp_path: Path) -> None:
     assert "no-such-python" in modes["nvrx_local_1"]["reason"]
     text = (out / "results.md").read_text()
     # One repeat: a ratio has no interval, so none is printed as a figure.
-    assert "| checkpoint every iteration | 0.150 | 0.150 | not measured: 1 repeat(s) give no " in text
+    assert (
+        "| checkpoint every iteration | 0.150 | 0.150 | not measured: 1 repeat(s) give no " in text
+    )
     assert "1.50x" not in text
     assert "| NVRx local ckpt + replication every iteration | not measured:" in text
     assert (out / "iteration_time.png").stat().st_size > 10_000

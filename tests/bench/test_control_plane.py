@@ -95,6 +95,7 @@ def test_bench_measures_recoveries_and_sweeps_at_a_small_size() -> None:
         heartbeat_timeout=10.0,
         hb_group=16,
         sim_nice=10,
+        sim_ranks=None,
         workers=4,
         timeout=300.0,
     )
@@ -109,4 +110,9 @@ def test_bench_measures_recoveries_and_sweeps_at_a_small_size() -> None:
     assert steady["keys_per_sweep"] == 64 + control_plane.SPARES  # actives and spares
     assert steady["requests_per_sweep"] == 1 and steady["sweeps"] >= 1
     assert 0 < steady["sweep_cpu_ms"] < 1000
-    assert control_plane.table([result])[0].split()[:2] == ["ranks", "64"]
+    alone = control_plane.coordinator_alone(64, args)
+    assert alone["keys_per_sweep"] == 64 + control_plane.SPARES
+    assert 0 < alone["notice_to_plan_s"] and 0 < alone["reports_to_roster_s"] < 60
+    lines = control_plane.table([alone], [result])
+    assert lines[0].split() == ["ranks", "64"]
+    assert not any("not measured" in line for line in lines)
