@@ -1,9 +1,15 @@
 """`deadpool bench control-plane`: the real coordinator and store protocol at 1,024-16,384 ranks.
 
 No training: the coordinator (`hotswap.coordinator.Coordinator`, its store hosted in this
-process as `deadpool coordinator` does) faces simulated ranks (`sim_ranks.py`, several
-processes), each rank with its own store connection, beating, reporting holdings and joining
-generations through `Membership` like a real one. For each size:
+process as `deadpool coordinator` does) at each size, in two settings:
+
+- **coordinator alone** (`coordinator_alone`, every `--ranks` size, `--failures` times, medians):
+  one client writes what the ranks would (beat counters, every survivor's report) in bulk, so
+  the coordinator's own work is timed: a heartbeat sweep (keys, store requests, CPU), crash
+  noticed -> plan published, every report in -> roster published.
+- **with simulated ranks** (`--sim-ranks` sizes): simulated ranks (`sim_ranks.py`, several
+  processes), each rank with its own store connection, beating, reporting holdings and joining
+  generations through `Membership` like a real one:
 
 1. **Steady state** (`--steady` seconds, nothing fails): the coordinator ticks as in
    `deadpool coordinator`. Per heartbeat sweep: keys read, store requests, the coordinator
@@ -22,8 +28,10 @@ generations through `Membership` like a real one. For each size:
     deadpool bench control-plane --ranks 1024 4096 16384 --json control-plane.json
 
 All processes share this machine's cores: a figure that includes the simulated ranks' own work
-(failure -> every rank joined, and the reports that precede the roster) is what 16,384 clients
-on these cores achieve, not what 16,384 hosts would; the coordinator process's CPU is its own.
+(failure -> every rank joined, and the reports that precede the roster) is what that many
+clients on these cores achieve, not what as many hosts would; the coordinator alone and the
+coordinator process's CPU are its own. `planner/measured.py` holds the figures `deadpool plan`
+uses.
 """
 
 from __future__ import annotations
@@ -143,12 +151,13 @@ class MeasuredCoordinator(Coordinator):
             )
 
     def _sweep(self, now: float) -> None:
-        cpu0, t0 = time.thread_time(), time.perf_counter()
+        cpu0, proc0, t0 = time.thread_time(), time.process_time(), time.perf_counter()
         super()._sweep(now)
         self.sweeps.append(
             {
                 "keys": len(self._live_pids()),
                 "cpu_s": time.thread_time() - cpu0,
+                "process_cpu_s": time.process_time() - proc0,  # with the store server's part
                 "wall_s": time.perf_counter() - t0,
             }
         )
@@ -445,6 +454,9 @@ def coordinator_alone(ranks: int, args: argparse.Namespace, sweeps: int = 9) -> 
             "sweep_cpu_ms": statistics.median(s["cpu_s"] for s in sweep) * 1e3,
             "sweep_wall_ms": statistics.median(s["wall_s"] for s in sweep) * 1e3,
             "sweep_core_share": statistics.median(s["cpu_s"] for s in sweep) / coord.sweep_interval,
+            "sweep_process_cpu_ms": statistics.median(s["process_cpu_s"] for s in sweep) * 1e3,
+            "sweep_process_core_share": statistics.median(s["process_cpu_s"] for s in sweep)
+            / coord.sweep_interval,
             "notice_to_plan_s": plan_s,
             "notice_to_plan_cpu_s": plan_cpu,
             "reports_to_roster_s": decision["wall_s"],
@@ -454,6 +466,12 @@ def coordinator_alone(ranks: int, args: argparse.Namespace, sweeps: int = 9) -> 
     finally:
         coord.close()
         listener.close()
+
+
+def _median_runs(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Each figure's median over `runs`; the runs themselves under "runs"."""
+    out = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+    return {**out, "runs": runs}
 
 
 def measure(ranks: int, args: argparse.Namespace, progress=print) -> dict[str, Any]:
@@ -525,6 +543,11 @@ def table(alone: list[dict[str, Any]], simulated: list[dict[str, Any]]) -> list[
             "sweep_core_share",
             lambda v: f"{100 * v:.1f}%",
         ),
+        (
+            "  the same with the store server's part",
+            "sweep_process_core_share",
+            lambda v: f"{100 * v:.1f}%",
+        ),
     ):
         lines.append(line(label, [fmt(r[key]) for r in alone]))
     lines.append(
@@ -591,7 +614,7 @@ def run(args: argparse.Namespace) -> int:
     )
     alone = []
     for n in args.ranks:
-        alone.append(coordinator_alone(n, args))
+        alone.append(_median_runs([coordinator_alone(n, args) for _ in range(args.failures)]))
         print(f"  coordinator alone at {n} ranks: done", flush=True)
     simulated = []
     for n in sim_ranks:
