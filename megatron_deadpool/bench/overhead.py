@@ -6,20 +6,25 @@ in the machine's load hits both alike. Each run's first `--warmup` iterations ar
 The result is the median over repeats of the on/off ratio of paired runs, plus the pooled
 medians of each mode:
 
-    deadpool bench overhead --repeats 3 --iters 20 --json overhead.json
+    deadpool bench overhead --repeats 20 --iters 30 --json overhead.json
 
-writes `{"off_iter_s", "on_iter_s", "ratio_median", "ratio_ci95", "overhead_pct", "runs": [...],
-...}`; `ratio_ci95` is a distribution-free 95% confidence interval of the median ratio
-(`stats.median_ci`; it needs at least 6 pairs), since a shared machine's run-to-run noise can
-be larger than the overhead measured.
+writes `{"off_iter_s", "on_iter_s", "ratio_median", "ratio_ci95", "ratio", "overhead_pct",
+"runs": [...], ...}`; `ratio_ci95` is a distribution-free 95% confidence interval of the median
+ratio (`stats.median_ci`; it needs at least 6 pairs), since a shared machine's run-to-run noise
+can be larger than the overhead measured. The ratio is printed as a figure only when that
+interval excludes 1 (`stats.ratio_text`), else as "no difference measurable at this noise".
 Runs also check the invariant that DeadPool does not change training: the losses and final
-parameter digests of all runs must be identical.
+parameter digests of all runs must be identical. Each run also records the CPU its processes
+used per timed iteration, by role (`cpu_use`: ranks, spares, the launcher with the store and
+coordinator): on a machine with fewer cores than processes, CPU spent outside the ranks'
+training is what a failure-free overhead is made of.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import shutil
 import statistics
 import sys
@@ -30,8 +35,9 @@ from typing import Any, Protocol
 
 from ..config.job import JobConfig, ParallelConfig, load_job
 from ..errors import ConfigError
+from .cpu_use import CpuSampler
 from .report import job_shape, publish, text_row
-from .stats import median_ci
+from .stats import median_ci, ratio_summary, ratio_text
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "cpu-demo.yaml"
 """The CPU demo job, used when no --config is given (and present in the source tree)."""
@@ -53,7 +59,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--iters", type=int, default=20, help="iterations per run (default 20)")
     parser.add_argument(
-        "--repeats", type=int, default=3, help="pairs of runs, off then on (default 3)"
+        "--repeats",
+        type=int,
+        default=6,
+        help="pairs of runs, off then on (default 6, the fewest that give a 95%% interval)",
     )
     parser.add_argument(
         "--warmup", type=int, default=2, help="first iterations of each run left out (default 2)"
@@ -100,9 +109,35 @@ def check_counts(*, iters: int, repeats: int, warmup: int) -> None:
 
 
 def _launch(job: JobConfig, run_dir: Path, timeout_s: float = 600.0) -> _Result:
+    """Run `job`; the result also carries the CPU its processes used, by role (`cpu_use`)."""
     from ..embedded.launch import LocalLauncher
 
-    return LocalLauncher(job, run_dir=str(run_dir), quiet=True, timeout_s=timeout_s).run()
+    class SampledLauncher(LocalLauncher):
+        sampler: CpuSampler | None = None
+
+        def _monitor(self, *args: Any, **kwargs: Any) -> int:
+            self.sampler = CpuSampler(self.local.procs)
+            self.sampler.start()
+            try:
+                return super()._monitor(*args, **kwargs)
+            finally:
+                self.sampler.stop()
+
+    launcher = SampledLauncher(job, run_dir=str(run_dir), quiet=True, timeout_s=timeout_s)
+    result = launcher.run()
+    result.sampler = launcher.sampler  # type: ignore[attr-defined]
+    return result
+
+
+def cpu_per_iteration(result: Any, warmup: int) -> dict[str, float] | None:
+    """CPU seconds per timed iteration by role (ranks, spares, launcher), if sampled."""
+    sampler = getattr(result, "sampler", None)
+    records = result.records
+    if sampler is None or len(records) <= max(warmup, 1):
+        return None
+    start = records[max(warmup, 1) - 1]["time"]
+    timed = len(records) - max(warmup, 1)
+    return {k: v / timed for k, v in sampler.window(start, records[-1]["time"]).items()}
 
 
 def _median(values: list[float]) -> float:
@@ -146,6 +181,7 @@ def measure(
                 "losses": [r["loss"] for r in result.records],
                 "final_param_digest": result.summary.get("final_param_digest"),
                 "wall_s": result.summary.get("wall_s"),
+                "cpu_per_iter_s": cpu_per_iteration(result, warmup),
             }
             runs.append(run)
             progress(_row(run))
@@ -157,10 +193,12 @@ def measure(
     ratio = _median(ratios)
     ci = median_ci(ratios)
     return {
+        "cpu_per_iter_s": {mode: _cpu_medians(runs, mode) for mode in ("off", "on")},
         "off_iter_s": off_iter,
         "on_iter_s": on_iter,
         "ratio_median": ratio,
         "ratio_ci95": list(ci) if ci else None,
+        "ratio": ratio_summary(ratios),
         "ratios": ratios,
         "overhead_pct": (ratio - 1.0) * 100.0,
         "losses_identical": all(r["losses"] == runs[0]["losses"] for r in runs),
@@ -175,6 +213,12 @@ def measure(
         },
         "runs": runs,
     }
+
+
+def _cpu_medians(runs: list[dict[str, Any]], mode: str) -> dict[str, float] | None:
+    """Median over `mode`'s runs of the CPU seconds per iteration of each role."""
+    cpu = [r["cpu_per_iter_s"] for r in runs if r["mode"] == mode and r["cpu_per_iter_s"]]
+    return {k: _median([c[k] for c in cpu]) for k in cpu[0]} if cpu else None
 
 
 _SPECS = (">4", ">8", ">12", ">10", ">11")
@@ -193,23 +237,25 @@ def _row(run: dict[str, Any]) -> str:
 
 
 def summary_lines(result: dict[str, Any]) -> list[str]:
-    c = result["config"]
     ratio = (
         f"DeadPool off: {result['off_iter_s']:.4f} s/it   on: {result['on_iter_s']:.4f} s/it   "
-        f"on/off (median of {c['repeats']} pairs): {result['ratio_median']:.3f} "
-        f"({result['overhead_pct']:+.1f}%)"
-    )
-    ci = result["ratio_ci95"]
-    ratio += (
-        f", 95% CI {ci[0]:.3f}-{ci[1]:.3f}"
-        if ci
-        else " (a 95% confidence interval needs --repeats >= 6)"
+        f"on/off, median of paired runs: {ratio_text(result['ratio'], digits=3)}"
     )
     same = (
         f"losses identical across runs: {result['losses_identical']}; final parameters "
         f"identical: {result['digests_identical']}"
     )
-    return [ratio, same]
+    lines = [ratio, same]
+    cpu = result.get("cpu_per_iter_s") or {}
+    if cpu.get("off") and cpu.get("on"):
+        lines.append(
+            f"CPU per iteration (median of runs), off -> on, on {os.cpu_count()} CPUs: "
+            + ", ".join(
+                f"{role} {1e3 * cpu['off'][role]:.1f} -> {1e3 * cpu['on'][role]:.1f} ms"
+                for role in cpu["on"]
+            )
+        )
+    return lines
 
 
 def run(args: argparse.Namespace, runner: Runner | None = None) -> int:

@@ -49,7 +49,8 @@ from .paper_workers import Runner, launch, nvrx_python, probe_nvrx
 from .report import job_shape, write_json
 
 QUICK = {"iters": 13, "interval": 4, "repeats": 1, "recovery_repeats": 1}
-DEFAULT = {"iters": 26, "interval": 5, "repeats": 3, "recovery_repeats": 2}
+DEFAULT = {"iters": 26, "interval": 5, "repeats": 6, "recovery_repeats": 6}
+"""6 repeats: the fewest for which a ratio's median has a 95% interval (`stats.min_repeats`)."""
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -58,7 +59,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--quick",
         action="store_true",
         help=f"small matrix: {QUICK['iters']} iterations, every-N = {QUICK['interval']}, "
-        "1 repeat (a few minutes on an idle CPU machine)",
+        "1 repeat (a few minutes on an idle CPU machine; a smoke test: one repeat measures no "
+        "ratio)",
     )
     parser.add_argument("--out", default="deadpool-paper", help="output directory")
     parser.add_argument("--json", dest="json_path", help="also write all figures here")

@@ -5,7 +5,9 @@ interleaved (so drift in the machine's load hits all alike). The figure per run 
 time per iteration: the mean gap between consecutive iteration ends over a window that starts
 after the first save (its one-time start-up, e.g. the checkpoint writer's helper process, is
 reported apart), so every save in the window is counted. The median over repeats is reported,
-with the ratio to `no_ft`. Every configuration must give the same losses as `no_ft`.
+with the ratio to `no_ft` of the same repeat: its median over repeats and the 95% interval of
+that median (`stats.ratio_summary`), printed as a figure only when the interval excludes 1.
+Every configuration must give the same losses as `no_ft`.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from typing import Any
 from ..config.job import JobConfig
 from . import recovery as rec
 from .paper_workers import Runner
+from .stats import min_repeats, ratio_summary
 
 
 @dataclasses.dataclass(frozen=True)
@@ -187,6 +190,7 @@ def failure_free(
             median_s=_median([r["median_s"] for r in mine]),
             per_run_amortised_s=[r["amortised_s"] for r in mine],
             ratio_vs_no_ft=_median(ratios),
+            ratio=ratio_summary(ratios),
             ratios=ratios,
             first_save_s=_median(
                 [r["first_save_s"] for r in mine if r["first_save_s"] is not None]
@@ -211,9 +215,9 @@ def _noise(modes: dict[str, Any], repeats: int) -> list[str]:
         f"noise: the no-FT run's per-iteration gaps ranged {min(gaps):.3f}-{max(gaps):.3f} s "
         f"(median {statistics.median(gaps):.3f} s)"
     )
-    if repeats == 1:
+    if repeats < min_repeats():
         line += (
-            "; with one repeat a ratio carries that noise: run without --quick (3 interleaved "
-            "repeats) for figures to quote"
+            f"; {repeats} repeat(s) give no 95% interval for a ratio: run without --quick "
+            f"({min_repeats()} or more interleaved repeats) for figures to quote"
         )
     return [line]

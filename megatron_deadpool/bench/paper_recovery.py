@@ -17,6 +17,7 @@ from ..config.job import JobConfig
 from . import recovery as rec
 from .paper_matrix import matrix_jobs
 from .paper_workers import Runner
+from .stats import ratio_summary
 
 
 def recovery_part(
@@ -69,6 +70,9 @@ def recovery_part(
             for k in results[0][f"{side}_phases_s"]
         }
     out["speedup"] = out["restart_recovery_s"] / out["deadpool_recovery_s"]
+    out["speedup_ratio"] = ratio_summary(
+        [r["restart_recovery_s"] / r["deadpool_recovery_s"] for r in results]
+    )
     for flag in ("deadpool_matches_reference", "restart_matches_reference"):
         out[flag] = all(r[flag] for r in results)
     out["repeats"] = len(results)

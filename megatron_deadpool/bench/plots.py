@@ -22,6 +22,7 @@ from typing import Any
 
 from .recovery import phase_rows
 from .report import markdown_table, yes_no
+from .stats import ratio_text
 
 PHASE_COLORS = {
     "detect": "#d62728",
@@ -70,8 +71,7 @@ def iteration_time_bars(failure_free: dict[str, Any], path: str | Path, *, title
         err = [[value - min(per_run)], [max(per_run) - value]]
         color = "#1f77b4" if key == "deadpool" else ("#999999" if key == "no_ft" else "#ff7f0e")
         ax.bar(i, value, color=color, yerr=err, capsize=4, ecolor="#333333")
-        ratio = m.get("ratio_vs_no_ft")
-        label = f"{value:.3f} s" + (f"\n{ratio:.2f}x" if ratio is not None else "")
+        label = f"{value:.3f} s" + (f"\n{_bar_ratio(m['ratio'])}" if key != "no_ft" else "")
         ax.text(
             i,
             value + (err[1][0] if err else 0) + top * 0.02,
@@ -89,6 +89,16 @@ def iteration_time_bars(failure_free: dict[str, Any], path: str | Path, *, title
     ax.set_axisbelow(True)
     fig.tight_layout()
     return _save(fig, plt, path)
+
+
+def _bar_ratio(summary: dict[str, Any]) -> str:
+    """A bar's ratio label: the figure only when its interval excludes 1."""
+    if summary["verdict"] in ("higher", "lower"):
+        lo, hi = summary["ci"]
+        return f"{summary['median']:.2f}x\n[{lo:.2f}-{hi:.2f}]"
+    return (
+        "no measurable\ndifference" if summary["verdict"] == "none" else "ratio: too\nfew repeats"
+    )
 
 
 def recovery_timeline(recovery: dict[str, Any], path: str | Path, *, title: str = "") -> Path:
@@ -241,7 +251,8 @@ def markdown(result: dict[str, Any]) -> str:
             f"Amortised = mean gap between consecutive iteration ends over iterations "
             f"{s['warmup'] + 1}..{s['iters']} (every save in that window counted; the first save's "
             "one-time start-up, before the window, is shown apart). Ratio = amortised time / the "
-            "no-fault-tolerance run's of the same repeat (median over repeats)."
+            "no-fault-tolerance run's of the same repeat: median over repeats with its 95% "
+            "interval, a figure only when the interval excludes 1."
         ),
         "",
     ]
@@ -255,7 +266,11 @@ def markdown(result: dict[str, Any]) -> str:
                 m["label"],
                 _s(m["amortised_s"]),
                 _s(m["median_s"]),
-                f"{_s(m['ratio_vs_no_ft'], 2)}x",
+                (
+                    "-"
+                    if m is result["failure_free"]["modes"].get("no_ft")
+                    else ratio_text(m["ratio"])
+                ),
                 str(m["saves_in_window"]),
                 _s(m["first_save_s"], 2),
                 yes_no(m["losses_match_no_ft"] and m["digests_match_no_ft"]),
@@ -309,9 +324,9 @@ def markdown(result: dict[str, Any]) -> str:
         lines += [
             "",
             (
-                f"Hot swap {r['speedup']:.1f}x faster; DeadPool restored iteration "
-                f"{r['deadpool_restore_iteration']} from memory, the restart loaded the checkpoint of "
-                f"iteration {r['restart_checkpoint_iteration']}."
+                f"Restart / hot swap: {ratio_text(r['speedup_ratio'], 1)}; DeadPool restored "
+                f"iteration {r['deadpool_restore_iteration']} from memory, the restart loaded the "
+                f"checkpoint of iteration {r['restart_checkpoint_iteration']}."
             ),
         ]
     lines += ["", "## Figures", ""]

@@ -96,21 +96,30 @@ def run(args: argparse.Namespace) -> int:
         + ", ".join(f"{k.replace('_', ' ')} {v:g}s" for k, v in settings.items()),
         flush=True,
     )
-    deadline = time.monotonic() + args.max_wait
+    try:
+        return _serve(coord, members, time.monotonic() + args.max_wait)
+    finally:
+        coord.close()
+
+
+def _serve(coord: Coordinator, members: Membership, deadline: float) -> int:
+    """Tick until every rank finished (0), memory ran out of redundancy (1) or `deadline`."""
     while time.monotonic() < deadline:
         coord.tick()
         if coord.aborted is not None:
             members.request_shutdown()
             return 1
-        done = members.all_done(list(coord.roster.slots.values()))
+        slots = list(coord.roster.slots.values())
+        # The count first: one round trip per tick, whatever the size of the job.
+        done = members.done_count() >= len(slots) and members.all_done(slots)
         if done and coord.recovery is None:
             members.request_shutdown()
-            digest, ranks = _digests(members, args.world_size)
+            digest, ranks = _digests(members, coord.world)
             coord.events("finished", final_param_digest=digest, rank_digests=ranks)
             print(f"deadpool coordinator: every rank finished; digest {digest}", flush=True)
             time.sleep(2.0)  # let spares see the shutdown before the store goes away
             return 0
-        time.sleep(0.05)
+        coord.wait(0.05)
     print("deadpool coordinator: --max-wait reached", flush=True)
     return 1
 

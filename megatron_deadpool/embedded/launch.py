@@ -186,7 +186,7 @@ class LocalLauncher:
             if time.monotonic() - t_start > self.timeout_s:
                 self.progress.event(f"run exceeded its {self.timeout_s:.0f}s limit; stopping")
                 return 124
-            time.sleep(0.02)
+            local.wait(0.02)
 
     def _first_iteration(self) -> int:
         """1, or the iteration after the checkpoint `--load` resumes from."""

@@ -3,14 +3,23 @@
 It runs inside `deadpool train`'s launcher (where it can also see process exits and kill a
 hung process) or on its own on a cluster's batch host (`deadpool coordinator`), where
 heartbeats are its only signal. Each `tick()`:
-  1. notices dead actives (exit, or heartbeat older than the heartbeat timeout: a hung
-     process is killed where the coordinator can, so its sockets close and peers unblock);
+  1. notices dead actives (an exit the launcher saw, or a heartbeat counter that has not moved
+     for the heartbeat timeout, timed on the coordinator's own monotonic clock: a hung process
+     is killed where the coordinator can, so its sockets close and peers unblock). Once a
+     survivor reported a failed collective, a rank that stays silent for `suspect_after`
+     (shorter) is named dead too, and so are the silent ranks on a dead rank's node;
   2. publishes a plan for a new generation: the dead set and the spares taking their slots;
-  3. waits for every planned survivor's holdings, computes the restore iteration
+  3. once every planned survivor reported its holdings, computes the restore iteration
      (`restore_plan.plan_restore`) and publishes the new roster - or, when memory cannot
-     recover the failure, an abort naming the lost ranks and shards;
+     recover the failure, an abort naming the lost ranks and shards - and its decision, which
+     survivors block on;
   4. records each phase's wall time from the timestamps ranks publish.
 Every decision is appended to the event log (JSON lines).
+
+The cost of a tick does not grow with the job while nothing happens: heartbeats are read in one
+batched sweep every `sweep_interval`, reports and phase stamps are counted by the store (one
+round trip to look), and a loop that calls `wait()` between ticks wakes as soon as the last
+expected report arrives instead of sleeping.
 """
 
 from __future__ import annotations
@@ -27,8 +36,10 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from ..replication.placement import Layout, Placement, place_replicas
+from .heartbeats import HeartbeatClock
 from .membership import Membership, Roster
 from .restore_plan import plan_restore, plan_salvage
+from .wakeup import StoreWaiter, coordinator_inbox
 
 log = logging.getLogger("megatron_deadpool.hotswap.coordinator")
 
@@ -37,6 +48,9 @@ class Liveness(Protocol):
     """What the coordinator can learn about (and do to) a process beyond its heartbeat."""
 
     def exited(self, pid: str) -> int | None: ...
+
+    def exits(self) -> dict[str, int]:
+        """Every process seen to exit so far, with its exit code (read once per tick)."""
 
     def kill(self, pid: str) -> bool: ...
 
@@ -50,6 +64,10 @@ class ProcessLiveness:
     def exited(self, pid: str) -> int | None:
         proc = self.procs.get(pid)
         return None if proc is None else proc.poll()
+
+    def exits(self) -> dict[str, int]:
+        codes = {pid: proc.poll() for pid, proc in self.procs.items()}
+        return {pid: code for pid, code in codes.items() if code is not None}
 
     def kill(self, pid: str) -> bool:
         proc = self.procs.get(pid)
@@ -84,6 +102,9 @@ class HeartbeatOnly:
     def exited(self, pid: str) -> int | None:
         return None
 
+    def exits(self) -> dict[str, int]:
+        return {}
+
     def kill(self, pid: str) -> bool:
         return False
 
@@ -97,6 +118,9 @@ class PendingRecovery:
     slots: dict[int, str]
     needy: set[int]
     t_failure: float
+    failure_evidence: str
+    """What `t_failure` is: an injected fault's own stamp, or the last heartbeat seen (the
+    failure happened at or after it: `detect` is then an upper bound)."""
     t_detect: float
     t_plan: float
     prev_last_iteration: int = 0
@@ -137,11 +161,14 @@ class Coordinator:
         liveness: Liveness,
         events: EventLog,
         on_event: Callable[[str], None] = lambda text: None,
+        sweep_interval: float | None = None,
         suspect_after: float | None = None,
     ) -> None:
-        """`suspect_after`: once a survivor reported a failed collective, a rank silent this
-        long (default: the heartbeat timeout) is declared dead - a crashed process's peers
-        see its connections close at once, and its heartbeat has stopped."""
+        """`sweep_interval`: seconds between heartbeat sweeps (default: the heartbeat
+        timeout / 20, so a hang is named at most 5% after the timeout). `suspect_after`: once
+        a survivor reported a failed collective, a rank silent this long (default: the
+        heartbeat timeout) is declared dead - a crashed process's peers see its connections
+        close at once, and its heartbeat has stopped."""
         self.members = members
         self.placement = placement
         self.world = world_size
@@ -158,63 +185,105 @@ class Coordinator:
         self.finished: list[dict[str, Any]] = []
         self.aborted: dict[str, Any] | None = None
         self.next_generation = 1
+        self.sweep_interval = heartbeat_timeout / 20 if sweep_interval is None else sweep_interval
+        self.beats = HeartbeatClock()
+        self.done_pids: set[str] = set()  # finished their work: silent on purpose
+        self._watched: set[str] = set()  # pids whose heartbeat counter exists
+        self._next_sweep = 0.0
+        self._inbox: StoreWaiter | None = None
         self.suspect_after = min(suspect_after or heartbeat_timeout, heartbeat_timeout)
         self.failures_seen = 0
         self.suspicion_base = 0  # failure reports seen before the current suspicion
-        self.suspicious_until = 0.0  # while a reported failure is unexplained
+        self.suspicious_until = 0.0  # (monotonic) while a reported failure is unexplained
         self.ended: dict[str, Any] | None = None  # processes lost after training completed
         self.after_training: set[str] = set()  # processes gone after their work was done
-        self._hb_read: dict[str, float] = {}  # pid -> when its heartbeat was last read
 
     def start(self) -> None:
         self.members.publish_roster(self.roster)
+        self._watch(self._live_pids())
         self.events("roster", generation=0, slots=self.roster.slots)
 
-    # ------------------------------------------------------------------ liveness
-    def _heartbeat_age(self, pid: str, now: float) -> float | None:
-        beat = self.members.heartbeat_time(pid)
-        return None if beat is None else now - beat
+    def wait(self, timeout_s: float) -> bool:
+        """Sleep until a process wakes the coordinator (the last report of a recovery
+        arrived) or `timeout_s` passed; call it between ticks instead of sleeping, and
+        `close()` at the end."""
+        if self._inbox is None:
+            self._inbox = coordinator_inbox(self.members)
+        return self._inbox.wait(timeout_s)
 
-    def _is_dead(self, pid: str, now: float) -> bool:
-        if pid in self.dead_pids:
-            return True
-        code = self.liveness.exited(pid)
-        if code is not None and code != 0:  # 0: finished its work, not a failure
+    def close(self) -> None:
+        """Stop the thread `wait` started (before the store goes away)."""
+        if self._inbox is not None:
+            self._inbox.stop()
+            self._inbox = None
+
+    # ------------------------------------------------------------------ liveness
+    def _live_pids(self) -> list[str]:
+        """The processes watched: spares and the current (or planned) slots, not dead ones."""
+        current = self.recovery.slots if self.recovery else self.roster.slots
+        pids = dict.fromkeys([*self.spares, *current.values()])
+        return [p for p in pids if p not in self.dead_pids]
+
+    def _watch(self, pids: list[str]) -> None:
+        new = [p for p in pids if p not in self._watched]
+        if new:
+            self.members.watch_heartbeats(new)
+            self._watched.update(new)
+
+    def _notice_exits(self) -> None:
+        for pid, code in self.liveness.exits().items():
+            if code == 0 or pid in self.dead_pids or pid in self.after_training:
+                continue  # 0: finished its work, not a failure
             if self.members.is_done(pid):  # its work was done: nothing to recover
                 self._note_exit_after_done(pid, code)
-                return False
-            self._mark_dead(pid, f"exited with code {code}")
-            return True
-        suspicious = now < self.suspicious_until and not self._reported_failure(pid)
+            else:
+                self._mark_dead(pid, f"exited with code {code}")
+
+    def _sweep(self, now: float) -> None:
+        """Read every watched heartbeat counter (batched) and name the silent processes:
+        silent for the heartbeat timeout, or - while a reported failure is unexplained - for
+        `suspect_after`, unless the process itself reported the failure (it is alive)."""
+        pids = self._live_pids()
+        self._watch(pids)
+        counts = self.members.heartbeat_counts(pids)
+        suspicious = now < self.suspicious_until
         limit = self.suspect_after if suspicious else self.heartbeat_timeout
-        if not suspicious and now - self._hb_read.get(pid, 0.0) < self.heartbeat_timeout / 20:
-            return False  # read heartbeats a little more often than the timeout resolves
-        self._hb_read[pid] = now
-        age = self._heartbeat_age(pid, now)
-        if age is not None and age > limit and code is None:
-            if self.members.is_done(pid):  # finished; its heartbeat stopped on purpose
-                return False
-            killed = self.liveness.kill(pid)
-            why = "after a peer's collective failed" if suspicious else "(hung)"
-            self._mark_dead(pid, f"silent for {age:.1f}s {why}" + ("; killed" if killed else ""))
-            return True
-        return False
+        for pid, age in self.beats.sweep(pids, counts, now, limit):
+            if age > self.heartbeat_timeout:
+                self._silent(pid, f"silent for {age:.1f}s (hung)")
+            elif not self._reported_failure(pid):
+                self._silent(pid, f"silent for {age:.1f}s after a peer's collective failed")
+
+    def _silent(self, pid: str, why: str) -> bool:
+        """`pid`'s heartbeat has not moved for too long: dead (killed where the coordinator
+        can), unless it ended; whether it was named dead."""
+        if pid in self.done_pids or self.liveness.exited(pid) is not None:
+            return False  # exited: its exit code decides
+        if self.members.is_done(pid):  # finished; its heartbeat stopped on purpose
+            self.done_pids.add(pid)
+            return False
+        killed = self.liveness.kill(pid)
+        self._mark_dead(pid, why + ("; killed" if killed else ""))
+        return True
 
     def _note_exit_after_done(self, pid: str, code: int) -> None:
-        if pid not in self.handled:
-            self.handled.add(pid)
-            self.after_training.add(pid)
-            self.events("exited_after_done", pid=pid, code=code)
-            self.on_event(f"process {pid} exited with code {code} after finishing its work")
+        self.handled.add(pid)
+        self.after_training.add(pid)
+        self.events("exited_after_done", pid=pid, code=code)
+        self.on_event(f"process {pid} exited with code {code} after finishing its work")
 
     def _watch_failure_reports(self, now: float) -> None:
-        """A survivor saw a collective fail: suspect silent ranks for a heartbeat timeout."""
+        """A survivor saw a collective fail: suspect silent ranks for a heartbeat timeout.
+        (Nothing to read where suspicion changes nothing: the local launchers.)"""
+        if self.suspect_after >= self.heartbeat_timeout:
+            return
         count = self.members.failure_count()
         if count > self.failures_seen:
             if now >= self.suspicious_until:
                 self.suspicion_base = self.failures_seen
             self.failures_seen = count
             self.suspicious_until = now + self.heartbeat_timeout
+            self._next_sweep = now  # sweep at once
             self.events("failure_reported", count=count)
 
     def _reported_failure(self, pid: str) -> bool:
@@ -230,28 +299,32 @@ class Coordinator:
 
     # ------------------------------------------------------------------ tick
     def tick(self) -> None:
-        now = time.time()
-        self._watch_failure_reports(now)
-        for pid in list(self.spares):
-            if self._is_dead(pid, now):
+        mono = time.monotonic()
+        self._watch_failure_reports(mono)
+        self._notice_exits()
+        if mono >= self._next_sweep:
+            self._next_sweep = mono + self.sweep_interval
+            self._sweep(mono)
+        fresh = self.dead_pids - self.handled
+        if fresh:  # something died since the last tick: look at the slots (O(world) once)
+            for pid in [p for p in self.spares if p in fresh]:
                 self.spares.remove(pid)
                 self.events("spare_lost", pid=pid, spares_left=len(self.spares))
-        current = self.recovery.slots if self.recovery else self.roster.slots
-        dead = {
-            r for r, pid in current.items() if pid not in self.handled and self._is_dead(pid, now)
-        }
-        dead |= self._silent_node_mates(dead, current, now)
-        self.handled.update(current[r] for r in dead)
-        if dead and self.aborted is None:
-            completed = self.members.training_complete() if self.recovery is None else None
-            if completed is None:
-                self._plan(dead, now)
-            else:
-                self._end(dead, completed)
-        if self.recovery is not None and self.recovery.t_agreed is None:
-            self._try_agree(now)
-        if self.recovery is not None and self.recovery.t_agreed is not None:
-            self._track_phases()
+            current = self.recovery.slots if self.recovery else self.roster.slots
+            dead = {r for r, pid in current.items() if pid in fresh}
+            dead |= self._silent_node_mates(dead, current, mono)
+            self.handled.update(fresh | {current[r] for r in dead})
+            if dead and self.aborted is None:
+                completed = self.members.training_complete() if self.recovery is None else None
+                if completed is None:
+                    self._plan(dead, time.time())
+                else:
+                    self._end(dead, completed)
+        if self.recovery is not None and self.aborted is None:
+            if self.recovery.t_agreed is None:
+                self._try_agree(time.time())
+            if self.recovery is not None and self.recovery.t_agreed is not None:
+                self._track_phases()
 
     def _silent_node_mates(self, dead: set[int], slots: dict[int, str], now: float) -> set[int]:
         """Ranks on a dead rank's node that are silent too (longer than the suspicion window):
@@ -265,20 +338,22 @@ class Coordinator:
                 pid = slots.get(mate)
                 if mate in dead or pid is None or pid in self.handled or pid in self.dead_pids:
                     continue
-                age = self._heartbeat_age(pid, now)
-                if age is not None and age > self.suspect_after and not self.members.is_done(pid):
-                    killed = self.liveness.kill(pid)
-                    self._mark_dead(
-                        pid,
-                        f"silent for {age:.1f}s, on the node of dead rank {rank}"
-                        + ("; killed" if killed else ""),
-                    )
-                    mates.add(mate)
+                age = self.beats.age(pid, now)
+                if age is not None and age > self.suspect_after:
+                    why = f"silent for {age:.1f}s, on the node of dead rank {rank}"
+                    if self._silent(pid, why):
+                        mates.add(mate)
         return mates
 
-    def _failure_time(self, pids: list[str], default: float) -> float:
+    def _failure_time(self, pids: list[str], now: float) -> tuple[float, str]:
+        """When the failure of `pids` happened, and the evidence for it."""
         times = [t for t in map(self.members.fault_time, pids) if t is not None]
-        return min(times) if times else default
+        if times:
+            return min(times), "injected fault stamp"
+        seen = [t for t in map(self.beats.last_change, pids) if t is not None]
+        if seen:  # on the coordinator's monotonic clock: convert to its wall clock
+            return now - (time.monotonic() - max(seen)), "last heartbeat (failure at or after it)"
+        return now, "coordinator's notice (never beat)"
 
     def _plan(self, dead: set[int], now: float) -> None:
         rec = self.recovery
@@ -296,13 +371,16 @@ class Coordinator:
         generation = self.next_generation
         self.next_generation += 1
         dead_pids = [base[r] for r in dead]
-        t_failure = rec.t_failure if rec else self._failure_time(dead_pids, now)
+        t_failure, evidence = (
+            (rec.t_failure, rec.failure_evidence) if rec else self._failure_time(dead_pids, now)
+        )
         self.recovery = PendingRecovery(
             generation=generation,
             dead=all_dead,
             slots=slots,
             needy=needy,
             t_failure=t_failure,
+            failure_evidence=evidence,
             t_detect=rec.t_detect if rec else now,
             t_plan=now,
             prev_last_iteration=self._last_iteration(),
@@ -314,7 +392,22 @@ class Coordinator:
             "needy": sorted(needy),
             "slots": {str(r): p for r, p in slots.items()},
         }
-        self.members.publish_plan(generation, plan)
+        # What every survivor reads: the changes to the published roster, not all the slots
+        # (16,384 survivors reading 200 KB each would keep the store busy for seconds).
+        published = self.roster.slots
+        self.members.publish_plan(
+            generation,
+            {
+                "generation": generation,
+                "base": self.roster.generation,
+                "world_size": self.world,
+                "dead": plan["dead"],
+                "needy": plan["needy"],
+                "replaced": {str(r): p for r, p in slots.items() if published[r] != p},
+            },
+        )
+        if rec is not None:  # survivors waiting on the old plan move on to this one
+            self.members.decide(rec.generation, {"superseded": generation})
         self.events("plan", **plan)
         replaced = ", ".join(
             f"rank {r} <- {slots[r]}" if slots[r] != base[r] else f"rank {r}: no spare"
@@ -376,14 +469,12 @@ class Coordinator:
         assert rec is not None
         g = rec.generation
         survivors = [r for r in range(self.world) if r not in rec.needy]
-        holdings: dict[int, dict[str, list[int]]] = {}
-        for r in survivors:
-            report = self.members.holdings(g, r)
-            if report is not None:
-                holdings[r] = report
-        if len(holdings) < len(survivors):
+        holdings = None  # read in full once the store counted enough reports
+        if self.members.holdings_count(g) >= len(survivors):
+            holdings = self.members.all_holdings(g, survivors)
+        if holdings is None:
             if now - rec.t_plan > self.agree_timeout:
-                missing = [r for r in survivors if r not in holdings]
+                missing = [r for r in survivors if self.members.holdings(g, r) is None]
                 self.events("agree_timeout", generation=g, missing=missing)
                 for r in missing:
                     self._mark_dead(rec.slots[r], "did not report for recovery (presumed dead)")
@@ -417,6 +508,7 @@ class Coordinator:
         roster = Roster(g, self.world, rec.slots, restore_iteration=plan.iteration)
         self.members.publish_sources(g, plan.sources)
         self.members.publish_roster(roster)
+        self.members.decide(g, {"roster": plan.iteration})
         self.roster = roster
         self.events(
             "agreed",
@@ -469,26 +561,22 @@ class Coordinator:
         }
         generation = self.next_generation
         self.members.publish_abort(generation, self.aborted)
+        if self.recovery is not None:  # survivors waiting on its plan see the abort
+            self.members.decide(self.recovery.generation, {"abort": True})
         self.events("out_of_redundancy", **self.aborted)
         self.on_event(f"OUT OF REDUNDANCY: {reason}")
-
-    def _stamp(self, g: int, what: str, ranks: list[int]) -> float | None:
-        values = [self.members.stamp_time(g, what, r) for r in ranks]
-        return None if None in values else max(values)  # type: ignore[type-var]
-
-    def _stale_refs(self, g: int) -> int:
-        """Old-generation group handles survivors found after rebinding (must be 0)."""
-        return sum(self.members.stale_refs(g, r) for r in range(self.world))
 
     def _track_phases(self) -> None:
         rec = self.recovery
         assert rec is not None and rec.t_agreed is not None
-        g, ranks = rec.generation, list(range(self.world))
-        joined = self._stamp(g, "joined", ranks)
-        restored = self._stamp(g, "restored", ranks) if joined else None
-        first = self._stamp(g, "first_iteration", [0]) if restored else None
-        if first is None:
+        g, ranks, m = rec.generation, list(range(self.world)), self.members
+        if m.stamp_count(g, "first_iteration") < 1 or any(  # one round trip while waiting
+            m.stamp_count(g, phase) < self.world for phase in ("restored", "joined")
+        ):
             return
+        joined = max(m.stamp_times(g, "joined", ranks))
+        restored = max(m.stamp_times(g, "restored", ranks))
+        first = m.stamp_times(g, "first_iteration", [0])[0]
         phases = {
             "detect": rec.t_detect - rec.t_failure,
             "agree": rec.t_agreed - rec.t_detect,
@@ -503,7 +591,8 @@ class Coordinator:
             "restore_iteration": rec.restore_iteration,
             "recomputed_iterations": max(0, rec.prev_last_iteration - rec.restore_iteration),
             "phases_s": {k: round(max(0.0, v), 4) for k, v in phases.items()},
-            "stale_group_refs": self._stale_refs(g),
+            "failure_time": rec.failure_evidence,
+            "stale_group_refs": m.stale_refs(g),
             "total_s": round(first - rec.t_failure, 4),
         }
         self.finished.append(record)

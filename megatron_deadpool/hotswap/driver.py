@@ -41,6 +41,7 @@ from . import rebind, recovery
 from .connection import Heartbeat, connect_store
 from .injection import inject
 from .membership import Membership, Roster, pid_of
+from .wakeup import StoreWaiter, spare_wakeups
 from .weights import sync_params_from_main
 
 log = logging.getLogger("megatron_deadpool.driver")
@@ -116,6 +117,7 @@ class Driver:
         self.members: Membership | None = None
         self.heartbeat: Heartbeat | None = None
         self.sigterm = threading.Event()
+        self._slot_waiter: StoreWaiter | None = None
         self.rank: int | None = None
         self.generation = 0
         self.roster: Roster | None = None
@@ -171,6 +173,9 @@ class Driver:
             return self._wait_for_slot()
         finally:
             signal.signal(signal.SIGTERM, previous)
+            if self._slot_waiter is not None:
+                self._slot_waiter.stop()
+                self._slot_waiter = None
 
     def _wait_for_slot(self) -> Roster | None:
         faults = spare_faults(self.cfg.fail, self.pid)
@@ -189,7 +194,10 @@ class Driver:
                 if roster.rank_of(self.pid) is not None:
                     self.take(roster)
                     return roster
-            time.sleep(0.05 if self.pid.startswith("a") else 0.2)
+            if self._slot_waiter is None:  # from now on every roster and the shutdown wake us
+                self._slot_waiter = spare_wakeups(self.members)
+                continue  # look again: what happened before the waiter started is visible now
+            self._slot_waiter.wait(0.2 if faults else 1.0)  # the timeout: SIGTERM, `spare:` faults
 
     def take(self, roster: Roster) -> None:
         """Become the rank `roster` gives this process (before any group exists)."""
@@ -310,15 +318,16 @@ class Driver:
         # The traceback's frames hold the failed collective's group: drop them, or the group
         # (and its connections) outlive the release below.
         traceback.clear_frames(exc.__traceback__)
-        group, self.repl_group = self.repl_group, None  # no reference may outlive the release
-        released = recovery.release_groups(self.replicator, self._roots(), group)
+        # The group is handed over in a dict the release empties: no reference may outlive it.
+        extra, self.repl_group = {"DEADPOOL_REPLICATION": self.repl_group}, None
+        released = recovery.release_groups(self.replicator, self._roots(), extra)
         for index, kind in recovery_faults(self.cfg.fail, self.rank):
             if self._fire(index):
                 self._inject(kind, "while in recovery")
         t_released = time.time()
         roster = recovery.agree(
             self.members,
-            generation=self.generation,
+            roster=self.roster,
             rank=self.rank,
             pid=self.pid,
             replicator=self.replicator,
@@ -350,8 +359,8 @@ class Driver:
     def attach(self) -> None:
         """Put the new generation's groups in every released handle; none may stay stale."""
         roots = self._roots()
-        n = rebind.attach(roots, {"DEADPOOL_REPLICATION": self.repl_group})
-        stale = rebind.stale_group_refs(roots)
+        stale: list[str] = []
+        n = rebind.attach(roots, {"DEADPOOL_REPLICATION": self.repl_group}, stale)
         self.members.report_stale_refs(self.generation, self.rank, len(stale))
         if stale:
             raise DeadpoolRuntimeError(

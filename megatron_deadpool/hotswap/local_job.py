@@ -90,6 +90,13 @@ class LocalJob:
         if self.cfg.enabled:
             self.coordinator.tick()
 
+    def wait(self, timeout_s: float) -> None:
+        """Pause between ticks: the coordinator wakes early when a process notifies it."""
+        if self.cfg.enabled:
+            self.coordinator.wait(timeout_s)
+        else:
+            time.sleep(timeout_s)
+
     def actives(self) -> list[str]:
         """The processes that hold the ranks now."""
         return list(self.coordinator.roster.slots.values())
@@ -140,3 +147,4 @@ class LocalJob:
         self.wait_exit(self.actives(), grace_s)
         self.wait_exit(list(self.procs), 1.0)
         kill_groups(self.procs.values())
+        self.coordinator.close()

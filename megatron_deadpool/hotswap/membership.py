@@ -8,18 +8,33 @@ Keys:
   job/token                     the job's shared secret; a process presenting another is refused
   job/layout                    {"tp", "pp", "dp", "ranks_per_node", "replicas"} (rank 0, gen 0)
   proc/{pid}/ready              "{host}:{os pid}" once a process connected
-  hb/{pid}                      heartbeat: the process's wall clock at its last beat
+  hb/{pid}                      heartbeat counter: +1 per beat, 0 before the first (created by
+                                the coordinator). No clock travels: the coordinator times each
+                                change on its own monotonic clock (`heartbeats.py`), so clock
+                                skew between hosts cannot make a live process look hung.
+  coord/inbox                   queue of wake-ups for the coordinator (a report it waits for
+                                is complete); it blocks on the queue instead of polling
+  spares/epoch                  counter of events waiting spares must look at (a roster, the
+                                shutdown); spares/epoch/{n} appears with event n: spares block
+                                on the next one instead of polling
   gen                           the newest generation with a published roster
   gen{g}/roster                 {"generation", "world_size", "slots": {rank: pid},
                                 "restore_iteration"}
   plan/latest                   the newest planned generation (a recovery, or the abort)
-  gen{g}/plan                   {"generation", "dead", "needy", "slots"} or {"abort": report}
+  gen{g}/plan                   {"generation", "base", "world_size", "dead", "needy",
+                                "replaced"}: the slots that change from roster `base` (rank ->
+                                pid), or {"abort": report}
   gen{g}/holdings/{rank}        a survivor's report: verified iterations it holds ("holds"),
                                 "last_completed", "pid", and the job's own fields
+  gen{g}/holdings/count         counter of those reports (the last expected one wakes the
+                                coordinator)
+  gen{g}/decided                the coordinator's decision on plan g, which survivors block on:
+                                {"roster": T}, {"abort": true} or {"superseded": g2}
   gen{g}/sources                {needy rank: holder} for the restore iteration
   gen{g}/{phase}/{rank}         wall time a rank reached a phase: joined, restored,
-                                first_iteration (rank 0 only)
-  gen{g}/stale_refs/{rank}      old-generation group handles left after rebinding (must be 0)
+                                first_iteration (rank 0 only); gen{g}/{phase}/count counts them
+  gen{g}/stale_refs             counter: old-generation group handles ranks found left after
+                                rebinding (must stay 0)
   gen{g}/...                    torch's own rendezvous keys of generation g's process groups
                                 (`process_group_store`)
   abort                         the out-of-redundancy report (reason, dead, lost, what to save)
@@ -38,7 +53,7 @@ Keys:
   metrics/g{g}/{it}             rank 0's record of iteration `it` in generation g
   replication/final             {"committed_iteration"} at the end of training
   digest/{rank}                 the rank's final parameter digest
-  done/{pid}                    wall time the process finished its work
+  done/{pid}                    wall time the process finished its work (done/count: how many)
   preempt                       set by a launcher: stop after the current iteration
   preempted                     {"iteration", "saved"}: where training stopped on purpose
   load/{rank}                   seconds the rank took to load a persistent checkpoint
@@ -54,6 +69,7 @@ import json
 import os
 import socket
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -77,6 +93,14 @@ class Roster:
                 return rank
         return None
 
+    def successor(self, plan: dict[str, Any], restore_iteration: int) -> Roster | None:
+        """The roster `plan` (built on this one) leads to, without reading it from the store;
+        None when the plan is built on another roster."""
+        if plan.get("base") != self.generation:
+            return None
+        slots = {**self.slots, **{int(r): p for r, p in plan["replaced"].items()}}
+        return Roster(plan["generation"], self.world_size, slots, restore_iteration)
+
     def to_json(self) -> str:
         return json.dumps(
             {
@@ -96,6 +120,14 @@ class Roster:
             slots={int(r): p for r, p in d["slots"].items()},
             restore_iteration=d.get("restore_iteration"),
         )
+
+
+BATCH_KEYS = 1024
+"""Keys per batched store request. torch's store server handles a request's keys in time that
+grows faster than linearly with their number (measured with torch 2.13 on loopback: 16,384 keys
+in one `multi_get` 0.75-0.94 s, in 16 requests of 1,024 keys 0.04-0.05 s)."""
+
+INBOX = "coord/inbox"
 
 
 def pid_of(task: int, world_size: int) -> str:
@@ -133,6 +165,40 @@ class Membership:
         text = self._get(key)
         return None if text is None else float(text)
 
+    def _multi_get(self, keys: Sequence[str]) -> list[bytes]:
+        """Values of `keys` (which must all exist: a missing one blocks), in batches."""
+        out: list[bytes] = []
+        for i in range(0, len(keys), BATCH_KEYS):
+            out += self.store.multi_get(list(keys[i : i + BATCH_KEYS]))
+        return out
+
+    def _all_exist(self, keys: Sequence[str]) -> bool:
+        return all(
+            self.store.check(list(keys[i : i + BATCH_KEYS]))
+            for i in range(0, len(keys), BATCH_KEYS)
+        )
+
+    def _wait(self, key: str, timeout_s: float) -> bool:
+        """Block until `key` exists (the server answers when it is set); False on timeout."""
+        try:
+            self.store.wait([key], datetime.timedelta(seconds=max(timeout_s, 0.001)))
+        except dist.DistStoreError:
+            return self.store.check([key])  # it may have been set just as the wait timed out
+        return True
+
+    def _count(self, key: str) -> int:
+        """A counter's value (0, and created, if it did not exist)."""
+        return int(self.store.add(key, 0))
+
+    # ------------------------------------------------------------------ waking the coordinator
+    def notify_coordinator(self, message: str) -> None:
+        """Wake the coordinator (`next_message` returns `message`)."""
+        self.store.queue_push(INBOX, message)
+
+    def next_message(self) -> str:
+        """Block until a process notifies the coordinator (up to the store's timeout)."""
+        return self.store.queue_pop(INBOX).decode()
+
     # ------------------------------------------------------------------ the job
     def set_token(self, token: str) -> None:
         self._set("job/token", token)
@@ -157,19 +223,32 @@ class Membership:
         self.heartbeat()
 
     def heartbeat(self) -> None:
-        self._stamp(f"hb/{self.pid}")
+        """One beat: this process's counter + 1 (no clock is sent)."""
+        self.store.add(f"hb/{self.pid}", 1)
 
-    def heartbeat_time(self, pid: str) -> float | None:
-        return self._time(f"hb/{pid}")
+    def watch_heartbeats(self, pids: Sequence[str]) -> None:
+        """Create the counters of `pids` at 0 where missing (an existing count is kept), so
+        that `heartbeat_counts` never waits for a key."""
+        for pid in pids:
+            self.store.add(f"hb/{pid}", 0)
+
+    def heartbeat_counts(self, pids: Sequence[str]) -> list[int]:
+        """The beat counters of `pids` (watched first), in batched requests."""
+        return [int(v) for v in self._multi_get([f"hb/{p}" for p in pids])]
 
     def mark_done(self) -> None:
         self._stamp(f"done/{self.pid}")
+        self.store.add("done/count", 1)
 
     def is_done(self, pid: str) -> bool:
         return self.store.check([f"done/{pid}"])
 
+    def done_count(self) -> int:
+        """How many processes finished their work (one store round trip)."""
+        return self._count("done/count")
+
     def all_done(self, pids: list[str]) -> bool:
-        return self.store.check([f"done/{p}" for p in pids])
+        return self._all_exist([f"done/{p}" for p in pids])
 
     # ------------------------------------------------------------------ generations
     def generation(self) -> int:
@@ -190,6 +269,21 @@ class Membership:
     def publish_roster(self, roster: Roster) -> None:
         self._set(f"gen{roster.generation}/roster", roster.to_json())
         self._set("gen", str(roster.generation))
+        self.wake_spares()
+
+    # ------------------------------------------------------------------ waiting spares
+    def spare_epoch(self) -> int:
+        """How many events waiting spares were woken for so far."""
+        return self._count("spares/epoch")
+
+    def wake_spares(self) -> None:
+        """Wake every spare blocked in `wait_spare_epoch` (a roster, or the shutdown)."""
+        n = self.store.add("spares/epoch", 1)
+        self._set(f"spares/epoch/{n}", "1")
+
+    def wait_spare_epoch(self, n: int, timeout_s: float) -> bool:
+        """Block until wake-up `n` happened; False on timeout."""
+        return self._wait(f"spares/epoch/{n}", timeout_s)
 
     def process_group_store(self, generation: int) -> dist.Store:
         """The store generation g's process groups rendezvous on."""
@@ -208,6 +302,20 @@ class Membership:
     def plan(self, generation: int) -> dict[str, Any]:
         return self._read(f"gen{generation}/plan") or {}
 
+    def wait_plan(self, generation: int, timeout_s: float) -> dict[str, Any] | None:
+        """Block until generation g is planned, then its plan; None on timeout."""
+        key = f"gen{generation}/plan"
+        return json.loads(self.store.get(key)) if self._wait(key, timeout_s) else None
+
+    def decide(self, generation: int, decision: dict[str, Any]) -> None:
+        """The coordinator's decision on plan g (see the module docstring)."""
+        self._publish(f"gen{generation}/decided", decision)
+
+    def wait_decision(self, generation: int, timeout_s: float) -> dict[str, Any] | None:
+        """Block until plan g is decided; None on timeout."""
+        key = f"gen{generation}/decided"
+        return json.loads(self.store.get(key)) if self._wait(key, timeout_s) else None
+
     def publish_abort(self, generation: int, report: dict[str, Any]) -> None:
         """Out of redundancy: the report, also as generation g's plan (so waiters see it)."""
         self._publish("abort", report)
@@ -216,32 +324,64 @@ class Membership:
     def abort(self) -> dict[str, Any] | None:
         return self._read("abort")
 
-    def report_holdings(self, generation: int, rank: int | None, report: dict[str, Any]) -> None:
+    def report_holdings(
+        self, generation: int, rank: int | None, report: dict[str, Any], expected: int
+    ) -> None:
+        """Publish a survivor's report for plan g; the `expected`-th report wakes the
+        coordinator."""
         self._publish(f"gen{generation}/holdings/{rank}", report)
+        if self.store.add(f"gen{generation}/holdings/count", 1) == expected:
+            self.notify_coordinator(f"holdings {generation}")
+
+    def holdings_count(self, generation: int) -> int:
+        """How many reports arrived for plan g (one store round trip)."""
+        return self._count(f"gen{generation}/holdings/count")
 
     def holdings(self, generation: int, rank: int) -> dict[str, Any] | None:
         return self._read(f"gen{generation}/holdings/{rank}")
+
+    def all_holdings(self, generation: int, ranks: Sequence[int]) -> dict[int, Any] | None:
+        """Every report of `ranks` for plan g, in batched requests; None while one is missing."""
+        keys = [f"gen{generation}/holdings/{r}" for r in ranks]
+        if not self._all_exist(keys):
+            return None
+        # One parse of all the reports (JSON objects each): half the CPU of one parse each
+        # (measured at 16,384 reports: 31 ms against 68 ms).
+        reports = json.loads(b"[" + b",".join(self._multi_get(keys)) + b"]")
+        return dict(zip(ranks, reports))
 
     def publish_sources(self, generation: int, sources: dict[int, int]) -> None:
         self._publish(f"gen{generation}/sources", {str(k): v for k, v in sources.items()})
 
     def sources(self, generation: int) -> dict[int, int]:
-        """needy rank -> holder, as the coordinator fixed them for `generation`."""
-        raw = self._read(f"gen{generation}/sources") or {}
+        """needy rank -> holder, as the coordinator fixed them for `generation` (published
+        before its roster: read it once the roster is known)."""
+        raw = json.loads(self.store.get(f"gen{generation}/sources"))
         return {int(k): int(v) for k, v in raw.items()}
 
     def stamp(self, generation: int, phase: str, rank: int) -> None:
+        """`rank` reached `phase` of generation g now (its wall clock), and is counted."""
         self._stamp(f"gen{generation}/{phase}/{rank}")
+        self.store.add(f"gen{generation}/{phase}/count", 1)
+
+    def stamp_count(self, generation: int, phase: str) -> int:
+        """How many ranks stamped `phase` of generation g (one store round trip)."""
+        return self._count(f"gen{generation}/{phase}/count")
 
     def stamp_time(self, generation: int, phase: str, rank: int) -> float | None:
         return self._time(f"gen{generation}/{phase}/{rank}")
 
-    def report_stale_refs(self, generation: int, rank: int, count: int) -> None:
-        self._set(f"gen{generation}/stale_refs/{rank}", str(count))
+    def stamp_times(self, generation: int, phase: str, ranks: Sequence[int]) -> list[float]:
+        """The stamps of `ranks` (which must all have stamped), in batched requests."""
+        return [float(v) for v in self._multi_get([f"gen{generation}/{phase}/{r}" for r in ranks])]
 
-    def stale_refs(self, generation: int, rank: int) -> int:
-        text = self._get(f"gen{generation}/stale_refs/{rank}")
-        return 0 if text is None else int(text)
+    def report_stale_refs(self, generation: int, rank: int, count: int) -> None:
+        """Add `rank`'s count of old-generation handles left after rebinding to g's total."""
+        self.store.add(f"gen{generation}/stale_refs", count)
+
+    def stale_refs(self, generation: int) -> int:
+        """Old-generation handles all ranks found after rebinding into generation g."""
+        return self._count(f"gen{generation}/stale_refs")
 
     def report_failure(self, why: str) -> None:
         """This survivor saw a collective fail (a peer died or hung)."""
@@ -334,6 +474,7 @@ class Membership:
 
     def request_shutdown(self) -> None:
         self._set("shutdown", "1")
+        self.wake_spares()
 
     def shutdown_requested(self) -> bool:
         return self.store.check(["shutdown"])

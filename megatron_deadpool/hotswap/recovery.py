@@ -6,7 +6,8 @@ replica sources is `restore_plan.py`, run by the coordinator):
 - `release_groups`: keep what already arrived of the in-flight replication round, then swap
   every process-group handle for a placeholder and destroy the broken groups.
 - `agree`: report what this process holds under the newest plan's generation until a roster
-  includes it; on the coordinator's abort (out of redundancy) save what survives and raise.
+  includes it, blocked on the store (no polling); on the coordinator's abort (out of
+  redundancy) save what survives and raise.
 - `exchange_shards`: bring this rank to T - a needy rank receives its shard from the holder the
   plan names (verified by checksum on arrival), the others roll back to their local snapshot
   and serve the shards they hold for needy ranks.
@@ -38,23 +39,32 @@ log = logging.getLogger(__name__)
 SALVAGE_WAIT_S = 30.0
 """How long the manifest writer waits for the other survivors' snapshot files."""
 
+DECISION_WAIT_S = 600.0
+"""Longest single wait for the coordinator's decision on a plan (it then waits again)."""
+
 
 def release_groups(
-    replicator: Replicator | None, roots: list[Any], repl_group: dist.ProcessGroup | None
+    replicator: Replicator | None, roots: list[Any], extra: dict[str, dist.ProcessGroup | None]
 ) -> int:
     """Salvage the in-flight round (`Replicator.abandon`), then `rebind.release` every group
-    handle under `roots` and the replication group; returns how many handles were swapped."""
+    handle under `roots` and the groups in `extra` (by name, e.g. the replication group);
+    returns how many handles were swapped.
+
+    `extra` is emptied: the caller hands its groups over in it and keeps no other reference,
+    so that reference counting frees them here (a group still referenced from a frame costs a
+    full garbage collection, ~0.5-2 s on Megatron's heap, and is not freed even then).
+    """
     if replicator is not None:
         salvaged = replicator.abandon()
         if salvaged:
             log.info("kept the in-flight round's verified replicas of ranks %s", salvaged)
-    return rebind.release(roots, {"DEADPOOL_REPLICATION": repl_group})
+    return rebind.release(roots, extra)
 
 
 def agree(
     members: Membership,
     *,
-    generation: int,
+    roster: Roster,
     rank: int | None,
     pid: str,
     replicator: Replicator | None,
@@ -65,45 +75,60 @@ def agree(
 ) -> Roster:
     """Report holdings for the coordinator's plan(s) until a roster includes this process.
 
+    Blocks on the store instead of polling it: first until a generation after `roster`'s (the
+    one this process is in) is planned (by the wall-clock `deadline`, else this was no peer
+    failure), then until the coordinator decides that plan - a roster, an abort, or a newer plan
+    that supersedes it (more ranks died), which is then reported for in turn. The new roster is
+    `roster` with the plan's replacements (read in full only if the plan has another base).
+
     `report` is published with the holdings (e.g. Megatron's counters); only a process that
     keeps its slot and is not needy reports what `replicator` holds. On an abort,
     `on_abort(the coordinator's report)` saves what it can and says what; then
     `OutOfRedundancyError` is raised.
     """
     holds = replicator.holdings() if replicator is not None else {"local": []}
-    reported: set[int] = set()
+    g = roster.generation + 1
+    plan = members.wait_plan(g, deadline - time.time())
+    if plan is None:
+        raise DeadpoolRuntimeError(
+            "a collective failed but the coordinator planned no recovery in time: "
+            "not a peer failure"
+        ) from cause
     while True:
-        info = members.abort()
-        if info is not None:
-            saved = on_abort(info)
-            lost = info.get("lost_ranks") or []
-            raise OutOfRedundancyError(
-                f"out of redundancy: {info.get('reason')}; "
-                + (f"shards lost: ranks {lost}" if lost else "no shard lost")
-                + f"; {saved}"
-            )
-        latest = members.latest_plan()
-        if latest > generation:
-            plan = members.plan(latest)
-            if latest not in reported and "slots" in plan:
-                mine = pid in plan["slots"].values() and rank not in plan["needy"]
-                value = {
-                    **report,
-                    "holds": holds if mine else {"local": []},
-                    "pid": pid,
-                }
-                members.report_holdings(latest, rank, value)
-                reported.add(latest)
-            if members.has_roster(latest):
-                roster = members.roster(latest)
-                if roster.rank_of(pid) is not None:
-                    return roster
-        elif time.time() > deadline:
-            raise DeadpoolRuntimeError(
-                "a collective failed but the coordinator planned no recovery in time: "
-                "not a peer failure"
-            ) from cause
-        time.sleep(0.02)
+        if "abort" in plan:
+            _out_of_redundancy(members.abort() or plan["abort"], on_abort)
+        keeps_slot = rank is not None and rank not in plan["needy"]
+        members.report_holdings(
+            g,
+            rank,
+            {**report, "holds": holds if keeps_slot else {"local": []}, "pid": pid},
+            expected=plan["world_size"] - len(plan["needy"]),
+        )
+        decision = None
+        while decision is None:  # the coordinator decides within its agree timeout
+            decision = members.wait_decision(g, DECISION_WAIT_S)
+        if "abort" in decision:
+            _out_of_redundancy(members.abort() or {}, on_abort)
+        if "roster" in decision:
+            new = roster.successor(plan, decision["roster"]) or members.roster(g)
+            if new.rank_of(pid) is None:
+                raise DeadpoolRuntimeError(
+                    f"the coordinator's roster of generation {g} leaves this process ({pid}) "
+                    "out: it was presumed dead"
+                )
+            return new
+        g = decision["superseded"]
+        plan = members.wait_plan(g, DECISION_WAIT_S)  # published before the decision
+
+
+def _out_of_redundancy(info: dict[str, Any], on_abort: Callable[[dict[str, Any]], str]) -> None:
+    saved = on_abort(info)
+    lost = info.get("lost_ranks") or []
+    raise OutOfRedundancyError(
+        f"out of redundancy: {info.get('reason')}; "
+        + (f"shards lost: ranks {lost}" if lost else "no shard lost")
+        + f"; {saved}"
+    )
 
 
 def exchange_shards(

@@ -169,7 +169,7 @@ class MegatronLauncher:
             if time.monotonic() - t0 > self.timeout_s:
                 self._print(f"[deadpool] the job exceeded its {self.timeout_s:.0f}s limit")
                 return 124
-            time.sleep(0.05)
+            local.wait(0.05)
 
     def _write_summary(self, rc: int, wall_s: float) -> None:
         local = self.local

@@ -25,11 +25,12 @@ Time model: an iteration computes 6 x params x tokens FLOPs (8 with full recompu
 `mfu` of the GPUs' peak; the replication of k shards per GPU runs over the GPU's share of its
 node's NICs; the data-parallel gradient reduce-scatter (fp32) and parameter all-gather (bf16)
 are counted as inter-node traffic too (an upper bound). Recovery phases: detect (crash: one
-heartbeat interval; hang: the heartbeat timeout), agree (store round trips), reconstruct
-(a new world and Megatron's groups, growing with log2 of the world size), restore (a
-newcomer's bf16 weights from a data-parallel peer and its shard from a holder, over the
-network), first iteration (the recomputed iteration plus communicator warm-up). The constants
-are in `RecoveryModel`: estimates to be calibrated with `deadpool bench recovery`.
+heartbeat interval; hang: the heartbeat timeout), agree (the coordinator's work at the job's
+size, measured by `deadpool bench control-plane`: `measured.py`), reconstruct (a new world and
+Megatron's groups, growing with log2 of the world size), restore (a newcomer's bf16 weights from
+a data-parallel peer and its shard from a holder, over the network), first iteration (the
+recomputed iteration plus communicator warm-up). The remaining constants are in
+`RecoveryModel`: estimates, not measured (they need GPUs and a cluster).
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ from ..config.deadpool import DeadpoolConfig
 from ..config.job import JobConfig, ModelConfig, ParallelConfig, TrainConfig
 from ..errors import ConfigError
 from ..replication.placement import Layout, place_replicas
+from . import measured
 from .coverage import NodeCoverage, node_coverage
 from .paramcount import count_params
 
@@ -82,10 +84,11 @@ class Workload:
 
 @dataclass(frozen=True, kw_only=True)
 class RecoveryModel:
-    """Constants of the recovery-time estimate (not measured: calibrate them on a cluster)."""
+    """Constants of the recovery-time estimate (not measured, except `agree_s`'s default)."""
 
-    agree_s: float = 1.0
-    """Survivors register and fix the dead set and restore iteration in the store."""
+    agree_s: float | None = None
+    """Survivors report and the coordinator fixes the dead set and restore iteration in the
+    store; None: the figure measured at the job's size (`measured.agree_s`)."""
 
     reconstruct_base_s: float = 2.0
     """Abort old groups, new default group, Megatron's groups: fixed part."""
@@ -437,9 +440,10 @@ def plan(
     if not per_gpu.fits_gpu:  # snapshots in host memory: survivors copy theirs back
         restore = max(restore, per_iteration.snapshot_copy_s)
     first = compute_s + constants.first_iteration_overhead_s
+    world = layout.world_size + spares
     crash = RecoveryPhases(
         detect_s=deadpool.heartbeat_interval,
-        agree_s=constants.agree_s,
+        agree_s=measured.agree_s(world) if constants.agree_s is None else constants.agree_s,
         reconstruct_s=reconstruct,
         restore_s=restore,
         first_iteration_s=first,

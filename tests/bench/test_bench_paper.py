@@ -20,6 +20,7 @@ import pytest
 from megatron_deadpool.bench import paper, paper_matrix, plots, report
 from megatron_deadpool.bench.overhead import base_job
 from megatron_deadpool.bench.recovery import PHASE_LABELS, Launch
+from megatron_deadpool.bench.stats import ratio_summary
 from megatron_deadpool.errors import ConfigError
 
 STEP, SAVE, FIRST = 0.1, 0.05, 1.0
@@ -101,11 +102,29 @@ def test_report_from_fake_runs(tmp_path: Path) -> None:
     assert modes["nvrx_local_1"]["amortised_s"] is None
     assert "no-such-python" in modes["nvrx_local_1"]["reason"]
     text = (out / "results.md").read_text()
-    assert "| checkpoint every iteration | 0.150 | 0.150 | 1.50x | 8 |" in text
+    # One repeat: a ratio has no interval, so none is printed as a figure.
+    assert (
+        "| checkpoint every iteration | 0.150 | 0.150 | not measured: 1 repeat(s) give no " in text
+    )
+    assert "1.50x" not in text
     assert "| NVRx local ckpt + replication every iteration | not measured:" in text
     assert (out / "iteration_time.png").stat().st_size > 10_000
     assert "![failure-free iteration time](iteration_time.png)" in text
     assert not (out / "recovery_timeline.png").exists()
+
+
+def test_ratios_are_figures_only_when_their_interval_excludes_one(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    out = tmp_path / "out"
+    args = parse(
+        "--quick", "--repeats", "6", "--no-recovery", "--modes", "deadpool,ckpt_1",
+        "--out", str(out),
+    )  # fmt: skip
+    assert paper.run(args, runner=fake_runner([])) == 0
+    text = (out / "results.md").read_text()
+    # Every repeat gives the same ratios: 1.5 exactly for a save per iteration, 1.0 for DeadPool.
+    assert "| 1.50x (95% CI 1.50-1.50, 6 repeats) |" in text
+    assert "| no difference measurable at this noise (95% CI 1.00-1.00, 6 repeats) |" in text
 
 
 def synthetic_recovery() -> dict:
@@ -119,6 +138,7 @@ def synthetic_recovery() -> dict:
             "recompute": 1.5, "first_iteration": 0.4,
         },
         "deadpool_recovery_s": 5.5, "restart_recovery_s": 25.5, "speedup": 25.5 / 5.5,
+        "speedup_ratio": ratio_summary([25.5 / 5.5] * 6),
         "deadpool_recomputed": 1, "restart_recomputed": 3, "deadpool_restore_iteration": 6,
         "restart_checkpoint_iteration": 4, "deadpool_matches_reference": True,
         "restart_matches_reference": True, "repeats": 1,
@@ -159,7 +179,7 @@ def test_recovery_table_and_all_plots(tmp_path: Path) -> None:
     assert "| reconstruct process groups | 3.100 | - |" in text
     assert "| relaunch + init (start to load) | - | 21.000 |" in text
     assert "| iterations recomputed | 1 | 3 |" in text
-    assert "Hot swap 4.6x faster" in text
+    assert "Restart / hot swap: 4.6x (95% CI 4.6-4.6, 6 repeats)" in text
     assert "not measured: forked writer hangs" in text
 
 

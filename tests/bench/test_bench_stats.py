@@ -8,7 +8,13 @@ from math import comb
 
 import pytest
 
-from megatron_deadpool.bench.stats import median_ci
+from megatron_deadpool.bench.stats import (
+    NOT_MEASURABLE,
+    median_ci,
+    min_repeats,
+    ratio_summary,
+    ratio_text,
+)
 
 
 def _coverage(n: int, k: int) -> float:
@@ -39,3 +45,19 @@ def test_interval_covers_the_true_median_at_least_as_often_as_promised() -> None
         hits += low <= 1.0 <= high
         assert low <= statistics.median(sample) <= high
     assert hits / trials >= 0.95
+
+
+@pytest.mark.timeout(30)
+def test_a_ratio_is_a_figure_only_when_its_interval_excludes_one() -> None:
+    assert min_repeats() == 6 and min_repeats(0.99) == 8
+    noise = ratio_summary([1.02, 0.99, 1.05, 0.97, 1.01, 1.03])
+    assert noise["verdict"] == "none"
+    assert ratio_text(noise) == f"{NOT_MEASURABLE} (95% CI 0.97-1.05, 6 repeats)"
+    slower = ratio_summary([1.12, 1.19, 1.15, 1.17, 1.11, 1.13])
+    assert slower["verdict"] == "higher" and slower["median"] == pytest.approx(1.14)
+    assert ratio_text(slower) == "1.14x (95% CI 1.11-1.19, 6 repeats)"
+    faster = ratio_summary([0.05, 0.04, 0.06, 0.05, 0.045, 0.055, 0.05])
+    assert faster["verdict"] == "lower" and ratio_text(faster, 3, "").startswith("0.050 (95% CI")
+    few = ratio_summary([3.08, 0.56])
+    assert few["verdict"] == "no interval" and few["ci"] is None
+    assert ratio_text(few) == "not measured: 2 repeat(s) give no 95% interval (6 needed)"

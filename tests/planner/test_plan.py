@@ -474,3 +474,18 @@ def test_cli_prints_megatron_lm_arguments(
     args = capsys.readouterr().out.split()
     assert "--swiglu" not in args and "--untie-embeddings-and-output-weights" not in args
     assert "--sequence-parallel" not in args and "--normalization=LayerNorm" in args
+
+
+@pytest.mark.timeout(30)
+def test_agreement_time_is_the_measured_one_at_the_jobs_size() -> None:
+    from megatron_deadpool.planner import measured
+
+    a = measured.AGREE_S
+    assert measured.agree_s(64) == a[1024]  # below the smallest size measured
+    assert measured.agree_s(2048) == pytest.approx((a[1024] + a[4096]) / 2)  # log2 midpoint
+    assert measured.agree_s(16384) == a[16384]
+    assert measured.agree_s(32768) == pytest.approx(2 * a[16384])  # one report per rank
+    assert "deadpool bench control-plane" in measured.COMMAND
+    r = _plan_65b()  # 512 ranks + 4 spares
+    assert r.recovery.agree_s == pytest.approx(measured.agree_s(516))
+    assert r.recovery_hang.agree_s == r.recovery.agree_s

@@ -1,0 +1,633 @@
+"""`deadpool bench control-plane`: the real coordinator and store protocol at 1,024-16,384 ranks.
+
+No training: the coordinator (`hotswap.coordinator.Coordinator`, its store hosted in this
+process as `deadpool coordinator` does) at each size, in two settings:
+
+- **coordinator alone** (`coordinator_alone`, every `--ranks` size, `--failures` times, medians):
+  one client writes what the ranks would (beat counters, every survivor's report) in bulk, so
+  the coordinator's own work is timed: a heartbeat sweep (keys, store requests, CPU), crash
+  noticed -> plan published, every report in -> roster published.
+- **with simulated ranks** (`--sim-ranks` sizes): simulated ranks (`sim_ranks.py`, several
+  processes), each rank with its own store connection, beating, reporting holdings and joining
+  generations through `Membership` like a real one:
+
+1. **Steady state** (`--steady` seconds, nothing fails): the coordinator ticks as in
+   `deadpool coordinator`. Per heartbeat sweep: keys read, store requests, the coordinator
+   thread's CPU and wall time; over the window: the coordinator thread's and the whole
+   coordinator process's CPU (the latter includes the store server answering every rank's
+   beats) as a share of one core.
+2. **Failures** (`--failures`, one at a time): a rank stops beating, stamps its fault and
+   is reported exited (as the local launcher sees a crash); every other rank is told a peer
+   failed and runs the survivor's side of agreement. Measured: failure -> plan published,
+   failure -> roster published (`detect + agree`), failure -> every rank joined, the
+   coordinator's phases, and the CPU the coordinator process spent from the failure to the
+   roster.
+3. **Memory**: the coordinator process's resident memory with every rank connected, and the
+   simulated ranks' clients per rank.
+
+    deadpool bench control-plane --ranks 1024 4096 16384 --json control-plane.json
+
+All processes share this machine's cores: a figure that includes the simulated ranks' own work
+(failure -> every rank joined, and the reports that precede the roster) is what that many
+clients on these cores achieve, not what as many hosts would; the coordinator alone and the
+coordinator process's CPU are its own. `planner/measured.py` holds the figures `deadpool plan`
+uses.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import resource
+import select
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from ..hotswap.coordinator import Coordinator, EventLog, kill_groups
+from ..hotswap.membership import BATCH_KEYS, Membership, host_store
+from ..replication.placement import Layout, place_replicas
+from .report import publish, text_row
+
+SPARES = 8
+"""One node of spares."""
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--ranks",
+        type=int,
+        nargs="+",
+        default=[1024, 4096, 16384],
+        help="job sizes to measure (default 1024 4096 16384; multiples of 32)",
+    )
+    parser.add_argument(
+        "--sim-ranks",
+        type=int,
+        nargs="*",
+        default=None,
+        help="sizes to also run with simulated ranks, one connection each (default: --ranks)",
+    )
+    parser.add_argument(
+        "--procs", type=int, default=8, help="processes that run the simulated ranks (default 8)"
+    )
+    parser.add_argument(
+        "--steady", type=float, default=10.0, help="seconds of steady state per size (default 10)"
+    )
+    parser.add_argument(
+        "--failures", type=int, default=3, help=f"failures per size, at most {SPARES} (default 3)"
+    )
+    parser.add_argument(
+        "--heartbeat-interval", type=float, default=1.0, help="seconds between beats (default 1)"
+    )
+    parser.add_argument(
+        "--heartbeat-timeout", type=float, default=10.0, help="hang timeout in s (default 10)"
+    )
+    parser.add_argument(
+        "--hb-group",
+        type=int,
+        default=64,
+        help="simulated ranks per heartbeat connection (default 64; see sim_ranks.py)",
+    )
+    parser.add_argument(
+        "--workers",
+        type=int,
+        default=16,
+        help="threads per simulated-rank process driving its ranks (default 16)",
+    )
+    parser.add_argument(
+        "--sim-nice",
+        type=int,
+        default=10,
+        help="niceness of the simulated-rank processes (default 10: the coordinator first)",
+    )
+    parser.add_argument("--json", dest="json_path", help="write the results as JSON here")
+    parser.add_argument(
+        "--timeout", type=float, default=600.0, help="limit for connecting or recovering, in s"
+    )
+
+
+def layout_for(ranks: int) -> Layout:
+    """tp 8 inside 8-GPU nodes, pp 4, the rest data parallel."""
+    if ranks < 64 or ranks % 32:
+        raise ValueError(f"ranks: a multiple of 32, at least 64, got {ranks}")
+    return Layout(tp=8, pp=4, dp=ranks // 32, ranks_per_node=8)
+
+
+class SimLiveness:
+    """What the local launcher would see: the simulated crashes, as exits with code -9."""
+
+    def __init__(self) -> None:
+        self.codes: dict[str, int] = {}
+
+    def exited(self, pid: str) -> int | None:
+        return self.codes.get(pid)
+
+    def exits(self) -> dict[str, int]:
+        return self.codes
+
+    def kill(self, pid: str) -> bool:
+        return False
+
+
+class MeasuredCoordinator(Coordinator):
+    """The coordinator, timing each heartbeat sweep and the call that decides a recovery."""
+
+    sweeps: list[dict[str, float]]
+    decisions: list[dict[str, float]]
+
+    def _try_agree(self, now: float) -> None:
+        cpu0, t0 = time.thread_time(), time.time()
+        super()._try_agree(now)
+        if self.recovery is not None and self.recovery.t_agreed is not None:
+            self.decisions.append(
+                {"t_start": t0, "cpu_s": time.thread_time() - cpu0, "wall_s": time.time() - t0}
+            )
+
+    def _sweep(self, now: float) -> None:
+        cpu0, proc0, t0 = time.thread_time(), time.process_time(), time.perf_counter()
+        super()._sweep(now)
+        self.sweeps.append(
+            {
+                "keys": len(self._live_pids()),
+                "cpu_s": time.thread_time() - cpu0,
+                "process_cpu_s": time.process_time() - proc0,  # with the store server's part
+                "wall_s": time.perf_counter() - t0,
+            }
+        )
+
+
+def _rss_mib(pid: int | str = "self") -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def _raise_file_limit(need: int) -> None:
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < min(need, hard):
+        resource.setrlimit(resource.RLIMIT_NOFILE, (min(need, hard), hard))
+    if need > hard:
+        raise RuntimeError(
+            f"the store would hold {need} connections but this process may open at most "
+            f"{hard} files (hard limit): raise it (ulimit -Hn) or use a larger --hb-group"
+        )
+
+
+class Bench:
+    """One job size: the store, the coordinator, the simulated ranks."""
+
+    def __init__(self, ranks: int, args: argparse.Namespace) -> None:
+        self.n = ranks
+        self.args = args
+        self.layout = layout_for(ranks)
+        self.procs_n = args.procs
+        _raise_file_limit(ranks + SPARES + -(-ranks // args.hb_group) + args.procs * 8 + 64)
+        self.rss0 = _rss_mib()
+        self.store, self._listener = host_store("127.0.0.1", 0, timeout_s=args.timeout)
+        self.members = Membership(self.store, "coordinator")
+        self.liveness = SimLiveness()
+        self.coord = MeasuredCoordinator(
+            self.members,
+            ranks,
+            place_replicas(self.layout, 1),
+            [f"s{i}" for i in range(SPARES)],
+            heartbeat_timeout=args.heartbeat_timeout,
+            agree_timeout=args.timeout,
+            liveness=self.liveness,
+            events=EventLog(None),
+            on_event=lambda text: print(f"    coordinator: {text[:200]}", file=sys.stderr),
+        )
+        self.coord.sweeps = []
+        self.coord.decisions = []
+        self.procs: list[subprocess.Popen] = []
+        self._lines: dict[int, bytes] = {}  # stdout fd -> bytes read, not yet a line
+
+    # ------------------------------------------------------------------ set-up
+    def start(self) -> float:
+        """Publish the first roster, start the simulated ranks; seconds until all connected."""
+        t0 = time.monotonic()
+        self.coord.start()
+        layout = self.layout
+        for i in range(self.procs_n):
+            cfg = {
+                "address": f"127.0.0.1:{self.store.port}",
+                "ranks": list(range(i, self.n, self.procs_n)),
+                "spares": [f"s{j}" for j in range(SPARES)] if i == 0 else [],
+                "layout": {
+                    "tp": layout.tp,
+                    "pp": layout.pp,
+                    "dp": layout.dp,
+                    "ranks_per_node": layout.ranks_per_node,
+                },
+                "replicas": 1,
+                "interval": self.args.heartbeat_interval,
+                "hb_group": self.args.hb_group,
+                "iteration": 100,
+                "connect_timeout": self.args.timeout,
+                "workers": self.args.workers,
+            }
+            self.procs.append(
+                subprocess.Popen(
+                    [sys.executable, "-m", "megatron_deadpool.bench.sim_ranks", json.dumps(cfg)],
+                    stdin=subprocess.PIPE,
+                    stdout=subprocess.PIPE,
+                    start_new_session=True,
+                    env={
+                        **os.environ,
+                        "OMP_NUM_THREADS": "1",
+                        "DEADPOOL_SIM_NICE": str(self.args.sim_nice),
+                    },
+                )
+            )
+        self.client_kib = sum(int(self._expect(p, "ready").split()[2]) for p in self.procs)
+        return time.monotonic() - t0
+
+    def _expect(self, proc: subprocess.Popen, word: str) -> str:
+        """The next line from a simulated-rank process, which must start with `word`; the
+        coordinator keeps ticking meanwhile (it must, for a recovery to complete)."""
+        deadline = time.monotonic() + self.args.timeout
+        fd = proc.stdout.fileno()  # type: ignore[union-attr]
+        while time.monotonic() < deadline:
+            pending = self._lines.setdefault(fd, b"")
+            if b"\n" in pending:
+                line, self._lines[fd] = pending.split(b"\n", 1)
+                text = line.decode()
+                if not text.startswith(word):
+                    raise RuntimeError(f"simulated ranks said {text!r}, not {word}")
+                return text
+            if select.select([fd], [], [], 0)[0]:
+                chunk = os.read(fd, 65536)
+                if not chunk:
+                    raise RuntimeError(
+                        f"a simulated-rank process ended (exit code {proc.wait()}) before {word}"
+                    )
+                self._lines[fd] += chunk
+                continue
+            self.coord.tick()
+            self.coord.wait(0.01)
+        raise RuntimeError(f"no {word!r} from the simulated ranks in {self.args.timeout:.0f}s")
+
+    def _send(self, proc: subprocess.Popen, line: str) -> None:
+        os.write(proc.stdin.fileno(), (line + "\n").encode())  # type: ignore[union-attr]
+
+    # ------------------------------------------------------------------ measurements
+    def steady(self, seconds: float) -> dict[str, Any]:
+        """Tick as `deadpool coordinator` does while nothing fails."""
+        self.coord.sweeps.clear()
+        cpu0, proc0, t0 = time.thread_time(), time.process_time(), time.monotonic()
+        while time.monotonic() - t0 < seconds:
+            self.coord.tick()
+            self.coord.wait(0.05)
+        wall = time.monotonic() - t0
+        self._check_no_false_deaths()
+        sweeps = self.coord.sweeps[1:]  # the first may have created counters
+        keys = sweeps[0]["keys"] if sweeps else 0
+        cpu = statistics.median(s["cpu_s"] for s in sweeps) if sweeps else float("nan")
+        return {
+            "sweeps": len(sweeps),
+            "sweep_interval_s": self.coord.sweep_interval,
+            "keys_per_sweep": keys,
+            "requests_per_sweep": math.ceil(keys / BATCH_KEYS),
+            "sweep_cpu_ms": cpu * 1e3,
+            "sweep_wall_ms": statistics.median(s["wall_s"] for s in sweeps) * 1e3,
+            "sweep_core_share": cpu / self.coord.sweep_interval,
+            "coordinator_thread_core_share": (time.thread_time() - cpu0) / wall,
+            "coordinator_process_core_share": (time.process_time() - proc0) / wall,
+            "beats_per_s": self.n / self.args.heartbeat_interval,
+        }
+
+    def fail_one(self, index: int) -> dict[str, Any]:
+        """Crash one rank and measure its recovery."""
+        roster = self.coord.roster
+        rank = (index + 1) * self.n // (self.args.failures + 1) + 1
+        pid = roster.slots[rank]
+        owner = self.procs[0] if pid.startswith("s") else self.procs[int(pid[1:]) % self.procs_n]
+        self._send(owner, f"kill {pid}")
+        self._expect(owner, "killed")
+        events0 = len(self.coord.events.events)
+        cpu0, proc0 = time.thread_time(), time.process_time()
+        t_fail = time.time()
+        self.liveness.codes[pid] = -signal.SIGKILL
+        for proc in self.procs:
+            self._send(proc, "fail")
+        cpu_roster = proc_roster = None
+        finished = len(self.coord.finished)
+        deadline = time.monotonic() + self.args.timeout
+        while len(self.coord.finished) == finished:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the recovery from {pid}'s failure did not finish")
+            self.coord.tick()
+            if cpu_roster is None and self.coord.recovery and self.coord.recovery.t_agreed:
+                cpu_roster = time.thread_time() - cpu0
+                proc_roster = time.process_time() - proc0
+            self.coord.wait(0.01)
+        for proc in self.procs:
+            self._expect(proc, "recovered")
+        self._check_no_false_deaths()
+        events = {e["event"]: e["t"] for e in self.coord.events.events[events0:]}
+        decision = self.coord.decisions[-1]
+        record = self.coord.finished[-1]
+        g = record["generation"]
+        joined = max(self.members.stamp_times(g, "joined", list(range(self.n))))
+        return {
+            "rank": rank,
+            "pid": pid,
+            "failure_to_plan_s": events["plan"] - t_fail,
+            # the call that decided started when the last report woke the coordinator
+            "failure_to_all_reports_s": decision["t_start"] - t_fail,
+            "decide_s": decision["wall_s"],
+            "decide_cpu_s": decision["cpu_s"],
+            "failure_to_roster_s": events["agreed"] - t_fail,
+            "failure_to_all_joined_s": joined - t_fail,
+            "coordinator_thread_cpu_to_roster_s": cpu_roster,
+            "coordinator_process_cpu_to_roster_s": proc_roster,
+            "phases_s": record["phases_s"],
+        }
+
+    def _check_no_false_deaths(self) -> None:
+        """Only the killed ranks may be dead: a live one named hung means its beats did not get
+        through in time (the store or this machine could not keep up)."""
+        false = sorted(self.coord.dead_pids - set(self.liveness.codes))
+        if false:
+            raise RuntimeError(
+                f"{len(false)} live simulated rank(s) named dead by the heartbeat timeout (e.g. "
+                f"{', '.join(false[:5])}): their beats did not reach the store in time"
+            )
+
+    def memory(self) -> dict[str, float]:
+        return {
+            "coordinator_rss_mib": _rss_mib(),
+            "coordinator_rss_growth_mib": _rss_mib() - self.rss0,
+            "client_kib_per_rank": self.client_kib / (self.n + SPARES),
+        }
+
+    def close(self) -> None:
+        for proc in self.procs:
+            try:
+                self._send(proc, "stop")
+            except (BrokenPipeError, OSError):
+                pass
+        kill_groups(self.procs)
+        self.coord.close()
+
+
+def coordinator_alone(ranks: int, args: argparse.Namespace, sweeps: int = 9) -> dict[str, Any]:
+    """The coordinator's own work at `ranks`, the ranks' side written in bulk.
+
+    One client writes what `ranks` processes would (beat counters, then every survivor's report)
+    with batched `multi_set`s, so that what is timed is the coordinator and its store requests
+    alone: a heartbeat sweep, the tick that notices a crash and publishes the plan, and the
+    tick that reads every report, decides and publishes the roster. Not the ranks' traffic (the
+    simulated ranks measure that).
+    """
+    layout = layout_for(ranks)
+    placement = place_replicas(layout, 1)
+    store, listener = host_store("127.0.0.1", 0, timeout_s=args.timeout)
+    rss0 = _rss_mib()
+    liveness = SimLiveness()
+    coord = MeasuredCoordinator(
+        Membership(store, "coordinator"),
+        ranks,
+        placement,
+        [f"s{i}" for i in range(SPARES)],
+        heartbeat_timeout=args.heartbeat_timeout,
+        agree_timeout=args.timeout,
+        liveness=liveness,
+        events=EventLog(None),
+    )
+    coord.sweeps, coord.decisions = [], []
+    writer = store.clone()
+    try:
+        t0 = time.perf_counter()
+        coord.start()
+        start_s = time.perf_counter() - t0
+        pids = coord._live_pids()
+        keys = [f"hb/{p}" for p in pids]
+        for beat in range(1, sweeps + 2):  # every counter moves between sweeps
+            for i in range(0, len(keys), BATCH_KEYS):
+                writer.multi_set(
+                    keys[i : i + BATCH_KEYS], [str(beat)] * len(keys[i : i + BATCH_KEYS])
+                )
+            writer.check(keys[-1:])  # the sets are one-way: a round trip orders them first
+            coord._sweep(time.monotonic())
+        sweep = coord.sweeps[1:]  # the first saw every counter for the first time
+        coord._next_sweep = math.inf  # the ticks below time failure handling alone
+        dead = ranks // 2 + 1
+        liveness.codes[coord.roster.slots[dead]] = -signal.SIGKILL
+        t0, cpu0 = time.perf_counter(), time.thread_time()
+        coord.tick()  # notices the exit, plans
+        plan_s, plan_cpu = time.perf_counter() - t0, time.thread_time() - cpu0
+        g = coord.recovery.generation
+        its = [99, 100]
+        reports = [
+            json.dumps(
+                {
+                    "last_completed": 100,
+                    "pid": f"a{r}",
+                    "holds": {"local": its, **{str(o): its for o in placement.held_by[r]}},
+                }
+            )
+            for r in range(ranks)
+            if r != dead
+        ]
+        report_keys = [f"gen{g}/holdings/{r}" for r in range(ranks) if r != dead]
+        for i in range(0, len(report_keys), BATCH_KEYS):
+            writer.multi_set(report_keys[i : i + BATCH_KEYS], reports[i : i + BATCH_KEYS])
+        writer.add(f"gen{g}/holdings/count", len(report_keys))
+        coord.tick()  # reads the reports, decides, publishes the roster
+        if not coord.decisions:
+            raise RuntimeError(f"coordinator alone at {ranks} ranks: no decision")
+        decision = coord.decisions[-1]
+        return {
+            "ranks": ranks,
+            "start_s": start_s,
+            "keys_per_sweep": sweep[0]["keys"],
+            "requests_per_sweep": math.ceil(sweep[0]["keys"] / BATCH_KEYS),
+            "sweep_cpu_ms": statistics.median(s["cpu_s"] for s in sweep) * 1e3,
+            "sweep_wall_ms": statistics.median(s["wall_s"] for s in sweep) * 1e3,
+            "sweep_core_share": statistics.median(s["cpu_s"] for s in sweep) / coord.sweep_interval,
+            "sweep_process_cpu_ms": statistics.median(s["process_cpu_s"] for s in sweep) * 1e3,
+            "sweep_process_core_share": statistics.median(s["process_cpu_s"] for s in sweep)
+            / coord.sweep_interval,
+            "notice_to_plan_s": plan_s,
+            "notice_to_plan_cpu_s": plan_cpu,
+            "reports_to_roster_s": decision["wall_s"],
+            "reports_to_roster_cpu_s": decision["cpu_s"],
+            "store_rss_growth_mib": _rss_mib() - rss0,
+        }
+    finally:
+        coord.close()
+        listener.close()
+
+
+def _median_runs(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Each figure's median over `runs`; the runs themselves under "runs"."""
+    out = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+    return {**out, "runs": runs}
+
+
+def measure(ranks: int, args: argparse.Namespace, progress=print) -> dict[str, Any]:
+    """The coordinator against simulated ranks, each with its own store connection."""
+    bench = Bench(ranks, args)
+    try:
+        connect_s = bench.start()
+        progress(f"  {ranks} ranks + {SPARES} spares connected in {connect_s:.1f}s")
+        steady = bench.steady(args.steady)
+        memory = bench.memory()
+        failures = [bench.fail_one(i) for i in range(args.failures)]
+        for f in failures:
+            progress(
+                f"  {ranks}: rank {f['rank']} failed -> plan {f['failure_to_plan_s']:.3f}s, "
+                f"roster {f['failure_to_roster_s']:.3f}s, all joined "
+                f"{f['failure_to_all_joined_s']:.3f}s"
+            )
+    finally:
+        bench.close()
+    med = {
+        k: statistics.median(f[k] for f in failures)
+        for k in (
+            "failure_to_plan_s",
+            "failure_to_all_reports_s",
+            "decide_s",
+            "failure_to_roster_s",
+            "failure_to_all_joined_s",
+            "coordinator_process_cpu_to_roster_s",
+        )
+    }
+    return {
+        "ranks": ranks,
+        "spares": SPARES,
+        "layout": {"tp": bench.layout.tp, "pp": bench.layout.pp, "dp": bench.layout.dp},
+        "connect_s": connect_s,
+        "steady": steady,
+        "memory": memory,
+        "failures": failures,
+        "median": med,
+    }
+
+
+def table(alone: list[dict[str, Any]], simulated: list[dict[str, Any]]) -> list[str]:
+    """The coordinator alone at every size, then with simulated ranks where they ran."""
+    sizes = [r["ranks"] for r in alone]
+    specs = ("<48", *([">10"] * len(sizes)))
+    by_size = {r["ranks"]: r for r in simulated}
+
+    def ms(value: float) -> str:
+        return f"{1e3 * value:.1f}ms"
+
+    def line(label: str, cells: list[str]) -> str:
+        return text_row([label, *cells], specs)
+
+    def sim(cell: Any) -> list[str]:
+        out = []
+        for n in sizes:
+            r = by_size.get(n)
+            out.append("-" if r is None or "error" in r else cell(r))
+        return out
+
+    lines = [line("ranks", [str(n) for n in sizes]), "coordinator alone (ranks' writes in bulk):"]
+    for label, key, fmt in (
+        ("  crash noticed -> plan published", "notice_to_plan_s", ms),
+        ("  every report in -> roster published", "reports_to_roster_s", ms),
+        ("  heartbeat sweep: coordinator CPU", "sweep_cpu_ms", lambda v: f"{v:.1f}ms"),
+        (
+            "  sweep CPU / sweep interval (of one core)",
+            "sweep_core_share",
+            lambda v: f"{100 * v:.1f}%",
+        ),
+        (
+            "  the same with the store server's part",
+            "sweep_process_core_share",
+            lambda v: f"{100 * v:.1f}%",
+        ),
+    ):
+        lines.append(line(label, [fmt(r[key]) for r in alone]))
+    lines.append(
+        line(
+            "  sweep: keys / store requests",
+            [f"{r['keys_per_sweep']}/{r['requests_per_sweep']}" for r in alone],
+        )
+    )
+    lines.append("with simulated ranks (one store connection each):")
+    rows: list[tuple[str, Any]] = [
+        ("  failure -> plan published", lambda r: f"{r['median']['failure_to_plan_s']:.3f}s"),
+        (
+            "  failure -> last report in",
+            lambda r: f"{r['median']['failure_to_all_reports_s']:.3f}s",
+        ),
+        ("  failure -> roster published", lambda r: f"{r['median']['failure_to_roster_s']:.3f}s"),
+        (
+            "  failure -> every rank joined",
+            lambda r: f"{r['median']['failure_to_all_joined_s']:.3f}s",
+        ),
+        (
+            "  coordinator process CPU, failure -> roster",
+            lambda r: f"{r['median']['coordinator_process_cpu_to_roster_s']:.3f}s",
+        ),
+        (
+            "  coordinator thread, steady (of one core)",
+            lambda r: f"{100 * r['steady']['coordinator_thread_core_share']:.1f}%",
+        ),
+        (
+            "  coordinator process incl. store server",
+            lambda r: f"{100 * r['steady']['coordinator_process_core_share']:.1f}%",
+        ),
+        ("  coordinator resident memory", lambda r: f"{r['memory']['coordinator_rss_mib']:.0f}MiB"),
+        (
+            "  store client memory per simulated rank",
+            lambda r: f"{r['memory']['client_kib_per_rank']:.0f}KiB",
+        ),
+    ]
+    lines += [line(label, sim(cell)) for label, cell in rows]
+    for r in simulated:
+        if "error" in r:
+            lines.append(f"  {r['ranks']} simulated ranks: not measured: {r['error']}")
+    return lines
+
+
+def run(args: argparse.Namespace) -> int:
+    if not 1 <= args.failures <= SPARES:
+        print(f"deadpool bench control-plane: failures: 1 to {SPARES}", file=sys.stderr)
+        return 2
+    sim_ranks = args.ranks if args.sim_ranks is None else args.sim_ranks
+    try:
+        for n in {*args.ranks, *sim_ranks}:
+            layout_for(n)
+    except ValueError as exc:
+        print(f"deadpool bench control-plane: {exc}", file=sys.stderr)
+        return 2
+    print(
+        f"deadpool bench control-plane: {', '.join(map(str, args.ranks))} ranks (simulated: "
+        f"{', '.join(map(str, sim_ranks)) or 'none'}), {args.procs} simulated-rank processes, "
+        f"heartbeat every {args.heartbeat_interval}s, {args.steady:.0f}s steady, "
+        f"{args.failures} failure(s) each; {os.cpu_count()} CPUs, load average "
+        f"{os.getloadavg()[0]:.1f}",
+        flush=True,
+    )
+    alone = []
+    for n in args.ranks:
+        alone.append(_median_runs([coordinator_alone(n, args) for _ in range(args.failures)]))
+        print(f"  coordinator alone at {n} ranks: done", flush=True)
+    simulated = []
+    for n in sim_ranks:
+        try:
+            simulated.append(measure(n, args, progress=lambda line: print(line, flush=True)))
+        except RuntimeError as exc:
+            print(f"  {n} simulated ranks: {exc}", flush=True)
+            simulated.append({"ranks": n, "error": str(exc)})
+    result = {
+        "command": "deadpool bench control-plane " + " ".join(sys.argv[3:]),
+        "machine": f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f} at the end",
+        "coordinator_alone": alone,
+        "simulated": simulated,
+    }
+    publish(table(alone, simulated), result, args.json_path)
+    return 1 if any("error" in r for r in simulated) else 0

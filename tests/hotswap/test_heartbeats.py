@@ -1,0 +1,152 @@
+"""Heartbeats are counters timed on the coordinator's own clock; agreement blocks on the store.
+
+The skewed-clock case runs real worker processes whose wall clocks are an hour off (one behind,
+one ahead) against the real coordinator and store: a live process must not look hung, and a
+hung (SIGSTOPped) one must be named within the timeout whatever its clock says.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from megatron_deadpool.hotswap.heartbeats import HeartbeatClock
+
+
+def test_clock_judges_counters_by_when_they_change() -> None:
+    clock = HeartbeatClock()
+    assert clock.sweep(["a0", "a1"], [0, 1], now=0.0, timeout=2.0) == []
+    assert clock.age("a0", 5.0) is None  # never beat: starting up, not judged
+    assert clock.sweep(["a0", "a1"], [0, 1], now=2.5, timeout=2.0) == [("a1", 2.5)]
+    assert clock.sweep(["a0", "a1"], [3, 2], now=3.0, timeout=2.0) == []  # both moved
+    assert clock.age("a1", 4.0) == 1.0 and clock.last_change("a0") == 3.0
+    assert clock.sweep(["a0", "a1"], [3, 2], now=5.5, timeout=2.0) == [("a0", 2.5), ("a1", 2.5)]
+
+
+_WORKER = """
+import sys, time
+from megatron_deadpool.hotswap.connection import Heartbeat, connect_store
+from megatron_deadpool.hotswap.membership import Membership
+skew = float(sys.argv[3])
+real = time.time
+time.time = lambda: real() + skew  # this host's wall clock is off by `skew` seconds
+Membership(connect_store(sys.argv[1], 30), sys.argv[2]).announce()
+Heartbeat(sys.argv[1], sys.argv[2], 0.2, 30).start()
+print("beating", flush=True)
+time.sleep(120)
+"""
+
+
+@pytest.mark.timeout(120)
+def test_skewed_worker_clocks_neither_hide_a_hang_nor_fake_one(tmp_path: Path) -> None:
+    from megatron_deadpool.hotswap.coordinator import Coordinator, EventLog, HeartbeatOnly
+    from megatron_deadpool.hotswap.membership import Membership, host_store
+
+    store, _listener = host_store("127.0.0.1", 0)
+    coord = Coordinator(
+        Membership(store, "coordinator"),
+        2,
+        None,
+        [],
+        heartbeat_timeout=1.5,
+        agree_timeout=60.0,
+        liveness=HeartbeatOnly(),
+        events=EventLog(tmp_path / "events.jsonl"),
+        sweep_interval=0.1,
+    )
+    coord.start()
+    skews = {"a0": -3600.0, "a1": +3600.0}  # behind: looked hung at once; ahead: never hung
+    procs = {
+        pid: subprocess.Popen(
+            [sys.executable, "-c", _WORKER, f"127.0.0.1:{store.port}", pid, str(skew)],
+            stdout=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
+        for pid, skew in skews.items()
+    }
+    try:
+        for proc in procs.values():
+            assert proc.stdout.readline().strip() == "beating"
+
+        def tick_for(seconds: float) -> None:
+            end = time.monotonic() + seconds
+            while time.monotonic() < end:
+                coord.tick()
+                time.sleep(0.05)
+
+        tick_for(3.0)  # twice the timeout: both alive, whatever their clocks say
+        assert coord.dead_pids == set()
+        os.kill(procs["a1"].pid, signal.SIGSTOP)  # hung, with its clock an hour ahead
+        t0 = time.monotonic()
+        while "a1" not in coord.dead_pids and time.monotonic() - t0 < 10.0:
+            coord.tick()
+            time.sleep(0.05)
+        assert coord.dead_pids == {"a1"}
+        assert 1.5 <= time.monotonic() - t0 < 4.0
+        dead = [e for e in coord.events.events if e["event"] == "process_dead"]
+        assert dead[0]["pid"] == "a1" and "(hung)" in dead[0]["why"]
+    finally:
+        for proc in procs.values():
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        coord.close()
+
+
+@pytest.mark.timeout(240)  # importing megatron-core (under recovery) is slow on a busy machine
+def test_agreement_blocks_until_decided_and_follows_a_superseding_plan() -> None:
+    """A survivor reports for plan 1; more ranks die, plan 2 supersedes it; the survivor
+    reports again and returns with roster 2 - without polling (it only ever blocks), and
+    without reading the full roster (it applies the plan's replacements to its own)."""
+    from megatron_deadpool.hotswap import recovery
+    from megatron_deadpool.hotswap.membership import Membership, Roster, host_store
+
+    store, _listener = host_store("127.0.0.1", 0)
+    coord = Membership(store, "coordinator")
+    survivor = Membership(store.clone(), "a0")
+    out: dict = {}
+
+    def run() -> None:
+        try:
+            out["roster"] = recovery.agree(
+                survivor,
+                roster=Roster(0, 3, {0: "a0", 1: "a1", 2: "a2"}),
+                rank=0,
+                pid="a0",
+                replicator=None,
+                report={"last_completed": 7},
+                deadline=time.time() + 30,
+                cause=RuntimeError("peer died"),
+                on_abort=lambda info: "nothing saved",
+            )
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            out["error"] = exc
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    plan = {"base": 0, "world_size": 3, "dead": [2], "needy": [2], "replaced": {"2": "s0"}}
+    coord.publish_plan(1, {"generation": 1, **plan})
+    _wait_for(lambda: coord.holdings_count(1) == 1)
+    assert coord.holdings(1, 0)["last_completed"] == 7
+    replaced = {"1": "s1", "2": "s0"}
+    coord.publish_plan(2, {**plan, "generation": 2, "needy": [1, 2], "replaced": replaced})
+    coord.decide(1, {"superseded": 2})
+    _wait_for(lambda: coord.holdings_count(2) == 1)
+    coord.decide(2, {"roster": 6})  # no gen2/roster key: the survivor must not need it
+    thread.join(10)
+    assert "error" not in out, out
+    assert out["roster"] == Roster(2, 3, {0: "a0", 1: "s1", 2: "s0"}, restore_iteration=6)
+
+
+def _wait_for(condition, timeout_s: float = 10.0) -> None:
+    end = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < end, "timed out"
+        time.sleep(0.01)
