@@ -47,7 +47,12 @@ class Device:
 
 
 def select_device(mode: Mode = "auto", local_rank: int | None = None) -> Device:
-    """Pick CUDA when really present (and not refused), else activate the CPU mode."""
+    """Pick CUDA when really present (and not refused), else activate the CPU mode.
+
+    Also prepares the process's communication before any process group exists: DeadPool's
+    NCCL settings (`devices.nccl.apply_settings`, CUDA only) and the record of gloo
+    connections that `abort_groups` shuts down (`devices.gloo`).
+    """
     if mode not in ("auto", "cpu", "cuda"):
         raise ConfigError(f"device: {mode!r} is not one of auto, cpu, cuda")
     if os.environ.get("DEADPOOL_DEVICE") in ("cpu", "cuda") and mode == "auto":
@@ -56,10 +61,37 @@ def select_device(mode: Mode = "auto", local_rank: int | None = None) -> Device:
     if mode == "cuda" and not has_cuda:
         raise ConfigError("device: 'cuda' was asked for but no CUDA device is available")
     if mode == "cuda" or (mode == "auto" and has_cuda):
-        index = local_rank if local_rank is not None else int(os.environ.get("LOCAL_RANK", "0"))
+        index = local_rank if local_rank is not None else _local_rank()
+        if index >= torch.cuda.device_count():
+            raise ConfigError(
+                f"LOCAL_RANK={index}: this node has {torch.cuda.device_count()} GPUs; every "
+                "active rank and every spare of a node needs a GPU of its own "
+                "(devices.gpus.assign_gpus)"
+            )
+        prepare_communication("cuda")
         torch.cuda.set_device(index)
         return Device(kind="cuda", backend="nccl", index=index)
     from .cpu import activate
 
+    prepare_communication("cpu")
     activate()
     return Device(kind="cpu", backend="gloo")
+
+
+def prepare_communication(kind: Literal["cpu", "cuda"]) -> None:
+    """Before this process creates any process group: refuse settings that break recovery,
+    apply DeadPool's NCCL settings (CUDA), and record the gloo connections of every group
+    from now on (what `abort_groups` shuts down). Idempotent."""
+    from . import gloo, nccl
+
+    gloo.check_settings()
+    if kind == "cuda":
+        nccl.apply_settings()
+    gloo.track_connections()
+
+
+def _local_rank() -> int:
+    text = os.environ.get("LOCAL_RANK", os.environ.get("SLURM_LOCALID", "0"))
+    if not text.isdigit():
+        raise ConfigError(f"LOCAL_RANK: expected a GPU index (0, 1, ...), got {text!r}")
+    return int(text)

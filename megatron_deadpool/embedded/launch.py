@@ -22,6 +22,7 @@ from typing import Any, TextIO
 import yaml
 
 from ..config.job import JobConfig
+from ..devices.gpus import assign_gpus, local_gpu_count
 from ..digest import job_digest
 from ..hotswap.coordinator import Coordinator, EventLog, ProcessLiveness, kill_groups
 from ..hotswap.membership import Membership, host_store
@@ -61,6 +62,10 @@ class LocalLauncher:
         self.progress = Progress(job.train.iters, stream=stream, quiet=quiet)
         self.procs: dict[str, subprocess.Popen] = {}
         self.token = job.deadpool.job_token or secrets.token_hex(8)
+        spares = job.deadpool.spares if job.deadpool.enabled else 0
+        self.gpus = assign_gpus(
+            actives=job.parallel.world_size, spares=spares, gpus=local_gpu_count()
+        )
 
     # ------------------------------------------------------------------ processes
     def _worker_command(self) -> list[str]:
@@ -73,6 +78,10 @@ class LocalLauncher:
     def _spawn(self, pid: str, config_path: Path, address: str) -> None:
         env = self._worker_env()
         env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PYTHONWARNINGS="ignore")
+        world = len(self.gpus.actives)
+        task = int(pid[1:]) + (world if pid.startswith("s") else 0)
+        slots = len(self.gpus.actives) + len(self.gpus.spares)
+        env["LOCAL_RANK"] = str(self.gpus.local_rank(task % slots))  # replenished spares wrap
         cmd = [
             *self._worker_command(),
             "--config",

@@ -22,7 +22,9 @@ from megatron.core import parallel_state as ps
 
 from ..config.faults import iteration_faults, recovery_faults, spare_faults
 from ..config.job import JobConfig
-from ..devices import Device, select_device
+from ..devices import Device, nccl, select_device
+from ..devices.groups import replication_backend
+from ..devices.memory import ReplicaMemory
 from ..digest import rank_digest
 from ..errors import CoordinatorUnreachableError, OutOfRedundancyError
 from ..hotswap import rebind, recovery
@@ -166,6 +168,7 @@ class Runtime:
             rank=self.rank,
             world_size=roster.world_size,
             timeout=timeout,
+            **nccl.init_kwargs(self.device.backend, self.device.index),
         )
         ps.initialize_model_parallel(
             tensor_model_parallel_size=self.job.parallel.tp,
@@ -181,11 +184,7 @@ class Runtime:
             }
             self.members.publish("job/layout", layout)
         if self.cfg.enabled:
-            backend = (
-                "gloo"
-                if self.device.replica_device(self.cfg.replica_device).type == "cpu"
-                else "nccl"
-            )
+            backend = replication_backend(self.device)
             self.repl_group = dist.new_group(backend=backend, timeout=timeout)
         log.info(
             "joined generation %d as rank %d of %d (tp=%d pp=%d dp=%d)",
@@ -205,8 +204,8 @@ class Runtime:
             self.placement,
             self.rank,
             self.repl_group,
-            self.device.replica_device(self.cfg.replica_device),
-            pin_memory=self.device.pin_memory and self.cfg.replica_device != "gpu",
+            ReplicaMemory(self.cfg.replica_device, self.device),
+            previous=self.replicator,
         )
 
     # ------------------------------------------------------------------ training

@@ -4,8 +4,9 @@ Megatron-Core keeps process-group handles in `parallel_state` globals, in every 
 `pg_collection`, in parallel linears (`tp_group`), in DDP bucket groups and in the distributed
 optimizer. On a failure `release` swaps each of those handles in the survivor's live objects
 for a `GroupSlot` placeholder named after the `parallel_state` global (or WORLD) that held it
-and destroys every group: with no reference left the old groups are freed, which is what
-closes their connections (gloo has no working abort) and unblocks peers at once. Once the new
+and aborts every group (`devices.abort_groups`: NCCL communicators all together, never a
+graceful destroy with a dead peer; gloo connections shut down): peers blocked on this rank
+are unblocked at once, and with no reference left the old groups are freed. Once the new
 generation's default group exists and Megatron's groups are re-created in their fixed order,
 `attach` puts the new group of the same name in every slot, so no object keeps a handle to an
 aborted group.
@@ -26,6 +27,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
+
+from ..devices.abort import abort_groups
 
 log = logging.getLogger(__name__)
 
@@ -163,9 +166,10 @@ def _walk(root: Any, visit: Callable[[Any], Any | None]) -> None:
 
 def release(roots: Iterable[Any], extra: dict[str, Any] | None = None) -> int:
     """Abort this generation: swap every group handle in `roots` for a `GroupSlot`, then
-    destroy all groups. With no reference left the groups are freed and close their
-    connections at once, so peers blocked in a collective with this rank fail now rather than
-    at the process-group timeout. Returns the number of handles released."""
+    abort all groups (`devices.abort_groups`, a no-op when the caller aborted already), so
+    peers blocked in a collective with this rank fail now rather than at the process-group
+    timeout; with no reference left the groups are freed. Returns the number of handles
+    released."""
     names = group_names(extra)
     alive = [weakref.ref(pg) for pg in dist.distributed_c10d._world.pg_map]
     count = 0
@@ -182,13 +186,12 @@ def release(roots: Iterable[Any], extra: dict[str, Any] | None = None) -> int:
         _walk(root, visit)
     if extra:
         extra.clear()  # the caller's handles go too: nothing may keep a released group alive
+    abort_groups()  # first: destroy_model_parallel would destroy its gloo groups gracefully
     ps.destroy_model_parallel()
     # destroy_model_parallel (0.16.1) leaves a few globals set, e.g.
     # _INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP(_GLOO): clear whatever still holds a group.
     for name in group_globals():
         setattr(ps, name, None)
-    if dist.is_initialized():
-        dist.destroy_process_group()
     # Usually reference counting alone frees the groups; a cycle needs the collector, and a
     # full collection costs ~0.5 s on Megatron's heap, so go step by step.
     for generation in (0, 2):

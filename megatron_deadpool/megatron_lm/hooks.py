@@ -28,7 +28,7 @@ import inspect
 from collections.abc import Callable
 from typing import Any
 
-from ..errors import ConfigError, DeadpoolRuntimeError
+from ..devices.failures import is_peer_failure
 from .resume import build_without_loading
 from .session import MegatronSession
 
@@ -47,13 +47,6 @@ def uninstall() -> None:
     for (owner, name), value in _ORIGINALS.items():
         setattr(owner, name, value)
     _ORIGINALS.clear()
-
-
-def is_peer_failure(exc: BaseException) -> bool:
-    """A collective's error (a peer died or hung), not one of DeadPool's own decisions."""
-    return isinstance(exc, RuntimeError) and not isinstance(
-        exc, (DeadpoolRuntimeError, ConfigError)
-    )
 
 
 def wrap_init_process_group(real: Any, session: Any, restore: Callable[[Any], None]) -> Any:

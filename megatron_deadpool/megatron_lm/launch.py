@@ -28,6 +28,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
+from ..devices.gpus import assign_gpus, local_gpu_count
 from ..errors import ConfigError
 from ..hotswap.coordinator import kill_groups
 from .runner import preparse
@@ -67,6 +68,7 @@ class MegatronLauncher:
         self.patched = patched
         self.cfg = preparse(self.script_args)
         self.spares = self.cfg.spares if self.cfg.enabled else 0
+        self.gpus = assign_gpus(actives=nproc, spares=self.spares, gpus=local_gpu_count())
         self.run_dir = Path(run_dir or self.cfg.log_dir or tempfile.mkdtemp(prefix="deadpool-mlm-"))
         self.timeout_s = timeout_s
         self.stream = stream or sys.stdout
@@ -104,7 +106,7 @@ class MegatronLauncher:
                 self.script,
                 *self.script_args,
             ]
-        child_env = {**env, "RANK": str(task), "LOCAL_RANK": str(task)}
+        child_env = {**env, "RANK": str(task), "LOCAL_RANK": str(self.gpus.local_rank(task))}
         proc = subprocess.Popen(
             cmd,
             stdout=subprocess.PIPE,

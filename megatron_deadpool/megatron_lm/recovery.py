@@ -33,6 +33,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from ..devices import nccl
 from ..errors import DeadpoolRuntimeError
 from ..hotswap import rebind, recovery
 from ..hotswap.membership import Roster
@@ -143,6 +144,7 @@ class Recovery:
             rank=self.rank,
             world_size=roster.world_size,
             timeout=self.pg_kwargs["timeout"],
+            **nccl.init_kwargs(self.pg_kwargs["backend"], self._device().index),
         )
         real, args, kwargs = self.mp_call
         real(*args, **kwargs)

@@ -124,11 +124,13 @@ def _pretrain(pretrain: Callable[..., Any], bound: inspect.BoundArguments) -> An
     megatron_lm_resume.install(sys.modules.get(pretrain.__module__))
     if not cfg.enabled:
         return pretrain(*bound.args, **bound.kwargs)
+    from ..devices.base import prepare_communication
     from ..logs import setup_logging
     from . import hooks as megatron_lm_hooks
     from .session import MegatronSession, task_from_env
 
     setup_logging()
+    prepare_communication("cpu" if megatron_lm_cpu.needs_cpu() else "cuda")
     token = cfg.job_token or os.environ.get("DEADPOOL_JOB_TOKEN", "")
     session = MegatronSession(cfg, task_from_env(), token)
     if not session.begin():

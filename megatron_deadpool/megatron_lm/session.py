@@ -33,7 +33,10 @@ from megatron.core import parallel_state as ps
 
 from ..config import faults
 from ..config.deadpool import DeadpoolConfig
+from ..devices import nccl
 from ..devices.base import Device
+from ..devices.groups import replication_backend
+from ..devices.memory import ReplicaMemory
 from ..errors import ConfigError, DeadpoolRuntimeError
 from ..hotswap.connection import Heartbeat, connect_store
 from ..hotswap.injection import inject
@@ -227,6 +230,7 @@ class MegatronSession(Recovery):
             store=dist.PrefixStore(f"gen{self.generation}", self.members.store),
             rank=self.rank,
             world_size=self.roster.world_size,
+            **nccl.init_kwargs(self.pg_kwargs["backend"], self._device().index),
         )
         real(**kwargs)
 
@@ -429,23 +433,20 @@ class MegatronSession(Recovery):
         return Device(kind="cpu", backend="gloo")
 
     def _new_repl_group(self) -> dist.ProcessGroup:
-        device = self._device().replica_device(self.cfg.replica_device)
         return dist.new_group(
-            backend="gloo" if device.type == "cpu" else "nccl",
+            backend=replication_backend(self._device()),
             timeout=datetime.timedelta(seconds=self.cfg.pg_timeout),
         )
 
     def _make_replicator(self) -> Replicator:
         _, optimizer, scheduler, _ = self.objs
-        dev = self._device()
-        replica_device = dev.replica_device(self.cfg.replica_device)
         return Replicator(
             Snapshotter(RankState(optimizer, scheduler), self.rank),
             self.placement,
             self.rank,
             self.repl_group,
-            replica_device,
-            pin_memory=dev.pin_memory and replica_device.type == "cpu",
+            ReplicaMemory(self.cfg.replica_device, self._device()),
+            previous=self.replicator,
         )
 
     def _roots(self) -> list[Any]:
