@@ -16,22 +16,31 @@ from ..errors import DeadpoolRuntimeError
 from .base import Device
 
 
-def backends(group: dist.ProcessGroup | None = None) -> dict[str, str]:
-    """device type -> backend name of `group` (default: WORLD), e.g. {"cpu": "gloo", ...}."""
-    config = dist.get_backend_config(group)
+def parse_backend_config(config: str) -> dict[str, str]:
+    """``"cpu:gloo,cuda:nccl"`` -> {"cpu": "gloo", "cuda": "nccl"}."""
     out: dict[str, str] = {}
-    for part in str(config).split(","):
+    for part in config.split(","):
         dev, sep, name = part.partition(":")
         if sep:
             out[dev.strip()] = name.strip()
     return out
 
 
+def backends(group: dist.ProcessGroup | None = None) -> dict[str, str]:
+    """device type -> backend name of `group` (default: WORLD), e.g. {"cpu": "gloo", ...}."""
+    return parse_backend_config(str(dist.get_backend_config(group)))
+
+
+def device_for(backends_of_group: dict[str, str]) -> str:
+    """The device type for small tensors of a group with these backends: "cpu" when a backend
+    handles CPU tensors (no device synchronisation to read them back), else "cuda"."""
+    return "cpu" if "cpu" in backends_of_group else "cuda"
+
+
 def tensor_device(group: dist.ProcessGroup | None = None) -> torch.device:
-    """The device for the small tensors a collective of `group` takes (sizes, flags, losses):
-    the CPU when a backend handles CPU tensors (no device synchronisation to read them back),
-    else the current CUDA device."""
-    if "cpu" in backends(group):
+    """The device for the small tensors a collective of `group` takes (sizes, flags, losses)
+    (`device_for`; CUDA tensors go on the current device)."""
+    if device_for(backends(group)) == "cpu":
         return torch.device("cpu")
     return torch.device("cuda", torch.cuda.current_device())
 

@@ -27,6 +27,7 @@ cores): 353-385 us per round posted directly, 507-670 us through `dist.isend/ire
 
 from __future__ import annotations
 
+import datetime
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -86,3 +87,29 @@ def post(
         (group.send if t.kind == "send" else group.recv)([t.tensor], peers[t.peer], tag)
         for t in transfers
     ]
+
+
+def arrived(work: dist.Work, group: dist.ProcessGroup, device: torch.device) -> bool:
+    """After `abort_groups`: whether a posted transfer finished without error; never waits on
+    a peer.
+
+    NCCL: `Work.is_completed()` (its end event passed; after an abort an aborted kernel passes
+    too, so callers verify the bytes). gloo: a send/recv work reports `is_completed()` only
+    once `wait()` ran (verified on torch 2.13), so this waits - which returns at once for data
+    that arrived and raises at once for a pair whose connection `abort_groups` shut down; the
+    short timeout bounds a connection that was never recorded.
+    """
+    try:
+        if batched(group, device):
+            if not work.is_completed():
+                return False
+            work.wait()
+        else:
+            work.wait(datetime.timedelta(seconds=GLOO_SETTLE_S))
+    except Exception:  # noqa: BLE001 - failed, aborted or timed out: the bytes are not usable
+        return False
+    return True
+
+
+GLOO_SETTLE_S = 1.0
+"""Bound on `arrived` for a gloo transfer whose connection was not shut down."""

@@ -43,7 +43,7 @@ import torch.distributed as dist
 
 from ..devices.groups import check_takes, tensor_device
 from ..devices.memory import ReplicaMemory
-from ..devices.p2p import Transfer, post
+from ..devices.p2p import Transfer, arrived, post
 from .placement import Placement
 from .snapshot import CorruptReplicaError, Snapshotter, read_header, verify
 
@@ -333,10 +333,10 @@ class Replicator:
         """After a failure, once the groups are aborted (`devices.abort_groups`): keep what
         already arrived of the in-flight round, drop the rest.
 
-        Only receives that completed are read (`Work.is_completed()`; a failed one raises in
-        `wait()` and is dropped), and every one is verified by its checksum: after an NCCL
-        abort a receive can report completion with partial bytes. Nothing here waits on a
-        peer. A replica that verifies is as good as a committed one for recovery (agreement
+        Only receives that arrived are read (`devices.p2p.arrived`: `Work.is_completed()` on
+        NCCL; on gloo a `wait()` that the aborted connections make return at once), and every
+        one is verified by its checksum: after an NCCL abort a receive can report completion
+        with partial bytes. Nothing here waits on a peer. A replica that verifies is as good as a committed one for recovery (agreement
         picks the newest iteration every needed party holds), so a failure right after a
         round's transfers costs no recomputation. Returns the owners whose replica of the
         round was salvaged.
@@ -351,7 +351,8 @@ class Replicator:
                 works = []
             received = {owner: works[i] for owner, i in self._recv_of.items() if works}
             for owner, work in received.items():
-                if work.is_completed() and _succeeded(work) and self._keep(owner):
+                buf = self.held[owner].buffers[self._held_slots[owner]]
+                if arrived(work, self.group, buf.device) and self._keep(owner):
                     salvaged.append(owner)
         self._works = []
         self._recv_of = {}
@@ -429,13 +430,3 @@ class Replicator:
         target = latest[1] if latest else self.held[owner].buffers[0]
         header = read_header(target)
         target[byte % (header.nbytes if header else target.numel())] ^= 1 << bit
-
-
-def _succeeded(work: dist.Work) -> bool:
-    """A completed receive that did not fail (`wait()` on a completed work does not block)."""
-    try:
-        work.wait()
-    except Exception as exc:  # noqa: BLE001 - any error: the bytes are not usable
-        log.info("in-flight receive failed: %s", str(exc).splitlines()[0][:160])
-        return False
-    return True

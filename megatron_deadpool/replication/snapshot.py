@@ -347,7 +347,8 @@ class _DeviceHeader:
     """
 
     def __init__(self, device: torch.device) -> None:
-        self.host = torch.zeros(HEADER_WORDS, dtype=torch.int64, pin_memory=True)
+        pin = device.type == "cuda"
+        self.host = torch.zeros(HEADER_WORDS, dtype=torch.int64, pin_memory=pin)
         self.words = torch.zeros(HEADER_WORDS, dtype=torch.int64, device=device)
         self.weights = torch.arange(1, 13, dtype=torch.int64, device=device)
 

@@ -70,9 +70,9 @@ def _replication_rank(
     from megatron.core import parallel_state as ps
 
     from megatron_deadpool.config.deadpool import DeadpoolConfig
+    from megatron_deadpool.config.job import JobConfig, ParallelConfig, TrainConfig
     from megatron_deadpool.devices.base import Device
     from megatron_deadpool.devices.memory import ReplicaMemory
-    from megatron_deadpool.config.job import JobConfig, ParallelConfig, TrainConfig
     from megatron_deadpool.embedded import gpt
     from megatron_deadpool.replication.placement import Layout, place_replicas
     from megatron_deadpool.replication.replicator import Replicator
