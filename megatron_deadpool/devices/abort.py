@@ -22,6 +22,8 @@ import threading
 import time
 from dataclasses import dataclass
 
+import torch.distributed as dist
+
 from . import gloo, nccl
 
 log = logging.getLogger(__name__)
@@ -37,6 +39,17 @@ class AbortReport:
     aborted: bool
     """Process groups existed and were aborted."""
     seconds: float
+    world_id: int | None
+    """`id()` of the default group that was aborted: torch forgets it, but objects still hold
+    it until `hotswap.rebind.release` swaps it for a placeholder named WORLD."""
+
+
+_LAST: list[AbortReport] = []
+
+
+def last_abort() -> AbortReport | None:
+    """The latest `abort_groups` report of this process, if any."""
+    return _LAST[-1] if _LAST else None
 
 
 def abort_groups() -> AbortReport:
@@ -44,9 +57,14 @@ def abort_groups() -> AbortReport:
     together); safe to call twice and from any thread."""
     t0 = time.perf_counter()
     with _LOCK:
+        world = dist.distributed_c10d._get_default_group() if dist.is_initialized() else None
+        previous = last_abort()
+        world_id = id(world) if world is not None else (previous and previous.world_id)
+        del world
         shut = gloo.shutdown_connections()
         aborted = nccl.abort_all()
-    report = AbortReport(shut, aborted, time.perf_counter() - t0)
+        report = AbortReport(shut, aborted, time.perf_counter() - t0, world_id)
+        _LAST[:] = [report]
     log.info(
         "aborted process groups in %.3fs (%d gloo connections shut down)",
         report.seconds,

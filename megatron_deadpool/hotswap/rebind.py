@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
-from ..devices.abort import abort_groups
+from ..devices.abort import abort_groups, last_abort
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +81,8 @@ def group_names(extra: dict[str, Any] | None = None) -> dict[int, str]:
     names: dict[int, str] = {}
     if dist.is_initialized():
         names[id(dist.distributed_c10d._get_default_group())] = "WORLD"
+    elif (aborted := last_abort()) is not None and aborted.world_id is not None:
+        names[aborted.world_id] = "WORLD"  # aborted (torch forgot it), still held by objects
     for name, value in {**group_globals(), **(extra or {})}.items():
         if isinstance(value, list):
             for i, pg in enumerate(value):

@@ -126,7 +126,9 @@ def _make(kind: str, seed: int) -> tuple[list[torch.nn.Parameter], torch.optim.O
 
 
 def _bits(tensors: list[torch.Tensor]) -> list[bytes]:
-    return [t.detach().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes() for t in tensors]
+    return [
+        t.detach().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes() for t in tensors
+    ]
 
 
 def _round_trip(kind: str, drop_group_step: bool = False) -> tuple[RankState, RankState]:
