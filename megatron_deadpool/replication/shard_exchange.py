@@ -36,8 +36,10 @@ class PendingShards:
     def wait(self) -> torch.Tensor | None:
         """Wait for this rank's sends and its receive; returns what it received. (On NCCL the
         current stream waits: work queued after this reads complete bytes and may overwrite
-        the sent buffers.)"""
-        for work in {id(w): w for w in self.works}.values():
+        the sent buffers.) Idempotent: a gloo receive waited on twice would wait for a second
+        message."""
+        works, self.works = self.works, []
+        for work in {id(w): w for w in works}.values():
             work.wait()
         return self.received
 
