@@ -28,6 +28,11 @@ class OutOfRedundancyError(DeadpoolRuntimeError):
     """A failure destroyed state that no surviving memory holds (or no spare is left)."""
 
 
+class LostAfterTrainingError(DeadpoolRuntimeError):
+    """A peer was lost after training completed: the job's final work that needs it cannot
+    run (what survives was saved); the process ends successfully."""
+
+
 class CoordinatorUnreachableError(DeadpoolRuntimeError):
     """The coordinator's store could not be reached within the configured time."""
 

@@ -31,7 +31,7 @@ at_seconds=
 at_iteration=
 log_dir=
 signal=KILL
-pattern='^[^ ]*python[^ ]* (-[^ ]+ )*-m megatron_deadpool\.(worker|megatron_lm)( |$)'
+pattern='^[^ ]*python[^ ]* (-[^ ]+ )*-m megatron_deadpool\.(embedded\.worker|megatron_lm)( |$)'
 while (($#)); do
     case $1 in
     --job) job=${2:?}; shift 2 ;;

@@ -14,7 +14,7 @@ Two claims, measured on one job (the CPU demo unless --config names another):
                     iteration (Megatron-LM's `--non-persistent-ckpt-type local --replication`).
 
    `async_1` and `nvrx_local_1` are not in `checkpoint.py`: their workers run with
-   `Runtime._save` replaced (`paper_workers.py`). The nvidia-resiliency-ext workers run under an
+   a saver of their own (`paper_workers.py`). The nvidia-resiliency-ext workers run under an
    interpreter that has the package (`--nvrx-python`); without one, the table says why the row
    is empty.
 

@@ -60,7 +60,7 @@ NOTES = [
         "async: megatron-core `dist_checkpointing.save(..., async_sharded_save=True)` with its "
         "`AsyncCallsQueue` (forked writer, as Megatron-LM's `--async-save` without the "
         "persistent worker); one save in flight: the next save first waits for the previous "
-        "one. Not in checkpoint.py yet: the bench's worker replaces `Runtime._save`."
+        "one. Not in checkpoint.py yet: the bench's worker passes its own saver."
     ),
     (
         "NVRx: `LocalCheckpointManager` + `LazyCliqueReplicationStrategy(jump = ranks per node, "

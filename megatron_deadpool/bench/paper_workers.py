@@ -1,8 +1,8 @@
 """The workers of `deadpool bench paper`'s `async_1` and `nvrx_local_1` configurations.
 
 `checkpoint.py` saves neither asynchronously nor through nvidia-resiliency-ext, so these
-configurations run workers whose `Runtime._save` is replaced, the way Megatron-LM calls those
-APIs:
+configurations run workers with a saver of their own (`EmbeddedJob(saver=...)`) that calls
+those APIs the way Megatron-LM does:
 
 - launcher side: `launch` runs a job like `bench recovery` does, through `WorkerLauncher`, whose
   processes are `python -m megatron_deadpool.bench.paper_workers KIND ARGS`; `nvrx_python` and
@@ -55,7 +55,7 @@ def probe_nvrx(python: str, job: JobConfig) -> str:
         )
     code = (
         "import nvidia_resiliency_ext as n, megatron.core.dist_checkpointing."
-        "tensor_aware_state_dict as t, megatron_deadpool.embedded.runtime; assert t.HAVE_NVRX; "
+        "tensor_aware_state_dict as t, megatron_deadpool.embedded.job; assert t.HAVE_NVRX; "
         "from importlib.metadata import version; print(version('nvidia-resiliency-ext'))"
     )
     try:
@@ -102,7 +102,7 @@ def launch(
 
 
 # ---------------------------------------------------------------------- worker side
-def _save_async(runtime: Any, iteration: int) -> None:
+def _save_async(job: Any, iteration: int) -> None:
     """Megatron-LM's `--async-save` for torch_dist: schedule, finalize before the next one."""
     import torch.distributed as dist
     from megatron.core import dist_checkpointing
@@ -113,12 +113,12 @@ def _save_async(runtime: Any, iteration: int) -> None:
 
     queue = _WORKER.setdefault("queue", AsyncCallsQueue(persistent=False))
     queue.maybe_finalize_async_calls(blocking=True)  # at most one save in flight
-    root = runtime.job.train.save
+    root = job.spec.train.save
     path = ck.iteration_dir(root, iteration)
     path.mkdir(parents=True, exist_ok=True)
     dist.barrier()
     metadata = ck._metadata()
-    state = ck._state_dict(runtime.objs, metadata=metadata, is_loading=False, iteration=iteration)
+    state = ck._state_dict(job.objs, metadata=metadata, is_loading=False, iteration=iteration)
     request = dist_checkpointing.save(
         state,
         str(path),
@@ -138,7 +138,7 @@ def _save_async(runtime: Any, iteration: int) -> None:
     queue.schedule_async_request(request)
 
 
-def _save_nvrx_local(runtime: Any, iteration: int) -> None:
+def _save_nvrx_local(job: Any, iteration: int) -> None:
     """Megatron-LM's `--non-persistent-ckpt-type local --replication` save path."""
     from megatron.core import parallel_state as ps
     from megatron.core.dist_checkpointing.tensor_aware_state_dict import MCoreTensorAwareStateDict
@@ -152,10 +152,10 @@ def _save_nvrx_local(runtime: Any, iteration: int) -> None:
     from ..embedded import checkpoint as ck
 
     if "manager" not in _WORKER:
-        strategy = LazyCliqueReplicationStrategy(runtime.job.ranks_per_node, 2)
-        _WORKER["manager"] = LocalCheckpointManager(runtime.job.train.save, repl_strategy=strategy)
+        strategy = LazyCliqueReplicationStrategy(job.spec.ranks_per_node, 2)
+        _WORKER["manager"] = LocalCheckpointManager(job.spec.train.save, repl_strategy=strategy)
     metadata = ck._metadata()
-    state = ck._state_dict(runtime.objs, metadata=metadata, is_loading=False, iteration=iteration)
+    state = ck._state_dict(job.objs, metadata=metadata, is_loading=False, iteration=iteration)
     tasd, cache = MCoreTensorAwareStateDict.from_state_dict(
         state,
         algo="fully_parallel",
@@ -171,23 +171,19 @@ _WORKER: dict[str, Any] = {}
 
 def main(argv: list[str]) -> int:
     """`python -m megatron_deadpool.bench.paper_workers KIND ARGS`: a worker whose saves are
-    KIND (async, nvrx-local) instead of checkpoint.save; ARGS as for megatron_deadpool.worker."""
-    from ..embedded import runtime, worker
+    KIND (async, nvrx-local) instead of checkpoint.save; ARGS as for the embedded worker."""
+    from ..embedded import worker
 
     kind, rest = argv[0], argv[1:]
     save = {"async": _save_async, "nvrx-local": _save_nvrx_local}[kind]
-    finish = runtime.Runtime._finish
 
-    def finish_pending(self: Any) -> None:
+    def finish_pending() -> None:
         queue = _WORKER.get("queue")
         if queue is not None:  # every async save complete before the groups go away
             queue.maybe_finalize_async_calls(blocking=True)
             queue.close()
-        finish(self)
 
-    runtime.Runtime._save = save
-    runtime.Runtime._finish = finish_pending
-    return worker.main(rest)
+    return worker.main(rest, saver=save, on_finish=finish_pending)
 
 
 if __name__ == "__main__":  # a guard: spawned helpers re-import this module as __mp_main__

@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING, Any
 from ..config.faults import check_faults, parse_fault
 from ..config.job import JobConfig
 from ..errors import ConfigError
+from ..hotswap.coordinator import kill_groups
 from .overhead import base_job
 from .report import job_shape, publish, text_row, yes_no
 
@@ -186,27 +187,20 @@ def launch(
                 self.detected_at = time.time()
                 # Like torchrun on a worker failure: stop everyone at once, including what the
                 # dead process left behind in its process group (the checkpoint writer's helper).
-                self._kill_all()
+                kill_groups(self.local.procs.values())
                 self.stopped_at = time.time()
             return rc
 
-        def _summary(self, members: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
-            store = members.store
-            faults = [
-                float(store.get(f"fault/{pid}").decode())
-                for pid in self.procs
-                if store.check([f"fault/{pid}"])
-            ]
-            loads = [
-                float(store.get(f"load/{r}").decode())
-                for r in range(self.job.parallel.world_size)
-                if store.check([f"load/{r}"])
-            ]
+        def _summary(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+            members = self.local.members
+            faults = [t for t in map(members.fault_time, self.local.procs) if t is not None]
+            loads = [members.load_time(r) for r in range(self.job.parallel.world_size)]
+            loads = [t for t in loads if t is not None]
             self.extra = {
                 "failed_at": min(faults) if faults else None,
                 "load_s": max(loads) if loads else None,
             }
-            return super()._summary(members, *args, **kwargs)
+            return super()._summary(*args, **kwargs)
 
     timed = TimedLauncher(job, run_dir=str(run_dir), quiet=True, timeout_s=timeout_s)
     result = timed.run()

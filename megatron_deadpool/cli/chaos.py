@@ -3,13 +3,10 @@
     deadpool chaos --minutes 10 --mtbf-iters 8 [--seed 1] [--config configs/cpu-demo.yaml]
                    [--iters 40] [--kinds kill,hang,node] [--json soak.json]
 
-Runs episodes until the time budget is spent. An episode is one run of the job with failures
-drawn from the seed (`chaos.plan_chaos`: kills, hangs and whole nodes, one event at a time,
-the spare pool refilled after every swap) compared with the failure-free run of the same job
-(run once per iteration count). A failure counts as recovered when the run's recoveries cover
-every rank it hit and the run ends with the failure-free run's losses and parameter digest.
-Prints one line per episode and per recovery, then a table; `--json` writes the figures.
-Exit code 0 when every episode matched and every injected failure was recovered.
+Runs episodes until the time budget is spent (`chaos.soak`, which says what an episode is and
+when a failure counts as recovered). Prints one line per episode and per recovery, then a
+table; `--json` writes the figures. Exit code 0 when every episode matched and every injected
+failure was recovered.
 """
 
 from __future__ import annotations
@@ -17,35 +14,14 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import tempfile
-import time
 from pathlib import Path
-from typing import Any
 
-from ..chaos.schedule import (
-    KINDS,
-    episode_seed,
-    fired_from_logs,
-    match_failures,
-    parse_kinds,
-    plan_chaos,
-    spare_ages,
-    spares_needed,
-    time_stats,
-)
-from ..config.faults import check_faults, parse_fault
+from ..chaos.schedule import KINDS, parse_kinds, spares_needed
+from ..chaos.soak import Soak, SoakSettings, print_table
 from ..config.job import JobConfig, load_job
 from ..errors import ConfigError
 
 DEFAULT_CONFIG = "configs/cpu-demo.yaml"
-TEARDOWN_S = 15.0
-"""Time a run needs after its limit to stop its processes (the launcher waits up to 10 s)."""
-FIRST_FAILURE_COST_S = 15.0
-"""Guess of the wall time one failure adds to a run, until a run has measured it."""
-YOUNG_SPARE_S = 30.0
-"""A replacement spawned less than this before its failure may still be booting (importing
-torch and megatron-core takes tens of seconds on a loaded CPU): recovery times are reported
-apart for failures that drew such a spare."""
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -92,7 +68,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
 def _config_path(text: str) -> str:
     p = Path(text)
     if not p.is_file() and not p.is_absolute():
-        packaged = Path(__file__).resolve().parent.parent / text
+        packaged = Path(__file__).resolve().parents[2] / text
         if packaged.is_file():
             return str(packaged)
     return text
@@ -120,380 +96,17 @@ def _job(args: argparse.Namespace, kinds: tuple[str, ...]) -> JobConfig:
     return dataclasses.replace(job, train=train, deadpool=deadpool)
 
 
-def _events(path: Path) -> list[dict[str, Any]]:
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except ValueError:
-            pass
-    return out
-
-
-class _Live:
-    """Stands in for the launcher's progress display: prints recoveries and trouble only."""
-
-    KEEP = ("recovered in", "OUT OF REDUNDANCY", "exceeded", "did not report")
-
-    def __init__(self, episode: int) -> None:
-        self.episode = episode
-
-    def header(self, text: str) -> None:
-        pass
-
-    def iteration(self, rec: dict[str, Any], deadpool: bool) -> None:
-        pass
-
-    def event(self, text: str) -> None:
-        if any(k in text for k in self.KEEP):
-            print(f"  ep {self.episode:3d} | {text}", flush=True)
-
-
-class Soak:
-    """The soak's state: reference runs, episodes, time budget."""
-
-    def __init__(self, args: argparse.Namespace) -> None:
-        self.args = args
-        self.kinds = parse_kinds(args.kinds)
-        self.job = _job(args, self.kinds)
-        self._validate()
-        self.t0 = time.monotonic()
-        self.deadline = self.t0 + 60.0 * args.minutes
-        self.root = Path(args.run_dir or tempfile.mkdtemp(prefix="deadpool-chaos-"))
-        self.root.mkdir(parents=True, exist_ok=True)
-        self.references: dict[int, dict[str, Any]] = {}
-        self.episodes: list[dict[str, Any]] = []
-        self.runs = 0
-
-    def _validate(self) -> None:
-        """Plan episode 1 and check its specs: bad input fails before any (slow) run."""
-        iters, world = self.job.train.iters, self.job.parallel.world_size
-        rpn, spares = self.job.ranks_per_node, self.job.deadpool.spares
-        specs = plan_chaos(
-            episode_seed(self.args.seed, 1),
-            iters,
-            self.args.mtbf_iters,
-            world,
-            rpn,
-            spares,
-            self.kinds,
-        )
-        check_faults([parse_fault(x) for x in specs], world, rpn, iters, spares)
-
-    # ------------------------------------------------------------------ runs
-    def _launch(self, job: JobConfig, name: str, limit_s: float, episode: int) -> Any:
-        from ..embedded.launch import LocalLauncher
-
-        run_dir = self.root / name
-        launcher = LocalLauncher(
-            job,
-            json_log=str(run_dir / "run.jsonl"),
-            run_dir=str(run_dir),
-            timeout_s=max(1.0, limit_s),
-            quiet=True,
-            replenish_spares=True,
-        )
-        launcher.progress = _Live(episode)  # type: ignore[assignment]
-        self.runs += 1
-        t = time.monotonic()
-        result = launcher.run()
-        return result, time.monotonic() - t
-
-    def reference(self, iters: int) -> dict[str, Any] | None:
-        """The failure-free run of `iters` iterations (run once, then cached)."""
-        if iters in self.references:
-            return self.references[iters]
-        deadpool = self.job.deadpool.replace(spares=0, fail=[])
-        job = dataclasses.replace(
-            self.job, train=dataclasses.replace(self.job.train, iters=iters), deadpool=deadpool
-        )
-        print(f"reference: failure-free run of {iters} iterations ...", flush=True)
-        result, wall = self._launch(job, f"reference-{iters}", self._remaining(), 0)
-        s = result.summary
-        if result.returncode != 0 or not s.get("final_param_digest"):
-            print(
-                f"reference: FAILED (exit {result.returncode}); logs in {result.run_dir}",
-                flush=True,
-            )
-            return None
-        ref = {
-            "iters": iters,
-            "losses": s["losses"],
-            "digest": s["final_param_digest"],
-            "wall_s": round(wall, 2),
-            "run_dir": str(result.run_dir),
-        }
-        print(f"reference: {wall:.1f}s, digest {ref['digest'][:16]}", flush=True)
-        self.references[iters] = ref
-        return ref
-
-    def _remaining(self) -> float:
-        return self.deadline - time.monotonic() - TEARDOWN_S
-
-    def estimate(self, n_failures: int, ref: dict[str, Any]) -> float:
-        """Expected wall time of an episode with `n_failures`, from the runs so far."""
-        done = [e for e in self.episodes if not e["cut"]]
-        per_failure = FIRST_FAILURE_COST_S
-        times = [f["recovery"]["total_s"] for e in done for f in e["failures"] if f["recovery"]]
-        if times:
-            per_failure = max(5.0, sum(times) / len(times) + 3.0)
-        bases = [
-            e["wall_s"] - sum(f["recovery"]["total_s"] for f in e["failures"] if f["recovery"])
-            for e in done
-        ]
-        base = max(bases) if bases else 1.5 * ref["wall_s"]
-        return 1.1 * (base + per_failure * n_failures)
-
-    # ------------------------------------------------------------------ episodes
-    def episode(self, n: int, ref: dict[str, Any], specs: list[str], estimate: float) -> None:
-        job = dataclasses.replace(self.job, deadpool=self.job.deadpool.replace(fail=specs))
-        hang_limit = 3.0 * estimate + 120.0
-        limit = min(self._remaining(), hang_limit)
-        result, wall = self._launch(job, f"ep{n:03d}", limit, n)
-        s = result.summary
-        cut = result.returncode == 124 and limit < hang_limit
-        logs = [p.read_text(errors="replace") for p in Path(result.run_dir).glob("*.log")]
-        digest_equal = s.get("final_param_digest") == ref["digest"]
-        losses_equal = s.get("losses") == ref["losses"]
-        ok = result.returncode == 0 and digest_equal and losses_equal
-        failures, unexplained = match_failures(
-            specs,
-            self.job.ranks_per_node,
-            fired_from_logs(logs),
-            s.get("recoveries") or [],
-            run_ok=ok,
-        )
-        ages = spare_ages(_events(Path(result.run_dir) / "events.jsonl"))
-        for f in failures:
-            if f.recovery:
-                g = f.recovery["generations"][-1]
-                f.recovery["replacement_age_s"] = {
-                    pid: ages.get(g, {}).get(pid) for pid in f.recovery["replaced_by"].values()
-                }
-        record = {
-            "episode": n,
-            "plan_seed": episode_seed(self.args.seed, n),
-            "iters": job.train.iters,
-            "faults": specs,
-            "returncode": result.returncode,
-            "cut": cut,
-            "hung": result.returncode == 124 and not cut,
-            "digest": s.get("final_param_digest"),
-            "digest_equal": digest_equal,
-            "losses_equal": losses_equal,
-            "out_of_redundancy": s.get("out_of_redundancy"),
-            "failures_injected": sum(f.injected for f in failures),
-            "failures_recovered": sum(f.recovered for f in failures),
-            "iterations_recomputed": sum(
-                r.get("recomputed_iterations", 0) for r in s.get("recoveries") or []
-            ),
-            "unexplained_recoveries": unexplained,
-            "failures": [{"episode": n, **f.to_dict()} for f in failures],
-            "estimate_s": round(estimate, 1),
-            "wall_s": round(wall, 2),
-            "run_dir": str(result.run_dir),
-        }
-        self.episodes.append(record)
-        if cut:
-            verdict = "CUT at the soak's deadline (not counted)"
-        elif result.returncode == 124:
-            verdict = f"HUNG: stopped after {wall:.0f}s (expected ~{estimate:.0f}s)"
-        elif ok:
-            verdict = f"digest equal ({str(record['digest'])[:16]})"
-        elif result.returncode != 0:
-            why = (s.get("out_of_redundancy") or {}).get("reason", "")
-            verdict = f"FAILED: exit {result.returncode}" + (f" ({why})" if why else "")
-        else:
-            verdict = "DIGEST MISMATCH" if not digest_equal else "LOSSES DIFFER"
-        print(
-            f"episode {n}: {wall:.1f}s, {record['failures_recovered']}/"
-            f"{record['failures_injected']} failures recovered, "
-            f"{record['iterations_recomputed']} iteration(s) recomputed; {verdict}"
-            + ("" if ok else f"; logs in {result.run_dir}"),
-            flush=True,
-        )
-
-    def run(self) -> dict[str, Any]:
-        iters = self.job.train.iters
-        world, rpn = self.job.parallel.world_size, self.job.ranks_per_node
-        spares = self.job.deadpool.spares
-        print(
-            f"deadpool chaos: seed {self.args.seed}, MTBF {self.args.mtbf_iters:g} iterations, "
-            f"kinds {','.join(self.kinds)}, {iters} iterations per episode, "
-            f"tp={self.job.parallel.tp} pp={self.job.parallel.pp} dp={self.job.parallel.dp} "
-            f"({world} ranks, {rpn} per node) + {spares} spares (refilled), "
-            f"budget {self.args.minutes:g} min; logs in {self.root}",
-            flush=True,
-        )
-        ref = self.reference(iters)
-        n = 0
-        while ref is not None:
-            if self.args.episodes is not None and n >= self.args.episodes:
-                break
-            n += 1
-            specs = plan_chaos(
-                episode_seed(self.args.seed, n),
-                iters,
-                self.args.mtbf_iters,
-                world,
-                rpn,
-                spares,
-                self.kinds,
-            )
-            est = self.estimate(len(specs), ref)
-            if est > self._remaining():
-                print(
-                    f"stopping: {self._remaining():.0f}s left, episode {n} needs ~{est:.0f}s",
-                    flush=True,
-                )
-                break
-            print(
-                f"episode {n}: {len(specs)} failure(s) planned: "
-                + (", ".join(specs) or "none")
-                + f" (~{est:.0f}s)",
-                flush=True,
-            )
-            self.episode(n, ref, specs, est)
-        return self.report(ref)
-
-    # ------------------------------------------------------------------ report
-    def report(self, ref: dict[str, Any] | None) -> dict[str, Any]:
-        counted = [e for e in self.episodes if not e["cut"]]
-        failures = [f for e in counted for f in e["failures"]]
-        injected = [f for f in failures if f["injected"]]
-        recovered = [f for f in injected if f["recovered"]]
-        totals = [f["recovery"]["total_s"] for f in injected if f["recovery"]]
-        by_kind = {
-            kind: time_stats(
-                [f["recovery"]["total_s"] for f in injected if f["recovery"] and f["kind"] == kind]
-            )
-            for kind in sorted({f["kind"] for f in injected})
-        }
-
-        def young(f: dict[str, Any]) -> bool:
-            ages = f["recovery"].get("replacement_age_s") or {}
-            return any(a is not None and a < YOUNG_SPARE_S for a in ages.values())
-
-        by_age = {
-            f"spare_older_than_{YOUNG_SPARE_S:g}s": time_stats(
-                [f["recovery"]["total_s"] for f in injected if f["recovery"] and not young(f)]
-            ),
-            f"spare_younger_than_{YOUNG_SPARE_S:g}s": time_stats(
-                [f["recovery"]["total_s"] for f in injected if f["recovery"] and young(f)]
-            ),
-        }
-        phases: dict[str, list[float]] = {}
-        for f in injected:
-            for k, v in ((f["recovery"] or {}).get("phases_s") or {}).items():
-                phases.setdefault(k, []).append(v)
-        digest_equal = bool(counted) and all(
-            e["digest_equal"] and e["losses_equal"] for e in counted
-        )
-        return {
-            "seed": self.args.seed,
-            "mtbf_iters": self.args.mtbf_iters,
-            "minutes": self.args.minutes,
-            "config": self.args.config,
-            "kinds": list(self.kinds),
-            "iters_per_episode": self.job.train.iters,
-            "world_size": self.job.parallel.world_size,
-            "ranks_per_node": self.job.ranks_per_node,
-            "spares": self.job.deadpool.spares,
-            "heartbeat_timeout_s": self.job.deadpool.heartbeat_timeout,
-            "wall_s": round(time.monotonic() - self.t0, 1),
-            "runs": self.runs,
-            "episodes": len(counted),
-            "episodes_cut": len(self.episodes) - len(counted),
-            "iterations_trained": sum(e["iters"] for e in counted),
-            "failures_planned": len(failures),
-            "failures_injected": len(injected),
-            "failures_recovered": len(recovered),
-            "failures_by_kind": {
-                k: sum(f["kind"] == k for f in injected)
-                for k in sorted({f["kind"] for f in injected})
-            },
-            "iterations_recomputed": sum(e["iterations_recomputed"] for e in counted),
-            "digest_equal": digest_equal,
-            "episodes_failed": [
-                e["episode"]
-                for e in counted
-                if not (e["digest_equal"] and e["losses_equal"] and e["returncode"] == 0)
-                or e["failures_recovered"] != e["failures_injected"]
-                or e["unexplained_recoveries"]
-            ],
-            "recovery_time_s": time_stats(totals),
-            "recovery_time_by_kind_s": by_kind,
-            "recovery_time_by_spare_age_s": by_age,
-            "recovery_phases_mean_s": {
-                k: round(sum(v) / len(v), 3) for k, v in phases.items() if v
-            },
-            "reference": {k: v for k, v in (ref or {}).items() if k != "losses"},
-            "run_dir": str(self.root),
-            "per_episode": [{k: v for k, v in e.items() if k != "failures"} for e in self.episodes],
-            "failures": [f for e in self.episodes for f in e["failures"]],
-        }
-
-
-def print_table(report: dict[str, Any]) -> None:
-    rows = report["per_episode"]
-    print()
-    print(
-        f"{'episode':>7} {'iters':>5} {'planned':>7} {'injected':>8} {'recovered':>9} "
-        f"{'recomputed':>10} {'wall_s':>7}  result"
-    )
-    for e in rows:
-        result = (
-            "cut"
-            if e["cut"]
-            else (
-                "equal"
-                if e["digest_equal"] and e["losses_equal"] and e["returncode"] == 0
-                else f"FAILED (exit {e['returncode']}, digest "
-                f"{'equal' if e['digest_equal'] else 'differs'})"
-            )
-        )
-        print(
-            f"{e['episode']:>7} {e['iters']:>5} {len(e['faults']):>7} "
-            f"{e['failures_injected']:>8} {e['failures_recovered']:>9} "
-            f"{e['iterations_recomputed']:>10} {e['wall_s']:>7.1f}  {result}"
-        )
-    print(
-        f"{'total':>7} {report['iterations_trained']:>5} {report['failures_planned']:>7} "
-        f"{report['failures_injected']:>8} {report['failures_recovered']:>9} "
-        f"{report['iterations_recomputed']:>10} {report['wall_s']:>7.1f}  digest "
-        f"{'equal' if report['digest_equal'] else 'NOT equal'}"
-    )
-    st = report["recovery_time_s"]
-    if st["count"]:
-        print(
-            f"recovery time (s): n={st['count']} min {st['min']} median {st['median']} "
-            f"mean {st['mean']} p90 {st['p90']} max {st['max']}"
-        )
-        print(
-            "  by kind: "
-            + ", ".join(
-                f"{k} median {v['median']} (n={v['count']})"
-                for k, v in report["recovery_time_by_kind_s"].items()
-            )
-        )
-        print(
-            "  by replacement spare's age: "
-            + ", ".join(
-                f"{k.replace('_', ' ')} median {v['median']} (n={v['count']})"
-                for k, v in report["recovery_time_by_spare_age_s"].items()
-            )
-        )
-        print(
-            "  mean phases: "
-            + ", ".join(f"{k} {v}" for k, v in report["recovery_phases_mean_s"].items())
-        )
-
-
 def run(args: argparse.Namespace) -> int:
-    soak = Soak(args)
-    report = soak.run()
+    kinds = parse_kinds(args.kinds)
+    settings = SoakSettings(
+        seed=args.seed,
+        mtbf_iters=args.mtbf_iters,
+        minutes=args.minutes,
+        config=args.config,
+        episodes=args.episodes,
+        run_dir=args.run_dir,
+    )
+    report = Soak(_job(args, kinds), kinds, settings).run()
     print_table(report)
     if args.json_path:
         Path(args.json_path).parent.mkdir(parents=True, exist_ok=True)

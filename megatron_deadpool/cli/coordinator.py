@@ -52,8 +52,8 @@ def run(args: argparse.Namespace) -> int:
         store, _listener = host_store(args.host, args.port)  # listens on --host only
     except (RuntimeError, OSError) as exc:
         raise ConfigError(f"host/port: cannot listen on {args.host}:{args.port} ({exc})") from None
-    store.set("job/token", token)
     members = Membership(store, "coordinator")
+    members.set_token(token)
     log_dir = Path(args.log_dir) if args.log_dir else None
     if log_dir:
         log_dir.mkdir(parents=True, exist_ok=True)
@@ -78,11 +78,11 @@ def run(args: argparse.Namespace) -> int:
     while time.monotonic() < deadline:
         coord.tick()
         if coord.aborted is not None:
-            store.set("shutdown", "1")
+            members.request_shutdown()
             return 1
-        done = all(store.check([f"done/{p}"]) for p in coord.roster.slots.values())
+        done = members.all_done(list(coord.roster.slots.values()))
         if done and coord.recovery is None:
-            store.set("shutdown", "1")
+            members.request_shutdown()
             print("deadpool coordinator: every rank finished", flush=True)
             time.sleep(2.0)  # let spares see the shutdown before the store goes away
             return 0

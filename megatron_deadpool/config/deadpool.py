@@ -45,11 +45,16 @@ class DeadpoolConfig:
 
     heartbeat_timeout: float = 10.0
     """A rank silent for this many seconds is declared hung and replaced. Must exceed
-    3 x heartbeat-interval and stay below the process-group timeout."""
+    3 x heartbeat-interval and stay below the agreement timeout."""
+
+    agree_timeout: float | None = None
+    """Seconds the coordinator waits for every survivor's report once it planned a recovery;
+    a survivor silent that long is presumed dead. Between the heartbeat timeout and the
+    process-group timeout (default: half-way between them)."""
 
     pg_timeout: float = 120.0
     """Timeout in seconds of every collective DeadPool creates (and of the rebuilt groups);
-    the bound on how long a survivor can block on a dead peer."""
+    the bound on how long a survivor can block on a dead peer. Above the agreement timeout."""
 
     connect_timeout: float = 60.0
     """Seconds a process may take to reach the coordinator at start-up, and the bound on any
@@ -94,10 +99,28 @@ class DeadpoolConfig:
                 f"({self.heartbeat_timeout}s), or a hung peer times collectives out before the "
                 "heartbeat monitor names it"
             )
+        if self.agree_timeout is not None and not (
+            isinstance(self.agree_timeout, (int, float))
+            and not isinstance(self.agree_timeout, bool)
+            and self.heartbeat_timeout < self.agree_timeout < self.pg_timeout
+        ):
+            raise ConfigError(
+                f"deadpool-agree-timeout ({self.agree_timeout}s) must lie between "
+                f"deadpool-heartbeat-timeout ({self.heartbeat_timeout}s) and deadpool-pg-timeout "
+                f"({self.pg_timeout}s): survivors are named before they are presumed dead, and "
+                "presumed dead before their collectives time out"
+            )
         if self.coordinator is not None:
             parse_host_port(self.coordinator, "deadpool-coordinator")
         for spec in self.fail:
             parse_fault(spec)
+
+    @property
+    def agreement_timeout(self) -> float:
+        """The agreement timeout in effect."""
+        if self.agree_timeout is not None:
+            return float(self.agree_timeout)
+        return (self.heartbeat_timeout + self.pg_timeout) / 2
 
     def replace(self, **changes: object) -> DeadpoolConfig:
         """A validated copy with `changes` applied."""

@@ -8,6 +8,9 @@ Forms (each fault fires once per job):
   RANK@recovery[:kill|hang|flip]  rank RANK fails when it enters the next recovery (a
                                second failure during recovery; `flip`: its replicas rot
                                just before agreement would use them)
+  RANK@end[:kill|hang]         rank RANK fails right after training completed (its last step
+                               done and replicated), before the job's final work (final save,
+                               final report)
 Kinds: `kill` (SIGKILL, the default), `hang` (SIGSTOP: alive but silent, as a hung GPU or a
 stuck NIC), `flip` (flip one bit of every replica the rank holds, at rest: memory corruption
 that checksums must catch before the replica is used).
@@ -23,17 +26,17 @@ from typing import Literal
 from ..errors import ConfigError
 
 _SPEC = re.compile(
-    r"^(?:(?P<node>node:)|(?P<spare>spare:))?(?P<who>\d+)@(?P<when>\d+|recovery)"
+    r"^(?:(?P<node>node:)|(?P<spare>spare:))?(?P<who>\d+)@(?P<when>\d+|recovery|end)"
     r"(?::(?P<kind>kill|hang|flip))?$"
 )
 
 FaultKind = Literal["kill", "hang", "flip"]
-FORMS = "RANK@ITER[:kill|hang|flip], node:N@ITER, spare:I@ITER or RANK@recovery"
+FORMS = "RANK@ITER[:kill|hang|flip], node:N@ITER, spare:I@ITER, RANK@recovery or RANK@end"
 
 
 @dataclass(frozen=True)
 class FaultSpec:
-    """One injected failure; `iteration` is 0 for `@recovery` faults."""
+    """One injected failure; `iteration` is 0 for `@recovery` and `@end` faults."""
 
     iteration: int
     kind: FaultKind
@@ -41,6 +44,7 @@ class FaultSpec:
     node: int | None = None
     spare: int | None = None
     during_recovery: bool = False
+    at_end: bool = False
 
     def ranks(self, ranks_per_node: int) -> list[int]:
         """The world ranks this fault hits (none for a spare)."""
@@ -57,7 +61,12 @@ class FaultSpec:
             who = f"node {self.node}"
         else:
             who = f"spare s{self.spare}"
-        when = "in recovery" if self.during_recovery else f"at iteration {self.iteration}"
+        if self.during_recovery:
+            when = "in recovery"
+        elif self.at_end:
+            when = "after training"
+        else:
+            when = f"at iteration {self.iteration}"
         return f"{who} {self.kind} {when}"
 
 
@@ -68,19 +77,21 @@ def parse_fault(text: str) -> FaultSpec:
         raise ConfigError(f"fail: {text!r} is not one of {FORMS} (e.g. 2@5:kill, node:1@4)")
     kind: FaultKind = match["kind"] or "kill"  # type: ignore[assignment]
     who = int(match["who"])
-    recovery = match["when"] == "recovery"
-    iteration = 0 if recovery else int(match["when"])
-    if not recovery and iteration < 1:
+    recovery, end = match["when"] == "recovery", match["when"] == "end"
+    iteration = 0 if recovery or end else int(match["when"])
+    if not (recovery or end) and iteration < 1:
         raise ConfigError(f"fail: iteration in {text!r} must be >= 1")
     if kind == "flip" and (match["node"] or match["spare"]):
         raise ConfigError(f"fail: {text!r}: 'flip' applies to one rank (RANK@ITER:flip)")
     if recovery and (match["node"] or match["spare"]):
         raise ConfigError(f"fail: {text!r}: '@recovery' applies to one rank (RANK@recovery)")
+    if end and (match["node"] or match["spare"] or kind == "flip"):
+        raise ConfigError(f"fail: {text!r}: '@end' applies to one rank (RANK@end[:kill|hang])")
     if match["node"]:
         return FaultSpec(iteration=iteration, kind=kind, node=who)
     if match["spare"]:
         return FaultSpec(iteration=iteration, kind=kind, spare=who)
-    return FaultSpec(iteration=iteration, kind=kind, rank=who, during_recovery=recovery)
+    return FaultSpec(iteration=iteration, kind=kind, rank=who, during_recovery=recovery, at_end=end)
 
 
 def check_faults(
@@ -109,7 +120,7 @@ def iteration_faults(
     out: dict[int, tuple[int, FaultKind]] = {}
     for index, spec in enumerate(specs):
         fault = parse_fault(spec)
-        if not fault.during_recovery and rank in fault.ranks(ranks_per_node):
+        if fault.iteration and rank in fault.ranks(ranks_per_node):
             out[fault.iteration] = (index, fault.kind)
     return out
 
@@ -132,3 +143,12 @@ def spare_faults(specs: Sequence[str], pid: str) -> list[tuple[int, int, FaultKi
         if fault.spare is not None and pid == f"s{fault.spare}":
             out.append((index, fault.iteration, fault.kind))
     return out
+
+
+def end_faults(specs: Sequence[str], rank: int) -> list[tuple[int, FaultKind]]:
+    """(spec index, kind) of the specs that hit `rank` right after training completed."""
+    return [
+        (index, fault.kind)
+        for index, fault in enumerate(map(parse_fault, specs))
+        if fault.at_end and fault.rank == rank
+    ]

@@ -7,6 +7,6 @@ talks to `Device` and never checks for CUDA itself.
 
 from __future__ import annotations
 
-from .base import Device, select_device
+from .base import Device, active_device, select_device
 
-__all__ = ["Device", "select_device"]
+__all__ = ["Device", "active_device", "select_device"]

@@ -46,6 +46,17 @@ class Device:
         return self.kind == "cuda"
 
 
+def active_device() -> Device:
+    """The device this process already trains on (chosen by its job, e.g. Megatron-LM's
+    start-up): the CPU development mode when it is active, else CUDA's current device when
+    CUDA is really present (not the CPU mode's stand-in), else the CPU."""
+    from .cpu import is_active
+
+    if not is_active() and torch.version.cuda and torch.cuda.device_count():
+        return Device(kind="cuda", backend="nccl", index=torch.cuda.current_device())
+    return Device(kind="cpu", backend="gloo")
+
+
 def select_device(mode: Mode = "auto", local_rank: int | None = None) -> Device:
     """Pick CUDA when really present (and not refused), else activate the CPU mode.
 

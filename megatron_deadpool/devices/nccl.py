@@ -90,12 +90,13 @@ def apply_settings(environ: MutableMapping[str, str] | None = None) -> dict[str,
     return applied
 
 
-def init_kwargs(backend: str, index: int) -> dict[str, Any]:
-    """Extra `init_process_group` arguments for a process on CUDA device `index`: ``device_id``
-    for eager NCCL communicators (nothing for gloo)."""
+def init_kwargs(backend: str) -> dict[str, Any]:
+    """Extra `init_process_group` arguments: ``device_id`` (the current CUDA device, which
+    `select_device` or Megatron-LM's start-up sets before the first group) for eager NCCL
+    communicators; nothing for gloo."""
     if "nccl" not in backend:
         return {}
-    return {"device_id": torch.device("cuda", index)}
+    return {"device_id": torch.device("cuda", torch.cuda.current_device())}
 
 
 def abort_all() -> bool:

@@ -164,15 +164,6 @@ def mirror_optimizer_build(objs: TrainingObjects) -> None:
         _get_param_groups(objs.model, objs.opt_config, None)
 
 
-def sync_params_from_main(objs: TrainingObjects) -> None:
-    """Model weights from the (restored) main-param shards: copy, then DP all-gather."""
-    chained = getattr(objs.optimizer, "chained_optimizers", None) or [objs.optimizer]
-    for opt in chained:
-        opt._copy_main_params_to_model_params()
-    for chunk in objs.model:
-        chunk.start_param_sync(force_sync=True)
-
-
 def _forward_step(data_iterator: Any, model: torch.nn.Module) -> tuple[torch.Tensor, Any]:
     batch = next(data_iterator)
     output = model(

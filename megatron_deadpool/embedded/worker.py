@@ -11,16 +11,19 @@ import argparse
 import os
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
 from ..config.job import JobConfig
 from ..config.job_args import add_job_flags, job_from_args
 from ..errors import ConfigError, CoordinatorUnreachableError
+from ..hotswap.membership import pid_of
 from ..logs import setup_logging
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def main(argv: Sequence[str] | None = None, **hooks: Any) -> int:
+    """Run one process of the embedded job; `hooks` go to `EmbeddedJob` (saver, on_finish)."""
     parser = argparse.ArgumentParser(prog="python -m megatron_deadpool.embedded.worker")
     add_job_flags(parser)
     parser.add_argument("--pid", help="process id a{rank} or s{spare}; default from SLURM_PROCID")
@@ -32,19 +35,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     pid = args.pid or _pid_from_env(job)
     token = job.deadpool.job_token or os.environ.get("DEADPOOL_JOB_TOKEN", "")
     torch.set_num_threads(int(os.environ.get("DEADPOOL_THREADS", "1")))
-    from .runtime import Runtime
+    from .job import EmbeddedJob  # imports megatron-core: only once the input is valid
 
-    runtime = Runtime(job, pid=pid, coordinator=job.deadpool.coordinator, token=token)
-    return runtime.run()
+    return EmbeddedJob(
+        job, pid=pid, coordinator=job.deadpool.coordinator, token=token, **hooks
+    ).run()
 
 
 def _pid_from_env(job: JobConfig) -> str:
     procid = os.environ.get("SLURM_PROCID", os.environ.get("RANK"))
     if procid is None:
         raise ConfigError("worker: pass --pid or run under Slurm (SLURM_PROCID) / torchrun (RANK)")
-    world = job.parallel.world_size
-    n = int(procid)
-    return f"a{n}" if n < world else f"s{n - world}"
+    return pid_of(int(procid), job.parallel.world_size)
 
 
 if __name__ == "__main__":

@@ -89,7 +89,7 @@ class HeartbeatOnly:
 
 
 @dataclass
-class Recovery:
+class PendingRecovery:
     """One recovery in progress (re-planned with a larger dead set if more ranks die)."""
 
     generation: int
@@ -137,9 +137,12 @@ class Coordinator:
         liveness: Liveness,
         events: EventLog,
         on_event: Callable[[str], None] = lambda text: None,
+        suspect_after: float | None = None,
     ) -> None:
+        """`suspect_after`: once a survivor reported a failed collective, a rank silent this
+        long (default: the heartbeat timeout) is declared dead - a crashed process's peers
+        see its connections close at once, and its heartbeat has stopped."""
         self.members = members
-        self.store = members.store
         self.placement = placement
         self.world = world_size
         self.spares = list(spares)
@@ -151,10 +154,16 @@ class Coordinator:
         self.roster = Roster(0, self.world, {r: f"a{r}" for r in range(self.world)})
         self.dead_pids: set[str] = set()
         self.handled: set[str] = set()  # dead processes a plan already accounts for
-        self.recovery: Recovery | None = None
+        self.recovery: PendingRecovery | None = None
         self.finished: list[dict[str, Any]] = []
         self.aborted: dict[str, Any] | None = None
         self.next_generation = 1
+        self.suspect_after = min(suspect_after or heartbeat_timeout, heartbeat_timeout)
+        self.failures_seen = 0
+        self.suspicion_base = 0  # failure reports seen before the current suspicion
+        self.suspicious_until = 0.0  # while a reported failure is unexplained
+        self.ended: dict[str, Any] | None = None  # processes lost after training completed
+        self.after_training: set[str] = set()  # processes gone after their work was done
         self._hb_read: dict[str, float] = {}  # pid -> when its heartbeat was last read
 
     def start(self) -> None:
@@ -163,29 +172,56 @@ class Coordinator:
 
     # ------------------------------------------------------------------ liveness
     def _heartbeat_age(self, pid: str, now: float) -> float | None:
-        key = f"hb/{pid}"
-        if not self.store.check([key]):
-            return None
-        return now - float(self.store.get(key).decode())
+        beat = self.members.heartbeat_time(pid)
+        return None if beat is None else now - beat
 
     def _is_dead(self, pid: str, now: float) -> bool:
         if pid in self.dead_pids:
             return True
         code = self.liveness.exited(pid)
         if code is not None and code != 0:  # 0: finished its work, not a failure
+            if self.members.is_done(pid):  # its work was done: nothing to recover
+                self._note_exit_after_done(pid, code)
+                return False
             self._mark_dead(pid, f"exited with code {code}")
             return True
-        if now - self._hb_read.get(pid, 0.0) < self.heartbeat_timeout / 20:
+        suspicious = now < self.suspicious_until and not self._reported_failure(pid)
+        limit = self.suspect_after if suspicious else self.heartbeat_timeout
+        if not suspicious and now - self._hb_read.get(pid, 0.0) < self.heartbeat_timeout / 20:
             return False  # read heartbeats a little more often than the timeout resolves
         self._hb_read[pid] = now
         age = self._heartbeat_age(pid, now)
-        if age is not None and age > self.heartbeat_timeout and code is None:
-            if self.store.check([f"done/{pid}"]):  # finished; its heartbeat stopped on purpose
+        if age is not None and age > limit and code is None:
+            if self.members.is_done(pid):  # finished; its heartbeat stopped on purpose
                 return False
             killed = self.liveness.kill(pid)
-            self._mark_dead(pid, f"silent for {age:.1f}s (hung)" + ("; killed" if killed else ""))
+            why = "after a peer's collective failed" if suspicious else "(hung)"
+            self._mark_dead(pid, f"silent for {age:.1f}s {why}" + ("; killed" if killed else ""))
             return True
         return False
+
+    def _note_exit_after_done(self, pid: str, code: int) -> None:
+        if pid not in self.handled:
+            self.handled.add(pid)
+            self.after_training.add(pid)
+            self.events("exited_after_done", pid=pid, code=code)
+            self.on_event(f"process {pid} exited with code {code} after finishing its work")
+
+    def _watch_failure_reports(self, now: float) -> None:
+        """A survivor saw a collective fail: suspect silent ranks for a heartbeat timeout."""
+        count = self.members.failure_count()
+        if count > self.failures_seen:
+            if now >= self.suspicious_until:
+                self.suspicion_base = self.failures_seen
+            self.failures_seen = count
+            self.suspicious_until = now + self.heartbeat_timeout
+            self.events("failure_reported", count=count)
+
+    def _reported_failure(self, pid: str) -> bool:
+        """`pid` itself reported a failed collective since the suspicion began: it is alive,
+        only its heartbeat may lag (a busy or starved process), so only the heartbeat timeout
+        can condemn it."""
+        return self.members.failure_number(pid) > self.suspicion_base
 
     def _mark_dead(self, pid: str, why: str) -> None:
         self.dead_pids.add(pid)
@@ -195,6 +231,7 @@ class Coordinator:
     # ------------------------------------------------------------------ tick
     def tick(self) -> None:
         now = time.time()
+        self._watch_failure_reports(now)
         for pid in list(self.spares):
             if self._is_dead(pid, now):
                 self.spares.remove(pid)
@@ -205,18 +242,18 @@ class Coordinator:
         }
         self.handled.update(current[r] for r in dead)
         if dead and self.aborted is None:
-            self._plan(dead, now)
+            completed = self.members.training_complete() if self.recovery is None else None
+            if completed is None:
+                self._plan(dead, now)
+            else:
+                self._end(dead, completed)
         if self.recovery is not None and self.recovery.t_agreed is None:
             self._try_agree(now)
         if self.recovery is not None and self.recovery.t_agreed is not None:
             self._track_phases()
 
     def _failure_time(self, pids: list[str], default: float) -> float:
-        times = [
-            float(self.store.get(f"fault/{p}").decode())
-            for p in pids
-            if self.store.check([f"fault/{p}"])
-        ]
+        times = [t for t in map(self.members.fault_time, pids) if t is not None]
         return min(times) if times else default
 
     def _plan(self, dead: set[int], now: float) -> None:
@@ -236,7 +273,7 @@ class Coordinator:
         self.next_generation += 1
         dead_pids = [base[r] for r in dead]
         t_failure = rec.t_failure if rec else self._failure_time(dead_pids, now)
-        self.recovery = Recovery(
+        self.recovery = PendingRecovery(
             generation=generation,
             dead=all_dead,
             slots=slots,
@@ -253,8 +290,7 @@ class Coordinator:
             "needy": sorted(needy),
             "slots": {str(r): p for r, p in slots.items()},
         }
-        self.store.set(f"gen{generation}/plan", json.dumps(plan))
-        self.store.set("plan/latest", str(generation))
+        self.members.publish_plan(generation, plan)
         self.events("plan", **plan)
         replaced = ", ".join(
             f"rank {r} <- {slots[r]}" if slots[r] != base[r] else f"rank {r}: no spare"
@@ -264,20 +300,52 @@ class Coordinator:
             f"recovery: generation {generation}, dead ranks {sorted(all_dead)}; {replaced}"
         )
 
+    def _end(self, dead: set[int], completed: int) -> None:
+        """Ranks lost after training completed: no recovery (nothing to recompute); the
+        survivors are told who died and who holds each dead rank's final state, to save it."""
+        all_dead = sorted(set((self.ended or {}).get("dead_ranks", [])) | dead)
+        self.after_training.update(self.roster.slots[r] for r in dead)
+        placement = self._placement()
+        sources: dict[str, int] = {}
+        for rank in all_dead:
+            holders = placement.holders[rank] if placement else ()
+            alive = [h for h in holders if h not in all_dead]
+            if alive:
+                sources[str(rank)] = alive[0]
+        lost = [r for r in all_dead if str(r) not in sources]
+        self.ended = {
+            "reason": f"rank(s) {all_dead} lost after training completed at iteration {completed}",
+            "completed_iteration": completed,
+            "dead_ranks": all_dead,
+            "lost_ranks": lost,
+            "save": {
+                "iteration": completed,
+                "sources": sources,
+                "complete": not lost,
+                "missing": lost,
+            },
+        }
+        self.members.publish_end(self.ended)
+        self.events("lost_after_training", **self.ended)
+        self.on_event(
+            f"rank(s) {sorted(dead)} lost after training completed at iteration {completed}: "
+            "nothing to recompute"
+            + (f"; the final state of rank(s) {lost} is gone with them" if lost else "")
+        )
+
     def _placement(self) -> Placement | None:
         """The job's placement; a cluster coordinator learns the layout from rank 0 (None
         until rank 0 published it: no rank got as far as replicating)."""
         if self.placement is None:
-            if not self.store.check(["job/layout"]):
+            d = self.members.layout()
+            if d is None:
                 return None
-            d = json.loads(self.store.get("job/layout"))
             layout = Layout(d["tp"], d["pp"], d["dp"], d["ranks_per_node"])
             self.placement = place_replicas(layout, d["replicas"])
         return self.placement
 
     def _last_iteration(self) -> int:
-        key = "progress/last"
-        return int(self.store.get(key).decode()) if self.store.check([key]) else 0
+        return self.members.progress()
 
     def _try_agree(self, now: float) -> None:
         rec = self.recovery
@@ -286,9 +354,9 @@ class Coordinator:
         survivors = [r for r in range(self.world) if r not in rec.needy]
         holdings: dict[int, dict[str, list[int]]] = {}
         for r in survivors:
-            key = f"gen{g}/holdings/{r}"
-            if self.store.check([key]):
-                holdings[r] = json.loads(self.store.get(key))
+            report = self.members.holdings(g, r)
+            if report is not None:
+                holdings[r] = report
         if len(holdings) < len(survivors):
             if now - rec.t_plan > self.agree_timeout:
                 missing = [r for r in survivors if r not in holdings]
@@ -323,7 +391,7 @@ class Coordinator:
         rec.t_agreed = time.time()
         rec.restore_iteration = plan.iteration
         roster = Roster(g, self.world, rec.slots, restore_iteration=plan.iteration)
-        self.store.set(f"gen{g}/sources", json.dumps({str(k): v for k, v in plan.sources.items()}))
+        self.members.publish_sources(g, plan.sources)
         self.members.publish_roster(roster)
         self.roster = roster
         self.events(
@@ -376,29 +444,17 @@ class Coordinator:
             "save": save and {**save, "sources": {str(k): v for k, v in save["sources"].items()}},
         }
         generation = self.next_generation
-        self.store.set("abort", json.dumps(self.aborted))
-        self.store.set("plan/latest", str(generation))
-        self.store.set(f"gen{generation}/plan", json.dumps({"abort": self.aborted}))
+        self.members.publish_abort(generation, self.aborted)
         self.events("out_of_redundancy", **self.aborted)
         self.on_event(f"OUT OF REDUNDANCY: {reason}")
 
     def _stamp(self, g: int, what: str, ranks: list[int]) -> float | None:
-        values = []
-        for r in ranks:
-            key = f"gen{g}/{what}/{r}"
-            if not self.store.check([key]):
-                return None
-            values.append(float(self.store.get(key).decode()))
-        return max(values)
+        values = [self.members.stamp_time(g, what, r) for r in ranks]
+        return None if None in values else max(values)  # type: ignore[type-var]
 
     def _stale_refs(self, g: int) -> int:
         """Old-generation group handles survivors found after rebinding (must be 0)."""
-        total = 0
-        for r in range(self.world):
-            key = f"gen{g}/stale_refs/{r}"
-            if self.store.check([key]):
-                total += int(self.store.get(key).decode())
-        return total
+        return sum(self.members.stale_refs(g, r) for r in range(self.world))
 
     def _track_phases(self) -> None:
         rec = self.recovery

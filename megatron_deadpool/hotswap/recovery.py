@@ -1,8 +1,7 @@
-"""The communication half of a recovery, shared by the embedded runtime and Megatron-LM's.
+"""The communication steps of a recovery, in the order the driver (`driver.py`) takes them.
 
-`runtime.Runtime` (the embedded job) and `megatron_lm_recovery.Recovery` (inside Megatron-LM's
-training step) run the same protocol around the coordinator's decisions; the pure planning
-(restore iteration T, replica sources) is `restore_plan.py`, run by the coordinator:
+Around the coordinator's decisions (the pure planning of the restore iteration T and the
+replica sources is `restore_plan.py`, run by the coordinator):
 
 - `release_groups`: abort every group, keep what already arrived of the in-flight replication
   round, then swap every process-group handle for a placeholder.
@@ -12,7 +11,8 @@ training step) run the same protocol around the coordinator's decisions; the pur
   plan names (verified by checksum on arrival), the others roll back to their local snapshot
   and serve the shards they hold for needy ranks.
 - `salvage`: out of redundancy, write this survivor's part of the snapshot set of one common
-  iteration (its own snapshot and those it holds for dead ranks; `salvage.py` is the format)
+  iteration (its own snapshot and those it holds for dead ranks; `snapshot_set.py` is the
+  format)
   and, on one survivor, the set's manifest; returns the sentence saying what was saved.
 """
 
@@ -78,8 +78,8 @@ def agree(
     holds = replicator.holdings() if replicator is not None else {"local": []}
     reported: set[int] = set()
     while True:
-        if members.store.check(["abort"]):
-            info = members.read("abort") or {}
+        info = members.abort()
+        if info is not None:
             saved = on_abort(info)
             lost = info.get("lost_ranks") or []
             raise OutOfRedundancyError(
@@ -87,11 +87,9 @@ def agree(
                 + (f"shards lost: ranks {lost}" if lost else "no shard lost")
                 + f"; {saved}"
             )
-        latest = members.store.check(["plan/latest"]) and int(
-            members.store.get("plan/latest").decode()
-        )
-        if latest and latest > generation:
-            plan = members.read(f"gen{latest}/plan") or {}
+        latest = members.latest_plan()
+        if latest > generation:
+            plan = members.plan(latest)
             if latest not in reported and "slots" in plan:
                 mine = pid in plan["slots"].values() and rank not in plan["needy"]
                 value = {
@@ -99,9 +97,9 @@ def agree(
                     "holds": holds if mine else {"local": []},
                     "pid": pid,
                 }
-                members.publish(f"gen{latest}/holdings/{rank}", value)
+                members.report_holdings(latest, rank, value)
                 reported.add(latest)
-            if members.store.check([f"gen{latest}/roster"]):
+            if members.has_roster(latest):
                 roster = members.roster(latest)
                 if roster.rank_of(pid) is not None:
                     return roster
@@ -111,12 +109,6 @@ def agree(
                 "not a peer failure"
             ) from cause
         time.sleep(0.02)
-
-
-def sources_of(members: Membership, generation: int) -> dict[int, int]:
-    """needy rank -> holder, as the coordinator fixed them for `generation`."""
-    raw = members.read(f"gen{generation}/sources") or {}
-    return {int(k): int(v) for k, v in raw.items()}
 
 
 def exchange_shards(
@@ -132,8 +124,8 @@ def exchange_shards(
     """Load the snapshot of `roster.restore_iteration` into `state`; True when it came from a
     holder. Holders send needy ranks their shard while this rank restores its own."""
     t_iter = roster.restore_iteration
-    sources = sources_of(members, roster.generation)
-    members.store.set(f"gen{roster.generation}/joined/{rank}", repr(time.time()))
+    sources = members.sources(roster.generation)
+    members.stamp(roster.generation, "joined", rank)
     if needy and rank not in sources:
         raise DeadpoolRuntimeError(f"rank {rank} must restore but the plan names no source")
     sends: dict[int, torch.Tensor] = {}
@@ -171,7 +163,6 @@ def salvage(
     rank: int | None,
     world_size: int,
     extra: dict[str, Any] | None = None,
-    resume_hint: str = "resume with --load",
 ) -> str:
     """Write this survivor's part of the snapshot set the coordinator chose; say what.
 
@@ -191,12 +182,11 @@ def salvage(
         if holder == rank:
             flat = replicator.verified_copy(int(needy), t)
             snapshot_set.write_flat(snapshot_set.rank_file(root, t, int(needy)), flat)
-    store = members.store
-    store.set(f"salvaged/{rank}", "1")
-    if store.add("salvage/manifest", 1) == 1:  # one survivor writes the manifest
+    members.mark_salvaged(rank)
+    if members.claim_manifest():  # one survivor writes the manifest
         survivors = [r for r in range(world_size) if r not in report.get("dead_ranks", [])]
         deadline = time.time() + SALVAGE_WAIT_S
-        while time.time() < deadline and not store.check([f"salvaged/{r}" for r in survivors]):
+        while time.time() < deadline and not members.all_salvaged(survivors):
             time.sleep(0.1)
         present = snapshot_set.ranks_present(root, t)
         snapshot_set.write_manifest(
@@ -213,7 +203,10 @@ def salvage(
         )
     where = snapshot_set.set_dir(root, t)
     if save["complete"]:
-        return f"saved every rank's state of iteration {t} to {where}: {resume_hint}"
+        return (
+            f"saved every rank's state of iteration {t} to {where}: run the same command with "
+            "--load to resume"
+        )
     missing = save.get("missing", [])
     return (
         f"saved the surviving snapshots of iteration {t} to {where}; the shards of ranks "

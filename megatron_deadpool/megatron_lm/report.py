@@ -15,6 +15,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from ..hotswap.driver import RecoveryRecord
 from ..units import human_bytes
 
 
@@ -50,16 +51,16 @@ def replication_fields(
     ]
 
 
-def recovery_fields(record: dict[str, Any]) -> list[str]:
+def recovery_fields(record: RecoveryRecord) -> list[str]:
     fields = [
         "recovered",
-        f"generation: {record['generation']}",
-        f"dead ranks: {record['dead']}",
-        f"restored iteration: {record['restore_iteration']}",
-        f"recomputed iterations: {record['recomputed']}",
-        f"recovery time (s): {record['total_s']:.2f}",
+        f"generation: {record.generation}",
+        f"dead ranks: {record.dead}",
+        f"restored iteration: {record.restore_iteration}",
+        f"recomputed iterations: {record.recomputed}",
+        f"recovery time (s): {record.total_s:.2f}",
     ]
-    fields += [f"{k}: {v:.2f}" for k, v in record["phases_s"].items()]
+    fields += [f"{k}: {v:.2f}" for k, v in record.phases_s.items()]
     return fields
 
 

@@ -137,8 +137,8 @@ class Resumer:
     def _restore(
         self, point: SnapshotResume, model: Any, optimizer: Any, scheduler: Any, rank: int
     ) -> None:
+        from ..hotswap.weights import sync_params_from_main
         from ..replication.snapshot import RankState, Snapshotter, rng_tensors
-        from .recovery import sync_params_from_main
 
         flat = salvage.read_flat(salvage.rank_file(point.root, point.iteration, rank))
         state = RankState(optimizer, scheduler)

@@ -40,7 +40,12 @@ from typing import Any
 
 from ..config.deadpool import DeadpoolConfig
 from ..config.flags import add_flags, from_namespace
-from ..errors import ConfigError, OutOfRedundancyError
+from ..errors import (
+    ConfigError,
+    CoordinatorUnreachableError,
+    LostAfterTrainingError,
+    OutOfRedundancyError,
+)
 
 log = logging.getLogger("megatron_deadpool.megatron_lm")
 
@@ -106,6 +111,12 @@ def wrap_pretrain(pretrain: Callable[..., Any]) -> Callable[..., Any]:
         except OutOfRedundancyError as exc:
             print(f"deadpool: {exc}", file=sys.stderr, flush=True)
             raise SystemExit(3) from None
+        except CoordinatorUnreachableError as exc:
+            print(f"deadpool: error: {exc}", file=sys.stderr, flush=True)
+            raise SystemExit(4) from None
+        except LostAfterTrainingError as exc:
+            print(f"deadpool: {exc}", file=sys.stderr, flush=True)
+            raise SystemExit(0) from None
 
     pretrain_with_deadpool._deadpool = True  # type: ignore[attr-defined]
     return pretrain_with_deadpool

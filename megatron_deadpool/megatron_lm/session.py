@@ -1,20 +1,29 @@
-"""DeadPool inside one Megatron-LM process: its place in the job, replication, recovery.
+"""DeadPool inside one Megatron-LM process: Megatron's training loop over the hot-swap driver.
 
-The `MegatronSession` is the Megatron-LM twin of `runtime.Runtime`, driven by Megatron's own
-training loop through the hooks in `megatron_lm_hooks`:
+The `MegatronSession` is the Megatron-LM job's adapter to `hotswap.driver.Driver` (the
+embedded job's is `embedded.job`), driven by Megatron's own training loop through the hooks in
+`hooks.py`:
 
 - `begin()` (before `pretrain()`): connect to the coordinator, heartbeat, and - for a spare -
   wait for a slot. A spare that gets one becomes a *newcomer*: it runs Megatron's start-up in a
-  private world (`megatron_lm_newcomer`) positioned at the agreed iteration.
-- `train_step(...)` wraps Megatron's `train_step`: after each optimizer step the `Replicator`
-  finishes the previous round and starts this one. When a collective fails, survivors
-  recover *inside* the call - release every group handle, agree on the restore iteration T
-  through the coordinator, join the next generation, re-attach the new groups, roll back to
-  (or receive) the snapshot of T - then recompute the steps after T (the data iterator
-  replays their batches) and return the step Megatron asked for. Megatron's loop never
-  notices: survivors never re-run `pretrain()`.
+  private world (`newcomer.py`) positioned at the agreed iteration.
+- `train_step(...)` wraps Megatron's `train_step`: after each optimizer step the driver
+  replicates. When a collective fails, survivors recover *inside* the call (the driver
+  releases every group, agrees on the restore iteration T, joins the next generation, rebinds
+  and restores T), then recompute the steps after T (the data iterator replays their batches)
+  and return the step Megatron asked for. Megatron's loop never notices: survivors never re-run
+  `pretrain()`. A newcomer leaves its private world at its first step and restores from the
+  holder of its shard.
 - Failures seen between steps (in `training_log`, evaluation) are deferred to the next step,
   so that every survivor resumes at the same step.
+
+Out of redundancy (no spare left, or a shard with no surviving copy) the survivors write
+DeadPool's snapshot set of one common iteration under Megatron's `--save` (with Megatron's
+sample and FLOP counters of that iteration in its manifest) and exit with code 3. Megatron's
+own `save_checkpoint` cannot run then: it is collective over the full world (its distributed-
+optimizer state is written by every data-parallel rank, its metadata gathered across all
+ranks), and the dead ranks are gone. A complete set becomes a Megatron checkpoint at the next
+launch of the same command with `--load` (`resume.py`), where a full world exists again.
 """
 
 from __future__ import annotations
@@ -27,41 +36,18 @@ import traceback
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-import torch.distributed as dist
-from megatron.core import parallel_state as ps
-
-from ..config import faults
 from ..config.deadpool import DeadpoolConfig
-from ..devices import nccl
-from ..devices.base import Device
-from ..devices.groups import replication_backend
-from ..devices.memory import ReplicaMemory
-from ..errors import ConfigError, DeadpoolRuntimeError
-from ..hotswap.connection import Heartbeat, connect_store
-from ..hotswap.injection import inject
-from ..hotswap.membership import Membership, Roster
-from ..logs import set_context
-from ..replication.placement import Layout, Placement, place_replicas
-from ..replication.replicator import Replicator
-from ..replication.snapshot import RankState, Snapshotter
-from . import newcomer, report
-from .recovery import Recovery
-from .replay import BatchRecorder, install_recorder
+from ..config.faults import check_faults, parse_fault
+from ..devices import active_device
+from ..errors import ConfigError, DeadpoolRuntimeError, LostAfterTrainingError
+from ..hotswap.driver import Driver
+from ..hotswap.membership import Roster
+from ..replication.snapshot import RankState
+from . import newcomer
+from . import report as mreport
+from .replay import BatchRecorder, install_recorder, reset_rerun_iterators
 
 log = logging.getLogger("megatron_deadpool.megatron_lm")
-
-
-@dataclass(frozen=True)
-class Identity:
-    """Who this process is: its task index, actives first (ranks 0..world-1), then spares."""
-
-    task: int
-    world: int
-
-    @property
-    def pid(self) -> str:
-        return f"a{self.task}" if self.task < self.world else f"s{self.task - self.world}"
 
 
 def task_from_env() -> int:
@@ -84,38 +70,27 @@ class NewcomerPlan:
     log_state: dict[str, Any] | None = None  # a same-position survivor's training_log sums
 
 
-class MegatronSession(Recovery):
-    """DeadPool's state and protocol in one Megatron-LM process (recovery: `Recovery`)."""
+class MegatronSession:
+    """DeadPool's state in one Megatron-LM process, and its `JobAdapter` for the driver."""
 
     def __init__(self, cfg: DeadpoolConfig, task: int, token: str) -> None:
         self.cfg = cfg
         self.task = task
         self.token = token
-        self.pid = ""  # a{rank} or s{i}, once the coordinator's world size is known
-        self.rank: int | None = None
-        self.generation = 0
-        self.roster: Roster | None = None
+        self.driver: Driver | None = None
         self.newcomer: NewcomerPlan | None = None
         self.joined_late = False  # a spare that took a slot after the start
-        self.layout: Layout | None = None
-        self.placement: Placement | None = None
-        self.replicator: Replicator | None = None
-        self.repl_group: dist.ProcessGroup | None = None
-        self.pg_kwargs: dict[str, Any] = {}
         self.mp_call: tuple[Any, tuple, dict] | None = None
         self.objs: tuple[Any, Any, Any, Any] | None = None
         self.extra_roots: list[Any] = []
         self.data_iterator: Any = None
         self.recorders: list[BatchRecorder] = []
         self.next_step = 1
-        self.last_completed = 0
-        self.resumed_at: int | None = None
+        self.target: int | None = None  # the step a recovery in progress returns to
         self.pending: BaseException | None = None
         self.counters: dict[int, dict[str, float]] = {}
-        self.committed: int | None = None
         self.repl_seconds = 0.0
-        self.recoveries: list[dict[str, Any]] = []
-        self.unreported: list[dict[str, Any]] = []
+        self.reported = 0  # recoveries already printed
         self.total_loss_dict: dict[str, Any] | None = None  # Megatron's training_log sums
         self._log_state_to_load: dict[str, Any] | None = None
 
@@ -128,66 +103,32 @@ class MegatronSession(Recovery):
                 "deadpool-coordinator: --deadpool needs the coordinator's HOST:PORT; use "
                 "`deadpool megatron-lm` (which hosts it) or start `deadpool coordinator`"
             )
-        from . import workers as megatron_lm_workers
+        from . import workers
 
-        megatron_lm_workers.install()
-        store = connect_store(coordinator, self.cfg.connect_timeout)
-        Membership(store, f"task{self.task}").check_token(self.token)
-        # The coordinator's first roster is the authority on the active world size (a
-        # launcher's WORLD_SIZE may count the spares, or not).
-        store.wait(["gen0/roster"], datetime.timedelta(seconds=self.cfg.pg_timeout))
-        world = Roster.from_json(store.get("gen0/roster")).world_size
-        self.pid = Identity(self.task, world).pid
-        self.members = Membership(store, self.pid)
-        if self.pid.startswith("s"):
-            set_context(spare=self.pid)
-        self.members.announce()
-        self.heartbeat = Heartbeat(
-            coordinator, self.pid, self.cfg.heartbeat_interval, self.cfg.connect_timeout
+        workers.install()
+        self.driver = d = Driver(
+            self.cfg, active_device(), coordinator=coordinator, token=self.token, task=self.task
         )
-        self.heartbeat.start()
-        roster = self._wait_for_slot()
+        d.connect()
+        roster = d.wait_for_slot()
         if roster is None:
-            log.info("released: the job ended without needing this spare")
-            self.heartbeat.stopped.set()
             return False
-        self.roster = roster
-        self.generation = roster.generation
-        self.rank = roster.rank_of(self.pid)
-        set_context(rank=self.rank, generation=self.generation)
         # What Megatron reads: the rank this process fills and the active world (not the tasks).
-        os.environ["RANK"] = str(self.rank)
+        os.environ["RANK"] = str(d.rank)
         os.environ["WORLD_SIZE"] = str(roster.world_size)
         os.environ.setdefault("LOCAL_RANK", os.environ.get("SLURM_LOCALID", "0"))
         if roster.generation > 0:
             self.newcomer = self._newcomer_plan(roster)
             self.joined_late = True
-            newcomer.enter(self.rank, roster.world_size, self._record_pg_kwargs)
+            newcomer.enter(d.rank, roster.world_size, self._record_pg_kwargs)
             log.info(
                 "taking rank %d in generation %d: Megatron start-up in a private world, "
                 "joining at step %d",
-                self.rank,
-                self.generation,
+                d.rank,
+                roster.generation,
                 self.newcomer.target,
             )
         return True
-
-    def _wait_for_slot(self) -> Roster | None:
-        spare_faults = faults.spare_faults(self.cfg.fail, self.pid)
-        while True:
-            if self.members.shutdown_requested():
-                return None
-            store = self.members.store
-            for index, iteration, kind in spare_faults:  # `spare:I@ITER`: a waiting spare fails
-                last = int(store.get("progress/last")) if store.check(["progress/last"]) else 0
-                if last >= iteration and self._fire(index):
-                    self._inject(kind, f"while waiting (training at iteration {last})")
-            g = self.members.generation()
-            if g >= 0:
-                roster = self.members.roster(g)
-                if roster.rank_of(self.pid) is not None:
-                    return roster
-            time.sleep(0.05 if self.pid.startswith("a") else 0.2)
 
     def _newcomer_plan(self, roster: Roster) -> NewcomerPlan:
         reports = self._survivor_reports(roster)
@@ -195,8 +136,8 @@ class MegatronSession(Recovery):
         if len(targets) != 1:
             raise DeadpoolRuntimeError(f"survivors report different steps to resume: {targets}")
         first = reports[min(reports)]
-        sources = self.members.read(f"gen{roster.generation}/sources") or {}
-        peer = reports.get(sources.get(str(self.rank)), first)  # same (tp, pp) position
+        sources = self.driver.members.sources(roster.generation)
+        peer = reports.get(sources.get(self.driver.rank), first)  # same (tp, pp) position
         return NewcomerPlan(
             roster=roster,
             target=targets.pop(),
@@ -206,12 +147,12 @@ class MegatronSession(Recovery):
         )
 
     def _survivor_reports(self, roster: Roster) -> dict[int, dict[str, Any]]:
-        plan = self.members.read(f"gen{roster.generation}/plan") or {}
-        needy = set(plan.get("needy", []))
+        members = self.driver.members
+        needy = set(members.plan(roster.generation).get("needy", []))
         out = {}
         for r in range(roster.world_size):
             if r not in needy:
-                value = self.members.read(f"gen{roster.generation}/holdings/{r}")
+                value = members.holdings(roster.generation, r)
                 if value is not None and "target" in value:
                     out[r] = value
         return out
@@ -225,20 +166,12 @@ class MegatronSession(Recovery):
                 "--inprocess-restart off (DeadPool replaces failed ranks itself)"
             )
         self._record_pg_kwargs(kwargs)
-        kwargs = dict(kwargs)
-        kwargs.update(
-            store=dist.PrefixStore(f"gen{self.generation}", self.members.store),
-            rank=self.rank,
-            world_size=self.roster.world_size,
-            **nccl.init_kwargs(self.pg_kwargs["backend"], self._device().index),
-        )
-        real(**kwargs)
+        real(**{**kwargs, **self.driver.process_group_args()})
 
     def _record_pg_kwargs(self, kwargs: dict[str, Any]) -> None:
-        self.pg_kwargs = {
-            "backend": kwargs.get("backend") or "gloo",
-            "timeout": kwargs.get("timeout") or datetime.timedelta(minutes=10),
-        }
+        """Megatron's backend and timeout, used for every later generation's default group."""
+        self.driver.pg_backend = kwargs.get("backend") or "gloo"
+        self.driver.pg_timeout = kwargs.get("timeout") or datetime.timedelta(minutes=10)
 
     def model_parallel_ready(
         self, real: Any, args: tuple, kwargs: dict[str, Any], margs: Any
@@ -249,31 +182,21 @@ class MegatronSession(Recovery):
         self._check_megatron_args(margs)
         if getattr(margs, "deadpool_job_token", None):  # Megatron saves its args in checkpoints
             margs.deadpool_job_token = "<redacted>"
-        tp = ps.get_tensor_model_parallel_world_size()
-        pp = ps.get_pipeline_model_parallel_world_size()
-        dp = ps.get_data_parallel_world_size()
-        per_node = self.cfg.ranks_per_node or int(
-            os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("SLURM_NTASKS_PER_NODE") or tp
-        )
-        self.layout = Layout(tp=tp, pp=pp, dp=dp, ranks_per_node=per_node)
-        self.placement = place_replicas(self.layout, self.cfg.replicas)
-        faults.check_faults(
-            [faults.parse_fault(spec) for spec in self.cfg.fail],
-            self.layout.world_size,
-            per_node,
+        d = self.driver
+        d.device = active_device()
+        layout = d.place_replicas()
+        check_faults(
+            [parse_fault(spec) for spec in self.cfg.fail],
+            layout.world_size,
+            layout.ranks_per_node,
             margs.train_iters or 0,
         )
-        if self.generation == 0 and self.rank == 0:
-            self.members.publish(
-                "job/layout",
-                {
-                    "tp": tp,
-                    "pp": pp,
-                    "dp": dp,
-                    "ranks_per_node": per_node,
-                    "replicas": self.cfg.replicas,
-                },
-            )
+        if not newcomer.active():  # a newcomer's groups are made when it joins
+            d.new_replication_group()
+
+    def init_model_parallel(self) -> None:
+        real, args, kwargs = self.mp_call
+        real(*args, **kwargs)
 
     def _check_megatron_args(self, a: Any) -> None:
         problems = []
@@ -304,6 +227,62 @@ class MegatronSession(Recovery):
         if problems:
             raise ConfigError("--deadpool cannot protect this run: " + "; ".join(problems))
 
+    # ------------------------------------------------------------------ JobAdapter
+    def roots(self) -> list[Any]:
+        """Everything that holds process-group handles DeadPool must rebind: model chunks, DDP,
+        optimizer, scheduler, config, Megatron's checkpointing context (its save strategy
+        keeps the data-parallel group)."""
+        return [*(self.objs or ()), *self.extra_roots]
+
+    def rank_state(self) -> RankState:
+        _, optimizer, scheduler, _ = self.objs
+        return RankState(optimizer, scheduler)
+
+    def model(self) -> list[Any]:
+        return self.objs[0]
+
+    def after_rejoin(self, roster: Roster) -> None:
+        targets = {r["target"] for r in self._survivor_reports(roster).values()}
+        if targets != {self.target}:
+            raise DeadpoolRuntimeError(
+                f"survivors stopped at different steps {sorted(targets)}: they cannot resume "
+                "together (a failure between the commit and the end of a step)"
+            )
+
+    def after_restore(self, iteration: int, *, needy: bool) -> None:
+        """Megatron's rerun state machine and data iterators back at `iteration`."""
+        from megatron.core.rerun_state_machine import RerunState, get_rerun_state_machine
+
+        rsm = get_rerun_state_machine()
+        rsm.state = RerunState.NOT_RUNNING_YET
+        rsm.current_iteration = iteration
+        reset_rerun_iterators(self.data_iterator)
+        if not needy:
+            for rec in self.recorders:
+                rec.rewind_to(iteration)
+        self.next_step = iteration + 1
+
+    def recovery_report(self) -> dict[str, Any]:
+        """The step to return to, Megatron's counters, what a newcomer's start-up needs."""
+        from megatron.training import get_args
+
+        a = get_args()
+        flags = [bool(getattr(a, name, False)) for name in ("do_train", "do_valid", "do_test")]
+        return {
+            "target": self.target,
+            "counters": {str(k): v for k, v in self.counters.items()},
+            "flags": flags,
+            "log_state": mreport.dump_log_state(self.total_loss_dict),
+        }
+
+    def salvage_target(self, iteration: int) -> tuple[str | None, dict[str, Any] | None]:
+        from megatron.training import get_args
+
+        if iteration not in self.counters and iteration == self.driver.completed:
+            self._note_counters(iteration + 1)  # Megatron's counters after the last step
+        counters = self.counters.get(iteration)
+        return get_args().save, ({"megatron": counters} if counters is not None else None)
+
     # ------------------------------------------------------------------ the training step
     def train_step(
         self,
@@ -320,6 +299,7 @@ class MegatronSession(Recovery):
         """Megatron's `train_step(iteration)` (step n = iteration + 1) with replication and
         in-place recovery; returns step n's result."""
         n = iteration + 1
+        d = self.driver
         if self.objs is None:
             self._bind(model, optimizer, scheduler, config, data_iterator, n)
         self._note_counters(n)
@@ -331,25 +311,34 @@ class MegatronSession(Recovery):
                 if self.newcomer is not None:
                     self._join_as_newcomer(n)
                 elif failure is not None:  # also when a recovery itself was cut short
-                    self._recover(failure, target=n)
+                    self.target = n
+                    d.recover(failure, target=n)
                 failure = None
-                self._maybe_fail(n)
+                d.begin_step(n)
                 while self.next_step < n:
                     self._run(call, self.next_step)
-                return self._run(call, n)
-            except (DeadpoolRuntimeError, ConfigError):
-                raise
-            except RuntimeError as exc:  # a collective failed: a peer died or hung
+                result = self._run(call, n)
+                if n == self.last_step:  # a failure in here is recovered like any other
+                    d.finish_training(n)
+                return result
+            except Exception as exc:
+                if not d.is_peer_failure(exc):
+                    raise
                 _stop_timers_since(running)
                 failure = exc
+
+    @property
+    def last_step(self) -> int:
+        from megatron.training import get_args
+
+        return get_args().train_iters
 
     def _bind(self, model, optimizer, scheduler, config, data_iterator, n: int) -> None:
         self.objs = (model, optimizer, scheduler, config)
         self.data_iterator = data_iterator
         self.recorders = install_recorder(data_iterator)
         self.next_step = n
-        if self.newcomer is None:
-            self.repl_group = self._new_repl_group()
+        self.driver.bind(self)
 
     def _note_counters(self, n: int) -> None:
         """Megatron's counters after step n-1 (train() updates them after each step)."""
@@ -382,85 +371,52 @@ class MegatronSession(Recovery):
         result = real(
             fwd, data_iterator, model, optimizer, scheduler, config, fb_func, iteration=k - 1
         )
-        self._replicate(k)
+        t0 = time.perf_counter()
+        self.driver.replicate(k)
+        self.repl_seconds = time.perf_counter() - t0
         self.next_step = k + 1
-        self.last_completed = k
-        if self.rank == 0:
-            self.members.store.set("progress/last", str(k))
-            if self.resumed_at == k:
-                self._stamp("first_iteration")
+        self.driver.step_completed(k)
         return result
 
-    def _replicate(self, k: int) -> None:
-        t0 = time.perf_counter()
-        if self.replicator is None:
-            self.replicator = self._make_replicator()
-        self.committed = self.replicator.finish_round()
-        self.replicator.start_round(k)
-        self.repl_seconds = time.perf_counter() - t0
-
-    def _maybe_fail(self, n: int) -> None:
-        """Fault injection, `--deadpool-fail RANK@ITER[:kill|hang|flip]` / `node:N@ITER`:
-        as step n starts; each spec fires once per job (not again for the process that takes
-        the slot, nor when the step is recomputed)."""
-        hit = faults.iteration_faults(self.cfg.fail, self.rank, self.layout.ranks_per_node).get(n)
-        if hit is not None and self._fire(hit[0]):
-            self._inject(hit[1], f"at iteration {n}")
-
-    def fail_in_recovery(self) -> None:
-        """`--deadpool-fail RANK@recovery[:kind]`: this rank fails as it enters a recovery."""
-        for index, kind in faults.recovery_faults(self.cfg.fail, self.rank):
-            if self._fire(index):
-                self._inject(kind, "while in recovery")
-
-    def _fire(self, index: int) -> bool:
-        who = self.pid if self.rank is None else self.rank  # a rank's fault fires once per job
-        return self.members.store.add(f"fault/fired/{index}/{who}", 1) == 1
-
-    def _inject(self, kind: str, when: str) -> None:
-        if kind == "flip":  # memory corruption of the replicas this rank holds
-            if self.replicator is not None:
-                log.warning("fault injection: flip %s", when)
-                self.replicator.flip_bits_at_rest()
-            return
-        log.warning("fault injection: %s %s", kind, when)
-        self.members.store.set(f"fault/{self.pid}", repr(time.time()))
-        inject(kind)
-
-    def _device(self) -> Device:
-        if torch.cuda.is_available() and torch.version.cuda and torch.cuda.device_count():
-            return Device(kind="cuda", backend="nccl", index=torch.cuda.current_device())
-        return Device(kind="cpu", backend="gloo")
-
-    def _new_repl_group(self) -> dist.ProcessGroup:
-        return dist.new_group(
-            backend=replication_backend(self._device()),
-            timeout=datetime.timedelta(seconds=self.cfg.pg_timeout),
-        )
-
-    def _make_replicator(self) -> Replicator:
-        _, optimizer, scheduler, _ = self.objs
-        return Replicator(
-            Snapshotter(RankState(optimizer, scheduler), self.rank),
-            self.placement,
-            self.rank,
-            self.repl_group,
-            ReplicaMemory(self.cfg.replica_device, self._device()),
-            previous=self.replicator,
-        )
-
-    def _roots(self) -> list[Any]:
-        """Everything that holds process-group handles DeadPool must rebind: model chunks, DDP,
-        optimizer, scheduler, config, Megatron's checkpointing context (its save strategy
-        keeps the data-parallel group), the replicator."""
-        return [*self.objs, *self.extra_roots, self.replicator]
-
-    def _stamp(self, what: str) -> None:
-        self.members.store.set(f"gen{self.generation}/{what}/{self.rank}", repr(time.time()))
+    def _join_as_newcomer(self, n: int) -> None:
+        """First step of a newcomer: leave the private world, join, receive the shard."""
+        plan, d = self.newcomer, self.driver
+        self.newcomer = None  # a failure from here on is recovered like a survivor's
+        t0 = time.time()
+        if n != plan.target:
+            raise DeadpoolRuntimeError(
+                f"newcomer reached step {n}, the survivors resume at step {plan.target}"
+            )
+        d.release()
+        newcomer.leave()
+        d.join(plan.roster, self.init_model_parallel)
+        d.attach()
+        t_joined = time.time()
+        d.restore(plan.roster, needy=True)
+        self._log_state_to_load = plan.log_state
+        d.record_newcomer(plan.roster, n, t0, t_joined)
 
     # ------------------------------------------------------------------ between steps
+    def training_returned(self, iteration: int) -> None:
+        """Megatron's `train()` returned after `iteration` (its last step, or an exit
+        condition: --exit-interval, --exit-duration-in-mins, a signal)."""
+        if self.objs is None or self.driver.completed is not None:
+            return
+        try:
+            self.driver.finish_training(iteration)
+        except Exception as exc:
+            if not self.driver.is_peer_failure(exc):
+                raise
+            self.driver.completed = iteration  # no step to recompute outside Megatron's loop
+            self.defer(exc, "the last replication round")
+
     def defer(self, exc: BaseException, where: str) -> None:
-        """A collective failed outside a training step: recover at the next step."""
+        """A collective failed outside a training step: recover at the next step - or, once
+        training completed, save what survives and end (`LostAfterTrainingError`)."""
+        if self.driver.completed is not None:
+            message = self.driver.end_failure(exc, where)
+            self.driver.finish()
+            raise LostAfterTrainingError(message)
         log.warning(
             "collective failed in %s (%s): recovering at the next step",
             where,
@@ -473,50 +429,41 @@ class MegatronSession(Recovery):
         """Before Megatron's `training_log`: keep a handle on its running sums (a train()
         local); a newcomer first takes over its predecessor's, which a data-parallel peer at
         the same position holds identically, so its log lines read as the dead rank's would."""
-        from .report import load_log_state
-
         self.total_loss_dict = total_loss_dict
         if self._log_state_to_load is not None:
-            load_log_state(total_loss_dict, self._log_state_to_load)
+            mreport.load_log_state(total_loss_dict, self._log_state_to_load)
             self._log_state_to_load = None
 
     def after_log(self, iteration: int) -> None:
         """After Megatron's `training_log`: DeadPool's line and scalars (last rank)."""
         from megatron.training import get_args
 
-        a = get_args()
-        nbytes = self.replicator.bytes_per_round if self.replicator else 0
+        a, d = get_args(), self.driver
+        nbytes = d.replicator.bytes_per_round if d.replicator else 0
         if iteration % a.log_interval == 0:
-            report.print_last(
-                *report.replication_fields(
-                    iteration, a.train_iters, self.committed, nbytes, self.repl_seconds
+            mreport.print_last(
+                *mreport.replication_fields(
+                    iteration, a.train_iters, d.committed, nbytes, self.repl_seconds
                 )
             )
-        for record in self.unreported:
-            report.print_last(*report.recovery_fields(record))
-        if report.is_last_rank() and iteration % a.tensorboard_log_interval == 0:
+        for record in d.recoveries[self.reported :]:
+            mreport.print_last(*mreport.recovery_fields(record))
+        self.reported = len(d.recoveries)
+        if mreport.is_last_rank() and iteration % a.tensorboard_log_interval == 0:
             scalars = {
-                "committed-iteration": float(self.committed if self.committed is not None else -1),
+                "committed-iteration": float(d.committed if d.committed is not None else -1),
                 "replica-bytes-per-iteration": float(nbytes),
                 "replication-time-ms": self.repl_seconds * 1000,
-                "generation": float(self.generation),
-                "recoveries": float(len(self.recoveries)),
+                "generation": float(d.generation),
+                "recoveries": float(len(d.recoveries)),
             }
-            if self.recoveries:
-                scalars["last-recovery-s"] = self.recoveries[-1]["total_s"]
-            report.write_scalars(iteration, scalars)
-        self.unreported = []
+            if d.recoveries:
+                scalars["last-recovery-s"] = d.recoveries[-1].total_s
+            mreport.write_scalars(iteration, scalars)
 
     def finish(self) -> None:
         """After `pretrain()` returned: drain the last round, mark this process done."""
-        from ..digest import rank_digest
-
-        if self.replicator is not None and self.repl_group is not None:
-            self.replicator.finish_round()
-        if self.objs is not None:
-            self.members.store.set(f"digest/{self.rank}", rank_digest(self.objs[0]))
-        self.members.store.set(f"done/{self.pid}", repr(time.time()))
-        self.heartbeat.stopped.set()
+        self.driver.finish()
 
 
 # ---------------------------------------------------------------------- helpers

@@ -194,9 +194,7 @@ def test_worker_launcher_is_passed_not_swapped(
     paper_workers.launch(job, tmp_path, False, "", timeout_s=1.0, python="py")
     paper_workers.launch(job, tmp_path, False, "async", timeout_s=1.0, python="py")
     assert passed[0] is None and issubclass(passed[1], local) and passed[1] is not local
-    commands: list[list[str]] = []
-    monkeypatch.setattr(paper_workers.subprocess, "Popen", lambda cmd, **_: commands.append(cmd))
-    passed[1](job, run_dir=str(tmp_path), quiet=True)._spawn("a0", tmp_path / "j.yaml", "h:1")
+    commands = [passed[1](job, run_dir=str(tmp_path), quiet=True)._command("a0", "h:1")]
     assert commands[0][:4] == ["py", "-m", "megatron_deadpool.bench.paper_workers", "async"]
 
 

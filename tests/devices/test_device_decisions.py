@@ -70,10 +70,11 @@ def test_gloo_lazy_init_is_refused() -> None:
         gloo.check_settings({"TORCH_GLOO_LAZY_INIT": "1"})
 
 
-def test_eager_communicators_for_nccl_only() -> None:
-    assert nccl.init_kwargs("nccl", 3) == {"device_id": torch.device("cuda", 3)}
-    assert nccl.init_kwargs("cpu:gloo,cuda:nccl", 0) == {"device_id": torch.device("cuda", 0)}
-    assert nccl.init_kwargs("gloo", 0) == {}
+def test_eager_communicators_for_nccl_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)  # set_device(3) ran
+    assert nccl.init_kwargs("nccl") == {"device_id": torch.device("cuda", 3)}
+    assert nccl.init_kwargs("cpu:gloo,cuda:nccl") == {"device_id": torch.device("cuda", 3)}
+    assert nccl.init_kwargs("gloo") == {}
 
 
 def test_a_process_with_lazy_gloo_connections_is_refused_before_any_group() -> None:

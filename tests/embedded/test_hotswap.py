@@ -39,6 +39,19 @@ CASES: dict[str, list[str]] = {
     "node": ["--tp", "2", "--dp", "2", "--spares", "2", "--fail", "node:1@3"],
     # With --save: memory still holds every shard, so survivors save a complete set.
     "no_spare": ["--tp", "2", "--dp", "2", "--spares", "0", "--fail", "2@4", "--save", "{ckpt}"],
+    # Rank 2 killed right after training completed (its last step done and replicated).
+    "lost_at_end": [
+        "--tp",
+        "2",
+        "--dp",
+        "2",
+        "--spares",
+        "1",
+        "--fail",
+        "2@end",
+        "--save",
+        "{ckpt}",
+    ],
     "owner_and_holder": [
         "--tp",
         "2",
@@ -175,3 +188,44 @@ def test_owner_and_its_holder_lost_together_is_reported_and_resumable(root: str)
     assert manifest["ranks_missing"] == [0, 2] and not manifest["complete"]
     resumed = _resume("owner_and_holder", root)  # from the Megatron checkpoint of iteration 2
     assert len(resumed["losses"]) == int(ITERS) - 2
+
+
+@pytest.mark.timeout(600)
+def test_a_rank_lost_after_training_completed_costs_nothing(root: str) -> None:
+    """No recovery (nothing to recompute), no live rank reported dead, the run succeeds with
+    the failure-free losses and weights, and the survivors save the final state - the dead
+    rank's from its holder's memory - as a complete snapshot set that `--load` resumes from."""
+    proc, records, summary = run("lost_at_end", root)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    _, _, reference = run("ref_tp", root)
+    assert [r["loss"] for r in records] == summary["losses"] == reference["losses"]
+    assert summary["final_param_digest"] == reference["final_param_digest"]
+    assert summary["recoveries"] == []
+    lost = summary["lost_after_training"]
+    assert lost["dead_ranks"] == [2] and lost["completed_iteration"] == int(ITERS)
+    assert lost["save"] == {
+        "iteration": int(ITERS),
+        "sources": {"2": 0},
+        "complete": True,
+        "missing": [],
+    }
+    assert "lost after training completed" in proc.stdout
+    events = [
+        json.loads(line)
+        for line in (Path(root) / "lost_at_end" / "logs" / "events.jsonl").read_text().splitlines()
+    ]
+    assert [e["pid"] for e in events if e["event"] == "process_dead"] == ["a2"]
+    manifest = json.loads(
+        (
+            Path(root) / "lost_at_end" / "ckpt" / "deadpool" / "iter_0000006" / "manifest.json"
+        ).read_text()
+    )
+    assert manifest["complete"] and manifest["ranks_present"] == [0, 1, 2, 3]
+    out = Path(root) / "lost_at_end"
+    resumed = run_deadpool(
+        "train", "--tp", "2", "--dp", "2", "--iters", ITERS, "--load", str(out / "ckpt"),
+        "--json-log", str(out / "resume.jsonl"), timeout=240,
+    )  # fmt: skip
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    after = json.loads((out / "resume.jsonl").read_text().splitlines()[-1])
+    assert after["losses"] == [] and after["final_param_digest"] == reference["final_param_digest"]

@@ -244,7 +244,7 @@ def nccl_world() -> Any:
         rank=0,
         world_size=1,
         timeout=datetime.timedelta(seconds=120),
-        **nccl.init_kwargs("nccl", device.index),
+        **nccl.init_kwargs("nccl"),
     )
     ps.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1)
     yield device

@@ -105,7 +105,8 @@ def test_cpu_flags_fill_in_only_what_the_user_left_out() -> None:
 
 
 def test_task_index_and_identity(monkeypatch: pytest.MonkeyPatch) -> None:
-    from megatron_deadpool.megatron_lm.session import Identity, task_from_env
+    from megatron_deadpool.hotswap.membership import pid_of
+    from megatron_deadpool.megatron_lm.session import task_from_env
 
     for name in ("RANK", "SLURM_PROCID"):
         monkeypatch.delenv(name, raising=False)
@@ -118,7 +119,7 @@ def test_task_index_and_identity(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(ConfigError, match="task index"):
         task_from_env()
     # The coordinator's world size decides: tasks beyond it are spares.
-    assert [Identity(t, 4).pid for t in (0, 3, 4, 5)] == ["a0", "a3", "s0", "s1"]
+    assert [pid_of(t, 4) for t in (0, 3, 4, 5)] == ["a0", "a3", "s0", "s1"]
 
 
 def test_batch_recorder_replays_the_steps_after_the_restore_iteration() -> None:
@@ -165,6 +166,9 @@ class _FakeSession:
 
     def after_log(self, iteration: int) -> None:
         self.logged.append(iteration)
+
+    def training_returned(self, iteration: object) -> None:
+        self.returned = iteration
 
 
 def _megatron_training_log(loss_dict, total_loss_dict, learning_rate, iteration, loss_scale,
@@ -686,6 +690,52 @@ def test_out_of_redundancy_saves_every_shard_and_load_resumes_bitwise(
         else:
             assert loss == theirs[it][1], (it, ours[it], theirs[it])
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == str(ITERS)
+
+
+@pytest.mark.timeout(3 * RUN_TIMEOUT)
+def test_rank_lost_after_training_completed_costs_nothing(baseline: Run, tmp_path: Path) -> None:
+    """Rank 2 is SIGKILLed right after the last step completed and was replicated, before
+    pretrain()'s final save: no recovery, the run succeeds with the failure-free iterations,
+    and the survivors save the final state - rank 2's from its holder - as a complete snapshot
+    set, which the same command with --load turns into Megatron's checkpoint of that step."""
+    from megatron_deadpool.replication import snapshot_set as salvage
+
+    tree = _megatron_lm()
+    ckpt = tmp_path / "ckpt"
+    base = [*MEGATRON_ARGS, "--use-distributed-optimizer", "--save", str(ckpt),
+            "--save-interval", "4", *DEADPOOL_ARGS]  # fmt: skip
+    run = _launch(tmp_path, "end", tree / "pretrain_gpt.py", [*base, "--deadpool-fail", "2@end"])
+    assert run.returncode == 0, run.describe()
+    assert run.iterations() == baseline.iterations(), run.describe()
+    assert run.summary["recoveries"] == []
+    lost = run.summary["lost_after_training"]
+    assert lost["dead_ranks"] == [2] and lost["completed_iteration"] == ITERS
+    assert lost["save"]["complete"] and lost["save"]["sources"] == {"2": 0}
+    actives = {p: c for p, c in run.summary["exit_codes"].items() if p.startswith("a")}
+    assert actives == {"a0": 0, "a1": 0, "a2": -9, "a3": 0}
+    expected = {r: d for r, d in baseline.summary["param_digests"].items() if r != "2"}
+    assert run.summary["param_digests"] == expected
+    assert re.search(
+        rf"training completed at iteration {ITERS}; rank\(s\) \[2\] lost "
+        r"afterwards, in a checkpoint save: saved every rank's state",
+        run.text,
+    )
+    manifest = salvage.read_manifest(ckpt, ITERS)
+    assert manifest["complete"] and manifest["ranks_present"] == [0, 1, 2, 3]
+    assert manifest["megatron"]["consumed_train"] == 8 * ITERS  # global batch 8
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "4"
+
+    converted = _launch(tmp_path, "converted", tree / "pretrain_gpt.py", [*base, "--load",
+                        str(ckpt)])  # fmt: skip
+    assert converted.returncode == 0, converted.describe()
+    assert re.search(rf"resumed from DeadPool's snapshot set of iteration {ITERS}", converted.text)
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == str(ITERS)
+    torch = pytest.importorskip("torch")
+    ours = torch.load(ckpt / f"iter_{ITERS:07d}/common.pt", weights_only=False)
+    theirs = torch.load(baseline.run_dir.parent / f"ckpt/iter_{ITERS:07d}/common.pt",
+                        weights_only=False)  # fmt: skip
+    for key in ("iteration", "opt_param_scheduler", "num_floating_point_operations_so_far"):
+        assert ours[key] == theirs[key], key
 
 
 @pytest.mark.timeout(3 * RUN_TIMEOUT)

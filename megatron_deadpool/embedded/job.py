@@ -1,0 +1,265 @@
+"""The life of one `deadpool train` process: the embedded job's loop over the hot-swap driver.
+
+Survivors keep their Python objects for the whole run; a spare builds its own when it is
+assigned a slot. The training loop is Megatron's (`gpt.train_step`: forward/backward through
+`get_forward_backward_func`, the distributed optimizer's step, the LR scheduler); around each
+step the driver (`hotswap.driver`) fires injected faults and replicates, and on a peer failure
+recovers in place. What is particular to this job is here: the `JobAdapter` answers (its
+objects, the newcomer's build mirrored by survivors), persistent checkpoints, preemption, and
+the per-iteration records the launcher renders.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+from megatron.core import parallel_state as ps
+
+from ..config.job import JobConfig
+from ..devices import select_device
+from ..errors import CoordinatorUnreachableError, OutOfRedundancyError
+from ..hotswap.driver import Driver
+from ..hotswap.membership import Roster
+from ..hotswap.weights import sync_params_from_main
+from ..replication import save_dir, snapshot_set
+from ..replication.snapshot import RankState, Snapshotter
+from . import gpt
+
+log = logging.getLogger("megatron_deadpool.embedded")
+
+Saver = Callable[["EmbeddedJob", int], Any]
+"""How a persistent checkpoint of an iteration is written (default: `checkpoint.save`)."""
+
+
+def save_checkpoint(job: EmbeddedJob, iteration: int) -> Path:
+    """The default `Saver`: a Megatron torch_dist checkpoint under `--save`."""
+    from . import checkpoint
+
+    return checkpoint.save(job.objs, iteration, job.spec.train.save)
+
+
+class EmbeddedJob:
+    """One process of the embedded job (an active rank, or a spare waiting for a slot)."""
+
+    def __init__(
+        self,
+        spec: JobConfig,
+        *,
+        pid: str,
+        coordinator: str,
+        token: str,
+        saver: Saver = save_checkpoint,
+        on_finish: Callable[[], None] = lambda: None,
+    ) -> None:
+        """`saver` writes persistent checkpoints; `on_finish` runs once training is over,
+        before the final barrier (e.g. to complete asynchronous saves)."""
+        self.spec = spec
+        self.saver = saver
+        self.on_finish = on_finish
+        self.driver = Driver(
+            spec.deadpool, select_device("auto"), coordinator=coordinator, token=token, pid=pid
+        )
+        self.objs: gpt.TrainingObjects | None = None
+        self.preempted_at: int | None = None
+
+    # ------------------------------------------------------------------ JobAdapter
+    def roots(self) -> list[Any]:
+        o = self.objs
+        return [o.model, o.optimizer, o.scheduler, o.config] if o else []
+
+    def rank_state(self) -> RankState:
+        return RankState(self.objs.optimizer, self.objs.scheduler)
+
+    def model(self) -> list[Any]:
+        return self.objs.model
+
+    def init_model_parallel(self) -> None:
+        ps.initialize_model_parallel(
+            tensor_model_parallel_size=self.spec.parallel.tp,
+            pipeline_model_parallel_size=self.spec.parallel.pp,
+        )
+
+    def after_rejoin(self, roster: Roster) -> None:
+        # A newcomer builds its objects now: recreate the RNG tracker (restored below) and
+        # take part in the world collectives its optimizer build makes.
+        gpt.seed_rng(self.spec.train.seed)
+        gpt.mirror_optimizer_build(self.objs)
+
+    def after_restore(self, iteration: int, *, needy: bool) -> None:
+        pass  # the data of iteration t is a function of t (`data.iteration_batches`)
+
+    def recovery_report(self) -> dict[str, Any]:
+        return {}
+
+    def salvage_target(self, iteration: int) -> tuple[str | None, dict[str, Any] | None]:
+        return self.spec.train.save, None
+
+    # ------------------------------------------------------------------ life
+    def run(self) -> int:
+        """The process's life; its exit code (0 done, 3 out of redundancy, 4 coordinator lost)."""
+        try:
+            return self._run()
+        except OutOfRedundancyError as exc:
+            log.error("%s", exc)
+            return 3
+        except (dist.DistStoreError, dist.DistNetworkError) as exc:
+            log.error("%s", self.driver.coordinator_lost(str(exc)))
+            return 4
+        except CoordinatorUnreachableError as exc:
+            log.error("%s", exc)
+            return 4
+
+    def _run(self) -> int:
+        d = self.driver
+        # Slurm's time limit and preemption send SIGTERM: finish the iteration, agree on it
+        # with every rank, save (with --save), and exit cleanly.
+        d.catch_sigterm()
+        d.connect()
+        roster = d.wait_for_slot()
+        if roster is None:
+            return 0
+        d.join(roster, self.init_model_parallel)
+        self.objs = gpt.build(self.spec)
+        d.bind(self)
+        start = 1
+        if roster.generation > 0:  # a spare taking a dead rank's slot
+            start = d.restore(roster, needy=True) + 1
+        elif self.spec.train.load:
+            start = self._load(self.spec.train.load) + 1
+        while True:
+            try:
+                last = self._train(start)
+                d.finish_training(last)
+                break
+            except Exception as exc:
+                if not d.is_peer_failure(exc):
+                    raise
+                start = d.recover(exc) + 1
+        self._finish()
+        return 0
+
+    def _train(self, start: int) -> int:
+        """Iterations `start`.. to the end (or a preemption); returns the last one done."""
+        d, spec = self.driver, self.spec
+        it = start - 1
+        for it in range(start, spec.train.iters + 1):
+            d.begin_step(it)
+            t0 = time.perf_counter()
+            repl = d.replicator
+            if repl is not None:
+                repl.before_step()
+            step = gpt.train_step(
+                spec, self.objs, it, self._stop_vote(), repl.settle if repl else None
+            )
+            compute_s = time.perf_counter() - t0
+            committed = d.replicate(it, step.replicas_ok) if spec.deadpool.enabled else None
+            self._report(it, step, time.perf_counter() - t0, compute_s, committed)
+            d.step_completed(it)
+            interval = spec.train.save_interval
+            if (interval and it % interval == 0) or (step.stop and spec.train.save):
+                self._save(it)
+            if step.stop:
+                self.preempted_at = it
+                log.warning(
+                    "preempted: stopping after iteration %d%s",
+                    it,
+                    " (checkpoint saved)" if spec.train.save else "",
+                )
+                break
+        return it
+
+    def _stop_vote(self) -> bool:
+        """This rank votes to stop: it got SIGTERM, or (rank 0) the launcher asked."""
+        d = self.driver
+        return d.sigterm.is_set() or (d.rank == 0 and d.members.preempt_requested())
+
+    def _report(
+        self,
+        it: int,
+        step: gpt.StepResult,
+        iter_s: float,
+        compute_s: float,
+        committed: int | None,
+    ) -> None:
+        d = self.driver
+        log.info(
+            "iteration %d/%d | loss %.6f | %.3f s/it | committed %s",
+            it,
+            self.spec.train.iters,
+            step.loss,
+            iter_s,
+            committed,
+        )
+        if d.rank != 0:
+            return
+        repl = d.replicator
+        d.members.publish_metrics(
+            d.generation,
+            it,
+            {
+                "iteration": it,
+                "time": time.time(),
+                "loss": step.loss,
+                "grad_norm": step.grad_norm,
+                "lr": self.objs.optimizer.param_groups[0]["lr"],
+                "iter_time_s": iter_s,
+                "replication_s": iter_s - compute_s,
+                "generation": d.generation,
+                "committed_iteration": committed,
+                "replica_bytes_sent": repl.bytes_per_round if repl else 0,
+                "replication_parts_s": dict(repl.timings) if repl else {},
+            },
+        )
+
+    def _finish(self) -> None:
+        """Training is complete: the final reports, then leave the groups together. A peer
+        lost now costs no recovery: what it held survives in its holders' memory."""
+        d = self.driver
+        if d.rank == 0:
+            if d.replicator is not None:
+                d.members.publish_final_replication(d.committed)
+            if self.preempted_at is not None:
+                d.members.publish_preempted(self.preempted_at, bool(self.spec.train.save))
+        self.on_finish()
+        try:
+            dist.barrier()
+        except Exception as exc:
+            if not d.is_peer_failure(exc):
+                raise
+            log.warning("%s", d.end_failure(exc, "the final barrier"))
+        else:
+            dist.destroy_process_group()
+        digest = d.finish()
+        log.info("done: parameter digest %s", digest[:16])
+
+    # ------------------------------------------------------------------ persistent checkpoints
+    def _save(self, iteration: int) -> None:
+        t0 = time.perf_counter()
+        path = self.saver(self, iteration)
+        log.info("saved checkpoint %s in %.2fs", path, time.perf_counter() - t0)
+
+    def _load(self, root: str) -> int:
+        from . import checkpoint
+
+        point = save_dir.resume_point(root)
+        if point is None:
+            log.info("no checkpoint in %s: starting from iteration 1", root)
+            return 0
+        rank = self.driver.rank
+        if point[0] == "snapshots":  # the set survivors saved when memory could not recover
+            t = point[1]
+            flat = snapshot_set.read_flat(snapshot_set.rank_file(root, t, rank))
+            Snapshotter.restore_into(self.rank_state(), flat, owner=rank, iteration=t)
+            sync_params_from_main(self.objs.model, self.objs.optimizer)
+            log.info("resumed from DeadPool snapshot set of iteration %d", t)
+            return t
+        t0 = time.perf_counter()
+        iteration = checkpoint.load(self.objs, root)
+        self.driver.members.record_load_time(rank, time.perf_counter() - t0)
+        log.info("loaded checkpoint of iteration %d in %.2fs", iteration, time.perf_counter() - t0)
+        return iteration

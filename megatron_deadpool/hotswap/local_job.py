@@ -1,0 +1,153 @@
+"""A job's processes on this machine, with its store and coordinator hosted in-process.
+
+What `deadpool train` and `deadpool megatron-lm` share, like torchrun but without restarting
+anyone when a rank dies: the store on loopback with the job token, the coordinator (DeadPool
+on), one process per active rank and spare in its own session (so a process and its helpers can
+be killed as a group), the coordinator's ticks, exit codes, time limit, shutdown and the final
+parameter digests. Each launcher decides what its job's progress and outcome look like.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import IO, Any
+
+from ..config.deadpool import DeadpoolConfig
+from ..devices.gpus import assign_gpus, local_gpu_count
+from ..replication.placement import Placement
+from .coordinator import Coordinator, EventLog, ProcessLiveness, kill_groups
+from .membership import Membership, host_store
+
+
+class LocalJob:
+    """One job's store, coordinator and processes; `close()` ends whatever is left."""
+
+    def __init__(
+        self,
+        cfg: DeadpoolConfig,
+        *,
+        world_size: int,
+        token: str,
+        run_dir: Path,
+        placement: Placement | None = None,
+        on_event: Callable[[str], None] = lambda text: None,
+    ) -> None:
+        """`placement` None: the coordinator learns the layout from rank 0 once it exists.
+        Refuses (`ConfigError`) a node with fewer GPUs than actives + spares before anything
+        starts."""
+        self.cfg = cfg
+        self.world_size = world_size
+        self.run_dir = run_dir
+        self.spares = cfg.spares if cfg.enabled else 0
+        self.gpus = assign_gpus(actives=world_size, spares=self.spares, gpus=local_gpu_count())
+        self.procs: dict[str, subprocess.Popen] = {}
+        store, self._listener = host_store("127.0.0.1", 0)  # loopback only
+        self.address = f"127.0.0.1:{store.port}"
+        self.members = Membership(store, "launcher")
+        self.members.set_token(token)
+        self.next_spare = self.spares
+        self.coordinator = Coordinator(
+            self.members,
+            world_size,
+            placement,
+            [f"s{i}" for i in range(self.spares)],
+            heartbeat_timeout=cfg.heartbeat_timeout,
+            agree_timeout=cfg.agreement_timeout,
+            suspect_after=3 * cfg.heartbeat_interval,
+            liveness=ProcessLiveness(self.procs),
+            events=EventLog(run_dir / "events.jsonl"),
+            on_event=on_event,
+        )
+        self.coordinator.start()
+
+    @property
+    def pids(self) -> list[str]:
+        """Every process of the job at start: actives a0.., then spares s0.."""
+        return [f"a{r}" for r in range(self.world_size)] + [f"s{i}" for i in range(self.spares)]
+
+    def local_rank(self, pid: str) -> int:
+        """The GPU (``LOCAL_RANK``) of process `pid`: actives 0.., spares after them; a spare
+        added later (`add_spare`) takes the GPUs round-robin."""
+        task = int(pid[1:]) + (self.world_size if pid.startswith("s") else 0)
+        return self.gpus.local_rank(task % (self.world_size + self.spares))
+
+    def spawn(self, pid: str, cmd: list[str], env: dict[str, str], output: IO[Any] | int) -> None:
+        """Start process `pid` in a session of its own (``LOCAL_RANK`` set), its output to
+        `output` (a file, or `subprocess.PIPE`: read `procs[pid].stdout`)."""
+        self.procs[pid] = subprocess.Popen(
+            cmd,
+            stdout=output,
+            stderr=subprocess.STDOUT,
+            env={**env, "LOCAL_RANK": str(self.local_rank(pid))},
+            start_new_session=True,
+            **({"text": True, "bufsize": 1} if output == subprocess.PIPE else {}),
+        )
+
+    def add_spare(self, spawn: Callable[[str], None]) -> str:
+        """Grow the pool by one spare (as a cluster's scheduler would add a node)."""
+        pid = f"s{self.next_spare}"
+        self.next_spare += 1
+        spawn(pid)
+        self.coordinator.spares.append(pid)
+        self.coordinator.events("spare_added", pid=pid, spares=len(self.coordinator.spares))
+        return pid
+
+    # ------------------------------------------------------------------ monitoring
+    def tick(self) -> None:
+        """One round of failure handling (DeadPool on)."""
+        if self.cfg.enabled:
+            self.coordinator.tick()
+
+    def actives(self) -> list[str]:
+        """The processes that hold the ranks now."""
+        return list(self.coordinator.roster.slots.values())
+
+    def exit_codes(self, pids: list[str]) -> dict[str, int | None]:
+        return {pid: self.procs[pid].poll() for pid in pids if pid in self.procs}
+
+    def failed(self) -> dict[str, int]:
+        """Actives that exited with an error and that no recovery accounts for."""
+        dead = self.coordinator.dead_pids if self.cfg.enabled else set()
+        return {
+            pid: code
+            for pid, code in self.exit_codes(self.actives()).items()
+            if code not in (None, 0) and pid not in dead
+        }
+
+    def finished(self) -> bool:
+        """Every active exited - with 0, or lost after its training was complete - and no
+        recovery is under way."""
+        gone = self.coordinator.after_training
+        codes = self.exit_codes(self.actives())
+        return self.coordinator.recovery is None and all(
+            c == 0 or (c is not None and pid in gone) for pid, c in codes.items()
+        )
+
+    def wait_exit(self, pids: list[str], timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline and any(
+            c is None for c in self.exit_codes(pids).values()
+        ):
+            time.sleep(0.05)
+
+    # ------------------------------------------------------------------ the end
+    def digests(self) -> dict[int, str]:
+        """Each rank's final parameter digest (equal digests: equal weights)."""
+        out = {}
+        for r in range(self.world_size):
+            digest = self.members.digest(r)
+            if digest is not None:
+                out[r] = digest
+        return out
+
+    def close(self, grace_s: float) -> None:
+        """Tell waiting spares to leave, give the ranks `grace_s` and the spares a second to
+        exit on their own, then kill every process group (a spare still starting up cannot see
+        the shutdown yet)."""
+        self.members.request_shutdown()
+        self.wait_exit(self.actives(), grace_s)
+        self.wait_exit(list(self.procs), 1.0)
+        kill_groups(self.procs.values())
