@@ -184,6 +184,7 @@ class Runtime:
             }
             self.members.publish("job/layout", layout)
         if self.cfg.enabled:
+            ReplicaMemory(self.cfg.replica_device, self.device)  # refuses 'gpu' without CUDA now
             backend = replication_backend(self.device)
             self.repl_group = dist.new_group(backend=backend, timeout=timeout)
         log.info(

@@ -433,6 +433,7 @@ class MegatronSession(Recovery):
         return Device(kind="cpu", backend="gloo")
 
     def _new_repl_group(self) -> dist.ProcessGroup:
+        ReplicaMemory(self.cfg.replica_device, self._device())  # refuses 'gpu' without CUDA now
         return dist.new_group(
             backend=replication_backend(self._device()),
             timeout=datetime.timedelta(seconds=self.cfg.pg_timeout),
