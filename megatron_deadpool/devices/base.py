@@ -1,4 +1,4 @@
-"""The `Device` a process trains on: backend name, tensor device, and replica memory.
+"""The `Device` a process trains on (backend name, tensor device), chosen once per process.
 
 The CPU development mode and the CUDA path share every line of DeadPool's logic; they differ
 only in what this object answers.
@@ -28,22 +28,6 @@ class Device:
     @property
     def torch_device(self) -> torch.device:
         return torch.device("cpu") if self.kind == "cpu" else torch.device("cuda", self.index)
-
-    def replica_device(self, setting: str) -> torch.device:
-        """Memory for snapshots and replicas: 'gpu', 'cpu' (pinned host) or 'auto'."""
-        if setting == "gpu" and self.kind != "cuda":
-            raise ConfigError(
-                "deadpool-replica-device: 'gpu' needs CUDA, which this process does not have; "
-                "use 'cpu' or 'auto'"
-            )
-        if setting == "cpu" or (setting == "auto" and self.kind == "cpu"):
-            return torch.device("cpu")
-        return self.torch_device
-
-    @property
-    def pin_memory(self) -> bool:
-        """Host replicas are pinned when there is a GPU to copy from."""
-        return self.kind == "cuda"
 
 
 def active_device() -> Device:

@@ -49,7 +49,11 @@ class ReplicaMemory:
             raise ConfigError(
                 f"deadpool-replica-device: {self.setting!r} is not one of auto, cpu, gpu"
             )
-        self.device.replica_device(self.setting)  # refuses 'gpu' without CUDA
+        if self.setting == "gpu" and self.device.kind != "cuda":
+            raise ConfigError(
+                "deadpool-replica-device: 'gpu' needs CUDA, which this process does not have; "
+                "use 'cpu' or 'auto'"
+            )
 
     def local_choice(self, need: int) -> Choice:
         """This rank's choice for `need` bytes of buffers (free memory read now for auto)."""

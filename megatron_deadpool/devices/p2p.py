@@ -35,6 +35,9 @@ from typing import Literal
 import torch
 import torch.distributed as dist
 
+GLOO_SETTLE_S = 1.0
+"""Bound on `arrived` for a gloo transfer whose connection was not shut down."""
+
 
 @dataclass(frozen=True)
 class Transfer:
@@ -109,7 +112,3 @@ def arrived(work: dist.Work, group: dist.ProcessGroup, device: torch.device) -> 
     except Exception:  # noqa: BLE001 - failed, aborted or timed out: the bytes are not usable
         return False
     return True
-
-
-GLOO_SETTLE_S = 1.0
-"""Bound on `arrived` for a gloo transfer whose connection was not shut down."""
