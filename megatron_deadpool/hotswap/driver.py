@@ -35,7 +35,7 @@ from ..devices.failures import is_peer_failure
 from ..devices.groups import replication_backend
 from ..devices.memory import ReplicaMemory
 from ..digest import rank_digest
-from ..errors import ConfigError, CoordinatorUnreachableError, DeadpoolRuntimeError
+from ..errors import CoordinatorUnreachableError, DeadpoolRuntimeError
 from ..logs import set_context
 from ..replication.placement import Layout, Placement, place_replicas
 from ..replication.replicator import Replicator
