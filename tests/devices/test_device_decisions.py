@@ -112,28 +112,25 @@ def test_too_few_gpus_is_one_clear_message() -> None:
             assign_gpus(gpus=8, **bad)
 
 
-def test_launchers_refuse_spares_without_a_gpu_of_their_own(
+def test_the_local_launcher_core_gives_every_process_its_gpu(
     tmp_path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """`LocalJob` (both launchers' core) refuses too few GPUs before starting anything, and
+    sets LOCAL_RANK per process: actives first, then spares."""
     from megatron_deadpool.config.deadpool import DeadpoolConfig
-    from megatron_deadpool.config.job import JobConfig, ParallelConfig
-    from megatron_deadpool.embedded import launch as embedded_launch
-    from megatron_deadpool.megatron_lm import launch as megatron_launch
+    from megatron_deadpool.hotswap import local_job
 
-    monkeypatch.setattr(embedded_launch, "local_gpu_count", lambda: 4)
-    monkeypatch.setattr(megatron_launch, "local_gpu_count", lambda: 4)
-    job = JobConfig(
-        parallel=ParallelConfig(tp=2, dp=2), deadpool=DeadpoolConfig(enabled=True, spares=1)
-    )
+    cfg = DeadpoolConfig(enabled=True, spares=1)
+    monkeypatch.setattr(local_job, "local_gpu_count", lambda: 4)
     with pytest.raises(ConfigError, match="4 active ranks \\+ 1 spares need 5 GPUs"):
-        embedded_launch.LocalLauncher(job, run_dir=str(tmp_path / "e"))
-    script = tmp_path / "pretrain_gpt.py"
-    script.write_text("")
-    args = ["--deadpool", "--deadpool-spares", "1"]
-    with pytest.raises(ConfigError, match="4 active ranks \\+ 1 spares need 5 GPUs"):
-        megatron_launch.MegatronLauncher(str(script), args, 4, run_dir=str(tmp_path / "m"))
-    ok = megatron_launch.MegatronLauncher(str(script), args, 3, run_dir=str(tmp_path / "m"))
-    assert [ok.gpus.local_rank(t) for t in range(4)] == [0, 1, 2, 3]
+        local_job.LocalJob(cfg, world_size=4, token="t", run_dir=tmp_path)
+    monkeypatch.setattr(local_job, "local_gpu_count", lambda: 5)
+    job = local_job.LocalJob(cfg, world_size=4, token="t", run_dir=tmp_path)
+    try:
+        assert [job.local_rank(pid) for pid in job.pids] == [0, 1, 2, 3, 4]
+        assert job.local_rank("s1") == 0  # a spare added later (chaos runs) wraps around
+    finally:
+        job.close(grace_s=0)
 
 
 # ---------------------------------------------------------------------- failures
