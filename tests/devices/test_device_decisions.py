@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -113,7 +114,7 @@ def test_too_few_gpus_is_one_clear_message() -> None:
 
 
 def test_the_local_launcher_core_gives_every_process_its_gpu(
-    tmp_path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """`LocalJob` (both launchers' core) refuses too few GPUs before starting anything, and
     sets LOCAL_RANK per process: actives first, then spares."""
