@@ -5,11 +5,13 @@ collective, or from a watcher thread while the main thread is still blocked in o
 before anything waits on a transfer or reads a received buffer (`Replicator.abandon`). It
 never waits for a peer:
 
-1. gloo: shut down the connections of every gloo group (`devices.gloo`): a collective blocked
-   on a dead or SIGSTOPped peer raises at once instead of at the group's timeout;
-2. NCCL (and every other group): abort all groups together (`devices.nccl.abort_all`), never
+1. NCCL (and every other group): abort all groups together (`devices.nccl.abort_all`), never
    a graceful destroy; kernels stuck on a dead peer return, the next collective on an
-   aborted group raises `DistBackendError`.
+   aborted group raises `DistBackendError`. First, so that NCCL's own sockets (recorded with a
+   ``cpu:gloo,cuda:nccl`` group's gloo connections) are closed by NCCL, not cut under it;
+2. gloo: shut down the connections of every gloo group (`devices.gloo`): a collective blocked
+   on a dead or SIGSTOPped peer raises at once instead of at the group's timeout (gloo's
+   `abort()`, called in step 1, does nothing).
 
 Afterwards torch knows no process group; handles still held by Megatron's objects are swapped
 for placeholders by `hotswap.rebind.release` and the next generation is created from scratch.
@@ -53,16 +55,16 @@ def last_abort() -> AbortReport | None:
 
 
 def abort_groups() -> AbortReport:
-    """Abort every process group of this process (gloo connections first, then all groups
-    together); safe to call twice and from any thread."""
+    """Abort every process group of this process (all groups together, then the gloo
+    connections); safe to call twice and from any thread."""
     t0 = time.perf_counter()
     with _LOCK:
         world = dist.distributed_c10d._get_default_group() if dist.is_initialized() else None
         previous = last_abort()
         world_id = id(world) if world is not None else (previous and previous.world_id)
         del world
-        shut = gloo.shutdown_connections()
         aborted = nccl.abort_all()
+        shut = gloo.shutdown_connections()
         report = AbortReport(shut, aborted, time.perf_counter() - t0, world_id)
         _LAST[:] = [report]
     log.info(

@@ -336,10 +336,10 @@ class Replicator:
         Only receives that arrived are read (`devices.p2p.arrived`: `Work.is_completed()` on
         NCCL; on gloo a `wait()` that the aborted connections make return at once), and every
         one is verified by its checksum: after an NCCL abort a receive can report completion
-        with partial bytes. Nothing here waits on a peer. A replica that verifies is as good as a committed one for recovery (agreement
-        picks the newest iteration every needed party holds), so a failure right after a
-        round's transfers costs no recomputation. Returns the owners whose replica of the
-        round was salvaged.
+        with partial bytes. Nothing here waits on a peer. A replica that verifies is as good
+        as a committed one for recovery (agreement picks the newest iteration every needed
+        party holds), so a failure right after a round's transfers costs no recomputation.
+        Returns the owners whose replica of the round was salvaged.
         """
         salvaged: list[int] = []
         if self._round is not None:

@@ -264,6 +264,7 @@ def test_megatron_distributed_optimizer_snapshot_restore_next_step_bitwise(
 ) -> None:
     from megatron_deadpool.digest import rank_digest
     from megatron_deadpool.embedded import gpt
+    from megatron_deadpool.hotswap.weights import sync_params_from_main
     from megatron_deadpool.replication.snapshot import (
         RankState,
         Snapshotter,
@@ -277,14 +278,14 @@ def test_megatron_distributed_optimizer_snapshot_restore_next_step_bitwise(
         gpt.train_step(job, live, it)
     state = RankState(live.optimizer, live.scheduler)
     snap = Snapshotter(state, owner=0)
-    flat = torch.zeros(snap.flat_nbytes(), dtype=torch.uint8, device="cuda")
+    flat = torch.zeros(snap.flat_nbytes(), dtype=torch.uint8, device=snap.device)
     snap.capture(2, flat)
     torch.cuda.synchronize()
     fresh = gpt.build(job)  # a newcomer: initial weights, no optimizer state
     Snapshotter.restore_into(
         RankState(fresh.optimizer, fresh.scheduler), flat, owner=0, iteration=2
     )
-    gpt.sync_params_from_main(fresh)
+    sync_params_from_main(fresh.model, fresh.optimizer)
     assert rank_digest(fresh.model) == rank_digest(live.model)
     a = gpt.train_step(job, live, 3)
     b = gpt.train_step(job, fresh, 3)
