@@ -140,6 +140,7 @@ class EmbeddedJob:
                 if not d.is_peer_failure(exc):
                     raise
                 start = d.recover(exc) + 1
+        d.training_over()
         self._finish()
         return 0
 

@@ -231,8 +231,9 @@ class LocalLauncher:
             ),
         }
         if complete:
+            loss = f", final loss {records[-1]['loss']:.4f}" if records else ""
             self.progress.header(
-                f"done: {len(records)} iterations in {wall_s:.1f}s, final loss "
-                f"{records[-1]['loss']:.4f}, digest {summary['final_param_digest'][:16]}"
+                f"done: {len(records)} iterations in {wall_s:.1f}s{loss}, digest "
+                f"{summary['final_param_digest'][:16]}"
             )
         return summary

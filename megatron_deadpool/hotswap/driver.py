@@ -438,9 +438,13 @@ class Driver:
         self.completed = n
         if self.cfg.enabled:
             self.members.report_finished(self.rank, n)
-            for index, kind in end_faults(self.cfg.fail, self.rank):
-                if self._fire(index):
-                    self._inject(kind, "after training completed")
+
+    def training_over(self) -> None:
+        """The job's training loop has ended (after `finish_training`); its final work (final
+        save, evaluation, the last barrier) comes next. Fires `RANK@end` faults."""
+        for index, kind in end_faults(self.cfg.fail, self.rank):
+            if self._fire(index):
+                self._inject(kind, "after training completed")
 
     def end_failure(self, exc: BaseException, where: str) -> str:
         """A collective failed after training completed (final save, final report): a peer
@@ -455,7 +459,7 @@ class Driver:
         traceback.clear_frames(exc.__traceback__)
         self.members.report_failure(_first_line(exc))
         group, self.repl_group = self.repl_group, None
-        rebind.release(self._roots(), {"DEADPOOL_REPLICATION": group})
+        recovery.release_groups(self.replicator, self._roots(), group)
         deadline = time.time() + self.cfg.heartbeat_timeout + self.cfg.agreement_timeout
         report = self.members.end()
         while report is None and time.time() < deadline:

@@ -56,7 +56,7 @@ class LocalJob:
             [f"s{i}" for i in range(self.spares)],
             heartbeat_timeout=cfg.heartbeat_timeout,
             agree_timeout=cfg.agreement_timeout,
-            suspect_after=3 * cfg.heartbeat_interval,
+            suspect_after=max(3 * cfg.heartbeat_interval, cfg.heartbeat_timeout / 2),
             liveness=ProcessLiveness(self.procs),
             events=EventLog(run_dir / "events.jsonl"),
             on_event=on_event,

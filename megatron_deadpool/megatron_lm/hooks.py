@@ -118,13 +118,7 @@ def wrap_train(real: Any, session: Any) -> Any:
         context = sig.bind(*args, **kwargs).arguments.get("checkpointing_context")
         if context is not None:  # its cached save strategy holds the data-parallel group
             session.extra_roots.append(context)
-        try:
-            out = real(*args, **kwargs)
-        except Exception as exc:  # after the loop: e.g. a barrier with a peer lost meanwhile
-            if not (is_peer_failure(exc) and session.driver.completed is not None):
-                raise
-            session.defer(exc, "the end of train()")  # raises LostAfterTrainingError
-            raise
+        out = real(*args, **kwargs)
         session.training_returned(out[0])  # (iteration, floating-point operations so far)
         return out
 
@@ -253,9 +247,4 @@ def install(session: MegatronSession) -> None:
         tr,
         "checkpoint_and_decide_exit",
         lambda real: wrap_between_steps(real, session, "checkpoint/exit check", lambda b: False),
-    )
-    _patch(  # pretrain()'s final save, after train() returned
-        tr,
-        "save_checkpoint",
-        lambda real: wrap_between_steps(real, session, "a checkpoint save", lambda b: None),
     )

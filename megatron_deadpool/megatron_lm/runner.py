@@ -147,7 +147,14 @@ def _pretrain(pretrain: Callable[..., Any], bound: inspect.BoundArguments) -> An
     if not session.begin():
         return None  # a spare the job never needed
     megatron_lm_hooks.install(session)
-    out = pretrain(*bound.args, **bound.kwargs)
+    try:
+        out = pretrain(*bound.args, **bound.kwargs)
+    except Exception as exc:
+        # pretrain()'s work after train() (its barriers, final save, evaluation) with a peer
+        # lost after training completed: save what survives, end (LostAfterTrainingError).
+        if session.driver.completed is None or not session.driver.is_peer_failure(exc):
+            raise
+        session.defer(exc, "Megatron's final work after training")
     session.finish()
     return out
 

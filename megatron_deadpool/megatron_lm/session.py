@@ -400,15 +400,17 @@ class MegatronSession:
     def training_returned(self, iteration: int) -> None:
         """Megatron's `train()` returned after `iteration` (its last step, or an exit
         condition: --exit-interval, --exit-duration-in-mins, a signal)."""
-        if self.objs is None or self.driver.completed is not None:
+        if self.objs is None:
             return
-        try:
-            self.driver.finish_training(iteration)
-        except Exception as exc:
-            if not self.driver.is_peer_failure(exc):
-                raise
-            self.driver.completed = iteration  # no step to recompute outside Megatron's loop
-            self.defer(exc, "the last replication round")
+        if self.driver.completed is None:
+            try:
+                self.driver.finish_training(iteration)
+            except Exception as exc:
+                if not self.driver.is_peer_failure(exc):
+                    raise
+                self.driver.completed = iteration  # no step to recompute outside the loop
+                self.defer(exc, "the last replication round")
+        self.driver.training_over()
 
     def defer(self, exc: BaseException, where: str) -> None:
         """A collective failed outside a training step: recover at the next step - or, once
