@@ -6,8 +6,8 @@
 // unpack:   the inverse; checksums the flat buffer while scattering it back.
 // checksum: the checksum alone.
 //
-// Checksum (the definition and its proof are in megatron_deadpool/pack.py): the buffer is n
-// little-endian words, w_i each read as a signed int32, and
+// Checksum (the definition and its proof are in megatron_deadpool/replication/pack.py): the
+// buffer is n little-endian words, w_i each read as a signed int32, and
 //     checksum = sum_{i<n} (i + 1) * w_i  mod 2**64.
 // Everything is computed in uint64, whose wraparound is exactly arithmetic mod 2**64, so the
 // order of the (atomic) additions does not matter and the result is bit-identical to the
@@ -31,7 +31,6 @@ namespace {
 
 constexpr int kThreads = 256;
 constexpr int kUnroll = 4;
-constexpr int kBlocksPerSm = 8;
 
 // The signed value of a 32-bit word, as a uint64 modulo 2**64 (well defined, no casts of
 // out-of-range values to signed types).
@@ -243,16 +242,27 @@ __global__ void __launch_bounds__(kThreads)
   block_add(acc, result);
 }
 
-int grid_for(int64_t nvec) {
+// Blocks for `nvec` vectors: one per kThreads vectors, capped at what fits on the device at
+// once (SMs x resident blocks per SM for this kernel, from the occupancy API: register and
+// shared-memory use decide it, e.g. 5 blocks of 256 threads at 48 registers, not a guess).
+// Grid-stride loops cover the rest.
+template <typename Kernel>
+int grid_for(Kernel kernel, int64_t nvec) {
   int device = 0;
   int sms = 0;
+  int per_sm = 0;
   if (cudaGetDevice(&device) != cudaSuccess ||
       cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess ||
       sms <= 0) {
     sms = 1;
   }
+  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, 0) !=
+          cudaSuccess ||
+      per_sm <= 0) {
+    per_sm = 1;
+  }
   const int64_t wanted = (nvec + kThreads - 1) / kThreads;
-  const int64_t cap = static_cast<int64_t>(sms) * kBlocksPerSm;
+  const int64_t cap = static_cast<int64_t>(sms) * per_sm;
   return static_cast<int>(wanted < 1 ? 1 : (wanted < cap ? wanted : cap));
 }
 
@@ -264,7 +274,8 @@ int dp_launch_pack(const DpSegment* segments, int nsegments, uint8_t* out, int64
   cudaError_t err = cudaMemsetAsync(result, 0, sizeof(unsigned long long), s);
   if (err != cudaSuccess || total == 0) return static_cast<int>(err);
   const int64_t nvec = total / 16;
-  pack_kernel<<<grid_for(nvec), kThreads, 0, s>>>(segments, nsegments, out, nvec, result);
+  pack_kernel<<<grid_for(pack_kernel, nvec), kThreads, 0, s>>>(segments, nsegments, out, nvec,
+                                                                 result);
   return static_cast<int>(cudaGetLastError());
 }
 
@@ -274,7 +285,8 @@ int dp_launch_unpack(const uint8_t* flat, const DpSegment* segments, int nsegmen
   cudaError_t err = cudaMemsetAsync(result, 0, sizeof(unsigned long long), s);
   if (err != cudaSuccess || total == 0) return static_cast<int>(err);
   const int64_t nvec = total / 16;
-  unpack_kernel<<<grid_for(nvec), kThreads, 0, s>>>(flat, segments, nsegments, nvec, result);
+  unpack_kernel<<<grid_for(unpack_kernel, nvec), kThreads, 0, s>>>(flat, segments, nsegments,
+                                                                   nvec, result);
   return static_cast<int>(cudaGetLastError());
 }
 
@@ -283,7 +295,8 @@ int dp_launch_checksum(const uint8_t* buf, int64_t nbytes, unsigned long long* r
   cudaStream_t s = static_cast<cudaStream_t>(stream);
   cudaError_t err = cudaMemsetAsync(result, 0, sizeof(unsigned long long), s);
   if (err != cudaSuccess || nbytes < 4) return static_cast<int>(err);
-  checksum_kernel<<<grid_for(nbytes / 16), kThreads, 0, s>>>(buf, nbytes, result);
+  checksum_kernel<<<grid_for(checksum_kernel, nbytes / 16), kThreads, 0, s>>>(buf, nbytes,
+                                                                                result);
   return static_cast<int>(cudaGetLastError());
 }
 

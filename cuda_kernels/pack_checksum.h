@@ -1,7 +1,8 @@
 // Launchers of the fused snapshot pack + checksum kernels (see pack_checksum.cu).
 //
 // This header is plain C++ (no CUDA or torch headers) so that the torch binding and the CUDA
-// translation unit share it. Checksum definition: megatron_deadpool/pack.py.
+// translation unit share it. Checksum definition:
+// megatron_deadpool/replication/pack.py.
 #pragma once
 
 #include <cstdint>

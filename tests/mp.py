@@ -50,12 +50,15 @@ def run_world(
     timeout: float = 120.0,
     env: dict[str, str] | None = None,
     keep_logs_on_failure: bool = True,
+    optional: tuple[int, ...] = (),
 ) -> list[Any]:
     """Run `target` ("module:function", a test module anywhere under tests/) on `world_size`
     ranks.
 
     The children's logs are removed after a success, and kept (their path is in the error)
     after a failure unless `keep_logs_on_failure` is False (tests of failures themselves).
+    Ranks in `optional` (e.g. one that stops itself with SIGSTOP) are not waited for: their
+    result is None, and they are killed with the others at the end.
     """
     import torch.distributed as dist
 
@@ -92,7 +95,7 @@ def run_world(
                         cwd=str(REPO_ROOT),
                     )
                 )
-        results = _collect(store, procs, timeout, log_dir)
+        results = _collect(store, procs, timeout, log_dir, set(optional))
     except BaseException:
         failed = True
         raise
@@ -111,33 +114,38 @@ def _module_dir(module: str) -> Path:
     return found[0].parent
 
 
-def _collect(store: Any, procs: list[subprocess.Popen], timeout: float, log_dir: Path) -> list:
+def _collect(
+    store: Any, procs: list[subprocess.Popen], timeout: float, log_dir: Path, optional: set[int]
+) -> list:
     world_size = len(procs)
+    required = set(range(world_size)) - optional
     deadline = time.monotonic() + timeout
     results: dict[int, Any] = {}
-    while len(results) < world_size:
-        if _problems(store, procs, results):
+    while not required <= set(results):
+        if _problems(store, procs, results, optional):
             # One rank's failure makes its peers' collectives fail too: give them a moment to
             # report, then show every rank's story (the root cause is usually the first one).
             time.sleep(1.0)
-            raise WorldError(_describe(_problems(store, procs, results), log_dir))
-        if len(results) < world_size and time.monotonic() > deadline:
-            missing = sorted(set(range(world_size)) - set(results))
+            raise WorldError(_describe(_problems(store, procs, results, optional), log_dir))
+        if time.monotonic() > deadline:
+            missing = sorted(required - set(results))
             what = f"timed out after {timeout:.0f}s; no result from ranks {missing}"
             raise WorldError(_describe([what], log_dir))
         time.sleep(0.05)
     # Every rank reported; give them a moment to leave their final barrier, then kill.
     end = time.monotonic() + 10
-    while time.monotonic() < end and any(p.poll() is None for p in procs):
+    while time.monotonic() < end and any(procs[r].poll() is None for r in required):
         time.sleep(0.05)
-    return [results[r] for r in range(world_size)]
+    return [results.get(r) for r in range(world_size)]
 
 
-def _problems(store: Any, procs: list[subprocess.Popen], results: dict[int, Any]) -> list[str]:
+def _problems(
+    store: Any, procs: list[subprocess.Popen], results: dict[int, Any], optional: set[int]
+) -> list[str]:
     """Collect new results into `results`; describe ranks that failed (tracebacks first)."""
     raised, died = [], []
     for rank, proc in enumerate(procs):
-        if rank in results:
+        if rank in results or rank in optional:
             continue
         key = _RESULT.format(rank=rank)
         exited = proc.poll() is not None
@@ -201,7 +209,8 @@ def _child_main() -> None:
             **json.loads(os.environ["MP_KWARGS"]),
         )
         store.set(key, json.dumps({"ok": True, "value": value}))
-        dist.barrier()  # nobody leaves while a peer may still read from it
+        if dist.is_initialized():  # a target that aborted its groups has none left
+            dist.barrier()  # nobody leaves while a peer may still read from it
     except BaseException:  # noqa: BLE001 - report everything, the parent decides
         store.set(key, json.dumps({"ok": False, "error": traceback.format_exc()}))
         sys.stdout.flush()

@@ -1,8 +1,19 @@
 """Device back-ends: the CPU development mode (gloo) and the CUDA/NCCL path.
 
 `select_device(mode)` decides once per process: CUDA when it is really present (unless the
-CPU mode is asked for), the CPU development mode otherwise. Everything above this package
-talks to `Device` and never checks for CUDA itself.
+CPU mode is asked for), the CPU development mode otherwise. Every device- or backend-specific
+decision lives here, one concern per module:
+
+- `base`: the `Device`, `select_device`, `prepare_communication` (settings before any group);
+- `cpu`: the CPU development mode (Megatron's CUDA assumptions redirected);
+- `nccl`: NCCL settings, eager communicators (``device_id``), aborting all groups together;
+- `gloo`: unblocking gloo collectives with a dead or stopped peer (connections shut down);
+- `abort`: `abort_groups`, both of the above, safe from any thread;
+- `groups`: which device a group's tensors use; the replication group's backends;
+- `p2p`: one batched call per round of point-to-point transfers;
+- `memory`: GPU or pinned host memory for replicas;
+- `gpus`: the GPU of every local active rank and spare;
+- `failures`: `is_peer_failure`, a peer's failure versus any other error.
 """
 
 from __future__ import annotations

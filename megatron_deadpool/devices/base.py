@@ -1,4 +1,4 @@
-"""The `Device` a process trains on: backend name, tensor device, and replica memory.
+"""The `Device` a process trains on (backend name, tensor device), chosen once per process.
 
 The CPU development mode and the CUDA path share every line of DeadPool's logic; they differ
 only in what this object answers.
@@ -29,22 +29,6 @@ class Device:
     def torch_device(self) -> torch.device:
         return torch.device("cpu") if self.kind == "cpu" else torch.device("cuda", self.index)
 
-    def replica_device(self, setting: str) -> torch.device:
-        """Memory for snapshots and replicas: 'gpu', 'cpu' (pinned host) or 'auto'."""
-        if setting == "gpu" and self.kind != "cuda":
-            raise ConfigError(
-                "deadpool-replica-device: 'gpu' needs CUDA, which this process does not have; "
-                "use 'cpu' or 'auto'"
-            )
-        if setting == "cpu" or (setting == "auto" and self.kind == "cpu"):
-            return torch.device("cpu")
-        return self.torch_device
-
-    @property
-    def pin_memory(self) -> bool:
-        """Host replicas are pinned when there is a GPU to copy from."""
-        return self.kind == "cuda"
-
 
 def active_device() -> Device:
     """The device this process already trains on (chosen by its job, e.g. Megatron-LM's
@@ -58,7 +42,12 @@ def active_device() -> Device:
 
 
 def select_device(mode: Mode = "auto", local_rank: int | None = None) -> Device:
-    """Pick CUDA when really present (and not refused), else activate the CPU mode."""
+    """Pick CUDA when really present (and not refused), else activate the CPU mode.
+
+    Also prepares the process's communication before any process group exists: DeadPool's
+    NCCL settings (`devices.nccl.apply_settings`, CUDA only) and the record of gloo
+    connections that `abort_groups` shuts down (`devices.gloo`).
+    """
     if mode not in ("auto", "cpu", "cuda"):
         raise ConfigError(f"device: {mode!r} is not one of auto, cpu, cuda")
     if os.environ.get("DEADPOOL_DEVICE") in ("cpu", "cuda") and mode == "auto":
@@ -67,10 +56,37 @@ def select_device(mode: Mode = "auto", local_rank: int | None = None) -> Device:
     if mode == "cuda" and not has_cuda:
         raise ConfigError("device: 'cuda' was asked for but no CUDA device is available")
     if mode == "cuda" or (mode == "auto" and has_cuda):
-        index = local_rank if local_rank is not None else int(os.environ.get("LOCAL_RANK", "0"))
+        index = local_rank if local_rank is not None else _local_rank()
+        if index >= torch.cuda.device_count():
+            raise ConfigError(
+                f"LOCAL_RANK={index}: this node has {torch.cuda.device_count()} GPUs; every "
+                "active rank and every spare of a node needs a GPU of its own "
+                "(devices.gpus.assign_gpus)"
+            )
+        prepare_communication("cuda")
         torch.cuda.set_device(index)
         return Device(kind="cuda", backend="nccl", index=index)
     from .cpu import activate
 
+    prepare_communication("cpu")
     activate()
     return Device(kind="cpu", backend="gloo")
+
+
+def prepare_communication(kind: Literal["cpu", "cuda"]) -> None:
+    """Before this process creates any process group: refuse settings that break recovery,
+    apply DeadPool's NCCL settings (CUDA), and record the gloo connections of every group
+    from now on (what `abort_groups` shuts down). Idempotent."""
+    from . import gloo, nccl
+
+    gloo.check_settings()
+    if kind == "cuda":
+        nccl.apply_settings()
+    gloo.track_connections()
+
+
+def _local_rank() -> int:
+    text = os.environ.get("LOCAL_RANK", os.environ.get("SLURM_LOCALID", "0"))
+    if not text.isdigit():
+        raise ConfigError(f"LOCAL_RANK: expected a GPU index (0, 1, ...), got {text!r}")
+    return int(text)

@@ -43,10 +43,12 @@ def iteration_batches(
     mbs: int,
     seq: int,
     vocab: int,
+    device: torch.device | None = None,
 ) -> Iterator[dict[str, torch.Tensor]]:
-    """The micro-batches one data-parallel rank consumes in `iteration`."""
+    """The micro-batches one data-parallel rank consumes in `iteration`, on `device` (the
+    model's; they are always generated on the CPU, so every device sees the same tokens)."""
     for micro in range(num_microbatches):
-        yield micro_batch(
+        batch = micro_batch(
             seed=seed,
             iteration=iteration,
             dp_rank=dp_rank,
@@ -55,3 +57,6 @@ def iteration_batches(
             seq=seq,
             vocab=vocab,
         )
+        if device is not None and device.type != "cpu":
+            batch = {name: t.to(device, non_blocking=True) for name, t in batch.items()}
+        yield batch

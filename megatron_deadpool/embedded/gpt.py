@@ -28,6 +28,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.transformer import TransformerConfig
 
 from ..config.job import JobConfig
+from ..devices.groups import tensor_device
 from .data import iteration_batches
 
 
@@ -97,6 +98,10 @@ def build(job: JobConfig) -> TrainingObjects:
         overlap_grad_reduce=False,
         use_distributed_optimizer=True,
     )
+    # Megatron-LM moves each model chunk to its GPU before wrapping it (training.py,
+    # `get_model`): the parameters are initialised on the CPU (the same values on any device)
+    # and every buffer follows them. In the CPU mode this is a no-op.
+    model.cuda(torch.cuda.current_device())
     ddp = DistributedDataParallel(config=cfg, ddp_config=ddp_cfg, module=model)
     opt_cfg = OptimizerConfig(
         optimizer="adam",
@@ -210,6 +215,7 @@ def train_step(
         mbs=t.micro_batch_size,
         seq=job.model.seq_length,
         vocab=job.model.vocab_size,
+        device=next(objs.model[0].parameters()).device,
     )
     losses = get_forward_backward_func()(
         forward_step_func=_forward_step,
@@ -224,7 +230,7 @@ def train_step(
     objs.scheduler.step(increment=1)
     contributes = ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0
     settled = settle() if settle is not None else None
-    total = torch.zeros(4, dtype=torch.float64)
+    total = torch.zeros(4, dtype=torch.float64, device=tensor_device())  # WORLD's device
     if contributes and losses:
         total[0] = torch.stack([x["lm loss"] for x in losses]).double().mean()
         total[1] = 1.0

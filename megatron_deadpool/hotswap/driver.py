@@ -30,9 +30,12 @@ import torch.distributed as dist
 
 from ..config.deadpool import DeadpoolConfig
 from ..config.faults import end_faults, iteration_faults, recovery_faults, spare_faults
-from ..devices import Device
+from ..devices import Device, nccl
+from ..devices.failures import is_peer_failure
+from ..devices.groups import replication_backend
+from ..devices.memory import ReplicaMemory
 from ..digest import rank_digest
-from ..errors import ConfigError, CoordinatorUnreachableError, DeadpoolRuntimeError
+from ..errors import CoordinatorUnreachableError, DeadpoolRuntimeError
 from ..logs import set_context
 from ..replication.placement import Layout, Placement, place_replicas
 from ..replication.replicator import Replicator
@@ -219,6 +222,7 @@ class Driver:
             "rank": self.rank,
             "world_size": self.roster.world_size,
             "timeout": self.pg_timeout,
+            **nccl.init_kwargs(self.pg_backend),  # eager communicators (device_id)
         }
 
     def join(self, roster: Roster, init_model_parallel: Callable[[], None]) -> None:
@@ -265,7 +269,8 @@ class Driver:
 
     def new_replication_group(self) -> None:
         """Create this generation's replication group (every rank, after Megatron's groups)."""
-        backend = "gloo" if self._replica_device().type == "cpu" else "nccl"
+        self._replica_memory()  # refuses 'gpu' without CUDA before any step
+        backend = replication_backend(self.device)
         self.repl_group = dist.new_group(backend=backend, timeout=self.pg_timeout)
 
     # ------------------------------------------------------------------ training steps
@@ -303,10 +308,9 @@ class Driver:
     # ------------------------------------------------------------------ recovery
     @staticmethod
     def is_peer_failure(exc: BaseException) -> bool:
-        """A collective's error (a peer died or hung), not one of DeadPool's own decisions."""
-        return isinstance(exc, RuntimeError) and not isinstance(
-            exc, (DeadpoolRuntimeError, ConfigError, dist.DistStoreError, dist.DistNetworkError)
-        )
+        """A collective's error because a peer died or hung (`devices.failures`), not an OOM,
+        a CUDA fault, a bug or one of DeadPool's own decisions."""
+        return is_peer_failure(exc)
 
     def recover(self, exc: BaseException, *, target: int | None = None) -> int:
         """Survivor side of a hot swap after `exc`: release every group, agree on the restore
@@ -471,8 +475,8 @@ class Driver:
         )
         traceback.clear_frames(exc.__traceback__)
         self.members.report_failure(_first_line(exc))
-        group, self.repl_group = self.repl_group, None
-        recovery.release_groups(self.replicator, self._roots(), group)
+        extra, self.repl_group = {"DEADPOOL_REPLICATION": self.repl_group}, None
+        recovery.release_groups(self.replicator, self._roots(), extra)
         deadline = time.time() + self.cfg.heartbeat_timeout + self.cfg.agreement_timeout
         report = self.members.end()
         while report is None and time.time() < deadline:
@@ -518,18 +522,18 @@ class Driver:
     def _roots(self) -> list[Any]:
         return [*(self.job.roots() if self.job else []), self.replicator]
 
-    def _replica_device(self) -> Any:
-        return self.device.replica_device(self.cfg.replica_device)
+    def _replica_memory(self) -> ReplicaMemory:
+        return ReplicaMemory(self.cfg.replica_device, self.device)
 
     def _make_replicator(self) -> Replicator:
-        replica_device = self._replica_device()
+        """A new replicator (after a restore: it takes over its predecessor's buffers)."""
         return Replicator(
             Snapshotter(self.job.rank_state(), self.rank),
             self.placement,
             self.rank,
             self.repl_group,
-            replica_device,
-            pin_memory=self.device.pin_memory and replica_device.type == "cpu",
+            self._replica_memory(),
+            previous=self.replicator,
         )
 
     def _fire(self, index: int) -> bool:

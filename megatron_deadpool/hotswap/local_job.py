@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from ..config.deadpool import DeadpoolConfig
+from ..devices.gpus import assign_gpus, local_gpu_count
 from ..replication.placement import Placement
 from .coordinator import Coordinator, EventLog, ProcessLiveness, kill_groups
 from .membership import Membership, host_store
@@ -34,16 +35,19 @@ class LocalJob:
         placement: Placement | None = None,
         on_event: Callable[[str], None] = lambda text: None,
     ) -> None:
-        """`placement` None: the coordinator learns the layout from rank 0 once it exists."""
+        """`placement` None: the coordinator learns the layout from rank 0 once it exists.
+        Refuses (`ConfigError`) a node with fewer GPUs than actives + spares before anything
+        starts."""
         self.cfg = cfg
         self.world_size = world_size
         self.run_dir = run_dir
+        self.spares = cfg.spares if cfg.enabled else 0
+        self.gpus = assign_gpus(actives=world_size, spares=self.spares, gpus=local_gpu_count())
         self.procs: dict[str, subprocess.Popen] = {}
         store, self._listener = host_store("127.0.0.1", 0)  # loopback only
         self.address = f"127.0.0.1:{store.port}"
         self.members = Membership(store, "launcher")
         self.members.set_token(token)
-        self.spares = cfg.spares if cfg.enabled else 0
         self.next_spare = self.spares
         self.coordinator = Coordinator(
             self.members,
@@ -63,14 +67,20 @@ class LocalJob:
         """Every process of the job at start: actives a0.., then spares s0.."""
         return [f"a{r}" for r in range(self.world_size)] + [f"s{i}" for i in range(self.spares)]
 
+    def local_rank(self, pid: str) -> int:
+        """The GPU (``LOCAL_RANK``) of process `pid`: actives 0.., spares after them; a spare
+        added later (`add_spare`) takes the GPUs round-robin."""
+        task = int(pid[1:]) + (self.world_size if pid.startswith("s") else 0)
+        return self.gpus.local_rank(task % (self.world_size + self.spares))
+
     def spawn(self, pid: str, cmd: list[str], env: dict[str, str], output: IO[Any] | int) -> None:
-        """Start process `pid` in a session of its own, its output to `output` (a file, or
-        `subprocess.PIPE`: read `procs[pid].stdout`)."""
+        """Start process `pid` in a session of its own (``LOCAL_RANK`` set), its output to
+        `output` (a file, or `subprocess.PIPE`: read `procs[pid].stdout`)."""
         self.procs[pid] = subprocess.Popen(
             cmd,
             stdout=output,
             stderr=subprocess.STDOUT,
-            env=env,
+            env={**env, "LOCAL_RANK": str(self.local_rank(pid))},
             start_new_session=True,
             **({"text": True, "bufsize": 1} if output == subprocess.PIPE else {}),
         )

@@ -4,8 +4,9 @@ Megatron-Core keeps process-group handles in `parallel_state` globals, in every 
 `pg_collection`, in parallel linears (`tp_group`), in DDP bucket groups and in the distributed
 optimizer. On a failure `release` swaps each of those handles in the survivor's live objects
 for a `GroupSlot` placeholder named after the `parallel_state` global (or WORLD) that held it
-and destroys every group: with no reference left the old groups are freed, which is what
-closes their connections (gloo has no working abort) and unblocks peers at once. Once the new
+and aborts every group (`devices.abort_groups`: NCCL communicators all together, never a
+graceful destroy with a dead peer; gloo connections shut down): peers blocked on this rank
+are unblocked at once, and with no reference left the old groups are freed. Once the new
 generation's default group exists and Megatron's groups are re-created in their fixed order,
 `attach` puts the new group of the same name in every slot, so no object keeps a handle to an
 aborted group.
@@ -27,6 +28,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
+
+from ..devices.abort import abort_groups, last_abort
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +82,8 @@ def group_names(extra: dict[str, Any] | None = None) -> dict[int, str]:
     names: dict[int, str] = {}
     if dist.is_initialized():
         names[id(dist.distributed_c10d._get_default_group())] = "WORLD"
+    elif (aborted := last_abort()) is not None and aborted.world_id is not None:
+        names[aborted.world_id] = "WORLD"  # aborted (torch forgot it), still held by objects
     for name, value in {**group_globals(), **(extra or {})}.items():
         if isinstance(value, list):
             for i, pg in enumerate(value):
@@ -162,13 +167,29 @@ def _walk(root: Any, visit: Callable[[Any], Any | None]) -> None:
                         pass
 
 
-def release(roots: Iterable[Any], extra: dict[str, Any] | None = None) -> int:
+def hold_groups() -> list[list[dist.ProcessGroup]]:
+    """Every group torch knows, each in a box of its own, for `release` to free.
+
+    Freeing a gloo group closes its connections, and each close waits for a tick of gloo's
+    event loop (up to 10 ms when idle, gloo/transport/tcp/loop.cc): Megatron's ~50 groups freed
+    one after another took 0.36-0.45 s (6 ms of CPU). Held in boxes while torch forgets them
+    (an abort), they are freed in parallel instead (`_free_in_parallel`)."""
+    return [[pg] for pg in dist.distributed_c10d._world.pg_map]
+
+
+def release(
+    roots: Iterable[Any],
+    extra: dict[str, Any] | None = None,
+    held: list[list[dist.ProcessGroup]] | None = None,
+) -> int:
     """Abort this generation: swap every group handle in `roots` for a `GroupSlot`, then
-    destroy all groups. With no reference left the groups are freed and close their
-    connections at once, so peers blocked in a collective with this rank fail now rather than
-    at the process-group timeout. Returns the number of handles released."""
+    abort all groups (`devices.abort_groups`, a no-op when the caller aborted already), so
+    peers blocked in a collective with this rank fail now rather than at the process-group
+    timeout; with no reference left the groups are freed. Returns the number of handles
+    released. `held`: groups boxed by `hold_groups` before the caller aborted them."""
+    boxes = hold_groups() + (held or [])
     names = group_names(extra)
-    alive = [weakref.ref(pg) for pg in dist.distributed_c10d._world.pg_map]
+    alive = [weakref.ref(box[0]) for box in boxes]
     count = 0
 
     def visit(value: Any) -> Any | None:
@@ -183,19 +204,13 @@ def release(roots: Iterable[Any], extra: dict[str, Any] | None = None) -> int:
         _walk(root, visit)
     if extra:
         extra.clear()  # the caller's handles go too: nothing may keep a released group alive
+    abort_groups()  # first: destroy_model_parallel would destroy its gloo groups gracefully
     ps.destroy_model_parallel()
     # destroy_model_parallel (0.16.1) leaves a few globals set, e.g.
     # _INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP(_GLOO): clear whatever still holds a group.
     for name in group_globals():
         setattr(ps, name, None)
-    if dist.is_initialized():
-        # Freeing a gloo group closes its connections, and each close waits for a tick of
-        # gloo's event loop (up to 10 ms when idle, gloo/transport/tcp/loop.cc): Megatron's ~50
-        # groups freed one after another took 0.36-0.45 s (6 ms of CPU). Each group is held
-        # in a box of its own while torch forgets them, then freed on a thread of its own.
-        boxes = [[pg] for pg in dist.distributed_c10d._world.pg_map]
-        dist.destroy_process_group()
-        _free_in_parallel(boxes)
+    _free_in_parallel(boxes)
     # Usually reference counting alone frees the groups; a cycle needs the collector, and a
     # full collection costs ~0.5 s on Megatron's heap, so go step by step.
     for generation in (0, 2):

@@ -3,8 +3,8 @@
 Around the coordinator's decisions (the pure planning of the restore iteration T and the
 replica sources is `restore_plan.py`, run by the coordinator):
 
-- `release_groups`: keep what already arrived of the in-flight replication round, then swap
-  every process-group handle for a placeholder and destroy the broken groups.
+- `release_groups`: abort every group, keep what already arrived of the in-flight replication
+  round, then swap every process-group handle for a placeholder.
 - `agree`: report what this process holds under the newest plan's generation until a roster
   includes it, blocked on the store (no polling); on the coordinator's abort (out of
   redundancy) save what survives and raise.
@@ -27,9 +27,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..devices.abort import abort_groups
 from ..errors import DeadpoolRuntimeError, OutOfRedundancyError
 from ..replication import snapshot_set
 from ..replication.replicator import Replicator
+from ..replication.shard_exchange import start_shard_exchange
 from ..replication.snapshot import RankState, Snapshotter
 from . import rebind
 from .membership import Membership, Roster
@@ -46,19 +48,22 @@ DECISION_WAIT_S = 600.0
 def release_groups(
     replicator: Replicator | None, roots: list[Any], extra: dict[str, dist.ProcessGroup | None]
 ) -> int:
-    """Salvage the in-flight round (`Replicator.abandon`), then `rebind.release` every group
-    handle under `roots` and the groups in `extra` (by name, e.g. the replication group);
-    returns how many handles were swapped.
+    """Abort every group (`devices.abort_groups`: nothing below can wait on a dead or hung
+    peer), salvage the in-flight round's completed receives (`Replicator.abandon`), then
+    `rebind.release` every group handle under `roots` and the groups in `extra` (by name, e.g.
+    the replication group); returns how many handles were swapped.
 
     `extra` is emptied: the caller hands its groups over in it and keeps no other reference,
     so that reference counting frees them here (a group still referenced from a frame costs a
     full garbage collection, ~0.5-2 s on Megatron's heap, and is not freed even then).
     """
+    held = rebind.hold_groups()  # before the abort makes torch forget them
+    abort_groups()
     if replicator is not None:
         salvaged = replicator.abandon()
         if salvaged:
             log.info("kept the in-flight round's verified replicas of ranks %s", salvaged)
-    return rebind.release(roots, extra)
+    return rebind.release(roots, extra, held)
 
 
 def agree(
@@ -148,24 +153,29 @@ def exchange_shards(
     members.stamp(roster.generation, "joined", rank)
     if needy and rank not in sources:
         raise DeadpoolRuntimeError(f"rank {rank} must restore but the plan names no source")
-    works = []
-    if rank in sources:
-        size = torch.zeros(1, dtype=torch.int64)
-        dist.recv(size, src=sources[rank], group=group)
-        flat = torch.empty(int(size.item()), dtype=torch.uint8)
-        dist.recv(flat, src=sources[rank], group=group)
-    else:
+    sends: dict[int, torch.Tensor] = {}
+    if rank not in sources:
         if replicator is None:
             raise DeadpoolRuntimeError(f"rank {rank} has no snapshot of iteration {t_iter}")
         flat = replicator.verified_copy(rank, t_iter)
-        for target, holder in sources.items():
-            if holder == rank:
-                buf = replicator.verified_copy(target, t_iter)
-                works.append(dist.isend(torch.tensor([buf.numel()]), dst=target, group=group))
-                works.append(dist.isend(buf, dst=target, group=group))
+        sends = {
+            target: replicator.verified_copy(target, t_iter)
+            for target, holder in sources.items()
+            if holder == rank
+        }
+    device = state.state_tensors()[0].device
+    pending = start_shard_exchange(
+        group,
+        rank=rank,
+        world_size=roster.world_size,
+        sends=sends,
+        source=sources.get(rank),
+        gpu=device if device.type == "cuda" else None,
+    )
+    if rank in sources:
+        flat = pending.wait()
     Snapshotter.restore_into(state, flat, owner=rank, iteration=t_iter)
-    for work in works:
-        work.wait()
+    pending.wait()
     return rank in sources
 
 

@@ -31,7 +31,7 @@ import inspect
 from collections.abc import Callable
 from typing import Any
 
-from ..hotswap.driver import Driver
+from ..devices.failures import is_peer_failure
 from .resume import build_without_loading
 from .session import MegatronSession
 
@@ -50,9 +50,6 @@ def uninstall() -> None:
     for (owner, name), value in _ORIGINALS.items():
         setattr(owner, name, value)
     _ORIGINALS.clear()
-
-
-is_peer_failure = Driver.is_peer_failure
 
 
 def wrap_init_process_group(real: Any, session: Any, restore: Callable[[Any], None]) -> Any:

@@ -95,7 +95,7 @@ class MegatronLauncher:
         task = int(pid[1:]) + (self.nproc if pid.startswith("s") else 0)
         runner = [] if self.patched else ["-m", "megatron_deadpool.megatron_lm"]
         cmd = [sys.executable, *runner, self.script, *self.script_args]
-        child_env = {**env, "RANK": str(task), "LOCAL_RANK": str(task)}
+        child_env = {**env, "RANK": str(task)}  # LOCAL_RANK: LocalJob.spawn
         self.local.spawn(pid, cmd, child_env, subprocess.PIPE)
         thread = threading.Thread(
             target=self._forward, args=(pid, self.local.procs[pid]), daemon=True

@@ -167,12 +167,15 @@ def _pretrain(pretrain: Callable[..., Any], bound: inspect.BoundArguments) -> An
     megatron_lm_resume.install(sys.modules.get(pretrain.__module__))
     if not cfg.enabled:
         return pretrain(*bound.args, **bound.kwargs)
+    from ..devices.base import prepare_communication
     from ..logs import setup_logging
+    from . import cpu as megatron_lm_cpu
     from . import hooks as megatron_lm_hooks
     from .log_level import megatron_logging_level
     from .session import MegatronSession, task_from_env
 
     setup_logging(megatron_logging_level(sys.argv[1:], os.environ))
+    prepare_communication("cpu" if megatron_lm_cpu.needs_cpu() else "cuda")
     token = cfg.job_token or os.environ.get("DEADPOOL_JOB_TOKEN", "")
     session = MegatronSession(cfg, task_from_env(), token)
     if not session.begin():

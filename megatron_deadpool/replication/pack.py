@@ -42,6 +42,14 @@ larger ones are refused with `PackError`):
 It is a guard against accidental corruption and misplaced data (bit rot, torn or shifted
 copies, stale pages), not a cryptographic hash.
 
+The 16 GiB limit is this proof's, not an indexing limit: the CUDA kernel indexes vectors with
+int64 and computes in uint64, and the torch fallback's int64 partial sums are bounded (below)
+for up to 2**32 words. Beyond it a weight ``i + 1`` can be a multiple of ``2**33``, and a flip of
+bit 31 of that word changes the sum by a multiple of ``2**64``: undetected. Lifting it needs
+another checksum (e.g. per-16-GiB blocks combined with odd factors, which keeps single-bit
+detection but loses the swap guarantee across blocks); until then a rank's shard must stay
+below 16 GiB (12 bytes per parameter with Adam: about 1.4 billion parameters per rank).
+
 Backends
 --------
 Three backends compute the same value exactly; callers never see which one ran
@@ -89,8 +97,9 @@ MAX_PACKED_BYTES = WORD_BYTES * 2**32
 """Largest buffer `checksum` accepts (16 GiB = 2**32 words); the detection proof needs it."""
 
 EXTENSION_NAME = "deadpool_cuda_kernels"
-EXTENSION_ABI = 1
-"""The ``ABI`` attribute the CUDA extension must carry to be used."""
+EXTENSION_ABI = 2
+"""The ``ABI`` attribute the CUDA extension must carry to be used (2: the GPU entry points
+only enqueue; segment tables and checksum slots are device tensors owned by this module)."""
 
 _MASK64 = (1 << 64) - 1
 
@@ -180,7 +189,8 @@ def _check_size(nbytes: int) -> None:
     if nbytes > MAX_PACKED_BYTES:
         raise PackError(
             f"buffer of {nbytes} B exceeds the checksum limit of {MAX_PACKED_BYTES} B "
-            "(2**32 words); split the shard"
+            "(2**32 words); a larger data-parallel (or tensor/pipeline) size gives each rank a "
+            "smaller optimizer shard"
         )
 
 
@@ -225,13 +235,13 @@ def _backend(device: torch.device, nbytes: int) -> str:
     return "numpy" if host else "torch"
 
 
-def _cuda_call(fn_name: str, device: torch.device, *args: object) -> int:
-    ext = _extension()
-    assert ext is not None
-    with torch.cuda.device(device):
-        stream = torch.cuda.current_stream(device).cuda_stream
-        value = getattr(ext, fn_name)(*args, stream)
-    return int(value) & _MASK64
+def _stream(device: torch.device) -> int:
+    return torch.cuda.current_stream(device).cuda_stream
+
+
+def _cuda_checksum(slot: torch.Tensor) -> int:
+    """The value of a device checksum slot (waits for the kernel that fills it)."""
+    return int(slot.item()) & _MASK64
 
 
 # ---------------------------------------------------------------------------------------------
@@ -261,7 +271,15 @@ class PackPlan:
         self._chunks: list[tuple[int, int, list[tuple[int, int, torch.Tensor | None]]]] = []
         self._sources: list[list[torch.Tensor]] = []
         self.backend = _backend(self.device, self.nbytes)
-        if self.backend != "cuda":
+        if self.backend == "cuda":
+            # Built once: the tensors keep their storage for the plan's life. The host table is
+            # moved to the device here, not per pack (a pageable copy makes the host wait).
+            ext = _extension()
+            assert ext is not None
+            table = ext.segment_table(self.tensors, self.offsets, self.nbytes)
+            self._table = table.to(self.device)
+            self._slot = torch.zeros(1, dtype=torch.int64, device=self.device)
+        else:
             zeros = torch.zeros(ALIGN, dtype=torch.uint8, device=self.device)
             pieces = _pieces(self.tensors, self.offsets, self.nbytes)
             cursor = 0
@@ -289,9 +307,9 @@ class PackPlan:
     def pack(self, out: torch.Tensor) -> int:
         """Copy the tensors into `out` (1-D contiguous uint8, at least `nbytes` long) in the
         packed layout and return the region's checksum; bytes beyond it are left untouched."""
-        self._check_buffer(out, "out")
         if self.backend == "cuda":
-            return _cuda_call("pack", out.device, self.tensors, self.offsets, out, self.nbytes)
+            return _cuda_checksum(self.pack_on_device(out))
+        self._check_buffer(out, "out")
         acc = _accumulator(self.nbytes // WORD_BYTES, self.backend, self.device)
         with torch.no_grad():
             for (start, stop, _), sources in zip(self._chunks, self._sources):
@@ -301,12 +319,30 @@ class PackPlan:
         return acc.result()
 
     @plain_torch
+    def pack_on_device(self, out: torch.Tensor) -> torch.Tensor:
+        """CUDA backend only: enqueue the pack on the current stream and return the device
+        slot (int64 [1], the checksum's uint64 bits) the kernel writes; nothing waits. The slot
+        is reused by the next call: consume it on the same stream first."""
+        if self.backend != "cuda":
+            raise PackError(f"pack_on_device needs the cuda backend, this plan uses {self.backend}")
+        self._check_buffer(out, "out")
+        ext = _extension()
+        assert ext is not None
+        with torch.cuda.device(self.device):
+            ext.pack(self._table, out, self.nbytes, self._slot, _stream(self.device))
+        return self._slot
+
+    @plain_torch
     def unpack(self, flat: torch.Tensor) -> int:
         """Copy the packed bytes of `flat` back into the tensors; returns the checksum of
         ``flat[:nbytes]`` computed in the same pass (the tensors are written either way)."""
         self._check_buffer(flat, "flat")
         if self.backend == "cuda":
-            return _cuda_call("unpack", flat.device, flat, self.tensors, self.offsets, self.nbytes)
+            ext = _extension()
+            assert ext is not None
+            with torch.cuda.device(self.device):
+                ext.unpack(flat, self._table, self.nbytes, self._slot, _stream(self.device))
+            return _cuda_checksum(self._slot)
         acc = _accumulator(self.nbytes // WORD_BYTES, self.backend, self.device)
         with torch.no_grad():
             for start, stop, copies in self._chunks:
@@ -352,7 +388,12 @@ def checksum(buf: torch.Tensor) -> int:
     _check_size(buf.numel())
     backend = backend_for(buf)
     if backend == "cuda":
-        return _cuda_call("checksum", buf.device, buf)
+        ext = _extension()
+        assert ext is not None
+        slot = torch.zeros(1, dtype=torch.int64, device=buf.device)
+        with torch.cuda.device(buf.device):
+            ext.checksum(buf, slot, _stream(buf.device))
+        return _cuda_checksum(slot)
     nwords = buf.numel() // WORD_BYTES
     acc = _accumulator(nwords, backend, buf.device)
     for start, stop in _chunk_bounds(nwords, buf.device):

@@ -1,10 +1,13 @@
 """Per-iteration asynchronous replication of every rank's snapshot to its k holders.
 
 Round t, started right after optimizer step t (`start_round`):
-  (a) the rank captures its state into a local slot (pack + checksum in one pass; on a
-      GPU on a side stream, which the next optimizer step waits for);
-  (b) it posts non-blocking sends of that slot to its k holders and non-blocking receives
-      from the owners it holds, each into a slot, on a dedicated process group;
+  (a) the rank captures its state into a local slot (pack + checksum in one pass; on a GPU
+      on a side stream, without the host waiting: the next optimizer step waits for it
+      through `before_step`, see `guard_optimizer_step`);
+  (b) it posts the round's transfers - sends of that slot to its k holders, receives from the
+      owners it holds, each into a slot - as one batch on the replication group
+      (`devices.p2p.post`); replicas in pinned host memory are sent once the capture's
+      device-to-host copy has landed (a helper thread waits on its event, the host does not);
   then training goes on: the transfers overlap the next iteration's forward/backward.
 Round t is settled during step t+1, after its forward/backward and optimizer step (`settle`):
 wait for the transfers (normally long done) and verify every received replica's checksum. It
@@ -16,20 +19,33 @@ commit with one tiny all-reduce on the replication group, for callers without su
 verified (for local slots: the committed) copy untouched while round t is in flight, so a
 failure mid-transfer always leaves it a complete, verified copy (double buffering). A replica
 that fails its checksum is not committed on any rank; the previous one stays in force.
+
+After a failure the groups are aborted first (`devices.abort_groups`), then `abandon` keeps
+the receives of the in-flight round that completed and verify, never waiting on one.
+
+Memory: where the buffers live is agreed at construction (`devices.memory`: GPU memory when
+it fits under ``auto``, else pinned host memory, the same on every rank), and a replicator
+built after a recovery takes over its predecessor's buffers (`previous`) instead of
+allocating a second set next to them.
 """
 
 from __future__ import annotations
 
-import datetime
+import contextlib
 import logging
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from ..devices.groups import check_takes, tensor_device
+from ..devices.memory import ReplicaMemory
+from ..devices.p2p import Transfer, arrived, post
 from .placement import Placement
-from .snapshot import CorruptReplicaError, Header, Snapshotter, read_header, verify
+from .snapshot import CorruptReplicaError, Snapshotter, read_header, verify
 
 log = logging.getLogger(__name__)
 
@@ -67,8 +83,63 @@ class SlotPair:
         return sorted(it for it in self.verified if it is not None)
 
 
-def _alloc(nbytes: int, device: torch.device, pin: bool) -> torch.Tensor:
-    return torch.zeros(nbytes, dtype=torch.uint8, device=device, pin_memory=pin)
+class _Pool:
+    """Buffers to hand out: a predecessor's, reused when size and place match, else new."""
+
+    def __init__(self, previous: Replicator | None, device: torch.device, pin: bool) -> None:
+        self.device = device
+        self.pin = pin
+        self.free: list[torch.Tensor] = []
+        if previous is not None:
+            self.free = [
+                buf
+                for pair in (previous.local, *previous.held.values())
+                for buf in pair.buffers
+                if buf.device == device and buf.is_pinned() == pin
+            ]
+            previous.retire()  # its other buffers are freed before anything new is allocated
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        for i, buf in enumerate(self.free):
+            if buf.numel() == nbytes:
+                return self.free.pop(i)
+        return torch.zeros(nbytes, dtype=torch.uint8, device=self.device, pin_memory=self.pin)
+
+    def pair(self, nbytes: int) -> SlotPair:
+        return SlotPair((self.take(nbytes), self.take(nbytes)))
+
+
+class StepGuard:
+    """Called by a guarded `optimizer.step()` first: the current replicator's `before_step`."""
+
+    def __init__(self) -> None:
+        self.replicator: Replicator | None = None
+
+    def __call__(self) -> None:
+        if self.replicator is not None:
+            self.replicator.before_step()
+
+
+def guard_optimizer_step(optimizer: Any) -> StepGuard:
+    """Make `optimizer.step()` call the returned guard first (once per optimizer object).
+
+    Megatron-LM's `train_step` calls `optimizer.step()` itself, and that step must not
+    overwrite the shard before the capture of the previous round read it; a GPU replicator
+    points the guard at itself when it is built, so both jobs get the wait without calling
+    `before_step` themselves.
+    """
+    guard = getattr(optimizer, "_deadpool_step_guard", None)
+    if guard is None:
+        guard = StepGuard()
+        real = optimizer.step
+
+        def step(*args: Any, **kwargs: Any) -> Any:
+            guard()
+            return real(*args, **kwargs)
+
+        optimizer.step = step
+        optimizer._deadpool_step_guard = guard
+    return guard
 
 
 class Replicator:
@@ -80,63 +151,95 @@ class Replicator:
         placement: Placement,
         rank: int,
         group: dist.ProcessGroup,
-        device: torch.device,
-        pin_memory: bool = False,
+        memory: ReplicaMemory,
+        previous: Replicator | None = None,
     ) -> None:
         self.snap = snapshotter
         self.placement = placement
         self.rank = rank
         self.group = group
-        self.device = device
         self.holders = placement.holders[rank]
         self.owners = placement.held_by[rank]
         world = placement.layout.world_size
-        # Flat sizes differ per rank (shard boundaries, padding): learn them once.
-        sizes = torch.zeros(world, dtype=torch.int64)
-        sizes[rank] = snapshotter.flat_nbytes()
-        dist.all_reduce(sizes, group=group)
-        self.sizes = sizes.tolist()
-        self.local = SlotPair(tuple(_alloc(self.sizes[rank], device, pin_memory) for _ in "ab"))
-        self.held = {
-            o: SlotPair(tuple(_alloc(self.sizes[o], device, pin_memory) for _ in "ab"))
-            for o in self.owners
-        }
-        self._pending: list[dist.Work] = []
+        # Flat sizes differ per rank (shard boundaries, padding): learn them once, together
+        # with every rank's memory choice (the same for all: host memory if any rank needs it).
+        own = snapshotter.flat_nbytes()
+        need = 2 * own * (1 + len(self.owners))  # held shards: DP peers', of the same size
+        exchange = torch.zeros(world + 1, dtype=torch.int64, device=tensor_device(group))
+        exchange[rank] = own
+        exchange[world] = int(memory.local_choice(need) == "host")
+        dist.all_reduce(exchange, group=group)
+        values = exchange.tolist()
+        self.sizes = values[:world]
+        choice = "host" if values[world] else "gpu"
+        self.device = memory.torch_device(choice)
+        self.pinned = memory.pinned(choice)
+        check_takes(group, self.device)
+        pool = _Pool(previous, self.device, self.pinned)
+        self.local = pool.pair(self.sizes[rank])
+        self.held = {o: pool.pair(self.sizes[o]) for o in self.owners}
+        del pool
+        on_gpu = snapshotter.device.type == "cuda"
+        self._stream = torch.cuda.Stream(snapshotter.device) if on_gpu else None
+        # Host replicas of GPU state are sent after the capture's copy lands: a thread waits.
+        self._poster = ThreadPoolExecutor(1, "deadpool-post") if on_gpu and self.pinned else None
+        if on_gpu:
+            guard_optimizer_step(snapshotter.state.optimizer).replicator = self
         self._round: int | None = None
-        self._capture_event: torch.cuda.Event | None = None
-        self._stream = torch.cuda.Stream() if device.type == "cuda" else None
+        self._capture: tuple[torch.cuda.Event, int] | None = None  # (event, local slot)
+        self._works: list[dist.Work] | Future[list[dist.Work]] = []
+        self._recv_of: dict[int, int] = {}  # owner -> index of its receive in the round
+        self._held_slots: dict[int, int] = {}
         self.committed: int | None = None
         self.corrupt_seen: list[tuple[int, int, str]] = []  # (owner, iteration, reason)
         self._flip_on_arrival: tuple[int, int, int] | None = None
-        self._held_slots: dict[int, int] = {}
         self.timings: dict[str, float] = {}  # seconds spent in the last round, by part
-        self._recvs: dict[int, dist.Work] = {}
         self.bytes_per_round = sum(self.sizes[rank] for _ in self.holders)
-        self._group_rank = {r: dist.get_group_rank(group, r) for r in (*self.holders, *self.owners)}
+        log.info(
+            "replicas in %s memory: %d B own snapshot x2, %d held replicas x2",
+            "GPU" if choice == "gpu" else ("pinned host" if self.pinned else "host"),
+            own,
+            len(self.owners),
+        )
 
     # ------------------------------------------------------------------ round t
-    def start_round(self, iteration: int) -> Header:
+    def start_round(self, iteration: int) -> None:
         """Capture state `iteration` locally and post its transfers (non-blocking)."""
         assert self._round is None, "finish_round() the previous round first"
         t0 = time.perf_counter()
-        slot = self._local_slot()
+        slot = self._slot_to_fill(self.local)
         buf = self.local.buffers[slot]
         self.local.verified[slot] = None
-        if self._stream is not None:  # GPU: capture on a side stream, ordered after the step
-            self._stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(self._stream):
-                header = self.snap.capture(iteration, buf)
-                self._capture_event = torch.cuda.Event()
-                self._capture_event.record()
-                self._post(iteration, slot)
-        else:
-            header = self.snap.capture(iteration, buf)
+        self._held_slots = {o: self._slot_to_fill(self.held[o]) for o in self.owners}
+        for owner, s in self._held_slots.items():
+            self.held[owner].verified[s] = None  # being overwritten by round `iteration`
+        transfers = [Transfer("send", buf, h) for h in self.holders]
+        self._recv_of = {}
+        for owner, s in self._held_slots.items():
+            self._recv_of[owner] = len(transfers)
+            transfers.append(Transfer("recv", self.held[owner].buffers[s], owner))
+        if self._stream is None:
+            self.snap.capture(iteration, buf)
+            self.local.verified[slot] = iteration
             self.timings["capture"] = time.perf_counter() - t0
-            self._post(iteration, slot)
-        self.local.verified[slot] = iteration
+            self._works = post(transfers, self.group)
+        else:  # GPU: capture on a side stream ordered after the step; the host does not wait
+            self._stream.wait_stream(torch.cuda.current_stream(self.snap.device))
+            with torch.cuda.stream(self._stream):
+                self.snap.capture(iteration, buf)
+                event = torch.cuda.Event()
+                event.record()
+                self._capture = (event, slot)
+                if self._poster is None:  # GPU replicas: NCCL's stream waits for the capture
+                    self._works = post(transfers, self.group)
+                else:
+                    self._works = self._poster.submit(self._post_after, event, transfers)
         self._round = iteration
         self.timings["capture_post"] = time.perf_counter() - t0
-        return header
+
+    def _post_after(self, event: torch.cuda.Event, transfers: list[Transfer]) -> list[dist.Work]:
+        event.synchronize()  # the device-to-host copy into pinned memory has landed
+        return post(transfers, self.group)
 
     def _slot_to_fill(self, pair: SlotPair) -> int:
         """Keep the copy of the committed iteration (else the newest): fill the other slot."""
@@ -145,27 +248,24 @@ class Replicator:
                 return 1 - slot
         return pair.free_slot()
 
-    def _local_slot(self) -> int:
-        return self._slot_to_fill(self.local)
-
-    def _post(self, iteration: int, slot: int) -> None:
-        buf = self.local.buffers[slot]
-        self._held_slots = {o: self._slot_to_fill(self.held[o]) for o in self.owners}
-        for owner, s in self._held_slots.items():
-            self.held[owner].verified[s] = None  # being overwritten by round `iteration`
-        # The process group's own send/recv: `dist.isend`'s Python checks cost more CPU than
-        # the transfer's posting, every round.
-        self._pending = [self.group.send([buf], self._group_rank[h], 0) for h in self.holders]
-        self._recvs = {
-            o: self.group.recv([self.held[o].buffers[s]], self._group_rank[o], 0)
-            for o, s in self._held_slots.items()
-        }
-        self._pending += list(self._recvs.values())
-
     def before_step(self) -> None:
-        """The next optimizer step must not overwrite the shard before the capture read it."""
-        if self._capture_event is not None:
-            torch.cuda.current_stream().wait_event(self._capture_event)
+        """The next optimizer step must not overwrite the shard before the capture read it:
+        the current stream waits for the capture's event (no host synchronisation)."""
+        if self._capture is not None:
+            torch.cuda.current_stream(self.snap.device).wait_event(self._capture[0])
+
+    def _capture_done(self) -> None:
+        """Mark the local slot of a GPU capture verified once its event passed (a local copy:
+        waiting on it never waits on a peer)."""
+        if self._capture is not None:
+            event, slot = self._capture
+            event.synchronize()
+            self.local.verified[slot] = self._round
+            self._capture = None
+
+    def _round_works(self, timeout: float | None = None) -> list[dist.Work]:
+        works = self._works
+        return works.result(timeout) if isinstance(works, Future) else works
 
     def settle(self) -> bool | None:
         """Wait for the in-flight round's transfers and verify what arrived.
@@ -177,29 +277,37 @@ class Replicator:
             return None
         iteration = self._round
         t0 = time.perf_counter()
-        for work in self._pending:
-            work.wait()
-        self._pending = []
-        t1 = time.perf_counter()
-        if self._flip_on_arrival is not None:  # fault injection: damage in transit
-            owner, byte, bit = self._flip_on_arrival
-            self._flip_on_arrival = None
-            target = self.held[owner].buffers[self._held_slots[owner]]
-            target[byte % self.sizes[owner]] ^= 1 << bit
-        ok = True
-        for owner in self.owners:
-            pair = self.held[owner]
-            slot = self._held_slots[owner]
-            try:
-                verify(pair.buffers[slot], owner=owner, iteration=iteration)
-            except CorruptReplicaError as exc:
-                ok = False
-                self.corrupt_seen.append((owner, iteration, str(exc)))
-                log.warning("replica not committed: %s", exc)
-                continue
-            pair.verified[slot] = iteration
+        self._capture_done()
+        works = self._round_works()
+        with self._on_side_stream():  # GPU replicas: only the side stream waits for NCCL
+            for work in {id(w): w for w in works}.values():
+                work.wait()
+            t1 = time.perf_counter()
+            if self._flip_on_arrival is not None:  # fault injection: damage in transit
+                owner, byte, bit = self._flip_on_arrival
+                self._flip_on_arrival = None
+                target = self.held[owner].buffers[self._held_slots[owner]]
+                target[byte % self.sizes[owner]] ^= 1 << bit
+            verdicts = [self._verify_received(owner, iteration) for owner in self.owners]
+            ok = all(verdicts)  # every replica verified (and marked), no short cut
         self.timings.update(wait=t1 - t0, verify=time.perf_counter() - t1)
         return ok
+
+    def _verify_received(self, owner: int, iteration: int) -> bool:
+        pair, slot = self.held[owner], self._held_slots[owner]
+        try:
+            verify(pair.buffers[slot], owner=owner, iteration=iteration)
+        except CorruptReplicaError as exc:
+            self.corrupt_seen.append((owner, iteration, str(exc)))
+            log.warning("replica not committed: %s", exc)
+            return False
+        pair.verified[slot] = iteration
+        return True
+
+    def _on_side_stream(self) -> Any:
+        if self._stream is None or self._poster is not None:
+            return contextlib.nullcontext()
+        return torch.cuda.stream(self._stream)
 
     def commit(self, all_verified: bool | None) -> int | None:
         """End the settled round: committed if every rank's replicas verified (all ranks
@@ -207,53 +315,76 @@ class Replicator:
         if self._round is not None and all_verified:
             self.committed = self._round
         self._round = None
-        self._recvs = {}
+        self._works = []
         return self.committed
 
     def finish_round(self) -> int | None:
         """Settle and commit the in-flight round, agreeing on the verdict with one all-reduce."""
         if self._round is None:
             return self.committed
-        failed = torch.tensor([0 if self.settle() else 1], dtype=torch.int64)
+        ok = self.settle()
+        failed = torch.tensor([0 if ok else 1], dtype=torch.int64, device=tensor_device(self.group))
         t0 = time.perf_counter()
         dist.all_reduce(failed, group=self.group)
         self.timings["commit"] = time.perf_counter() - t0
         return self.commit(int(failed.item()) == 0)
 
     def abandon(self) -> list[int]:
-        """After a failure: keep what already arrived of the in-flight round, drop the rest.
+        """After a failure, once the groups are aborted (`devices.abort_groups`): keep what
+        already arrived of the in-flight round, drop the rest.
 
-        A replica whose receive completed and whose checksum verifies is as good as a
-        committed one for recovery (agreement picks the newest iteration every needed party
-        holds), so a failure right after a round's transfers costs no recomputation. Returns
-        the owners whose replica of the round was salvaged.
+        Only receives that arrived are read (`devices.p2p.arrived`: `Work.is_completed()` on
+        NCCL; on gloo a `wait()` that the aborted connections make return at once), and every
+        one is verified by its checksum: after an NCCL abort a receive can report completion
+        with partial bytes. Nothing here waits on a peer. A replica that verifies is as good
+        as a committed one for recovery (agreement picks the newest iteration every needed
+        party holds), so a failure right after a round's transfers costs no recomputation.
+        Returns the owners whose replica of the round was salvaged.
         """
         salvaged: list[int] = []
         if self._round is not None:
-            for owner, work in self._recvs.items():
-                slot = self._held_slots[owner]
-                try:  # bytes that arrived before the owner died complete the receive
-                    work.wait(timeout=datetime.timedelta(seconds=0.5))
-                except RuntimeError:
-                    continue
-                try:
-                    verify(self.held[owner].buffers[slot], owner=owner, iteration=self._round)
-                except CorruptReplicaError:
-                    continue
-                self.held[owner].verified[slot] = self._round
-                salvaged.append(owner)
-        self._pending = []
-        self._recvs = {}
+            self._capture_done()
+            try:
+                works = self._round_works(timeout=5.0)
+            except Exception as exc:  # noqa: BLE001 - posting failed on the broken group
+                log.info("the in-flight round was not posted (%s)", str(exc).splitlines()[0])
+                works = []
+            received = {owner: works[i] for owner, i in self._recv_of.items() if works}
+            for owner, work in received.items():
+                buf = self.held[owner].buffers[self._held_slots[owner]]
+                if arrived(work, self.group, buf.device) and self._keep(owner):
+                    salvaged.append(owner)
+        self._works = []
+        self._recv_of = {}
         self._round = None
         return salvaged
+
+    def _keep(self, owner: int) -> bool:
+        slot = self._held_slots[owner]
+        try:
+            verify(self.held[owner].buffers[slot], owner=owner, iteration=self._round)
+        except CorruptReplicaError as exc:
+            log.info("in-flight replica of rank %d dropped: %s", owner, exc)
+            return False
+        self.held[owner].verified[slot] = self._round
+        return True
 
     def drain(self) -> None:
         """Finish an in-flight round (end of training)."""
         self.finish_round()
 
+    def retire(self) -> None:
+        """Give up every buffer (a successor took the ones it reuses)."""
+        if self._poster is not None:
+            self._poster.shutdown(wait=False)
+        self.local = SlotPair((torch.empty(0, dtype=torch.uint8),) * 2)
+        self.held = {}
+        self._works = []
+
     # ------------------------------------------------------------------ recovery support
     def verified_copy(self, owner: int, iteration: int) -> torch.Tensor | None:
         """The verified flat snapshot of `owner` (this rank: its local one) of `iteration`."""
+        self._capture_done()
         pair = self.local if owner == self.rank else self.held.get(owner)
         return pair.find(iteration) if pair is not None else None
 
@@ -264,6 +395,7 @@ class Replicator:
         dropped here, before agreement could pick it (agreement then falls back to another
         copy, or reports the shard lost).
         """
+        self._capture_done()
         pairs = {"local": (self.rank, self.local)}
         pairs.update({str(o): (o, pair) for o, pair in self.held.items()})
         out: dict[str, list[int]] = {}

@@ -2,15 +2,33 @@
 
 A rank's state is its distributed-optimizer shard - for every inner optimizer of Megatron's
 (chained) optimizer, every parameter the inner torch optimizer updates (the fp32 main-param
-shard) and every tensor of its optimizer state (Adam's exp_avg, exp_avg_sq, step) - plus small
-per-rank state: the iteration, RNG states and the LR scheduler's state (JSON, never pickle).
-Model weights are not part of it: they are identical across data-parallel peers and are
-re-derived from the main-param shards by Megatron's param all-gather.
+shard) and every tensor of its optimizer state - plus small per-rank state: the iteration, RNG
+states, the LR scheduler's state and per-group optimizer values (JSON, never pickle). Model
+weights are not part of it: they are identical across data-parallel peers and are re-derived
+from the main-param shards by Megatron's param all-gather.
+
+Where optimizers keep their step (checked against their sources):
+- torch `Adam`/`AdamW` (Megatron's choice without TE and apex): ``state[p]["step"]``, a 0-dim
+  float32 tensor on the CPU unless ``capturable``/``fused`` (then on the parameter's device);
+- Transformer Engine's and apex's `FusedAdam` (Megatron's choice when they import):
+  ``param_groups[i]["step"]``, an int (a CUDA int tensor when ``capturable``), plus, for
+  states kept in fp16 (``--use-precision-aware-optimizer``), TE's per-state scales in
+  ``optimizer._scales[p][name]`` (`transformer_engine/pytorch/optimizers/fused_adam.py`,
+  `FusedAdam.step` and `_initialize_state`).
+All of them are captured: tensors in the packed region, int steps in the metadata.
 
 Flat layout (see `pack.py` for the packed region and its checksum):
-    [packed region: state tensors, RNG tensors, meta JSON (fixed size)] [header: 8 x int64]
+    [packed region: device tensors..., host blob] [header: 8 x int64]
+The device tensors are the state tensors on the shard's device, in the canonical order. The
+host blob gathers everything that lives in host memory - 0-dim CPU tensors (torch Adam's
+steps), RNG states, and the metadata JSON (fixed size, last) - so that on a GPU it travels as
+one host-to-device copy instead of one per scalar; on the CPU it is packed like any tensor.
 The header carries magic, owner rank, iteration, packed size, checksum and the size of the
 meta region, so a holder can verify a replica, and a newcomer read it, on its own.
+
+On a GPU with the fused kernel, `Snapshotter.capture` only enqueues work on the current stream:
+the checksum stays on the device and the header is assembled there (`_DeviceHeader`), so the
+host never waits for the optimizer step it follows; the caller records an event after it.
 """
 
 from __future__ import annotations
@@ -23,7 +41,7 @@ from typing import Any
 import torch
 
 from ..devices.cpu import plain_torch
-from ..errors import DeadpoolRuntimeError
+from ..errors import ConfigError, DeadpoolRuntimeError
 from . import pack
 
 MAGIC = 0x4445414450304F4C
@@ -46,10 +64,13 @@ class Header:
     checksum: int
     meta_nbytes: int
 
-    def encode(self) -> bytes:
+    def words(self) -> list[int]:
+        """The eight int64 words as stored (checksum as its signed bits, then the check word)."""
         words = [MAGIC, self.owner, self.iteration, self.nbytes, _signed(self.checksum)]
-        words += [self.meta_nbytes, _header_check(words + [self.meta_nbytes]), 0]
-        return struct.pack(_HEADER_FORMAT, *words)
+        return [*words, self.meta_nbytes, _header_check(words + [self.meta_nbytes]), 0]
+
+    def encode(self) -> bytes:
+        return struct.pack(_HEADER_FORMAT, *self.words())
 
 
 _HEADER_FORMAT = f"<{HEADER_WORDS}q"
@@ -111,76 +132,151 @@ def inner_optimizers(optimizer: Any) -> list[torch.optim.Optimizer]:
     return [opt.optimizer for opt in chained]
 
 
+_SCALES = "_scales/"
+"""Manifest key prefix of TE FusedAdam's per-state scales (`optimizer._scales[p][name]`)."""
+
+
 class RankState:
-    """The live tensors and small state of one rank, in the canonical packing order."""
+    """The live tensors and small state of one rank, in the canonical packing order.
+
+    The manifest lists every optimizer tensor as ``[opt, ref, key, dtype, shape, where]``:
+    ``ref`` a parameter index (per-parameter state, or TE's scales under ``_scales/NAME``) or
+    ``"g<group index>"`` (a tensor-valued group entry, e.g. a capturable FusedAdam's step);
+    ``where`` is ``"param"`` (the parameter's device) or ``"cpu"``.
+    """
 
     def __init__(self, optimizer: Any, scheduler: Any) -> None:
         self.optimizer = optimizer
         self.scheduler = scheduler
 
-    def manifest(self) -> list[list[Any]]:
-        """[opt index, param index, state key, dtype, shape] of every optimizer-state tensor."""
-        out: list[list[Any]] = []
+    def _walk(self) -> list[tuple[list[Any] | None, torch.Tensor]]:
+        """(manifest entry, tensor) in packing order: each parameter (entry None: the main
+        param itself), then its state tensors and TE scales; after each optimizer's
+        parameters, its tensor-valued group entries."""
+        out: list[tuple[list[Any] | None, torch.Tensor]] = []
         for oi, opt in enumerate(inner_optimizers(self.optimizer)):
+            scales = getattr(opt, "_scales", None) or {}
             for pi, param in enumerate(_params(opt)):
-                for key in sorted(opt.state[param]):
-                    value = opt.state[param][key]
+                out.append((None, param.data))
+                state = opt.state[param]
+                named = [(key, state[key]) for key in sorted(state)]
+                named += [(_SCALES + n, t) for n, t in sorted(scales.get(param, {}).items())]
+                for key, value in named:
                     if torch.is_tensor(value):
-                        out.append([oi, pi, key, str(value.dtype), list(value.shape)])
+                        out.append(([oi, pi, key, *_describe(value, key, param)], value))
+            for gi, group in enumerate(opt.param_groups):
+                value = group.get("step")
+                if torch.is_tensor(value) and group["params"]:
+                    where = _describe(value, "step", group["params"][0])
+                    out.append(([oi, f"g{gi}", "step", *where], value))
         return out
+
+    def manifest(self) -> list[list[Any]]:
+        """Every optimizer-state tensor (see the class docstring)."""
+        return [entry for entry, _ in self._walk() if entry is not None]
+
+    def state_tensors(self) -> list[torch.Tensor]:
+        """Main-param shards and optimizer-state tensors, in packing order."""
+        return [value for _, value in self._walk()]
 
     def ensure_state(self, manifest: list[list[Any]]) -> None:
         """Create empty optimizer-state tensors per `manifest` (a newcomer has none yet)."""
         opts = inner_optimizers(self.optimizer)
-        for oi, pi, key, dtype, shape in manifest:
+        for entry in manifest:
+            oi, ref, key, dtype, shape = entry[:5]
+            where = entry[5] if len(entry) > 5 else ("param" if shape else "cpu")
             opt = opts[oi]
-            param = _params(opt)[pi]
-            if key not in opt.state[param]:
-                dt = getattr(torch, dtype.replace("torch.", ""))
-                device = param.device if shape else torch.device("cpu")
-                opt.state[param][key] = torch.zeros(shape, dtype=dt, device=device)
-
-    def state_tensors(self) -> list[torch.Tensor]:
-        """Main-param shards and optimizer-state tensors, in packing order."""
-        out: list[torch.Tensor] = []
-        for opt in inner_optimizers(self.optimizer):
-            for param in _params(opt):
-                out.append(param.data)
-                for key in sorted(opt.state[param]):
-                    value = opt.state[param][key]
-                    if torch.is_tensor(value):
-                        out.append(value)
-        return out
+            if isinstance(ref, str):  # a group entry
+                group = opt.param_groups[int(ref[1:])]
+                if not torch.is_tensor(group.get(key)):
+                    device = group["params"][0].device if where == "param" else None
+                    group[key] = _empty(dtype, shape, device)
+                continue
+            param = _params(opt)[ref]
+            device = param.device if where == "param" else None
+            if key.startswith(_SCALES):
+                holder = opt._scales.setdefault(param, {})  # type: ignore[attr-defined]
+                holder.setdefault(key[len(_SCALES) :], _empty(dtype, shape, device))
+            elif key not in opt.state[param]:
+                opt.state[param][key] = _empty(dtype, shape, device)
 
     def small_state(self, iteration: int) -> dict[str, Any]:
-        """Iteration and LR-scheduler state (JSON-safe); snapshots add the state manifest."""
-        return {"iteration": iteration, "scheduler": dict(self.scheduler.state_dict())}
+        """Iteration, LR-scheduler state and non-tensor group steps (JSON-safe); snapshots add
+        the state manifest."""
+        steps = [
+            [oi, gi, group["step"]]
+            for oi, opt in enumerate(inner_optimizers(self.optimizer))
+            for gi, group in enumerate(opt.param_groups)
+            if isinstance(group.get("step"), (int, float)) and not isinstance(group["step"], bool)
+        ]
+        out: dict[str, Any] = {
+            "iteration": iteration,
+            "scheduler": dict(self.scheduler.state_dict()),
+        }
+        if steps:
+            out["group_steps"] = steps
+        return out
 
     def load_small_state(self, meta: dict[str, Any]) -> None:
         # Megatron's load_state_dict steps the scheduler forward by the saved count from its
         # current one: start from zero so a survivor rolling back lands on the saved count.
         self.scheduler.num_steps = 0
         self.scheduler.load_state_dict(meta["scheduler"])
+        opts = inner_optimizers(self.optimizer)
+        for oi, gi, value in meta.get("group_steps", []):
+            opts[oi].param_groups[gi]["step"] = value
+
+
+def _describe(value: torch.Tensor, key: str, param: torch.Tensor) -> list[Any]:
+    """dtype, shape and place of an optimizer tensor (refusing what cannot be packed)."""
+    if type(value) not in (torch.Tensor, torch.nn.Parameter) or value.layout != torch.strided:
+        raise ConfigError(
+            f"optimizer state {key!r} is a {type(value).__name__} ({value.layout}): DeadPool "
+            "replicates plain dense tensors only; FP8 optimizer states (exp_avg_dtype uint8) "
+            "are not supported, use fp32, bf16 or fp16 states"
+        )
+    where = "param" if value.device == param.device else "cpu"
+    if where == "cpu" and value.device.type != "cpu":
+        raise ConfigError(
+            f"optimizer state {key!r} is on {value.device}, its parameter on {param.device}"
+        )
+    return [str(value.dtype), list(value.shape), where]
+
+
+def _empty(dtype: str, shape: list[int], device: torch.device | None) -> torch.Tensor:
+    dt = getattr(torch, dtype.replace("torch.", ""))
+    return torch.zeros(shape, dtype=dt, device=device or torch.device("cpu"))
 
 
 def _params(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
     return [p for group in opt.param_groups for p in group["params"]]
 
 
+def _is_host_scalar(tensor: torch.Tensor) -> bool:
+    """0-dim tensors in host memory (torch Adam's steps) go into the host blob."""
+    return tensor.dim() == 0 and tensor.device.type == "cpu"
+
+
 def rng_tensors() -> list[torch.Tensor]:
-    """CPU and CUDA RNG states and Megatron's RNG-tracker states, in a fixed order."""
+    """CPU and CUDA RNG states and Megatron's RNG-tracker states, in a fixed order.
+
+    With Megatron's CUDA-graph-safe RNG (``use_cudagraphable_rng``) the tracker holds
+    `torch.Generator` objects; their state is read with `Generator.get_state()`.
+    """
     from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
     states = [torch.get_rng_state()]
     if torch.cuda.is_available() and torch.cuda.device_count() and torch.version.cuda:
         states.append(torch.cuda.get_rng_state())
     tracker = get_cuda_rng_tracker().get_states()
-    states.extend(tracker[name] for name in sorted(tracker))
+    for name in sorted(tracker):
+        state = tracker[name]
+        states.append(state.get_state() if isinstance(state, torch.Generator) else state)
     return [s.contiguous() for s in states]
 
 
 def set_rng_tensors(states: list[torch.Tensor]) -> None:
-    """Inverse of `rng_tensors`."""
+    """Inverse of `rng_tensors` (a tracker's `Generator` objects are kept and set in place)."""
     from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
     states = list(states)
@@ -188,8 +284,15 @@ def set_rng_tensors(states: list[torch.Tensor]) -> None:
     if torch.cuda.is_available() and torch.cuda.device_count() and torch.version.cuda:
         torch.cuda.set_rng_state(states.pop(0))
     tracker = get_cuda_rng_tracker()
-    names = sorted(tracker.get_states())
-    tracker.set_states({name: state for name, state in zip(names, states)})
+    current = tracker.get_states()
+    restored: dict[str, Any] = {}
+    for name, state in zip(sorted(current), states):
+        if isinstance(current[name], torch.Generator):
+            current[name].set_state(state)
+            restored[name] = current[name]
+        else:
+            restored[name] = state
+    tracker.set_states(restored)
 
 
 def _encode_meta(small: dict[str, Any], manifest_json: str) -> bytes:
@@ -212,6 +315,53 @@ def _meta_from(buf: torch.Tensor) -> dict[str, Any]:
     return json.loads(raw.decode())
 
 
+class _Blob:
+    """Layout of the host blob: scalar bytes, RNG states (each 16-aligned), meta (last)."""
+
+    def __init__(self, scalar_nbytes: int, rng_nbytes: list[int], meta_nbytes: int) -> None:
+        self.scalars = (0, scalar_nbytes)
+        offset = pack.ALIGN * -(-scalar_nbytes // pack.ALIGN)
+        self.rng: list[tuple[int, int]] = []
+        for n in rng_nbytes:
+            self.rng.append((offset, offset + n))
+            offset += pack.ALIGN * -(-n // pack.ALIGN)
+        self.meta = (offset, offset + meta_nbytes)
+        self.nbytes = offset + meta_nbytes  # a multiple of 16: meta_nbytes is of 4096
+
+    @staticmethod
+    def of(scalars: list[torch.Tensor], meta_nbytes: int) -> _Blob:
+        rng = [t.numel() * t.element_size() for t in rng_tensors()]
+        return _Blob(sum(t.element_size() for t in scalars), rng, meta_nbytes)
+
+
+def _byte_view(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.reshape(-1).view(torch.uint8)
+
+
+class _DeviceHeader:
+    """Assembles a header on the GPU from a device checksum slot, without a host sync.
+
+    The check word is `_header_check` of the first six words: their 12 int32 halves widened
+    to int64, times 1..12, summed - at most 78 * 2**31 in magnitude, exact in int64, and equal
+    to the signed value `_header_check` stores.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        pin = device.type == "cuda"
+        self.host = torch.zeros(HEADER_WORDS, dtype=torch.int64, pin_memory=pin)
+        self.words = torch.zeros(HEADER_WORDS, dtype=torch.int64, device=device)
+        self.weights = torch.arange(1, 13, dtype=torch.int64, device=device)
+
+    def write(self, header: Header, slot: torch.Tensor, out: torch.Tensor) -> None:
+        """Enqueue: `header` with the checksum taken from `slot`, into `out` (64 bytes)."""
+        self.host.copy_(torch.tensor(header.words(), dtype=torch.int64))
+        self.words.copy_(self.host, non_blocking=True)
+        self.words[4:5].copy_(slot)
+        halves = self.words[:6].view(torch.int32).to(torch.int64)
+        torch.sum(halves * self.weights, dim=0, keepdim=True, out=self.words[6:7])
+        out.copy_(self.words.view(torch.uint8))
+
+
 class Snapshotter:
     """Captures `RankState` into flat buffers and restores it from them."""
 
@@ -221,50 +371,80 @@ class Snapshotter:
         self.owner = owner
         # The optimizer updates its tensors in place: their list, manifest and packed layout
         # are fixed from here on (a restore builds a new Snapshotter), so work them out once,
-        # off the hot path. RNG states and metadata are staged into buffers of their own.
+        # off the hot path.
         self.manifest = state.manifest()
         self._manifest_json = json.dumps(self.manifest, separators=(",", ":"))
         live = state.state_tensors()
-        device = live[0].device if live else torch.device("cpu")
+        packed = [t for t in live if not _is_host_scalar(t)]
+        scalars = [t for t in live if _is_host_scalar(t)]
+        self.device = packed[0].device if packed else torch.device("cpu")
+        self._scalar_views = [_byte_view(t) for t in scalars]
         probe = len(_encode_meta(state.small_state(0), self._manifest_json))
         self.meta_nbytes = -(-(probe * 2 + 1024) // META_ALIGN) * META_ALIGN
-        self.meta_buf = torch.zeros(self.meta_nbytes, dtype=torch.uint8)
-        self._meta_staged = self.meta_buf.to(device)
-        self._rng_staged = [t.to(device, copy=True) for t in rng_tensors()]
-        self.plan = pack.PackPlan([*live, *self._rng_staged, self._meta_staged], device)
+        self.blob = _Blob.of(scalars, self.meta_nbytes)
+        on_gpu = self.device.type == "cuda"
+        self._host = torch.zeros(self.blob.nbytes, dtype=torch.uint8, pin_memory=on_gpu)
+        self._blob = torch.empty_like(self._host, device=self.device) if on_gpu else self._host
+        self.plan = pack.PackPlan([*packed, self._blob], self.device)
+        self._header = _DeviceHeader(self.device) if self.plan.backend == "cuda" else None
         self._staging: torch.Tensor | None = None
+        self._host_free: torch.cuda.Event | None = None  # the last capture's copies consumed
 
     def flat_nbytes(self) -> int:
         """Size of this rank's flat snapshot (packed region + header)."""
         return self.plan.nbytes + HEADER_BYTES
 
+    def _fill_blob(self, iteration: int) -> None:
+        if self._host_free is not None:  # pinned host memory the last capture still copies
+            self._host_free.synchronize()
+        a, b = self.blob.scalars
+        if self._scalar_views:
+            torch.cat(self._scalar_views, out=self._host[a:b])
+        for (a, b), state in zip(self.blob.rng, rng_tensors()):
+            self._host[a:b].copy_(_byte_view(state))
+        a, b = self.blob.meta
+        raw = _encode_meta(self.state.small_state(iteration), self._manifest_json)
+        _fill_meta(self._host[a:b], raw)
+        if self._blob is not self._host:
+            self._blob.copy_(self._host, non_blocking=True)
+
     @plain_torch
-    def capture(self, iteration: int, out: torch.Tensor) -> Header:
-        """Copy the live state of `iteration` into `out` (one pass: pack + checksum)."""
-        _fill_meta(
-            self.meta_buf, _encode_meta(self.state.small_state(iteration), self._manifest_json)
-        )
-        for staged, rng in zip(self._rng_staged, rng_tensors()):
-            staged.copy_(rng, non_blocking=True)
-        if self._meta_staged is not self.meta_buf:
-            self._meta_staged.copy_(self.meta_buf, non_blocking=True)
+    def capture(self, iteration: int, out: torch.Tensor) -> Header | None:
+        """Copy the live state of `iteration` into `out` (one pass: pack + checksum).
+
+        Returns the header, or None when the fused GPU kernel computes the checksum: then the
+        capture is only enqueued on the current stream (header included) and the caller
+        records an event after this call; `out` is complete once that event has passed.
+        """
+        self._fill_blob(iteration)
         nbytes = self.plan.nbytes
-        if out.device == self.plan.device:
-            checksum = self.plan.pack(out[:nbytes])
-        else:  # GPU state, host replicas: pack on the GPU, then one copy to pinned memory
-            if self._staging is None:
-                self._staging = torch.empty(nbytes, dtype=torch.uint8, device=self.plan.device)
-            checksum = self.plan.pack(self._staging)
-            out[:nbytes].copy_(self._staging, non_blocking=True)
         header = Header(
             owner=self.owner,
             iteration=iteration,
             nbytes=nbytes,
-            checksum=checksum,
+            checksum=0,
             meta_nbytes=self.meta_nbytes,
         )
-        out[-HEADER_BYTES:].copy_(torch.frombuffer(bytearray(header.encode()), dtype=torch.uint8))
-        return header
+        target = out
+        if out.device != self.plan.device:  # GPU state, host replicas: one copy of everything
+            if self._staging is None:
+                self._staging = torch.empty(out.numel(), dtype=torch.uint8, device=self.device)
+            target = self._staging
+        if self._header is not None:
+            slot = self.plan.pack_on_device(target[:nbytes])
+            self._header.write(header, slot, target[-HEADER_BYTES:])
+            result = None
+        else:
+            checksum = self.plan.pack(target[:nbytes])
+            result = Header(**{**header.__dict__, "checksum": checksum})
+            raw = torch.frombuffer(bytearray(result.encode()), dtype=torch.uint8)
+            target[-HEADER_BYTES:].copy_(raw)
+        if target is not out:
+            out.copy_(target, non_blocking=True)
+        if self.device.type == "cuda":
+            self._host_free = torch.cuda.Event()
+            self._host_free.record()
+        return result
 
     @staticmethod
     def restore_into(state: RankState, flat: torch.Tensor, *, owner: int, iteration: int) -> dict:
@@ -277,16 +457,23 @@ class Snapshotter:
         meta = _meta_from(flat[header.nbytes - header.meta_nbytes : header.nbytes])
         state.ensure_state(meta["manifest"])
         live = state.state_tensors()
-        device = live[0].device if live else flat.device
-        rng = [torch.empty_like(t, device=device) for t in rng_tensors()]
-        meta_buf = torch.empty(header.meta_nbytes, dtype=torch.uint8, device=device)
-        tensors = [*live, *rng, meta_buf]
+        packed = [t for t in live if not _is_host_scalar(t)]
+        scalars = [t for t in live if _is_host_scalar(t)]
+        device = packed[0].device if packed else flat.device
+        blob = _Blob.of(scalars, header.meta_nbytes)
+        staged = torch.empty(blob.nbytes, dtype=torch.uint8, device=device)
+        tensors = [*packed, staged]
         if pack.packed_nbytes(tensors) != header.nbytes:
             raise CorruptReplicaError(
                 f"replica of rank {owner} has {header.nbytes} B, this rank's state packs "
                 f"to {pack.packed_nbytes(tensors)} B: the layouts differ"
             )
         pack.unpack(flat[: header.nbytes].to(device), tensors)
-        set_rng_tensors([t.cpu() for t in rng])
+        host = staged.cpu()
+        at = blob.scalars[0]
+        for scalar in scalars:
+            _byte_view(scalar).copy_(host[at : at + scalar.element_size()])
+            at += scalar.element_size()
+        set_rng_tensors([host[a:b].clone() for a, b in blob.rng])
         state.load_small_state(meta)
         return meta

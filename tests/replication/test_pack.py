@@ -500,13 +500,25 @@ def test_cuda_source_compiles_links_and_matches_fallback(tmp_path: Path) -> None
     for nbytes in (0, 4, 12, 20, 4096 + 12):
         buf = random_bytes(nbytes + 1, seed=nbytes)[1:]  # misaligned, with 0-3 tail words
         assert ext.emulate_checksum(buf) & MASK64 == pack.checksum(buf)
+    # The segment table pack.py moves to the device once: (address, offset, bytes) per
+    # non-empty tensor, checked against the layout.
+    table = ext.segment_table(tensors, offsets, total)
+    expected_rows = [
+        [t.data_ptr(), off, t.numel() * t.element_size()]
+        for t, off in zip(tensors, offsets)
+        if t.numel()
+    ]
+    assert table.dtype == torch.int64 and table.tolist() == expected_rows
+    with pytest.raises(RuntimeError, match="not 16-aligned"):
+        ext.segment_table(tensors, [o + 4 for o in offsets], total)
     # The GPU entry points bind with the argument order pack.py uses, and refuse CPU tensors.
+    slot = torch.zeros(1, dtype=torch.int64)
     with pytest.raises(RuntimeError, match="CUDA tensor"):
-        ext.pack(tensors, offsets, out, total, 0)
+        ext.pack(table, out, total, slot, 0)
     with pytest.raises(RuntimeError, match="CUDA tensor"):
-        ext.unpack(out, restored, offsets, total, 0)
+        ext.unpack(out, table, total, slot, 0)
     with pytest.raises(RuntimeError, match="CUDA tensor"):
-        ext.checksum(out, 0)
+        ext.checksum(out, slot, 0)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -71,6 +71,8 @@ def _replication_rank(
 
     from megatron_deadpool.config.deadpool import DeadpoolConfig
     from megatron_deadpool.config.job import JobConfig, ParallelConfig, TrainConfig
+    from megatron_deadpool.devices.base import Device
+    from megatron_deadpool.devices.memory import ReplicaMemory
     from megatron_deadpool.embedded import gpt
     from megatron_deadpool.replication.placement import Layout, place_replicas
     from megatron_deadpool.replication.replicator import Replicator
@@ -120,7 +122,8 @@ def _replication_rank(
         step = gpt.train_step(job, objs, it, settle=repl.settle if repl else None)
         out["losses"].append(step.loss)
         if repl is None:
-            repl = Replicator(Snapshotter(state, rank), placement, rank, group, torch.device("cpu"))
+            memory = ReplicaMemory("cpu", Device(kind="cpu", backend="gloo"))
+            repl = Replicator(Snapshotter(state, rank), placement, rank, group, memory)
         committed = repl.commit(step.replicas_ok)
         out["committed"][str(it)] = committed
         if it > 1:

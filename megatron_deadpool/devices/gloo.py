@@ -1,0 +1,167 @@
+"""Unblocking gloo collectives whose peer is dead or stopped: shut the group's connections.
+
+`ProcessGroup.abort()` does nothing for gloo in torch 2.13 (verified: a thread blocked in an
+`all_reduce` with a SIGSTOPped peer stays blocked after `abort()`, `shutdown()` and
+`_abort_process_group()`), and a stopped peer never closes its sockets, so the collective
+would wait for the group's timeout. What does return at once: `shutdown(2)` of the TCP
+connections gloo's pairs use. gloo's event loop then sees the connection end, fails the
+pair, and the blocked operation raises ("Connection closed by peer") within milliseconds.
+
+Which sockets: gloo connects every pair of a group's full mesh while the group is created
+(`ProcessGroupGloo`'s constructor, unless ``TORCH_GLOO_LAZY_INIT`` defers it, which
+`check_settings` refuses), and every group - `init_process_group`, `new_group`, Megatron's
+groups - is created by `torch.distributed.distributed_c10d._new_process_group_helper`.
+`track_connections()` wraps that function once per process and records the established TCP
+connections that appear during a gloo group's creation (never the store's: its port is
+excluded). `shutdown_connections()` shuts those that still exist. Listening sockets are left
+alone: gloo's listener thread aborts the process when its listening socket is shut down.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import socket
+import threading
+from collections.abc import Callable, MutableMapping
+from typing import Any
+
+import torch.distributed as dist
+
+from ..errors import ConfigError
+
+_ESTABLISHED = "01"
+_LOCK = threading.Lock()
+_TRACKED: dict[int, str] = {}  # socket inode -> the group that opened it
+_INSTALLED: dict[str, Callable[..., Any]] = {}
+
+
+def check_settings(environ: MutableMapping[str, str] | None = None) -> None:
+    """Refuse settings under which a gloo group's connections are not made at its creation."""
+    env = os.environ if environ is None else environ
+    value = env.get("TORCH_GLOO_LAZY_INIT", "")
+    if value.strip().lower() in ("1", "true", "yes", "on"):
+        raise ConfigError(
+            f"TORCH_GLOO_LAZY_INIT={value}: DeadPool unblocks gloo collectives with a dead or "
+            "stopped peer by shutting down the connections a group opens at its creation; "
+            "unset it"
+        )
+
+
+def tcp_connections() -> dict[int, tuple[int, int, str]]:
+    """inode -> (local port, remote port, state) of every TCP socket this process can see."""
+    out: dict[int, tuple[int, int, str]] = {}
+    for name in ("tcp", "tcp6"):
+        try:
+            with open(f"/proc/self/net/{name}") as table:
+                lines = table.read().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split()
+            local, remote, state, inode = fields[1], fields[2], fields[3], int(fields[9])
+            out[inode] = (
+                int(local.rsplit(":", 1)[1], 16),
+                int(remote.rsplit(":", 1)[1], 16),
+                state,
+            )
+    return out
+
+
+def socket_fds() -> dict[int, int]:
+    """fd -> socket inode for every socket descriptor of this process."""
+    out: dict[int, int] = {}
+    try:
+        fds = os.listdir("/proc/self/fd")
+    except OSError:  # pragma: no cover - no /proc
+        return out
+    for fd in fds:
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            out[int(fd)] = int(target[8:-1])
+    return out
+
+
+def _established(exclude_port: int | None) -> set[int]:
+    table = tcp_connections()
+    mine = set(socket_fds().values())
+    return {
+        inode
+        for inode, (local, remote, state) in table.items()
+        if inode in mine and state == _ESTABLISHED and exclude_port not in (local, remote)
+    }
+
+
+def _store_port(store: Any) -> int | None:
+    while isinstance(store, dist.PrefixStore):
+        store = store.underlying_store
+    return getattr(store, "port", None)
+
+
+def track_connections() -> None:
+    """Record the connections of every gloo group created from now on (idempotent)."""
+    c10d = dist.distributed_c10d
+    if "helper" in _INSTALLED:
+        return
+    real = c10d._new_process_group_helper
+    _INSTALLED["helper"] = real
+
+    @functools.wraps(real)
+    def helper(group_size: int, group_rank: int, ranks: Any, backend: Any, store: Any, *a, **k):
+        if "gloo" not in str(backend):
+            return real(group_size, group_rank, ranks, backend, store, *a, **k)
+        port = _store_port(store)
+        before = _established(port)
+        result = real(group_size, group_rank, ranks, backend, store, *a, **k)
+        name = str(a[0] if a else k.get("group_name", "?"))
+        with _LOCK:
+            for inode in _established(port) - before:
+                _TRACKED[inode] = name
+        return result
+
+    c10d._new_process_group_helper = helper
+
+
+def tracked() -> dict[int, str]:
+    """inode -> group name of the gloo connections recorded so far (and still open)."""
+    open_now = set(socket_fds().values())
+    with _LOCK:
+        for inode in [i for i in _TRACKED if i not in open_now]:
+            del _TRACKED[inode]
+        return dict(_TRACKED)
+
+
+def shutdown_connections() -> int:
+    """Shut down (both directions) every recorded gloo connection still open; returns how many.
+
+    Each descriptor is duplicated and the duplicate's inode checked before the shutdown, so a
+    descriptor number reused by an unrelated socket in the meantime is never touched.
+    """
+    count = 0
+    with _LOCK:
+        targets = dict(_TRACKED)
+        _TRACKED.clear()
+    for fd, inode in socket_fds().items():
+        if inode not in targets:
+            continue
+        try:
+            dup = os.dup(fd)
+        except OSError:
+            continue
+        try:
+            if os.fstat(dup).st_ino != inode:
+                continue
+            sock = socket.socket(fileno=dup)
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+                count += 1
+            except OSError:
+                pass  # already shut down or reset by the peer
+            finally:
+                sock.detach()  # the duplicate is closed below, once; gloo still owns `fd`
+        finally:
+            os.close(dup)
+    return count

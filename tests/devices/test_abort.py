@@ -1,0 +1,134 @@
+"""`abort_groups` with a real SIGSTOPped peer: blocked gloo collectives return at once.
+
+A stopped process keeps its sockets open, so without DeadPool a survivor blocked in a
+collective with it waits for the group's timeout (60 s here). Three gloo processes create the
+default group and two sub-groups (the way Megatron's groups exist next to WORLD); rank 2
+stops itself with SIGSTOP. Ranks 0 and 1 each block one thread in an all-reduce on WORLD and
+one in a receive from rank 2 on a sub-group, then call `abort_groups()`: every blocked
+operation must raise within seconds, `is_peer_failure` must recognise what they raised, and
+the survivors must then form the next generation's world (2 ranks) and reduce over it. A
+control case shows that `ProcessGroup.abort()` alone (torch's own abort, a no-op for gloo)
+leaves the threads blocked. The stopped rank is killed by the harness at the end.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import signal
+import threading
+import time
+from typing import Any
+
+import pytest
+from mp import run_world
+
+PG_TIMEOUT_S = 60.0
+
+
+def _blocked(target: Any) -> tuple[threading.Thread, dict[str, Any]]:
+    outcome: dict[str, Any] = {}
+
+    def run() -> None:
+        t0 = time.monotonic()
+        try:
+            target()
+            outcome["error"] = None
+        except Exception as exc:  # noqa: BLE001 - recorded for the test
+            outcome["error"] = exc
+        outcome["seconds"] = time.monotonic() - t0
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread, outcome
+
+
+def _abort_rank(*, rank: int, world_size: int, store: Any, use_deadpool: bool) -> dict[str, Any]:
+    import torch
+    import torch.distributed as dist
+
+    from megatron_deadpool.devices.abort import abort_groups
+    from megatron_deadpool.devices.failures import is_peer_failure
+    from megatron_deadpool.devices.gloo import tracked
+
+    timeout = datetime.timedelta(seconds=PG_TIMEOUT_S)
+    sub = dist.new_group([0, 1, 2], backend="gloo", timeout=timeout)
+    pair = dist.new_group([0, 2], backend="gloo", timeout=timeout)  # members only use it
+    dist.barrier()
+    if rank == 2:
+        store.set("stopping", "1")
+        os.kill(os.getpid(), signal.SIGSTOP)  # never continued: the harness kills it
+        time.sleep(3600)
+    store.wait(["stopping"])
+    time.sleep(0.3)  # rank 2 is stopped by now
+    threads = [_blocked(lambda: dist.all_reduce(torch.ones(1 << 16)))]
+    if rank == 0:
+        threads.append(_blocked(lambda: dist.recv(torch.empty(8), src=2, group=pair)))
+    else:
+        threads.append(_blocked(lambda: dist.all_reduce(torch.ones(4), group=sub)))
+    time.sleep(1.0)
+    still_blocked = all(t.is_alive() for t, _ in threads)
+    connections = len(tracked())
+    t0 = time.monotonic()
+    if use_deadpool:
+        report = abort_groups()
+        aborted = report.aborted
+    else:
+        for group in list(dist.distributed_c10d._world.pg_map):
+            group.abort()  # torch's own abort: a no-op for gloo
+        aborted = False
+    for thread, _ in threads:
+        thread.join(timeout=10.0 if use_deadpool else 3.0)
+    returned_s = time.monotonic() - t0
+    out: dict[str, Any] = {
+        "blocked_before_abort": still_blocked,
+        "tracked_connections": connections,
+        "all_returned": not any(t.is_alive() for t, _ in threads),
+        "returned_s": returned_s,
+        "aborted": aborted,
+        "errors": [repr(o.get("error")) for _, o in threads],
+        "peer_failures": [
+            o.get("error") is not None and is_peer_failure(o["error"]) for _, o in threads
+        ],
+    }
+    if not use_deadpool:
+        return out  # the harness kills this process (its threads wait for the group timeout)
+    # The next generation: the two survivors alone.
+    dist.init_process_group(
+        backend="gloo",
+        store=dist.PrefixStore("gen1", store),
+        rank=rank,
+        world_size=2,
+        timeout=timeout,
+    )
+    total = torch.full((3,), float(rank + 1))
+    dist.all_reduce(total)
+    out["next_generation_sum"] = total.tolist()
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_abort_groups_unblocks_collectives_with_a_stopped_peer() -> None:
+    results = run_world(
+        "test_abort:_abort_rank", 3, kwargs={"use_deadpool": True}, timeout=90, optional=(2,)
+    )
+    for rank in (0, 1):
+        r = results[rank]
+        assert r["blocked_before_abort"], r
+        assert r["tracked_connections"] >= 2, r  # WORLD and the sub-groups' gloo connections
+        assert r["aborted"] and r["all_returned"], r
+        assert r["returned_s"] < 5.0, r  # not the 60 s group timeout
+        assert all(r["peer_failures"]), r  # what they raised is recognised as a peer failure
+        assert r["next_generation_sum"] == [3.0, 3.0, 3.0], r
+
+
+@pytest.mark.timeout(120)
+def test_torch_abort_alone_leaves_gloo_collectives_blocked() -> None:
+    """The control: torch's `ProcessGroup.abort()` does not unblock gloo (why `abort_groups`
+    shuts the connections down)."""
+    results = run_world(
+        "test_abort:_abort_rank", 3, kwargs={"use_deadpool": False}, timeout=90, optional=(2,)
+    )
+    for rank in (0, 1):
+        r = results[rank]
+        assert r["blocked_before_abort"] and not r["all_returned"], r

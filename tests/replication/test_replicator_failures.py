@@ -1,0 +1,140 @@
+"""The replicator around a failure, on gloo worlds of real processes.
+
+- Abort first, then only completed receives: three ranks each hold the other two's replicas
+  (k=2); rank 2 stops itself (SIGSTOP) before round 2. Ranks 0 and 1 post round 2, give each
+  other's bytes a second to arrive, call `abort_groups()` and `abandon()`: the replica that
+  arrived is kept (verified), the stopped owner's is not, the previous round's stays, and
+  nothing waits on the stopped rank (the group timeout is 60 s).
+- A replicator built after a recovery takes over its predecessor's buffers: no second set.
+- A recovery's shard exchange (one table all-reduce, one batched round): needy ranks receive
+  exactly the bytes their holders send, of different sizes.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import signal
+import time
+from typing import Any
+
+import pytest
+from mp import run_world
+
+PG_TIMEOUT = datetime.timedelta(seconds=60)
+
+
+def _replicator(rank: int, world_size: int, replicas: int, seed: int, previous: Any = None):
+    import torch.distributed as dist
+    from test_optimizer_steps import _grads, _make, _Scheduler, _Wrapped
+
+    from megatron_deadpool.devices.base import Device
+    from megatron_deadpool.devices.memory import ReplicaMemory
+    from megatron_deadpool.replication.placement import Layout, place_replicas
+    from megatron_deadpool.replication.replicator import Replicator
+    from megatron_deadpool.replication.snapshot import RankState, Snapshotter
+
+    params, opt = _make("torch-adam", seed=seed)
+    _grads(params, 0)
+    opt.step()
+    state = RankState(_Wrapped(opt), _Scheduler())
+    layout = Layout(tp=1, pp=1, dp=world_size, ranks_per_node=1)
+    group = dist.new_group(backend="gloo", timeout=PG_TIMEOUT)
+    memory = ReplicaMemory("cpu", Device("cpu", "gloo"))
+    placement = place_replicas(layout, replicas)
+    return Replicator(Snapshotter(state, rank), placement, rank, group, memory, previous), opt
+
+
+def _abandon_rank(*, rank: int, world_size: int, store: Any) -> dict[str, Any]:
+    from megatron_deadpool.devices import p2p
+    from megatron_deadpool.devices.abort import abort_groups
+
+    # Only the aborted connections may end the wait on the stopped owner's receive: with this
+    # bound, a wait that did not return at once would take 30 s.
+    p2p.GLOO_SETTLE_S = 30.0
+    repl, _ = _replicator(rank, world_size, replicas=2, seed=rank)
+    repl.start_round(1)
+    committed = repl.finish_round()
+    if rank == 2:
+        store.set("stopping", "1")
+        os.kill(os.getpid(), signal.SIGSTOP)  # never continued: the harness kills it
+    store.wait(["stopping"])
+    time.sleep(0.3)
+    repl.start_round(2)
+    peer = 1 - rank
+    store.set(f"posted/{rank}", "1")
+    store.wait([f"posted/{peer}"])
+    time.sleep(1.0)  # the peer's few kilobytes have arrived by now
+    t0 = time.monotonic()
+    abort_groups()
+    salvaged = repl.abandon()
+    seconds = time.monotonic() - t0
+    return {
+        "committed": committed,
+        "salvaged": salvaged,
+        "seconds": seconds,
+        "holdings": repl.holdings(),
+    }
+
+
+@pytest.mark.timeout(150)
+def test_abandon_after_abort_keeps_only_completed_receives() -> None:
+    results = run_world("test_replicator_failures:_abandon_rank", 3, timeout=120, optional=(2,))
+    for rank in (0, 1):
+        r = results[rank]
+        peer = 1 - rank
+        assert r["committed"] == 1, r
+        assert r["salvaged"] == [peer], r
+        assert r["seconds"] < 5.0, r  # never waited on the stopped owner
+        assert r["holdings"] == {"local": [1, 2], str(peer): [1, 2], "2": [1]}, r
+
+
+def _reuse_rank(*, rank: int, world_size: int, store: Any) -> dict[str, Any]:
+    first, _ = _replicator(rank, world_size, replicas=1, seed=rank)
+    first.start_round(1)
+    first.finish_round()
+    before = {b.data_ptr() for pair in (first.local, *first.held.values()) for b in pair.buffers}
+    second, _ = _replicator(rank, world_size, replicas=1, seed=rank, previous=first)
+    after = {b.data_ptr() for pair in (second.local, *second.held.values()) for b in pair.buffers}
+    second.start_round(2)
+    return {
+        "reused": before == after,
+        "first_emptied": all(b.numel() == 0 for b in first.local.buffers) and not first.held,
+        "committed": second.finish_round(),
+    }
+
+
+@pytest.mark.timeout(150)
+def test_a_new_replicator_takes_over_its_predecessors_buffers() -> None:
+    for r in run_world("test_replicator_failures:_reuse_rank", 2, timeout=120):
+        assert r == {"reused": True, "first_emptied": True, "committed": 2}, r
+
+
+def _exchange_rank(*, rank: int, world_size: int, store: Any) -> dict[str, Any]:
+    import torch
+    import torch.distributed as dist
+
+    from megatron_deadpool.replication.shard_exchange import start_shard_exchange
+
+    def flat(owner: int) -> torch.Tensor:
+        gen = torch.Generator().manual_seed(owner)
+        return torch.randint(0, 256, (4096 + 64 * owner,), dtype=torch.uint8, generator=gen)
+
+    sources = {1: 0, 2: 3}  # needy rank -> holder
+    group = dist.new_group(backend="gloo", timeout=PG_TIMEOUT)
+    sends = {target: flat(target) for target, holder in sources.items() if holder == rank}
+    pending = start_shard_exchange(
+        group, rank=rank, world_size=world_size, sends=sends, source=sources.get(rank)
+    )
+    received = pending.wait()
+    return {
+        "exact": received is None or torch.equal(received, flat(rank)),
+        "got": received is not None,
+    }
+
+
+@pytest.mark.timeout(150)
+def test_shard_exchange_delivers_each_needy_rank_its_snapshot() -> None:
+    results = run_world("test_replicator_failures:_exchange_rank", 4, timeout=120)
+    assert [r["got"] for r in results] == [False, True, True, False]
+    assert all(r["exact"] for r in results)
