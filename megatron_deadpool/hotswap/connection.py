@@ -10,6 +10,7 @@ from __future__ import annotations
 import datetime
 import threading
 import time
+from collections.abc import Callable
 
 import torch.distributed as dist
 
@@ -53,11 +54,14 @@ class Heartbeat(threading.Thread):
         self.interval = interval
         self.stopped = threading.Event()
         self.lost: str | None = None  # why the coordinator became unreachable, if it did
+        self.after_beat: Callable[[Membership], None] | None = None  # e.g. `PlanWatch`
 
     def run(self) -> None:
         while not self.stopped.wait(self.interval):
             try:
                 self.membership.heartbeat()
+                if self.after_beat is not None:
+                    self.after_beat(self.membership)
             except (RuntimeError, OSError) as exc:  # the coordinator's store is gone
                 self.lost = str(exc).splitlines()[0][:200]
                 return

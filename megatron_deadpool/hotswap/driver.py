@@ -31,11 +31,12 @@ import torch.distributed as dist
 from ..config.deadpool import DeadpoolConfig
 from ..config.faults import end_faults, iteration_faults, recovery_faults, spare_faults
 from ..devices import Device, nccl
+from ..devices.abort import abort_groups
 from ..devices.failures import is_peer_failure
 from ..devices.groups import replication_backend
 from ..devices.memory import ReplicaMemory
 from ..digest import rank_digest
-from ..errors import CoordinatorUnreachableError, DeadpoolRuntimeError
+from ..errors import ConfigError, CoordinatorUnreachableError, DeadpoolRuntimeError
 from ..logs import set_context
 from ..replication.placement import Layout, Placement, place_replicas
 from ..replication.replicator import Replicator
@@ -44,6 +45,7 @@ from . import rebind, recovery
 from .connection import Heartbeat, connect_store
 from .injection import inject
 from .membership import Membership, Roster, pid_of
+from .plan_watch import PlanWatch
 from .wakeup import StoreWaiter, spare_wakeups
 from .weights import sync_params_from_main
 
@@ -135,6 +137,7 @@ class Driver:
         self.last_completed = 0
         self.resumed_at: int | None = None
         self.recoveries: list[RecoveryRecord] = []
+        self.plan_watch = PlanWatch(abort_groups)  # a peer frozen in a collective with us
 
     # ------------------------------------------------------------------ start-up
     def connect(self, world_size: int | None = None) -> None:
@@ -161,6 +164,7 @@ class Driver:
         self.heartbeat = Heartbeat(
             self.coordinator, self.pid, self.cfg.heartbeat_interval, self.cfg.connect_timeout
         )
+        self.heartbeat.after_beat = self.plan_watch
         self.heartbeat.start()
 
     def catch_sigterm(self) -> Any:
@@ -234,6 +238,7 @@ class Driver:
         self.place_replicas()
         if self.cfg.enabled:
             self.new_replication_group()
+        self.plan_watch.joined(self.generation)
         log.info(
             "joined generation %d as rank %d of %d", self.generation, self.rank, roster.world_size
         )
@@ -306,17 +311,18 @@ class Driver:
                 self.members.stamp(self.generation, "first_iteration", 0)
 
     # ------------------------------------------------------------------ recovery
-    @staticmethod
-    def is_peer_failure(exc: BaseException) -> bool:
+    def is_peer_failure(self, exc: BaseException) -> bool:
         """A collective's error because a peer died or hung (`devices.failures`), not an OOM,
-        a CUDA fault, a bug or one of DeadPool's own decisions."""
-        return is_peer_failure(exc)
+        a CUDA fault, a bug or one of DeadPool's own decisions; after the plan watch aborted
+        this generation's groups, any error (`plan_watch`)."""
+        return is_peer_failure(exc) or self.plan_watch.fired is not None
 
     def recover(self, exc: BaseException, *, target: int | None = None) -> int:
         """Survivor side of a hot swap after `exc`: release every group, agree on the restore
         iteration T with the coordinator, join the next generation, rebind, restore T; returns
         T. `target`: the step the job returns to afterwards (recomputing T+1..target-1)."""
         t0 = time.time()
+        self.plan_watch.recovering()
         log.warning("collective failed (%s): entering recovery", _first_line(exc))
         self.members.report_failure(_first_line(exc))
         # The traceback's frames hold the failed collective's group: drop them, or the group
@@ -455,6 +461,7 @@ class Driver:
         self.completed = n
         if self.cfg.enabled:
             self.members.report_finished(self.rank, n)
+            self.plan_watch.training_completed()
 
     def training_over(self) -> None:
         """The job's training loop has ended (after `finish_training`); its final work (final
@@ -474,6 +481,7 @@ class Driver:
             "collective failed in %s after training completed (%s)", where, _first_line(exc)
         )
         traceback.clear_frames(exc.__traceback__)
+        self.plan_watch.recovering()
         self.members.report_failure(_first_line(exc))
         extra, self.repl_group = {"DEADPOOL_REPLICATION": self.repl_group}, None
         recovery.release_groups(self.replicator, self._roots(), extra)

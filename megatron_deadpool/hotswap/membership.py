@@ -299,6 +299,10 @@ class Membership:
         self._publish(f"gen{generation}/plan", plan)
         self._set("plan/latest", str(generation))
 
+    def planned(self, generation: int) -> bool:
+        """Whether generation g is planned (one round trip, nothing read)."""
+        return self.store.check([f"gen{generation}/plan"])
+
     def plan(self, generation: int) -> dict[str, Any]:
         return self._read(f"gen{generation}/plan") or {}
 

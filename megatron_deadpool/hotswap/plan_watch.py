@@ -1,0 +1,74 @@
+"""Aborting a survivor's groups as soon as the coordinator plans a recovery.
+
+A survivor blocked in a collective with a frozen peer (SIGSTOP, a hung GPU, a node that stops
+answering without closing its sockets) would otherwise wait for the process group's timeout
+(`--deadpool-pg-timeout`): no error reaches it, so it never enters recovery, and the
+coordinator's plan waits for its report until the agreement timeout presumes it dead too. The
+coordinator names the frozen rank dead after the heartbeat timeout and publishes the plan of the
+next generation; `PlanWatch`, run on the heartbeat thread after each beat (one `check` on the
+store per beat), sees it while this rank is still in the old generation and not recovering yet,
+and calls `devices.abort_groups`: the blocked collective raises at once, the main thread enters
+recovery, and the driver takes any error of that step for the failure it recovers from
+(`Driver.is_peer_failure`). After training completed the same holds for the coordinator's end
+report (a peer lost in the job's final work: its last barrier, the final save).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+
+from .membership import Membership
+
+log = logging.getLogger(__name__)
+
+
+class PlanWatch:
+    """Calls `abort` once when a plan for a generation after this rank's appears while this
+    rank is not recovering (or, after training completed, when the end report appears).
+
+    The driver brackets its own recovery with `recovering()` / `joined(generation)`; the
+    checks and the abort hold one lock with them, so that no abort can hit the groups of a
+    generation the main thread already joined."""
+
+    def __init__(self, abort: Callable[[], object]) -> None:
+        self._abort = abort
+        self._lock = threading.Lock()
+        self._generation: int | None = None  # None: no groups to abort (not joined, recovering)
+        self._after_training = False
+        self.fired: str | None = None  # why the groups were aborted in this generation
+
+    def joined(self, generation: int) -> None:
+        """The main thread joined `generation`: watch for the next one's plan."""
+        with self._lock:
+            self._generation, self.fired = generation, None
+
+    def recovering(self) -> None:
+        """The main thread releases the groups itself: nothing to watch until it joins."""
+        with self._lock:
+            self._generation = None
+
+    def training_completed(self) -> None:
+        """From now on a lost peer ends the job's final work: watch for the end report."""
+        with self._lock:
+            self._after_training = True
+
+    def __call__(self, members: Membership) -> None:
+        """One look (on the heartbeat thread, with its own store connection)."""
+        g, after_training = self._generation, self._after_training
+        if g is None or self.fired is not None:
+            return
+        why = None
+        if members.planned(g + 1):
+            why = f"the coordinator planned generation {g + 1} (a peer failed)"
+        elif after_training and members.end() is not None:
+            why = "the coordinator reported a peer lost after training completed"
+        if why is None:
+            return
+        with self._lock:
+            if self._generation != g or self.fired is not None:
+                return  # the main thread got there first
+            self.fired = why
+            log.warning("%s: aborting this rank's process groups", why)
+            self._abort()

@@ -1,0 +1,101 @@
+"""A frozen peer where nothing can kill it: the survivors must not wait for the collective timeout.
+
+A cluster coordinator (`deadpool coordinator`) sees heartbeats only; a rank stopped by SIGSTOP
+(a frozen node) keeps its sockets open, so its peers' collective never fails on its own. The
+coordinator names it dead after the heartbeat timeout and plans the next generation; each
+survivor's plan watch aborts its groups, the blocked collective raises, and the survivors report
+well inside the agreement timeout. Without the watch they stay blocked until the process
+group's timeout, the coordinator presumes them dead too, and the run ends out of redundancy.
+
+Real processes on loopback: the coordinator and five embedded workers (the CPU demo, 4 ranks
+and a spare), as a Slurm job would start them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import REPO_ROOT, deadpool_command, train_case
+
+ITERS = "6"
+TIMING = [
+    "--deadpool-heartbeat-interval", "0.5", "--deadpool-heartbeat-timeout", "4",
+    "--deadpool-agree-timeout", "60", "--deadpool-pg-timeout", "150",
+]  # fmt: skip
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.timeout(400)
+def test_frozen_rank_is_replaced_without_waiting_for_the_collective_timeout(
+    tmp_path: Path,
+) -> None:
+    port = _free_port()
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "DEADPOOL_JOB_TOKEN": "frozen-test"}
+    config = str(REPO_ROOT / "configs" / "cpu-demo.yaml")
+    procs: list[subprocess.Popen] = []
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    try:
+        coordinator = subprocess.Popen(
+            [
+                *deadpool_command(), "coordinator", "--host", "127.0.0.1", "--port", str(port),
+                "--world-size", "4", "--spares", "1", "--log-dir", str(logs),
+                "--max-wait", "300", *TIMING,
+            ],
+            stdout=open(logs / "coordinator.out", "w"),
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+        )  # fmt: skip
+        procs.append(coordinator)
+        for task in range(5):
+            procs.append(
+                subprocess.Popen(
+                    [
+                        sys.executable, "-m", "megatron_deadpool.embedded.worker",
+                        "--config", config, "--iters", ITERS,
+                        "--deadpool-coordinator", f"127.0.0.1:{port}",
+                        "--deadpool-fail", "1@4:hang", *TIMING,
+                    ],
+                    stdout=open(logs / f"task{task}.out", "w"),
+                    stderr=subprocess.STDOUT,
+                    env={**env, "SLURM_PROCID": str(task)},
+                    start_new_session=True,
+                )  # fmt: skip
+            )
+        assert coordinator.wait(timeout=330) == 0, (logs / "coordinator.out").read_text()[-3000:]
+        events = [json.loads(line) for line in (logs / "events.jsonl").read_text().splitlines()]
+    finally:
+        for proc in procs:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            proc.wait()
+    kinds = [e["event"] for e in events]
+    assert "agree_timeout" not in kinds and "out_of_redundancy" not in kinds, kinds
+    dead = [e for e in events if e["event"] == "process_dead"]
+    assert [e["pid"] for e in dead] == ["a1"] and "hung" in dead[0]["why"], dead
+    (recovered,) = [e for e in events if e["event"] == "recovered"]
+    assert recovered["dead_ranks"] == [1] and recovered["replaced_by"] == {"1": "s0"}
+    assert recovered["recomputed_iterations"] <= 1
+    survivors = [(logs / f"task{t}.out").read_text() for t in (0, 2, 3)]
+    # The first survivor to see the plan aborts its groups; the others' collectives then fail
+    # as its connections close (or their own watch fires first).
+    assert any("aborting this rank's process groups" in text for text in survivors), survivors[0]
+    assert all("entering recovery" in text for text in survivors)
+    (finished,) = [e for e in events if e["event"] == "finished"]
+    _, _, reference = train_case(tmp_path / "reference", ["--config", config], ITERS)
+    assert finished["final_param_digest"] == reference["final_param_digest"]
