@@ -170,6 +170,20 @@ class Coordinator:
         self.members.publish_roster(self.roster)
         self.events("roster", generation=0, slots=self.roster.slots)
 
+    def adopt(
+        self, roster: Roster, spares: list[str], next_generation: int, dead: dict[str, str]
+    ) -> None:
+        """Instead of `start`: go on with a job another coordinator ran (a standby taking over,
+        `standby.py`) - its current roster, the spares still waiting, plans from
+        `next_generation` on, and the processes known dead (pid -> why), recovered next tick."""
+        self.roster = roster
+        self.spares = list(spares)
+        self.next_generation = next_generation
+        self.members.publish_roster(roster)
+        self.events("roster", generation=roster.generation, slots=roster.slots, adopted=True)
+        for pid, why in dead.items():
+            self._mark_dead(pid, why)
+
     # ------------------------------------------------------------------ liveness
     def _heartbeat_age(self, pid: str, now: float) -> float | None:
         beat = self.members.heartbeat_time(pid)
