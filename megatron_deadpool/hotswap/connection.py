@@ -2,11 +2,12 @@
 
 torch's TCPStore client waits without limit for the answer of a server that stopped answering (a
 frozen coordinator, a host that vanished without closing its sockets), whatever its timeout, and
-its `set` does not wait for an answer at all. So every operation here runs on a helper thread and
-the caller waits a bounded time: no answer raises `DistNetworkError`, as a closed connection
-does, and the helper (stuck in torch) is abandoned. Every process keeps a second connection for
-its heartbeat, so that a main thread blocked in a collective still beats; the heartbeat thread
-also makes a round trip per beat, so a lost coordinator is noticed within one interval.
+its `set` does not wait for an answer at all (a value set on a lost connection vanishes without
+an error). So every operation here runs on a helper thread and the caller waits a bounded time:
+no answer raises `DistNetworkError`, as a closed connection does, and the helper (stuck in torch)
+is abandoned; and a `set` is confirmed by a round trip on the same connection. Every process
+keeps a second connection for its heartbeat, so that a main thread blocked in a collective
+still beats - and a lost coordinator is noticed within one heartbeat interval.
 
 A helper that was given up on may still return later (its server was only slow). One that
 returns while the interpreter shuts down aborts the process (a thread re-entering Python then
@@ -137,7 +138,8 @@ class BoundedStore:
             caller.close()
 
     def set(self, key: str, value: str | bytes) -> None:
-        self._call(lambda c: c.set(key, value))
+        """Set, confirmed: the answer to the `check` after it means the server applied it."""
+        self._call(lambda c: (c.set(key, value), c.check([key])))
 
     def get(self, key: str) -> bytes:
         return self._call(lambda c: c.get(key))
@@ -181,8 +183,7 @@ class Heartbeat(threading.Thread):
     def run(self) -> None:
         while not self.stopped.wait(self.interval):
             try:
-                self.membership.heartbeat()
-                self.membership.ping()  # the round trip that notices a lost coordinator
+                self.membership.heartbeat()  # a round trip: notices a lost coordinator
             except STORE_ERRORS as exc:  # no coordinator could be found again
                 self.lost = str(exc).splitlines()[0][:200]
                 return

@@ -165,6 +165,7 @@ class Coordinator:
         self.ended: dict[str, Any] | None = None  # processes lost after training completed
         self.after_training: set[str] = set()  # processes gone after their work was done
         self._hb_read: dict[str, float] = {}  # pid -> when its heartbeat was last read
+        self.watching_since = 0.0  # wall time it took the job over (`adopt`)
 
     def start(self) -> None:
         self.members.publish_roster(self.roster)
@@ -179,6 +180,7 @@ class Coordinator:
         self.roster = roster
         self.spares = list(spares)
         self.next_generation = next_generation
+        self.watching_since = time.time()
         self.members.publish_roster(roster)
         self.events("roster", generation=roster.generation, slots=roster.slots, adopted=True)
         for pid, why in dead.items():
@@ -186,8 +188,10 @@ class Coordinator:
 
     # ------------------------------------------------------------------ liveness
     def _heartbeat_age(self, pid: str, now: float) -> float | None:
+        """Seconds since `pid`'s last beat, counted from when this coordinator took the job at
+        the earliest (a beat retried after a takeover carries its old time)."""
         beat = self.members.heartbeat_time(pid)
-        return None if beat is None else now - beat
+        return None if beat is None else now - max(beat, self.watching_since)
 
     def _is_dead(self, pid: str, now: float) -> bool:
         if pid in self.dead_pids:

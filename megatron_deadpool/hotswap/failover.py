@@ -69,7 +69,7 @@ class CoordinatorLink:
         self.op_timeout = op_timeout
         self.rebuild_timeout = rebuild_timeout
         self.beat_s = beat_s
-        self.attempt_s = max(0.5, min(5.0, op_timeout))
+        self.attempt_s = max(1.0, min(2.0, op_timeout / 2))
         self.pid = pid
         self.record = record
         self.lock = threading.Lock()
@@ -208,6 +208,8 @@ class FailoverStore(BoundedStore):
         return self.link.switches != self.seen  # another connection found the coordinator gone
 
     def _call(self, fn: Callable[[dist.Store], T], extra_s: float = 0.0) -> T:
+        if self._moved():  # another connection of this process found the coordinator gone
+            self.client, self.seen = self.link.client()
         while True:
             try:
                 return super()._call(fn, extra_s)

@@ -171,11 +171,6 @@ class Membership:
         for key in ["job/token", "coordinator", *(f"rejoin/{p}" for p in pids)]:
             self.store.delete_key(key)
 
-    def ping(self) -> bool:
-        """A round trip to the store (a `set` alone does not wait for an answer); True while
-        it serves a job."""
-        return self.store.check(["job/token"])
-
     def publish_layout(self, layout: dict[str, int]) -> None:
         self._publish("job/layout", layout)
 

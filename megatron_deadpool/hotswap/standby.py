@@ -63,6 +63,21 @@ class PeerWatch:
                 return address, members
         return None
 
+    def watch_in_background(self, addresses: list[str], interval: float) -> threading.Event:
+        """Probe `addresses` every `interval` on a thread (a probe of a frozen store takes
+        seconds); the event is set once one of them serves this job. Stops when it is set by
+        the caller too."""
+        answering = threading.Event()
+
+        def run() -> None:
+            while not answering.is_set():
+                if self.serving(addresses) is not None:
+                    answering.set()
+                time.sleep(interval)
+
+        threading.Thread(target=run, name="deadpool-peer-watch", daemon=True).start()
+        return answering
+
 
 class Standby:
     """Entry `index` of `--deadpool-coordinator`, waiting to take the job over."""
@@ -141,25 +156,27 @@ class Standby:
         cfg = self.cfg
         self.members.set_identity(self.index, secrets.token_hex(8))
         self.members.set_token(self.token)
-        t0 = time.monotonic()
         self.events("taking_over", epoch=self.index)
+        answering = PeerWatch(self.token, self.watch.op_timeout).watch_in_background(
+            self.earlier, cfg.heartbeat_interval
+        )
         first_active: float | None = None
-        next_probe = t0 + cfg.heartbeat_interval
         while True:
             self._read_registrations()
             now = time.monotonic()
             if first_active is None:
                 if any(r.slots is not None for r in self.registrations.values()):
                     first_active = now
-                elif now >= next_probe:
-                    next_probe = now + cfg.heartbeat_interval
-                    found = self.watch.serving(self.earlier)
-                    if found is not None:
-                        self.members.withdraw(self.pids)
-                        self.registrations.clear()
-                        self.events("withdrew", coordinator=found[0])
-                        self.say(f"{found[0]} answers again before any process came: withdrew")
-                        return None
+                    answering.set()  # committed: stop watching
+                elif answering.is_set():
+                    self.members.withdraw(self.pids)
+                    self.registrations.clear()
+                    self.events("withdrew", coordinators=self.earlier)
+                    self.say(
+                        f"{','.join(self.earlier)} answers again before any process came: "
+                        "withdrew"
+                    )
+                    return None
             if first_active is not None:
                 state = rebuild(self.registrations, self.world_size, self.spares)
                 if state is not None and (

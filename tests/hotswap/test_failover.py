@@ -11,30 +11,21 @@ config. Each test prints its timeline (`-s` shows it).
 from __future__ import annotations
 
 import json
-import os
 import signal
-import socket
-import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
-from conftest import deadpool_command, run_deadpool
+from conftest import run_deadpool
+from standby_job import StandbyJob
 
 ITERS = 30
 KILL_AT = 8  # the iteration after which the failure strikes
 HEARTBEAT = ["--deadpool-heartbeat-timeout", "4", "--deadpool-heartbeat-interval", "0.5"]
 JOB_TIMEOUT = 600.0  # the machine may be shared: start-up alone can take minutes under load
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _config(folder: Path) -> Path:
@@ -72,146 +63,50 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     return json.loads(log.read_text().splitlines()[-1])
 
 
-class Cluster:
-    """Two coordinators and six workers on loopback; `close()` kills every process by PID."""
-
-    def __init__(self, folder: Path) -> None:
-        self.folder = folder
-        self.config = _config(folder)
-        self.addresses = [f"127.0.0.1:{_free_port()}", f"127.0.0.1:{_free_port()}"]
-        self.token = "failover-test"
-        self.procs: dict[str, subprocess.Popen] = {}
-        self.started = time.time()
-
-    def _spawn(self, name: str, cmd: list[str]) -> None:
-        with open(self.folder / f"{name}.log", "w") as out:
-            self.procs[name] = subprocess.Popen(
-                cmd,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                env={**os.environ, "OMP_NUM_THREADS": "1", "DEADPOOL_JOB_TOKEN": self.token},
-                start_new_session=True,
-            )
-
-    def start(self) -> None:
-        coordinators = ",".join(self.addresses)
-        for name, extra in (("primary", []), ("standby", ["--standby"])):
-            self._spawn(
-                name,
-                [
-                    *deadpool_command(),
-                    "coordinator",
-                    "--world-size",
-                    "4",
-                    "--config",
-                    str(self.config),
-                    "--deadpool-coordinator",
-                    coordinators,
-                    "--deadpool-log-dir",
-                    str(self.folder / name),
-                    *HEARTBEAT,
-                    "--max-wait",
-                    str(JOB_TIMEOUT),
-                    *extra,
-                ],
-            )
-        for pid in ["a0", "a1", "a2", "a3", "s0", "s1"]:
-            self._spawn(
-                pid,
-                [
-                    sys.executable,
-                    "-m",
-                    "megatron_deadpool.embedded.worker",
-                    "--config",
-                    str(self.config),
-                    "--pid",
-                    pid,
-                    "--deadpool-coordinator",
-                    coordinators,
-                    *HEARTBEAT,
-                ],
-            )
-
-    def log(self, name: str) -> str:
-        return (self.folder / f"{name}.log").read_text(errors="replace")
-
-    def events(self, name: str) -> list[dict[str, Any]]:
-        path = self.folder / name / "events.jsonl"
-        return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
-
-    def event(self, name: str, kind: str) -> dict[str, Any] | None:
-        return next((e for e in self.events(name) if e["event"] == kind), None)
-
-    def wait_for_iteration(self, pid: str, iteration: int) -> None:
-        deadline = time.monotonic() + JOB_TIMEOUT
-        while f"iteration {iteration}/{ITERS}" not in self.log(pid):
-            assert self.procs[pid].poll() is None, self.describe()
-            assert time.monotonic() < deadline, self.describe()
-            time.sleep(0.1)
-
-    def kill(self, *names: str) -> float:
-        """SIGKILL every process of `names` (their whole sessions); the time it happened."""
-        t = time.time()
-        for name in names:
-            os.killpg(self.procs[name].pid, signal.SIGKILL)
-        return t
-
-    def wait(self, names: list[str]) -> dict[str, int]:
-        deadline = time.monotonic() + JOB_TIMEOUT
-        for name in names:
-            try:
-                self.procs[name].wait(timeout=max(1.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                pytest.fail(f"{name} still running after {JOB_TIMEOUT:.0f}s\n{self.describe()}")
-        return {name: self.procs[name].returncode for name in names}
-
-    def describe(self) -> str:
-        return "\n".join(
-            f"--- {name} (exit {proc.poll()})\n{self.log(name)[-1500:]}"
-            for name, proc in self.procs.items()
-        )
-
-    def close(self) -> None:
-        for proc in self.procs.values():
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
-        for proc in self.procs.values():
-            proc.wait(timeout=30)
-
-
 @pytest.fixture
-def cluster(tmp_path: Path) -> Iterator[Cluster]:
-    c = Cluster(tmp_path)
+def cluster(tmp_path: Path) -> Iterator[StandbyJob]:
+    config = _config(tmp_path)
+    job = StandbyJob(
+        tmp_path,
+        world_size=4,
+        spares=2,
+        settings=["--config", str(config), *HEARTBEAT],
+        timeout_s=JOB_TIMEOUT,
+    )
+
+    def worker(pid: str, task: int, coordinators: str) -> tuple[list[str], dict[str, str]]:
+        return [
+            sys.executable,
+            "-m",
+            "megatron_deadpool.embedded.worker",
+            "--config",
+            str(config),
+            "--pid",
+            pid,
+            "--deadpool-coordinator",
+            coordinators,
+            *HEARTBEAT,
+        ], {}
+
     try:
-        c.start()
-        yield c
+        job.start(worker)
+        yield job
     finally:
-        c.close()
+        job.close()
 
 
-def _timeline(cluster: Cluster, t_kill: float) -> dict[str, float]:
-    """Seconds from the kill to each step of the standby's takeover and the recovery after."""
-    standby = cluster.events("standby")
-    marks: dict[str, float] = {}
-    for e in standby:
-        if e["event"] in ("coordinator_lost", "taking_over", "rebuilt", "plan", "agreed"):
-            marks.setdefault(e["event"], e["t"] - t_kill)
-        if e["event"] == "rejoined":
-            marks["last_rejoined"] = e["t"] - t_kill
-            marks.setdefault("first_rejoined", e["t"] - t_kill)
-    return {k: round(v, 3) for k, v in marks.items()}
+def _at_iteration(job: StandbyJob, iteration: int) -> None:
+    job.wait_for_line("a0", f"iteration {iteration}/{ITERS}")
 
 
 @pytest.mark.timeout(3 * JOB_TIMEOUT)
 def test_primary_node_lost_standby_takes_over_and_spares_replace_its_ranks(
-    cluster: Cluster, reference: dict[str, Any]
+    cluster: StandbyJob, reference: dict[str, Any]
 ) -> None:
     """Node 0 dies whole (the primary coordinator, ranks 0 and 1): the standby takes over from
     what the survivors re-register, s0 and s1 replace ranks 0 and 1, and training ends exactly
     as without the failure."""
-    cluster.wait_for_iteration("a0", KILL_AT)
+    _at_iteration(cluster, KILL_AT)
     t_kill = cluster.kill("primary", "a0", "a1")
     codes = cluster.wait(["standby", "a2", "a3", "s0", "s1"])
     assert codes == {"standby": 0, "a2": 0, "a3": 0, "s0": 0, "s1": 0}, cluster.describe()
@@ -228,7 +123,7 @@ def test_primary_node_lost_standby_takes_over_and_spares_replace_its_ranks(
     finished = cluster.event("standby", "finished")
     assert finished is not None and finished["final_param_digest"], cluster.describe()
     assert finished["final_param_digest"] == reference["final_param_digest"]
-    timeline = _timeline(cluster, t_kill)
+    timeline = cluster.timeline(t_kill)
     resumed = recovered["t"] - t_kill  # the coordinator saw rank 0's first iteration
     print(
         f"\nprimary node lost: {timeline}; recovery phases {recovered['phases_s']}; "
@@ -239,11 +134,11 @@ def test_primary_node_lost_standby_takes_over_and_spares_replace_its_ranks(
 
 @pytest.mark.timeout(3 * JOB_TIMEOUT)
 def test_primary_coordinator_alone_lost_training_goes_on_without_recovery(
-    cluster: Cluster, reference: dict[str, Any]
+    cluster: StandbyJob, reference: dict[str, Any]
 ) -> None:
     """Only the primary coordinator's process dies: every process re-registers with the
     standby, nothing is recovered, and training ends exactly as without the failure."""
-    cluster.wait_for_iteration("a0", KILL_AT)
+    _at_iteration(cluster, KILL_AT)
     t_kill = cluster.kill("primary")
     codes = cluster.wait(["standby", "a0", "a1", "a2", "a3", "s0", "s1"])
     assert set(codes.values()) == {0}, cluster.describe()
@@ -254,14 +149,33 @@ def test_primary_coordinator_alone_lost_training_goes_on_without_recovery(
     finished = cluster.event("standby", "finished")
     assert finished is not None, cluster.describe()
     assert finished["final_param_digest"] == reference["final_param_digest"]
-    print(f"\nprimary coordinator alone lost: {_timeline(cluster, t_kill)}")
+    print(f"\nprimary coordinator alone lost: {cluster.timeline(t_kill)}")
 
 
 @pytest.mark.timeout(3 * JOB_TIMEOUT)
-def test_standby_lost_changes_nothing(cluster: Cluster, reference: dict[str, Any]) -> None:
+def test_frozen_primary_coordinator_is_taken_over(
+    cluster: StandbyJob, reference: dict[str, Any]
+) -> None:
+    """The primary coordinator freezes (SIGSTOP: its connections stay open, nothing answers,
+    as on a hung node): no process waits on it longer than the bound on a store operation, the
+    standby takes over, and training ends as without the failure."""
+    _at_iteration(cluster, KILL_AT)
+    t_stop = cluster.kill("primary", sig=signal.SIGSTOP)
+    codes = cluster.wait(["standby", "a0", "a1", "a2", "a3", "s0", "s1"])
+    assert set(codes.values()) == {0}, cluster.describe()
+    rebuilt = cluster.event("standby", "rebuilt")
+    assert rebuilt is not None and rebuilt["missing"] == [], cluster.describe()
+    finished = cluster.event("standby", "finished")
+    assert finished is not None, cluster.describe()
+    assert finished["final_param_digest"] == reference["final_param_digest"]
+    print(f"\nprimary coordinator frozen: {cluster.timeline(t_stop)}")
+
+
+@pytest.mark.timeout(3 * JOB_TIMEOUT)
+def test_standby_lost_changes_nothing(cluster: StandbyJob, reference: dict[str, Any]) -> None:
     """The standby's process dies while the primary lives: the primary notes it and the job
     goes on and ends as without the failure."""
-    cluster.wait_for_iteration("a0", KILL_AT)
+    _at_iteration(cluster, KILL_AT)
     t_kill = cluster.kill("standby")
     codes = cluster.wait(["primary", "a0", "a1", "a2", "a3", "s0", "s1"])
     assert set(codes.values()) == {0}, cluster.describe()
