@@ -181,6 +181,7 @@ def serve(
         each_tick(coord)
         if coord.aborted is not None:
             members.request_shutdown()
+            _serve_salvage(coord, members, deadline)
             return OUT_OF_REDUNDANCY
         if watch is not None and watch.superseded:
             say(f"standby {watch.superseded} took the job over: standing down")
@@ -196,6 +197,20 @@ def serve(
         time.sleep(0.05)
     say("--max-wait reached")
     return MAX_WAIT
+
+
+def _serve_salvage(coord: Coordinator, members: Membership, deadline: float) -> None:
+    """Out of redundancy: the survivors save what they hold through this store (who writes
+    the manifest, who is done): serve it until each surviving rank saved, or fell silent."""
+    dead = set((coord.aborted or {}).get("dead_ranks", []))
+    pending = {r: p for r, p in coord.roster.slots.items() if r not in dead}
+    while pending and time.monotonic() < deadline:
+        now = time.time()
+        for rank, pid in list(pending.items()):
+            beat = members.heartbeat_time(pid)
+            if members.all_salvaged([rank]) or beat is None or now - beat > coord.heartbeat_timeout:
+                del pending[rank]
+        time.sleep(0.2)
 
 
 def _digests(members: Membership, world_size: int) -> tuple[str | None, dict[str, str]]:

@@ -171,7 +171,7 @@ class Driver:
         its threads first notices the loss)."""
         roster = self.roster
         return Registration(
-            pid=self.pid,
+            pid=self.pid or f"task{self.task}",
             host=host_id(),
             rank=self.rank,
             generation=roster.generation if roster else -1,
@@ -343,8 +343,9 @@ class Driver:
         # The traceback's frames hold the failed collective's group: drop them, or the group
         # (and its connections) outlive the release below.
         traceback.clear_frames(exc.__traceback__)
-        group, self.repl_group = self.repl_group, None  # no reference may outlive the release
-        released = recovery.release_groups(self.replicator, self._roots(), group)
+        extra = {"DEADPOOL_REPLICATION": self.repl_group}  # emptied by the release: no
+        self.repl_group = None  # reference may outlive it (or its connections stay open)
+        released = recovery.release_groups(self.replicator, self._roots(), extra)
         for index, kind in recovery_faults(self.cfg.fail, self.rank):
             if self._fire(index):
                 self._inject(kind, "while in recovery")
@@ -492,8 +493,9 @@ class Driver:
         )
         traceback.clear_frames(exc.__traceback__)
         self.members.report_failure(_first_line(exc))
-        group, self.repl_group = self.repl_group, None
-        rebind.release(self._roots(), {"DEADPOOL_REPLICATION": group})
+        extra = {"DEADPOOL_REPLICATION": self.repl_group}
+        self.repl_group = None
+        rebind.release(self._roots(), extra)
         deadline = time.time() + self.cfg.heartbeat_timeout + self.cfg.agreement_timeout
         report = self.members.end()
         while report is None and time.time() < deadline:

@@ -96,6 +96,9 @@ class CoordinatorLink:
                     why = f"{address} serves no job yet (a standby that has not taken over)"
                     continue
                 members.check_token(self.token)  # another job's coordinator: refused
+                taking_over = identity is not None and identity[0] > 0 and not members.rebuilt()
+                if taking_over and not self._rejoin(members, address, time.time()):
+                    continue  # (a standby taking the job over counts those who register)
                 self.address, self.identity = address, identity
                 return
             if time.monotonic() > deadline:
@@ -175,11 +178,10 @@ class CoordinatorLink:
             {"address": address, "search_s": t_found - t_lost, "rebuild_s": t_rebuilt - t_found}
         )
         log.warning(
-            "re-registered with standby coordinator %s %.2fs after losing %s; it rebuilt the "
-            "job's state %.2fs later",
+            "registered with standby coordinator %s, which took the job over, %.2fs after "
+            "looking for it; it rebuilt the job's state %.2fs later",
             address,
             t_found - t_lost,
-            self.address,
             t_rebuilt - t_found,
         )
         return True

@@ -50,7 +50,8 @@ Keys:
                                 one per coordinator process. Set before job/token: a store without
                                 the token serves no job (yet)
   rejoin/{pid}                  a process's re-registration with a standby that took over: what it
-                                knows of the job (`failover.rejoin_record`)
+                                knows of the job (`rebuild.Registration`); task{i} for a process
+                                that does not know its pid yet (task i: actives first, then spares)
   rebuilt                       the standby rebuilt the job's state from the re-registrations
 """
 
@@ -184,6 +185,9 @@ class Membership:
 
     def heartbeat(self) -> None:
         self._stamp(f"hb/{self.pid}")
+
+    def announced(self, pid: str) -> bool:
+        return self.store.check([f"proc/{pid}/ready"])
 
     def heartbeat_time(self, pid: str) -> float | None:
         return self._time(f"hb/{pid}")

@@ -39,16 +39,16 @@ SALVAGE_WAIT_S = 30.0
 """How long the manifest writer waits for the other survivors' snapshot files."""
 
 
-def release_groups(
-    replicator: Replicator | None, roots: list[Any], repl_group: dist.ProcessGroup | None
-) -> int:
+def release_groups(replicator: Replicator | None, roots: list[Any], extra: dict[str, Any]) -> int:
     """Salvage the in-flight round (`Replicator.abandon`), then `rebind.release` every group
-    handle under `roots` and the replication group; returns how many handles were swapped."""
+    handle under `roots` and those in `extra` (the replication group, by name; the dict is
+    emptied, so that no reference keeps a released group alive); returns how many handles
+    were swapped."""
     if replicator is not None:
         salvaged = replicator.abandon()
         if salvaged:
             log.info("kept the in-flight round's verified replicas of ranks %s", salvaged)
-    return rebind.release(roots, {"DEADPOOL_REPLICATION": repl_group})
+    return rebind.release(roots, extra)
 
 
 def agree(

@@ -30,7 +30,7 @@ from ..config.deadpool import DeadpoolConfig
 from ..errors import CoordinatorUnreachableError
 from .connection import STORE_ERRORS, BoundedStore, open_client
 from .coordinator import Coordinator, EventLog
-from .membership import Membership
+from .membership import Membership, pid_of
 from .rebuild import Rebuilt, Registration, rebuild
 
 
@@ -104,6 +104,10 @@ class Standby:
         self.watch = PeerWatch(token, max(0.5, min(2.0, cfg.heartbeat_timeout / 4)))
         self.spares = [f"s{i}" for i in range(cfg.spares)]
         self.pids = [f"a{r}" for r in range(world_size)] + self.spares
+        # Where each process re-registers: under its pid, or its task index when it connected
+        # for the first time during the takeover without knowing its pid yet (Megatron-LM).
+        self.keys = {p: p for p in self.pids}
+        self.keys.update({f"task{t}": pid_of(t, world_size) for t in range(len(self.pids))})
         self.registrations: dict[str, Registration] = {}
         self._next_late_read = 0.0
 
@@ -224,14 +228,20 @@ class Standby:
         )
 
     def late_registrations(self, coord: Coordinator) -> None:
-        """After the hand-over (call every tick): a spare that re-registers late waits again."""
+        """After the hand-over (call every tick): a spare that re-registers late, or starts
+        only now (it announces itself), waits again."""
         now = time.monotonic()
         if now < self._next_late_read:
             return
         self._next_late_read = now + 0.5
-        for pid in self._read_registrations():
+        late = self._read_registrations()
+        known = {*coord.dead_pids, *coord.spares, *coord.roster.slots.values()}
+        for pid in self.spares:
+            if pid not in known and pid not in self.registrations and self.members.announced(pid):
+                self.registrations[pid] = Registration(pid=pid)
+                late.append(pid)
+        for pid in late:
             record = self.registrations[pid]
-            known = {*coord.dead_pids, *coord.spares, *coord.roster.slots.values()}
             if record.rank is None and not record.done and pid not in known:
                 coord.spares.append(pid)
                 self.events("spare_rejoined", pid=pid, spares=len(coord.spares))
@@ -239,12 +249,12 @@ class Standby:
     def _read_registrations(self) -> list[str]:
         """Read the re-registrations not read yet; their pids."""
         new = []
-        for pid in self.pids:
+        for key, pid in self.keys.items():
             if pid in self.registrations:
                 continue
-            record = self.members.registration(pid)
+            record = self.members.registration(key)
             if record is not None:
-                self.registrations[pid] = Registration.from_json(record)
+                self.registrations[pid] = Registration.from_json({**record, "pid": pid})
                 self.events(
                     "rejoined",
                     pid=pid,
@@ -277,7 +287,10 @@ class StandbyWatch(threading.Thread):
         self.stopped = threading.Event()
 
     def run(self) -> None:
-        last_seen = {a: time.monotonic() for a in self.standbys}
+        """A standby is lost once silent for the heartbeat timeout; one that never answered,
+        after the connect timeout (it may still be starting)."""
+        start = time.monotonic()
+        last_seen: dict[str, float] = {}
         lost: set[str] = set()
         while not self.stopped.wait(self.cfg.heartbeat_interval):
             for address in self.standbys:
@@ -293,9 +306,13 @@ class StandbyWatch(threading.Thread):
                         lost.discard(address)
                         self.events("standby_back", standby=address)
                         self.say(f"standby {address} answers again")
-                elif address not in lost and now - last_seen[address] > self.cfg.heartbeat_timeout:
+                    continue
+                seen = last_seen.get(address)
+                silent = now - (start if seen is None else seen)
+                limit = self.cfg.connect_timeout if seen is None else self.cfg.heartbeat_timeout
+                if address not in lost and silent > limit:
                     lost.add(address)
-                    self.events("standby_lost", standby=address)
+                    self.events("standby_lost", standby=address, ever_seen=seen is not None)
                     self.say(
                         f"standby {address} unreachable: harmless while this coordinator lives, "
                         "but a loss of this node would now end the job"

@@ -8,12 +8,12 @@
 # node). The coordinator's output goes to $DEADPOOL_LOG_DIR/NAME.log, its exit status to
 # $DEADPOOL_LOG_DIR/NAME.status. When it exits as the job's active coordinator - 0 every rank
 # finished, 3 out of redundancy (the survivors save what they hold), 6 --max-wait - this script
-# says why on its standard output (the job's log), gives the tasks DEADPOOL_END_GRACE seconds to
-# end on their own, then cancels the job (scancel), so that no stopped or frozen task, nor a
-# job whose batch host died, holds the nodes. Any other status (5: not the job's coordinator,
-# a standby not needed or a primary a standby took over from; 4: a standby with no primary; a
-# crash) ends nothing: a standby takes over, or the tasks give up after
-# --deadpool-connect-timeout.
+# says why in the job's log ($DEADPOOL_JOB_LOG, appended; else its standard output), gives the
+# tasks DEADPOOL_END_GRACE seconds to end on their own, then cancels the job (scancel), so that
+# no stopped or frozen task, nor a job whose batch host died, holds the nodes. Any other status
+# (5: not the job's coordinator, a standby not needed or a primary a standby took over from; 4:
+# a standby with no primary; a crash) ends nothing: a standby takes over, or the tasks give up
+# after --deadpool-connect-timeout.
 set -uo pipefail
 
 name=${1:?usage: deadpool_coordinator.sh NAME COMMAND...}
@@ -28,17 +28,23 @@ case $rc in
 0) why="every rank finished" ;;
 3) why="out of redundancy: the survivors save what they hold" ;;
 6) why="--max-wait reached" ;;
+5) exit 0 ;; # not the job's coordinator: nothing went wrong
 *) exit "$rc" ;;
 esac
 job=${SLURM_JOB_ID:?}
-say() { echo "deadpool_coordinator: $(date +%T) $*"; }
-say "the $name coordinator on $(hostname) exited with status $rc ($why, see" \
-    "$DEADPOOL_LOG_DIR/$name.log): the Slurm job $job ends within ${DEADPOOL_END_GRACE}s"
+say() {
+    local line
+    line="deadpool_coordinator: $(date +%T) $*"
+    if [ -n "${DEADPOOL_JOB_LOG:-}" ]; then echo "$line" >>"$DEADPOOL_JOB_LOG"; else echo "$line"; fi
+}
+say "$name on $(hostname) exited with status $rc ($why, see $DEADPOOL_LOG_DIR/$name.log):" \
+    "the Slurm job $job ends within ${DEADPOOL_END_GRACE}s"
 for ((waited = 0; waited < DEADPOOL_END_GRACE; waited++)); do
     state=$(squeue -h -j "$job" -o %T 2>/dev/null) || state=
     [ -n "$state" ] || exit "$rc" # the job ended on its own
     sleep 1
 done
-say "tasks still running ${DEADPOOL_END_GRACE}s after the coordinator exited: cancelling job $job"
+say "the job still runs ${DEADPOOL_END_GRACE}s after the coordinator exited (tasks stuck, or" \
+    "its batch host gone): cancelling job $job"
 scancel "$job"
 exit "$rc"

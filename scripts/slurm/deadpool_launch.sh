@@ -207,11 +207,13 @@ standby_cmd=()
 if ((start_coordinator)) && [ "$coordinator" != "$primary" ]; then
     standby_host=${coordinator#*,}
     standby_host=${standby_host%:*}
-    # Its own job step on that node; its lines about the job's end go to the job's log.
+    # Its own job step on that node; its lines about the job's end go to the job's log (the
+    # batch host, which writes it otherwise, may be gone).
     job_log=$(scontrol show job "${SLURM_JOB_ID:-0}" -o 2>/dev/null |
         sed -n 's/.* StdOut=\([^ ]*\).*/\1/p') || job_log=
     standby_cmd=(srun --overlap --nodes=1 --ntasks=1 --nodelist="$standby_host"
-        --output="${job_log:-$DEADPOOL_LOG_DIR/standby-step.log}" --open-mode=append
+        --output="$DEADPOOL_LOG_DIR/standby-step.log"
+        --export="ALL,DEADPOOL_JOB_LOG=${job_log:-$DEADPOOL_LOG_DIR/standby-step.log}"
         bash "$DEADPOOL_HOME/scripts/slurm/deadpool_coordinator.sh" standby
         "$PYTHON" -m megatron_deadpool.cli coordinator --world-size "$world" "${job_settings[@]}"
         --standby)

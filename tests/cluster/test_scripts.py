@@ -10,6 +10,7 @@ import os
 import re
 import shlex
 import shutil
+import socket
 import subprocess
 import tempfile
 from pathlib import Path
@@ -159,6 +160,7 @@ def test_sbatch_renders_two_active_nodes_and_one_spare(site: str) -> None:
     assert flag(standby, "--nodes") == "1" and flag(standby, "--ntasks") == "1"
     at = standby.index(wrapper[1])
     assert standby[at + 1] == "standby" and standby[at + 2 :] == [*program, "--standby"]
+    assert flag(standby, "--export").startswith("ALL,DEADPOOL_JOB_LOG=")  # its end lines
     assert env["WORLD_SIZE"] == str(2 * gpus)
     assert env["LOCAL_WORLD_SIZE"] == str(gpus)
 
@@ -360,37 +362,30 @@ def test_standby_address_can_be_given() -> None:
     assert flag(cmds["coordinator"], "--deadpool-coordinator").endswith(",login2:31000")
 
 
-def _wrapper(tmp_path: Path, status: int, grace: str = "2") -> tuple[str, str, Path]:
+def _wrapper(
+    tmp_path: Path, status: int, *, running: bool = True, **env: str
+) -> tuple[str, str, Path]:
     """Run deadpool_coordinator.sh around a coordinator that exits with `status`, with a
-    Slurm whose job keeps running; (its output, what scancel was asked, the log folder)."""
+    Slurm whose job keeps running (or has ended); (its output, what the Slurm clients were
+    asked, the log folder)."""
     logs, calls = tmp_path / "logs", tmp_path / "calls"
     logs.mkdir()
     path = fake_slurm(
         tmp_path,
-        squeue=f'echo "squeue $*" >>{calls}; echo RUNNING',
+        squeue=f'echo "squeue $*" >>{calls}' + ("; echo RUNNING" if running else ""),
         scancel=f'echo "scancel $*" >>{calls}',
     )
     done = subprocess.run(
-        [
-            BASH,
-            str(ROOT / "scripts/slurm/deadpool_coordinator.sh"),
-            "standby",
-            "sh",
-            "-c",
-            f"echo coordinator says hello; exit {status}",
-        ],
+        [BASH, str(ROOT / "scripts/slurm/deadpool_coordinator.sh"), "standby", "sh", "-c",
+         f"echo coordinator says hello; exit {status}"],
         check=False,
-        env={
-            "PATH": path,
-            "DEADPOOL_LOG_DIR": str(logs),
-            "DEADPOOL_END_GRACE": grace,
-            "SLURM_JOB_ID": "4242",
-        },
+        env={"PATH": path, "DEADPOOL_LOG_DIR": str(logs), "DEADPOOL_END_GRACE": "2",
+             "SLURM_JOB_ID": "4242", **env},
         capture_output=True,
         text=True,
         timeout=20,
-    )
-    assert done.returncode == status, done.stderr
+    )  # fmt: skip
+    assert done.returncode == (0 if status == 5 else status), done.stderr
     assert (logs / "standby.status").read_text().strip() == str(status)
     assert "coordinator says hello" in (logs / "standby.log").read_text()
     return done.stdout, calls.read_text() if calls.exists() else "", logs
@@ -400,10 +395,29 @@ def _wrapper(tmp_path: Path, status: int, grace: str = "2") -> tuple[str, str, P
 @pytest.mark.parametrize("status", [0, 3, 6])
 def test_coordinator_that_ended_the_job_ends_the_slurm_job(tmp_path: Path, status: int) -> None:
     out, calls, _ = _wrapper(tmp_path, status)
-    assert f"exited with status {status}" in out and "ends within 2s" in out
-    assert "cancelling job 4242" in out
+    assert f"standby on {socket.gethostname()} exited with status {status}" in out
+    assert "ends within 2s" in out and "cancelling job 4242" in out
     assert calls.splitlines()[-1] == "scancel 4242"
     assert calls.count("squeue") == 2  # polled once a second for the grace period
+
+
+@pytest.mark.timeout(30)
+def test_a_job_that_ends_on_its_own_is_not_cancelled(tmp_path: Path) -> None:
+    out, calls, _ = _wrapper(tmp_path, 0, running=False)
+    assert "exited with status 0" in out and "cancelling" not in out
+    assert calls.splitlines() == ["squeue -h -j 4242 -o %T"]
+
+
+@pytest.mark.timeout(30)
+def test_the_standby_writes_the_jobs_end_into_the_jobs_log(tmp_path: Path) -> None:
+    job_log = tmp_path / "batch.out"
+    job_log.write_text("the batch script's lines\n")
+    out, _, _ = _wrapper(tmp_path, 3, DEADPOOL_JOB_LOG=str(job_log))
+    assert out == ""
+    lines = job_log.read_text().splitlines()
+    assert lines[0] == "the batch script's lines"
+    assert "exited with status 3 (out of redundancy" in lines[1]
+    assert "cancelling job 4242" in lines[2]
 
 
 @pytest.mark.timeout(30)

@@ -28,14 +28,14 @@ HEARTBEAT = ["--deadpool-heartbeat-timeout", "4", "--deadpool-heartbeat-interval
 JOB_TIMEOUT = 600.0  # the machine may be shared: start-up alone can take minutes under load
 
 
-def _config(folder: Path) -> Path:
+def _config(folder: Path, spares: int = 2, **train: Any) -> Path:
     path = folder / "job.yaml"
     path.write_text(
         yaml.safe_dump(
             {
                 "parallel": {"tp": 2, "pp": 1, "dp": 2},
-                "train": {"iters": ITERS},
-                "deadpool": {"spares": 2, "replicas": 1, "ranks_per_node": 2},
+                "train": {"iters": ITERS, **train},
+                "deadpool": {"spares": spares, "replicas": 1, "ranks_per_node": 2},
             }
         )
     )
@@ -64,12 +64,16 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
 
 @pytest.fixture
-def cluster(tmp_path: Path) -> Iterator[StandbyJob]:
-    config = _config(tmp_path)
+def cluster(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[StandbyJob]:
+    """The job; parametrized indirectly with {"spares": S, "save": True} to change it."""
+    options = getattr(request, "param", {})
+    spares = options.get("spares", 2)
+    save = {"save": str(tmp_path / "save")} if options.get("save") else {}
+    config = _config(tmp_path, spares, **save)
     job = StandbyJob(
         tmp_path,
         world_size=4,
-        spares=2,
+        spares=spares,
         settings=["--config", str(config), *HEARTBEAT],
         timeout_s=JOB_TIMEOUT,
     )
@@ -189,3 +193,32 @@ def test_standby_lost_changes_nothing(cluster: StandbyJob, reference: dict[str, 
         assert finished["t"] - t_kill < 4 + 2 * 0.5 + 1, "the lost standby went unnoticed"
     else:
         print(f"\nstandby lost: noted by the primary at +{lost['t'] - t_kill:.2f}s")
+
+
+@pytest.mark.parametrize("cluster", [{"spares": 0, "save": True}], indirect=True)
+@pytest.mark.timeout(3 * JOB_TIMEOUT)
+def test_primary_node_lost_without_spares_survivors_save_and_load_resumes_exactly(
+    cluster: StandbyJob, reference: dict[str, Any], tmp_path: Path
+) -> None:
+    """No spare to replace ranks 0 and 1: out of redundancy, decided by the standby. The
+    survivors save their own state and the replicas they hold of ranks 0 and 1 through the
+    standby's store (a complete snapshot set), exit 3, and `--load` resumes bit for bit."""
+    _at_iteration(cluster, KILL_AT)
+    cluster.kill("primary", "a0", "a1")
+    codes = cluster.wait(["standby", "a2", "a3"])
+    assert codes == {"standby": 3, "a2": 3, "a3": 3}, cluster.describe()
+    aborted = cluster.event("standby", "out_of_redundancy")
+    assert aborted is not None and aborted["dead_ranks"] == [0, 1], cluster.describe()
+    assert aborted["lost_ranks"] == [] and aborted["save"]["complete"]
+    from megatron_deadpool.replication import save_dir
+
+    point = save_dir.resume_point(str(tmp_path / "save"))
+    assert point is not None and point[0] == "snapshots" and point[1] >= KILL_AT - 1, point
+    log = tmp_path / "resumed.jsonl"
+    resumed = run_deadpool(
+        "train", "--config", str(tmp_path / "job.yaml"), "--load", str(tmp_path / "save"),
+        "--json-log", str(log), "--run-dir", str(tmp_path / "resumed"), timeout=JOB_TIMEOUT,
+    )  # fmt: skip
+    assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-2000:]
+    summary = json.loads(log.read_text().splitlines()[-1])
+    assert summary["final_param_digest"] == reference["final_param_digest"]
