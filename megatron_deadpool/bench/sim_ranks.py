@@ -45,7 +45,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from ..hotswap.connection import connect_store
+from ..hotswap.connection import open_client
 from ..hotswap.membership import Membership, Roster
 from ..hotswap.wakeup import spare_wakeups
 from ..replication.placement import Layout, place_replicas
@@ -98,7 +98,7 @@ class SimProcess:
         pids = [f"a{r}" for r in self.cfg["ranks"]] + list(self.cfg["spares"])
 
         def heartbeat_connection(i: int) -> tuple[int, Any]:
-            store = connect_store(self.address, timeout)
+            store = open_client(self.address, timeout)
             beats = [Membership(store, pid) for pid in pids[i : i + group]]
             threading.Thread(target=self._beat, args=(beats,), daemon=True).start()
             return i, store
@@ -106,7 +106,7 @@ class SimProcess:
         self._each(heartbeat_connection, range(0, len(pids), group))
 
         def connect(pid: str) -> Membership:
-            members = Membership(connect_store(self.address, timeout), pid)
+            members = Membership(open_client(self.address, timeout), pid)
             members.announce()
             with self.lock:  # from now on it beats
                 self.connected.add(pid)

@@ -1,138 +1,244 @@
 """`deadpool coordinator`: the coordinator as its own process, for Slurm clusters.
 
-It hosts the job's store on HOST:PORT, publishes the first roster (ranks 0..W-1 are the
-initial actives `a{r}`, the next S tasks are spares `s{i}`), watches heartbeats, assigns
-spares and drives agreement (see `coordinator.py`), and writes the event log. It exits 0 once
-every active rank has finished, 1 when a failure ran out of redundancy. Workers find it with
-`--deadpool-coordinator HOST:PORT` and must present the same job token
-(`--deadpool-job-token` or `DEADPOOL_JOB_TOKEN`).
+    deadpool coordinator --world-size W --deadpool-coordinator HOST:PORT[,HOST:PORT...] \\
+        [--standby [N]] [--config JOB.yaml] [--deadpool-* flags of the job]
+
+The primary (the first entry of `--deadpool-coordinator`) hosts the job's store there,
+publishes the first roster (ranks 0..W-1 are the initial actives `a{r}`, the next
+`--deadpool-spares` tasks are spares `s{i}`), watches heartbeats, assigns spares and drives
+agreement (`hotswap/coordinator.py`), and writes the event log (`--deadpool-log-dir`). With
+`--standby` this process is entry N (default 1) instead: it watches the coordinators before it
+and takes the job over when they are lost (`hotswap/standby.py`). Both take the job's own
+settings - its YAML's `deadpool:` section, then the same `--deadpool-*` flags the workers get -
+and workers must present the same job token (`--deadpool-job-token` or `DEADPOOL_JOB_TOKEN`).
+
+Exit codes: 0 every rank finished (this coordinator ended the job); 3 out of redundancy (the
+survivors saved what they held); 4 a standby found no coordinator of the job to watch; 5 not the
+job's coordinator (a standby the job never needed, or a primary a standby took over from);
+6 `--max-wait` reached. A launcher ends the job on 0, 3 and 6 (`scripts/slurm`).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import secrets
 import time
+from collections.abc import Callable
 from pathlib import Path
 
-from ..config.deadpool import DeadpoolConfig
-from ..config.flags import field_docs
+from ..config.deadpool import DeadpoolConfig, parse_host_port
+from ..config.flags import add_flags, dest_name
 from ..config.job import load_job
 from ..digest import final_digest
-from ..errors import ConfigError
+from ..errors import ConfigError, CoordinatorUnreachableError
 from ..hotswap.coordinator import Coordinator, EventLog, HeartbeatOnly
 from ..hotswap.membership import Membership, host_store
+from ..hotswap.standby import Standby, StandbyWatch
 from ..logs import setup_logging
 from ..replication.placement import Layout
 
-# The job's settings the coordinator needs, under the workers' flag names.
-_JOB_TIMEOUTS = ("heartbeat_interval", "heartbeat_timeout", "agree_timeout", "pg_timeout")
-_ALIASES = {"heartbeat_timeout": ["--heartbeat-timeout"], "agree_timeout": ["--agree-timeout"]}
+FINISHED, OUT_OF_REDUNDANCY, NO_PRIMARY, NOT_ACTIVE, MAX_WAIT = 0, 3, 4, 5, 6
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--host", default="127.0.0.1", help="address to listen on (default loopback only)"
-    )
-    parser.add_argument("--port", type=int, default=29400, help="store port")
     parser.add_argument("--world-size", type=int, required=True, help="active ranks (tp*pp*dp)")
-    parser.add_argument("--spares", type=int, default=0, help="spare ranks started with the job")
-    parser.add_argument("--log-dir", help="directory for events.jsonl")
-    parser.add_argument("--job-token", help="job token (default: $DEADPOOL_JOB_TOKEN or new)")
     parser.add_argument(
-        "--config", help="the embedded job's YAML: its deadpool: section sets the flags below"
+        "--standby",
+        type=int,
+        nargs="?",
+        const=1,
+        default=0,
+        metavar="N",
+        help="be entry N (default 1) of --deadpool-coordinator: a standby that takes the job "
+        "over once the coordinators before it were silent for the heartbeat timeout",
     )
-    docs = field_docs(DeadpoolConfig)
-    for name in _JOB_TIMEOUTS:
-        flag = "--deadpool-" + name.replace("_", "-")
-        parser.add_argument(
-            flag, *_ALIASES.get(name, []), dest=name, type=float, help=f"the job's {docs[name]}"
-        )
+    parser.add_argument(
+        "--config", help="the embedded job's YAML: its deadpool: section sets the defaults"
+    )
+    group = parser.add_argument_group("the job's DeadPool settings (as the workers get them)")
+    add_flags(
+        group,
+        DeadpoolConfig,
+        prefix="deadpool",
+        defaults={f.name: None for f in dataclasses.fields(DeadpoolConfig)},
+    )
     parser.add_argument(
         "--max-wait", type=float, default=7 * 24 * 3600, help="give up after this many seconds"
     )
 
 
+def job_settings(args: argparse.Namespace) -> DeadpoolConfig:
+    """The job's settings: defaults < --config's deadpool: section < --deadpool-* flags."""
+    base = load_job(args.config).deadpool if args.config else DeadpoolConfig()
+    flags = {
+        f.name: getattr(args, dest_name("deadpool", f.name))
+        for f in dataclasses.fields(DeadpoolConfig)
+    }
+    return base.replace(**{k: v for k, v in flags.items() if v is not None})
+
+
 def run(args: argparse.Namespace) -> int:
     if args.world_size < 1:
         raise ConfigError("world-size: must be >= 1")
-    if args.spares < 0:
-        raise ConfigError("spares: must be >= 0")
-    if not 0 < args.port < 65536:
-        raise ConfigError("port: must be in 1-65535")
-    cfg = _job_settings(args)
+    cfg = job_settings(args)
+    addresses = cfg.coordinators
+    if not addresses:
+        raise ConfigError(
+            "deadpool-coordinator: give the coordinators' HOST:PORT[,HOST:PORT...] (the primary "
+            "first): this process serves one of them"
+        )
+    if not 0 <= args.standby < len(addresses):
+        raise ConfigError(
+            f"standby: entry {args.standby} of deadpool-coordinator does not exist (it lists "
+            f"{len(addresses)}); a standby needs the primary's address before its own"
+        )
+    token = cfg.job_token or os.environ.get("DEADPOOL_JOB_TOKEN")
+    if args.standby and not token:
+        raise ConfigError("deadpool-job-token: a standby needs the job's token (the primary's)")
+    token = token or secrets.token_hex(16)
+    address = addresses[args.standby]
+    host, port = parse_host_port(address, "deadpool-coordinator")
     setup_logging()
-    token = args.job_token or os.environ.get("DEADPOOL_JOB_TOKEN") or secrets.token_hex(16)
     try:
         # `listener` must outlive the store: it is the socket the store serves on.
-        store, _listener = host_store(args.host, args.port)  # listens on --host only
+        store, _listener = host_store(host, port)  # listens on that host only
     except (RuntimeError, OSError) as exc:
-        raise ConfigError(f"host/port: cannot listen on {args.host}:{args.port} ({exc})") from None
-    members = Membership(store, "coordinator")
-    members.set_token(token)
-    log_dir = Path(args.log_dir) if args.log_dir else None
+        raise ConfigError(f"deadpool-coordinator: cannot listen on {address} ({exc})") from None
+    role = "standby" if args.standby else "coordinator"
+
+    def say(text: str) -> None:
+        print(f"deadpool {role}: {text}", flush=True)
+
+    members = Membership(store, role)
+    log_dir = Path(cfg.log_dir) if cfg.log_dir else None
     if log_dir:
         log_dir.mkdir(parents=True, exist_ok=True)
+    events = EventLog(log_dir / "events.jsonl" if log_dir else None)
+    events(
+        "settings",
+        role=role,
+        address=address,
+        heartbeat_interval=cfg.heartbeat_interval,
+        heartbeat_timeout=cfg.heartbeat_timeout,
+        agree_timeout=cfg.agreement_timeout,
+        pg_timeout=cfg.pg_timeout,
+    )
     coord = Coordinator(
         members,
         args.world_size,
         None,  # the layout arrives from rank 0 (job/layout)
-        [f"s{i}" for i in range(args.spares)],
+        [f"s{i}" for i in range(cfg.spares)],
         heartbeat_timeout=cfg.heartbeat_timeout,
         agree_timeout=cfg.agreement_timeout,
         suspect_after=cfg.suspect_after,
         liveness=HeartbeatOnly(),
-        events=EventLog(log_dir / "events.jsonl" if log_dir else None),
-        on_event=lambda text: print(f"deadpool coordinator: {text}", flush=True),
+        events=events,
+        on_event=say,
     )
-    coord.start()
-    settings = {name: getattr(cfg, name) for name in _JOB_TIMEOUTS}
-    settings["agree_timeout"] = cfg.agreement_timeout
-    coord.events("settings", **settings)
-    print(
-        f"deadpool coordinator: listening on {args.host}:{args.port}, world size "
-        f"{args.world_size}, {args.spares} spare(s); "
-        + ", ".join(f"{k.replace('_', ' ')} {v:g}s" for k, v in settings.items()),
-        flush=True,
+    say(
+        f"listening on {address}, world size {args.world_size}, {cfg.spares} spare(s); "
+        f"heartbeat interval {cfg.heartbeat_interval:g}s, timeout {cfg.heartbeat_timeout:g}s, "
+        f"agreement timeout {cfg.agreement_timeout:g}s, pg timeout {cfg.pg_timeout:g}s"
     )
+    deadline = time.monotonic() + args.max_wait
     try:
-        return _serve(coord, members, time.monotonic() + args.max_wait)
+        return _run(args, cfg, coord, members, token, deadline, events, say)
     finally:
         coord.close()
 
 
-def _serve(coord: Coordinator, members: Membership, deadline: float) -> int:
-    """Tick until every rank finished (0), memory ran out of redundancy (1) or `deadline`."""
+def _run(
+    args: argparse.Namespace,
+    cfg: DeadpoolConfig,
+    coord: Coordinator,
+    members: Membership,
+    token: str,
+    deadline: float,
+    events: EventLog,
+    say: Callable[[str], None],
+) -> int:
+    """Serve as the primary, or as a standby once it took the job over; the exit code."""
+    if args.standby:
+        standby = Standby(cfg, args.standby, token, args.world_size, members, events, say)
+        try:
+            while True:
+                if not standby.wait_for_loss():
+                    return NOT_ACTIVE
+                state = standby.take_over()
+                if state is not None:
+                    break
+        except CoordinatorUnreachableError as exc:
+            say(str(exc))
+            return NO_PRIMARY
+        standby.hand_over(coord, state)
+        return serve(coord, members, deadline, say, each_tick=standby.late_registrations)
+    members.set_identity(0, secrets.token_hex(8))
+    members.set_token(token)
+    coord.start()
+    watch = None
+    if len(cfg.coordinators) > 1:
+        watch = StandbyWatch(cfg, token, events, say)
+        watch.start()
+    return serve(coord, members, deadline, say, watch=watch)
+
+
+def serve(
+    coord: Coordinator,
+    members: Membership,
+    deadline: float,
+    say: Callable[[str], None],
+    *,
+    watch: StandbyWatch | None = None,
+    each_tick: Callable[[Coordinator], None] = lambda coord: None,
+) -> int:
+    """Coordinate the job until it ends here; the exit code."""
     while time.monotonic() < deadline:
         coord.tick()
+        each_tick(coord)
         if coord.aborted is not None:
             members.request_shutdown()
-            return 1
-        slots = list(coord.roster.slots.values())
+            _serve_salvage(coord, members, deadline)
+            return OUT_OF_REDUNDANCY
+        if watch is not None and watch.superseded:
+            say(f"standby {watch.superseded} took the job over: standing down")
+            return NOT_ACTIVE
+        waiting = [p for p in coord.roster.slots.values() if p not in coord.after_training]
         # The count first: one round trip per tick, whatever the size of the job.
-        done = members.done_count() >= len(slots) and members.all_done(slots)
-        if done and coord.recovery is None:
+        done = members.done_count() >= len(waiting) and members.all_done(waiting)
+        if coord.recovery is None and done:
             members.request_shutdown()
             digest, ranks = _digests(members, coord.world)
             coord.events("finished", final_param_digest=digest, rank_digests=ranks)
-            print(f"deadpool coordinator: every rank finished; digest {digest}", flush=True)
-            time.sleep(2.0)  # let spares see the shutdown before the store goes away
-            return 0
+            say(f"every rank finished; digest {digest}")
+            time.sleep(2.0)  # let spares and a standby see the shutdown before the store goes
+            return FINISHED
         coord.wait(0.05)
-    print("deadpool coordinator: --max-wait reached", flush=True)
-    return 1
+    say("--max-wait reached")
+    return MAX_WAIT
 
 
-def _job_settings(args: argparse.Namespace) -> DeadpoolConfig:
-    """The job's timeouts: --config's deadpool: section < flags, checked as the workers do."""
-    base = load_job(args.config).deadpool if args.config else DeadpoolConfig()
-    flags = {name: getattr(args, name) for name in _JOB_TIMEOUTS}
-    return base.replace(**{k: v for k, v in flags.items() if v is not None})
+def _serve_salvage(coord: Coordinator, members: Membership, deadline: float) -> None:
+    """Out of redundancy: the survivors save what they hold through this store (who writes
+    the manifest, who is done): serve it until each surviving rank saved, or fell silent."""
+    dead = set((coord.aborted or {}).get("dead_ranks", []))
+    pending = {r: p for r, p in coord.roster.slots.items() if r not in dead}
+    while pending and time.monotonic() < deadline:
+        pids = list(pending.values())
+        now = time.monotonic()
+        coord.beats.sweep(pids, members.heartbeat_counts(pids), now, coord.heartbeat_timeout)
+        for rank, pid in list(pending.items()):
+            age = coord.beats.age(pid, now)
+            if members.all_salvaged([rank]) or age is None or age > coord.heartbeat_timeout:
+                del pending[rank]
+        time.sleep(0.2)
 
 
 def _digests(members: Membership, world_size: int) -> tuple[str | None, dict[str, str]]:
-    """The job's parameter digest as `deadpool train` reports it, and each rank's."""
+    """The job's parameter digest as `deadpool train` reports it (any data-parallel member's
+    digest stands for its group: a rank lost after training completed costs none), and each
+    rank's."""
     ranks = {r: d for r in range(world_size) if (d := members.digest(r)) is not None}
     layout = members.layout()
     if layout is None:

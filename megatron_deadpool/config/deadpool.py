@@ -57,11 +57,14 @@ class DeadpoolConfig:
     the bound on how long a survivor can block on a dead peer. Above the agreement timeout."""
 
     connect_timeout: float = 60.0
-    """Seconds a process may take to reach the coordinator at start-up, and the bound on any
-    single store operation; past it the process exits with a clear error instead of hanging."""
+    """Seconds a process may take to reach the coordinator at start-up, or to find it (or a
+    standby that took over) again after losing it; past it the process exits with a clear error
+    instead of hanging. A single store operation waits at most the heartbeat timeout."""
 
     coordinator: str | None = None
-    """HOST:PORT of the coordinator's store. Unset: the launcher hosts it on loopback."""
+    """HOST:PORT of the coordinator's store, or an ordered list HOST:PORT,HOST:PORT,...: the
+    primary first, then standby coordinators (`deadpool coordinator --standby`) that take over
+    when it is lost. Unset: the launcher hosts it on loopback."""
 
     fail: list[str] = field(default_factory=list)
     """Fault injection, repeatable: RANK@ITER[:kill|hang] or node:N@ITER[:kill|hang]."""
@@ -110,8 +113,15 @@ class DeadpoolConfig:
                 f"({self.pg_timeout}s): survivors are named before they are presumed dead, and "
                 "presumed dead before their collectives time out"
             )
-        if self.coordinator is not None:
-            parse_host_port(self.coordinator, "deadpool-coordinator")
+        standbys = len(split_coordinators(self.coordinator)) - 1 if self.coordinator else 0
+        if standbys and self.connect_timeout < 2 * self.heartbeat_timeout:
+            raise ConfigError(
+                f"deadpool-connect-timeout ({self.connect_timeout}s) must be at least 2 x "
+                f"deadpool-heartbeat-timeout ({self.heartbeat_timeout}s) when "
+                "deadpool-coordinator lists a standby: a standby takes over only after the "
+                "primary was silent for the heartbeat timeout, and processes look for it for "
+                "the connect timeout"
+            )
         for spec in self.fail:
             parse_fault(spec)
 
@@ -128,6 +138,10 @@ class DeadpoolConfig:
         the heartbeat timeout, at least 3 heartbeat intervals."""
         return max(3 * self.heartbeat_interval, self.heartbeat_timeout / 2)
 
+    def coordinators(self) -> list[str]:
+        """The coordinators' addresses, primary first (empty: the launcher hosts one)."""
+        return split_coordinators(self.coordinator) if self.coordinator else []
+
     def replace(self, **changes: object) -> DeadpoolConfig:
         """A validated copy with `changes` applied."""
         return dataclasses.replace(self, **changes)
@@ -138,6 +152,21 @@ def _check_int(value: object, flag: str, *, minimum: int) -> None:
         raise ConfigError(f"{flag}: expected an integer, got {value!r}")
     if value < minimum:
         raise ConfigError(f"{flag}: must be >= {minimum}, got {value}")
+
+
+def split_coordinators(text: str) -> list[str]:
+    """`HOST:PORT[,HOST:PORT...]` as a list, each entry checked; one `ConfigError` naming the
+    flag and the entry otherwise."""
+    flag = "deadpool-coordinator"
+    if not isinstance(text, str):
+        raise ConfigError(f"{flag}: expected HOST:PORT[,HOST:PORT...], got {text!r}")
+    entries = [e.strip() for e in text.split(",")]
+    for i, entry in enumerate(entries, 1):
+        where = f"{flag} (entry {i} of {len(entries)})" if len(entries) > 1 else flag
+        parse_host_port(entry, where)
+        if entry in entries[: i - 1]:
+            raise ConfigError(f"{where}: {entry!r} is listed twice; each coordinator once")
+    return entries
 
 
 def parse_host_port(text: str, flag: str, *, resolve: bool = False) -> tuple[str, int]:

@@ -1,56 +1,181 @@
-"""A process's connections to the coordinator's store: the client, and the heartbeat thread.
+"""A process's connections to a coordinator's store: bounded clients, and the heartbeat thread.
 
-Every process of a job reaches the coordinator through `connect_store` (bounded in time: a
-clear error instead of a hang) and keeps a second connection of its own for its heartbeat, so
-that a main thread blocked in a collective still beats.
+torch's TCPStore client waits without limit for the answer of a server that stopped answering (a
+frozen coordinator, a host that vanished without closing its sockets), whatever its timeout, and
+its `set` does not wait for an answer at all (a value set on a lost connection vanishes without
+an error). So every operation here runs on a helper thread and the caller waits a bounded time:
+no answer raises `DistNetworkError`, as a closed connection does, and the helper (stuck in torch)
+is abandoned; and a `set` is confirmed by a round trip on the same connection. Every process
+keeps a second connection for its heartbeat, so that a main thread blocked in a collective
+still beats - and a lost coordinator is noticed within one heartbeat interval.
+
+A helper that was given up on may still return later (its server was only slow). One that
+returns while the interpreter shuts down aborts the process (a thread re-entering Python then
+is unwound through torch's C++ frames), so at exit abandoned helpers get a few seconds to return
+first; one stuck for good never returns and does no harm.
 """
 
 from __future__ import annotations
 
+import atexit
 import datetime
+import queue
+import socket
 import threading
 import time
 from collections.abc import Callable
+from typing import Any, TypeVar
 
 import torch.distributed as dist
 
 from ..config.deadpool import parse_host_port
-from ..errors import CoordinatorUnreachableError
 from .membership import Membership
 
+T = TypeVar("T")
 
-def connect_store(address: str, timeout_s: float) -> dist.TCPStore:
-    """A client of the coordinator's store; a clear error instead of a hang."""
+STORE_ERRORS = (dist.DistNetworkError, dist.DistStoreError, RuntimeError, OSError)
+"""What a store operation raises when the coordinator is unreachable (or refused us)."""
+
+
+class _Caller(threading.Thread):
+    """A daemon thread that runs store calls one at a time for a caller that waits a bounded
+    time (a daemon: one stuck in torch forever does not hold up the interpreter's exit)."""
+
+    def __init__(self) -> None:
+        super().__init__(name="deadpool-store-call", daemon=True)
+        self.calls: queue.SimpleQueue = queue.SimpleQueue()
+        self.stuck = False  # a call was given up: the thread may never return from it
+        self.start()
+
+    def run(self) -> None:
+        while True:
+            call = self.calls.get()
+            if call is None:  # `close`
+                return
+            fn, box, done = call
+            try:
+                box.append((True, fn()))
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller
+                box.append((False, exc))
+            done.set()
+
+    def call(self, fn: Callable[[], T], timeout: float, abandon: Callable[[], bool]) -> T:
+        """`fn()`'s result; `DistNetworkError` after `timeout` seconds without one, or as soon
+        as `abandon()` says the answer is no longer wanted (the thread is then unusable)."""
+        box: list[tuple[bool, Any]] = []
+        done = threading.Event()
+        self.calls.put((fn, box, done))
+        deadline = time.monotonic() + timeout
+        while not done.wait(min(0.05, max(0.0, deadline - time.monotonic()))):
+            if time.monotonic() >= deadline or abandon():
+                self.stuck = True
+                _ABANDONED.append(self)
+                raise dist.DistNetworkError(f"no answer from the store within {timeout:g}s")
+        ok, value = box[0]
+        if ok:
+            return value
+        raise value
+
+    def close(self) -> None:
+        """End the thread once it is idle (a stuck one stays where torch holds it)."""
+        self.calls.put(None)
+
+
+_ABANDONED: list[_Caller] = []
+
+
+@atexit.register
+def _settle_abandoned(limit_s: float = 10.0) -> None:
+    """At exit: let abandoned calls that are only slow return before the interpreter goes."""
+    deadline = time.monotonic() + limit_s
+    for caller in _ABANDONED:
+        caller.close()
+        caller.join(max(0.0, deadline - time.monotonic()))
+
+
+def open_client(address: str, timeout: float) -> dist.TCPStore:
+    """One bounded attempt to connect to the store at HOST:PORT.
+
+    A plain TCP connection first: torch's own client retries a refused connection for up to
+    about three times its timeout, and a thread left inside torch when the interpreter exits
+    aborts the process. Only a server that accepts the connection gets a torch client, on a
+    helper thread (a stopped server accepts, then never answers).
+    """
     host, port = parse_host_port(address, "deadpool-coordinator", resolve=True)
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:  # short attempts: torch's own retry back-off can outlast the whole deadline
-            attempt = max(0.5, min(10.0, deadline - time.monotonic()))
-            store = dist.TCPStore(
+    try:
+        socket.create_connection((host, port), timeout=timeout).close()
+    except OSError as exc:
+        raise dist.DistNetworkError(f"cannot connect to {address}: {exc}") from None
+    caller = _Caller()
+    try:
+        return caller.call(
+            lambda: dist.TCPStore(
                 host,
                 port,
                 is_master=False,
-                timeout=datetime.timedelta(seconds=attempt),
+                timeout=datetime.timedelta(seconds=timeout),
                 wait_for_workers=False,
-            )
-            store.set_timeout(datetime.timedelta(seconds=timeout_s))
-            return store
-        except (RuntimeError, TimeoutError) as exc:
-            if time.monotonic() > deadline:
-                why = str(exc).splitlines()[0][:160]
-                raise CoordinatorUnreachableError(
-                    f"coordinator {address} unreachable after {timeout_s:.0f}s ({why}); start "
-                    "`deadpool coordinator` first or fix --deadpool-coordinator"
-                ) from None
-            time.sleep(0.2)
+            ),
+            timeout + 1.0,
+            lambda: False,
+        )
+    finally:
+        caller.close()
+
+
+class BoundedStore:
+    """A store client whose every operation answers within `op_timeout` seconds (a `wait`
+    within its own timeout plus that) or raises `DistNetworkError`."""
+
+    def __init__(self, client: dist.Store, op_timeout: float) -> None:
+        self.client = client
+        self.op_timeout = op_timeout
+        self._caller = _Caller()
+
+    def __del__(self) -> None:
+        caller = getattr(self, "_caller", None)
+        if caller is not None:
+            caller.close()
+
+    def set(self, key: str, value: str | bytes) -> None:
+        """Set, confirmed: the answer to the `check` after it means the server applied it."""
+        self._call(lambda c: (c.set(key, value), c.check([key])))
+
+    def get(self, key: str) -> bytes:
+        return self._call(lambda c: c.get(key))
+
+    def check(self, keys: list[str]) -> bool:
+        return self._call(lambda c: c.check(keys))
+
+    def add(self, key: str, amount: int) -> int:
+        return self._call(lambda c: c.add(key, amount))
+
+    def delete_key(self, key: str) -> bool:
+        return self._call(lambda c: c.delete_key(key))
+
+    def wait(self, keys: list[str], timeout: datetime.timedelta) -> None:
+        self._call(lambda c: c.wait(keys, timeout), timeout.total_seconds())
+
+    def _call(self, fn: Callable[[dist.Store], T], extra_s: float = 0.0) -> T:
+        client, caller = self.client, self._caller
+        try:
+            return caller.call(lambda: fn(client), self.op_timeout + extra_s, self._moved)
+        finally:
+            if caller.stuck:
+                caller.close()  # it ends if torch ever lets go
+                self._caller = _Caller()
+
+    def _moved(self) -> bool:
+        """The answer is no longer wanted (a failover client moved to another coordinator)."""
+        return False
 
 
 class Heartbeat(threading.Thread):
-    """Publishes this process's heartbeat on its own store connection."""
+    """Publishes this process's heartbeat on its own store connection (`store`)."""
 
-    def __init__(self, address: str, pid: str, interval: float, timeout: float) -> None:
+    def __init__(self, store: Any, pid: str, interval: float) -> None:
         super().__init__(name="deadpool-heartbeat", daemon=True)
-        self.membership = Membership(connect_store(address, timeout), pid)
+        self.membership = Membership(store, pid)
         self.interval = interval
         self.stopped = threading.Event()
         self.lost: str | None = None  # why the coordinator became unreachable, if it did
@@ -59,9 +184,9 @@ class Heartbeat(threading.Thread):
     def run(self) -> None:
         while not self.stopped.wait(self.interval):
             try:
-                self.membership.heartbeat()
+                self.membership.heartbeat()  # a round trip: notices a lost coordinator
                 if self.after_beat is not None:
                     self.after_beat(self.membership)
-            except (RuntimeError, OSError) as exc:  # the coordinator's store is gone
+            except STORE_ERRORS as exc:  # no coordinator could be found again
                 self.lost = str(exc).splitlines()[0][:200]
                 return

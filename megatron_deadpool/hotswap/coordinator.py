@@ -211,6 +211,24 @@ class Coordinator:
             self._inbox = coordinator_inbox(self.members)
         return self._inbox.wait(timeout_s)
 
+    def adopt(
+        self, roster: Roster, spares: list[str], next_generation: int, dead: dict[str, str]
+    ) -> None:
+        """Instead of `start`: go on with a job another coordinator ran (a standby taking over,
+        `standby.py`) - its current roster, the spares still waiting, plans from
+        `next_generation` on, and the processes known dead (pid -> why), recovered next tick."""
+        self.roster = roster
+        self.spares = list(spares)
+        self.next_generation = next_generation
+        self.members.publish_roster(roster)
+        self.events("roster", generation=roster.generation, slots=roster.slots, adopted=True)
+        now = time.monotonic()
+        for pid in self._live_pids():  # they re-registered: judged by their beats from now on
+            self.beats.expect(pid, now)
+        self._watch(self._live_pids())
+        for pid, why in dead.items():
+            self._mark_dead(pid, why)
+
     def close(self) -> None:
         """Stop the thread `wait` started (before the store goes away)."""
         if self._inbox is not None:

@@ -28,7 +28,7 @@ from typing import Any, Protocol
 
 import torch.distributed as dist
 
-from ..config.deadpool import DeadpoolConfig
+from ..config.deadpool import DeadpoolConfig, split_coordinators
 from ..config.faults import end_faults, iteration_faults, recovery_faults, spare_faults
 from ..devices import Device, nccl
 from ..devices.abort import abort_groups
@@ -42,10 +42,12 @@ from ..replication.placement import Layout, Placement, place_replicas
 from ..replication.replicator import Replicator
 from ..replication.snapshot import RankState, Snapshotter
 from . import rebind, recovery
-from .connection import Heartbeat, connect_store
+from .connection import Heartbeat
+from .failover import CoordinatorLink, FailoverStore, host_id
 from .injection import inject
 from .membership import Membership, Roster, pid_of
 from .plan_watch import PlanWatch
+from .rebuild import Registration
 from .wakeup import StoreWaiter, spare_wakeups
 from .weights import sync_params_from_main
 
@@ -119,6 +121,7 @@ class Driver:
         self.pid = pid or ""
         self.task = task
         self.job: JobAdapter | None = None
+        self.link: CoordinatorLink | None = None
         self.members: Membership | None = None
         self.heartbeat: Heartbeat | None = None
         self.sigterm = threading.Event()
@@ -138,12 +141,27 @@ class Driver:
         self.resumed_at: int | None = None
         self.recoveries: list[RecoveryRecord] = []
         self.plan_watch = PlanWatch(abort_groups)  # a peer frozen in a collective with us
+        self.recovering = False  # between a failed collective and the restore
+        self.done = False  # finished its work
 
     # ------------------------------------------------------------------ start-up
     def connect(self, world_size: int | None = None) -> None:
         """Reach the coordinator, show the job token, announce this process, start beating.
+        Every connection fails over to a standby coordinator that takes over (`failover.py`).
         `world_size`: the job's own, which must be the coordinator's."""
-        store = connect_store(self.coordinator, self.cfg.connect_timeout)
+        cfg = self.cfg
+        self.link = CoordinatorLink(
+            split_coordinators(self.coordinator),
+            self.token,
+            connect_timeout=cfg.connect_timeout,
+            op_timeout=min(cfg.heartbeat_timeout, cfg.connect_timeout),
+            rebuild_timeout=2 * cfg.heartbeat_timeout + cfg.connect_timeout,
+            beat_s=cfg.heartbeat_interval,
+            pid=lambda: self.pid or f"task{self.task}",
+            record=self.rejoin_record,
+        )
+        self.link.connect()
+        store = FailoverStore(self.link)
         members = Membership(store, self.pid or f"task{self.task}")
         members.check_token(self.token)
         # The coordinator's first roster is the authority on the world size.
@@ -161,11 +179,29 @@ class Driver:
         if self.pid.startswith("s"):
             set_context(spare=self.pid)
         members.announce()
-        self.heartbeat = Heartbeat(
-            self.coordinator, self.pid, self.cfg.heartbeat_interval, self.cfg.connect_timeout
-        )
+        self.heartbeat = Heartbeat(FailoverStore(self.link), self.pid, cfg.heartbeat_interval)
         self.heartbeat.after_beat = self.plan_watch
         self.heartbeat.start()
+
+    def rejoin_record(self) -> Registration:
+        """What this process tells a standby coordinator that took over (read by whichever of
+        its threads first notices the loss)."""
+        roster = self.roster
+        return Registration(
+            pid=self.pid or f"task{self.task}",
+            host=host_id(),
+            rank=self.rank,
+            generation=roster.generation if roster else -1,
+            world_size=roster.world_size if roster else None,
+            slots=dict(roster.slots) if roster else None,
+            restore_iteration=roster.restore_iteration if roster else None,
+            last_completed=self.last_completed,
+            completed=self.completed,
+            done=self.done,
+            layout=self._layout_record(),
+            plan_seen=self.members.plan_seen if self.members else 0,
+            recovering=self.recovering,
+        )
 
     def catch_sigterm(self) -> Any:
         """From now on SIGTERM (Slurm's time limit, preemption) sets `self.sigterm` instead of
@@ -261,16 +297,20 @@ class Driver:
                 return self.layout
             self.placement = place_replicas(self.layout, self.cfg.replicas)
             if self.generation == 0 and self.rank == 0:
-                self.members.publish_layout(
-                    {
-                        "tp": self.layout.tp,
-                        "pp": self.layout.pp,
-                        "dp": self.layout.dp,
-                        "ranks_per_node": per_node,
-                        "replicas": self.cfg.replicas,
-                    }
-                )
+                self.members.publish_layout(self._layout_record())
         return self.layout
+
+    def _layout_record(self) -> dict[str, int] | None:
+        """The layout as the coordinator learns it (None before replicas are placed)."""
+        if self.layout is None or self.placement is None:
+            return None
+        return {
+            "tp": self.layout.tp,
+            "pp": self.layout.pp,
+            "dp": self.layout.dp,
+            "ranks_per_node": self.layout.ranks_per_node,
+            "replicas": self.cfg.replicas,
+        }
 
     def new_replication_group(self) -> None:
         """Create this generation's replication group (every rank, after Megatron's groups)."""
@@ -323,6 +363,7 @@ class Driver:
         T. `target`: the step the job returns to afterwards (recomputing T+1..target-1)."""
         t0 = time.time()
         self.plan_watch.recovering()
+        self.recovering = True
         log.warning("collective failed (%s): entering recovery", _first_line(exc))
         self.members.report_failure(_first_line(exc))
         # The traceback's frames hold the failed collective's group: drop them, or the group
@@ -353,6 +394,7 @@ class Driver:
         self.job.after_rejoin(roster)
         t_joined = time.time()
         self.restore(roster, needy=False)
+        self.recovering = False
         self._record(
             roster,
             target,
@@ -516,6 +558,7 @@ class Driver:
             digest = rank_digest(self.job.model())
             self.members.publish_digest(self.rank, digest)
         self.members.mark_done()
+        self.done = True
         self.heartbeat.stopped.set()
         return digest
 

@@ -28,6 +28,11 @@ class HeartbeatClock:
         if seen is None or seen[0] != count:
             self._seen[pid] = (count, now)
 
+    def expect(self, pid: str, now: float) -> None:
+        """Judge `pid` from `now` on even if its counter never moves (a process known to be
+        alive, e.g. one that re-registered with a standby coordinator taking the job over)."""
+        self._seen.setdefault(pid, (0, now))
+
     def sweep(
         self, pids: Sequence[str], counts: Sequence[int], now: float, timeout: float
     ) -> list[tuple[str, float]]:

@@ -60,6 +60,14 @@ Keys:
   salvaged/{rank}               the rank wrote its part of the out-of-redundancy snapshot set
   salvage/manifest              counter: the first survivor to add 1 writes the manifest
   shutdown                      set by a launcher or the coordinator: waiting spares leave
+  coordinator                   {"epoch", "id"}: who serves this store - epoch 0 the primary, i the
+                                standby at entry i of --deadpool-coordinator once it took over; id
+                                one per coordinator process. Set before job/token: a store without
+                                the token serves no job (yet)
+  rejoin/{pid}                  a process's re-registration with a standby that took over: what it
+                                knows of the job (`rebuild.Registration`); task{i} for a process
+                                that does not know its pid yet (task i: actives first, then spares)
+  rebuilt                       the standby rebuilt the job's state from the re-registrations
 """
 
 from __future__ import annotations
@@ -141,6 +149,7 @@ class Membership:
     def __init__(self, store: dist.Store, pid: str) -> None:
         self.store = store
         self.pid = pid
+        self.plan_seen = 0  # the newest planned generation this process read
 
     # ------------------------------------------------------------------ plumbing
     def _set(self, key: str, value: str) -> None:
@@ -211,6 +220,24 @@ class Membership:
                 f"job; pass the job's --deadpool-job-token (process {self.pid})"
             )
 
+    def job_token(self) -> str | None:
+        return self._get("job/token")
+
+    def set_identity(self, epoch: int, nonce: str) -> None:
+        """Say which coordinator serves this store (before `set_token`)."""
+        self._publish("coordinator", {"epoch": epoch, "id": nonce})
+
+    def identity(self) -> tuple[int, str] | None:
+        """(epoch, id) of the coordinator serving this store; None: none has taken it yet."""
+        d = self._read("coordinator")
+        return None if d is None else (int(d["epoch"]), str(d["id"]))
+
+    def withdraw(self, pids: list[str]) -> None:
+        """A standby that did not take over after all: the store serves no job again, and the
+        re-registrations of `pids` it got are forgotten."""
+        for key in ["job/token", "coordinator", *(f"rejoin/{p}" for p in pids)]:
+            self.store.delete_key(key)
+
     def publish_layout(self, layout: dict[str, int]) -> None:
         self._publish("job/layout", layout)
 
@@ -246,6 +273,10 @@ class Membership:
     def done_count(self) -> int:
         """How many processes finished their work (one store round trip)."""
         return self._count("done/count")
+
+    def restore_done(self, pid: str) -> None:
+        """A standby's rebuild: `pid` had finished its work (it said so when re-registering)."""
+        self._stamp(f"done/{pid}")
 
     def all_done(self, pids: list[str]) -> bool:
         return self._all_exist([f"done/{p}" for p in pids])
@@ -286,14 +317,17 @@ class Membership:
         return self._wait(f"spares/epoch/{n}", timeout_s)
 
     def process_group_store(self, generation: int) -> dist.Store:
-        """The store generation g's process groups rendezvous on."""
-        return dist.PrefixStore(f"gen{generation}", self.store)
+        """The store generation g's process groups rendezvous on (for a bounded or failover
+        client, `connection.BoundedStore`: its current torch connection)."""
+        return dist.PrefixStore(f"gen{generation}", getattr(self.store, "client", self.store))
 
     # ------------------------------------------------------------------ recovery
     def latest_plan(self) -> int:
         """The newest planned generation (0: none planned yet)."""
         text = self._get("plan/latest")
-        return 0 if text is None else int(text)
+        latest = 0 if text is None else int(text)
+        self.plan_seen = max(self.plan_seen, latest)
+        return latest
 
     def publish_plan(self, generation: int, plan: dict[str, Any]) -> None:
         self._publish(f"gen{generation}/plan", plan)
@@ -462,6 +496,20 @@ class Membership:
 
     def load_time(self, rank: int) -> float | None:
         return self._time(f"load/{rank}")
+
+    # ------------------------------------------------------------------ a standby takes over
+    def register(self, record: dict[str, Any]) -> None:
+        """This process's re-registration with a standby coordinator that took over."""
+        self._publish(f"rejoin/{self.pid}", record)
+
+    def registration(self, pid: str) -> dict[str, Any] | None:
+        return self._read(f"rejoin/{pid}")
+
+    def publish_rebuilt(self, epoch: int) -> None:
+        self._set("rebuilt", str(epoch))
+
+    def rebuilt(self) -> bool:
+        return self.store.check(["rebuilt"])
 
     # ------------------------------------------------------------------ stopping
     def request_preempt(self) -> None:

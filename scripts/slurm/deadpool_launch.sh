@@ -5,9 +5,11 @@
 # inside any allocation (salloc) as well. It
 #   1. loads $DEADPOOL_MODULES and activates $DEADPOOL_VENV if set;
 #   2. starts the coordinator (store host, heartbeat monitor, spare assignment) on this host,
-#      in the background, unless DEADPOOL_COORDINATOR names one already running; it gets the
-#      job's heartbeat and process-group timeouts (DEADPOOL_CONFIG's deadpool: section and any
-#      --deadpool-heartbeat-interval/-timeout, --deadpool-pg-timeout in the workers' arguments);
+#      in the background, unless DEADPOOL_COORDINATOR names one already running, and a standby
+#      coordinator on the allocation's last node (a spare node: it trains only after a failure,
+#      and it is not the batch host) that takes the job over if this host is lost. Both get
+#      the job's own settings (DEADPOOL_CONFIG, the workers' --deadpool-* flags), and the one
+#      that ends the job ends the Slurm job too (scripts/slurm/deadpool_coordinator.sh);
 #   3. starts one process per GPU on every node with one `srun` that keeps the survivors alive
 #      when processes or nodes die (--kill-on-bad-exit=0, --no-kill, --wait=0). Tasks are laid
 #      out in blocks, so node i holds ranks i*G .. i*G+G-1; tasks >= the world size (the last
@@ -31,7 +33,12 @@
 #   DEADPOOL_REPLICAS   replicas k of each optimizer shard                           (1)
 #   DEADPOOL_EXTRA_ARGS more --deadpool-* flags for every worker, split on whitespace
 #   DEADPOOL_PORT       coordinator port                                             (29400)
-#   DEADPOOL_COORDINATOR HOST:PORT of a coordinator started elsewhere (then none here)
+#   DEADPOOL_COORDINATOR HOST:PORT of a coordinator started elsewhere (then none here); a
+#                       list HOST:PORT,HOST:PORT names its standbys too
+#   DEADPOOL_STANDBY    HOST:PORT of the standby coordinator, "none" for none
+#                       (the allocation's last node, DEADPOOL_PORT; none on one node)
+#   DEADPOOL_END_GRACE  seconds the tasks get to end on their own once the coordinator
+#                       that ended the job exited, before the job is cancelled         (60)
 #   MASTER_PORT         torch.distributed port                                      (29500)
 #   DEADPOOL_LOG_DIR    per-job logs: coordinator.log, task-<rank>.log   (logs/<name>-<jobid>)
 #   DEADPOOL_MODULES    modules to load, space separated                            (site)
@@ -70,6 +77,8 @@ show() { # show WHAT CMD...: the command line, shell-quoted, as one line
 : "${DEADPOOL_EXTRA_ARGS:=}"
 : "${DEADPOOL_PORT:=29400}"
 : "${DEADPOOL_COORDINATOR:=}"
+: "${DEADPOOL_STANDBY:=}"
+: "${DEADPOOL_END_GRACE:=60}"
 : "${MASTER_PORT:=29500}"
 : "${DEADPOOL_LOG_DIR:=$DEADPOOL_HOME/logs/${SLURM_JOB_NAME:-deadpool}-${SLURM_JOB_ID:-0}}"
 : "${DEADPOOL_MODULES:=}"
@@ -83,7 +92,8 @@ cd "$DEADPOOL_HOME" || die "DEADPOOL_HOME=$DEADPOOL_HOME: no such directory (sub
 
 nnodes=${SLURM_JOB_NUM_NODES:-${SLURM_NNODES:-}}
 [ -n "$nnodes" ] || die "not inside a Slurm allocation (SLURM_JOB_NUM_NODES is unset)"
-for name in nnodes SPARE_NODES GPUS_PER_NODE DEADPOOL_REPLICAS DEADPOOL_PORT MASTER_PORT; do
+for name in nnodes SPARE_NODES GPUS_PER_NODE DEADPOOL_REPLICAS DEADPOOL_PORT MASTER_PORT \
+    DEADPOOL_END_GRACE; do
     [[ ${!name} =~ ^[0-9]+$ ]] || die "$name must be a non-negative integer, got '${!name}'"
 done
 active_nodes=$((nnodes - SPARE_NODES))
@@ -99,9 +109,21 @@ if [ -n "$DEADPOOL_COORDINATOR" ]; then
 else
     coordinator="$(hostname):$DEADPOOL_PORT"
     start_coordinator=1
+    if [ -z "$DEADPOOL_STANDBY" ] && ((nnodes > 1)); then
+        # The last node: a spare node (it trains only after a failure), never the batch host.
+        last=$(scontrol show hostnames "${SLURM_JOB_NODELIST:-}" 2>/dev/null | tail -n 1) ||
+            last=
+        [ -n "$last" ] || die "cannot list the allocation's nodes (scontrol show hostnames" \
+            "\$SLURM_JOB_NODELIST); set DEADPOOL_STANDBY=HOST:PORT or DEADPOOL_STANDBY=none"
+        DEADPOOL_STANDBY=$last:$DEADPOOL_PORT
+    fi
+    if [ -n "$DEADPOOL_STANDBY" ] && [ "$DEADPOOL_STANDBY" != none ]; then
+        coordinator=$coordinator,$DEADPOOL_STANDBY
+    fi
 fi
-coord_host=${coordinator%:*}
-coord_port=${coordinator##*:}
+primary=${coordinator%%,*}
+coord_host=${primary%:*}
+coord_port=${primary##*:}
 
 # Everything srun passes on to the tasks (srun exports the whole environment).
 export MASTER_ADDR=${MASTER_ADDR:-$coord_host}
@@ -141,6 +163,20 @@ deadpool_flags=(
     --deadpool-ranks-per-node "$GPUS_PER_NODE"
     --deadpool-log-dir "$DEADPOOL_LOG_DIR"
 )
+# The coordinators judge the workers by the job's own settings: the embedded job's config and
+# every --deadpool-* flag the workers get (each takes a value).
+job_settings=("${deadpool_flags[@]}")
+[ "$DEADPOOL_MODE" != embedded ] || job_settings+=(--config "$DEADPOOL_CONFIG")
+read -r -a worker_args <<<"$MEGATRON_ARGS $DEADPOOL_EXTRA_ARGS"
+for ((i = 0; i < ${#worker_args[@]}; i++)); do
+    case ${worker_args[i]} in
+    --deadpool-*=*) job_settings+=("${worker_args[i]}") ;;
+    --deadpool-*)
+        job_settings+=("${worker_args[i]}" "${worker_args[i + 1]:-}")
+        i=$((i + 1))
+        ;;
+    esac
+done
 case $DEADPOOL_MODE in
 embedded)
     [ -f "$DEADPOOL_CONFIG" ] || die "DEADPOOL_CONFIG=$DEADPOOL_CONFIG: no such file"
@@ -166,28 +202,23 @@ if [ "$DEADPOOL_MODE" = baseline ]; then # the same active GPUs, nothing else
     start_coordinator=0
 fi
 
-# The coordinator judges the workers by the job's own failure-detection settings: the embedded
-# job's config (its deadpool: section) and the same --deadpool-heartbeat-*, --deadpool-agree-timeout
-# and --deadpool-pg-timeout flags the workers get (later ones win, as in the workers' parsers).
-job_settings=()
-[ "$DEADPOOL_MODE" != embedded ] || job_settings=(--config "$DEADPOOL_CONFIG")
-worker_args=("${megatron_args[@]}" "${extra_args[@]}")
-for ((i = 0; i < ${#worker_args[@]}; i++)); do
-    case ${worker_args[i]} in
-    --deadpool-heartbeat-interval=* | --deadpool-heartbeat-timeout=* | \
-        --deadpool-agree-timeout=* | --deadpool-pg-timeout=*)
-        job_settings+=("${worker_args[i]}")
-        ;;
-    --deadpool-heartbeat-interval | --deadpool-heartbeat-timeout | --deadpool-agree-timeout | \
-        --deadpool-pg-timeout)
-        job_settings+=("${worker_args[i]}" "${worker_args[i + 1]:-}")
-        i=$((i + 1))
-        ;;
-    esac
-done
-coordinator_cmd=("$PYTHON" -m megatron_deadpool.cli coordinator --host "$coord_host"
-    --port "$coord_port" --world-size "$world" --spares "$spares" --log-dir "$DEADPOOL_LOG_DIR"
-    "${job_settings[@]}")
+coordinator_cmd=(bash "$DEADPOOL_HOME/scripts/slurm/deadpool_coordinator.sh" coordinator
+    "$PYTHON" -m megatron_deadpool.cli coordinator --world-size "$world" "${job_settings[@]}")
+standby_cmd=()
+if ((start_coordinator)) && [ "$coordinator" != "$primary" ]; then
+    standby_host=${coordinator#*,}
+    standby_host=${standby_host%:*}
+    # Its own job step on that node; its lines about the job's end go to the job's log (the
+    # batch host, which writes it otherwise, may be gone).
+    job_log=$(scontrol show job "${SLURM_JOB_ID:-0}" -o 2>/dev/null |
+        sed -n 's/.* StdOut=\([^ ]*\).*/\1/p') || job_log=
+    standby_cmd=(srun --overlap --nodes=1 --ntasks=1 --nodelist="$standby_host"
+        --output="$DEADPOOL_LOG_DIR/standby-step.log"
+        --export="ALL,DEADPOOL_JOB_LOG=${job_log:-$DEADPOOL_LOG_DIR/standby-step.log}"
+        bash "$DEADPOOL_HOME/scripts/slurm/deadpool_coordinator.sh" standby
+        "$PYTHON" -m megatron_deadpool.cli coordinator --world-size "$world" "${job_settings[@]}"
+        --standby)
+fi
 
 # One task per GPU; the survivors of a failure must keep running, so: no kill on a bad exit,
 # no kill when a node fails, and no limit on how long srun waits after the first task ends.
@@ -218,6 +249,7 @@ if dry_run; then
         echo "DRY-RUN env: $name=${!name}"
     done
     ((start_coordinator == 0)) || show coordinator "${coordinator_cmd[@]}"
+    ((${#standby_cmd[@]} == 0)) || show standby "${standby_cmd[@]}"
     ((${#inject_cmd[@]} == 0)) || show inject "${inject_cmd[@]}"
     show workers "${srun_cmd[@]}"
     exit 0
@@ -225,16 +257,20 @@ fi
 
 mkdir -p "$DEADPOOL_LOG_DIR"
 coordinator_pid=
+standby_pid=
 inject_pid=
 # shellcheck disable=SC2329 # called by the EXIT trap
 cleanup() {
     [ -z "$inject_pid" ] || kill "$inject_pid" 2>/dev/null || true
+    [ -z "$standby_pid" ] || kill "$standby_pid" 2>/dev/null || true
     [ -z "$coordinator_pid" ] || kill "$coordinator_pid" 2>/dev/null || true
 }
 trap cleanup EXIT
 
 if ((start_coordinator)); then
-    "${coordinator_cmd[@]}" >"$DEADPOOL_LOG_DIR/coordinator.log" 2>&1 &
+    rm -f "$DEADPOOL_LOG_DIR"/{coordinator,standby}.status
+    export DEADPOOL_LOG_DIR DEADPOOL_END_GRACE # for deadpool_coordinator.sh
+    "${coordinator_cmd[@]}" &
     coordinator_pid=$!
 fi
 if [ "$DEADPOOL_MODE" != baseline ]; then
@@ -250,6 +286,10 @@ if [ "$DEADPOOL_MODE" != baseline ]; then
         die "no coordinator answers at $coordinator after 60 s"
 fi
 
+if ((${#standby_cmd[@]})); then
+    "${standby_cmd[@]}" &
+    standby_pid=$!
+fi
 if ((${#inject_cmd[@]})); then
     "${inject_cmd[@]}" >>"$DEADPOOL_LOG_DIR/inject.log" 2>&1 &
     inject_pid=$!
@@ -258,24 +298,29 @@ fi
 set +e
 "${srun_cmd[@]}"
 rc=$?
+set -e
 echo "deadpool_launch: srun exited with status $rc"
 # srun reports the highest task status, so a run that survived killed processes ends non-zero
-# too. The coordinator's verdict is the job's: 0 once every rank finished, 1 out of redundancy
-# (it exits within seconds of the last rank); one still running means training did not finish.
-if [ -n "$coordinator_pid" ]; then
+# too. The verdict is the active coordinator's (the primary's, or the standby's once it took
+# over): 0 every rank finished, 3 out of redundancy; it exits within seconds of the last rank.
+if ((start_coordinator)); then
+    verdict=
     for _ in $(seq 1 60); do
-        kill -0 "$coordinator_pid" 2>/dev/null || break
+        for status in "$DEADPOOL_LOG_DIR"/{coordinator,standby}.status; do
+            if [ -f "$status" ] && [ "$(cat "$status")" != 5 ]; then
+                verdict=$(cat "$status")
+            fi
+        done
+        [ -z "$verdict" ] || break
         sleep 0.5
     done
-    if kill -0 "$coordinator_pid" 2>/dev/null; then
+    if [ -n "$verdict" ]; then
+        rc=$verdict
+        echo "deadpool_launch: the coordinator exited with status $rc" \
+            "(see $DEADPOOL_LOG_DIR/coordinator.log, standby.log)"
+    else
         echo "deadpool_launch: training did not finish (see $DEADPOOL_LOG_DIR/coordinator.log)"
         ((rc != 0)) || rc=1
-    else
-        wait "$coordinator_pid"
-        rc=$?
-        coordinator_pid=
-        echo "deadpool_launch: the coordinator exited with status $rc" \
-            "(see $DEADPOOL_LOG_DIR/coordinator.log)"
     fi
 fi
 exit "$rc"

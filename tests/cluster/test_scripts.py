@@ -9,7 +9,9 @@ from __future__ import annotations
 import os
 import shlex
 import shutil
+import socket
 import subprocess
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
@@ -23,10 +25,27 @@ SITES = ["perlmutter", "vista"]
 BASH = shutil.which("bash") or "/bin/bash"
 
 
+NODES = ["nid001000", "nid001001", "nid001002"]  # SLURM_JOB_NODELIST of the faked allocation
+
+
+def fake_slurm(folder: Path, **programs: str) -> str:
+    """A PATH with `scontrol` (that expands the faked allocation's node list) and the given
+    programs (name -> shell script body) ahead of the real one."""
+    programs.setdefault(
+        "scontrol",
+        f'[ "$1 $2" = "show hostnames" ] && printf "%s\\n" {" ".join(NODES)} && exit 0; exit 1',
+    )
+    for name, body in programs.items():
+        (folder / name).write_text(f"#!/bin/sh\n{body}\n")
+        (folder / name).chmod(0o755)
+    return f"{folder}:{os.environ.get('PATH', '/usr/bin:/bin')}"
+
+
 def render(script: str, **env: str) -> tuple[int, dict[str, list[str]], dict[str, str], str]:
     """Run `script` dry; return (status, {what: argv}, {env name: value}, stderr)."""
+    bin_dir = Path(tempfile.mkdtemp(prefix="deadpool-fake-slurm-"))
     base = {
-        "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+        "PATH": fake_slurm(bin_dir),
         "HOME": os.environ.get("HOME", "/tmp"),
         "SLURM_JOB_NUM_NODES": "3",
         "SLURM_JOB_ID": "4242",
@@ -44,6 +63,7 @@ def render(script: str, **env: str) -> tuple[int, dict[str, list[str]], dict[str
         text=True,
         timeout=30,
     )
+    shutil.rmtree(bin_dir)
     commands: dict[str, list[str]] = {}
     variables: dict[str, str] = {}
     for line in done.stdout.splitlines():
@@ -120,14 +140,27 @@ def test_sbatch_renders_two_active_nodes_and_one_spare(site: str) -> None:
     # The task wrapper takes the rank from Slurm.
     assert "RANK=$SLURM_PROCID" in srun[srun.index("-c") + 1]
 
+    # The primary coordinator on the batch host, the standby on the last node (a spare node);
+    # both run through the wrapper that ends the Slurm job with the job.
+    wrapper = ["bash", str(ROOT / "scripts/slurm/deadpool_coordinator.sh")]
     coord = cmds["coordinator"]
-    assert coord[:4] == ["python", "-m", "megatron_deadpool.cli", "coordinator"]
-    assert flag(coord, "--world-size") == str(2 * gpus)
-    assert flag(coord, "--spares") == str(gpus)
-    address = f"{flag(coord, '--host')}:{flag(coord, '--port')}"
-    assert flag(worker, "--deadpool-coordinator") == address
-    assert flag(coord, "--log-dir") == flag(worker, "--deadpool-log-dir")
-    assert env["MASTER_ADDR"] == flag(coord, "--host")
+    assert coord[:3] == [*wrapper, "coordinator"]
+    program = coord[3:]
+    assert program[:4] == ["python", "-m", "megatron_deadpool.cli", "coordinator"]
+    assert flag(program, "--world-size") == str(2 * gpus)
+    assert flag(program, "--deadpool-spares") == str(gpus)
+    assert flag(program, "--config") == "configs/cpu-demo.yaml"
+    assert flag(program, "--deadpool-coordinator") == flag(worker, "--deadpool-coordinator")
+    primary, standby_address = flag(worker, "--deadpool-coordinator").split(",")
+    assert standby_address == f"{NODES[-1]}:29400"
+    assert flag(program, "--deadpool-log-dir") == flag(worker, "--deadpool-log-dir")
+    assert env["MASTER_ADDR"] == primary.rpartition(":")[0]
+    standby = cmds["standby"]
+    assert standby[:2] == ["srun", "--overlap"] and flag(standby, "--nodelist") == NODES[-1]
+    assert flag(standby, "--nodes") == "1" and flag(standby, "--ntasks") == "1"
+    at = standby.index(wrapper[1])
+    assert standby[at + 1] == "standby" and standby[at + 2 :] == [*program, "--standby"]
+    assert flag(standby, "--export").startswith("ALL,DEADPOOL_JOB_LOG=")  # its end lines
     assert env["WORLD_SIZE"] == str(2 * gpus)
     assert env["LOCAL_WORLD_SIZE"] == str(gpus)
 
@@ -300,3 +333,107 @@ def test_inject_failure_rejects_bad_arguments() -> None:
             timeout=10,
         )
         assert done.returncode == 2 and "inject_failure: error" in done.stderr
+
+
+@pytest.mark.timeout(30)
+def test_coordinators_get_the_jobs_own_deadpool_settings() -> None:
+    status, cmds, _, err = render(
+        "scripts/slurm/perlmutter.sbatch",
+        DEADPOOL_MODE="megatron-lm",
+        MEGATRON_LM_PATH="/opt/Megatron-LM",
+        MEGATRON_ARGS="--bf16 --deadpool-pg-timeout=300 --deadpool-agree-timeout 100",
+        DEADPOOL_EXTRA_ARGS="--deadpool-heartbeat-timeout 20 --deadpool-heartbeat-interval 2",
+    )
+    assert status == 0, err
+    for what in ("coordinator", "standby"):
+        argv = cmds[what]
+        assert "--bf16" not in argv and "--config" not in argv  # only the DeadPool settings
+        assert "--deadpool-pg-timeout=300" in argv
+        assert flag(argv, "--deadpool-agree-timeout") == "100"
+        assert flag(argv, "--deadpool-heartbeat-timeout") == "20"
+        assert flag(argv, "--deadpool-heartbeat-interval") == "2"
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize(
+    "env", [{"DEADPOOL_STANDBY": "none"}, {"SLURM_JOB_NUM_NODES": "1", "SPARE_NODES": "0"}]
+)
+def test_no_standby_when_disabled_or_on_one_node(env: dict[str, str]) -> None:
+    status, cmds, _, err = render("scripts/slurm/vista.sbatch", **env)
+    assert status == 0, err
+    assert "standby" not in cmds
+    srun = cmds["workers"]
+    assert "," not in flag(srun[srun.index("-m") - 1 :], "--deadpool-coordinator")
+
+
+@pytest.mark.timeout(30)
+def test_standby_address_can_be_given() -> None:
+    status, cmds, _, err = render("scripts/slurm/vista.sbatch", DEADPOOL_STANDBY="login2:31000")
+    assert status == 0, err
+    assert flag(cmds["standby"], "--nodelist") == "login2"
+    assert flag(cmds["coordinator"], "--deadpool-coordinator").endswith(",login2:31000")
+
+
+def _wrapper(
+    tmp_path: Path, status: int, *, running: bool = True, **env: str
+) -> tuple[str, str, Path]:
+    """Run deadpool_coordinator.sh around a coordinator that exits with `status`, with a
+    Slurm whose job keeps running (or has ended); (its output, what the Slurm clients were
+    asked, the log folder)."""
+    logs, calls = tmp_path / "logs", tmp_path / "calls"
+    logs.mkdir()
+    path = fake_slurm(
+        tmp_path,
+        squeue=f'echo "squeue $*" >>{calls}' + ("; echo RUNNING" if running else ""),
+        scancel=f'echo "scancel $*" >>{calls}',
+    )
+    done = subprocess.run(
+        [BASH, str(ROOT / "scripts/slurm/deadpool_coordinator.sh"), "standby", "sh", "-c",
+         f"echo coordinator says hello; exit {status}"],
+        check=False,
+        env={"PATH": path, "DEADPOOL_LOG_DIR": str(logs), "DEADPOOL_END_GRACE": "2",
+             "SLURM_JOB_ID": "4242", **env},
+        capture_output=True,
+        text=True,
+        timeout=20,
+    )  # fmt: skip
+    assert done.returncode == (0 if status == 5 else status), done.stderr
+    assert (logs / "standby.status").read_text().strip() == str(status)
+    assert "coordinator says hello" in (logs / "standby.log").read_text()
+    return done.stdout, calls.read_text() if calls.exists() else "", logs
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("status", [0, 3, 6])
+def test_coordinator_that_ended_the_job_ends_the_slurm_job(tmp_path: Path, status: int) -> None:
+    out, calls, _ = _wrapper(tmp_path, status)
+    assert f"standby on {socket.gethostname()} exited with status {status}" in out
+    assert "ends within 2s" in out and "cancelling job 4242" in out
+    assert calls.splitlines()[-1] == "scancel 4242"
+    assert calls.count("squeue") == 2  # polled once a second for the grace period
+
+
+@pytest.mark.timeout(30)
+def test_a_job_that_ends_on_its_own_is_not_cancelled(tmp_path: Path) -> None:
+    out, calls, _ = _wrapper(tmp_path, 0, running=False)
+    assert "exited with status 0" in out and "cancelling" not in out
+    assert calls.splitlines() == ["squeue -h -j 4242 -o %T"]
+
+
+@pytest.mark.timeout(30)
+def test_the_standby_writes_the_jobs_end_into_the_jobs_log(tmp_path: Path) -> None:
+    job_log = tmp_path / "batch.out"
+    job_log.write_text("the batch script's lines\n")
+    out, _, _ = _wrapper(tmp_path, 3, DEADPOOL_JOB_LOG=str(job_log))
+    assert out == ""
+    lines = job_log.read_text().splitlines()
+    assert lines[0] == "the batch script's lines"
+    assert "exited with status 3 (out of redundancy" in lines[1]
+    assert "cancelling job 4242" in lines[2]
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("status", [4, 5, 1])
+def test_coordinator_that_did_not_end_the_job_leaves_it_alone(tmp_path: Path, status: int) -> None:
+    out, calls, _ = _wrapper(tmp_path, status)
+    assert out == "" and calls == ""

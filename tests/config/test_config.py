@@ -58,6 +58,10 @@ pytestmark = pytest.mark.timeout(60)
         ({"coordinator": "host:0"}, "deadpool-coordinator"),
         ({"coordinator": "host:65536"}, "deadpool-coordinator"),
         ({"coordinator": ":29500"}, "deadpool-coordinator"),
+        ({"coordinator": "a:1,"}, "deadpool-coordinator (entry 2 of 2)"),
+        ({"coordinator": "a:1,b"}, "deadpool-coordinator (entry 2 of 2)"),
+        ({"coordinator": "a:1,b:2,a:1"}, "deadpool-coordinator (entry 3 of 3)"),
+        ({"coordinator": "a:1,b:2", "connect_timeout": 15.0}, "deadpool-connect-timeout"),
         ({"fail": ["2@x"]}, "fail"),
         ({"fail": ["1@2", "2@0"]}, "fail"),
     ],
@@ -80,6 +84,9 @@ def test_config_errors_are_value_errors_and_defaults_are_valid() -> None:
     ok = cfg.replace(enabled=True, spares=2, coordinator="node-7:29500", fail=["node:1@4:hang"])
     assert ok.coordinator == "node-7:29500" and ok.fail == ["node:1@4:hang"]
     assert cfg.fail == []  # the default list is not shared
+    assert ok.coordinators == ["node-7:29500"] and cfg.coordinators == []
+    listed = cfg.replace(coordinator="node-1:29400, node-9:29400")  # the primary, a standby
+    assert listed.coordinators == ["node-1:29400", "node-9:29400"]
 
 
 def test_host_port_parsing() -> None:

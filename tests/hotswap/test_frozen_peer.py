@@ -37,6 +37,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _spawn(cmd: list[str], log: Path, env: dict[str, str]) -> subprocess.Popen:
+    with open(log, "w") as out:  # the child keeps its own descriptor
+        return subprocess.Popen(
+            cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
+
+
 @pytest.mark.timeout(400)
 def test_frozen_rank_is_replaced_without_waiting_for_the_collective_timeout(
     tmp_path: Path,
@@ -48,32 +55,24 @@ def test_frozen_rank_is_replaced_without_waiting_for_the_collective_timeout(
     logs = tmp_path / "logs"
     logs.mkdir()
     try:
-        coordinator = subprocess.Popen(
+        coordinator = _spawn(
             [
-                *deadpool_command(), "coordinator", "--host", "127.0.0.1", "--port", str(port),
-                "--world-size", "4", "--spares", "1", "--log-dir", str(logs),
+                *deadpool_command(), "coordinator", "--world-size", "4", "--config", config,
+                "--deadpool-coordinator", f"127.0.0.1:{port}", "--deadpool-log-dir", str(logs),
                 "--max-wait", "300", *TIMING,
             ],
-            stdout=open(logs / "coordinator.out", "w"),
-            stderr=subprocess.STDOUT,
-            env=env,
-            start_new_session=True,
+            logs / "coordinator.out",
+            env,
         )  # fmt: skip
         procs.append(coordinator)
         for task in range(5):
+            worker = [
+                sys.executable, "-m", "megatron_deadpool.embedded.worker", "--config", config,
+                "--iters", ITERS, "--deadpool-coordinator", f"127.0.0.1:{port}",
+                "--deadpool-fail", "1@4:hang", *TIMING,
+            ]  # fmt: skip
             procs.append(
-                subprocess.Popen(
-                    [
-                        sys.executable, "-m", "megatron_deadpool.embedded.worker",
-                        "--config", config, "--iters", ITERS,
-                        "--deadpool-coordinator", f"127.0.0.1:{port}",
-                        "--deadpool-fail", "1@4:hang", *TIMING,
-                    ],
-                    stdout=open(logs / f"task{task}.out", "w"),
-                    stderr=subprocess.STDOUT,
-                    env={**env, "SLURM_PROCID": str(task)},
-                    start_new_session=True,
-                )  # fmt: skip
+                _spawn(worker, logs / f"task{task}.out", {**env, "SLURM_PROCID": str(task)})
             )
         assert coordinator.wait(timeout=330) == 0, (logs / "coordinator.out").read_text()[-3000:]
         events = [json.loads(line) for line in (logs / "events.jsonl").read_text().splitlines()]

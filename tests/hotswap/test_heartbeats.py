@@ -32,13 +32,13 @@ def test_clock_judges_counters_by_when_they_change() -> None:
 
 _WORKER = """
 import sys, time
-from megatron_deadpool.hotswap.connection import Heartbeat, connect_store
+from megatron_deadpool.hotswap.connection import Heartbeat, open_client
 from megatron_deadpool.hotswap.membership import Membership
 skew = float(sys.argv[3])
 real = time.time
 time.time = lambda: real() + skew  # this host's wall clock is off by `skew` seconds
-Membership(connect_store(sys.argv[1], 30), sys.argv[2]).announce()
-Heartbeat(sys.argv[1], sys.argv[2], 0.2, 30).start()
+Membership(open_client(sys.argv[1], 30), sys.argv[2]).announce()
+Heartbeat(open_client(sys.argv[1], 30), sys.argv[2], 0.2).start()
 print("beating", flush=True)
 time.sleep(120)
 """

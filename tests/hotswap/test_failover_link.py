@@ -1,0 +1,200 @@
+"""The pieces of a coordinator failover, in one process on loopback stores.
+
+A process's `CoordinatorLink` and `FailoverStore` (its side), and a `Standby`'s withdrawal
+when the primary answers again before anyone re-registered (the rule that keeps a job from
+splitting across two stores). The whole failover with real processes is `test_failover.py`.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from typing import Any
+
+import pytest
+import torch.distributed as dist
+
+from megatron_deadpool.config.deadpool import DeadpoolConfig
+from megatron_deadpool.errors import CoordinatorUnreachableError, JobTokenError
+from megatron_deadpool.hotswap.coordinator import EventLog
+from megatron_deadpool.hotswap.failover import CoordinatorLink, FailoverStore
+from megatron_deadpool.hotswap.membership import Membership, host_store
+from megatron_deadpool.hotswap.rebuild import Registration
+from megatron_deadpool.hotswap.standby import Standby
+
+TOKEN = "job-A"
+
+
+class Server:
+    """A coordinator's store on loopback, reached through a TCP relay whose `stop()` closes
+    every connection and refuses new ones, as the coordinator's crash would."""
+
+    def __init__(self) -> None:
+        self.store, self._listener = host_store("127.0.0.1", 0)
+        backend = self._listener.getsockname()
+        self.members = Membership(self.store, "coordinator")
+        self.relay = socket.create_server(("127.0.0.1", 0))
+        self.address = f"127.0.0.1:{self.relay.getsockname()[1]}"
+        self.sockets: list[socket.socket] = []
+        threading.Thread(target=self._accept, args=(backend,), daemon=True).start()
+
+    def _accept(self, backend: tuple[str, int]) -> None:
+        while True:
+            try:
+                client, _ = self.relay.accept()
+            except OSError:
+                return  # stopped
+            server = socket.create_connection(backend)
+            self.sockets += [client, server]
+            for a, b in ((client, server), (server, client)):
+                threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
+
+    @staticmethod
+    def _pump(src: socket.socket, dst: socket.socket) -> None:
+        try:
+            while data := src.recv(65536):
+                dst.sendall(data)
+        except OSError:
+            pass
+
+    def serve(self, epoch: int, nonce: str, token: str = TOKEN) -> None:
+        self.members.set_identity(epoch, nonce)
+        self.members.set_token(token)
+
+    def stop(self) -> None:
+        self.relay.close()
+        self.cut()
+
+    def cut(self) -> None:
+        """Reset every open connection (a network blip); new ones are accepted."""
+        for sock in self.sockets:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            sock.close()
+
+
+def link(addresses: list[str], connect_timeout: float = 20.0, **kw: Any) -> CoordinatorLink:
+    record = kw.pop("record", lambda: Registration(pid="a2", rank=2, generation=0))
+    return CoordinatorLink(
+        addresses,
+        TOKEN,
+        connect_timeout=connect_timeout,
+        op_timeout=2.0,
+        rebuild_timeout=10.0,
+        beat_s=0.2,
+        pid=lambda: "a2",
+        record=record,
+    )
+
+
+@pytest.mark.timeout(60)
+def test_a_standby_that_has_not_taken_over_is_never_joined() -> None:
+    primary, standby = Server(), Server()
+    primary.stop()  # the primary is gone; the standby serves no job (no token)
+    t0 = time.monotonic()
+    with pytest.raises(CoordinatorUnreachableError, match="serves no job yet"):
+        link([primary.address, standby.address], connect_timeout=2.0).connect()
+    assert time.monotonic() - t0 < 20
+    assert standby.members.registration("a2") is None
+
+
+@pytest.mark.timeout(60)
+def test_another_jobs_coordinator_is_refused() -> None:
+    other = Server()
+    other.serve(0, "x", token="job-B")
+    with pytest.raises(JobTokenError, match="deadpool-job-token"):
+        link([other.address]).connect()
+
+
+@pytest.mark.timeout(120)
+def test_a_process_re_registers_with_the_standby_that_took_over() -> None:
+    primary, standby = Server(), Server()
+    primary.serve(0, "primary")
+    primary.members.set_progress(7)
+    records = [Registration(pid="a2", rank=2, generation=0, last_completed=7)]
+    lk = link([primary.address, standby.address], record=lambda: records[-1])
+    lk.connect()
+    members = Membership(FailoverStore(lk), "a2")
+    assert members.progress() == 7 and lk.identity == (0, "primary")
+
+    def take_over() -> None:  # what `Standby` does, by hand
+        time.sleep(1.0)
+        standby.serve(1, "standby")
+        deadline = time.monotonic() + 30
+        while standby.members.registration("a2") is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        standby.members.set_progress(7)
+        standby.members.publish_rebuilt(1)
+
+    helper = threading.Thread(target=take_over)
+    helper.start()
+    primary.stop()
+    t0 = time.monotonic()
+    members.publish_digest(2, "d")  # a `set` is not answered: it may vanish with the primary
+    assert members.progress() == 7  # fails on the lost primary, repeated on the standby
+    members.publish_digest(2, "d")
+    helper.join()
+    assert time.monotonic() - t0 < 30
+    assert standby.members.digest(2) == "d"
+    assert lk.identity == (1, "standby") and lk.address == standby.address
+    assert Registration.from_json(standby.members.registration("a2")) == records[-1]
+    assert standby.members.heartbeat_time("a2") is not None  # announced itself there
+    # A second connection of the same process (its heartbeat's) follows without searching.
+    beat = Membership(FailoverStore(lk), "a2")
+    beat.heartbeat()
+    assert lk.switches == 1
+
+
+@pytest.mark.timeout(60)
+def test_a_blip_reconnects_to_the_same_coordinator_without_re_registering() -> None:
+    primary, standby = Server(), Server()
+    primary.serve(0, "primary")
+    lk = link([primary.address, standby.address])
+    lk.connect()
+    members = Membership(FailoverStore(lk), "a2")
+    members.set_progress(3)
+    primary.cut()
+    assert members.progress() == 3  # answered by the same coordinator on a new connection
+    assert lk.switches == 1 and lk.identity == (0, "primary") and lk.takeovers == []
+    assert primary.members.registration("a2") is None
+    assert standby.members.registration("a2") is None
+
+
+@pytest.mark.timeout(60)
+def test_a_store_that_stops_answering_is_given_up_on_in_bounded_time() -> None:
+    """torch's client waits without end for a server that accepted but never answers."""
+    mute = socket.socket()
+    mute.bind(("127.0.0.1", 0))
+    mute.listen(8)  # accepts connections (the kernel does), never answers: a frozen server
+    address = f"127.0.0.1:{mute.getsockname()[1]}"
+    t0 = time.monotonic()
+    with pytest.raises(CoordinatorUnreachableError):
+        link([address], connect_timeout=3.0).connect()
+    assert time.monotonic() - t0 < 20
+    mute.close()
+
+
+@pytest.mark.timeout(60)
+def test_standby_withdraws_when_the_primary_answers_before_anyone_came(tmp_path: Any) -> None:
+    primary, standby = Server(), Server()
+    primary.serve(0, "primary")
+    cfg = DeadpoolConfig(
+        coordinator=f"{primary.address},{standby.address}",
+        heartbeat_interval=0.2,
+        heartbeat_timeout=1.0,
+        connect_timeout=5.0,
+        spares=1,
+    )
+    said: list[str] = []
+    events = EventLog(tmp_path / "events.jsonl")
+    sb = Standby(cfg, 1, TOKEN, 4, standby.members, events, said.append)
+    assert sb.take_over() is None  # the primary still answers: it steps back at once
+    assert standby.members.job_token() is None and standby.members.identity() is None
+    assert [e["event"] for e in events.events] == ["taking_over", "withdrew"]
+    # While the primary serves and then ends the job, the standby is not needed.
+    primary.members.request_shutdown()
+    assert sb.wait_for_loss() is False
+    assert isinstance(primary.store, dist.TCPStore)

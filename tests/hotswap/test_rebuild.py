@@ -1,0 +1,112 @@
+"""What a standby that took over rebuilds from the survivors' re-registrations (pure)."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from megatron_deadpool.hotswap.rebuild import Registration, rebuild
+
+LAYOUT = {"tp": 2, "pp": 1, "dp": 2, "ranks_per_node": 2, "replicas": 1}
+GEN0 = {0: "a0", 1: "a1", 2: "a2", 3: "a3"}
+
+
+def active(pid: str, rank: int, **kw: object) -> Registration:
+    fields = {"generation": 0, "world_size": 4, "slots": GEN0, "layout": LAYOUT}
+    return Registration(pid=pid, rank=rank, **{**fields, **kw})  # type: ignore[arg-type]
+
+
+def spare(pid: str, **kw: object) -> Registration:
+    return Registration(pid=pid, **kw)  # type: ignore[arg-type]
+
+
+def regs(*records: Registration) -> dict[str, Registration]:
+    return {r.pid: r for r in records}
+
+
+@pytest.mark.timeout(10)
+def test_primary_node_lost_names_its_ranks_and_keeps_the_spares() -> None:
+    state = rebuild(
+        regs(
+            active("a2", 2, last_completed=8),
+            active("a3", 3, last_completed=7),
+            spare("s1"),
+            spare("s0"),
+        ),
+        world_size=4,
+        spares=["s0", "s1"],
+    )
+    assert state is not None
+    assert state.roster.generation == 0 and state.roster.slots == GEN0
+    assert state.missing == {0: "a0", 1: "a1"}
+    assert state.spares == ["s0", "s1"]  # in the job's spare order
+    assert state.next_generation == 1 and state.progress == 8
+    assert state.layout == LAYOUT and state.completed is None and state.done == []
+
+
+@pytest.mark.timeout(10)
+def test_the_newest_roster_wins_and_generations_go_above_every_plan_seen() -> None:
+    gen2 = {0: "s0", 1: "a1", 2: "a2", 3: "a3"}
+    state = rebuild(
+        regs(
+            active("a1", 1, generation=2, slots=gen2, restore_iteration=5, plan_seen=3),
+            active("a2", 2),  # still on generation 0's roster (stale: it will catch up)
+            active("s0", 0, generation=2, slots=gen2, restore_iteration=5, recovering=True),
+            spare("s1"),
+        ),
+        world_size=4,
+        spares=["s0", "s1"],
+    )
+    assert state is not None
+    assert state.roster.generation == 2 and state.roster.slots == gen2
+    assert state.roster.restore_iteration == 5
+    assert state.missing == {3: "a3"}
+    assert state.spares == ["s1"]  # s0 holds rank 0 now
+    assert state.next_generation == 4  # above plan 3, which a1 may have reported for
+    assert state.recovering == ["s0"]
+
+
+@pytest.mark.timeout(10)
+def test_a_finished_job_is_rebuilt_as_finished() -> None:
+    state = rebuild(
+        regs(
+            active("a0", 0, completed=30, done=True, last_completed=30),
+            active("a1", 1, completed=30, last_completed=30),
+        ),
+        world_size=4,
+        spares=[],
+    )
+    assert state is not None
+    assert state.completed == 30 and state.finished == {0: 30, 1: 30}
+    assert state.done == ["a0"] and state.missing == {2: "a2", 3: "a3"}
+
+
+@pytest.mark.timeout(10)
+def test_nothing_to_rebuild_without_a_process_that_held_a_rank() -> None:
+    assert rebuild(regs(spare("s0")), world_size=4, spares=["s0"]) is None
+    assert rebuild({}, world_size=4, spares=[]) is None
+
+
+@pytest.mark.timeout(10)
+def test_registration_round_trips_through_json() -> None:
+    record = active("a2", 2, last_completed=8, plan_seen=1, recovering=True)
+    back = Registration.from_json(json.loads(record.dumps()))
+    assert back == record and back.slots == GEN0  # rank keys are ints again
+    assert Registration.from_json({"pid": "s0", "from_a_newer_version": 1}) == spare("s0")
+
+
+@pytest.mark.timeout(10)
+def test_rebuild_scales_to_thousands_of_ranks() -> None:
+    world = 16384
+    slots = {r: f"a{r}" for r in range(world)}
+    records = {
+        f"a{r}": Registration(pid=f"a{r}", rank=r, generation=0, world_size=world, slots=slots)
+        for r in range(world)
+        if r // 8 != 3  # node 3 (ranks 24..31) lost
+    }
+    t0 = time.perf_counter()
+    state = rebuild(records, world_size=world, spares=[])
+    assert time.perf_counter() - t0 < 2.0
+    assert state is not None and sorted(state.missing) == list(range(24, 32))
