@@ -138,6 +138,7 @@ class DeadpoolConfig:
         the heartbeat timeout, at least 3 heartbeat intervals."""
         return max(3 * self.heartbeat_interval, self.heartbeat_timeout / 2)
 
+    @property
     def coordinators(self) -> list[str]:
         """The coordinators' addresses, primary first (empty: the launcher hosts one)."""
         return split_coordinators(self.coordinator) if self.coordinator else []

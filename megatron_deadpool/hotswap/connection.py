@@ -153,6 +153,18 @@ class BoundedStore:
     def delete_key(self, key: str) -> bool:
         return self._call(lambda c: c.delete_key(key))
 
+    def multi_get(self, keys: list[str]) -> list[bytes]:
+        return self._call(lambda c: c.multi_get(keys))
+
+    def queue_push(self, key: str, value: str | bytes) -> None:
+        self._call(lambda c: c.queue_push(key, value))
+
+    def clone(self) -> dist.Store:
+        """A plain connection of its own to the current server, for a thread that blocks in
+        the store (`wakeup.StoreWaiter`): unbounded, and it does not fail over (its blocked
+        call fails when the server is lost, which wakes its waiter)."""
+        return self.client.clone()
+
     def wait(self, keys: list[str], timeout: datetime.timedelta) -> None:
         self._call(lambda c: c.wait(keys, timeout), timeout.total_seconds())
 

@@ -263,6 +263,10 @@ class Membership:
         """The beat counters of `pids` (watched first), in batched requests."""
         return [int(v) for v in self._multi_get([f"hb/{p}" for p in pids])]
 
+    def announced(self, pid: str) -> bool:
+        """Whether `pid` announced itself to this store (`announce`)."""
+        return self.store.check([f"proc/{pid}/ready"])
+
     def mark_done(self) -> None:
         self._stamp(f"done/{self.pid}")
         self.store.add("done/count", 1)
@@ -277,6 +281,7 @@ class Membership:
     def restore_done(self, pid: str) -> None:
         """A standby's rebuild: `pid` had finished its work (it said so when re-registering)."""
         self._stamp(f"done/{pid}")
+        self.store.add("done/count", 1)  # (`done_count` only screens: `all_done` decides)
 
     def all_done(self, pids: list[str]) -> bool:
         return self._all_exist([f"done/{p}" for p in pids])

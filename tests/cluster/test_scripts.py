@@ -232,7 +232,7 @@ def test_coordinator_gets_the_jobs_own_timeouts() -> None:
     assert flag(coord, "--config") == "configs/cpu-demo.yaml"  # its deadpool: section
     assert flag(coord, "--deadpool-heartbeat-timeout") == "4"
     assert flag(coord, "--deadpool-pg-timeout") == "50"
-    assert "--deadpool-fail" not in coord
+    assert flag(coord, "--deadpool-fail") == "1@3"  # all the workers' flags: it takes its own
     status, cmds, _, err = render(
         "scripts/slurm/perlmutter.sbatch",
         DEADPOOL_MODE="megatron-lm",

@@ -141,7 +141,7 @@ def test_a_process_re_registers_with_the_standby_that_took_over() -> None:
     assert standby.members.digest(2) == "d"
     assert lk.identity == (1, "standby") and lk.address == standby.address
     assert Registration.from_json(standby.members.registration("a2")) == records[-1]
-    assert standby.members.heartbeat_time("a2") is not None  # announced itself there
+    assert standby.members.announced("a2")  # announced itself there
     # A second connection of the same process (its heartbeat's) follows without searching.
     beat = Membership(FailoverStore(lk), "a2")
     beat.heartbeat()
