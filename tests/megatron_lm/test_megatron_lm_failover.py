@@ -2,7 +2,8 @@
 (the coordinator, ranks 0 and 1) dies, the standby takes over, spares replace the lost ranks, and
 the final parameters equal those of a failure-free `deadpool megatron-lm` run.
 
-Skipped unless MEGATRON_LM_PATH points at Megatron-LM (tag core_v0.16.1), as `test_megatron_lm`.
+Runs on the oldest supported tag MEGATRON_LM_PATH lists (skipped without one, as the other
+Megatron-LM tests: README, "Tested combinations").
 """
 
 from __future__ import annotations
@@ -13,8 +14,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from mlm import megatron_lm_tree
 from standby_job import StandbyJob, free_port
-from test_megatron_lm import MEGATRON_ARGS, RUN_TIMEOUT, _launch, _megatron_lm
+from test_pretrain_gpt import MEGATRON_ARGS, RUN_TIMEOUT, _launch
 
 ITERS = 12
 KILL_AT = 4
@@ -27,7 +29,7 @@ JOB_TIMEOUT = 2 * RUN_TIMEOUT
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     """Each rank's final parameter digest of a failure-free run (the local launcher)."""
-    tree = _megatron_lm()
+    tree = megatron_lm_tree()
     tmp = tmp_path_factory.mktemp("mlm-reference")
     deadpool = ["--deadpool", "--deadpool-spares", "0", "--deadpool-ranks-per-node", "2"]
     run = _launch(tmp, "reference", tree / "pretrain_gpt.py", [*ARGS, *deadpool])
@@ -37,7 +39,7 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
 
 @pytest.fixture
 def job(tmp_path: Path) -> Iterator[StandbyJob]:
-    tree = _megatron_lm()
+    tree = megatron_lm_tree()
     job = StandbyJob(tmp_path, world_size=4, spares=2, settings=HEARTBEAT, timeout_s=JOB_TIMEOUT)
     master_port = str(free_port())
 
