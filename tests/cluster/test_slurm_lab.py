@@ -33,6 +33,7 @@ from typing import Any
 import pytest
 import yaml
 from conftest import run_deadpool
+from mlm import megatron_lm_tree
 
 ROOT = Path(__file__).resolve().parents[2]
 # Short (munge's socket path), fixed per checkout (an interrupted run's lab is taken down first).
@@ -489,18 +490,6 @@ MLM_FLAGS = (
 )
 
 
-def _megatron_lm_tree() -> Path:
-    path = os.environ.get("MEGATRON_LM_PATH")
-    if not path:
-        pytest.skip("MEGATRON_LM_PATH is not set (a Megatron-LM tree at tag core_v0.16.1)")
-    tree = Path(path).expanduser()
-    if not (tree / "pretrain_gpt.py").is_file():
-        pytest.skip(f"MEGATRON_LM_PATH={path} has no pretrain_gpt.py")
-    if not list((tree / "megatron/core/datasets").glob("helpers_cpp*.so")):
-        pytest.skip(f"build Megatron's dataset helpers in {tree}/megatron/core/datasets first")
-    return tree
-
-
 @pytest.mark.timeout(3 * JOB_TIMEOUT + 600)
 def test_megatron_lm_node_killed_mid_run_the_spare_node_takes_over(
     lab: Any, tmp_path: Path
@@ -508,7 +497,7 @@ def test_megatron_lm_node_killed_mid_run_the_spare_node_takes_over(
     """DEADPOOL_MODE=megatron-lm through vista.sbatch: pretrain_gpt.py unmodified, node 1's
     tasks killed at an iteration from Megatron's own log line; the final weights are those of
     `deadpool megatron-lm` on one machine without a failure."""
-    tree = _megatron_lm_tree()
+    tree = megatron_lm_tree()  # the oldest supported tag MEGATRON_LM_PATH lists
     local = run_deadpool(
         "megatron-lm", "--nproc-per-node", "4", "--run-dir", str(tmp_path / "reference"),
         str(tree / "pretrain_gpt.py"), *MLM_ARGS.split(), "--deadpool",
