@@ -194,6 +194,7 @@ class MegatronSession:
         )
         if not newcomer.active():  # a newcomer's groups are made when it joins
             d.new_replication_group()
+            d.plan_watch.joined(d.generation)  # generation 0's groups: Megatron made them
 
     def init_model_parallel(self) -> None:
         real, args, kwargs = self.mp_call
