@@ -7,9 +7,12 @@ coordinator's plan waits for its report until the agreement timeout presumes it 
 coordinator names the frozen rank dead after the heartbeat timeout and publishes the plan of the
 next generation; `PlanWatch`, run on the heartbeat thread after each beat (one `check` on the
 store per beat), sees it while this rank is still in the old generation and not recovering yet,
-and calls `devices.abort_groups`: the blocked collective raises at once, the main thread enters
+and - if the main thread has still not entered recovery one beat later (it is blocked: a main
+thread that is not would have met the failed collective by then and recovered by itself) -
+calls `devices.abort_groups`: the blocked collective raises at once, the main thread enters
 recovery, and the driver takes any error of that step for the failure it recovers from
-(`Driver.is_peer_failure`). After training completed the same holds for the coordinator's end
+(`Driver.is_peer_failure`). Waiting that beat keeps the abort from landing on a main thread
+that is between collectives, in code that would not expect torch's groups to vanish. After training completed the same holds for the coordinator's end
 report (a peer lost in the job's final work: its last barrier, the final save).
 """
 
@@ -37,12 +40,13 @@ class PlanWatch:
         self._lock = threading.Lock()
         self._generation: int | None = None  # None: no groups to abort (not joined, recovering)
         self._after_training = False
+        self._noticed: str | None = None  # seen one beat ago, not acted on yet
         self.fired: str | None = None  # why the groups were aborted in this generation
 
     def joined(self, generation: int) -> None:
         """The main thread joined `generation`: watch for the next one's plan."""
         with self._lock:
-            self._generation, self.fired = generation, None
+            self._generation, self._noticed, self.fired = generation, None, None
 
     def recovering(self) -> None:
         """The main thread releases the groups itself: nothing to watch until it joins."""
@@ -64,7 +68,8 @@ class PlanWatch:
             why = f"the coordinator planned generation {g + 1} (a peer failed)"
         elif after_training and members.end() is not None:
             why = "the coordinator reported a peer lost after training completed"
-        if why is None:
+        if why is None or why != self._noticed:
+            self._noticed = why  # the main thread gets one beat to get there first
             return
         with self._lock:
             if self._generation != g or self.fired is not None:
