@@ -135,29 +135,27 @@ class Suite:
         self.rows.append(row)
         self._print(render(row))
 
-    def _launch(self, name: str, fail: list[str], spares: int) -> tuple[Any, float]:
+    def _launch(self, check: str, fail: list[str], spares: int) -> Any | None:
+        """One training run for `check` (its logs in a folder of that name); None when it
+        cannot run: the check's row is then added here."""
+        if self.rows and self.rows[0].status == "fail":  # the workers would refuse it too
+            self._add(Row(check, "skipped", 0.0, "skipped: not run, the settings check failed"))
+            return None
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            limit = f"{self.options.timeout_s:g}"
+            self._add(Row(check, "fail", 0.0, f"not run: --timeout ({limit} s) spent"))
+            return None
         from ..embedded.launch import LocalLauncher
 
-        run_dir = self.run_dir / name
-        launcher = LocalLauncher(
+        run_dir = self.run_dir / check.replace(" ", "-")
+        return LocalLauncher(
             job(self.options, fail, spares),
             json_log=str(run_dir / "run.jsonl"),
             run_dir=str(run_dir),
-            timeout_s=max(1.0, self.deadline - time.monotonic()),
+            timeout_s=max(1.0, left),
             quiet=True,
-        )
-        t0 = time.monotonic()
-        result = launcher.run()
-        return result, time.monotonic() - t0
-
-    def _not_run(self, check: str, why: str) -> Row | None:
-        if self.rows and self.rows[0].status == "fail":
-            return Row(check, "skipped", 0.0, f"skipped: not run, {why}")
-        if time.monotonic() >= self.deadline:
-            return Row(
-                check, "fail", 0.0, f"not run: --timeout ({self.options.timeout_s:g} s) spent"
-            )
-        return None
+        ).run()
 
     def run(self) -> int:
         o = self.options
@@ -184,15 +182,19 @@ class Suite:
         return exit_code(self.rows)
 
     def _replication(self) -> dict[str, Any] | None:
-        skipped = self._not_run(judge.REPLICATION, "the settings check failed")
-        if skipped:
-            self._add(skipped)
+        """The failure-free run; its summary when it passed (the others' reference)."""
+        t0 = time.monotonic()
+        result = self._launch(judge.REPLICATION, [], spares=0)
+        if result is None:
             return None
-        result, seconds = self._launch("replication", [], spares=0)
-        layout = Layout(1, 1, self.options.nproc, 1)
-        holders = [list(h) for h in place_replicas(layout, 1).holders]
+        holders = place_replicas(Layout(1, 1, self.options.nproc, 1), 1).holders
         row = judge.replication(
-            seconds, result.returncode, result.summary, result.records, ITERS, holders
+            time.monotonic() - t0,
+            result.returncode,
+            result.summary,
+            result.records,
+            ITERS,
+            [list(h) for h in holders],
         )
         self._add(self._with_logs(row, result.run_dir))
         return result.summary if row.status == "pass" else None
@@ -200,21 +202,23 @@ class Suite:
     def _hot_swap(
         self, check: str, kind: str, reference: dict[str, Any] | None, limit: float | None
     ) -> None:
-        skipped = self._not_run(check, "the settings check failed")
-        if skipped:
-            self._add(skipped)
-            return
-        name = check.replace(" ", "-")
+        """The run in which rank `FAILED_RANK` fails (`kind`) as iteration `FAIL_AT` starts."""
         fault = f"{FAILED_RANK}@{FAIL_AT}:{kind}"
-        result, seconds = self._launch(name, [fault], spares=self.options.spares)
+        t0 = time.monotonic()
+        result = self._launch(check, [fault], spares=self.options.spares)
+        if result is None:
+            return
         row = judge.hot_swap(
-            check, seconds, result.returncode, result.summary, reference, FAILED_RANK, limit
+            check,
+            time.monotonic() - t0,
+            result.returncode,
+            result.summary,
+            reference,
+            FAILED_RANK,
+            limit,
         )
-        self._add(
-            self._with_logs(
-                dataclasses.replace(row, data={"fault": fault, **row.data}), result.run_dir
-            )
-        )
+        row = dataclasses.replace(row, data={"fault": fault, **row.data})
+        self._add(self._with_logs(row, result.run_dir))
 
     @staticmethod
     def _with_logs(row: Row, run_dir: Path | None) -> Row:

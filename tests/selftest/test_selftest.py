@@ -54,7 +54,7 @@ def _selftest(tmp_path: Path, *args: str, timeout: float) -> subprocess.Complete
             env=env,
         )
     finally:
-        _kill_leftovers(str(tmp_path))
+        _kill_leftovers(f"{tmp_path}/")
 
 
 @pytest.mark.timeout(420)
@@ -116,6 +116,31 @@ def test_selftest_on_cpu_passes_and_reports(tmp_path: Path) -> None:
     assert env["torch"] == torch.__version__
     assert env["megatron_core"] and env["python"] and env["host"]
     assert env["device"].startswith("cuda" if CUDA else "cpu")
+
+
+@pytest.mark.timeout(180)
+def test_a_check_that_fails_makes_exit_1(tmp_path: Path) -> None:
+    """Too short a --timeout: the first run is stopped at its limit, the others cannot start;
+    each is a failed row, the verdict says so and the exit code is 1."""
+    report_path = tmp_path / "selftest.json"
+    proc = _selftest(
+        tmp_path,
+        *("--nproc", "2", "--timeout", "3", "--json", str(report_path)),
+        *("--run-dir", str(tmp_path / "runs")),
+        timeout=150,
+    )
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    checks = json.loads(report_path.read_text())["checks"]
+    assert checks["settings"]["status"] == "pass"
+    assert checks["replication"]["status"] == "fail"
+    assert "ran past its time limit" in checks["replication"]["detail"]
+    for name in ("peer killed", "peer frozen"):
+        assert checks[name] == {
+            "status": "fail",
+            "seconds": 0.0,
+            "detail": "not run: --timeout (3 s) spent",
+        }
+    assert proc.stdout.splitlines()[-1].startswith("selftest FAILED: 1 passed, 3 failed")
 
 
 @pytest.mark.timeout(120)
