@@ -125,6 +125,7 @@ class Suite:
         self.stream = stream or sys.stdout
         self.deadline = time.monotonic() + options.timeout_s
         self.run_dir = Path(options.run_dir or tempfile.mkdtemp(prefix="deadpool-selftest-"))
+        self.run_dir.mkdir(parents=True, exist_ok=True)
         self.gpus = local_gpu_count()
         self.rows: list[Row] = []
 

@@ -39,10 +39,13 @@ def _kill_leftovers(marker: str) -> None:
                 pass
 
 
-def _selftest(tmp_path: Path, *args: str, timeout: float) -> subprocess.CompletedProcess:
+def _selftest(
+    tmp_path: Path, *args: str, timeout: float, **environ: str
+) -> subprocess.CompletedProcess:
     env = dict(os.environ, OMP_NUM_THREADS="1")
     env.pop("PYTHONWARNINGS", None)
     env.pop("TORCH_GLOO_LAZY_INIT", None)
+    env.update(environ)
     try:
         return subprocess.run(
             [*deadpool_command(), "selftest", *args],
@@ -141,6 +144,22 @@ def test_a_check_that_fails_makes_exit_1(tmp_path: Path) -> None:
             "detail": "not run: --timeout (3 s) spent",
         }
     assert proc.stdout.splitlines()[-1].startswith("selftest FAILED: 1 passed, 3 failed")
+
+
+@pytest.mark.timeout(120)
+def test_a_refused_setting_fails_and_nothing_runs(tmp_path: Path) -> None:
+    run_dir = tmp_path / "runs"
+    proc = _selftest(
+        tmp_path, "--nproc", "2", "--run-dir", str(run_dir), timeout=90, TORCH_GLOO_LAZY_INIT="1"
+    )
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    lines = proc.stdout.splitlines()
+    (settings,) = [line for line in lines if line.startswith("settings ")]
+    assert " FAIL " in settings and "TORCH_GLOO_LAZY_INIT=1" in settings and "unset it" in settings
+    for name in ("replication", "peer killed", "peer frozen"):
+        (row,) = [line for line in lines if line.startswith(name + " ")]
+        assert "skipped: not run, the settings check failed" in row
+    assert list(run_dir.iterdir()) == []  # no training run started
 
 
 @pytest.mark.timeout(120)
