@@ -20,7 +20,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--json", dest="json_path", metavar="FILE", help="write the report here")
     parser.add_argument(
-        "--timeout", type=float, default=600.0, help="wall-clock limit of all checks (s, 600)"
+        "--timeout",
+        type=float,
+        default=600.0,
+        help="wall-clock limit of all checks in seconds (default 600)",
     )
     parser.add_argument("--run-dir", help="directory for the runs' logs (default: a temp dir)")
 
