@@ -1,9 +1,9 @@
 """The package's import rules (pyproject.toml, `[tool.importlinter]`) hold.
 
-Layers, top to bottom: cli; bench | chaos; embedded | megatron_lm | planner (siblings never
-import each other); hotswap; replication; devices | config; the leaf helpers. The job schema
-and the planner import no torch, Megatron or numpy. `lint-imports` reads the rules from
-pyproject.toml and fails naming the import that breaks one.
+Layers, top to bottom: cli; bench | chaos | selftest; embedded | megatron_lm | planner
+(siblings never import each other); hotswap; replication; devices | config; the leaf helpers.
+The job schema and the planner import no torch, Megatron or numpy. `lint-imports` reads the
+rules from pyproject.toml and fails naming the import that breaks one.
 """
 
 from __future__ import annotations

@@ -28,6 +28,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "megatron_deadpool.cli.megatron_lm",
         "run a Megatron-LM training script on this machine with spares and hot swap",
     ),
+    "selftest": (
+        "megatron_deadpool.cli.selftest",
+        "check this machine: settings, replication, a killed and a frozen peer replaced",
+    ),
     "coordinator": (
         "megatron_deadpool.cli.coordinator",
         "run the coordinator (store host, heartbeat monitor, spare assignment) on a cluster",
