@@ -178,7 +178,7 @@ def wrap_training_log(real: Any, session: Any) -> Any:
         try:
             out = real(*bound.args, **bound.kwargs)
         except Exception as exc:
-            if not session.driver.is_peer_failure(exc):
+            if not session.is_peer_failure(exc):
                 raise
             session.defer(exc, "training_log")
             return bound.arguments["report_memory_flag"]
@@ -199,7 +199,7 @@ def wrap_between_steps(
         try:
             return real(*args, **kwargs)
         except Exception as exc:
-            if not session.driver.is_peer_failure(exc):
+            if not session.is_peer_failure(exc):
                 raise
             session.defer(exc, where)
             return fallback(sig.bind(*args, **kwargs))

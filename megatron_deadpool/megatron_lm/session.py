@@ -416,6 +416,10 @@ class MegatronSession:
                 self.defer(exc, "the last replication round")
         self.driver.training_over()
 
+    def is_peer_failure(self, exc: BaseException) -> bool:
+        """Whether `exc` is a peer's failure to recover from (`Driver.is_peer_failure`)."""
+        return self.driver.is_peer_failure(exc)
+
     def defer(self, exc: BaseException, where: str) -> None:
         """A collective failed outside a training step: recover at the next step - or, once
         training completed, save what survives and end (`LostAfterTrainingError`)."""

@@ -17,6 +17,11 @@ class _FakeSession:
     def defer(self, exc: BaseException, where: str) -> None:
         self.deferred.append(where)
 
+    def is_peer_failure(self, exc: BaseException) -> bool:  # as the driver's, before any abort
+        from megatron_deadpool.devices.failures import is_peer_failure
+
+        return is_peer_failure(exc)
+
     def before_log(self, total_loss_dict: dict) -> None:
         total_loss_dict["seen"] = True
 
