@@ -197,6 +197,7 @@ class Coordinator:
         self.suspicious_until = 0.0  # (monotonic) while a reported failure is unexplained
         self.ended: dict[str, Any] | None = None  # processes lost after training completed
         self.after_training: set[str] = set()  # processes gone after their work was done
+        self.lost_at: dict[str, float] = {}  # pid -> when it was lost, known otherwise (`adopt`)
 
     def start(self) -> None:
         self.members.publish_roster(self.roster)
@@ -212,11 +213,20 @@ class Coordinator:
         return self._inbox.wait(timeout_s)
 
     def adopt(
-        self, roster: Roster, spares: list[str], next_generation: int, dead: dict[str, str]
+        self,
+        roster: Roster,
+        spares: list[str],
+        next_generation: int,
+        dead: dict[str, str],
+        lost_at: float | None = None,
     ) -> None:
         """Instead of `start`: go on with a job another coordinator ran (a standby taking over,
         `standby.py`) - its current roster, the spares still waiting, plans from
-        `next_generation` on, and the processes known dead (pid -> why), recovered next tick."""
+        `next_generation` on, and the processes known dead (pid -> why), recovered next tick.
+        `lost_at`: wall time the earlier coordinator last answered (the dead processes failed
+        at or after it, most likely with its node)."""
+        if lost_at is not None:
+            self.lost_at.update({pid: lost_at for pid in dead})
         self.roster = roster
         self.spares = list(spares)
         self.next_generation = next_generation
@@ -368,6 +378,9 @@ class Coordinator:
         times = [t for t in map(self.members.fault_time, pids) if t is not None]
         if times:
             return min(times), "injected fault stamp"
+        lost = [self.lost_at[p] for p in pids if p in self.lost_at]
+        if lost:
+            return min(lost), "the earlier coordinator's last answer (lost with its node)"
         seen = [t for t in map(self.beats.last_change, pids) if t is not None]
         if seen:  # on the coordinator's monotonic clock: convert to its wall clock
             return now - (time.monotonic() - max(seen)), "last heartbeat (failure at or after it)"

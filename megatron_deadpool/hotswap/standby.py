@@ -109,6 +109,7 @@ class Standby:
         self.keys = {p: p for p in self.pids}
         self.keys.update({f"task{t}": pid_of(t, world_size) for t in range(len(self.pids))})
         self.registrations: dict[str, Registration] = {}
+        self.primary_last_seen: float | None = None  # wall time the earlier one last answered
         self._next_late_read = 0.0
 
     # ------------------------------------------------------------------ watching
@@ -143,6 +144,7 @@ class Standby:
                     )
             elif now - last_seen > cfg.heartbeat_timeout:
                 silent = now - last_seen
+                self.primary_last_seen = time.time() - silent
                 self.events(
                     "coordinator_lost",
                     coordinators=self.earlier,
@@ -209,6 +211,7 @@ class Standby:
             state.spares,
             state.next_generation,
             {pid: why for pid in state.missing.values()},
+            lost_at=self.primary_last_seen,
         )
         m.publish_rebuilt(self.index)
         self.events(

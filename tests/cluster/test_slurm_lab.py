@@ -7,11 +7,6 @@ in CPU mode - 2 active nodes + 1 spare node, 2 tasks each, TP2 x DP2 - polls squ
 the whole lab down whatever happens. Results are compared bit for bit with `deadpool train` on
 one machine. Skipped, with the reason, without root or network namespaces; the lab installs
 Debian's Slurm packages when they are missing.
-
-Tests marked `needs_failover` state behaviour issue 16 demands that hotswap/ lacks today (a
-hung node's processes killed or cut off in cluster mode, a job that survives its batch host):
-they run only with DEADPOOL_RUN_NEEDS_FAILOVER=1 and fail today; drop the mark once the
-driver provides it.
 """
 
 from __future__ import annotations
@@ -25,7 +20,7 @@ import shutil
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -41,7 +36,6 @@ LAB_DIR = Path("/tmp") / f"dplab-{hashlib.sha256(str(ROOT).encode()).hexdigest()
 ITERS = 40
 FAIL_AT = 10  # the iteration after which a node fails
 JOB_TIMEOUT = 300.0  # per Slurm job: start-up of 6 Python processes on 2 shared cores included
-RUN_FAILOVER = os.environ.get("DEADPOOL_RUN_NEEDS_FAILOVER") == "1"
 
 
 def _load_lab() -> Any:
@@ -53,17 +47,6 @@ def _load_lab() -> Any:
 
 
 labmod = _load_lab()
-
-
-def needs_failover(what: str) -> Callable:
-    """Mark a test of behaviour the lead's hot-swap driver still has to provide."""
-
-    def mark(fn: Callable) -> Callable:
-        fn = pytest.mark.needs_failover(fn)
-        reason = f"needs_failover: {what}; fails today (DEADPOOL_RUN_NEEDS_FAILOVER=1 runs it)"
-        return pytest.mark.skipif(not RUN_FAILOVER, reason=reason)(fn)
-
-    return mark
 
 
 # ---------------------------------------------------------------------- the lab
@@ -418,7 +401,6 @@ def test_training_node_killed_mid_run_the_spare_node_takes_over(
     assert record["JobState"] == "COMPLETED" and record["ExitCode"] == "0:0", job.describe()
 
 
-@needs_failover("a hung node's processes are killed or cut off in cluster mode")
 @pytest.mark.timeout(2 * JOB_TIMEOUT + 300)
 def test_frozen_node_is_detected_by_heartbeat_and_replaced(
     lab: Any, reference: dict[str, Any], tmp_path: Path
@@ -439,12 +421,11 @@ def test_frozen_node_is_detected_by_heartbeat_and_replaced(
     assert record["JobState"] == "COMPLETED", job.describe()
 
 
-@needs_failover("the job survives its batch host (coordinator elsewhere, or a standby)")
 @pytest.mark.timeout(2 * JOB_TIMEOUT + 300)
 def test_batch_host_crash_loses_no_training_state_and_ends_the_job(
     lab: Any, reference: dict[str, Any], tmp_path: Path
 ) -> None:
-    """n1 - the batch host, the coordinator's host today, ranks 0 and 1 - dies whole. Either
+    """n1 - the batch host, the primary coordinator's host, ranks 0 and 1 - dies whole. Either
     training goes on and ends like the failure-free run, or (where it truly cannot) the
     survivors save a complete snapshot set that `--load` resumes bit for bit, a survivor's log
     says why, and Slurm lets go of the job instead of holding its nodes."""
