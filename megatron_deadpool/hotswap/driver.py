@@ -87,7 +87,8 @@ class JobAdapter(Protocol):
 
 @dataclass
 class RecoveryRecord:
-    """One recovery as this process saw it (`phases_s`: release, agree, join, restore)."""
+    """One recovery as this process saw it (`phases_s`: abort, agree - the release of the old
+    groups included -, join, restore)."""
 
     generation: int
     dead: list[int]
@@ -371,11 +372,17 @@ class Driver:
         traceback.clear_frames(exc.__traceback__)
         # The group is handed over in a dict the release empties: no reference may outlive it.
         extra, self.repl_group = {"DEADPOOL_REPLICATION": self.repl_group}, None
-        released = recovery.release_groups(self.replicator, self._roots(), extra)
+        held = recovery.abort_and_salvage(self.replicator)
         for index, kind in recovery_faults(self.cfg.fail, self.rank):
             if self._fire(index):
                 self._inject(kind, "while in recovery")
         t_released = time.time()
+        released: list[int] = []
+
+        def release() -> None:  # while the coordinator decides, after this rank's report
+            released.append(rebind.release(self._roots(), extra, held))
+            held.clear()
+
         roster = recovery.agree(
             self.members,
             roster=self.roster,
@@ -386,11 +393,12 @@ class Driver:
             deadline=t0 + self.cfg.heartbeat_timeout + self.cfg.agreement_timeout,
             cause=exc,
             on_abort=self._salvage,
+            meanwhile=release,
         )
         t_agreed = time.time()
         self.join(roster, self.job.init_model_parallel)
         self.attach()
-        log.info("released %d group handles, re-attached the new generation's", released)
+        log.info("released %d group handles, re-attached the new generation's", released[0])
         self.job.after_rejoin(roster)
         t_joined = time.time()
         self.restore(roster, needy=False)
@@ -400,8 +408,8 @@ class Driver:
             target,
             t0,
             {
-                "release": t_released - t0,
-                "agree": t_agreed - t_released,
+                "abort": t_released - t0,
+                "agree": t_agreed - t_released,  # the release of the old groups included
                 "join": t_joined - t_agreed,
                 "restore": time.time() - t_joined,
             },

@@ -45,25 +45,32 @@ DECISION_WAIT_S = 600.0
 """Longest single wait for the coordinator's decision on a plan (it then waits again)."""
 
 
-def release_groups(
-    replicator: Replicator | None, roots: list[Any], extra: dict[str, dist.ProcessGroup | None]
-) -> int:
-    """Abort every group (`devices.abort_groups`: nothing below can wait on a dead or hung
-    peer), salvage the in-flight round's completed receives (`Replicator.abandon`), then
-    `rebind.release` every group handle under `roots` and the groups in `extra` (by name, e.g.
-    the replication group); returns how many handles were swapped.
-
-    `extra` is emptied: the caller hands its groups over in it and keeps no other reference,
-    so that reference counting frees them here (a group still referenced from a frame costs a
-    full garbage collection, ~0.5-2 s on Megatron's heap, and is not freed even then).
-    """
-    held = rebind.hold_groups()  # before the abort makes torch forget them
+def abort_and_salvage(replicator: Replicator | None) -> list[list[dist.ProcessGroup]]:
+    """Abort every group (`devices.abort_groups`: nothing after this can wait on a dead or hung
+    peer) and salvage the in-flight round's completed receives (`Replicator.abandon`); returns
+    the groups torch knew, boxed for `rebind.release` to free (after the abort torch forgets
+    them)."""
+    held = rebind.hold_groups()
     abort_groups()
     if replicator is not None:
         salvaged = replicator.abandon()
         if salvaged:
             log.info("kept the in-flight round's verified replicas of ranks %s", salvaged)
-    return rebind.release(roots, extra, held)
+    return held
+
+
+def release_groups(
+    replicator: Replicator | None, roots: list[Any], extra: dict[str, dist.ProcessGroup | None]
+) -> int:
+    """`abort_and_salvage`, then `rebind.release` every group handle under `roots` and the
+    groups in `extra` (by name, e.g. the replication group); returns how many handles were
+    swapped.
+
+    `extra` is emptied: the caller hands its groups over in it and keeps no other reference,
+    so that reference counting frees them here (a group still referenced from a frame costs a
+    full garbage collection, ~0.5-2 s on Megatron's heap, and is not freed even then).
+    """
+    return rebind.release(roots, extra, abort_and_salvage(replicator))
 
 
 def agree(
@@ -77,8 +84,11 @@ def agree(
     deadline: float,
     cause: BaseException,
     on_abort: Callable[[dict[str, Any]], str],
+    meanwhile: Callable[[], object] = lambda: None,
 ) -> Roster:
     """Report holdings for the coordinator's plan(s) until a roster includes this process.
+    `meanwhile()` runs once, after the first report, while the coordinator decides (the
+    release of the old groups: it need not delay the report).
 
     Blocks on the store instead of polling it: first until a generation after `roster`'s (the
     one this process is in) is planned (by the wall-clock `deadline`, else this was no peer
@@ -109,6 +119,8 @@ def agree(
             {**report, "holds": holds if keeps_slot else {"local": []}, "pid": pid},
             expected=plan["world_size"] - len(plan["needy"]),
         )
+        meanwhile()
+        meanwhile = lambda: None
         decision = None
         while decision is None:  # the coordinator decides within its agree timeout
             decision = members.wait_decision(g, DECISION_WAIT_S)
