@@ -381,7 +381,6 @@ class Driver:
 
         def release() -> None:  # while the coordinator decides, after this rank's report
             released.append(rebind.release(self._roots(), extra, held))
-            held.clear()
 
         roster = recovery.agree(
             self.members,

@@ -97,6 +97,13 @@ def preparse(argv: Sequence[str]) -> DeadpoolConfig:
     return from_namespace(DeadpoolConfig, known, prefix="deadpool")
 
 
+def _chain_flags(bound: inspect.BoundArguments) -> None:
+    """DeadPool's flags chained into the call's `extra_args_provider` (`extra_args_provider`)."""
+    bound.arguments["extra_args_provider"] = extra_args_provider(
+        bound.arguments.get("extra_args_provider")
+    )
+
+
 def wrap_pretrain(pretrain: Callable[..., Any]) -> Callable[..., Any]:
     """`pretrain` with DeadPool: flags chained into its `extra_args_provider` (where it parses
     the arguments: core_v0.16.1), CPU mode when there is no GPU, and with `--deadpool`
@@ -109,9 +116,7 @@ def wrap_pretrain(pretrain: Callable[..., Any]) -> Callable[..., Any]:
     def pretrain_with_deadpool(*args: Any, **kwargs: Any) -> Any:
         bound = signature.bind(*args, **kwargs)
         if "extra_args_provider" in signature.parameters:
-            bound.arguments["extra_args_provider"] = extra_args_provider(
-                bound.arguments.get("extra_args_provider")
-            )
+            _chain_flags(bound)
         with _exit_codes():
             return _pretrain(pretrain, bound)
 
@@ -129,9 +134,7 @@ def wrap_parse_and_validate_args(real: Callable[..., Any]) -> Callable[..., Any]
     @functools.wraps(real)
     def parse_and_validate_args(*args: Any, **kwargs: Any) -> Any:
         bound = signature.bind(*args, **kwargs)
-        bound.arguments["extra_args_provider"] = extra_args_provider(
-            bound.arguments.get("extra_args_provider")
-        )
+        _chain_flags(bound)
         return real(*bound.args, **bound.kwargs)
 
     parse_and_validate_args._deadpool = True  # type: ignore[attr-defined]
