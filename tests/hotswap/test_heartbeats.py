@@ -89,8 +89,13 @@ def test_skewed_worker_clocks_neither_hide_a_hang_nor_fake_one(tmp_path: Path) -
         while "a1" not in coord.dead_pids and time.monotonic() - t0 < 10.0:
             coord.tick()
             time.sleep(0.05)
+        named = time.monotonic()
         assert coord.dead_pids == {"a1"}
-        assert 1.5 <= time.monotonic() - t0 < 4.0
+        # Silence is counted from the last beat the coordinator saw (before the SIGSTOP, by up
+        # to one beat and one sweep): never named before a full timeout of it, and not late.
+        last_beat = coord.beats.last_change("a1")
+        assert last_beat is not None and t0 - last_beat < 0.2 + 0.1 + 0.2
+        assert 1.5 <= named - last_beat and named - t0 < 4.0
         dead = [e for e in coord.events.events if e["event"] == "process_dead"]
         assert dead[0]["pid"] == "a1" and "(hung)" in dead[0]["why"]
     finally:
