@@ -204,10 +204,7 @@ def serve(
         if watch is not None and watch.superseded:
             say(f"standby {watch.superseded} took the job over: standing down")
             return NOT_ACTIVE
-        waiting = [p for p in coord.roster.slots.values() if p not in coord.after_training]
-        # The count first: one round trip per tick, whatever the size of the job.
-        done = members.done_count() >= len(waiting) and members.all_done(waiting)
-        if coord.recovery is None and done:
+        if coord.training_done():
             members.request_shutdown()
             digest, ranks = _digests(members, coord.world)
             coord.events("finished", final_param_digest=digest, rank_digests=ranks)

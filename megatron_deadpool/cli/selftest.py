@@ -1,11 +1,13 @@
 """`deadpool selftest`: check this machine's DeadPool set-up, one pass/fail row per check.
 
-    deadpool selftest --nproc N [--spares S] [--json FILE] [--timeout SECONDS]
+    deadpool selftest --nproc N [--spares S] [--json FILE] [--timeout SECONDS] [--run-dir D]
+    deadpool selftest --slurm [--nproc-per-node G] [--spare-nodes S] [--json FILE] ...
 
 On one node: communication settings, replication on N ranks, a SIGKILLed and a SIGSTOPped
 peer replaced by a spare (bitwise equal to the failure-free run), and on CUDA the replica
-memory and the pack kernel (`selftest.suite`). Exit code 0 when every check that ran passed,
-1 when one failed, 2 for bad input.
+memory and the pack kernel (`selftest.suite`). With `--slurm`, inside an allocation, the runs
+span its nodes instead: one `srun` task per GPU, the last node(s) spare (`selftest.slurm`).
+Exit code 0 when every check that ran passed, 1 when one failed, 2 for bad input.
 """
 
 from __future__ import annotations
@@ -14,9 +16,25 @@ import argparse
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--nproc", type=int, required=True, help="active ranks (>= 2)")
+    parser.add_argument(
+        "--nproc", type=int, help="active ranks on this machine (>= 2 for the training checks)"
+    )
     parser.add_argument(
         "--spares", type=int, default=1, help="spare processes of the hot-swap runs (default 1)"
+    )
+    slurm = parser.add_argument_group("across the nodes of a Slurm allocation")
+    slurm.add_argument(
+        "--slurm",
+        action="store_true",
+        help="run every check's ranks as srun tasks over the allocation's nodes",
+    )
+    slurm.add_argument(
+        "--nproc-per-node",
+        type=int,
+        help="tasks (= GPUs) per node (default: SLURM_NTASKS_PER_NODE, else 1)",
+    )
+    slurm.add_argument(
+        "--spare-nodes", type=int, default=1, help="the last nodes, spares (default 1)"
     )
     parser.add_argument("--json", dest="json_path", metavar="FILE", help="write the report here")
     parser.add_argument(
@@ -37,5 +55,8 @@ def run(args: argparse.Namespace) -> int:
         timeout_s=args.timeout,
         json_path=args.json_path,
         run_dir=args.run_dir,
+        slurm=args.slurm,
+        nproc_per_node=args.nproc_per_node,
+        spare_nodes=args.spare_nodes,
     )
     return Suite(options).run()

@@ -21,6 +21,7 @@ from typing import Any, TextIO
 
 import yaml
 
+from ..config.deadpool import DeadpoolConfig
 from ..config.job import JobConfig
 from ..digest import final_digest
 from ..hotswap.local_job import LocalJob
@@ -70,25 +71,38 @@ class LocalLauncher:
     def _worker_env(self) -> dict[str, str]:
         return dict(os.environ)
 
-    def _command(self, pid: str, address: str) -> list[str]:
-        """Process `pid`'s command line, the coordinator's store at `address`."""
+    def _env(self) -> dict[str, str]:
+        """Every process's environment."""
+        env = self._worker_env()
+        env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PYTHONWARNINGS="ignore")
+        return env
+
+    def _command(self, pid: str | None, address: str) -> list[str]:
+        """Process `pid`'s command line, the coordinator's store at `address` (`pid` None:
+        the process takes its own from SLURM_PROCID)."""
         return [
             *self._worker_command(),
             "--config",
             str(self.run_dir / "job.yaml"),
-            "--pid",
-            pid,
+            *(["--pid", pid] if pid else []),
             "--deadpool-coordinator",
             address,
             "--deadpool-job-token",
             self.token,
         ]
 
+    def _host(self, cfg: DeadpoolConfig, **kwargs: Any) -> LocalJob:
+        """The job's store and coordinator, and where its processes run: this machine."""
+        return LocalJob(cfg, **kwargs)
+
+    def _start(self) -> None:
+        """Start every process of the job: actives, then spares."""
+        for pid in self.local.pids:
+            self._spawn(pid)
+
     def _spawn(self, pid: str) -> None:
-        env = self._worker_env()
-        env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PYTHONWARNINGS="ignore")
         with open(self.run_dir / f"{pid}.log", "w") as log:  # the child keeps its own copy
-            self.local.spawn(pid, self._command(pid, self.local.address), env, log)
+            self.local.spawn(pid, self._command(pid, self.local.address), self._env(), log)
 
     def _tail(self, pid: str, lines: int = 15) -> str:
         path = self.run_dir / f"{pid}.log"
@@ -101,7 +115,7 @@ class LocalLauncher:
         layout = Layout(job.parallel.tp, job.parallel.pp, job.parallel.dp, job.ranks_per_node)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         (self.run_dir / "job.yaml").write_text(yaml.safe_dump(job.to_dict(), sort_keys=False))
-        self.local = local = LocalJob(
+        self.local = local = self._host(
             cfg,
             world_size=layout.world_size,
             token=self.token,
@@ -117,8 +131,7 @@ class LocalLauncher:
             + f"; logs in {self.run_dir}"
         )
         t_start = time.monotonic()
-        for pid in local.pids:
-            self._spawn(pid)
+        self._start()
         records: list[dict[str, Any]] = []
         # Closed in the `finally` below, after the monitor loop that writes it.
         log_file = open(self.json_log, "w") if self.json_log else None  # noqa: SIM115

@@ -204,6 +204,15 @@ class Coordinator:
         self._watch(self._live_pids())
         self.events("roster", generation=0, slots=self.roster.slots)
 
+    def training_done(self) -> bool:
+        """No recovery under way and every rank's process (but those lost after training)
+        reported its work done, as seen through the store: a cluster's coordinator sees no
+        process exit."""
+        waiting = [p for p in self.roster.slots.values() if p not in self.after_training]
+        # The count first: one round trip per call, whatever the size of the job.
+        done = self.members.done_count() >= len(waiting) and self.members.all_done(waiting)
+        return self.recovery is None and done
+
     def wait(self, timeout_s: float) -> bool:
         """Sleep until a process wakes the coordinator (the last report of a recovery
         arrived) or `timeout_s` passed; call it between ticks instead of sleeping, and

@@ -16,9 +16,9 @@ from pathlib import Path
 from typing import IO, Any
 
 from ..config.deadpool import DeadpoolConfig
-from ..devices.gpus import assign_gpus, local_gpu_count
+from ..devices.gpus import GpuAssignment, assign_gpus, local_gpu_count
 from ..replication.placement import Placement
-from .coordinator import Coordinator, EventLog, ProcessLiveness, kill_groups
+from .coordinator import Coordinator, EventLog, HeartbeatOnly, ProcessLiveness, kill_groups
 from .membership import Membership, host_store
 
 
@@ -42,10 +42,11 @@ class LocalJob:
         self.world_size = world_size
         self.run_dir = run_dir
         self.spares = cfg.spares if cfg.enabled else 0
-        self.gpus = assign_gpus(actives=world_size, spares=self.spares, gpus=local_gpu_count())
+        self.gpus = self._assign_gpus()
         self.procs: dict[str, subprocess.Popen] = {}
-        store, self._listener = host_store("127.0.0.1", 0)  # loopback only
-        self.address = f"127.0.0.1:{store.port}"
+        host = self._store_host()
+        store, self._listener = host_store(host, 0)
+        self.address = f"{host}:{store.port}"
         self.members = Membership(store, "launcher")
         self.members.set_token(token)
         self.next_spare = self.spares
@@ -56,11 +57,22 @@ class LocalJob:
             [f"s{i}" for i in range(self.spares)],
             heartbeat_timeout=cfg.heartbeat_timeout,
             agree_timeout=cfg.agreement_timeout,
-            liveness=ProcessLiveness(self.procs),  # sees exits: no need to suspect silence
+            liveness=self._liveness(),
             events=EventLog(run_dir / "events.jsonl"),
             on_event=on_event,
         )
         self.coordinator.start()
+
+    # ------------------------------------------------------------------ where it runs
+    def _assign_gpus(self) -> GpuAssignment:
+        """Every process on this node: refuses too few GPUs."""
+        return assign_gpus(actives=self.world_size, spares=self.spares, gpus=local_gpu_count())
+
+    def _store_host(self) -> str:
+        return "127.0.0.1"  # loopback only: every process is on this machine
+
+    def _liveness(self) -> ProcessLiveness | HeartbeatOnly:
+        return ProcessLiveness(self.procs)  # sees exits: no need to suspect silence
 
     @property
     def pids(self) -> list[str]:

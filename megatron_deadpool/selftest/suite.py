@@ -1,11 +1,13 @@
 """Runs the selftest's checks in order, printing each row as it finishes.
 
-The training-run checks are `deadpool train` runs of a tiny GPT (the CPU demo's sizes) on this
-machine, through the same launcher (`embedded.launch.LocalLauncher`, each run with its own
-store and coordinator on a free port): tp=1, pp=1, dp=N with one rank per failure domain, so
-every replica lands on another "node" by the real placement. One failure-free run
-(`replication`), then the same job with rank 1 SIGKILLed (`peer killed`) and SIGSTOPped
-(`peer frozen`) as iteration 3 starts, each ending bitwise equal to the failure-free run.
+The training-run checks are `deadpool train` runs of a tiny GPT (the CPU demo's sizes): on this
+machine through the same launcher (`embedded.launch.LocalLauncher`, each run with its own
+store and coordinator on a free port), tp=1, pp=1, dp=N with one rank per failure domain, so
+every replica lands on another "node" by the real placement; with `--slurm` across the nodes
+of the allocation, one job step per run (`selftest.slurm`), G ranks per node. One failure-free
+run (`replication`), then the same job with rank 1 SIGKILLed (`peer killed`) and SIGSTOPped
+(`peer frozen`) as iteration 3 starts, each ending bitwise equal to the failure-free run. The
+device checks (settings, replica memory, pack kernel) run in this process, on this host.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.metadata
 import json
+import os
 import platform
 import socket
 import sys
@@ -25,9 +28,11 @@ from typing import Any, TextIO
 from ..config.deadpool import DeadpoolConfig
 from ..config.job import JobConfig, ParallelConfig, TrainConfig
 from ..devices.gpus import assign_gpus, local_gpu_count
+from ..embedded.launch import LocalLauncher
 from ..errors import ConfigError
 from ..replication.placement import Layout, place_replicas
 from . import device_checks, judge
+from .slurm import Allocation, SrunLauncher
 from .table import Row, exit_code, header, render, report, verdict
 
 ITERS = 5
@@ -39,29 +44,50 @@ HEARTBEAT_INTERVAL_S = 0.5
 
 @dataclass(frozen=True)
 class Options:
-    """`deadpool selftest`'s flags, validated: `ConfigError` names the flag and the fix."""
+    """`deadpool selftest`'s flags, validated: `ConfigError` names the flag and the fix.
 
-    nproc: int
+    On this machine: `nproc` actives and `spares` spares. With `slurm`: across the allocation's
+    nodes, `nproc_per_node` tasks each (default: Slurm's), the last `spare_nodes` nodes spare.
+    `nproc` 1: a single rank has no peer to hold its replica, so only the settings and device
+    checks run (what one GPU allows)."""
+
+    nproc: int | None = None
     spares: int = 1
     timeout_s: float = 600.0
     json_path: str | None = None
     run_dir: str | None = None
+    slurm: bool = False
+    nproc_per_node: int | None = None
+    spare_nodes: int = 1
 
     def __post_init__(self) -> None:
-        if self.nproc < 2:
+        if not self.timeout_s > 0:
             raise ConfigError(
-                f"--nproc: {self.nproc} is too few; a replica needs a peer on another node, "
-                "so the selftest needs at least 2 ranks (e.g. --nproc 4)"
+                f"--timeout: must be a positive number of seconds, got {self.timeout_s}"
+            )
+        if self.slurm:
+            if self.nproc is not None:
+                raise ConfigError(
+                    "--nproc: not with --slurm (the allocation's nodes set the ranks); use "
+                    "--nproc-per-node for the tasks per node"
+                )
+            return
+        if self.nproc_per_node is not None or self.spare_nodes != 1:
+            flag = "--nproc-per-node" if self.nproc_per_node is not None else "--spare-nodes"
+            raise ConfigError(f"{flag}: only with --slurm; on this machine use --nproc/--spares")
+        if self.nproc is None or self.nproc < 1:
+            got = "missing" if self.nproc is None else f"{self.nproc} is too few"
+            raise ConfigError(
+                f"--nproc: {got}; give the ranks to run on this machine (>= 2 for the training "
+                "checks, e.g. --nproc 4), or --slurm inside an allocation"
             )
         if self.spares < 1:
             raise ConfigError(
                 f"--spares: {self.spares} is too few; the 'peer killed' and 'peer frozen' "
                 "checks each replace a rank with a spare (use --spares 1)"
             )
-        if not self.timeout_s > 0:
-            raise ConfigError(
-                f"--timeout: must be a positive number of seconds, got {self.timeout_s}"
-            )
+        if self.nproc < 2:
+            return  # no training runs: nothing to place on GPUs
         gpus = local_gpu_count()
         try:
             assign_gpus(actives=self.nproc, spares=self.spares, gpus=gpus)
@@ -69,16 +95,16 @@ class Options:
             raise ConfigError(f"{exc}; or DEADPOOL_DEVICE=cpu to run the checks on gloo") from None
 
 
-def job(options: Options, fail: list[str], spares: int) -> JobConfig:
-    """The selftest's job: the default tiny GPT, dp=N, one rank per node, fast heartbeats."""
+def job(actives: int, ranks_per_node: int, fail: list[str], spares: int) -> JobConfig:
+    """The selftest's job: the default tiny GPT, dp=`actives`, fast heartbeats."""
     return JobConfig(
-        parallel=ParallelConfig(tp=1, pp=1, dp=options.nproc),
+        parallel=ParallelConfig(tp=1, pp=1, dp=actives),
         train=TrainConfig(iters=ITERS),
         deadpool=DeadpoolConfig(
             enabled=True,
             spares=spares,
             replicas=1,
-            ranks_per_node=1,
+            ranks_per_node=ranks_per_node,
             heartbeat_timeout=HEARTBEAT_TIMEOUT_S,
             heartbeat_interval=HEARTBEAT_INTERVAL_S,
             fail=fail,
@@ -128,6 +154,14 @@ class Suite:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.gpus = local_gpu_count()
         self.rows: list[Row] = []
+        self.allocation: Allocation | None = None
+        if options.slurm:
+            self.allocation = a = Allocation.from_env(
+                os.environ, options.nproc_per_node, options.spare_nodes
+            )
+            self.actives, self.spares, self.ranks_per_node = a.actives, a.spares, a.tasks_per_node
+        else:
+            self.actives, self.spares, self.ranks_per_node = options.nproc or 0, options.spares, 1
 
     def _print(self, text: str) -> None:
         print(text, file=self.stream, flush=True)
@@ -142,27 +176,34 @@ class Suite:
         if self.rows and self.rows[0].status == "fail":  # the workers would refuse it too
             self._add(Row(check, "skipped", 0.0, "skipped: not run, the settings check failed"))
             return None
+        if self.actives < 2:
+            self._add(Row(check, "skipped", 0.0, "skipped: one rank has no peer to hold its "
+                          "replica; give --nproc 2 or more (on one GPU: DEADPOOL_DEVICE=cpu, or "
+                          "--slurm across nodes)"))  # fmt: skip
+            return None
         left = self.deadline - time.monotonic()
         if left <= 0:
             limit = f"{self.options.timeout_s:g}"
             self._add(Row(check, "fail", 0.0, f"not run: --timeout ({limit} s) spent"))
             return None
-        from ..embedded.launch import LocalLauncher
-
         run_dir = self.run_dir / check.replace(" ", "-")
-        return LocalLauncher(
-            job(self.options, fail, spares),
+        config = job(self.actives, self.ranks_per_node, fail, spares)
+        kwargs: dict[str, Any] = dict(
             json_log=str(run_dir / "run.jsonl"),
             run_dir=str(run_dir),
             timeout_s=max(1.0, left),
             quiet=True,
-        ).run()
+        )
+        if self.allocation is not None:
+            return SrunLauncher(config, self.allocation, **kwargs).run()
+        return LocalLauncher(config, **kwargs).run()
 
     def run(self) -> int:
         o = self.options
+        where = self.allocation.describe() if self.allocation else "this machine, one per node"
         self._print(
-            f"deadpool selftest: {o.nproc} ranks (tp=1 pp=1 dp={o.nproc}, one per node) + "
-            f"{o.spares} spare(s), {ITERS} iterations per run, on "
+            f"deadpool selftest: {self.actives} ranks (tp=1 pp=1 dp={self.actives}; {where}) + "
+            f"{self.spares} spare(s), {ITERS} iterations per run, on "
             f"{device_name(self.gpus)}; logs in {self.run_dir}"
         )
         self._print(header())
@@ -178,7 +219,10 @@ class Suite:
         self._add(device_checks.pack_kernel(cuda))
         self._print(verdict(self.rows))
         if o.json_path:
-            payload = report(self.rows, environment(self.gpus, self.run_dir))
+            env = environment(self.gpus, self.run_dir)
+            if self.allocation is not None:
+                env["slurm"] = dataclasses.asdict(self.allocation)
+            payload = report(self.rows, env)
             Path(o.json_path).write_text(json.dumps(payload, indent=2) + "\n")
         return exit_code(self.rows)
 
@@ -188,7 +232,8 @@ class Suite:
         result = self._launch(judge.REPLICATION, [], spares=0)
         if result is None:
             return None
-        holders = place_replicas(Layout(1, 1, self.options.nproc, 1), 1).holders
+        layout = Layout(1, 1, self.actives, self.ranks_per_node)
+        holders = place_replicas(layout, 1).holders
         row = judge.replication(
             time.monotonic() - t0,
             result.returncode,
@@ -206,7 +251,7 @@ class Suite:
         """The run in which rank `FAILED_RANK` fails (`kind`) as iteration `FAIL_AT` starts."""
         fault = f"{FAILED_RANK}@{FAIL_AT}:{kind}"
         t0 = time.monotonic()
-        result = self._launch(check, [fault], spares=self.options.spares)
+        result = self._launch(check, [fault], spares=self.spares)
         if result is None:
             return
         row = judge.hot_swap(

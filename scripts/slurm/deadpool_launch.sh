@@ -26,7 +26,10 @@
 #                         $MEGATRON_LM_PATH/pretrain_gpt.py $MEGATRON_ARGS --deadpool ...
 #                       baseline: plain Megatron-LM (python pretrain_gpt.py $MEGATRON_ARGS) on
 #                         the active nodes only, no coordinator, no spares: the reference
-#                         for the overhead measurement                                  (embedded)
+#                         for the overhead measurement
+#                       selftest: `deadpool selftest --slurm` over the allocation (replication,
+#                         a killed and a frozen peer replaced, the device checks); its report
+#                         in $DEADPOOL_LOG_DIR/selftest.json, its exit code the job's  (embedded)
 #   DEADPOOL_CONFIG     job config of the embedded job                   (configs/cpu-demo.yaml)
 #   MEGATRON_LM_PATH    Megatron-LM checkout (megatron-lm mode)
 #   MEGATRON_ARGS       Megatron-LM arguments, split on whitespace (megatron-lm mode)
@@ -194,8 +197,22 @@ megatron-lm | baseline)
             "${megatron_args[@]}" --deadpool "${deadpool_flags[@]}" "${extra_args[@]}")
     fi
     ;;
-*) die "DEADPOOL_MODE must be embedded, megatron-lm or baseline, got '$DEADPOOL_MODE'" ;;
+selftest) ;;
+*) die "DEADPOOL_MODE must be embedded, megatron-lm, baseline or selftest, got '$DEADPOOL_MODE'" ;;
 esac
+if [ "$DEADPOOL_MODE" = selftest ]; then # it starts its own job steps, one per check
+    [ -z "$DEADPOOL_INJECT" ] || die "DEADPOOL_INJECT: the selftest injects its own failures"
+    selftest_cmd=("$PYTHON" -m megatron_deadpool.cli selftest --slurm
+        --nproc-per-node "$GPUS_PER_NODE" --spare-nodes "$SPARE_NODES"
+        --run-dir "$DEADPOOL_LOG_DIR/selftest" --json "$DEADPOOL_LOG_DIR/selftest.json")
+    export SRUN_EXTRA_ARGS
+    if dry_run; then
+        show selftest "${selftest_cmd[@]}"
+        exit 0
+    fi
+    mkdir -p "$DEADPOOL_LOG_DIR"
+    exec "${selftest_cmd[@]}"
+fi
 if [ "$DEADPOOL_MODE" = baseline ]; then # the same active GPUs, nothing else
     nnodes=$active_nodes
     ntasks=$world

@@ -268,6 +268,21 @@ def test_injection_is_started_with_the_job() -> None:
 
 
 @pytest.mark.timeout(30)
+def test_selftest_mode_runs_the_selftest_over_the_allocation() -> None:
+    status, cmds, _, err = render("scripts/slurm/perlmutter.sbatch", DEADPOOL_MODE="selftest")
+    assert status == 0, err
+    assert "workers" not in cmds and "coordinator" not in cmds  # it starts its own steps
+    argv = cmds["selftest"]
+    assert argv[1:5] == ["-m", "megatron_deadpool.cli", "selftest", "--slurm"]
+    assert flag(argv, "--nproc-per-node") == "4" and flag(argv, "--spare-nodes") == "1"
+    assert flag(argv, "--json").endswith("deadpool-4242/selftest.json")
+    status, _, _, err = render(
+        "scripts/slurm/perlmutter.sbatch", DEADPOOL_MODE="selftest", DEADPOOL_INJECT="--node 1"
+    )
+    assert status == 2 and "DEADPOOL_INJECT" in err
+
+
+@pytest.mark.timeout(30)
 @pytest.mark.parametrize(
     ("env", "message"),
     [

@@ -506,3 +506,32 @@ def test_megatron_lm_node_killed_mid_run_the_spare_node_takes_over(
     finished = job.event("finished")
     assert finished is not None and finished["rank_digests"] == expected, job.describe()
     assert record["JobState"] == "COMPLETED" and record["ExitCode"] == "0:0"
+
+
+# ---------------------------------------------------------------------- deadpool selftest
+@pytest.mark.timeout(JOB_TIMEOUT + 120)
+def test_selftest_runs_across_the_allocation_with_the_site_script(
+    lab: Any, tmp_path: Path
+) -> None:
+    """`DEADPOOL_MODE=selftest` with vista.sbatch unchanged: every check's ranks are srun tasks
+    on the three nodes (two active, one spare), a killed and a frozen peer each replaced by a
+    spare on the spare node, bitwise equal to the failure-free run; the frozen task, which
+    never exits, killed with its job step; exit code 0 for Slurm."""
+    job = submit(lab, tmp_path / "logs", "vista", None, DEADPOOL_MODE="selftest")
+    record = job.wait_end()
+    out = job.text("batch.out")
+    assert record["JobState"] == "COMPLETED" and record["ExitCode"] == "0:0", out
+    report = json.loads(job.text("selftest.json"))
+    rows = report["checks"]
+    for check in ("settings", "replication", "peer killed", "peer frozen"):
+        assert rows[check]["status"] == "pass", out
+    assert report["environment"]["slurm"]["nodes"] == 3
+    assert rows["replication"]["data"]["holders"] == {"0": [2], "1": [3], "2": [0], "3": [1]}
+    for check in ("peer killed", "peer frozen"):
+        run = tmp_path / "logs" / "selftest" / check.replace(" ", "-")
+        logs = {int(p.stem.split("-")[1]): p.read_text() for p in run.glob("task-*.log")}
+        assert sorted(logs) == list(range(6))  # 2 nodes x 2 actives, 1 node x 2 spares
+        assert "[deadpool r1 g1]" in logs[4]  # task 4 = spare s0, on n3, took rank 1
+        killed = [json.loads(x) for x in (run / "events.jsonl").read_text().splitlines()]
+        killed = [e for e in killed if e["event"] == "step_killed"]
+        assert len(killed) == (1 if check == "peer frozen" else 0), killed

@@ -15,8 +15,11 @@ from conftest import REPO_ROOT, deadpool_command
 
 from megatron_deadpool.devices.base import Device
 from megatron_deadpool.devices.memory import ReplicaMemory
+from megatron_deadpool.errors import ConfigError
+from megatron_deadpool.hotswap.srun_job import srun_command
 from megatron_deadpool.replication import pack
 from megatron_deadpool.selftest import device_checks, judge
+from megatron_deadpool.selftest.slurm import Allocation
 from megatron_deadpool.selftest.table import Row, exit_code, render
 
 CHECKS = ["settings", "replication", "peer killed", "peer frozen", "replica memory", "pack kernel"]
@@ -166,19 +169,72 @@ def test_a_refused_setting_fails_and_nothing_runs(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("args", "flag"),
     [
-        (["--nproc", "1"], "--nproc"),
+        (["--nproc", "0"], "--nproc"),
         (["--nproc", "4", "--spares", "0"], "--spares"),
         (["--nproc", "4", "--timeout", "0"], "--timeout"),
         (["--nproc", "four"], "--nproc"),
         ([], "--nproc"),
+        (["--nproc", "4", "--spare-nodes", "2"], "--spare-nodes"),
+        (["--slurm", "--nproc", "4"], "--nproc"),
+        (["--slurm"], "--slurm"),  # outside an allocation
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(tmp_path: Path, args: list[str], flag: str) -> None:
-    proc = _selftest(tmp_path, *args, "--run-dir", str(tmp_path), timeout=90)
+    environ = {k: "" for k in os.environ if k.startswith("SLURM_")}
+    proc = _selftest(tmp_path, *args, "--run-dir", str(tmp_path), timeout=90, **environ)
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert proc.stdout == ""
     assert len(proc.stderr.splitlines()) == 1 and flag in proc.stderr, proc.stderr
     assert not list(tmp_path.iterdir())  # nothing ran
+
+
+@pytest.mark.timeout(120)
+def test_one_rank_runs_the_device_checks_and_skips_the_runs(tmp_path: Path) -> None:
+    """`--nproc 1` (one GPU): no peer to hold a replica, so no training run; the settings and
+    device checks still run, and skipped rows do not fail the selftest."""
+    run_dir = tmp_path / "runs"
+    proc = _selftest(tmp_path, "--nproc", "1", "--run-dir", str(run_dir), timeout=90)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = proc.stdout.splitlines()
+    (settings,) = [line for line in lines if line.startswith("settings ")]
+    assert " PASS " in settings
+    for name in ("replication", "peer killed", "peer frozen"):
+        (row,) = [line for line in lines if line.startswith(name + " ")]
+        assert "SKIPPED" in row and "one rank has no peer to hold its replica" in row
+    assert list(run_dir.iterdir()) == []
+
+
+def test_allocation_is_read_from_slurm_and_checked() -> None:
+    env = {"SLURM_JOB_ID": "7", "SLURM_JOB_NUM_NODES": "4", "SLURM_NTASKS_PER_NODE": "2(x4)",
+           "SLURM_JOB_NODELIST": "n[1-4]", "SRUN_EXTRA_ARGS": "--mpi=none  --exclusive"}  # fmt: skip
+    a = Allocation.from_env(env, None, 1)
+    assert (a.nodes, a.tasks_per_node, a.actives, a.spares) == (4, 2, 6, 2)
+    assert a.srun_args == ("--mpi=none", "--exclusive")
+    assert Allocation.from_env(env, 4, 2).actives == 8  # --nproc-per-node, --spare-nodes
+    assert Allocation.from_env({"SLURM_JOB_ID": "7", "SLURM_NNODES": "3"}, None, 1).actives == 2
+    for bad_env, per_node, spare_nodes, flag in [
+        ({}, None, 1, "--slurm"),
+        (env, None, 3, "--spare-nodes"),  # 1 active node: no peer node for a replica
+        (env, None, 0, "--spare-nodes"),
+        (env, 0, 1, "--nproc-per-node"),
+    ]:
+        with pytest.raises(ConfigError, match=flag):
+            Allocation.from_env(bad_env, per_node, spare_nodes)
+
+
+def test_the_job_step_is_the_launch_scripts_srun(tmp_path: Path) -> None:
+    """One task per GPU in blocks, survivors kept alive, RANK/LOCAL_RANK from Slurm - as
+    scripts/slurm/deadpool_launch.sh starts a job."""
+    cmd = srun_command(["python", "-m", "w", "--x"], nodes=3, tasks_per_node=2, name="dp-1",
+                       output=tmp_path / "task-%t.log", cpus_per_task="8", extra=["--mpi=none"])  # fmt: skip
+    launch = (REPO_ROOT / "scripts/slurm/deadpool_launch.sh").read_text()
+    for fixed in ("--distribution=block", "--kill-on-bad-exit=0", "--no-kill", "--wait=0"):
+        assert fixed in cmd and fixed in launch
+    assert cmd[1:4] == ["--nodes=3", "--ntasks=6", "--ntasks-per-node=2"]
+    assert "--cpus-per-task=8" in cmd and "--job-name=dp-1" in cmd
+    wrapper = cmd.index("bash")
+    assert cmd[wrapper - 1] == "--mpi=none" and cmd[wrapper + 2] in launch
+    assert cmd[-5:] == ["deadpool-task", "python", "-m", "w", "--x"]
 
 
 # ------------------------------------------------------------------ the verdicts, one by one
