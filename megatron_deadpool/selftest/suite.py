@@ -188,12 +188,12 @@ class Suite:
             return None
         run_dir = self.run_dir / check.replace(" ", "-")
         config = job(self.actives, self.ranks_per_node, fail, spares)
-        kwargs: dict[str, Any] = dict(
-            json_log=str(run_dir / "run.jsonl"),
-            run_dir=str(run_dir),
-            timeout_s=max(1.0, left),
-            quiet=True,
-        )
+        kwargs: dict[str, Any] = {
+            "json_log": str(run_dir / "run.jsonl"),
+            "run_dir": str(run_dir),
+            "timeout_s": max(1.0, left),
+            "quiet": True,
+        }
         if self.allocation is not None:
             return SrunLauncher(config, self.allocation, **kwargs).run()
         return LocalLauncher(config, **kwargs).run()
