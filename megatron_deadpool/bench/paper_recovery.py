@@ -7,7 +7,6 @@ N iterations), timed by phase and repeated; the failure-free reference is the ma
 
 from __future__ import annotations
 
-import statistics
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -17,7 +16,6 @@ from ..config.job import JobConfig
 from . import recovery as rec
 from .paper_matrix import matrix_jobs
 from .paper_workers import Runner
-from .stats import ratio_summary
 
 
 def recovery_part(
@@ -61,21 +59,7 @@ def recovery_part(
                 progress=progress,
             )
         )
-    out = dict(results[0])
-    for side in ("deadpool", "restart"):
-        out[f"{side}_recovery_s"] = statistics.median(r[f"{side}_recovery_s"] for r in results)
-        out[f"{side}_recovery_runs_s"] = [r[f"{side}_recovery_s"] for r in results]
-        out[f"{side}_phases_s"] = {
-            k: statistics.median(r[f"{side}_phases_s"][k] for r in results)
-            for k in results[0][f"{side}_phases_s"]
-        }
-    out["speedup"] = out["restart_recovery_s"] / out["deadpool_recovery_s"]
-    out["speedup_ratio"] = ratio_summary(
-        [r["restart_recovery_s"] / r["deadpool_recovery_s"] for r in results]
-    )
-    for flag in ("deadpool_matches_reference", "restart_matches_reference"):
-        out[flag] = all(r[flag] for r in results)
-    out["repeats"] = len(results)
+    out = rec.combine(results)
     out["phase_labels"] = dict(rec.PHASE_LABELS)
     return out, seen.get("reference"), seen.get("deadpool")
 

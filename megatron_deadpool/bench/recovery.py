@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -43,6 +44,7 @@ from ..errors import ConfigError
 from ..hotswap.coordinator import kill_groups
 from .overhead import base_job
 from .report import job_shape, publish, text_row, yes_no
+from .stats import ratio_summary, ratio_text
 
 if TYPE_CHECKING:
     from ..embedded.launch import LocalLauncher
@@ -111,6 +113,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         help="spares for the hot swap (default: the config's, at least one per failed rank)",
+    )
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="measure the pair N times: medians, and the speedup's 95%% interval from 6 on "
+        "(default 1)",
     )
     parser.add_argument("--json", dest="json_path", help="write the results as JSON here")
     parser.add_argument(
@@ -415,6 +424,28 @@ def measure(
     }
 
 
+def combine(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """Repeats of `measure`: the first one's details, with the medians of the totals and of
+    every phase, each repeat's totals and recomputations, and the median speedup with its
+    interval (`stats.ratio_summary`)."""
+    out = dict(results[0])
+    for side in ("deadpool", "restart"):
+        out[f"{side}_recovery_s"] = statistics.median(r[f"{side}_recovery_s"] for r in results)
+        out[f"{side}_recovery_runs_s"] = [r[f"{side}_recovery_s"] for r in results]
+        out[f"{side}_recomputed_runs"] = [r[f"{side}_recomputed"] for r in results]
+        out[f"{side}_phases_s"] = {
+            k: statistics.median(r[f"{side}_phases_s"][k] for r in results)
+            for k in results[0][f"{side}_phases_s"]
+        }
+    out["speedup"] = out["restart_recovery_s"] / out["deadpool_recovery_s"]
+    out["speedup_runs"] = [r["restart_recovery_s"] / r["deadpool_recovery_s"] for r in results]
+    out["speedup_ratio"] = ratio_summary(out["speedup_runs"])
+    for flag in ("deadpool_matches_reference", "restart_matches_reference"):
+        out[flag] = all(r[flag] for r in results)
+    out["repeats"] = len(results)
+    return out
+
+
 def phase_rows(result: dict[str, Any], cell: Callable[[float], str]) -> list[list[str]]:
     """Label, hot-swap cell, restart cell for each phase of `PHASE_ORDER` ('-': not a phase of
     that side)."""
@@ -434,8 +465,12 @@ def table(result: dict[str, Any]) -> list[str]:
         ],
         [
             "iterations recomputed",
-            str(result["deadpool_recomputed"]),
-            str(result["restart_recomputed"]),
+            *(
+                "/".join(
+                    map(str, result.get(f"{side}_recomputed_runs", [result[f"{side}_recomputed"]]))
+                )
+                for side in ("deadpool", "restart")
+            ),
         ],
         [
             "same losses + params as no failure",
@@ -455,7 +490,17 @@ def table(result: dict[str, Any]) -> list[str]:
     stall = result.get("restart_first_save_stall_s")
     if stall is not None:
         lines.append(f"the restart run's first persistent save held training up {stall:.2f}s")
-    lines.append(f"speedup of the hot swap: {result['speedup']:.1f}x")
+    repeats = result.get("repeats", 1)
+    if repeats == 1:
+        lines.append(f"speedup of the hot swap: {result['speedup']:.1f}x")
+        return lines
+    runs = ", ".join(f"{x:.1f}x" for x in result["speedup_runs"])
+    lines.insert(0, f"medians of {repeats} repeats (each repeat's counts separated by /)")
+    lines.append(f"speedup of the hot swap per repeat: {runs}")
+    lines.append(
+        f"speedup of the hot swap, median: {ratio_text(result['speedup_ratio'], 1)}; "
+        f"lowest {min(result['speedup_runs']):.1f}x"
+    )
     return lines
 
 
@@ -473,6 +518,11 @@ def run(args: argparse.Namespace, runner: Runner | None = None) -> int:
     except ConfigError as exc:
         print(f"deadpool bench recovery: {exc}", file=sys.stderr)
         return 2
+    if args.repeats < 1:
+        print(
+            f"deadpool bench recovery: --repeats: must be >= 1, got {args.repeats}", file=sys.stderr
+        )
+        return 2
     work_dir = Path(tempfile.mkdtemp(prefix="deadpool-bench-recovery-"))
     p = job.parallel
     print(
@@ -481,17 +531,24 @@ def run(args: argparse.Namespace, runner: Runner | None = None) -> int:
         f"{work_dir}",
         flush=True,
     )
+    results = []
     try:
-        result = measure(
-            job,
-            iters=args.iters,
-            fail=args.fail,
-            save_interval=args.save_interval,
-            spares=args.spares,
-            runner=runner or (lambda j, d, stop: launch(j, d, stop, args.timeout)),
-            work_dir=work_dir,
-            progress=lambda line: print(line, flush=True),
-        )
+        for rep in range(1, args.repeats + 1):
+            if args.repeats > 1:
+                print(f"repeat {rep}/{args.repeats}", flush=True)
+            results.append(
+                measure(
+                    job,
+                    iters=args.iters,
+                    fail=args.fail,
+                    save_interval=args.save_interval,
+                    spares=args.spares,
+                    runner=runner or (lambda j, d, stop: launch(j, d, stop, args.timeout)),
+                    work_dir=work_dir / f"repeat-{rep}" if args.repeats > 1 else work_dir,
+                    progress=lambda line: print(line, flush=True),
+                )
+            )
+        result = results[0] if args.repeats == 1 else combine(results)
     except RuntimeError as exc:
         print(f"deadpool bench recovery: {exc}", file=sys.stderr)
         return 1

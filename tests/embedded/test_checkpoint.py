@@ -293,3 +293,25 @@ def test_bench_recovery_fails_when_a_recovered_run_differs(
     assert cli.main(["bench", "recovery", "--fail", f"2@{FAIL_AT}"]) == 1
     assert "differs from the failure-free run" in capsys.readouterr().err
     assert cli.main(["bench", "recovery", "--fail", "2@8:hang"]) == 2
+
+
+@pytest.mark.timeout(60)
+def test_bench_recovery_repeats_report_medians_and_the_speedups_interval(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    from megatron_deadpool.bench import recovery
+    from megatron_deadpool.cli import main as cli
+
+    monkeypatch.setattr(recovery, "launch", _fake_launch({"deadpool": "ref", "restart": "ref"}))
+    out = tmp_path / "recovery.json"
+    args = ["--fail", f"2@{FAIL_AT}", "--save-interval", str(INTERVAL), "--json", str(out)]
+    assert cli.main(["bench", "recovery", *args, "--repeats", "6"]) == 0
+    printed = capsys.readouterr().out
+    data = json.loads(out.read_text())
+    speedup = (T0 + 10.3 - (T0 + 0.75)) / 1.05
+    assert data["repeats"] == 6 and data["speedup_runs"] == pytest.approx([speedup] * 6)
+    assert data["speedup_ratio"]["ci"] == pytest.approx([speedup, speedup])
+    assert data["deadpool_recomputed_runs"] == [0] * 6
+    assert f"median: {speedup:.1f}x (95% CI" in printed and "0/0/0/0/0/0" in printed
+    assert cli.main(["bench", "recovery", "--repeats", "0"]) == 2
+    assert "--repeats" in capsys.readouterr().err
