@@ -1,21 +1,22 @@
 """Figures of `deadpool plan`'s recovery estimate that come from measurements, not guesses.
 
-`agree_s(world)`: seconds the coordinator needs to agree on a recovery of a job of `world`
-processes - from noticing the failure to the published plan, plus from the last survivor's
-report to the published roster (reading every report, choosing the restore iteration, writing
-the roster). Measured by `deadpool bench control-plane` ("coordinator alone": one client writes
-the ranks' beats and reports in bulk, so that only the coordinator and its store are timed; the
-median of 3 failures per size) with
+`agree_s(world)`: seconds from a rank's failure until the coordinator published the new roster
+in a job of `world` processes - the plan, every survivor's report of what it holds arriving
+through the store, the decision and the roster. Measured by `deadpool bench control-plane` with
+simulated ranks (one store connection each, doing what a rank does; the median of 3 failures
+per size):
 
-    deadpool bench control-plane --ranks 1024 4096 16384 --sim-ranks --json control-plane.json
+    deadpool bench control-plane --ranks 1024 4096 16384 --json control-plane.json
 
-on `MEASURED_ON`. Between the measured sizes the figure is interpolated in log2(world); below
-the smallest it is the smallest's; above the largest it grows in proportion to the world (the
-coordinator reads one report per rank). Not included: the survivors' own round trips to the
-store (one network round trip each, in parallel) and their time to notice the failure.
+on `MEASURED_ON`, where 8 processes simulating the ranks share the two cores with the store and
+the coordinator: an upper bound. The coordinator's own part is small (0.006 / 0.029 / 0.199 s
+at the same sizes, measured alone in the same run); at 16,384 ranks most of the time is the
+store's server answering every rank's requests (4.2-5.6 s of the coordinator process's CPU).
+Between the measured sizes the figure is interpolated in log2(world); below the smallest it is
+the smallest's; above the largest it grows in proportion to the world (one report per rank).
 
 Re-measure on the machine that will host the coordinator and replace `AGREE_S` with the
-`notice_to_plan_s + reports_to_roster_s` of each size in the JSON's "coordinator_alone".
+median `failure_to_roster_s` of each size in the JSON's "simulated" section.
 Pure data and arithmetic: no torch, no communication.
 """
 
@@ -24,13 +25,13 @@ from __future__ import annotations
 import math
 
 MEASURED_ON = (
-    "the project's 2-core CPU machine shared with other work (load average 45), torch 2.13 "
-    "TCPStore (libuv) on loopback, 2026-11-22: an upper bound for an idle coordinator host"
+    "the project's 2-core CPU machine, otherwise idle, torch 2.13 TCPStore (libuv) on loopback, "
+    "the simulated ranks on the same cores, 2026-11-22: an upper bound for a coordinator host"
 )
-COMMAND = "deadpool bench control-plane --ranks 1024 4096 16384 --sim-ranks --json cp.json"
+COMMAND = "deadpool bench control-plane --ranks 1024 4096 16384 --json cp.json"
 
-AGREE_S: dict[int, float] = {1024: 0.158, 4096: 0.358, 16384: 1.906}
-"""world size -> crash noticed -> plan published + every report in -> roster published (s)."""
+AGREE_S: dict[int, float] = {1024: 0.201, 4096: 1.051, 16384: 8.819}
+"""world size -> failure -> roster published (s), simulated ranks."""
 
 
 def agree_s(world: int) -> float:
