@@ -64,7 +64,7 @@ class LocalJob:
         self.coordinator.start()
 
     # ------------------------------------------------------------------ where it runs
-    def _assign_gpus(self) -> GpuAssignment:
+    def _assign_gpus(self) -> GpuAssignment | None:
         """Every process on this node: refuses too few GPUs."""
         return assign_gpus(actives=self.world_size, spares=self.spares, gpus=local_gpu_count())
 
