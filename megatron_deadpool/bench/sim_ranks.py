@@ -10,11 +10,13 @@ the same order (`tests/bench/test_control_plane.py` checks the sequence against
 - while nothing fails: one beat per heartbeat interval (+1 on its counter);
 - when a peer fails (the bench says "fail"): as a survivor in `recovery.agree`, wait for the
   plan, report its holdings (what the placement makes it hold: its own snapshot and its owners'
-  replicas), wait for the decision; then join the new generation as the driver does (read the
+  replicas), wait for the decision and for the newcomers' claims of their slots; then join
+  the new generation as the driver does (read the
   sources, stamp `joined`), rendezvous on the generation's store the way torch's NCCL group
   does (rank 0 sets a 128-byte unique id, every other rank gets it), stamp `restored`; rank 0
   stamps `first_iteration` once every rank restored. Spares wait for a slot blocked on their
-  wake-up key (`wakeup.spare_wakeups`, as `Driver.wait_for_slot`) and join as newcomers.
+  wake-up key (`wakeup.spare_wakeups`, as `Driver.wait_for_slot`), claim it and join as
+  newcomers.
 
 What differs from real ranks, and why (this machine has 2 cores and a 20,000-file limit):
 - each process walks its ranks phase by phase (all its ranks report, then all wait for the
@@ -161,6 +163,7 @@ class SimProcess:
         decision = self._each(lambda m: m.wait_decision(g, FOREVER_S), ranks.values())[-1]
         if "roster" not in decision:
             raise RuntimeError(f"simulated recovery of generation {g}: decision {decision}")
+        self._each(lambda m: m.wait_newcomers(g, plan["needy"], FOREVER_S), ranks.values())
         self.roster = roster.successor(plan, decision["roster"])
         self._each(self._join, ranks, ranks.values())
         if 0 in ranks:
@@ -199,6 +202,7 @@ class SimProcess:
                 break
             waiter.wait(1.0)
         waiter.stop()
+        members.claim_slot(roster.generation, rank)
         self.roster = roster
         self._join(rank, members)
         if rank == 0:

@@ -5,6 +5,8 @@ Forms (each fault fires once per job):
                                caught in that iteration's collectives
   node:N@ITER[:kill|hang]      every rank of failure domain N, likewise
   spare:I@ITER[:kill|hang]     waiting spare s{I}, once training has reached iteration ITER
+  spare:I@recovery[:kill|hang] spare s{I}, as soon as a recovery gives it a slot, before it
+                               claims the slot and joins (a spare lost while being swapped in)
   RANK@recovery[:kill|hang|flip]  rank RANK fails when it enters the next recovery (a
                                second failure during recovery; `flip`: its replicas rot
                                just before agreement would use them)
@@ -31,7 +33,10 @@ _SPEC = re.compile(
 )
 
 FaultKind = Literal["kill", "hang", "flip"]
-FORMS = "RANK@ITER[:kill|hang|flip], node:N@ITER, spare:I@ITER, RANK@recovery or RANK@end"
+FORMS = (
+    "RANK@ITER[:kill|hang|flip], node:N@ITER, spare:I@ITER, RANK@recovery, spare:I@recovery "
+    "or RANK@end"
+)
 
 
 @dataclass(frozen=True)
@@ -83,14 +88,17 @@ def parse_fault(text: str) -> FaultSpec:
         raise ConfigError(f"fail: iteration in {text!r} must be >= 1")
     if kind == "flip" and (match["node"] or match["spare"]):
         raise ConfigError(f"fail: {text!r}: 'flip' applies to one rank (RANK@ITER:flip)")
-    if recovery and (match["node"] or match["spare"]):
-        raise ConfigError(f"fail: {text!r}: '@recovery' applies to one rank (RANK@recovery)")
+    if recovery and match["node"]:
+        raise ConfigError(
+            f"fail: {text!r}: '@recovery' applies to one rank or spare (RANK@recovery, "
+            "spare:I@recovery)"
+        )
     if end and (match["node"] or match["spare"] or kind == "flip"):
         raise ConfigError(f"fail: {text!r}: '@end' applies to one rank (RANK@end[:kill|hang])")
     if match["node"]:
         return FaultSpec(iteration=iteration, kind=kind, node=who)
     if match["spare"]:
-        return FaultSpec(iteration=iteration, kind=kind, spare=who)
+        return FaultSpec(iteration=iteration, kind=kind, spare=who, during_recovery=recovery)
     return FaultSpec(iteration=iteration, kind=kind, rank=who, during_recovery=recovery, at_end=end)
 
 
@@ -135,12 +143,16 @@ def recovery_faults(specs: Sequence[str], rank: int) -> list[tuple[int, FaultKin
     return out
 
 
-def spare_faults(specs: Sequence[str], pid: str) -> list[tuple[int, int, FaultKind]]:
-    """(spec index, iteration, kind) of the specs that hit waiting spare `pid` (`s{I}`)."""
+def spare_faults(
+    specs: Sequence[str], pid: str, *, assigned: bool = False
+) -> list[tuple[int, int, FaultKind]]:
+    """(spec index, iteration, kind) of the specs that hit spare `pid` (`s{I}`): while it
+    waits, or (`assigned`) once a recovery gave it a slot (`spare:I@recovery`)."""
     out: list[tuple[int, int, FaultKind]] = []
     for index, spec in enumerate(specs):
         fault = parse_fault(spec)
-        if fault.spare is not None and pid == f"s{fault.spare}":
+        hits = fault.spare is not None and pid == f"s{fault.spare}"
+        if hits and fault.during_recovery == assigned:
             out.append((index, fault.iteration, fault.kind))
     return out
 

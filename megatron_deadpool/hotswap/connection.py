@@ -153,6 +153,9 @@ class BoundedStore:
     def delete_key(self, key: str) -> bool:
         return self._call(lambda c: c.delete_key(key))
 
+    def compare_set(self, key: str, expected: str, desired: str) -> bytes:
+        return self._call(lambda c: c.compare_set(key, expected, desired))
+
     def multi_get(self, keys: list[str]) -> list[bytes]:
         return self._call(lambda c: c.multi_get(keys))
 
@@ -192,6 +195,15 @@ class Heartbeat(threading.Thread):
         self.stopped = threading.Event()
         self.lost: str | None = None  # why the coordinator became unreachable, if it did
         self.after_beat: Callable[[Membership], None] | None = None  # e.g. `PlanWatch`
+
+    def stop(self, timeout_s: float) -> None:
+        """No more beats; wait up to `timeout_s` for the one in flight. A process must not exit
+        while this thread is inside a store call: a thread that returns from torch while the
+        interpreter shuts down aborts the process ("terminate called without an active
+        exception", exit -6)."""
+        self.stopped.set()
+        if self.is_alive() and threading.current_thread() is not self:
+            self.join(timeout_s)
 
     def run(self) -> None:
         while not self.stopped.wait(self.interval):

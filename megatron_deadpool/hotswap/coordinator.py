@@ -397,6 +397,9 @@ class Coordinator:
 
     def _plan(self, dead: set[int], now: float) -> None:
         rec = self.recovery
+        if rec is not None and rec.t_agreed is not None:  # decided; not everyone joined yet
+            for rank in sorted(dead & rec.needy):  # a newcomer lost: nobody may wait for it
+                self.members.give_up_slot(rec.generation, rank)
         base = rec.slots if rec else self.roster.slots
         all_dead = (rec.dead if rec else set()) | dead
         slots = dict(base)

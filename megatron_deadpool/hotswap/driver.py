@@ -15,6 +15,7 @@ The communication steps of a recovery live in `recovery.py`, the coordinator's d
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import logging
 import os
@@ -183,6 +184,7 @@ class Driver:
         self.heartbeat = Heartbeat(FailoverStore(self.link), self.pid, cfg.heartbeat_interval)
         self.heartbeat.after_beat = self.plan_watch
         self.heartbeat.start()
+        atexit.register(self.stop_heartbeat)  # whatever way this process ends (`Heartbeat.stop`)
 
     def rejoin_record(self) -> Registration:
         """What this process tells a standby coordinator that took over (read by whichever of
@@ -225,7 +227,7 @@ class Driver:
         faults = spare_faults(self.cfg.fail, self.pid)
         while True:
             if self.members.shutdown_requested() or self.sigterm.is_set():
-                self.heartbeat.stopped.set()
+                self.stop_heartbeat()
                 log.info("released: the job ended without needing this spare")
                 return None
             for index, iteration, kind in faults:  # `spare:I@ITER`: a waiting spare fails
@@ -235,13 +237,28 @@ class Driver:
             g = self.members.generation()
             if g >= 0:
                 roster = self.members.roster(g)
-                if roster.rank_of(self.pid) is not None:
+                rank = roster.rank_of(self.pid)
+                if rank is not None:
+                    if g > 0:  # a recovery's newcomer: claim the slot before anyone waits on it
+                        self._claim(g, rank)
                     self.take(roster)
                     return roster
             if self._slot_waiter is None:  # from now on every roster and the shutdown wake us
                 self._slot_waiter = spare_wakeups(self.members)
                 continue  # look again: what happened before the waiter started is visible now
             self._slot_waiter.wait(0.2 if faults else 1.0)  # the timeout: SIGTERM, `spare:` faults
+
+    def _claim(self, g: int, rank: int) -> None:
+        """Claim rank `rank` of generation g (`Membership.claim_slot`), unless a
+        `spare:I@recovery` fault fires first; the survivors join once every newcomer claimed."""
+        for index, _, kind in spare_faults(self.cfg.fail, self.pid, assigned=True):
+            if self._fire(index):
+                self._inject(kind, f"given rank {rank} of generation {g}, before claiming it")
+        if not self.members.claim_slot(g, rank):
+            raise DeadpoolRuntimeError(
+                f"the coordinator gave up rank {rank} of generation {g} before this spare "
+                "claimed it (it took this process for lost)"
+            )
 
     def take(self, roster: Roster) -> None:
         """Become the rank `roster` gives this process (before any group exists)."""
@@ -566,8 +583,12 @@ class Driver:
             self.members.publish_digest(self.rank, digest)
         self.members.mark_done()
         self.done = True
-        self.heartbeat.stopped.set()
+        self.stop_heartbeat()
         return digest
+
+    def stop_heartbeat(self) -> None:
+        """No more beats: this process's work is done (its silence is no failure)."""
+        self.heartbeat.stop(self.cfg.heartbeat_interval + self.cfg.heartbeat_timeout)
 
     def coordinator_lost(self, why: str) -> CoordinatorUnreachableError:
         who = f"rank {self.rank}" if self.rank is not None else self.pid

@@ -31,6 +31,11 @@ Keys:
   gen{g}/decided                the coordinator's decision on plan g, which survivors block on:
                                 {"roster": T}, {"abort": true} or {"superseded": g2}
   gen{g}/sources                {needy rank: holder} for the restore iteration
+  gen{g}/ready/{rank}           "ready": the newcomer of a needy rank claimed its slot, before
+                                it joins; "lost": the coordinator gave the slot up first (the
+                                newcomer died before claiming it). Survivors wait for these
+                                before joining, so that none waits in a rendezvous for a
+                                newcomer that will never come
   gen{g}/{phase}/{rank}         wall time a rank reached a phase: joined, restored,
                                 first_iteration (rank 0 only); gen{g}/{phase}/count counts them
   gen{g}/stale_refs             counter: old-generation group handles ranks found left after
@@ -375,6 +380,30 @@ class Membership:
         self._publish(f"gen{generation}/holdings/{rank}", report)
         if self.store.add(f"gen{generation}/holdings/count", 1) == expected:
             self.notify_coordinator(f"holdings {generation}")
+
+    def claim_slot(self, generation: int, rank: int) -> bool:
+        """A newcomer about to join generation g as `rank`: True, unless the coordinator gave
+        the slot up first (it took this process for lost: `give_up_slot`)."""
+        key = f"gen{generation}/ready/{rank}"
+        return self.store.compare_set(key, "", "ready") == b"ready"
+
+    def give_up_slot(self, generation: int, rank: int) -> None:
+        """The coordinator: generation g's newcomer for `rank` was lost before it claimed its
+        slot (a claim that came first stands)."""
+        self.store.compare_set(f"gen{generation}/ready/{rank}", "", "lost")
+
+    def wait_newcomers(self, generation: int, ranks: list[int], timeout_s: float) -> bool | None:
+        """Block until every newcomer of generation g (`ranks`) claimed its slot or was given
+        up: True when all claimed, False when one was given up, None on timeout."""
+        keys = [f"gen{generation}/ready/{r}" for r in ranks]
+        if not keys:
+            return True
+        try:
+            self.store.wait(keys, datetime.timedelta(seconds=max(timeout_s, 0.001)))
+        except dist.DistStoreError:
+            if not self.store.check(keys):
+                return None
+        return all(value == b"ready" for value in self.store.multi_get(keys))
 
     def holdings_count(self, generation: int) -> int:
         """How many reports arrived for plan g (one store round trip)."""

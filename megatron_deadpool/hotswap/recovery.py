@@ -94,7 +94,10 @@ def agree(
     one this process is in) is planned (by the wall-clock `deadline`, else this was no peer
     failure), then until the coordinator decides that plan - a roster, an abort, or a newer plan
     that supersedes it (more ranks died), which is then reported for in turn. The new roster is
-    `roster` with the plan's replacements (read in full only if the plan has another base).
+    `roster` with the plan's replacements (read in full only if the plan has another base). It
+    is returned once every newcomer claimed its slot: a newcomer that died before that (its
+    slot given up by the coordinator) leads to the next plan instead of a rendezvous that would
+    wait for it until the process groups' timeout.
 
     `report` is published with the holdings (e.g. Megatron's counters); only a process that
     keeps its slot and is not needy reports what `replicator` holds. On an abort,
@@ -133,8 +136,15 @@ def agree(
                     f"the coordinator's roster of generation {g} leaves this process ({pid}) "
                     "out: it was presumed dead"
                 )
-            return new
-        g = decision["superseded"]
+            ready = None
+            while ready is None:  # a newcomer claims its slot, or is given up when it dies
+                ready = members.wait_newcomers(g, plan["needy"], DECISION_WAIT_S)
+            if ready:
+                return new
+            log.warning("a newcomer of generation %d was lost before joining", g)
+            g += 1  # the coordinator gave its slot up as it planned the next generation
+        else:
+            g = decision["superseded"]
         plan = members.wait_plan(g, DECISION_WAIT_S)  # published before the decision
 
 

@@ -47,6 +47,7 @@ def _survivor_ops(survive) -> list[tuple[str, Any]]:
     while coordinator.holdings_count(1) < 1:
         time.sleep(0.01)
     coordinator.decide(1, {"roster": 6})
+    coordinator.claim_slot(1, 2)  # as the newcomer of rank 2 does before it joins
     survivor.join(30)
     assert not survivor.is_alive()
     return recording.ops
@@ -78,9 +79,19 @@ def test_simulated_survivor_makes_the_store_calls_of_agree() -> None:
     def simulated(members: Membership) -> None:
         survivor_report(members, 1, 1, holds, 6)
         members.wait_decision(1, FOREVER_S)
+        members.wait_newcomers(1, [2], FOREVER_S)
 
     ops = _survivor_ops(real)
-    assert [op for op, _ in ops] == ["wait", "get", "set", "add", "wait", "get"]
+    assert [op for op, _ in ops] == [
+        "wait",
+        "get",
+        "set",
+        "add",
+        "wait",
+        "get",
+        "wait",
+        "multi_get",
+    ]
     assert _survivor_ops(simulated) == ops
 
 

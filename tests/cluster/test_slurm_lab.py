@@ -510,9 +510,7 @@ def test_megatron_lm_node_killed_mid_run_the_spare_node_takes_over(
 
 # ---------------------------------------------------------------------- deadpool selftest
 @pytest.mark.timeout(JOB_TIMEOUT + 120)
-def test_selftest_runs_across_the_allocation_with_the_site_script(
-    lab: Any, tmp_path: Path
-) -> None:
+def test_selftest_runs_across_the_allocation_with_the_site_script(lab: Any, tmp_path: Path) -> None:
     """`DEADPOOL_MODE=selftest` with vista.sbatch unchanged: every check's ranks are srun tasks
     on the three nodes (two active, one spare), a killed and a frozen peer each replaced by a
     spare on the spare node, bitwise equal to the failure-free run; the frozen task, which

@@ -319,15 +319,21 @@ def test_ranks_per_node_default_order() -> None:
         ("node:1@4", FaultSpec(iteration=4, kind="kill", node=1)),
         ("node:3@12:hang", FaultSpec(iteration=12, kind="hang", node=3)),
         (" 7@2 ", FaultSpec(iteration=2, kind="kill", rank=7)),
+        ("spare:1@3", FaultSpec(iteration=3, kind="kill", spare=1)),
+        ("spare:0@recovery:hang", FaultSpec(0, "hang", spare=0, during_recovery=True)),
     ],
 )
 def test_fault_specs_parse(text: str, expected: FaultSpec) -> None:
     assert parse_fault(text) == expected
 
 
-@pytest.mark.parametrize(
-    "text", ["", "2", "@5", "2@", "2@0", "x@1", "2@5:boom", "node:@1", "node:1", "-1@2", "2@5:"]
-)
+MALFORMED = [
+    "", "2", "@5", "2@", "2@0", "x@1", "2@5:boom", "node:@1", "node:1", "-1@2", "2@5:",
+    "node:1@recovery", "spare:0@recovery:flip", "spare:0@end",
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("text", MALFORMED)
 def test_malformed_fault_specs_are_refused(text: str) -> None:
     with pytest.raises(ConfigError, match="^fail: "):
         parse_fault(text)

@@ -68,6 +68,20 @@ CASES: dict[str, list[str]] = {
         "--fail",
         "1@recovery",
     ],
+    # The spare a recovery picks dies before it claims the slot: the survivors must not wait
+    # for it in a rendezvous; the coordinator gives the slot up and the next spare takes it.
+    "newcomer_lost": [
+        "--tp",
+        "2",
+        "--dp",
+        "2",
+        "--spares",
+        "2",
+        "--fail",
+        "2@4",
+        "--fail",
+        "spare:0@recovery",
+    ],
     # A waiting spare dies; the next failure uses the other one.
     "spare_dies": [
         "--tp",
@@ -133,6 +147,19 @@ def test_second_failure_during_recovery_starts_over(root: str) -> None:
     (rec,) = summary["recoveries"]
     assert rec["dead_ranks"] == [1, 2] and rec["generation"] == 2  # re-planned once
     assert sorted(rec["replaced_by"].values()) == ["s0", "s1"]
+
+
+@pytest.mark.timeout(600)
+def test_spare_lost_before_it_joins_is_replaced_by_the_next(root: str) -> None:
+    """Without the slot claim the survivors waited in generation 1's rendezvous for s0 until
+    the process groups' timeout, and the coordinator took them for dead (out of redundancy)."""
+    summary = _same_as("newcomer_lost", "ref_tp", root)
+    (rec,) = summary["recoveries"]
+    assert rec["dead_ranks"] == [2] and rec["replaced_by"] == {"2": "s1"}
+    assert rec["generation"] == 2  # generation 1 (rank 2 <- s0) never formed
+    logs = Path(root) / "newcomer_lost" / "logs"
+    assert "before claiming it" in (logs / "s0.log").read_text()
+    assert "a newcomer of generation 1 was lost before joining" in (logs / "a0.log").read_text()
 
 
 @pytest.mark.timeout(600)

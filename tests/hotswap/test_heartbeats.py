@@ -145,9 +145,60 @@ def test_agreement_blocks_until_decided_and_follows_a_superseding_plan() -> None
     coord.decide(1, {"superseded": 2})
     _wait_for(lambda: coord.holdings_count(2) == 1)
     coord.decide(2, {"roster": 6})  # no gen2/roster key: the survivor must not need it
+    coord.claim_slot(2, 1)
+    time.sleep(0.3)
+    assert thread.is_alive()  # it joins only once every newcomer claimed its slot
+    coord.claim_slot(2, 2)
     thread.join(10)
     assert "error" not in out, out
     assert out["roster"] == Roster(2, 3, {0: "a0", 1: "s1", 2: "s0"}, restore_iteration=6)
+
+
+@pytest.mark.timeout(240)
+def test_a_newcomer_lost_before_its_claim_sends_the_survivor_to_the_next_plan() -> None:
+    """Plan 1 is decided (rank 2 <- s0), but s0 dies before claiming its slot: the coordinator
+    gives the slot up and plans generation 2 (rank 2 <- s1); the survivor, which waited for the
+    claim instead of entering generation 1's rendezvous, reports for plan 2 and returns its
+    roster. A claim made before the give-up stands (`compare_set`)."""
+    from megatron_deadpool.hotswap import recovery
+    from megatron_deadpool.hotswap.membership import Membership, Roster, host_store
+
+    store, _listener = host_store("127.0.0.1", 0)
+    coord = Membership(store, "coordinator")
+    out: dict = {}
+
+    def run() -> None:
+        out["roster"] = recovery.agree(
+            Membership(store.clone(), "a0"),
+            roster=Roster(0, 3, {0: "a0", 1: "a1", 2: "a2"}),
+            rank=0,
+            pid="a0",
+            replicator=None,
+            report={"last_completed": 7},
+            deadline=time.time() + 30,
+            cause=RuntimeError("peer died"),
+            on_abort=lambda info: "nothing saved",
+        )
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    plan = {"base": 0, "world_size": 3, "dead": [2], "needy": [2], "replaced": {"2": "s0"}}
+    coord.publish_plan(1, {"generation": 1, **plan})
+    _wait_for(lambda: coord.holdings_count(1) == 1)
+    coord.decide(1, {"roster": 7})
+    time.sleep(0.3)
+    assert thread.is_alive()  # waiting for s0's claim
+    coord.give_up_slot(1, 2)
+    assert not coord.claim_slot(1, 2)  # s0, had it lived: too late
+    coord.publish_plan(2, {**plan, "generation": 2, "base": 1, "replaced": {"2": "s1"}})
+    coord.decide(1, {"superseded": 2})
+    _wait_for(lambda: coord.holdings_count(2) == 1)
+    coord.publish_roster(Roster(2, 3, {0: "a0", 1: "a1", 2: "s1"}, restore_iteration=7))
+    coord.decide(2, {"roster": 7})
+    assert coord.claim_slot(2, 2)
+    coord.give_up_slot(2, 2)  # after the claim: no effect
+    thread.join(10)
+    assert out["roster"] == Roster(2, 3, {0: "a0", 1: "a1", 2: "s1"}, restore_iteration=7)
 
 
 def _wait_for(condition, timeout_s: float = 10.0) -> None:
