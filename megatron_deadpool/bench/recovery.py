@@ -532,6 +532,7 @@ def run(args: argparse.Namespace, runner: Runner | None = None) -> int:
         flush=True,
     )
     results = []
+    runner = runner or (lambda j, d, stop: launch(j, d, stop, args.timeout))
     try:
         for rep in range(1, args.repeats + 1):
             if args.repeats > 1:
@@ -543,7 +544,7 @@ def run(args: argparse.Namespace, runner: Runner | None = None) -> int:
                     fail=args.fail,
                     save_interval=args.save_interval,
                     spares=args.spares,
-                    runner=runner or (lambda j, d, stop: launch(j, d, stop, args.timeout)),
+                    runner=runner,
                     work_dir=work_dir / f"repeat-{rep}" if args.repeats > 1 else work_dir,
                     progress=lambda line: print(line, flush=True),
                 )

@@ -17,7 +17,6 @@ import secrets
 import signal
 import socket
 import subprocess
-import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -99,7 +98,6 @@ class SrunJob(LocalJob):
             self.srun = subprocess.Popen(
                 cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
             )
-        self.procs["srun"] = self.srun
 
     def finished(self) -> bool:
         """Every rank said it is done and no recovery is under way - or the step is over."""
@@ -121,10 +119,11 @@ class SrunJob(LocalJob):
         self.coordinator.close()
 
     def _wait_srun(self, timeout_s: float) -> bool:
-        deadline = time.monotonic() + timeout_s
-        while self.srun.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.1)
-        return self.srun.poll() is not None
+        try:
+            self.srun.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            return False
+        return True
 
     def _kill_step(self) -> None:
         """SIGKILL every task of this job's step, wherever it runs (`scancel JOB.STEP`)."""

@@ -256,18 +256,27 @@ def _fake_launch(digests: dict[str, str]) -> Any:
     return launch
 
 
-@pytest.mark.timeout(60)
-def test_bench_recovery_phases_add_up(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
-) -> None:
+def _bench_recovery(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, *extra: str
+) -> tuple[int, dict[str, Any] | None]:
+    """`deadpool bench recovery` over `_fake_launch` (both recoveries reproduce the reference):
+    its exit code and its JSON (None when it failed)."""
     from megatron_deadpool.bench import recovery
     from megatron_deadpool.cli import main as cli
 
     monkeypatch.setattr(recovery, "launch", _fake_launch({"deadpool": "ref", "restart": "ref"}))
     out = tmp_path / "recovery.json"
     args = ["--fail", f"2@{FAIL_AT}", "--save-interval", str(INTERVAL), "--json", str(out)]
-    assert cli.main(["bench", "recovery", *args]) == 0, capsys.readouterr().err
-    data = json.loads(out.read_text())
+    rc = cli.main(["bench", "recovery", *args, *extra])
+    return rc, json.loads(out.read_text()) if rc == 0 else None
+
+
+@pytest.mark.timeout(60)
+def test_bench_recovery_phases_add_up(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    rc, data = _bench_recovery(tmp_path, monkeypatch)
+    assert rc == 0, capsys.readouterr().err
     failed_at = T0 + 0.75
     assert data["deadpool_recovery_s"] == pytest.approx(T0 + 0.75 + 1.05 - failed_at)
     assert data["restart_recovery_s"] == pytest.approx(T0 + 10.3 - failed_at)
@@ -299,15 +308,11 @@ def test_bench_recovery_fails_when_a_recovered_run_differs(
 def test_bench_recovery_repeats_report_medians_and_the_speedups_interval(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
 ) -> None:
-    from megatron_deadpool.bench import recovery
     from megatron_deadpool.cli import main as cli
 
-    monkeypatch.setattr(recovery, "launch", _fake_launch({"deadpool": "ref", "restart": "ref"}))
-    out = tmp_path / "recovery.json"
-    args = ["--fail", f"2@{FAIL_AT}", "--save-interval", str(INTERVAL), "--json", str(out)]
-    assert cli.main(["bench", "recovery", *args, "--repeats", "6"]) == 0
+    rc, data = _bench_recovery(tmp_path, monkeypatch, "--repeats", "6")
+    assert rc == 0, capsys.readouterr().err
     printed = capsys.readouterr().out
-    data = json.loads(out.read_text())
     speedup = (T0 + 10.3 - (T0 + 0.75)) / 1.05
     assert data["repeats"] == 6 and data["speedup_runs"] == pytest.approx([speedup] * 6)
     assert data["speedup_ratio"]["ci"] == pytest.approx([speedup, speedup])

@@ -110,32 +110,11 @@ def test_agreement_blocks_until_decided_and_follows_a_superseding_plan() -> None
     """A survivor reports for plan 1; more ranks die, plan 2 supersedes it; the survivor
     reports again and returns with roster 2 - without polling (it only ever blocks), and
     without reading the full roster (it applies the plan's replacements to its own)."""
-    from megatron_deadpool.hotswap import recovery
     from megatron_deadpool.hotswap.membership import Membership, Roster, host_store
 
     store, _listener = host_store("127.0.0.1", 0)
     coord = Membership(store, "coordinator")
-    survivor = Membership(store.clone(), "a0")
-    out: dict = {}
-
-    def run() -> None:
-        try:
-            out["roster"] = recovery.agree(
-                survivor,
-                roster=Roster(0, 3, {0: "a0", 1: "a1", 2: "a2"}),
-                rank=0,
-                pid="a0",
-                replicator=None,
-                report={"last_completed": 7},
-                deadline=time.time() + 30,
-                cause=RuntimeError("peer died"),
-                on_abort=lambda info: "nothing saved",
-            )
-        except BaseException as exc:  # noqa: BLE001 - reported below
-            out["error"] = exc
-
-    thread = threading.Thread(target=run)
-    thread.start()
+    thread, out = _survivor_in_agreement(Membership(store.clone(), "a0"))
     plan = {"base": 0, "world_size": 3, "dead": [2], "needy": [2], "replaced": {"2": "s0"}}
     coord.publish_plan(1, {"generation": 1, **plan})
     _wait_for(lambda: coord.holdings_count(1) == 1)
@@ -160,28 +139,11 @@ def test_a_newcomer_lost_before_its_claim_sends_the_survivor_to_the_next_plan() 
     gives the slot up and plans generation 2 (rank 2 <- s1); the survivor, which waited for the
     claim instead of entering generation 1's rendezvous, reports for plan 2 and returns its
     roster. A claim made before the give-up stands (`compare_set`)."""
-    from megatron_deadpool.hotswap import recovery
     from megatron_deadpool.hotswap.membership import Membership, Roster, host_store
 
     store, _listener = host_store("127.0.0.1", 0)
     coord = Membership(store, "coordinator")
-    out: dict = {}
-
-    def run() -> None:
-        out["roster"] = recovery.agree(
-            Membership(store.clone(), "a0"),
-            roster=Roster(0, 3, {0: "a0", 1: "a1", 2: "a2"}),
-            rank=0,
-            pid="a0",
-            replicator=None,
-            report={"last_completed": 7},
-            deadline=time.time() + 30,
-            cause=RuntimeError("peer died"),
-            on_abort=lambda info: "nothing saved",
-        )
-
-    thread = threading.Thread(target=run)
-    thread.start()
+    thread, out = _survivor_in_agreement(Membership(store.clone(), "a0"))
     plan = {"base": 0, "world_size": 3, "dead": [2], "needy": [2], "replaced": {"2": "s0"}}
     coord.publish_plan(1, {"generation": 1, **plan})
     _wait_for(lambda: coord.holdings_count(1) == 1)
@@ -198,7 +160,37 @@ def test_a_newcomer_lost_before_its_claim_sends_the_survivor_to_the_next_plan() 
     assert coord.claim_slot(2, 2)
     coord.give_up_slot(2, 2)  # after the claim: no effect
     thread.join(10)
+    assert "error" not in out, out
     assert out["roster"] == Roster(2, 3, {0: "a0", 1: "a1", 2: "s1"}, restore_iteration=7)
+
+
+def _survivor_in_agreement(survivor) -> tuple[threading.Thread, dict]:
+    """Rank 0 of a 3-rank generation 0 in `recovery.agree`, on a thread of its own; the dict
+    gets its "roster", or its "error"."""
+    from megatron_deadpool.hotswap import recovery
+    from megatron_deadpool.hotswap.membership import Roster
+
+    out: dict = {}
+
+    def run() -> None:
+        try:
+            out["roster"] = recovery.agree(
+                survivor,
+                roster=Roster(0, 3, {0: "a0", 1: "a1", 2: "a2"}),
+                rank=0,
+                pid="a0",
+                replicator=None,
+                report={"last_completed": 7},
+                deadline=time.time() + 30,
+                cause=RuntimeError("peer died"),
+                on_abort=lambda info: "nothing saved",
+            )
+        except BaseException as exc:  # noqa: BLE001 - reported by the test
+            out["error"] = exc
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    return thread, out
 
 
 def _wait_for(condition, timeout_s: float = 10.0) -> None:
