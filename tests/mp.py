@@ -62,7 +62,7 @@ def run_world(
     """
     import torch.distributed as dist
 
-    from megatron_deadpool.hotswap.coordinator import kill_groups
+    from megatron_deadpool.hotswap.liveness import kill_groups
 
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     log_dir = Path(tempfile.mkdtemp(prefix="deadpool-mp-"))

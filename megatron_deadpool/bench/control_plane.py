@@ -47,16 +47,20 @@ import statistics
 import subprocess
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
-from ..hotswap.coordinator import Coordinator, EventLog, kill_groups
+from ..hotswap.coordinator import EventLog
+from ..hotswap.liveness import kill_groups
 from ..hotswap.membership import BATCH_KEYS, Membership, host_store
-from ..replication.placement import Layout, place_replicas
+from ..replication.placement import place_replicas
+from .measured_coordinator import (
+    SPARES,
+    MeasuredCoordinator,
+    SimLiveness,
+    layout_for,
+    rss_mib,
+)
 from .report import publish, text_row
-
-SPARES = 8
-"""One node of spares."""
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -113,63 +117,6 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def layout_for(ranks: int) -> Layout:
-    """tp 8 inside 8-GPU nodes, pp 4, the rest data parallel."""
-    if ranks < 64 or ranks % 32:
-        raise ValueError(f"ranks: a multiple of 32, at least 64, got {ranks}")
-    return Layout(tp=8, pp=4, dp=ranks // 32, ranks_per_node=8)
-
-
-class SimLiveness:
-    """What the local launcher would see: the simulated crashes, as exits with code -9."""
-
-    def __init__(self) -> None:
-        self.codes: dict[str, int] = {}
-
-    def exited(self, pid: str) -> int | None:
-        return self.codes.get(pid)
-
-    def exits(self) -> dict[str, int]:
-        return self.codes
-
-    def kill(self, pid: str) -> bool:
-        return False
-
-
-class MeasuredCoordinator(Coordinator):
-    """The coordinator, timing each heartbeat sweep and the call that decides a recovery."""
-
-    sweeps: list[dict[str, float]]
-    decisions: list[dict[str, float]]
-
-    def _try_agree(self, now: float) -> None:
-        cpu0, t0 = time.thread_time(), time.time()
-        super()._try_agree(now)
-        if self.recovery is not None and self.recovery.t_agreed is not None:
-            self.decisions.append(
-                {"t_start": t0, "cpu_s": time.thread_time() - cpu0, "wall_s": time.time() - t0}
-            )
-
-    def _sweep(self, now: float) -> None:
-        cpu0, proc0, t0 = time.thread_time(), time.process_time(), time.perf_counter()
-        super()._sweep(now)
-        self.sweeps.append(
-            {
-                "keys": len(self._live_pids()),
-                "cpu_s": time.thread_time() - cpu0,
-                "process_cpu_s": time.process_time() - proc0,  # with the store server's part
-                "wall_s": time.perf_counter() - t0,
-            }
-        )
-
-
-def _rss_mib(pid: int | str = "self") -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    return float("nan")
-
-
 def _raise_file_limit(need: int) -> None:
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft < min(need, hard):
@@ -190,7 +137,7 @@ class Bench:
         self.layout = layout_for(ranks)
         self.procs_n = args.procs
         _raise_file_limit(ranks + SPARES + -(-ranks // args.hb_group) + args.procs * 8 + 64)
-        self.rss0 = _rss_mib()
+        self.rss0 = rss_mib()
         self.store, self._listener = host_store("127.0.0.1", 0, timeout_s=args.timeout)
         self.members = Membership(self.store, "coordinator")
         self.liveness = SimLiveness()
@@ -364,8 +311,8 @@ class Bench:
 
     def memory(self) -> dict[str, float]:
         return {
-            "coordinator_rss_mib": _rss_mib(),
-            "coordinator_rss_growth_mib": _rss_mib() - self.rss0,
+            "coordinator_rss_mib": rss_mib(),
+            "coordinator_rss_growth_mib": rss_mib() - self.rss0,
             "client_kib_per_rank": self.client_kib / (self.n + SPARES),
         }
 
@@ -391,7 +338,7 @@ def coordinator_alone(ranks: int, args: argparse.Namespace, sweeps: int = 9) -> 
     layout = layout_for(ranks)
     placement = place_replicas(layout, 1)
     store, listener = host_store("127.0.0.1", 0, timeout_s=args.timeout)
-    rss0 = _rss_mib()
+    rss0 = rss_mib()
     liveness = SimLiveness()
     coord = MeasuredCoordinator(
         Membership(store, "coordinator"),
@@ -461,7 +408,7 @@ def coordinator_alone(ranks: int, args: argparse.Namespace, sweeps: int = 9) -> 
             "notice_to_plan_cpu_s": plan_cpu,
             "reports_to_roster_s": decision["wall_s"],
             "reports_to_roster_cpu_s": decision["cpu_s"],
-            "store_rss_growth_mib": _rss_mib() - rss0,
+            "store_rss_growth_mib": rss_mib() - rss0,
         }
     finally:
         coord.close()

@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Any
 from ..config.faults import check_faults, parse_fault
 from ..config.job import JobConfig
 from ..errors import ConfigError
-from ..hotswap.coordinator import kill_groups
+from ..hotswap.liveness import kill_groups
 from .overhead import base_job
 from .report import job_shape, publish, text_row, yes_no
 from .stats import ratio_summary, ratio_text

@@ -48,7 +48,8 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from ..hotswap.connection import open_client
-from ..hotswap.membership import Membership, Roster
+from ..hotswap.membership import Membership
+from ..hotswap.roster import Roster
 from ..hotswap.wakeup import spare_wakeups
 from ..replication.placement import Layout, place_replicas
 

@@ -33,7 +33,8 @@ from ..config.flags import add_flags, dest_name
 from ..config.job import load_job
 from ..digest import final_digest
 from ..errors import ConfigError, CoordinatorUnreachableError
-from ..hotswap.coordinator import Coordinator, EventLog, HeartbeatOnly
+from ..hotswap.coordinator import Coordinator, EventLog
+from ..hotswap.liveness import HeartbeatOnly
 from ..hotswap.membership import Membership, host_store
 from ..hotswap.standby import Standby, StandbyWatch
 from ..logs import setup_logging

@@ -24,7 +24,7 @@ from ..config.job import JobConfig
 from ..devices import select_device
 from ..errors import CoordinatorUnreachableError, OutOfRedundancyError
 from ..hotswap.driver import Driver
-from ..hotswap.membership import Roster
+from ..hotswap.roster import Roster
 from ..hotswap.weights import sync_params_from_main
 from ..replication import save_dir, snapshot_set
 from ..replication.snapshot import RankState, Snapshotter

@@ -18,7 +18,7 @@ import torch
 from ..config.job import JobConfig
 from ..config.job_args import add_job_flags, job_from_args
 from ..errors import ConfigError, CoordinatorUnreachableError
-from ..hotswap.membership import pid_of
+from ..hotswap.roster import pid_of
 from ..logs import setup_logging
 
 

@@ -26,87 +26,21 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import signal
-import subprocess
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 from ..replication.placement import Layout, Placement, place_replicas
 from .heartbeats import HeartbeatClock
-from .membership import Membership, Roster
+from .liveness import Liveness
+from .membership import Membership
 from .restore_plan import plan_restore, plan_salvage
+from .roster import Roster
 from .wakeup import StoreWaiter, coordinator_inbox
 
 log = logging.getLogger("megatron_deadpool.hotswap.coordinator")
-
-
-class Liveness(Protocol):
-    """What the coordinator can learn about (and do to) a process beyond its heartbeat."""
-
-    def exited(self, pid: str) -> int | None: ...
-
-    def exits(self) -> dict[str, int]:
-        """Every process seen to exit so far, with its exit code (read once per tick)."""
-
-    def kill(self, pid: str) -> bool: ...
-
-
-class ProcessLiveness:
-    """A launcher on the same machine sees its children exit and can kill a hung one."""
-
-    def __init__(self, procs: dict[str, subprocess.Popen]) -> None:
-        self.procs = procs
-
-    def exited(self, pid: str) -> int | None:
-        proc = self.procs.get(pid)
-        return None if proc is None else proc.poll()
-
-    def exits(self) -> dict[str, int]:
-        codes = {pid: proc.poll() for pid, proc in self.procs.items()}
-        return {pid: code for pid, code in codes.items() if code is not None}
-
-    def kill(self, pid: str) -> bool:
-        proc = self.procs.get(pid)
-        if proc is None or proc.poll() is not None:
-            return False
-        os.killpg(proc.pid, signal.SIGKILL)
-        return True
-
-
-def kill_groups(procs: Iterable[subprocess.Popen]) -> None:
-    """SIGKILL every child's whole process group, exited or not, and reap the children.
-
-    A child that ended may have left helpers behind (data-loader workers, megatron-core's
-    checkpoint writer and its resource tracker); they share its group.
-    """
-    procs = list(procs)
-    for proc in procs:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-    for proc in procs:
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:  # pragma: no cover - SIGKILL does not fail
-            pass
-
-
-class HeartbeatOnly:
-    """A coordinator on a cluster sees no processes: heartbeats are everything."""
-
-    def exited(self, pid: str) -> int | None:
-        return None
-
-    def exits(self) -> dict[str, int]:
-        return {}
-
-    def kill(self, pid: str) -> bool:
-        return False
 
 
 @dataclass

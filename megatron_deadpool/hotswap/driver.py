@@ -3,8 +3,8 @@
 connect -> wait for a slot -> join a generation -> (train: fire injected faults, replicate after
 every step) -> on a peer failure: release, agree, join the next generation, rebind, restore ->
 train on -> finish. The job - the embedded GPT job (`embedded.job`) or Megatron-LM's training
-loop (`megatron_lm.adapter`) - owns its training loop and calls the driver around each step; it
-plugs its own objects and decisions in through a `JobAdapter`: which objects hold process-group
+loop (`megatron_lm.session`) - owns its training loop and calls the driver around each step; it
+plugs its own objects and decisions in through a `JobAdapter` (`adapter.py`): which objects hold process-group
 handles, how Megatron's groups are created, what else survivors report and restore. torchft's
 `Manager` and nvidia-resiliency-ext's in-process wrapper are the models: one protocol, thin
 adapters.
@@ -24,8 +24,7 @@ import threading
 import time
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import torch.distributed as dist
 
@@ -41,62 +40,20 @@ from ..errors import ConfigError, CoordinatorUnreachableError, DeadpoolRuntimeEr
 from ..logs import set_context
 from ..replication.placement import Layout, Placement, place_replicas
 from ..replication.replicator import Replicator
-from ..replication.snapshot import RankState, Snapshotter
+from ..replication.snapshot import Snapshotter
 from . import rebind, recovery
+from .adapter import JobAdapter, RecoveryRecord
 from .connection import Heartbeat
 from .failover import CoordinatorLink, FailoverStore, host_id
 from .injection import inject
-from .membership import Membership, Roster, pid_of
+from .membership import Membership
 from .plan_watch import PlanWatch
 from .rebuild import Registration
+from .roster import Roster, pid_of
 from .wakeup import StoreWaiter, spare_wakeups
 from .weights import sync_params_from_main
 
 log = logging.getLogger("megatron_deadpool.driver")
-
-
-class JobAdapter(Protocol):
-    """What the driver needs from a job."""
-
-    def roots(self) -> list[Any]:
-        """Every object that holds process-group handles (model chunks, optimizer, scheduler,
-        configs, ...): released on a failure, rebound to the new generation's groups."""
-
-    def rank_state(self) -> RankState:
-        """This rank's optimizer shard and small state (what a snapshot holds)."""
-
-    def model(self) -> list[Any]:
-        """The model chunks (DDP-wrapped): weights re-derived after a restore, digested."""
-
-    def init_model_parallel(self) -> None:
-        """Create Megatron's groups in the current default group (the call the job made at
-        start-up, repeated in every generation)."""
-
-    def after_rejoin(self, roster: Roster) -> None:
-        """A survivor joined a new generation and rebound its objects (before the restore)."""
-
-    def after_restore(self, iteration: int, *, needy: bool) -> None:
-        """This rank holds the state of `iteration` again: reposition what the job keeps
-        beside it (data, schedulers, counters)."""
-
-    def recovery_report(self) -> dict[str, Any]:
-        """Job fields survivors publish with their holdings (others read them back)."""
-
-    def salvage_target(self, iteration: int) -> tuple[str | None, dict[str, Any] | None]:
-        """Out of redundancy: the save directory (None: none) and extra manifest fields."""
-
-
-@dataclass
-class RecoveryRecord:
-    """One recovery as this process saw it (`phases_s`: abort, agree - the release of the old
-    groups included -, join, restore)."""
-
-    generation: int
-    dead: list[int]
-    restore_iteration: int
-    recomputed: int
-    total_s: float
-    phases_s: dict[str, float]
 
 
 class Driver:

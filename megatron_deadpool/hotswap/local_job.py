@@ -18,7 +18,8 @@ from typing import IO, Any
 from ..config.deadpool import DeadpoolConfig
 from ..devices.gpus import GpuAssignment, assign_gpus, local_gpu_count
 from ..replication.placement import Placement
-from .coordinator import Coordinator, EventLog, HeartbeatOnly, ProcessLiveness, kill_groups
+from .coordinator import Coordinator, EventLog
+from .liveness import HeartbeatOnly, ProcessLiveness, kill_groups
 from .membership import Membership, host_store
 
 

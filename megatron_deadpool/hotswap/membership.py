@@ -83,57 +83,12 @@ import os
 import socket
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch.distributed as dist
 
 from ..errors import JobTokenError
-
-
-@dataclass(frozen=True)
-class Roster:
-    """Generation g's world: which process fills which rank."""
-
-    generation: int
-    world_size: int
-    slots: dict[int, str]
-    restore_iteration: int | None = None
-
-    def rank_of(self, pid: str) -> int | None:
-        for rank, p in self.slots.items():
-            if p == pid:
-                return rank
-        return None
-
-    def successor(self, plan: dict[str, Any], restore_iteration: int) -> Roster | None:
-        """The roster `plan` (built on this one) leads to, without reading it from the store;
-        None when the plan is built on another roster."""
-        if plan.get("base") != self.generation:
-            return None
-        slots = {**self.slots, **{int(r): p for r, p in plan["replaced"].items()}}
-        return Roster(plan["generation"], self.world_size, slots, restore_iteration)
-
-    def to_json(self) -> str:
-        return json.dumps(
-            {
-                "generation": self.generation,
-                "world_size": self.world_size,
-                "slots": {str(r): p for r, p in self.slots.items()},
-                "restore_iteration": self.restore_iteration,
-            }
-        )
-
-    @classmethod
-    def from_json(cls, text: str | bytes) -> Roster:
-        d = json.loads(text)
-        return cls(
-            generation=d["generation"],
-            world_size=d["world_size"],
-            slots={int(r): p for r, p in d["slots"].items()},
-            restore_iteration=d.get("restore_iteration"),
-        )
-
+from .roster import Roster
 
 BATCH_KEYS = 1024
 """Keys per batched store request. torch's store server handles a request's keys in time that
@@ -141,11 +96,6 @@ grows faster than linearly with their number (measured with torch 2.13 on loopba
 in one `multi_get` 0.75-0.94 s, in 16 requests of 1,024 keys 0.04-0.05 s)."""
 
 INBOX = "coord/inbox"
-
-
-def pid_of(task: int, world_size: int) -> str:
-    """The process id of task index `task`: actives first (ranks 0..W-1), then spares."""
-    return f"a{task}" if task < world_size else f"s{task - world_size}"
 
 
 class Membership:

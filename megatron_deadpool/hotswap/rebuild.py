@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from .membership import Roster
+from .roster import Roster
 
 
 @dataclass(frozen=True)

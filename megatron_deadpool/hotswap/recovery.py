@@ -34,7 +34,8 @@ from ..replication.replicator import Replicator
 from ..replication.shard_exchange import start_shard_exchange
 from ..replication.snapshot import RankState, Snapshotter
 from . import rebind
-from .membership import Membership, Roster
+from .membership import Membership
+from .roster import Roster
 
 log = logging.getLogger(__name__)
 

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from ..devices.gpus import GpuAssignment
-from .coordinator import HeartbeatOnly, ProcessLiveness
+from .liveness import HeartbeatOnly, ProcessLiveness
 from .local_job import LocalJob
 
 # Each task's RANK and LOCAL_RANK, expanded in the task (as deadpool_launch.sh does).

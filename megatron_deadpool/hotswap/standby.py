@@ -30,8 +30,9 @@ from ..config.deadpool import DeadpoolConfig
 from ..errors import CoordinatorUnreachableError
 from .connection import STORE_ERRORS, BoundedStore, open_client
 from .coordinator import Coordinator, EventLog
-from .membership import Membership, pid_of
+from .membership import Membership
 from .rebuild import Rebuilt, Registration, rebuild
+from .roster import pid_of
 
 
 class PeerWatch:

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from ..hotswap.driver import RecoveryRecord
+from ..hotswap.adapter import RecoveryRecord
 from ..units import human_bytes
 
 

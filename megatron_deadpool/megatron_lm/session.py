@@ -41,7 +41,7 @@ from ..config.faults import check_faults, parse_fault
 from ..devices import active_device
 from ..errors import ConfigError, DeadpoolRuntimeError, LostAfterTrainingError
 from ..hotswap.driver import Driver
-from ..hotswap.membership import Roster
+from ..hotswap.roster import Roster
 from ..replication.snapshot import RankState
 from . import newcomer
 from . import report as mreport

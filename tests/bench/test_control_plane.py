@@ -12,7 +12,8 @@ import pytest
 
 from megatron_deadpool.bench import control_plane
 from megatron_deadpool.bench.sim_ranks import FOREVER_S, survivor_report
-from megatron_deadpool.hotswap.membership import Membership, Roster, host_store
+from megatron_deadpool.hotswap.membership import Membership, host_store
+from megatron_deadpool.hotswap.roster import Roster
 
 
 class Recording:

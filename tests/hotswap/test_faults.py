@@ -364,7 +364,8 @@ def test_failure_before_replication_started_aborts_at_once(tmp_path: Path) -> No
     abort with a reason instead of blocking on the layout it will never get."""
     import sys
 
-    from megatron_deadpool.hotswap.coordinator import Coordinator, EventLog, ProcessLiveness
+    from megatron_deadpool.hotswap.coordinator import Coordinator, EventLog
+    from megatron_deadpool.hotswap.liveness import ProcessLiveness
     from megatron_deadpool.hotswap.membership import Membership, host_store
 
     store, _listener = host_store("127.0.0.1", 0)

@@ -46,7 +46,8 @@ time.sleep(120)
 
 @pytest.mark.timeout(120)
 def test_skewed_worker_clocks_neither_hide_a_hang_nor_fake_one(tmp_path: Path) -> None:
-    from megatron_deadpool.hotswap.coordinator import Coordinator, EventLog, HeartbeatOnly
+    from megatron_deadpool.hotswap.coordinator import Coordinator, EventLog
+    from megatron_deadpool.hotswap.liveness import HeartbeatOnly
     from megatron_deadpool.hotswap.membership import Membership, host_store
 
     store, _listener = host_store("127.0.0.1", 0)
@@ -110,7 +111,8 @@ def test_agreement_blocks_until_decided_and_follows_a_superseding_plan() -> None
     """A survivor reports for plan 1; more ranks die, plan 2 supersedes it; the survivor
     reports again and returns with roster 2 - without polling (it only ever blocks), and
     without reading the full roster (it applies the plan's replacements to its own)."""
-    from megatron_deadpool.hotswap.membership import Membership, Roster, host_store
+    from megatron_deadpool.hotswap.membership import Membership, host_store
+    from megatron_deadpool.hotswap.roster import Roster
 
     store, _listener = host_store("127.0.0.1", 0)
     coord = Membership(store, "coordinator")
@@ -139,7 +141,8 @@ def test_a_newcomer_lost_before_its_claim_sends_the_survivor_to_the_next_plan() 
     gives the slot up and plans generation 2 (rank 2 <- s1); the survivor, which waited for the
     claim instead of entering generation 1's rendezvous, reports for plan 2 and returns its
     roster. A claim made before the give-up stands (`compare_set`)."""
-    from megatron_deadpool.hotswap.membership import Membership, Roster, host_store
+    from megatron_deadpool.hotswap.membership import Membership, host_store
+    from megatron_deadpool.hotswap.roster import Roster
 
     store, _listener = host_store("127.0.0.1", 0)
     coord = Membership(store, "coordinator")
@@ -168,7 +171,7 @@ def _survivor_in_agreement(survivor) -> tuple[threading.Thread, dict]:
     """Rank 0 of a 3-rank generation 0 in `recovery.agree`, on a thread of its own; the dict
     gets its "roster", or its "error"."""
     from megatron_deadpool.hotswap import recovery
-    from megatron_deadpool.hotswap.membership import Roster
+    from megatron_deadpool.hotswap.roster import Roster
 
     out: dict = {}
 

@@ -12,7 +12,7 @@ from megatron_deadpool.errors import ConfigError
 
 
 def test_task_index_and_identity(monkeypatch: pytest.MonkeyPatch) -> None:
-    from megatron_deadpool.hotswap.membership import pid_of
+    from megatron_deadpool.hotswap.roster import pid_of
     from megatron_deadpool.megatron_lm.session import task_from_env
 
     for name in ("RANK", "SLURM_PROCID"):
