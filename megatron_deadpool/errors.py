@@ -39,3 +39,9 @@ class CoordinatorUnreachableError(DeadpoolRuntimeError):
 
 class CheckpointError(DeadpoolRuntimeError):
     """A checkpoint is missing, incomplete, or does not fit this job."""
+
+
+def first_line(exc: BaseException) -> str:
+    """An error's first line (its type when it says nothing), at most 160 characters: how
+    DeadPool quotes an error in a log line or a report."""
+    return (str(exc).splitlines() or [type(exc).__name__])[0][:160]

@@ -109,10 +109,10 @@ class EmbeddedJob:
             return 3
         except (dist.DistStoreError, dist.DistNetworkError) as exc:
             log.error("%s", self.driver.coordinator_lost(str(exc)))
-            return 4
         except CoordinatorUnreachableError as exc:
             log.error("%s", exc)
-            return 4
+        self.driver.without_coordinator()
+        return 4
 
     def _run(self) -> int:
         d = self.driver

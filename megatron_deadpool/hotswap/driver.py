@@ -36,12 +36,12 @@ from ..devices.failures import is_peer_failure
 from ..devices.groups import replication_backend
 from ..devices.memory import ReplicaMemory
 from ..digest import rank_digest
-from ..errors import ConfigError, CoordinatorUnreachableError, DeadpoolRuntimeError
+from ..errors import ConfigError, CoordinatorUnreachableError, DeadpoolRuntimeError, first_line
 from ..logs import set_context
 from ..replication.placement import Layout, Placement, place_replicas
 from ..replication.replicator import Replicator
 from ..replication.snapshot import Snapshotter
-from . import rebind, recovery
+from . import orphaned, rebind, recovery
 from .adapter import JobAdapter, RecoveryRecord
 from .connection import Heartbeat
 from .failover import CoordinatorLink, FailoverStore, host_id
@@ -339,8 +339,8 @@ class Driver:
         t0 = time.time()
         self.plan_watch.recovering()
         self.recovering = True
-        log.warning("collective failed (%s): entering recovery", _first_line(exc))
-        self.members.report_failure(_first_line(exc))
+        log.warning("collective failed (%s): entering recovery", first_line(exc))
+        self.members.report_failure(first_line(exc))
         # The traceback's frames hold the failed collective's group: drop them, or the group
         # (and its connections) outlive the release below.
         traceback.clear_frames(exc.__traceback__)
@@ -500,12 +500,10 @@ class Driver:
         save directory (a complete snapshot set of the completed iteration, when every dead
         rank's holder survives), and say what was saved. The job's remaining final work, which
         needs the dead peers, is skipped."""
-        log.warning(
-            "collective failed in %s after training completed (%s)", where, _first_line(exc)
-        )
+        log.warning("collective failed in %s after training completed (%s)", where, first_line(exc))
         traceback.clear_frames(exc.__traceback__)
         self.plan_watch.recovering()
-        self.members.report_failure(_first_line(exc))
+        self.members.report_failure(first_line(exc))
         extra, self.repl_group = {"DEADPOOL_REPLICATION": self.repl_group}, None
         recovery.release_groups(self.replicator, self._roots(), extra)
         deadline = time.time() + self.cfg.heartbeat_timeout + self.cfg.agreement_timeout
@@ -546,6 +544,14 @@ class Driver:
     def stop_heartbeat(self) -> None:
         """No more beats: this process's work is done (its silence is no failure)."""
         self.heartbeat.stop(self.cfg.heartbeat_interval + self.cfg.heartbeat_timeout)
+
+    def without_coordinator(self) -> None:
+        """No coordinator is left (the primary's and the standby's nodes both lost): a rank
+        saves what it holds (`recovery.save_held`), then ends the Slurm job (`orphaned`); a
+        process that never joined (a spare, a job that never started) just leaves."""
+        if self.rank is not None:
+            log.error("%s", recovery.save_held(self.replicator, self.rank, self.roster, self.job))
+            log.error("%s", orphaned.end_slurm_job(self.cfg.coordinators))
 
     def coordinator_lost(self, why: str) -> CoordinatorUnreachableError:
         who = f"rank {self.rank}" if self.rank is not None else self.pid
@@ -589,7 +595,3 @@ class Driver:
 def _ranks_per_node_from_env(default: int) -> int:
     text = os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("SLURM_NTASKS_PER_NODE")
     return int(text) if text else default
-
-
-def _first_line(exc: BaseException) -> str:
-    return str(exc).splitlines()[0][:160] if str(exc) else type(exc).__name__

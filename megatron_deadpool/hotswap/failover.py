@@ -30,7 +30,7 @@ from typing import TypeVar
 
 import torch.distributed as dist
 
-from ..errors import CoordinatorUnreachableError
+from ..errors import CoordinatorUnreachableError, first_line
 from .connection import STORE_ERRORS, BoundedStore, open_client
 from .membership import Membership
 from .rebuild import Registration
@@ -38,10 +38,6 @@ from .rebuild import Registration
 log = logging.getLogger("megatron_deadpool.failover")
 
 T = TypeVar("T")
-
-
-def _first_line(exc: BaseException) -> str:
-    return (str(exc).splitlines() or [type(exc).__name__])[0][:160]
 
 
 class CoordinatorLink:
@@ -123,7 +119,7 @@ class CoordinatorLink:
                 try:
                     return open_client(self.address, self.attempt_s), self.switches
                 except STORE_ERRORS as exc:
-                    seen, why = self.switches, _first_line(exc)
+                    seen, why = self.switches, first_line(exc)
 
     def _switch(self, why: str) -> None:
         """The serving coordinator failed (`why`): find it again, or a standby that took over
@@ -193,7 +189,7 @@ class CoordinatorLink:
             members = Membership(store, self.pid())
             return members, members.job_token(), members.identity()
         except STORE_ERRORS as exc:
-            return f"{address}: {_first_line(exc)}"
+            return f"{address}: {first_line(exc)}"
 
 
 class FailoverStore(BoundedStore):
@@ -216,7 +212,7 @@ class FailoverStore(BoundedStore):
             try:
                 return super()._call(fn, extra_s)
             except dist.DistNetworkError as exc:
-                self.client, self.seen = self.link.client(self.seen, _first_line(exc))
+                self.client, self.seen = self.link.client(self.seen, first_line(exc))
 
 
 def host_id() -> str:

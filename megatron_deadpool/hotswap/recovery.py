@@ -34,6 +34,7 @@ from ..replication.replicator import Replicator
 from ..replication.shard_exchange import start_shard_exchange
 from ..replication.snapshot import RankState, Snapshotter
 from . import rebind
+from .adapter import JobAdapter
 from .membership import Membership
 from .roster import Roster
 
@@ -236,18 +237,8 @@ def salvage(
         deadline = time.time() + SALVAGE_WAIT_S
         while time.time() < deadline and not members.all_salvaged(survivors):
             time.sleep(0.1)
-        present = snapshot_set.ranks_present(root, t)
-        snapshot_set.write_manifest(
-            root,
-            {
-                "iteration": t,
-                "complete": present == list(range(world_size)),
-                "world_size": world_size,
-                "ranks_present": present,
-                "ranks_missing": sorted(set(range(world_size)) - set(present)),
-                "reason": report.get("reason"),
-                **(extra or {}),
-            },
+        snapshot_set.publish_manifest(
+            root, t, world_size, {"reason": report.get("reason"), **(extra or {})}
         )
     where = snapshot_set.set_dir(root, t)
     if save["complete"]:
@@ -259,4 +250,49 @@ def salvage(
     return (
         f"saved the surviving snapshots of iteration {t} to {where}; the shards of ranks "
         f"{missing} are lost (incomplete: --load resumes from the last complete checkpoint)"
+    )
+
+
+def save_held(
+    replicator: Replicator | None,
+    rank: int | None,
+    roster: Roster | None,
+    job: JobAdapter | None,
+) -> str:
+    """Without any coordinator (the primary's and the standby's nodes both lost), write every
+    verified snapshot this rank holds - its own and the replicas it holds, of each iteration it
+    has - as its parts of those iterations' snapshot sets; say what was saved.
+
+    Nobody picks an iteration or a writer: survivors that hold the same copy both write it (the
+    same bytes), and each set's manifest is rewritten until it shows what is on disk
+    (`snapshot_set.publish_manifest`), so an iteration whose every shard survived somewhere
+    becomes a complete set that `--load` resumes from. The save directory and the job's
+    manifest fields come from `job.salvage_target(iteration)`.
+    """
+    if replicator is None or rank is None or roster is None or job is None:
+        return "nothing saved: this process held no training state yet"
+    owners: dict[int, list[int]] = {}
+    for key, iterations in replicator.holdings().items():
+        for t in iterations:
+            owners.setdefault(t, []).append(rank if key == "local" else int(key))
+    if not owners:
+        return "nothing saved: no verified snapshot held"
+    lines = []
+    for t in sorted(owners):
+        root, extra = job.salvage_target(t)
+        if not root:
+            return "nothing saved (no --save directory)"
+        for owner in owners[t]:
+            flat = replicator.verified_copy(owner, t)
+            if flat is not None:
+                snapshot_set.write_flat(snapshot_set.rank_file(root, t, owner), flat)
+        reason = "no coordinator left: every survivor saved what it held"
+        manifest = snapshot_set.publish_manifest(
+            root, t, roster.world_size, {"reason": reason, **(extra or {})}
+        )
+        state = "complete" if manifest["complete"] else f"missing {manifest['ranks_missing']}"
+        lines.append(f"iteration {t}: ranks {sorted(owners[t])} ({state} so far)")
+    return (
+        f"saved what this rank held to {snapshot_set.set_dir(root, max(owners)).parent}: "
+        f"{'; '.join(lines)}. --load resumes from the newest complete set"
     )

@@ -186,6 +186,9 @@ def _pretrain(pretrain: Callable[..., Any], bound: inspect.BoundArguments) -> An
     megatron_lm_hooks.install(session)
     try:
         out = pretrain(*bound.args, **bound.kwargs)
+    except CoordinatorUnreachableError:
+        session.driver.without_coordinator()
+        raise
     except Exception as exc:
         # pretrain()'s work after train() (its barriers, final save, evaluation) with a peer
         # lost after training completed: save what survives, end (LostAfterTrainingError).

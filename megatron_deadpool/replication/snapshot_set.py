@@ -34,7 +34,7 @@ def rank_file(root: str | Path, iteration: int, rank: int) -> Path:
 def write_flat(path: Path, flat: torch.Tensor) -> None:
     """Write one flat snapshot (payload and header) atomically."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")  # two holders may write the same copy
     flat.detach().cpu().numpy().tofile(tmp)
     os.replace(tmp, path)
 
@@ -55,20 +55,45 @@ def read_manifest(root: str | Path, iteration: int) -> dict[str, Any]:
 
 
 def write_manifest(root: str | Path, manifest: dict[str, Any]) -> Path:
-    """The set's manifest; a complete set also becomes `latest.json`."""
+    """The set's manifest, replaced atomically (a complete one makes the set a checkpoint)."""
     path = set_dir(root, manifest["iteration"]) / "manifest.json"
-    path.write_text(json.dumps(manifest, indent=1))
-    if manifest["complete"]:
-        latest = Path(root) / SUBDIR / "latest.json"
-        tmp = latest.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"iteration": manifest["iteration"]}))
-        os.replace(tmp, latest)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(manifest, indent=1))
+    os.replace(tmp, path)
     return path
+
+
+def publish_manifest(
+    root: str | Path, iteration: int, world_size: int, fields: dict[str, Any]
+) -> dict[str, Any]:
+    """Write the manifest of `iteration`'s set from the rank files on disk, when survivors
+    write their parts with nobody to say who is last (the coordinator is gone): each writes
+    what it sees, then looks again and writes again if more appeared. The manifest that stays
+    is one written after every rank file that preceded it, so the set is marked complete as
+    soon as it is."""
+    while True:
+        present = ranks_present(root, iteration)
+        manifest = {
+            "iteration": iteration,
+            "complete": present == list(range(world_size)),
+            "world_size": world_size,
+            "ranks_present": present,
+            "ranks_missing": sorted(set(range(world_size)) - set(present)),
+            **fields,
+        }
+        write_manifest(root, manifest)
+        if ranks_present(root, iteration) == present:
+            return manifest
 
 
 def latest_complete(root: str | Path) -> int | None:
     """Iteration of the newest complete snapshot set under `root`, if any."""
-    latest = Path(root) / SUBDIR / "latest.json"
-    if not latest.is_file():
-        return None
-    return int(json.loads(latest.read_text())["iteration"])
+    complete = []
+    for path in (Path(root) / SUBDIR).glob("iter_*/manifest.json"):
+        try:
+            manifest = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        if manifest.get("complete"):
+            complete.append(int(manifest["iteration"]))
+    return max(complete, default=None)

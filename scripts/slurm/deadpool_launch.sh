@@ -42,6 +42,10 @@
 #                       (the allocation's last node, DEADPOOL_PORT; none on one node)
 #   DEADPOOL_END_GRACE  seconds the tasks get to end on their own once the coordinator
 #                       that ended the job exited, before the job is cancelled         (60)
+#   DEADPOOL_NODE_DOWN_WAIT  with no coordinator left (the primary's and the standby's
+#                       nodes both lost), how long a task that saved what it held waits
+#                       for Slurm to report their hosts not responding before it
+#                       cancels the job (after DEADPOOL_END_GRACE); no verdict, no cancel (600)
 #   MASTER_PORT         torch.distributed port                                      (29500)
 #   DEADPOOL_LOG_DIR    per-job logs: coordinator.log, task-<rank>.log   (logs/<name>-<jobid>)
 #   DEADPOOL_MODULES    modules to load, space separated                            (site)
@@ -82,6 +86,8 @@ show() { # show WHAT CMD...: the command line, shell-quoted, as one line
 : "${DEADPOOL_COORDINATOR:=}"
 : "${DEADPOOL_STANDBY:=}"
 : "${DEADPOOL_END_GRACE:=60}"
+: "${DEADPOOL_NODE_DOWN_WAIT:=600}"
+export DEADPOOL_END_GRACE DEADPOOL_NODE_DOWN_WAIT # the tasks read them too
 : "${MASTER_PORT:=29500}"
 : "${DEADPOOL_LOG_DIR:=$DEADPOOL_HOME/logs/${SLURM_JOB_NAME:-deadpool}-${SLURM_JOB_ID:-0}}"
 : "${DEADPOOL_MODULES:=}"
@@ -96,7 +102,7 @@ cd "$DEADPOOL_HOME" || die "DEADPOOL_HOME=$DEADPOOL_HOME: no such directory (sub
 nnodes=${SLURM_JOB_NUM_NODES:-${SLURM_NNODES:-}}
 [ -n "$nnodes" ] || die "not inside a Slurm allocation (SLURM_JOB_NUM_NODES is unset)"
 for name in nnodes SPARE_NODES GPUS_PER_NODE DEADPOOL_REPLICAS DEADPOOL_PORT MASTER_PORT \
-    DEADPOOL_END_GRACE; do
+    DEADPOOL_END_GRACE DEADPOOL_NODE_DOWN_WAIT; do
     [[ ${!name} =~ ^[0-9]+$ ]] || die "$name must be a non-negative integer, got '${!name}'"
 done
 active_nodes=$((nnodes - SPARE_NODES))

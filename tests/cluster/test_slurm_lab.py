@@ -426,27 +426,57 @@ def test_frozen_node_is_detected_by_heartbeat_and_replaced(
 def test_batch_host_crash_loses_no_training_state_and_ends_the_job(
     lab: Any, reference: dict[str, Any], tmp_path: Path
 ) -> None:
-    """n1 - the batch host, the primary coordinator's host, ranks 0 and 1 - dies whole. Either
-    training goes on and ends like the failure-free run, or (where it truly cannot) the
-    survivors save a complete snapshot set that `--load` resumes bit for bit, a survivor's log
-    says why, and Slurm lets go of the job instead of holding its nodes."""
-    save = tmp_path / "save"
-    config = write_job(tmp_path, save=str(save))
+    """n1 - the batch host, the primary coordinator's host, ranks 0 and 1 - dies whole. The
+    standby coordinator on n3 takes over, the spares there replace ranks 0 and 1, training ends
+    like the failure-free run, and Slurm lets go of the job (the batch script died with n1:
+    the standby ends the job) instead of holding its nodes."""
+    config = write_job(tmp_path)
     job = submit(lab, tmp_path / "logs", "vista", config)
     job.wait_for_iteration(FAIL_AT, JOB_TIMEOUT)
     lab.crash("n1")
     crashed = time.time()
-    job.wait_end(timeout=crashed - job.submitted + 120)  # node DOWN ~30 s, then a margin
-    if job.event("finished") is not None:
-        assert_trained_like(job, reference)
-        return
+    job.wait_end(timeout=crashed - job.submitted + 120)  # the end-of-job grace 60 s, a margin
+    took_over = job.event("taking_over")
+    assert took_over is not None and took_over["epoch"] == 1, job.describe()
+    recovered = job.event("recovered")
+    assert recovered is not None and recovered["dead_ranks"] == [0, 1], job.describe()
+    assert_trained_like(job, reference)
+
+
+@pytest.mark.timeout(2 * JOB_TIMEOUT + 300)
+def test_both_coordinators_nodes_lost_survivors_save_and_the_job_ends(
+    lab: Any, reference: dict[str, Any], tmp_path: Path
+) -> None:
+    """n1 (the batch host: the primary, ranks 0 and 1) and n3 (the standby, the spares) die
+    together: nothing can recover. The survivors on n2 find no coordinator within the connect
+    timeout, save what they hold (their own snapshots and their replicas of ranks 0 and 1: a
+    complete set), and, once Slurm reports n1 and n3 not responding, cancel the job instead of
+    leaving it to hold the nodes; `--load` resumes the saved set bit for bit."""
+    save = tmp_path / "save"
+    config = write_job(tmp_path, save=str(save))
+    job = submit(
+        lab,
+        tmp_path / "logs",
+        "vista",
+        config,
+        DEADPOOL_EXTRA_ARGS="--deadpool-pg-timeout 30 --deadpool-connect-timeout 8",
+        DEADPOOL_END_GRACE="5",
+    )
+    job.wait_for_iteration(FAIL_AT, JOB_TIMEOUT)
+    lab.crash("n1")
+    lab.crash("n3")
+    crashed = time.time()
+    # connect timeout 8 s, Slurm's verdict ~15 s (SlurmdTimeout 10 s), grace 5 s, a margin
+    record = job.wait_end(timeout=crashed - job.submitted + 120)
+    survivors = [job.task_logs()[r] for r in (2, 3)]
+    for log in survivors:
+        assert "found none of" in log and "saved what this rank held" in log, job.describe()
+    assert any(f"cancelled the Slurm job {job.id}" in log for log in survivors), job.describe()
+    assert record["JobState"] == "CANCELLED", job.describe()
     from megatron_deadpool.replication import save_dir
 
     point = save_dir.resume_point(str(save))
-    assert point is not None and point[0] == "snapshots", f"nothing saved\n{job.describe()}"
-    assert point[1] >= FAIL_AT, point
-    survivors = [t for r, t in job.task_logs().items() if r >= 2]
-    assert any(" ERROR " in t for t in survivors), job.describe()
+    assert point is not None and point[0] == "snapshots" and point[1] >= FAIL_AT - 1, point
     resumed = run_deadpool(
         "train", "--config", str(config), "--load", str(save), "--spares", "0",
         "--json-log", str(tmp_path / "resumed.jsonl"), "--run-dir", str(tmp_path / "resumed"),

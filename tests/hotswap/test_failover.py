@@ -222,3 +222,36 @@ def test_primary_node_lost_without_spares_survivors_save_and_load_resumes_exactl
     assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-2000:]
     summary = json.loads(log.read_text().splitlines()[-1])
     assert summary["final_param_digest"] == reference["final_param_digest"]
+
+
+@pytest.mark.parametrize("cluster", [{"save": True}], indirect=True)
+@pytest.mark.timeout(3 * JOB_TIMEOUT)
+def test_both_coordinators_nodes_lost_survivors_save_what_they_hold(
+    cluster: StandbyJob, reference: dict[str, Any], tmp_path: Path
+) -> None:
+    """Node 0 (the primary, ranks 0 and 1) and the standby's node (the spares) die together:
+    nothing can recover or agree any more. The survivors, finding no coordinator within the
+    connect timeout, each save what they hold - their own snapshots and their replicas of ranks
+    0 and 1 - without a coordinator, say so, and exit 4; the set is complete and `--load`
+    resumes bit for bit."""
+    _at_iteration(cluster, KILL_AT)
+    cluster.kill("primary", "a0", "a1", "standby", "s0", "s1")
+    codes = cluster.wait(["a2", "a3"])
+    assert codes == {"a2": 4, "a3": 4}, cluster.describe()
+    for name in ("a2", "a3"):
+        log = cluster.log(name)
+        assert "found none of" in log and "saved what this rank held" in log, cluster.describe()
+    from megatron_deadpool.replication import save_dir, snapshot_set
+
+    point = save_dir.resume_point(str(tmp_path / "save"))
+    assert point is not None and point[0] == "snapshots" and point[1] >= KILL_AT - 1, point
+    manifest = snapshot_set.read_manifest(tmp_path / "save", point[1])
+    assert manifest["complete"] and manifest["ranks_present"] == [0, 1, 2, 3], manifest
+    log = tmp_path / "resumed.jsonl"
+    resumed = run_deadpool(
+        "train", "--config", str(tmp_path / "job.yaml"), "--load", str(tmp_path / "save"),
+        "--json-log", str(log), "--run-dir", str(tmp_path / "resumed"), timeout=JOB_TIMEOUT,
+    )  # fmt: skip
+    assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-2000:]
+    summary = json.loads(log.read_text().splitlines()[-1])
+    assert summary["final_param_digest"] == reference["final_param_digest"]

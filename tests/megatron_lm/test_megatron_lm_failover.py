@@ -38,15 +38,18 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
 
 
 @pytest.fixture
-def job(tmp_path: Path) -> Iterator[StandbyJob]:
+def job(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[StandbyJob]:
+    """The job; parametrized indirectly with more worker arguments ({tmp}: the test's folder)."""
     tree = megatron_lm_tree()
+    more = [a.format(tmp=tmp_path) for a in getattr(request, "param", [])]
     job = StandbyJob(tmp_path, world_size=4, spares=2, settings=HEARTBEAT, timeout_s=JOB_TIMEOUT)
     master_port = str(free_port())
 
     def worker(pid: str, task: int, coordinators: str) -> tuple[list[str], dict[str, str]]:
         cmd = [sys.executable, "-m", "megatron_deadpool.megatron_lm", str(tree / "pretrain_gpt.py"),
-               *ARGS, "--deadpool", "--deadpool-spares", "2", "--deadpool-ranks-per-node", "2",
-               "--deadpool-coordinator", coordinators, *HEARTBEAT]  # fmt: skip
+               *ARGS, *more, "--deadpool", "--deadpool-spares", "2",
+               "--deadpool-ranks-per-node", "2", "--deadpool-coordinator", coordinators,
+               *HEARTBEAT]  # fmt: skip
         env = {"RANK": str(task), "LOCAL_RANK": str(task), "WORLD_SIZE": "4",
                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": master_port,
                "CUDA_DEVICE_MAX_CONNECTIONS": "1", "PYTHONUNBUFFERED": "1"}  # fmt: skip
@@ -77,3 +80,35 @@ def test_primary_node_lost_in_megatron_lm(job: StandbyJob, reference: dict[str, 
     assert sorted(set(logged)) == list(range(1, ITERS + 1)), logged
     print(f"\nMegatron-LM, primary node lost: {job.timeline(t_kill)}; recovery phases "
           f"{recovered['phases_s']}")  # fmt: skip
+
+
+SAVE = ["--save", "{tmp}/ckpt", "--save-interval", "100", "--deadpool-connect-timeout", "8"]
+
+
+@pytest.mark.parametrize("job", [SAVE], indirect=True)
+@pytest.mark.timeout(3 * JOB_TIMEOUT)
+def test_both_coordinators_nodes_lost_in_megatron_lm_survivors_save(
+    job: StandbyJob, reference: dict[str, str], tmp_path: Path
+) -> None:
+    """The primary's node (ranks 0 and 1) and the standby's node (the spares) die together:
+    the survivors save what they hold without a coordinator - a complete snapshot set with
+    Megatron's counters - exit 4, and `--load` resumes it to the failure-free parameters."""
+    from megatron_deadpool.replication import save_dir, snapshot_set
+
+    job.wait_for_line("a3", f"iteration {KILL_AT:>8}/{ITERS:>8} |")
+    job.kill("primary", "a0", "a1", "standby", "s0", "s1")
+    codes = job.wait(["a2", "a3"])
+    assert codes == {"a2": 4, "a3": 4}, job.describe()
+    assert all("saved what this rank held" in job.log(p) for p in ("a2", "a3")), job.describe()
+    ckpt = tmp_path / "ckpt"
+    point = save_dir.resume_point(str(ckpt))
+    assert point is not None and point[0] == "snapshots" and point[1] >= KILL_AT - 1, point
+    manifest = snapshot_set.read_manifest(ckpt, point[1])
+    assert manifest["complete"] and manifest["megatron"]["consumed_train"] == 8 * point[1]
+    tree = megatron_lm_tree()
+    args = [*ARGS, "--save", str(ckpt), "--save-interval", "100", "--load", str(ckpt),
+            "--deadpool", "--deadpool-spares", "0", "--deadpool-ranks-per-node", "2"]  # fmt: skip
+    resumed = _launch(tmp_path, "resumed", tree / "pretrain_gpt.py", args)
+    assert resumed.returncode == 0, resumed.describe()
+    assert f"resumed from DeadPool's snapshot set of iteration {point[1]}" in resumed.text
+    assert resumed.summary["param_digests"] == reference
