@@ -65,16 +65,20 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
 @pytest.fixture
 def cluster(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[StandbyJob]:
-    """The job; parametrized indirectly with {"spares": S, "save": True} to change it."""
+    """The job; parametrized indirectly with {"spares": S, "save": True, "connect_timeout": T}
+    to change it."""
     options = getattr(request, "param", {})
     spares = options.get("spares", 2)
     save = {"save": str(tmp_path / "save")} if options.get("save") else {}
     config = _config(tmp_path, spares, **save)
+    settings = [*HEARTBEAT]
+    if "connect_timeout" in options:
+        settings += ["--deadpool-connect-timeout", str(options["connect_timeout"])]
     job = StandbyJob(
         tmp_path,
         world_size=4,
         spares=spares,
-        settings=["--config", str(config), *HEARTBEAT],
+        settings=["--config", str(config), *settings],
         timeout_s=JOB_TIMEOUT,
     )
 
@@ -89,7 +93,7 @@ def cluster(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[StandbyJ
             pid,
             "--deadpool-coordinator",
             coordinators,
-            *HEARTBEAT,
+            *settings,
         ], {}
 
     try:
@@ -101,6 +105,25 @@ def cluster(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[StandbyJ
 
 def _at_iteration(job: StandbyJob, iteration: int) -> None:
     job.wait_for_line("a0", f"iteration {iteration}/{ITERS}")
+
+
+def _assert_saved_set_resumes_exactly(tmp_path: Path, reference: dict[str, Any]) -> None:
+    """The job's save folder holds a complete snapshot set from before the failure, and
+    `deadpool train --load` resumes it to the failure-free run's final parameters."""
+    from megatron_deadpool.replication import save_dir, snapshot_set
+
+    point = save_dir.resume_point(str(tmp_path / "save"))
+    assert point is not None and point[0] == "snapshots" and point[1] >= KILL_AT - 1, point
+    manifest = snapshot_set.read_manifest(tmp_path / "save", point[1])
+    assert manifest["complete"] and manifest["ranks_present"] == [0, 1, 2, 3], manifest
+    log = tmp_path / "resumed.jsonl"
+    resumed = run_deadpool(
+        "train", "--config", str(tmp_path / "job.yaml"), "--load", str(tmp_path / "save"),
+        "--json-log", str(log), "--run-dir", str(tmp_path / "resumed"), timeout=JOB_TIMEOUT,
+    )  # fmt: skip
+    assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-2000:]
+    summary = json.loads(log.read_text().splitlines()[-1])
+    assert summary["final_param_digest"] == reference["final_param_digest"]
 
 
 @pytest.mark.timeout(3 * JOB_TIMEOUT)
@@ -210,28 +233,17 @@ def test_primary_node_lost_without_spares_survivors_save_and_load_resumes_exactl
     aborted = cluster.event("standby", "out_of_redundancy")
     assert aborted is not None and aborted["dead_ranks"] == [0, 1], cluster.describe()
     assert aborted["lost_ranks"] == [] and aborted["save"]["complete"]
-    from megatron_deadpool.replication import save_dir
-
-    point = save_dir.resume_point(str(tmp_path / "save"))
-    assert point is not None and point[0] == "snapshots" and point[1] >= KILL_AT - 1, point
-    log = tmp_path / "resumed.jsonl"
-    resumed = run_deadpool(
-        "train", "--config", str(tmp_path / "job.yaml"), "--load", str(tmp_path / "save"),
-        "--json-log", str(log), "--run-dir", str(tmp_path / "resumed"), timeout=JOB_TIMEOUT,
-    )  # fmt: skip
-    assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-2000:]
-    summary = json.loads(log.read_text().splitlines()[-1])
-    assert summary["final_param_digest"] == reference["final_param_digest"]
+    _assert_saved_set_resumes_exactly(tmp_path, reference)
 
 
-@pytest.mark.parametrize("cluster", [{"save": True}], indirect=True)
+@pytest.mark.parametrize("cluster", [{"save": True, "connect_timeout": 8}], indirect=True)
 @pytest.mark.timeout(3 * JOB_TIMEOUT)
 def test_both_coordinators_nodes_lost_survivors_save_what_they_hold(
     cluster: StandbyJob, reference: dict[str, Any], tmp_path: Path
 ) -> None:
     """Node 0 (the primary, ranks 0 and 1) and the standby's node (the spares) die together:
     nothing can recover or agree any more. The survivors, finding no coordinator within the
-    connect timeout, each save what they hold - their own snapshots and their replicas of ranks
+    connect timeout (8 s here), each save what they hold - their own snapshots and their replicas of ranks
     0 and 1 - without a coordinator, say so, and exit 4; the set is complete and `--load`
     resumes bit for bit."""
     _at_iteration(cluster, KILL_AT)
@@ -241,17 +253,4 @@ def test_both_coordinators_nodes_lost_survivors_save_what_they_hold(
     for name in ("a2", "a3"):
         log = cluster.log(name)
         assert "found none of" in log and "saved what this rank held" in log, cluster.describe()
-    from megatron_deadpool.replication import save_dir, snapshot_set
-
-    point = save_dir.resume_point(str(tmp_path / "save"))
-    assert point is not None and point[0] == "snapshots" and point[1] >= KILL_AT - 1, point
-    manifest = snapshot_set.read_manifest(tmp_path / "save", point[1])
-    assert manifest["complete"] and manifest["ranks_present"] == [0, 1, 2, 3], manifest
-    log = tmp_path / "resumed.jsonl"
-    resumed = run_deadpool(
-        "train", "--config", str(tmp_path / "job.yaml"), "--load", str(tmp_path / "save"),
-        "--json-log", str(log), "--run-dir", str(tmp_path / "resumed"), timeout=JOB_TIMEOUT,
-    )  # fmt: skip
-    assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-2000:]
-    summary = json.loads(log.read_text().splitlines()[-1])
-    assert summary["final_param_digest"] == reference["final_param_digest"]
+    _assert_saved_set_resumes_exactly(tmp_path, reference)
