@@ -7,6 +7,8 @@ manifest naming what is present and what was lost. A complete set (every rank's 
 checkpoint: `--load SAVE` resumes from it exactly (each rank restores its flat snapshot,
 checksum-verified). An incomplete set is kept for inspection, and `--load` resumes from the
 last complete checkpoint instead (a Megatron checkpoint written by `--save-interval`).
+With no coordinator left to pick T and the writers, each survivor writes every iteration it
+holds, and the manifests are kept true by whoever writes last (`publish_manifest`).
 """
 
 from __future__ import annotations
