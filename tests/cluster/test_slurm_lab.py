@@ -431,11 +431,11 @@ def test_batch_host_crash_loses_no_training_state_and_ends_the_job(
     like the failure-free run, and Slurm lets go of the job (the batch script died with n1:
     the standby ends the job) instead of holding its nodes."""
     config = write_job(tmp_path)
-    job = submit(lab, tmp_path / "logs", "vista", config)
+    job = submit(lab, tmp_path / "logs", "vista", config, DEADPOOL_END_GRACE="5")
     job.wait_for_iteration(FAIL_AT, JOB_TIMEOUT)
     lab.crash("n1")
     crashed = time.time()
-    job.wait_end(timeout=crashed - job.submitted + 120)  # the end-of-job grace 60 s, a margin
+    job.wait_end(timeout=crashed - job.submitted + 120)
     took_over = job.event("taking_over")
     assert took_over is not None and took_over["epoch"] == 1, job.describe()
     recovered = job.event("recovered")
