@@ -1,9 +1,9 @@
 """Build the optional CUDA extension `deadpool_cuda_kernels` (fused snapshot pack + checksum).
 
 Install with ``pip install --no-build-isolation ./cuda_kernels`` into an environment whose
-torch is a CUDA build (the extension is compiled against that torch). megatron_deadpool.replication.pack
-uses it for CUDA tensors when ``import deadpool_cuda_kernels`` succeeds; without it the
-pure-torch fallback computes the same bytes and checksum.
+torch is a CUDA build (the extension is compiled against that torch).
+megatron_deadpool.replication.pack uses it for CUDA tensors when ``import deadpool_cuda_kernels``
+succeeds; without it the pure-torch fallback computes the same bytes and checksum.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Where snapshots and replicas live: GPU memory or pinned host memory (`--deadpool-replica-device`).
+"""Where snapshots and replicas live: GPU memory or pinned host memory
+(`--deadpool-replica-device`).
 
 A rank keeps 2 (k + 1) shard-sized buffers (a double-buffered local snapshot and two slots per
 owner it holds for). ``gpu`` and ``cpu`` (pinned host memory) are the user's choice; ``auto``

@@ -4,10 +4,10 @@ connect -> wait for a slot -> join a generation -> (train: fire injected faults,
 every step) -> on a peer failure: release, agree, join the next generation, rebind, restore ->
 train on -> finish. The job - the embedded GPT job (`embedded.job`) or Megatron-LM's training
 loop (`megatron_lm.session`) - owns its training loop and calls the driver around each step; it
-plugs its own objects and decisions in through a `JobAdapter` (`adapter.py`): which objects hold process-group
-handles, how Megatron's groups are created, what else survivors report and restore. torchft's
-`Manager` and nvidia-resiliency-ext's in-process wrapper are the models: one protocol, thin
-adapters.
+plugs its own objects and decisions in through a `JobAdapter` (`adapter.py`): which objects hold
+process-group handles, how Megatron's groups are created, what else survivors report and
+restore. torchft's `Manager` and nvidia-resiliency-ext's in-process wrapper are the models: one
+protocol, thin adapters.
 
 The communication steps of a recovery live in `recovery.py`, the coordinator's decisions in
 `coordinator.py` (pure planning in `restore_plan.py`), the store's keys in `membership.py`.

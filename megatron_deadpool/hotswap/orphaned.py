@@ -1,4 +1,4 @@
-"""A worker with no coordinator left ends the Slurm job, once Slurm agrees the coordinators are gone.
+"""A worker with no coordinator left ends the Slurm job once Slurm agrees the coordinators are gone.
 
 When the primary's and the standby's nodes are both lost, nothing can recover a failure or end
 the job: the coordinators' wrappers (`scripts/slurm/deadpool_coordinator.sh`), which cancel a

@@ -12,8 +12,9 @@ thread that is not would have met the failed collective by then and recovered by
 calls `devices.abort_groups`: the blocked collective raises at once, the main thread enters
 recovery, and the driver takes any error of that step for the failure it recovers from
 (`Driver.is_peer_failure`). Waiting that beat keeps the abort from landing on a main thread
-that is between collectives, in code that would not expect torch's groups to vanish. After training completed the same holds for the coordinator's end
-report (a peer lost in the job's final work: its last barrier, the final save).
+that is between collectives, in code that would not expect torch's groups to vanish. After
+training completed the same holds for the coordinator's end report (a peer lost in the job's
+final work: its last barrier, the final save).
 """
 
 from __future__ import annotations

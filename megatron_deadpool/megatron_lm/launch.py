@@ -3,9 +3,10 @@
 One process per rank plus `--deadpool-spares` spares, each running the script through the
 zero-edit runner (`python -m megatron_deadpool.megatron_lm SCRIPT ARGS`, or the script itself
 with `--patched`), with torchrun's environment (RANK = task index, WORLD_SIZE = active ranks
-- tasks at or beyond it are the spares -, LOCAL_RANK, MASTER_ADDR/PORT). With `--deadpool` the launcher also hosts the job's store and
-the coordinator on loopback (address and job token reach the processes through
-DEADPOOL_COORDINATOR / DEADPOOL_JOB_TOKEN, so they never land in Megatron's saved args).
+- tasks at or beyond it are the spares -, LOCAL_RANK, MASTER_ADDR/PORT). With `--deadpool` the
+launcher also hosts the job's store and the coordinator on loopback (address and job token
+reach the processes through DEADPOOL_COORDINATOR / DEADPOOL_JOB_TOKEN, so they never land in
+Megatron's saved args).
 Unlike torchrun it does not stop the job when a rank dies: the coordinator hands the dead
 rank's slot to a spare. Every process's output is forwarded as it comes (Megatron prints its
 iteration lines on the last rank) and kept in RUN_DIR/{a0,a1,...,s0}.log; coordinator events

@@ -1,4 +1,5 @@
-"""Persistent Megatron checkpoints (`megatron_deadpool.embedded.checkpoint`): a resumed run is bitwise.
+"""Persistent Megatron checkpoints (`megatron_deadpool.embedded.checkpoint`): a resumed run is
+bitwise.
 
 Two 4-process worlds (TP2xDP2, gloo, the embedded GPT job built by `gpt.build`):
 

@@ -1,8 +1,8 @@
 """Hot swap end to end: real processes, real signals, real megatron-core on gloo.
 
 Each case runs `deadpool train` with injected failures (SIGKILL then SIGSTOP in one run, a
-whole node, a pipeline-parallel rank) and checks that the run ends with exactly the losses and the parameter
-digest of the failure-free run, recomputes at most one iteration, and leaves no object
+whole node, a pipeline-parallel rank) and checks that the run ends with exactly the losses and
+the parameter digest of the failure-free run, recomputes at most one iteration, and leaves no object
 holding a process group of an aborted generation. Failures memory cannot recover end the run
 with a non-zero exit code and a report naming the lost ranks and shards.
 """

@@ -243,9 +243,9 @@ def test_both_coordinators_nodes_lost_survivors_save_what_they_hold(
 ) -> None:
     """Node 0 (the primary, ranks 0 and 1) and the standby's node (the spares) die together:
     nothing can recover or agree any more. The survivors, finding no coordinator within the
-    connect timeout (8 s here), each save what they hold - their own snapshots and their replicas of ranks
-    0 and 1 - without a coordinator, say so, and exit 4; the set is complete and `--load`
-    resumes bit for bit."""
+    connect timeout (8 s here), each save what they hold - their own snapshots and their
+    replicas of ranks 0 and 1 - without a coordinator, say so, and exit 4; the set is complete
+    and `--load` resumes bit for bit."""
     _at_iteration(cluster, KILL_AT)
     cluster.kill("primary", "a0", "a1", "standby", "s0", "s1")
     codes = cluster.wait(["a2", "a3"])

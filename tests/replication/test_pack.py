@@ -1,4 +1,5 @@
-"""Tests of megatron_deadpool.replication.pack: layout, checksum definition, fault detection, errors.
+"""Tests of megatron_deadpool.replication.pack: layout, checksum definition, fault detection,
+errors.
 
 Both host backends (numpy, and the pure-torch one larger host buffers and GPUs without the
 extension use) are checked against independent references (pure Python integers and numpy

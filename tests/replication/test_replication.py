@@ -2,9 +2,9 @@
 
 Each layout (TP2xDP2 with two ranks per node, PP2xDP2 with one rank per node) runs once, in
 one spawn of 4 gloo processes that build the embedded GPT job with `gpt.build` and drive a
-`Replicator` exactly as the embedded job (`embedded/job.py`) does (step with `settle`, `commit`, `start_round`). The children
-record what they observe (sha256 of every flat buffer, commit results, restore checks) and
-return it as JSON; the tests below check those records:
+`Replicator` exactly as the embedded job (`embedded/job.py`) does (step with `settle`, `commit`,
+`start_round`). The children record what they observe (sha256 of every flat buffer, commit
+results, restore checks) and return it as JSON; the tests below check those records:
 
 - after every round, every holder's replica is bitwise equal to its owner's local snapshot of
   the same iteration, and verified;
