@@ -138,7 +138,7 @@ class Bench:
         self.procs_n = args.procs
         _raise_file_limit(ranks + SPARES + -(-ranks // args.hb_group) + args.procs * 8 + 64)
         self.rss0 = rss_mib()
-        self.store, self._listener = host_store("127.0.0.1", 0, timeout_s=args.timeout)
+        self.store = host_store("127.0.0.1", 0, timeout_s=args.timeout)
         self.members = Membership(self.store, "coordinator")
         self.liveness = SimLiveness()
         self.coord = MeasuredCoordinator(
@@ -337,7 +337,7 @@ def coordinator_alone(ranks: int, args: argparse.Namespace, sweeps: int = 9) -> 
     """
     layout = layout_for(ranks)
     placement = place_replicas(layout, 1)
-    store, listener = host_store("127.0.0.1", 0, timeout_s=args.timeout)
+    store = host_store("127.0.0.1", 0, timeout_s=args.timeout)
     rss0 = rss_mib()
     liveness = SimLiveness()
     coord = MeasuredCoordinator(
@@ -412,7 +412,6 @@ def coordinator_alone(ranks: int, args: argparse.Namespace, sweeps: int = 9) -> 
         }
     finally:
         coord.close()
-        listener.close()
 
 
 def _median_runs(runs: list[dict[str, Any]]) -> dict[str, Any]:

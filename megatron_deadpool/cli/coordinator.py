@@ -103,8 +103,7 @@ def run(args: argparse.Namespace) -> int:
     host, port = parse_host_port(address, "deadpool-coordinator")
     setup_logging()
     try:
-        # `listener` must outlive the store: it is the socket the store serves on.
-        store, _listener = host_store(host, port)  # listens on that host only
+        store = host_store(host, port)  # listens on that host only
     except (RuntimeError, OSError) as exc:
         raise ConfigError(f"deadpool-coordinator: cannot listen on {address} ({exc})") from None
     role = "standby" if args.standby else "coordinator"

@@ -46,7 +46,7 @@ class LocalJob:
         self.gpus = self._assign_gpus()
         self.procs: dict[str, subprocess.Popen] = {}
         host = self._store_host()
-        store, self._listener = host_store(host, 0)
+        store = host_store(host, 0)
         self.address = f"{host}:{store.port}"
         self.members = Membership(store, "launcher")
         self.members.set_token(token)

@@ -527,25 +527,30 @@ class Membership:
         return self.store.add("salvage/manifest", 1) == 1
 
 
-def host_store(
-    host: str, port: int, timeout_s: float = 300.0
-) -> tuple[dist.TCPStore, socket.socket]:
+def host_store(host: str, port: int, timeout_s: float = 300.0) -> dist.TCPStore:
     """Host the job's store listening on `host` only (torch's own server binds every interface).
 
-    The caller keeps the returned socket alive for as long as the store serves. Port 0 picks a
-    free port (read it from the socket).
+    Port 0 picks a free port (`store.port`). The listening socket is handed to torch, which
+    closes it when the store goes: Python's socket object is detached, so that its own close
+    cannot hit the same descriptor number a second time - by then possibly another socket's (a
+    race seen as EBADF on an unrelated socket's close).
     """
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
-    sock.listen(1024)
-    store = dist.TCPStore(
-        host,
-        sock.getsockname()[1],
-        is_master=True,
-        wait_for_workers=False,
-        timeout=datetime.timedelta(seconds=timeout_s),
-        master_listen_fd=sock.fileno(),
-    )
-    return store, sock
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(1024)
+        store = dist.TCPStore(
+            host,
+            sock.getsockname()[1],
+            is_master=True,
+            wait_for_workers=False,
+            timeout=datetime.timedelta(seconds=timeout_s),
+            master_listen_fd=sock.fileno(),
+        )
+    except BaseException:
+        sock.close()
+        raise
+    sock.detach()  # torch's server owns the descriptor now
+    return store

@@ -36,7 +36,7 @@ class Recording:
 def _survivor_ops(survive) -> list[tuple[str, Any]]:
     """The store operations of rank 1's survivor side while the coordinator plans generation 1
     (rank 2 died) and decides it."""
-    store, _listener = host_store("127.0.0.1", 0)
+    store = host_store("127.0.0.1", 0)
     coordinator = Membership(store, "coordinator")
     recording = Recording(store.clone())
     survivor = threading.Thread(target=survive, args=(Membership(recording, "a1"),))

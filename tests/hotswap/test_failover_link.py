@@ -31,8 +31,8 @@ class Server:
     every connection and refuses new ones, as the coordinator's crash would."""
 
     def __init__(self) -> None:
-        self.store, self._listener = host_store("127.0.0.1", 0)
-        backend = self._listener.getsockname()
+        self.store = host_store("127.0.0.1", 0)
+        backend = ("127.0.0.1", self.store.port)
         self.members = Membership(self.store, "coordinator")
         self.relay = socket.create_server(("127.0.0.1", 0))
         self.address = f"127.0.0.1:{self.relay.getsockname()[1]}"

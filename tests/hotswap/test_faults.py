@@ -343,8 +343,8 @@ def test_sigterm_saves_a_checkpoint_and_resumes_exactly(tmp_path: Path) -> None:
 def test_store_listens_on_loopback_only() -> None:
     from megatron_deadpool.hotswap.membership import host_store
 
-    store, listener = host_store("127.0.0.1", 0)
-    port = listener.getsockname()[1]
+    store = host_store("127.0.0.1", 0)
+    port = store.port
     listening = []
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
         for line in Path(table).read_text().splitlines()[1:]:
@@ -354,7 +354,6 @@ def test_store_listens_on_loopback_only() -> None:
     assert listening == ["0100007F"], listening  # 127.0.0.1, nothing else
     store.set("k", "v")
     assert store.get("k") == b"v"
-    listener.close()
 
 
 @pytest.mark.timeout(60)
@@ -368,7 +367,7 @@ def test_failure_before_replication_started_aborts_at_once(tmp_path: Path) -> No
     from megatron_deadpool.hotswap.liveness import ProcessLiveness
     from megatron_deadpool.hotswap.membership import Membership, host_store
 
-    store, _listener = host_store("127.0.0.1", 0)
+    store = host_store("127.0.0.1", 0)
     procs = {
         f"a{r}": subprocess.Popen([sys.executable, "-c", "import sys; sys.exit(2)"])
         for r in range(2)

@@ -50,7 +50,7 @@ def test_skewed_worker_clocks_neither_hide_a_hang_nor_fake_one(tmp_path: Path) -
     from megatron_deadpool.hotswap.liveness import HeartbeatOnly
     from megatron_deadpool.hotswap.membership import Membership, host_store
 
-    store, _listener = host_store("127.0.0.1", 0)
+    store = host_store("127.0.0.1", 0)
     coord = Coordinator(
         Membership(store, "coordinator"),
         2,
@@ -114,7 +114,7 @@ def test_agreement_blocks_until_decided_and_follows_a_superseding_plan() -> None
     from megatron_deadpool.hotswap.membership import Membership, host_store
     from megatron_deadpool.hotswap.roster import Roster
 
-    store, _listener = host_store("127.0.0.1", 0)
+    store = host_store("127.0.0.1", 0)
     coord = Membership(store, "coordinator")
     thread, out = _survivor_in_agreement(Membership(store.clone(), "a0"))
     plan = {"base": 0, "world_size": 3, "dead": [2], "needy": [2], "replaced": {"2": "s0"}}
@@ -144,7 +144,7 @@ def test_a_newcomer_lost_before_its_claim_sends_the_survivor_to_the_next_plan() 
     from megatron_deadpool.hotswap.membership import Membership, host_store
     from megatron_deadpool.hotswap.roster import Roster
 
-    store, _listener = host_store("127.0.0.1", 0)
+    store = host_store("127.0.0.1", 0)
     coord = Membership(store, "coordinator")
     thread, out = _survivor_in_agreement(Membership(store.clone(), "a0"))
     plan = {"base": 0, "world_size": 3, "dead": [2], "needy": [2], "replaced": {"2": "s0"}}

@@ -15,9 +15,7 @@ from megatron_deadpool.hotswap.plan_watch import PlanWatch
 
 @pytest.fixture
 def members() -> Iterator[Membership]:
-    store, listener = host_store("127.0.0.1", 0)  # `listener`: the socket the store serves on
-    yield Membership(store, "a1")
-    listener.close()
+    yield Membership(host_store("127.0.0.1", 0), "a1")
 
 
 def _watch() -> tuple[PlanWatch, list[int]]:
