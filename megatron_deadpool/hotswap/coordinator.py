@@ -129,6 +129,7 @@ class Coordinator:
         self.failures_seen = 0
         self.suspicion_base = 0  # failure reports seen before the current suspicion
         self.suspicious_until = 0.0  # (monotonic) while a reported failure is unexplained
+        self.suspects: set[str] = set()  # who a reported failure can be explained by
         self.ended: dict[str, Any] | None = None  # processes lost after training completed
         self.after_training: set[str] = set()  # processes gone after their work was done
         self.lost_at: dict[str, float] = {}  # pid -> when it was lost, known otherwise (`adopt`)
@@ -222,7 +223,7 @@ class Coordinator:
         for pid, age in self.beats.sweep(pids, counts, now, limit):
             if age > self.heartbeat_timeout:
                 self._silent(pid, f"silent for {age:.1f}s (hung)")
-            elif not self._reported_failure(pid):
+            elif pid in self.suspects and not self._reported_failure(pid):
                 self._silent(pid, f"silent for {age:.1f}s after a peer's collective failed")
 
     def _silent(self, pid: str, why: str) -> bool:
@@ -252,6 +253,13 @@ class Coordinator:
         if count > self.failures_seen:
             if now >= self.suspicious_until:
                 self.suspicion_base = self.failures_seen
+                self.suspects = set()
+            # Suspects: the processes in the slots when the failure was reported - its peers.
+            # Not the spares, nor the newcomers of a recovery planned later: those are busy
+            # starting (a newcomer's Megatron start-up can starve its heartbeat for seconds),
+            # and no collective of theirs failed.
+            current = self.recovery.slots if self.recovery else self.roster.slots
+            self.suspects |= set(current.values())
             self.failures_seen = count
             self.suspicious_until = now + self.heartbeat_timeout
             self._next_sweep = now  # sweep at once

@@ -106,6 +106,48 @@ def test_skewed_worker_clocks_neither_hide_a_hang_nor_fake_one(tmp_path: Path) -
         coord.close()
 
 
+@pytest.mark.timeout(60)
+def test_a_reported_failure_suspects_the_peers_of_that_moment_only(tmp_path: Path) -> None:
+    """After a survivor reports a failed collective, a silent rank of the roster is named dead
+    after `suspect_after`; a silent spare - like a newcomer busy starting in a recovery planned
+    later - only after the full heartbeat timeout (a newcomer's Megatron start-up starved its
+    heartbeat for 1.5 s in CI and it was named dead: out of redundancy)."""
+    from megatron_deadpool.hotswap.coordinator import Coordinator, EventLog
+    from megatron_deadpool.hotswap.liveness import HeartbeatOnly
+    from megatron_deadpool.hotswap.membership import Membership, host_store
+
+    store = host_store("127.0.0.1", 0)
+    coord = Coordinator(
+        Membership(store, "coordinator"),
+        2,
+        None,
+        ["s0"],
+        heartbeat_timeout=4.0,
+        agree_timeout=60.0,
+        liveness=HeartbeatOnly(),
+        events=EventLog(tmp_path / "events.jsonl"),
+        sweep_interval=0.05,
+        suspect_after=0.5,
+    )
+    coord.start()
+    procs = {pid: Membership(store.clone(), pid) for pid in ("a0", "a1", "s0")}
+    try:
+        for members in procs.values():
+            members.announce()
+        coord.tick()
+        procs["a0"].report_failure("Connection reset by peer")
+        end = time.monotonic() + 2.0  # 4 x suspect_after, half the heartbeat timeout
+        while time.monotonic() < end:
+            procs["a0"].heartbeat()  # a0 lives; a1 and s0 are silent
+            coord.tick()
+            time.sleep(0.05)
+        assert coord.dead_pids == {"a1"}, coord.events.events
+        dead = [e for e in coord.events.events if e["event"] == "process_dead"]
+        assert "after a peer's collective failed" in dead[0]["why"]
+    finally:
+        coord.close()
+
+
 @pytest.mark.timeout(240)  # importing megatron-core (under recovery) is slow on a busy machine
 def test_agreement_blocks_until_decided_and_follows_a_superseding_plan() -> None:
     """A survivor reports for plan 1; more ranks die, plan 2 supersedes it; the survivor
