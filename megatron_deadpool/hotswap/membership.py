@@ -142,12 +142,13 @@ class Membership:
             for i in range(0, len(keys), BATCH_KEYS)
         )
 
-    def _wait(self, key: str, timeout_s: float) -> bool:
-        """Block until `key` exists (the server answers when it is set); False on timeout."""
+    def _wait(self, *keys: str, timeout_s: float) -> bool:
+        """Block until every key exists (the server answers when they are set); False on
+        timeout."""
         try:
-            self.store.wait([key], datetime.timedelta(seconds=max(timeout_s, 0.001)))
+            self.store.wait(list(keys), datetime.timedelta(seconds=max(timeout_s, 0.001)))
         except dist.DistStoreError:
-            return self.store.check([key])  # it may have been set just as the wait timed out
+            return self.store.check(list(keys))  # they may have been set as the wait timed out
         return True
 
     def _count(self, key: str) -> int:
@@ -274,7 +275,7 @@ class Membership:
 
     def wait_spare_epoch(self, n: int, timeout_s: float) -> bool:
         """Block until wake-up `n` happened; False on timeout."""
-        return self._wait(f"spares/epoch/{n}", timeout_s)
+        return self._wait(f"spares/epoch/{n}", timeout_s=timeout_s)
 
     def process_group_store(self, generation: int) -> dist.Store:
         """The store generation g's process groups rendezvous on (for a bounded or failover
@@ -303,7 +304,7 @@ class Membership:
     def wait_plan(self, generation: int, timeout_s: float) -> dict[str, Any] | None:
         """Block until generation g is planned, then its plan; None on timeout."""
         key = f"gen{generation}/plan"
-        return json.loads(self.store.get(key)) if self._wait(key, timeout_s) else None
+        return json.loads(self.store.get(key)) if self._wait(key, timeout_s=timeout_s) else None
 
     def decide(self, generation: int, decision: dict[str, Any]) -> None:
         """The coordinator's decision on plan g (see the module docstring)."""
@@ -312,7 +313,7 @@ class Membership:
     def wait_decision(self, generation: int, timeout_s: float) -> dict[str, Any] | None:
         """Block until plan g is decided; None on timeout."""
         key = f"gen{generation}/decided"
-        return json.loads(self.store.get(key)) if self._wait(key, timeout_s) else None
+        return json.loads(self.store.get(key)) if self._wait(key, timeout_s=timeout_s) else None
 
     def publish_abort(self, generation: int, report: dict[str, Any]) -> None:
         """Out of redundancy: the report, also as generation g's plan (so waiters see it)."""
@@ -348,11 +349,8 @@ class Membership:
         keys = [f"gen{generation}/ready/{r}" for r in ranks]
         if not keys:
             return True
-        try:
-            self.store.wait(keys, datetime.timedelta(seconds=max(timeout_s, 0.001)))
-        except dist.DistStoreError:
-            if not self.store.check(keys):
-                return None
+        if not self._wait(*keys, timeout_s=timeout_s):
+            return None
         return all(value == b"ready" for value in self.store.multi_get(keys))
 
     def holdings_count(self, generation: int) -> int:

@@ -14,6 +14,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -153,15 +154,9 @@ def test_agreement_blocks_until_decided_and_follows_a_superseding_plan() -> None
     """A survivor reports for plan 1; more ranks die, plan 2 supersedes it; the survivor
     reports again and returns with roster 2 - without polling (it only ever blocks), and
     without reading the full roster (it applies the plan's replacements to its own)."""
-    from megatron_deadpool.hotswap.membership import Membership, host_store
     from megatron_deadpool.hotswap.roster import Roster
 
-    store = host_store("127.0.0.1", 0)
-    coord = Membership(store, "coordinator")
-    thread, out = _survivor_in_agreement(Membership(store.clone(), "a0"))
-    plan = {"base": 0, "world_size": 3, "dead": [2], "needy": [2], "replaced": {"2": "s0"}}
-    coord.publish_plan(1, {"generation": 1, **plan})
-    _wait_for(lambda: coord.holdings_count(1) == 1)
+    coord, plan, thread, out = _survivor_reported_for_plan_1()
     assert coord.holdings(1, 0)["last_completed"] == 7
     replaced = {"1": "s1", "2": "s0"}
     coord.publish_plan(2, {**plan, "generation": 2, "needy": [1, 2], "replaced": replaced})
@@ -183,15 +178,9 @@ def test_a_newcomer_lost_before_its_claim_sends_the_survivor_to_the_next_plan() 
     gives the slot up and plans generation 2 (rank 2 <- s1); the survivor, which waited for the
     claim instead of entering generation 1's rendezvous, reports for plan 2 and returns its
     roster. A claim made before the give-up stands (`compare_set`)."""
-    from megatron_deadpool.hotswap.membership import Membership, host_store
     from megatron_deadpool.hotswap.roster import Roster
 
-    store = host_store("127.0.0.1", 0)
-    coord = Membership(store, "coordinator")
-    thread, out = _survivor_in_agreement(Membership(store.clone(), "a0"))
-    plan = {"base": 0, "world_size": 3, "dead": [2], "needy": [2], "replaced": {"2": "s0"}}
-    coord.publish_plan(1, {"generation": 1, **plan})
-    _wait_for(lambda: coord.holdings_count(1) == 1)
+    coord, plan, thread, out = _survivor_reported_for_plan_1()
     coord.decide(1, {"roster": 7})
     time.sleep(0.3)
     assert thread.is_alive()  # waiting for s0's claim
@@ -207,6 +196,21 @@ def test_a_newcomer_lost_before_its_claim_sends_the_survivor_to_the_next_plan() 
     thread.join(10)
     assert "error" not in out, out
     assert out["roster"] == Roster(2, 3, {0: "a0", 1: "a1", 2: "s1"}, restore_iteration=7)
+
+
+def _survivor_reported_for_plan_1() -> tuple[Any, dict, threading.Thread, dict]:
+    """A store, the coordinator's view of it, and a survivor in agreement that has reported
+    for plan 1 (rank 2 <- s0): (coordinator membership, plan 1 without its generation, the
+    survivor's thread, its result dict)."""
+    from megatron_deadpool.hotswap.membership import Membership, host_store
+
+    store = host_store("127.0.0.1", 0)
+    coord = Membership(store, "coordinator")
+    thread, out = _survivor_in_agreement(Membership(store.clone(), "a0"))
+    plan = {"base": 0, "world_size": 3, "dead": [2], "needy": [2], "replaced": {"2": "s0"}}
+    coord.publish_plan(1, {"generation": 1, **plan})
+    _wait_for(lambda: coord.holdings_count(1) == 1)
+    return coord, plan, thread, out
 
 
 def _survivor_in_agreement(survivor) -> tuple[threading.Thread, dict]:
