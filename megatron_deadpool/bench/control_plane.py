@@ -37,6 +37,7 @@ uses.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import math
 import os
@@ -98,12 +99,6 @@ def configure(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=64,
         help="simulated ranks per heartbeat connection (default 64; see sim_ranks.py)",
-    )
-    parser.add_argument(
-        "--workers",
-        type=int,
-        default=16,
-        help="threads per simulated-rank process driving its ranks (default 16)",
     )
     parser.add_argument(
         "--sim-nice",
@@ -179,7 +174,6 @@ class Bench:
                 "hb_group": self.args.hb_group,
                 "iteration": 100,
                 "connect_timeout": self.args.timeout,
-                "workers": self.args.workers,
             }
             self.procs.append(
                 subprocess.Popen(
@@ -549,6 +543,14 @@ def run(args: argparse.Namespace) -> int:
             layout_for(n)
     except ValueError as exc:
         print(f"deadpool bench control-plane: {exc}", file=sys.stderr)
+        return 2
+    if sim_ranks and importlib.util.find_spec("greenlet") is None:
+        print(
+            "deadpool bench control-plane: the simulated ranks (--sim-ranks) need greenlet: "
+            "pip install 'megatron-deadpool[bench]' (or greenlet), or pass --sim-ranks alone "
+            "to measure the coordinator by itself",
+            file=sys.stderr,
+        )
         return 2
     print(
         f"deadpool bench control-plane: {', '.join(map(str, args.ranks))} ranks (simulated: "

@@ -1,7 +1,9 @@
 """The job's wire protocol: every key on the coordinator's store, one named method per access.
 
 Nothing else in the package reads or writes the store directly. Values are JSON or plain
-text; nothing is ever unpickled. A process id (pid) is `a{r}` for the initial active of rank r
+text; nothing is ever unpickled. A read is one request (`_peek`); a process that waits for a
+key blocks on the server (a WAIT) and then reads it: two requests, where torch's `get` after a
+wait would make three. A process id (pid) is `a{r}` for the initial active of rank r
 and `s{i}` for spare i; g is a generation (0 at start, +1 per planned recovery).
 
 Keys:
@@ -90,6 +92,9 @@ import torch.distributed as dist
 from ..errors import JobTokenError
 from .roster import Roster
 
+ABSENT = "\0absent\0"
+"""What `_peek` compares with: no value of ours (text, JSON, numbers) is ever equal to it."""
+
 BATCH_KEYS = 1024
 """Keys per batched store request. torch's store server handles a request's keys in time that
 grows faster than linearly with their number (measured with torch 2.13 on loopback: 16,384 keys
@@ -110,10 +115,26 @@ class Membership:
     def _set(self, key: str, value: str) -> None:
         self.store.set(key, value)
 
+    def _peek(self, key: str) -> bytes | None:
+        """`key`'s value, or None if it does not exist, in one request that neither waits nor
+        creates the key: a compare-and-set whose expected value no key holds answers the
+        current value, or that expected value for a missing key (torch's TCP, file and hash
+        stores alike). torch's own `get` waits for the key first (two requests: WAIT, GET)."""
+        value = self.store.compare_set(key, ABSENT, ABSENT)
+        return None if value == ABSENT.encode() else value
+
     def _get(self, key: str) -> str | None:
-        if not self.store.check([key]):
+        value = self._peek(key)
+        return None if value is None else value.decode()
+
+    def _wait_read(self, key: str, timeout_s: float) -> bytes | None:
+        """Block until `key` exists, then its value (None on timeout): two requests."""
+        if not self._wait(key, timeout_s=timeout_s):
             return None
-        return self.store.get(key).decode()
+        value = self._peek(key)
+        if value is None:  # deleted in between: only `withdraw` deletes, and not these keys
+            raise dist.DistStoreError(f"{key} vanished from the store")
+        return value
 
     def _publish(self, key: str, value: Any) -> None:
         self.store.set(key, json.dumps(value))
@@ -303,8 +324,8 @@ class Membership:
 
     def wait_plan(self, generation: int, timeout_s: float) -> dict[str, Any] | None:
         """Block until generation g is planned, then its plan; None on timeout."""
-        key = f"gen{generation}/plan"
-        return json.loads(self.store.get(key)) if self._wait(key, timeout_s=timeout_s) else None
+        value = self._wait_read(f"gen{generation}/plan", timeout_s)
+        return None if value is None else json.loads(value)
 
     def decide(self, generation: int, decision: dict[str, Any]) -> None:
         """The coordinator's decision on plan g (see the module docstring)."""
@@ -312,8 +333,8 @@ class Membership:
 
     def wait_decision(self, generation: int, timeout_s: float) -> dict[str, Any] | None:
         """Block until plan g is decided; None on timeout."""
-        key = f"gen{generation}/decided"
-        return json.loads(self.store.get(key)) if self._wait(key, timeout_s=timeout_s) else None
+        value = self._wait_read(f"gen{generation}/decided", timeout_s)
+        return None if value is None else json.loads(value)
 
     def publish_abort(self, generation: int, report: dict[str, Any]) -> None:
         """Out of redundancy: the report, also as generation g's plan (so waiters see it)."""
@@ -351,7 +372,8 @@ class Membership:
             return True
         if not self._wait(*keys, timeout_s=timeout_s):
             return None
-        return all(value == b"ready" for value in self.store.multi_get(keys))
+        values = [self._peek(keys[0])] if len(keys) == 1 else self.store.multi_get(keys)
+        return all(value == b"ready" for value in values)
 
     def holdings_count(self, generation: int) -> int:
         """How many reports arrived for plan g (one store round trip)."""

@@ -9,9 +9,9 @@ per size):
     deadpool bench control-plane --ranks 1024 4096 16384 --json control-plane.json
 
 on `MEASURED_ON`, where 8 processes simulating the ranks share the two cores with the store and
-the coordinator: an upper bound. The coordinator's own part is small (0.006 / 0.029 / 0.199 s
+the coordinator: an upper bound. The coordinator's own part is small (0.005 / 0.021 / 0.092 s
 at the same sizes, measured alone in the same run); at 16,384 ranks most of the time is the
-store's server answering every rank's requests (4.2-5.6 s of the coordinator process's CPU).
+store's server answering every rank's requests (1.0 s of the coordinator process's CPU).
 Between the measured sizes the figure is interpolated in log2(world); below the smallest it is
 the smallest's; above the largest it grows in proportion to the world (one report per rank).
 
@@ -26,11 +26,11 @@ import math
 
 MEASURED_ON = (
     "the project's 2-core CPU machine, otherwise idle, torch 2.13 TCPStore (libuv) on loopback, "
-    "the simulated ranks on the same cores, 2026-11-22: an upper bound for a coordinator host"
+    "the simulated ranks on the same cores, 2026-11-23: an upper bound for a coordinator host"
 )
 COMMAND = "deadpool bench control-plane --ranks 1024 4096 16384 --json cp.json"
 
-AGREE_S: dict[int, float] = {1024: 0.201, 4096: 1.051, 16384: 8.819}
+AGREE_S: dict[int, float] = {1024: 0.086, 4096: 0.346, 16384: 1.602}
 """world size -> failure -> roster published (s), simulated ranks."""
 
 

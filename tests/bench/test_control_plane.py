@@ -85,13 +85,13 @@ def test_simulated_survivor_makes_the_store_calls_of_agree() -> None:
     ops = _survivor_ops(real)
     assert [op for op, _ in ops] == [
         "wait",
-        "get",
+        "compare_set",  # the plan, read without a second wait (`Membership._peek`)
         "set",
         "add",
         "wait",
-        "get",
+        "compare_set",
         "wait",
-        "multi_get",
+        "compare_set",
     ]
     assert _survivor_ops(simulated) == ops
 
@@ -108,7 +108,6 @@ def test_bench_measures_recoveries_and_sweeps_at_a_small_size() -> None:
         hb_group=16,
         sim_nice=10,
         sim_ranks=None,
-        workers=4,
         timeout=300.0,
     )
     result = control_plane.measure(64, args, progress=lambda line: None)
