@@ -8,9 +8,9 @@ the same order (`tests/bench/test_control_plane.py` checks the sequence against
 
 - start: `announce` (its ready key and first beat);
 - while nothing fails: one beat per heartbeat interval (+1 on its counter);
-- when a peer fails (the bench says "fail"): as a survivor in `recovery.agree`, wait for the
-  plan, report its holdings (what the placement makes it hold: its own snapshot and its owners'
-  replicas), wait for the decision and for the newcomers' claims of their slots; then join
+- when a peer fails (the bench says "fail"): as a survivor in `recovery.agree`, report its
+  holdings (what the placement makes it hold: its own snapshot and its owners' replicas), wait
+  for the decision, read the plan and wait for the newcomers' claims of their slots; then join
   the new generation as the driver does (read the
   sources, stamp `joined`), rendezvous on the generation's store the way torch's NCCL group
   does (rank 0 sets a 128-byte unique id, every other rank gets it), stamp `restored`; rank 0
@@ -55,17 +55,12 @@ UNIQUE_ID = b"\0" * 128  # the size of an ncclUniqueId
 
 def survivor_report(
     members: Membership, g: int, rank: int, holds: dict[str, list[int]], iteration: int
-) -> dict[str, Any]:
-    """A survivor's side of `recovery.agree` up to its report for plan g (then it waits for
-    the decision: `Membership.wait_decision`); returns the plan."""
-    plan = members.wait_plan(g, FOREVER_S)
+) -> None:
+    """A survivor's first step in `recovery.agree`: its report for generation g (then it waits
+    for the decision: `Membership.wait_decision`)."""
     members.report_holdings(
-        g,
-        rank,
-        {"last_completed": iteration, "holds": holds, "pid": members.pid},
-        expected=plan["world_size"] - len(plan["needy"]),
+        g, rank, {"last_completed": iteration, "holds": holds, "pid": members.pid}
     )
-    return plan
 
 
 class SimProcess:
@@ -139,10 +134,11 @@ class SimProcess:
 
         def survive(item: tuple[int, Membership]) -> None:
             rank, members = item
-            plan = survivor_report(members, g, rank, self.holds(rank), self.iteration)
+            survivor_report(members, g, rank, self.holds(rank), self.iteration)
             decision = members.wait_decision(g, FOREVER_S)
             if "roster" not in decision:
                 raise RuntimeError(f"simulated recovery of generation {g}: decision {decision}")
+            plan = members.plan(g)
             members.wait_newcomers(g, plan["needy"], FOREVER_S)
             if not new:  # pure work, once per process
                 new.append(roster.successor(plan, decision["roster"]) or members.roster(g))

@@ -399,6 +399,8 @@ class Coordinator:
                 "replaced": {str(r): p for r, p in slots.items() if published[r] != p},
             },
         )
+        # Survivors report without waiting for the plan: some reports may be in already.
+        self.members.expect_reports(generation, self.world - len(needy))
         if rec is not None:  # survivors waiting on the old plan move on to this one
             self.members.decide(rec.generation, {"superseded": generation})
         self.events("plan", **plan)
@@ -463,7 +465,7 @@ class Coordinator:
         g = rec.generation
         survivors = [r for r in range(self.world) if r not in rec.needy]
         holdings = None  # read in full once the store counted enough reports
-        if self.members.holdings_count(g) >= len(survivors):
+        if self.members.reports_missing(g) <= 0:
             holdings = self.members.all_holdings(g, survivors)
         if holdings is None:
             if now - rec.t_plan > self.agree_timeout:

@@ -28,8 +28,9 @@ Keys:
                                 pid), or {"abort": report}
   gen{g}/holdings/{rank}        a survivor's report: verified iterations it holds ("holds"),
                                 "last_completed", "pid", and the job's own fields
-  gen{g}/holdings/count         counter of those reports (the last expected one wakes the
-                                coordinator)
+  gen{g}/holdings/count         counter of those reports; once the coordinator planned g, less
+                                the reports it waits for (`expect_reports`): the report that
+                                brings it to 0 is the last one, and wakes the coordinator
   gen{g}/decided                the coordinator's decision on plan g, which survivors block on:
                                 {"roster": T}, {"abort": true} or {"superseded": g2}
   gen{g}/sources                {needy rank: holder} for the restore iteration
@@ -322,11 +323,6 @@ class Membership:
     def plan(self, generation: int) -> dict[str, Any]:
         return self._read(f"gen{generation}/plan") or {}
 
-    def wait_plan(self, generation: int, timeout_s: float) -> dict[str, Any] | None:
-        """Block until generation g is planned, then its plan; None on timeout."""
-        value = self._wait_read(f"gen{generation}/plan", timeout_s)
-        return None if value is None else json.loads(value)
-
     def decide(self, generation: int, decision: dict[str, Any]) -> None:
         """The coordinator's decision on plan g (see the module docstring)."""
         self._publish(f"gen{generation}/decided", decision)
@@ -337,21 +333,31 @@ class Membership:
         return None if value is None else json.loads(value)
 
     def publish_abort(self, generation: int, report: dict[str, Any]) -> None:
-        """Out of redundancy: the report, also as generation g's plan (so waiters see it)."""
+        """Out of redundancy: the report, also as generation g's plan and decision (so waiters
+        see it)."""
         self._publish("abort", report)
         self.publish_plan(generation, {"abort": report})
+        self.decide(generation, {"abort": True})
 
     def abort(self) -> dict[str, Any] | None:
         return self._read("abort")
 
-    def report_holdings(
-        self, generation: int, rank: int | None, report: dict[str, Any], expected: int
-    ) -> None:
-        """Publish a survivor's report for plan g; the `expected`-th report wakes the
-        coordinator."""
+    def report_holdings(self, generation: int, rank: int | None, report: dict[str, Any]) -> None:
+        """Publish a survivor's report for generation g (planned or not yet); the last one the
+        coordinator waits for wakes it."""
         self._publish(f"gen{generation}/holdings/{rank}", report)
-        if self.store.add(f"gen{generation}/holdings/count", 1) == expected:
+        if self.store.add(f"gen{generation}/holdings/count", 1) == 0:
             self.notify_coordinator(f"holdings {generation}")
+
+    def expect_reports(self, generation: int, count: int) -> int:
+        """The coordinator planned g and waits for `count` reports (some may be in already):
+        how many are still missing (<= 0: all in)."""
+        return -int(self.store.add(f"gen{generation}/holdings/count", -count))
+
+    def reports_missing(self, generation: int) -> int:
+        """How many of the reports `expect_reports` waits for have not arrived (one round
+        trip)."""
+        return -self._count(f"gen{generation}/holdings/count")
 
     def claim_slot(self, generation: int, rank: int) -> bool:
         """A newcomer about to join generation g as `rank`: True, unless the coordinator gave
@@ -376,7 +382,8 @@ class Membership:
         return all(value == b"ready" for value in values)
 
     def holdings_count(self, generation: int) -> int:
-        """How many reports arrived for plan g (one store round trip)."""
+        """The report counter of generation g: how many reports arrived, until the coordinator
+        planned g (`expect_reports`)."""
         return self._count(f"gen{generation}/holdings/count")
 
     def holdings(self, generation: int, rank: int) -> dict[str, Any] | None:

@@ -92,46 +92,46 @@ def agree(
     `meanwhile()` runs once, after the first report, while the coordinator decides (the
     release of the old groups: it need not delay the report).
 
-    Blocks on the store instead of polling it: first until a generation after `roster`'s (the
-    one this process is in) is planned (by the wall-clock `deadline`, else this was no peer
-    failure), then until the coordinator decides that plan - a roster, an abort, or a newer plan
-    that supersedes it (more ranks died), which is then reported for in turn. The new roster is
-    `roster` with the plan's replacements (read in full only if the plan has another base). It
-    is returned once every newcomer claimed its slot: a newcomer that died before that (its
-    slot given up by the coordinator) leads to the next plan instead of a rendezvous that would
-    wait for it until the process groups' timeout.
+    Reports at once, for the generation after `roster`'s (the one this process is in), without
+    waiting for the coordinator's plan: at thousands of ranks every request a survivor makes
+    before the coordinator can decide delays the decision, and the plan would cost two (a wait,
+    a read). Then blocks on the store until the coordinator decides - a roster, an abort, or a
+    newer plan that supersedes it (more ranks died), which is then reported for in turn - and
+    reads the plan decided. No plan of that generation by the wall-clock `deadline`: this was
+    no peer failure. The new roster is `roster` with the plan's replacements (read in full
+    only if the plan has another base). It is returned once every newcomer claimed its slot:
+    a newcomer that died before that (its slot given up by the coordinator) leads to the next
+    plan instead of a rendezvous that would wait for it until the process groups' timeout.
 
-    `report` is published with the holdings (e.g. Megatron's counters); only a process that
-    keeps its slot and is not needy reports what `replicator` holds. On an abort,
-    `on_abort(the coordinator's report)` saves what it can and says what; then
-    `OutOfRedundancyError` is raised.
+    `report` is published with the holdings (e.g. Megatron's counters): what `replicator`
+    holds, or nothing for a process without a slot (the coordinator reads only the reports of
+    the ranks that keep theirs). On an abort, `on_abort(the coordinator's report)` saves what
+    it can and says what; then `OutOfRedundancyError` is raised.
     """
     holds = replicator.holdings() if replicator is not None else {"local": []}
     g = roster.generation + 1
-    plan = members.wait_plan(g, deadline - time.time())
-    if plan is None:
-        raise DeadpoolRuntimeError(
-            "a collective failed but the coordinator planned no recovery in time: "
-            "not a peer failure"
-        ) from cause
+    first = True
     while True:
-        if "abort" in plan:
-            _out_of_redundancy(members.abort() or plan["abort"], on_abort)
-        keeps_slot = rank is not None and rank not in plan["needy"]
         members.report_holdings(
-            g,
-            rank,
-            {**report, "holds": holds if keeps_slot else {"local": []}, "pid": pid},
-            expected=plan["world_size"] - len(plan["needy"]),
+            g, rank, {**report, "holds": holds if rank is not None else {"local": []}, "pid": pid}
         )
         meanwhile()
         meanwhile = lambda: None
         decision = None
+        if first:  # planned by the deadline, or it was no peer failure
+            decision = members.wait_decision(g, max(0.0, deadline - time.time()))
+            if decision is None and not members.planned(g):
+                raise DeadpoolRuntimeError(
+                    "a collective failed but the coordinator planned no recovery in time: "
+                    "not a peer failure"
+                ) from cause
+            first = False
         while decision is None:  # the coordinator decides within its agree timeout
             decision = members.wait_decision(g, DECISION_WAIT_S)
         if "abort" in decision:
             _out_of_redundancy(members.abort() or {}, on_abort)
         if "roster" in decision:
+            plan = members.plan(g)  # published before the decision
             new = roster.successor(plan, decision["roster"]) or members.roster(g)
             if new.rank_of(pid) is None:
                 raise DeadpoolRuntimeError(
@@ -147,7 +147,6 @@ def agree(
             g += 1  # the coordinator gave its slot up as it planned the next generation
         else:
             g = decision["superseded"]
-        plan = members.wait_plan(g, DECISION_WAIT_S)  # published before the decision
 
 
 def _out_of_redundancy(info: dict[str, Any], on_abort: Callable[[dict[str, Any]], str]) -> None:

@@ -41,7 +41,7 @@ def _survivor_ops(survive) -> list[tuple[str, Any]]:
     recording = Recording(store.clone())
     survivor = threading.Thread(target=survive, args=(Membership(recording, "a1"),))
     survivor.start()
-    time.sleep(0.2)  # the survivor blocks on the plan first, as it does after a failure
+    time.sleep(0.2)  # the survivor reports and blocks on the decision before the plan exists
     replaced = {"2": "s0"}
     plan = {"generation": 1, "base": 0, "world_size": 3, "dead": [2], "needy": [2]}
     coordinator.publish_plan(1, {**plan, "replaced": replaced})
@@ -80,17 +80,16 @@ def test_simulated_survivor_makes_the_store_calls_of_agree() -> None:
     def simulated(members: Membership) -> None:
         survivor_report(members, 1, 1, holds, 6)
         members.wait_decision(1, FOREVER_S)
-        members.wait_newcomers(1, [2], FOREVER_S)
+        members.wait_newcomers(1, members.plan(1)["needy"], FOREVER_S)
 
     ops = _survivor_ops(real)
     assert [op for op, _ in ops] == [
-        "wait",
-        "compare_set",  # the plan, read without a second wait (`Membership._peek`)
-        "set",
+        "set",  # the report, before the plan: nothing to wait for first
         "add",
-        "wait",
-        "compare_set",
-        "wait",
+        "wait",  # the decision
+        "compare_set",  # read without a second wait (`Membership._peek`)
+        "compare_set",  # the plan
+        "wait",  # the newcomer's claim
         "compare_set",
     ]
     assert _survivor_ops(simulated) == ops
