@@ -9,9 +9,9 @@ per size):
     deadpool bench control-plane --ranks 1024 4096 16384 --json control-plane.json
 
 on `MEASURED_ON`, where 8 processes simulating the ranks share the two cores with the store and
-the coordinator: an upper bound. The coordinator's own part is small (0.005 / 0.021 / 0.092 s
+the coordinator: an upper bound. The coordinator's own part is small (0.006 / 0.023 / 0.111 s
 at the same sizes, measured alone in the same run); at 16,384 ranks most of the time is the
-store's server answering every rank's requests (1.0 s of the coordinator process's CPU).
+store's server answering every rank's requests (0.61-0.68 s of the coordinator process's CPU).
 Between the measured sizes the figure is interpolated in log2(world); below the smallest it is
 the smallest's; above the largest it grows in proportion to the world (one report per rank).
 
@@ -30,7 +30,7 @@ MEASURED_ON = (
 )
 COMMAND = "deadpool bench control-plane --ranks 1024 4096 16384 --json cp.json"
 
-AGREE_S: dict[int, float] = {1024: 0.086, 4096: 0.346, 16384: 1.602}
+AGREE_S: dict[int, float] = {1024: 0.047, 4096: 0.214, 16384: 0.939}
 """world size -> failure -> roster published (s), simulated ranks."""
 
 
