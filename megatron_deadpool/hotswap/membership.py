@@ -349,10 +349,10 @@ class Membership:
         if self.store.add(f"gen{generation}/holdings/count", 1) == 0:
             self.notify_coordinator(f"holdings {generation}")
 
-    def expect_reports(self, generation: int, count: int) -> int:
-        """The coordinator planned g and waits for `count` reports (some may be in already):
-        how many are still missing (<= 0: all in)."""
-        return -int(self.store.add(f"gen{generation}/holdings/count", -count))
+    def expect_reports(self, generation: int, count: int) -> None:
+        """The coordinator planned g and waits for `count` reports (some may be in already:
+        `reports_missing` counts down from here)."""
+        self.store.add(f"gen{generation}/holdings/count", -count)
 
     def reports_missing(self, generation: int) -> int:
         """How many of the reports `expect_reports` waits for have not arrived (one round
