@@ -229,8 +229,8 @@ coordinator_cmd=(bash "$DEADPOOL_HOME/scripts/slurm/deadpool_coordinator.sh" coo
     "$PYTHON" -m megatron_deadpool.cli coordinator --world-size "$world" "${job_settings[@]}")
 standby_cmd=()
 if ((start_coordinator)) && [ "$coordinator" != "$primary" ]; then
-    standby_host=${coordinator#*,}
-    standby_host=${standby_host%:*}
+    standby_address=${coordinator#*,}
+    standby_host=${standby_address%:*}
     # Its own job step on that node; its lines about the job's end go to the job's log (the
     # batch host, which writes it otherwise, may be gone).
     job_log=$(scontrol show job "${SLURM_JOB_ID:-0}" -o 2>/dev/null |
@@ -290,28 +290,41 @@ cleanup() {
 }
 trap cleanup EXIT
 
+# answers HOST PORT PID: wait up to 60 s for HOST:PORT to accept a connection, while process
+# PID (if given) runs; status 0 once it does.
+answers() {
+    local _
+    for _ in $(seq 1 120); do
+        if (exec 3<>"/dev/tcp/$1/$2") 2>/dev/null; then
+            return 0
+        fi
+        [ -z "$3" ] || kill -0 "$3" 2>/dev/null || return 1
+        sleep 0.5
+    done
+    return 1
+}
+
 if ((start_coordinator)); then
     rm -f "$DEADPOOL_LOG_DIR"/{coordinator,standby}.status
     export DEADPOOL_LOG_DIR DEADPOOL_END_GRACE # for deadpool_coordinator.sh
     "${coordinator_cmd[@]}" &
     coordinator_pid=$!
 fi
-if [ "$DEADPOOL_MODE" != baseline ]; then
-    for _ in $(seq 1 120); do # wait up to 60 s for the coordinator's port
-        if (exec 3<>"/dev/tcp/$coord_host/$coord_port") 2>/dev/null; then
-            break
-        fi
-        [ -z "$coordinator_pid" ] || kill -0 "$coordinator_pid" 2>/dev/null ||
-            die "the coordinator exited; see $DEADPOOL_LOG_DIR/coordinator.log"
-        sleep 0.5
-    done
-    (exec 3<>"/dev/tcp/$coord_host/$coord_port") 2>/dev/null ||
-        die "no coordinator answers at $coordinator after 60 s"
-fi
-
+# The standby starts alongside the primary (it waits for the primary to answer); the workers
+# start only once it listens, so that it watches the primary before any rank depends on it.
 if ((${#standby_cmd[@]})); then
     "${standby_cmd[@]}" &
     standby_pid=$!
+fi
+if [ "$DEADPOOL_MODE" != baseline ]; then
+    answers "$coord_host" "$coord_port" "$coordinator_pid" ||
+        die "the coordinator exited or did not answer at $primary within 60 s; see" \
+            "$DEADPOOL_LOG_DIR/coordinator.log"
+fi
+if ((${#standby_cmd[@]})) && ! answers "$standby_host" "${standby_address##*:}" "$standby_pid"; then
+    echo "deadpool_launch: WARNING: no standby coordinator answers at $standby_address (see" \
+        "$DEADPOOL_LOG_DIR/standby.log, standby-step.log): the job runs without one, and a" \
+        "loss of this node would end it" >&2
 fi
 if ((${#inject_cmd[@]})); then
     "${inject_cmd[@]}" >>"$DEADPOOL_LOG_DIR/inject.log" 2>&1 &

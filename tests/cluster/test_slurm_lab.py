@@ -148,7 +148,13 @@ class Job:
 
     def describe(self) -> str:
         parts = [f"job {self.id} in {self.dir}"]
-        for name in ("batch.out", "coordinator.log", "inject.log"):
+        for name in (
+            "batch.out",
+            "coordinator.log",
+            "standby.log",
+            "standby-step.log",
+            "inject.log",
+        ):
             parts.append(f"--- {name}\n{self.text(name)[-2500:]}")
         for rank, text in self.task_logs().items():  # DeadPool's and Slurm's lines
             lines = [x for x in text.splitlines() if "[deadpool " in x or "slurmstepd" in x]
