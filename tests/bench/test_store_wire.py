@@ -13,7 +13,7 @@ import pytest
 import torch.distributed as dist
 
 from megatron_deadpool.bench.store_wire import Hub, WireStore
-from megatron_deadpool.hotswap.membership import host_store
+from megatron_deadpool.hotswap.membership import ABSENT, host_store
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -64,7 +64,7 @@ def _calls(store: Any) -> list[Any]:
     run(lambda: store.wait(["k"], datetime.timedelta(seconds=5)))
     run(lambda: store.multi_get(["k", "c"]))
     run(lambda: store.compare_set("k", "value", "other"))
-    run(lambda: store.compare_set("gone", "\0absent\0", "\0absent\0"))
+    run(lambda: store.compare_set("gone", ABSENT, ABSENT))  # `Membership._peek`
     run(lambda: store.compare_set("slot", "", "ready"))
     run(lambda: store.queue_push("inbox", "holdings 1"))
     run(lambda: store.wait(["never"], datetime.timedelta(seconds=0.2)))
