@@ -3,9 +3,12 @@
 Bad input raises a subclass of `ValueError` (`ConfigError` and its children) whose message
 names the offending field and says how to fix it; the CLI turns those into one line on
 stderr and exit code 2. Runtime conditions that end a run on purpose have their own types.
+`ExitCode` is the one list of exit codes every command, launcher and worker uses.
 """
 
 from __future__ import annotations
+
+from enum import IntEnum
 
 
 class ConfigError(ValueError):
@@ -45,3 +48,33 @@ def first_line(exc: BaseException) -> str:
     """An error's first line (its type when it says nothing), at most 160 characters: how
     DeadPool quotes an error in a log line or a report."""
     return (str(exc).splitlines() or [type(exc).__name__])[0][:160]
+
+
+class ExitCode(IntEnum):
+    """The exit codes of every `deadpool` command, launcher and worker (README, "Exit codes").
+
+    0, 3 and 143 mean "resume": the job ended on its own terms (3: out of redundancy, what
+    survived is saved - run the same command with `--load`; 143: stopped on SIGTERM, saved).
+    2 means "fix the job": nothing started, or every rank failed the same way before training.
+    """
+
+    OK = 0
+    FAILED = 1
+    """An error DeadPool does not handle (its traceback is in the log)."""
+    BAD_INPUT = 2
+    """A flag, file or setting was refused; the message names it and the fix."""
+    OUT_OF_REDUNDANCY = 3
+    """Memory could not recover a failure: what survived is saved; resume with `--load`."""
+    NO_COORDINATOR = 4
+    """No coordinator could be reached (or none was left); what a rank held is saved."""
+    NOT_ACTIVE = 5
+    """`deadpool coordinator`: not the job's coordinator (a standby never needed, or a primary a
+    standby took over from)."""
+    MAX_WAIT = 6
+    """`deadpool coordinator`: `--max-wait` reached."""
+    TIMEOUT = 124
+    """A launcher's `--timeout` passed (as `timeout(1)`)."""
+    INTERRUPTED = 130
+    """Ctrl-C (128 + SIGINT)."""
+    PREEMPTED = 143
+    """Stopped on purpose after SIGTERM (128 + SIGTERM), a checkpoint saved with `--save`."""

@@ -32,15 +32,15 @@ from ..config.deadpool import DeadpoolConfig, parse_host_port
 from ..config.flags import add_flags, dest_name
 from ..config.job import load_job
 from ..digest import final_digest
-from ..errors import ConfigError, CoordinatorUnreachableError
-from ..hotswap.coordinator import Coordinator, EventLog
+from ..errors import ConfigError, CoordinatorUnreachableError, ExitCode
+from ..hotswap.coordinator import Coordinator
+from ..hotswap.events import EventLog
 from ..hotswap.liveness import HeartbeatOnly
 from ..hotswap.membership import Membership, host_store
+from ..hotswap.messages import CoordinatorIdentity
 from ..hotswap.standby import Standby, StandbyWatch
+from ..hotswap.supervisor import CoordinatorOnly, Supervisor
 from ..logs import setup_logging
-from ..replication.placement import Layout
-
-FINISHED, OUT_OF_REDUNDANCY, NO_PRIMARY, NOT_ACTIVE, MAX_WAIT = 0, 3, 4, 5, 6
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -111,7 +111,7 @@ def run(args: argparse.Namespace) -> int:
     def say(text: str) -> None:
         print(f"deadpool {role}: {text}", flush=True)
 
-    members = Membership(store, role)
+    membership = Membership(store, role)
     log_dir = Path(cfg.log_dir) if cfg.log_dir else None
     if log_dir:
         log_dir.mkdir(parents=True, exist_ok=True)
@@ -126,7 +126,7 @@ def run(args: argparse.Namespace) -> int:
         pg_timeout=cfg.pg_timeout,
     )
     coord = Coordinator(
-        members,
+        membership,
         args.world_size,
         None,  # the layout arrives from rank 0 (job/layout)
         [f"s{i}" for i in range(cfg.spares)],
@@ -135,7 +135,7 @@ def run(args: argparse.Namespace) -> int:
         suspect_after=cfg.suspect_after,
         liveness=HeartbeatOnly(),
         events=events,
-        on_event=say,
+        say=say,
     )
     say(
         f"listening on {address}, world size {args.world_size}, {cfg.spares} spare(s); "
@@ -144,7 +144,7 @@ def run(args: argparse.Namespace) -> int:
     )
     deadline = time.monotonic() + args.max_wait
     try:
-        return _run(args, cfg, coord, members, token, deadline, events, say)
+        return _run(args, cfg, coord, token, deadline, events, say)
     finally:
         coord.close()
 
@@ -153,7 +153,6 @@ def _run(
     args: argparse.Namespace,
     cfg: DeadpoolConfig,
     coord: Coordinator,
-    members: Membership,
     token: str,
     deadline: float,
     events: EventLog,
@@ -161,84 +160,74 @@ def _run(
 ) -> int:
     """Serve as the primary, or as a standby once it took the job over; the exit code."""
     if args.standby:
-        standby = Standby(cfg, args.standby, token, args.world_size, members, events, say)
+        membership = coord.membership
+        standby = Standby(cfg, args.standby, token, args.world_size, membership, events, say)
         try:
             while True:
                 if not standby.wait_for_loss():
-                    return NOT_ACTIVE
+                    return ExitCode.NOT_ACTIVE
                 state = standby.take_over()
                 if state is not None:
                     break
         except CoordinatorUnreachableError as exc:
             say(str(exc))
-            return NO_PRIMARY
+            return ExitCode.NO_COORDINATOR
         standby.hand_over(coord, state)
-        return serve(coord, members, deadline, say, each_tick=standby.late_registrations)
-    members.set_identity(0, secrets.token_hex(8))
-    members.set_token(token)
+        return serve(coord, deadline, say, each_tick=lambda: standby.late_registrations(coord))
+    coord.membership.set_identity(CoordinatorIdentity(0, secrets.token_hex(8)))
+    coord.membership.set_token(token)
     coord.start()
     watch = None
     if len(cfg.coordinators) > 1:
         watch = StandbyWatch(cfg, token, events, say)
         watch.start()
-    return serve(coord, members, deadline, say, watch=watch)
+    return serve(coord, deadline, say, watch=watch)
 
 
 def serve(
     coord: Coordinator,
-    members: Membership,
     deadline: float,
     say: Callable[[str], None],
     *,
     watch: StandbyWatch | None = None,
-    each_tick: Callable[[Coordinator], None] = lambda coord: None,
+    each_tick: Callable[[], None] = lambda: None,
 ) -> int:
-    """Coordinate the job until it ends here; the exit code."""
-    while time.monotonic() < deadline:
-        coord.tick()
-        each_tick(coord)
-        if coord.aborted is not None:
-            members.request_shutdown()
-            _serve_salvage(coord, members, deadline)
-            return OUT_OF_REDUNDANCY
-        if watch is not None and watch.superseded:
-            say(f"standby {watch.superseded} took the job over: standing down")
-            return NOT_ACTIVE
-        if coord.training_done():
-            members.request_shutdown()
-            digest, ranks = _digests(members, coord.world)
-            coord.events("finished", final_param_digest=digest, rank_digests=ranks)
-            say(f"every rank finished; digest {digest}")
-            time.sleep(2.0)  # let spares and a standby see the shutdown before the store goes
-            return FINISHED
-        coord.wait(0.05)
-    say("--max-wait reached")
-    return MAX_WAIT
+    """Coordinate the job until it ends here (`hotswap.supervisor`); the exit code."""
+
+    def superseded() -> int | None:
+        if watch is None or not watch.superseded:
+            return None
+        say(f"standby {watch.superseded} took the job over: standing down")
+        return ExitCode.NOT_ACTIVE
+
+    def finished() -> int:
+        coord.membership.request_shutdown()
+        digest, ranks = _digests(coord.membership, coord.world_size)
+        coord.events("finished", final_param_digest=digest, rank_digests=ranks)
+        say(f"every rank finished; digest {digest}")
+        time.sleep(2.0)  # let spares and a standby see the shutdown before the store goes
+        return ExitCode.OK
+
+    code = Supervisor(
+        CoordinatorOnly(coord, each_tick, deadline),
+        limit_s=deadline - time.monotonic(),
+        say=say,
+        finished=finished,
+        checks=[superseded],
+        on_timeout=ExitCode.MAX_WAIT,
+    ).run()
+    if code == ExitCode.MAX_WAIT:
+        say("--max-wait reached")
+    return code
 
 
-def _serve_salvage(coord: Coordinator, members: Membership, deadline: float) -> None:
-    """Out of redundancy: the survivors save what they hold through this store (who writes
-    the manifest, who is done): serve it until each surviving rank saved, or fell silent."""
-    dead = set((coord.aborted or {}).get("dead_ranks", []))
-    pending = {r: p for r, p in coord.roster.slots.items() if r not in dead}
-    while pending and time.monotonic() < deadline:
-        pids = list(pending.values())
-        now = time.monotonic()
-        coord.beats.sweep(pids, members.heartbeat_counts(pids), now, coord.heartbeat_timeout)
-        for rank, pid in list(pending.items()):
-            age = coord.beats.age(pid, now)
-            if members.all_salvaged([rank]) or age is None or age > coord.heartbeat_timeout:
-                del pending[rank]
-        time.sleep(0.2)
-
-
-def _digests(members: Membership, world_size: int) -> tuple[str | None, dict[str, str]]:
+def _digests(membership: Membership, world_size: int) -> tuple[str | None, dict[str, str]]:
     """The job's parameter digest as `deadpool train` reports it (any data-parallel member's
     digest stands for its group: a rank lost after training completed costs none), and each
     rank's."""
-    ranks = {r: d for r in range(world_size) if (d := members.digest(r)) is not None}
-    layout = members.layout()
-    if layout is None:
+    ranks = {r: d for r in range(world_size) if (d := membership.digest(r)) is not None}
+    record = membership.layout()
+    if record is None:
         return None, {str(r): d for r, d in ranks.items()}
-    groups = Layout(layout["tp"], layout["pp"], layout["dp"], layout["ranks_per_node"]).dp_groups
+    groups = record.layout().dp_groups
     return final_digest(groups, ranks)[0], {str(r): d for r, d in ranks.items()}

@@ -40,10 +40,6 @@ class TrainingObjects:
     optimizer: Any  # MegatronOptimizer (a ChainedOptimizer or DistributedOptimizer)
     scheduler: OptimizerParamScheduler
     config: TransformerConfig
-    opt_config: OptimizerConfig
-    optimizer_build_gathers: int = 0
-    """World all_gather_object calls `get_megatron_optimizer` made (a newcomer's survivors mirror
-    them while it builds)."""
 
 
 def transformer_config(job: JobConfig) -> TransformerConfig:
@@ -113,18 +109,7 @@ def build(job: JobConfig) -> TrainingObjects:
         clip_grad=1.0,
         use_distributed_optimizer=True,
     )
-    gathers = [0]
-    real_gather = torch.distributed.all_gather_object
-
-    def counting_gather(*args: Any, **kwargs: Any) -> Any:
-        gathers[0] += 1
-        return real_gather(*args, **kwargs)
-
-    torch.distributed.all_gather_object = counting_gather
-    try:
-        optimizer = get_megatron_optimizer(opt_cfg, [ddp])
-    finally:
-        torch.distributed.all_gather_object = real_gather
+    optimizer = get_megatron_optimizer(opt_cfg, [ddp])
     scheduler = OptimizerParamScheduler(
         optimizer,
         init_lr=0.0,
@@ -145,23 +130,7 @@ def build(job: JobConfig) -> TrainingObjects:
         optimizer=optimizer,
         scheduler=scheduler,
         config=cfg,
-        opt_config=opt_cfg,
-        optimizer_build_gathers=gathers[0],
     )
-
-
-def mirror_optimizer_build(objs: TrainingObjects) -> None:
-    """Issue the world collectives a newcomer's `get_megatron_optimizer` issues.
-
-    `get_megatron_optimizer` aligns parameter-group keys across ranks with world
-    `all_gather_object` calls; survivors, who keep their optimizer, take part with their own
-    keys through the same function Megatron uses (`_get_param_groups`), as many times as their
-    own build did.
-    """
-    from megatron.core.optimizer import _get_param_groups
-
-    for _ in range(objs.optimizer_build_gathers):
-        _get_param_groups(objs.model, objs.opt_config, None)
 
 
 def _forward_step(data_iterator: Any, model: torch.nn.Module) -> tuple[torch.Tensor, Any]:

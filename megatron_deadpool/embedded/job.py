@@ -5,8 +5,8 @@ assigned a slot. The training loop is Megatron's (`gpt.train_step`: forward/back
 `get_forward_backward_func`, the distributed optimizer's step, the LR scheduler); around each
 step the driver (`hotswap.driver`) fires injected faults and replicates, and on a peer failure
 recovers in place. What is particular to this job is here: the `JobAdapter` answers (its
-objects, the newcomer's build mirrored by survivors), persistent checkpoints, preemption, and
-the per-iteration records the launcher renders.
+objects; a newcomer builds them in its private world before it takes its slot), persistent
+checkpoints, preemption, and the per-iteration records the launcher renders.
 """
 
 from __future__ import annotations
@@ -22,9 +22,9 @@ from megatron.core import parallel_state as ps
 
 from ..config.job import JobConfig
 from ..devices import select_device
-from ..errors import CoordinatorUnreachableError, OutOfRedundancyError
+from ..errors import CoordinatorUnreachableError, ExitCode, OutOfRedundancyError
 from ..hotswap.driver import Driver
-from ..hotswap.roster import Roster
+from ..hotswap.messages import IterationRecord, Roster
 from ..hotswap.weights import sync_params_from_main
 from ..replication import save_dir, snapshot_set
 from ..replication.snapshot import RankState, Snapshotter
@@ -50,7 +50,7 @@ class EmbeddedJob:
         self,
         spec: JobConfig,
         *,
-        pid: str,
+        member: str,
         coordinator: str,
         token: str,
         saver: Saver = save_checkpoint,
@@ -62,7 +62,11 @@ class EmbeddedJob:
         self.saver = saver
         self.on_finish = on_finish
         self.driver = Driver(
-            spec.deadpool, select_device("auto"), coordinator=coordinator, token=token, pid=pid
+            spec.deadpool,
+            select_device("auto"),
+            coordinator=coordinator,
+            token=token,
+            member=member,
         )
         self.objs: gpt.TrainingObjects | None = None
         self.preempted_at: int | None = None
@@ -85,10 +89,7 @@ class EmbeddedJob:
         )
 
     def after_rejoin(self, roster: Roster) -> None:
-        # A newcomer builds its objects now: recreate the RNG tracker (restored below) and
-        # take part in the world collectives its optimizer build makes.
-        gpt.seed_rng(self.spec.train.seed)
-        gpt.mirror_optimizer_build(self.objs)
+        pass  # the RNG states come back with the snapshot (`after_restore`'s iteration)
 
     def after_restore(self, iteration: int, *, needy: bool) -> None:
         pass  # the data of iteration t is a function of t (`data.iteration_batches`)
@@ -100,21 +101,21 @@ class EmbeddedJob:
         return self.spec.train.save, None
 
     # ------------------------------------------------------------------ life
-    def run(self) -> int:
+    def run(self) -> ExitCode:
         """The process's life; its exit code (0 done, 3 out of redundancy, 4 coordinator lost)."""
         try:
             return self._run()
         except OutOfRedundancyError as exc:
             log.error("%s", exc)
-            return 3
+            return ExitCode.OUT_OF_REDUNDANCY
         except (dist.DistStoreError, dist.DistNetworkError) as exc:
             log.error("%s", self.driver.coordinator_lost(str(exc)))
         except CoordinatorUnreachableError as exc:
             log.error("%s", exc)
         self.driver.without_coordinator()
-        return 4
+        return ExitCode.NO_COORDINATOR
 
-    def _run(self) -> int:
+    def _run(self) -> ExitCode:
         d = self.driver
         # Slurm's time limit and preemption send SIGTERM: finish the iteration, agree on it
         # with every rank, save (with --save), and exit cleanly.
@@ -122,27 +123,28 @@ class EmbeddedJob:
         d.connect(self.spec.parallel.world_size)
         roster = d.wait_for_slot()
         if roster is None:
-            return 0
-        d.join(roster, self.init_model_parallel)
+            return ExitCode.OK
+        newcomer = roster.generation > 0  # a spare taking a dead rank's slot
+        if newcomer:
+            d.build_privately(init_model_parallel=self.init_model_parallel)
+        else:
+            d.join(roster, self.init_model_parallel)
         self.objs = gpt.build(self.spec)
         d.bind(self)
-        start = 1
-        if roster.generation > 0:  # a spare taking a dead rank's slot
-            start = d.restore(roster, needy=True) + 1
+        if newcomer:
+            start = d.take_slot() + 1
         elif self.spec.train.load:
             start = self._load(self.spec.train.load) + 1
-        while True:
-            try:
-                last = self._train(start)
-                d.finish_training(last)
-                break
-            except Exception as exc:
-                if not d.is_peer_failure(exc):
-                    raise
-                start = d.recover(exc) + 1
+        else:
+            start = 1
+        d.recovering(lambda t: self._train_to_end(start if t is None else t + 1))
         d.training_over()
         self._finish()
-        return 0
+        return ExitCode.OK
+
+    def _train_to_end(self, start: int) -> None:
+        """Iterations `start`.. to the end, then the last one's replication committed."""
+        self.driver.finish_training(self._train(start))
 
     def _train(self, start: int) -> int:
         """Iterations `start`.. to the end (or a preemption); returns the last one done."""
@@ -177,7 +179,7 @@ class EmbeddedJob:
     def _stop_vote(self) -> bool:
         """This rank votes to stop: it got SIGTERM, or (rank 0) the launcher asked."""
         d = self.driver
-        return d.sigterm.is_set() or (d.rank == 0 and d.members.preempt_requested())
+        return d.sigterm.is_set() or (d.rank == 0 and d.membership.preempt_requested())
 
     def _report(
         self,
@@ -199,22 +201,20 @@ class EmbeddedJob:
         if d.rank != 0:
             return
         repl = d.replicator
-        d.members.publish_metrics(
-            d.generation,
-            it,
-            {
-                "iteration": it,
-                "time": time.time(),
-                "loss": step.loss,
-                "grad_norm": step.grad_norm,
-                "lr": self.objs.optimizer.param_groups[0]["lr"],
-                "iter_time_s": iter_s,
-                "replication_s": iter_s - compute_s,
-                "generation": d.generation,
-                "committed_iteration": committed,
-                "replica_bytes_sent": repl.bytes_per_round if repl else 0,
-                "replication_parts_s": dict(repl.timings) if repl else {},
-            },
+        d.membership.publish_metrics(
+            IterationRecord(
+                iteration=it,
+                time=time.time(),
+                loss=step.loss,
+                grad_norm=step.grad_norm,
+                lr=self.objs.optimizer.param_groups[0]["lr"],
+                iter_time_s=iter_s,
+                replication_s=iter_s - compute_s,
+                generation=d.generation,
+                committed_iteration=committed,
+                replica_bytes_sent=repl.bytes_per_round if repl else 0,
+                replication_parts_s=dict(repl.timings) if repl else {},
+            )
         )
 
     def _finish(self) -> None:
@@ -223,9 +223,9 @@ class EmbeddedJob:
         d = self.driver
         if d.rank == 0:
             if d.replicator is not None:
-                d.members.publish_final_replication(d.committed)
+                d.membership.publish_final_replication(d.committed)
             if self.preempted_at is not None:
-                d.members.publish_preempted(self.preempted_at, bool(self.spec.train.save))
+                d.membership.publish_preempted(self.preempted_at, bool(self.spec.train.save))
         self.on_finish()
         try:
             dist.barrier()
@@ -261,6 +261,6 @@ class EmbeddedJob:
             return t
         t0 = time.perf_counter()
         iteration = checkpoint.load(self.objs, root)
-        self.driver.members.record_load_time(rank, time.perf_counter() - t0)
+        self.driver.membership.record_load_time(rank, time.perf_counter() - t0)
         log.info("loaded checkpoint of iteration %d in %.2fs", iteration, time.perf_counter() - t0)
         return iteration

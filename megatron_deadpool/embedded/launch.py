@@ -15,7 +15,7 @@ import statistics
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -24,7 +24,9 @@ import yaml
 from ..config.deadpool import DeadpoolConfig
 from ..config.job import JobConfig
 from ..digest import final_digest
+from ..errors import ExitCode
 from ..hotswap.local_job import LocalJob
+from ..hotswap.supervisor import Supervisor
 from ..replication.placement import Layout, place_replicas
 from ..replication.save_dir import resume_point
 from .progress import Progress
@@ -77,14 +79,14 @@ class LocalLauncher:
         env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PYTHONWARNINGS="ignore")
         return env
 
-    def _command(self, pid: str | None, address: str) -> list[str]:
-        """Process `pid`'s command line, the coordinator's store at `address` (`pid` None:
-        the process takes its own from SLURM_PROCID)."""
+    def _command(self, member: str | None, address: str) -> list[str]:
+        """Member `member`'s command line, the coordinator's store at `address` (`member`
+        None: the process takes its own from SLURM_PROCID)."""
         return [
             *self._worker_command(),
             "--config",
             str(self.run_dir / "job.yaml"),
-            *(["--pid", pid] if pid else []),
+            *(["--member", member] if member else []),
             "--deadpool-coordinator",
             address,
             "--deadpool-job-token",
@@ -97,17 +99,17 @@ class LocalLauncher:
 
     def _start(self) -> None:
         """Start every process of the job: actives, then spares."""
-        for pid in self.local.pids:
-            self._spawn(pid)
+        for member in self.local.members:
+            self._spawn(member)
 
-    def _spawn(self, pid: str) -> None:
-        with open(self.run_dir / f"{pid}.log", "w") as log:  # the child keeps its own copy
-            self.local.spawn(pid, self._command(pid, self.local.address), self._env(), log)
+    def _spawn(self, member: str) -> None:
+        with open(self.run_dir / f"{member}.log", "w") as log:  # the child keeps its own copy
+            self.local.spawn(member, self._command(member, self.local.address), self._env(), log)
 
-    def _tail(self, pid: str, lines: int = 15) -> str:
-        path = self.run_dir / f"{pid}.log"
+    def _tail(self, member: str, lines: int = 15) -> str:
+        path = self.run_dir / f"{member}.log"
         text = path.read_text(errors="replace").splitlines() if path.exists() else []
-        return "\n".join(f"    {pid}| {line}" for line in text[-lines:])
+        return "\n".join(f"    {member}| {line}" for line in text[-lines:])
 
     # ------------------------------------------------------------------ run
     def run(self) -> RunResult:
@@ -154,52 +156,61 @@ class LocalLauncher:
         return RunResult(returncode=rc, records=records, summary=summary, run_dir=self.run_dir)
 
     def _monitor(self, records: list, log_file: TextIO | None, t_start: float) -> int:
+        """Supervise the job (`hotswap.supervisor`), rendering rank 0's records as they come."""
         local = self.local
-        coord, members = local.coordinator, local.members
+        assert local is not None
+        coord, membership = local.coordinator, local.membership
         deadpool = self.job.deadpool.enabled
-        preempt_sent = False
-        next_it, generation = self._first_iteration(), 0
-        while True:
-            if self._sigterm and not preempt_sent:  # preemption: save and stop, together
-                members.request_preempt()
-                preempt_sent = True
-                self.progress.event(
-                    "SIGTERM: every rank stops after the current iteration"
-                    + (" and saves a checkpoint" if self.job.train.save else "")
-                )
-            local.tick()
+        shown = {"next": self._first_iteration(), "generation": 0}
+
+        def show_progress() -> bool:
+            """Spares added, the display rewound after a recovery, the next record shown;
+            True when a record was shown (look for the next one at once)."""
             while deadpool and self.replenish_spares and len(coord.spares) < local.spares:
                 local.add_spare(self._spawn)  # as a cluster's scheduler would add nodes
-            if coord.roster.generation != generation:  # a recovery agreed: rewind the display
-                generation = coord.roster.generation
-                next_it = (coord.roster.restore_iteration or 0) + 1
-                del records[next_it - 1 :]
-            rec = members.metrics(generation, next_it)
-            if rec is not None:
-                records.append(rec)
-                self.progress.iteration(rec, deadpool)
-                if log_file:
-                    log_file.write(json.dumps(rec) + "\n")
-                    log_file.flush()
-                next_it += 1
-                continue
-            if coord.aborted is not None:
-                local.wait_exit(local.actives(), 30.0)
-                return 1
-            failed = local.failed()
-            if failed and not deadpool:
-                for pid, code in failed.items():
-                    self.progress.event(f"process {pid} exited with code {code}")
-                    self.progress.event("its log ends:\n" + self._tail(pid))
-                return 1
-            if local.finished():
-                if members.preempted() is not None:
-                    return 143  # 128 + SIGTERM: stopped on purpose, resumable with --load
-                return 0 if next_it > self.job.train.iters else 1
-            if time.monotonic() - t_start > self.timeout_s:
-                self.progress.event(f"run exceeded its {self.timeout_s:.0f}s limit; stopping")
-                return 124
-            local.wait(0.02)
+            if coord.roster.generation != shown["generation"]:  # a recovery agreed: rewind
+                shown["generation"] = coord.roster.generation
+                shown["next"] = (coord.roster.restore_iteration or 0) + 1
+                del records[shown["next"] - 1 :]
+            rec = membership.metrics(shown["generation"], shown["next"])
+            if rec is None:
+                return False
+            records.append(rec.to_dict())
+            self.progress.iteration(records[-1], deadpool)
+            if log_file:
+                log_file.write(json.dumps(records[-1]) + "\n")
+                log_file.flush()
+            shown["next"] += 1
+            return True
+
+        def failed(members: dict[str, int]) -> int:
+            for member, code in members.items():
+                self.progress.event(f"process {member} exited with code {code}")
+                self.progress.event("its log ends:\n" + self._tail(member))
+            return ExitCode.FAILED
+
+        def finished() -> int:
+            if membership.preempted() is not None:
+                return ExitCode.PREEMPTED  # stopped on purpose, resumable with --load
+            return ExitCode.OK if shown["next"] > self.job.train.iters else ExitCode.FAILED
+
+        def preempt() -> str | None:
+            if not self._sigterm:
+                return None
+            return "SIGTERM: every rank stops after the current iteration" + (
+                " and saves a checkpoint" if self.job.train.save else ""
+            )
+
+        return Supervisor(
+            local,
+            limit_s=self.timeout_s - (time.monotonic() - t_start),
+            say=self.progress.event,
+            finished=finished,
+            on_failed=failed,
+            on_tick=show_progress,
+            interval_s=0.02,
+            preempt=preempt,
+        ).run()
 
     def _first_iteration(self) -> int:
         """1, or the iteration after the checkpoint `--load` resumes from."""
@@ -215,6 +226,10 @@ class LocalLauncher:
             self.job.ranks_per_node,
         )
         local = self.local
+        assert local is not None
+        coord, membership = local.coordinator, local.membership
+        final, preempted = membership.final_replication(), membership.preempted()
+        oor, ended = coord.out_of_redundancy, coord.ended
         digests = local.digests()
         digest, identical = final_digest(layout.dp_groups, digests)
         complete = rc == 0 and digest is not None
@@ -226,12 +241,12 @@ class LocalLauncher:
             "final_param_digest": digest if complete else None,
             "rank_digests": {str(r): d for r, d in sorted(digests.items())},
             "dp_replicas_identical": complete and identical,
-            "committed_iteration": local.members.final_replication().get("committed_iteration"),
+            "committed_iteration": final.committed_iteration if final else None,
             "deadpool": self.job.deadpool.enabled,
-            "recoveries": local.coordinator.finished,
-            "out_of_redundancy": local.coordinator.aborted,
-            "lost_after_training": local.coordinator.ended,
-            "preempted": local.members.preempted(),
+            "recoveries": coord.recoveries,
+            "out_of_redundancy": oor.to_dict() if oor else None,
+            "lost_after_training": ended.to_dict() if ended else None,
+            "preempted": asdict(preempted) if preempted else None,
             "wall_s": wall_s,
             "median_iter_time_s": (
                 statistics.median(r["iter_time_s"] for r in records) if records else None

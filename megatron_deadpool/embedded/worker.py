@@ -17,8 +17,8 @@ import torch
 
 from ..config.job import JobConfig
 from ..config.job_args import add_job_flags, job_from_args
-from ..errors import ConfigError, CoordinatorUnreachableError
-from ..hotswap.roster import pid_of
+from ..errors import ConfigError, CoordinatorUnreachableError, ExitCode
+from ..hotswap.messages import member_of
 from ..logs import setup_logging
 
 
@@ -26,27 +26,33 @@ def main(argv: Sequence[str] | None = None, **hooks: Any) -> int:
     """Run one process of the embedded job; `hooks` go to `EmbeddedJob` (saver, on_finish)."""
     parser = argparse.ArgumentParser(prog="python -m megatron_deadpool.embedded.worker")
     add_job_flags(parser)
-    parser.add_argument("--pid", help="process id a{rank} or s{spare}; default from SLURM_PROCID")
+    parser.add_argument(
+        "--member", help="this process's member name a{rank} or s{spare}; default from SLURM_PROCID"
+    )
     args = parser.parse_args(argv)
     setup_logging()
     job = job_from_args(args)
     if not job.deadpool.coordinator:
         raise ConfigError("deadpool-coordinator: a worker needs the coordinator's HOST:PORT")
-    pid = args.pid or _pid_from_env(job)
+    member = args.member or _member_from_env(job)
     token = job.deadpool.job_token or os.environ.get("DEADPOOL_JOB_TOKEN", "")
     torch.set_num_threads(int(os.environ.get("DEADPOOL_THREADS", "1")))
     from .job import EmbeddedJob  # imports megatron-core: only once the input is valid
 
     return EmbeddedJob(
-        job, pid=pid, coordinator=job.deadpool.coordinator, token=token, **hooks
+        job, member=member, coordinator=job.deadpool.coordinator, token=token, **hooks
     ).run()
 
 
-def _pid_from_env(job: JobConfig) -> str:
+def _member_from_env(job: JobConfig) -> str:
     procid = os.environ.get("SLURM_PROCID", os.environ.get("RANK"))
     if procid is None:
-        raise ConfigError("worker: pass --pid or run under Slurm (SLURM_PROCID) / torchrun (RANK)")
-    return pid_of(int(procid), job.parallel.world_size)
+        raise ConfigError(
+            "worker: pass --member or run under Slurm (SLURM_PROCID) / torchrun (RANK)"
+        )
+    if not procid.isdigit():
+        raise ConfigError(f"SLURM_PROCID/RANK: expected a task index (0, 1, ...), got {procid!r}")
+    return member_of(int(procid), job.parallel.world_size)
 
 
 if __name__ == "__main__":
@@ -54,7 +60,7 @@ if __name__ == "__main__":
         sys.exit(main())
     except ConfigError as exc:
         print(f"deadpool worker: error: {exc}", file=sys.stderr)
-        sys.exit(2)
+        sys.exit(ExitCode.BAD_INPUT)
     except CoordinatorUnreachableError as exc:
         print(f"deadpool worker: error: {exc}", file=sys.stderr)
-        sys.exit(3)
+        sys.exit(ExitCode.NO_COORDINATOR)

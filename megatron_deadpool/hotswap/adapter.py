@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from ..replication.snapshot import RankState
-from .roster import Roster
+from .messages import Roster
 
 
 class JobAdapter(Protocol):

@@ -127,7 +127,8 @@ class BoundedStore:
     """A store client whose every operation answers within `op_timeout` seconds (a `wait`
     within its own timeout plus that) or raises `DistNetworkError`."""
 
-    def __init__(self, client: dist.Store, op_timeout: float) -> None:
+    def __init__(self, client: Any, op_timeout: float) -> None:
+        """`client`: a torch store client (`open_client`)."""
         self.client = client
         self.op_timeout = op_timeout
         self._caller = _Caller()
@@ -137,9 +138,14 @@ class BoundedStore:
         if caller is not None:
             caller.close()
 
-    def set(self, key: str, value: str | bytes) -> None:
+    def set(self, key: str, value: str) -> None:
         """Set, confirmed: the answer to the `check` after it means the server applied it."""
-        self._call(lambda c: (c.set(key, value), c.check([key])))
+
+        def confirmed(c: Any) -> None:
+            c.set(key, value)
+            c.check([key])
+
+        self._call(confirmed)
 
     def get(self, key: str) -> bytes:
         return self._call(lambda c: c.get(key))
@@ -159,10 +165,10 @@ class BoundedStore:
     def multi_get(self, keys: list[str]) -> list[bytes]:
         return self._call(lambda c: c.multi_get(keys))
 
-    def queue_push(self, key: str, value: str | bytes) -> None:
+    def queue_push(self, key: str, value: str) -> None:
         self._call(lambda c: c.queue_push(key, value))
 
-    def clone(self) -> dist.Store:
+    def clone(self) -> Any:
         """A plain connection of its own to the current server, for a thread that blocks in
         the store (`wakeup.StoreWaiter`): unbounded, and it does not fail over (its blocked
         call fails when the server is lost, which wakes its waiter)."""
@@ -171,7 +177,7 @@ class BoundedStore:
     def wait(self, keys: list[str], timeout: datetime.timedelta) -> None:
         self._call(lambda c: c.wait(keys, timeout), timeout.total_seconds())
 
-    def _call(self, fn: Callable[[dist.Store], T], extra_s: float = 0.0) -> T:
+    def _call(self, fn: Callable[[Any], T], extra_s: float = 0.0) -> T:
         client, caller = self.client, self._caller
         try:
             return caller.call(lambda: fn(client), self.op_timeout + extra_s, self._moved)
@@ -188,9 +194,9 @@ class BoundedStore:
 class Heartbeat(threading.Thread):
     """Publishes this process's heartbeat on its own store connection (`store`)."""
 
-    def __init__(self, store: Any, pid: str, interval: float) -> None:
+    def __init__(self, store: Any, member: str, interval: float) -> None:
         super().__init__(name="deadpool-heartbeat", daemon=True)
-        self.membership = Membership(store, pid)
+        self.membership = Membership(store, member)
         self.interval = interval
         self.stopped = threading.Event()
         self.lost: str | None = None  # why the coordinator became unreachable, if it did

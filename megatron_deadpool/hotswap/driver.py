@@ -1,16 +1,19 @@
 """The driver of one process's hot-swap life cycle, the same for every job.
 
-connect -> wait for a slot -> join a generation -> (train: fire injected faults, replicate after
-every step) -> on a peer failure: release, agree, join the next generation, rebind, restore ->
-train on -> finish. The job - the embedded GPT job (`embedded.job`) or Megatron-LM's training
-loop (`megatron_lm.session`) - owns its training loop and calls the driver around each step; it
-plugs its own objects and decisions in through a `JobAdapter` (`adapter.py`): which objects hold
-process-group handles, how Megatron's groups are created, what else survivors report and
-restore. torchft's `Manager` and nvidia-resiliency-ext's in-process wrapper are the models: one
-protocol, thin adapters.
+connect -> wait for a slot -> join a generation (a newcomer: build in a private world, then
+take the slot) -> (train: fire injected faults, replicate after every step) -> on a peer
+failure: release, agree, join the next generation, rebind, restore -> train on -> finish. The
+job - the embedded GPT job (`embedded.job`) or Megatron-LM's training loop
+(`megatron_lm.session`) - owns its training loop and hands it to the driver (`recovering`),
+which catches every peer failure in it, recovers, and lets the job go on from the restore
+iteration; the job plugs its own objects and decisions in through a `JobAdapter`
+(`adapter.py`): which objects hold process-group handles, how Megatron's groups are created,
+what else survivors report and restore. torchft's `Manager` and nvidia-resiliency-ext's
+in-process wrapper are the models: one protocol, thin adapters.
 
 The communication steps of a recovery live in `recovery.py`, the coordinator's decisions in
-`coordinator.py` (pure planning in `restore_plan.py`), the store's keys in `membership.py`.
+`coordinator.py` (pure planning in `restore_plan.py`), the store's keys in `membership.py`,
+injected faults in `injection.py`.
 """
 
 from __future__ import annotations
@@ -24,12 +27,11 @@ import threading
 import time
 import traceback
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import torch.distributed as dist
 
 from ..config.deadpool import DeadpoolConfig, split_coordinators
-from ..config.faults import end_faults, iteration_faults, recovery_faults, spare_faults
 from ..devices import Device, nccl
 from ..devices.abort import abort_groups
 from ..devices.failures import is_peer_failure
@@ -41,19 +43,24 @@ from ..logs import set_context
 from ..replication.placement import Layout, Placement, place_replicas
 from ..replication.replicator import Replicator
 from ..replication.snapshot import Snapshotter
-from . import orphaned, rebind, recovery
+from . import orphaned, private_world, rebind
 from .adapter import JobAdapter, RecoveryRecord
 from .connection import Heartbeat
 from .failover import CoordinatorLink, FailoverStore, host_id
-from .injection import inject
+from .injection import FaultInjector
 from .membership import Membership
+from .messages import LayoutRecord, Registration, Roster, member_of
 from .plan_watch import PlanWatch
-from .rebuild import Registration
-from .roster import Roster, pid_of
+from .recovery import Recovery, abort_keeping_arrivals, release_groups
 from .wakeup import StoreWaiter, spare_wakeups
 from .weights import sync_params_from_main
 
 log = logging.getLogger("megatron_deadpool.driver")
+
+T = TypeVar("T")
+
+REPLICATION = "DEADPOOL_REPLICATION"
+"""The name the replication group goes by when its handle is released and rebound."""
 
 
 class Driver:
@@ -66,28 +73,22 @@ class Driver:
         *,
         coordinator: str,
         token: str,
-        pid: str | None = None,
+        member: str | None = None,
         task: int | None = None,
     ) -> None:
-        """`pid` (a{r} / s{i}) or `task` (a task index: actives first, then spares; the pid
-        follows once the coordinator's world size is known)."""
-        if (pid is None) == (task is None):
-            raise ValueError("give exactly one of pid and task")
+        """`member` (a{r} / s{i}) or `task` (a task index: actives first, then spares; the
+        member name follows once the coordinator's world size is known)."""
+        if (member is None) == (task is None):
+            raise ValueError("give exactly one of member and task")
         self.cfg = cfg
         self.device = device
         self.coordinator = coordinator
         self.token = token
-        self.pid = pid or ""
+        self.member = member or ""
         self.task = task
-        self.job: JobAdapter | None = None
-        self.link: CoordinatorLink | None = None
-        self.members: Membership | None = None
-        self.heartbeat: Heartbeat | None = None
         self.sigterm = threading.Event()
-        self._slot_waiter: StoreWaiter | None = None
         self.rank: int | None = None
         self.generation = 0
-        self.roster: Roster | None = None
         self.layout: Layout | None = None
         self.placement: Placement | None = None
         self.replicator: Replicator | None = None
@@ -100,8 +101,50 @@ class Driver:
         self.resumed_at: int | None = None
         self.recoveries: list[RecoveryRecord] = []
         self.plan_watch = PlanWatch(abort_groups)  # a peer frozen in a collective with us
-        self.recovering = False  # between a failed collective and the restore
+        self.recovering_now = False  # between a failed collective and the restore
         self.done = False  # finished its work
+        self._job: JobAdapter | None = None
+        self._roster: Roster | None = None
+        self._membership: Membership | None = None
+        self._heartbeat: Heartbeat | None = None
+        self._faults: FaultInjector | None = None
+        self._link: CoordinatorLink | None = None
+        self._slot_waiter: StoreWaiter | None = None
+
+    # ------------------------------------------------------------------ what it holds
+    @property
+    def membership(self) -> Membership:
+        if self._membership is None:
+            raise DeadpoolRuntimeError("not connected to the coordinator yet (`connect`)")
+        return self._membership
+
+    @property
+    def roster(self) -> Roster:
+        if self._roster is None:
+            raise DeadpoolRuntimeError(f"{self.member or 'this process'} holds no slot yet")
+        return self._roster
+
+    @property
+    def job(self) -> JobAdapter:
+        if self._job is None:
+            raise DeadpoolRuntimeError("the job's objects are not built yet (`bind`)")
+        return self._job
+
+    @property
+    def faults(self) -> FaultInjector:
+        if self._faults is None:
+            raise DeadpoolRuntimeError("not connected to the coordinator yet (`connect`)")
+        return self._faults
+
+    def _rank(self) -> int:
+        if self.rank is None:
+            raise DeadpoolRuntimeError(f"{self.member} holds no rank")
+        return self.rank
+
+    def _layout(self) -> Layout:
+        if self.layout is None:
+            raise DeadpoolRuntimeError("Megatron's groups do not exist yet (`place_replicas`)")
+        return self.layout
 
     # ------------------------------------------------------------------ start-up
     def connect(self, world_size: int | None = None) -> None:
@@ -109,46 +152,48 @@ class Driver:
         Every connection fails over to a standby coordinator that takes over (`failover.py`).
         `world_size`: the job's own, which must be the coordinator's."""
         cfg = self.cfg
-        self.link = CoordinatorLink(
+        self._link = link = CoordinatorLink(
             split_coordinators(self.coordinator),
             self.token,
             connect_timeout=cfg.connect_timeout,
             op_timeout=min(cfg.heartbeat_timeout, cfg.connect_timeout),
             rebuild_timeout=2 * cfg.heartbeat_timeout + cfg.connect_timeout,
             beat_s=cfg.heartbeat_interval,
-            pid=lambda: self.pid or f"task{self.task}",
+            member=lambda: self.member or f"task{self.task}",
             record=self.rejoin_record,
         )
-        self.link.connect()
-        store = FailoverStore(self.link)
-        members = Membership(store, self.pid or f"task{self.task}")
-        members.check_token(self.token)
+        link.connect()
+        store = FailoverStore(link)
+        membership = Membership(store, self.member or f"task{self.task}")
+        membership.check_token(self.token)
         # The coordinator's first roster is the authority on the world size.
-        world = members.wait_roster(0, self.cfg.pg_timeout).world_size
+        world = membership.wait_roster(0, self.cfg.pg_timeout).world_size
         if world_size is not None and world != world_size:
             raise ConfigError(
                 f"deadpool-coordinator: the coordinator at {self.coordinator} runs a job of "
                 f"{world} ranks, this process's job has {world_size} (tp*pp*dp); start "
                 f"`deadpool coordinator --world-size {world_size}`"
             )
-        if not self.pid:
-            self.pid = pid_of(self.task, world)
-            members = Membership(store, self.pid)
-        self.members = members
-        if self.pid.startswith("s"):
-            set_context(spare=self.pid)
-        members.announce()
-        self.heartbeat = Heartbeat(FailoverStore(self.link), self.pid, cfg.heartbeat_interval)
-        self.heartbeat.after_beat = self.plan_watch
-        self.heartbeat.start()
+        if not self.member:
+            assert self.task is not None
+            self.member = member_of(self.task, world)
+            membership = Membership(store, self.member)
+        self._membership = membership
+        self._faults = FaultInjector(cfg.fail, membership)
+        if self.member.startswith("s"):
+            set_context(spare=self.member)
+        membership.announce()
+        self._heartbeat = beat = Heartbeat(FailoverStore(link), self.member, cfg.heartbeat_interval)
+        beat.after_beat = self.plan_watch
+        beat.start()
         atexit.register(self.stop_heartbeat)  # whatever way this process ends (`Heartbeat.stop`)
 
     def rejoin_record(self) -> Registration:
         """What this process tells a standby coordinator that took over (read by whichever of
         its threads first notices the loss)."""
-        roster = self.roster
+        roster = self._roster
         return Registration(
-            pid=self.pid or f"task{self.task}",
+            member=self.member or f"task{self.task}",
             host=host_id(),
             rank=self.rank,
             generation=roster.generation if roster else -1,
@@ -159,8 +204,8 @@ class Driver:
             completed=self.completed,
             done=self.done,
             layout=self._layout_record(),
-            plan_seen=self.members.plan_seen if self.members else 0,
-            recovering=self.recovering,
+            plan_seen=self._membership.plan_seen if self._membership else 0,
+            recovering=self.recovering_now,
         )
 
     def catch_sigterm(self) -> Any:
@@ -170,7 +215,9 @@ class Driver:
 
     def wait_for_slot(self) -> Roster | None:
         """Block until a roster names this process; None when the job ends (or SIGTERM)
-        before it needs this spare."""
+        before it needs this spare. A newcomer (a spare taking a slot after the start) has
+        claimed its slot when this returns: it builds its objects in a private world
+        (`build_privately`), then joins (`take_slot`)."""
         previous = self.catch_sigterm()
         try:
             return self._wait_for_slot()
@@ -181,59 +228,50 @@ class Driver:
                 self._slot_waiter = None
 
     def _wait_for_slot(self) -> Roster | None:
-        faults = spare_faults(self.cfg.fail, self.pid)
+        m, faults = self.membership, self.faults
+        may_fail = faults.waiting_faults(self.member)
         while True:
-            if self.members.shutdown_requested() or self.sigterm.is_set():
+            if m.shutdown_requested() or self.sigterm.is_set():
                 self.stop_heartbeat()
                 log.info("released: the job ended without needing this spare")
                 return None
-            for index, iteration, kind in faults:  # `spare:I@ITER`: a waiting spare fails
-                progress = self.members.progress()
-                if progress >= iteration and self.members.fire_once(index, self.pid):
-                    self._inject(kind, f"while waiting (training at iteration {progress})")
-            g = self.members.generation()
+            faults.while_waiting(self.member)  # `spare:I@ITER`: a waiting spare fails
+            g = m.generation()
             if g >= 0:
-                roster = self.members.roster(g)
-                rank = roster.rank_of(self.pid)
+                roster = m.roster(g)
+                rank = roster.rank_of(self.member)
                 if rank is not None:
                     if g > 0:  # a recovery's newcomer: claim the slot before anyone waits on it
-                        self._claim(g, rank)
-                    self.take(roster)
+                        faults.on_assignment(self.member, rank, g)
+                        if not m.claim_slot(g, rank):
+                            raise DeadpoolRuntimeError(
+                                f"the coordinator gave up rank {rank} of generation {g} before "
+                                "this spare claimed it (it took this process for lost)"
+                            )
+                    self._take(roster)
                     return roster
             if self._slot_waiter is None:  # from now on every roster and the shutdown wake us
-                self._slot_waiter = spare_wakeups(self.members)
+                self._slot_waiter = spare_wakeups(m)
                 continue  # look again: what happened before the waiter started is visible now
-            self._slot_waiter.wait(0.2 if faults else 1.0)  # the timeout: SIGTERM, `spare:` faults
+            self._slot_waiter.wait(0.2 if may_fail else 1.0)  # the timeout: SIGTERM, faults
 
-    def _claim(self, g: int, rank: int) -> None:
-        """Claim rank `rank` of generation g (`Membership.claim_slot`), unless a
-        `spare:I@recovery` fault fires first; the survivors join once every newcomer claimed."""
-        for index, _, kind in spare_faults(self.cfg.fail, self.pid, assigned=True):
-            if self._fire(index):
-                self._inject(kind, f"given rank {rank} of generation {g}, before claiming it")
-        if not self.members.claim_slot(g, rank):
-            raise DeadpoolRuntimeError(
-                f"the coordinator gave up rank {rank} of generation {g} before this spare "
-                "claimed it (it took this process for lost)"
-            )
-
-    def take(self, roster: Roster) -> None:
+    def _take(self, roster: Roster) -> None:
         """Become the rank `roster` gives this process (before any group exists)."""
-        self.roster = roster
+        self._roster = roster
         self.generation = roster.generation
-        self.rank = roster.rank_of(self.pid)
+        self.rank = roster.rank_of(self.member)
         set_context(rank=self.rank, generation=self.generation)
 
     def bind(self, job: JobAdapter) -> None:
         """The job's objects exist: from now on failures are recovered around them."""
-        self.job = job
+        self._job = job
 
     # ------------------------------------------------------------------ generations
     def process_group_args(self) -> dict[str, Any]:
         """`init_process_group` arguments of the current generation's default group."""
         return {
             "backend": self.pg_backend,
-            "store": self.members.process_group_store(self.generation),
+            "store": self.membership.process_group_store(self.generation),
             "rank": self.rank,
             "world_size": self.roster.world_size,
             "timeout": self.pg_timeout,
@@ -243,7 +281,7 @@ class Driver:
     def join(self, roster: Roster, init_model_parallel: Callable[[], None]) -> None:
         """Create generation g's default group, Megatron's groups (`init_model_parallel`) and
         the replication group."""
-        self.take(roster)
+        self._take(roster)
         dist.init_process_group(**self.process_group_args())
         init_model_parallel()
         self.place_replicas()
@@ -253,6 +291,41 @@ class Driver:
         log.info(
             "joined generation %d as rank %d of %d", self.generation, self.rank, roster.world_size
         )
+
+    def build_privately(
+        self,
+        record: Callable[[dict[str, Any]], None] = lambda kwargs: None,
+        init_model_parallel: Callable[[], None] | None = None,
+    ) -> None:
+        """A newcomer: from now on its job builds its objects in a private world (rank of the
+        roster's world, `private_world`), without the survivors; `init_model_parallel` creates
+        the private default group and Megatron's groups at once (a job whose start-up does that
+        itself passes None; `record` receives its `init_process_group` arguments)."""
+        private_world.enter(self._rank(), self.roster.world_size, record)
+        if init_model_parallel is not None:
+            dist.init_process_group(backend=self.pg_backend)  # the private world's default group
+            init_model_parallel()
+
+    def building_privately(self) -> bool:
+        """Whether this process builds in its private world (a newcomer before `take_slot`)."""
+        return private_world.active()
+
+    def take_slot(self, target: int | None = None) -> int:
+        """A newcomer whose objects exist (built in its private world, `bind` done) takes its
+        slot: it releases the private world's groups, joins the generation its roster names
+        like the survivors, rebinds its objects and restores its shard from the holder; returns
+        the restore iteration T. `target`: the step the job goes on at (T+1 unless the
+        survivors recompute more)."""
+        t0 = time.time()
+        roster = self.roster
+        self.release()
+        private_world.leave()
+        self.join(roster, self.job.init_model_parallel)
+        self.attach()
+        t_joined = time.time()
+        t_iter = self.restore(roster, needy=True)
+        self._record(roster, target, t0, {"join": t_joined - t0, "restore": time.time() - t_joined})
+        return t_iter
 
     def place_replicas(self, ranks_per_node: int | None = None) -> Layout:
         """Megatron's groups exist: the first time, work out the layout from them and place the
@@ -271,21 +344,17 @@ class Driver:
             if not self.cfg.enabled:
                 return self.layout
             self.placement = place_replicas(self.layout, self.cfg.replicas)
-            if self.generation == 0 and self.rank == 0:
-                self.members.publish_layout(self._layout_record())
+            record = self._layout_record()
+            if self.generation == 0 and self.rank == 0 and record is not None:
+                self.membership.publish_layout(record)
         return self.layout
 
-    def _layout_record(self) -> dict[str, int] | None:
+    def _layout_record(self) -> LayoutRecord | None:
         """The layout as the coordinator learns it (None before replicas are placed)."""
         if self.layout is None or self.placement is None:
             return None
-        return {
-            "tp": self.layout.tp,
-            "pp": self.layout.pp,
-            "dp": self.layout.dp,
-            "ranks_per_node": self.layout.ranks_per_node,
-            "replicas": self.cfg.replicas,
-        }
+        lay = self.layout
+        return LayoutRecord(lay.tp, lay.pp, lay.dp, lay.ranks_per_node, self.cfg.replicas)
 
     def new_replication_group(self) -> None:
         """Create this generation's replication group (every rank, after Megatron's groups)."""
@@ -294,15 +363,39 @@ class Driver:
         self.repl_group = dist.new_group(backend=backend, timeout=self.pg_timeout)
 
     # ------------------------------------------------------------------ training steps
+    def recovering(
+        self,
+        attempt: Callable[[int | None], T],
+        *,
+        target: int | None = None,
+        pending: BaseException | None = None,
+        on_failure: Callable[[], None] = lambda: None,
+    ) -> T:
+        """The job's training loop with recovery: `attempt(None)` - or, when `pending` (a peer
+        failure the job met between steps) is given, a recovery first - and after every peer
+        failure in it a recovery and `attempt(T)`, T the restore iteration every rank is back
+        at, until an attempt returns. Any other error ends the process as before.
+        `on_failure()` runs as each failure is caught (the job's clean-up of a cut-short step);
+        `target`: the step the job returns to afterwards (`recover`)."""
+        failure, restored = pending, None
+        while True:
+            try:
+                if failure is not None:
+                    restored = self.recover(failure, target=target)
+                    failure = None
+                return attempt(restored)
+            except Exception as exc:
+                if not self.is_peer_failure(exc):
+                    raise
+                on_failure()
+                failure = exc
+
     def begin_step(self, n: int) -> None:
-        """As step n starts: stop without the coordinator; fire the faults injected at n
-        (each spec fires once per job: not again for the process that takes the slot, nor
-        when the step is recomputed)."""
-        if self.heartbeat.lost:
-            raise self.coordinator_lost(self.heartbeat.lost)
-        hit = iteration_faults(self.cfg.fail, self.rank, self.layout.ranks_per_node).get(n)
-        if hit is not None and self._fire(hit[0]):
-            self._inject(hit[1], f"at iteration {n}")
+        """As step n starts: stop without the coordinator; fire the faults injected at n."""
+        beat = self._heartbeat
+        if beat is not None and beat.lost:
+            raise self.coordinator_lost(beat.lost)
+        self.faults.at_iteration(self._rank(), n, self._layout().ranks_per_node, self.replicator)
 
     def replicate(self, n: int, verdict: bool | None = None) -> int | None:
         """After optimizer step n: end the previous round (committed by `verdict`, every
@@ -321,9 +414,9 @@ class Driver:
         """Step n is done on this rank."""
         self.last_completed = n
         if self.rank == 0:
-            self.members.set_progress(n)
+            self.membership.set_progress(n)
             if self.resumed_at == n:
-                self.members.stamp(self.generation, "first_iteration", 0)
+                self.membership.stamp(self.generation, "first_iteration", 0)
 
     # ------------------------------------------------------------------ recovery
     def is_peer_failure(self, exc: BaseException) -> bool:
@@ -338,34 +431,28 @@ class Driver:
         T. `target`: the step the job returns to afterwards (recomputing T+1..target-1)."""
         t0 = time.time()
         self.plan_watch.recovering()
-        self.recovering = True
+        self.recovering_now = True
         log.warning("collective failed (%s): entering recovery", first_line(exc))
-        self.members.report_failure(first_line(exc))
+        self.membership.report_failure(first_line(exc))
         # The traceback's frames hold the failed collective's group: drop them, or the group
         # (and its connections) outlive the release below.
         traceback.clear_frames(exc.__traceback__)
         # The group is handed over in a dict the release empties: no reference may outlive it.
-        extra, self.repl_group = {"DEADPOOL_REPLICATION": self.repl_group}, None
-        held = recovery.abort_and_salvage(self.replicator)
-        for index, kind in recovery_faults(self.cfg.fail, self.rank):
-            if self._fire(index):
-                self._inject(kind, "while in recovery")
+        extra, self.repl_group = {REPLICATION: self.repl_group}, None
+        held = abort_keeping_arrivals(self.replicator)
+        self.faults.in_recovery(self._rank(), self.replicator)
         t_released = time.time()
         released: list[int] = []
 
         def release() -> None:  # while the coordinator decides, after this rank's report
             released.append(rebind.release(self._roots(), extra, held))
 
-        roster = recovery.agree(
-            self.members,
-            roster=self.roster,
-            rank=self.rank,
-            pid=self.pid,
-            replicator=self.replicator,
-            report={"last_completed": self.last_completed, **self.job.recovery_report()},
+        roster = self._recovery().agree(
+            self.job.recovery_report(),
+            last_completed=self.last_completed,
             deadline=t0 + self.cfg.heartbeat_timeout + self.cfg.agreement_timeout,
             cause=exc,
-            on_abort=self._salvage,
+            salvage_target=self.job.salvage_target,
             meanwhile=release,
         )
         t_agreed = time.time()
@@ -375,7 +462,7 @@ class Driver:
         self.job.after_rejoin(roster)
         t_joined = time.time()
         self.restore(roster, needy=False)
-        self.recovering = False
+        self.recovering_now = False
         self._record(
             roster,
             target,
@@ -387,14 +474,14 @@ class Driver:
                 "restore": time.time() - t_joined,
             },
         )
+        assert roster.restore_iteration is not None
         return roster.restore_iteration
 
     def attach(self) -> None:
         """Put the new generation's groups in every released handle; none may stay stale."""
-        roots = self._roots()
         stale: list[str] = []
-        n = rebind.attach(roots, {"DEADPOOL_REPLICATION": self.repl_group}, stale)
-        self.members.report_stale_refs(self.generation, self.rank, len(stale))
+        n = rebind.attach(self._roots(), {REPLICATION: self.repl_group}, stale)
+        self.membership.report_stale_refs(self.generation, len(stale))
         if stale:
             raise DeadpoolRuntimeError(
                 f"objects still reference groups of an old generation: {stale[:3]}"
@@ -414,22 +501,16 @@ class Driver:
         replicas the dead ranks held), and the job repositions itself.
         """
         t_iter = roster.restore_iteration
+        assert t_iter is not None
         state = self.job.rank_state()
-        from_holder = recovery.exchange_shards(
-            self.members,
-            roster,
-            rank=self.rank,
-            state=state,
-            replicator=self.replicator,
-            group=self.repl_group,
-            needy=needy,
-        )
+        steps = Recovery(self.membership, self.member, self.rank, roster, self.replicator)
+        from_holder = steps.exchange_shards(state, self.repl_group, needy=needy)
         sync_params_from_main(self.job.model(), state.optimizer)
         self.replicator = self._make_replicator()
         self.replicator.start_round(t_iter)
         self.committed = self.replicator.finish_round()
         self.job.after_restore(t_iter, needy=needy)
-        self.members.stamp(self.generation, "restored", self.rank)
+        self.membership.stamp(self.generation, "restored", self._rank())
         self.resumed_at = t_iter + 1
         self.last_completed = t_iter
         log.info(
@@ -443,10 +524,12 @@ class Driver:
         self, roster: Roster, target: int | None, t0: float, phases: dict[str, float]
     ) -> None:
         t_iter = roster.restore_iteration
+        assert t_iter is not None
+        plan = self.membership.plan(roster.generation)
         self.recoveries.append(
             RecoveryRecord(
                 generation=roster.generation,
-                dead=self.members.plan(roster.generation).get("dead", []),
+                dead=list(plan.dead) if plan else [],
                 restore_iteration=t_iter,
                 recomputed=max(0, (target or t_iter + 1) - 1 - t_iter),
                 total_s=time.time() - t0,
@@ -454,23 +537,9 @@ class Driver:
             )
         )
 
-    def record_newcomer(self, roster: Roster, target: int, t0: float, t_joined: float) -> None:
-        """A newcomer's own record of the recovery it completed (join, restore)."""
-        self._record(roster, target, t0, {"join": t_joined - t0, "restore": time.time() - t_joined})
-
-    def _salvage(self, report: dict[str, Any]) -> str:
-        """Out of redundancy: this survivor's part of the snapshot set; says what was saved."""
-        save = report.get("save") or {}
-        root, extra = self.job.salvage_target(save.get("iteration", -1))
-        return recovery.salvage(
-            self.members,
-            self.replicator,
-            root=root,
-            report=report,
-            rank=self.rank,
-            world_size=self.roster.world_size,
-            extra=extra,
-        )
+    def _recovery(self) -> Recovery:
+        """The recovery steps over what this process holds now."""
+        return Recovery(self.membership, self.member, self.rank, self.roster, self.replicator)
 
     # ------------------------------------------------------------------ the end
     def finish_training(self, n: int) -> None:
@@ -483,15 +552,13 @@ class Driver:
             self.replicator.start_round(n)
         self.completed = n
         if self.cfg.enabled:
-            self.members.report_finished(self.rank, n)
+            self.membership.report_finished(self._rank(), n)
             self.plan_watch.training_completed()
 
     def training_over(self) -> None:
         """The job's training loop has ended (after `finish_training`); its final work (final
         save, evaluation, the last barrier) comes next. Fires `RANK@end` faults."""
-        for index, kind in end_faults(self.cfg.fail, self.rank):
-            if self._fire(index):
-                self._inject(kind, "after training completed")
+        self.faults.after_training(self._rank())
 
     def end_failure(self, exc: BaseException, where: str) -> str:
         """A collective failed after training completed (final save, final report): a peer
@@ -503,23 +570,24 @@ class Driver:
         log.warning("collective failed in %s after training completed (%s)", where, first_line(exc))
         traceback.clear_frames(exc.__traceback__)
         self.plan_watch.recovering()
-        self.members.report_failure(first_line(exc))
-        extra, self.repl_group = {"DEADPOOL_REPLICATION": self.repl_group}, None
-        recovery.release_groups(self.replicator, self._roots(), extra)
+        m = self.membership
+        m.report_failure(first_line(exc))
+        extra, self.repl_group = {REPLICATION: self.repl_group}, None
+        release_groups(self.replicator, self._roots(), extra)
         deadline = time.time() + self.cfg.heartbeat_timeout + self.cfg.agreement_timeout
-        report = self.members.end()
+        report = m.end()
         while report is None and time.time() < deadline:
             time.sleep(0.05)
-            report = self.members.end()
+            report = m.end()
         if report is None:
             return (
                 f"training completed at iteration {self.completed}; a collective failed in "
                 f"{where} but the coordinator named no lost process: nothing saved"
             )
-        saved = self._salvage(report)
+        saved = self._recovery().salvage(report, self.job.salvage_target)
         return (
             f"training completed at iteration {self.completed}; rank(s) "
-            f"{report['dead_ranks']} lost afterwards, in {where}: {saved}"
+            f"{list(report.dead_ranks)} lost afterwards, in {where}: {saved}"
         )
 
     def drain(self) -> int | None:
@@ -532,29 +600,30 @@ class Driver:
         """Training is over on this rank: drain replication, publish the parameter digest
         (None: no model was built), mark the process done."""
         digest = None
-        if self.job is not None:
+        if self._job is not None:
             self.drain()
-            digest = rank_digest(self.job.model())
-            self.members.publish_digest(self.rank, digest)
-        self.members.mark_done()
+            digest = rank_digest(self._job.model())
+            self.membership.publish_digest(self._rank(), digest)
+        self.membership.mark_done()
         self.done = True
         self.stop_heartbeat()
         return digest
 
     def stop_heartbeat(self) -> None:
         """No more beats: this process's work is done (its silence is no failure)."""
-        self.heartbeat.stop(self.cfg.heartbeat_interval + self.cfg.heartbeat_timeout)
+        if self._heartbeat is not None:
+            self._heartbeat.stop(self.cfg.heartbeat_interval + self.cfg.heartbeat_timeout)
 
     def without_coordinator(self) -> None:
         """No coordinator is left (the primary's and the standby's nodes both lost): a rank
-        saves what it holds (`recovery.save_held`), then ends the Slurm job (`orphaned`); a
+        saves what it holds (`Recovery.save_held`), then ends the Slurm job (`orphaned`); a
         process that never joined (a spare, a job that never started) just leaves."""
-        if self.rank is not None:
-            log.error("%s", recovery.save_held(self.replicator, self.rank, self.roster, self.job))
+        if self.rank is not None and self._job is not None and self._membership is not None:
+            log.error("%s", self._recovery().save_held(self._job.salvage_target))
             log.error("%s", orphaned.end_slurm_job(self.cfg.coordinators))
 
     def coordinator_lost(self, why: str) -> CoordinatorUnreachableError:
-        who = f"rank {self.rank}" if self.rank is not None else self.pid
+        who = f"rank {self.rank}" if self.rank is not None else self.member
         return CoordinatorUnreachableError(
             f"lost the coordinator {self.coordinator} ({why.splitlines()[0][:160]}); stopping "
             f"{who}: without it no failure could be recovered"
@@ -562,34 +631,23 @@ class Driver:
 
     # ------------------------------------------------------------------ helpers
     def _roots(self) -> list[Any]:
-        return [*(self.job.roots() if self.job else []), self.replicator]
+        return [*(self._job.roots() if self._job else []), self.replicator]
 
     def _replica_memory(self) -> ReplicaMemory:
         return ReplicaMemory(self.cfg.replica_device, self.device)
 
     def _make_replicator(self) -> Replicator:
         """A new replicator (after a restore: it takes over its predecessor's buffers)."""
+        if self.placement is None or self.repl_group is None:
+            raise DeadpoolRuntimeError("no replication group yet (`join`)")
         return Replicator(
-            Snapshotter(self.job.rank_state(), self.rank),
+            Snapshotter(self.job.rank_state(), self._rank()),
             self.placement,
-            self.rank,
+            self._rank(),
             self.repl_group,
             self._replica_memory(),
             previous=self.replicator,
         )
-
-    def _fire(self, index: int) -> bool:
-        return self.members.fire_once(index, self.pid if self.rank is None else self.rank)
-
-    def _inject(self, kind: str, when: str) -> None:
-        if kind == "flip":  # memory corruption of the replicas this rank holds
-            if self.replicator is not None:  # nothing held before the first round
-                log.warning("fault injection: flip %s", when)
-                self.replicator.flip_bits_at_rest()
-            return
-        log.warning("fault injection: %s %s", kind, when)
-        self.members.record_fault()
-        inject(kind)
 
 
 def _ranks_per_node_from_env(default: int) -> int:

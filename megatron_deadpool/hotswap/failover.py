@@ -26,14 +26,14 @@ import socket
 import threading
 import time
 from collections.abc import Callable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import torch.distributed as dist
 
 from ..errors import CoordinatorUnreachableError, first_line
 from .connection import STORE_ERRORS, BoundedStore, open_client
 from .membership import Membership
-from .rebuild import Registration
+from .messages import CoordinatorIdentity, Registration
 
 log = logging.getLogger("megatron_deadpool.failover")
 
@@ -52,13 +52,13 @@ class CoordinatorLink:
         op_timeout: float,
         rebuild_timeout: float,
         beat_s: float,
-        pid: Callable[[], str],
+        member: Callable[[], str],
         record: Callable[[], Registration],
     ) -> None:
         """`op_timeout`: the bound on one store operation; `rebuild_timeout`: how long a standby
         may take to rebuild the job's state once this process re-registered (it beats every
-        `beat_s` meanwhile); `pid()` and `record()`: this process's id and its
-        re-registration, when needed."""
+        `beat_s` meanwhile); `member()` and `record()`: this process's member name (or
+        `task{i}`) and its re-registration, when needed."""
         self.addresses = list(addresses)
         self.token = token
         self.connect_timeout = connect_timeout
@@ -66,11 +66,11 @@ class CoordinatorLink:
         self.rebuild_timeout = rebuild_timeout
         self.beat_s = beat_s
         self.attempt_s = max(1.0, min(2.0, op_timeout / 2))
-        self.pid = pid
+        self.member = member
         self.record = record
         self.lock = threading.Lock()
         self.address = self.addresses[0]
-        self.identity: tuple[int, str] | None = None  # (epoch, id) of the serving coordinator
+        self.identity: CoordinatorIdentity | None = None  # the serving coordinator
         self.switches = 0  # connections made stale so far (reconnects and takeovers)
         self.failed: str | None = None  # why no coordinator could be found, once so
         self.takeovers: list[dict[str, float | str]] = []
@@ -87,13 +87,15 @@ class CoordinatorLink:
                 if isinstance(found, str):
                     why = found
                     continue
-                members, token, identity = found
+                membership, token, identity = found
                 if token is None:
                     why = f"{address} serves no job yet (a standby that has not taken over)"
                     continue
-                members.check_token(self.token)  # another job's coordinator: refused
-                taking_over = identity is not None and identity[0] > 0 and not members.rebuilt()
-                if taking_over and not self._rejoin(members, address, time.time()):
+                membership.check_token(self.token)  # another job's coordinator: refused
+                taking_over = (
+                    identity is not None and identity.epoch > 0 and not membership.rebuilt()
+                )
+                if taking_over and not self._rejoin(membership, address, time.time()):
                     continue  # (a standby taking the job over counts those who register)
                 self.address, self.identity = address, identity
                 return
@@ -133,11 +135,13 @@ class CoordinatorLink:
                 found = self._probe(address)
                 if isinstance(found, str) or found[1] != self.token:
                     continue  # unreachable, a standby that has not taken over, or another job
-                members, _, identity = found
+                membership, _, identity = found
                 if identity == self.identity:
                     log.info("coordinator %s answers again after %.2fs", address, time.time() - t0)
-                elif identity is not None and identity[0] > (self.identity or (-1, ""))[0]:
-                    if not self._rejoin(members, address, t0):
+                elif identity is not None and identity.epoch > (
+                    self.identity.epoch if self.identity else -1
+                ):
+                    if not self._rejoin(membership, address, t0):
                         continue
                     self.identity = identity
                 else:
@@ -152,21 +156,21 @@ class CoordinatorLink:
         )
         raise CoordinatorUnreachableError(self.failed)
 
-    def _rejoin(self, members: Membership, address: str, t_lost: float) -> bool:
+    def _rejoin(self, membership: Membership, address: str, t_lost: float) -> bool:
         """Re-register with the standby at `address`, then wait until it rebuilt the job's
         state; False if it did not (it withdrew: the primary answers again)."""
         t_found = time.time()
-        members.register(self.record().to_json())
-        members.announce()
+        membership.register(self.record())
+        membership.announce()
         deadline = time.monotonic() + self.rebuild_timeout
         beat = time.monotonic() + self.beat_s
-        while not members.rebuilt():
+        while not membership.rebuilt():
             now = time.monotonic()
             if now > deadline:
                 log.warning("standby %s did not rebuild the job in time: searching on", address)
                 return False
             if now >= beat:  # this process's heartbeat may be the thread waiting here
-                members.heartbeat()
+                membership.heartbeat()
                 beat = now + self.beat_s
             time.sleep(0.05)
         t_rebuilt = time.time()
@@ -182,12 +186,14 @@ class CoordinatorLink:
         )
         return True
 
-    def _probe(self, address: str) -> tuple[Membership, str | None, tuple[int, str] | None] | str:
+    def _probe(
+        self, address: str
+    ) -> tuple[Membership, str | None, CoordinatorIdentity | None] | str:
         """(a client of the store at `address`, its job token, its identity), or why not."""
         try:
             store = BoundedStore(open_client(address, self.attempt_s), self.op_timeout)
-            members = Membership(store, self.pid())
-            return members, members.job_token(), members.identity()
+            membership = Membership(store, self.member())
+            return membership, membership.job_token(), membership.identity()
         except STORE_ERRORS as exc:
             return f"{address}: {first_line(exc)}"
 
@@ -205,7 +211,7 @@ class FailoverStore(BoundedStore):
     def _moved(self) -> bool:
         return self.link.switches != self.seen  # another connection found the coordinator gone
 
-    def _call(self, fn: Callable[[dist.Store], T], extra_s: float = 0.0) -> T:
+    def _call(self, fn: Callable[[Any], T], extra_s: float = 0.0) -> T:
         if self._moved():  # another connection of this process found the coordinator gone
             self.client, self.seen = self.link.client()
         while True:

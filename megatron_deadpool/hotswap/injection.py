@@ -1,11 +1,98 @@
-"""Fault injection: how an injected failure strikes this process."""
+"""Fault injection (`--deadpool-fail`): where each injected fault strikes a process, and how.
+
+The driver calls one method at each point of a process's life where a fault can strike:
+  - `while_waiting`   a waiting spare, once training reached the spec's iteration
+                      (`spare:I@ITER`);
+  - `on_assignment`   a spare a recovery gave a slot, before it claims it (`spare:I@recovery`);
+  - `at_iteration`    a rank as it starts an iteration (`RANK@ITER`, `node:N@ITER`);
+  - `in_recovery`     a rank as it enters a recovery (`RANK@recovery`);
+  - `after_training`  a rank right after training completed (`RANK@end`).
+Which specs hit whom is `config.faults` (pure); each spec fires once per job, whoever holds the
+slot - not again for the process that takes it over, nor when a step is recomputed - which the
+store counts (`Membership.fire_once`). A fault strikes as SIGKILL (`kill`: a crash), SIGSTOP
+(`hang`: alive but silent) or by flipping a bit in every replica the rank holds (`flip`:
+memory corruption that checksums must catch); the time it struck is stamped in the store, so
+that the coordinator measures detection from it.
+"""
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
+from collections.abc import Sequence
+
+from ..config.faults import (
+    FaultKind,
+    end_faults,
+    iteration_faults,
+    recovery_faults,
+    spare_faults,
+)
+from ..replication.replicator import Replicator
+from .membership import Membership
+
+log = logging.getLogger("megatron_deadpool.injection")
 
 
-def inject(kind: str) -> None:
+class FaultInjector:
+    """The `--deadpool-fail` specs of one process, fired at their points."""
+
+    def __init__(self, specs: Sequence[str], membership: Membership) -> None:
+        self.specs = list(specs)
+        self.membership = membership
+
+    def waiting_faults(self, member: str) -> bool:
+        """Whether a fault may strike `member` while it waits for a slot (it then looks at the
+        job's progress more often)."""
+        return bool(spare_faults(self.specs, member))
+
+    def while_waiting(self, member: str) -> None:
+        """A waiting spare: `spare:I@ITER` once training reached ITER."""
+        for index, iteration, kind in spare_faults(self.specs, member):
+            progress = self.membership.progress()
+            if progress >= iteration and self.membership.fire_once(index, member):
+                self._strike(kind, f"while waiting (training at iteration {progress})")
+
+    def on_assignment(self, member: str, rank: int, generation: int) -> None:
+        """A spare given `rank` of `generation`, before it claims the slot."""
+        for index, _, kind in spare_faults(self.specs, member, assigned=True):
+            if self.membership.fire_once(index, member):
+                self._strike(
+                    kind, f"given rank {rank} of generation {generation}, before claiming it"
+                )
+
+    def at_iteration(
+        self, rank: int, n: int, ranks_per_node: int, replicator: Replicator | None
+    ) -> None:
+        """`rank` starts iteration n."""
+        hit = iteration_faults(self.specs, rank, ranks_per_node).get(n)
+        if hit is not None and self.membership.fire_once(hit[0], rank):
+            self._strike(hit[1], f"at iteration {n}", replicator)
+
+    def in_recovery(self, rank: int, replicator: Replicator | None) -> None:
+        """`rank` enters a recovery."""
+        for index, kind in recovery_faults(self.specs, rank):
+            if self.membership.fire_once(index, rank):
+                self._strike(kind, "while in recovery", replicator)
+
+    def after_training(self, rank: int) -> None:
+        """`rank` completed training; its final work comes next."""
+        for index, kind in end_faults(self.specs, rank):
+            if self.membership.fire_once(index, rank):
+                self._strike(kind, "after training completed")
+
+    def _strike(self, kind: FaultKind, when: str, replicator: Replicator | None = None) -> None:
+        if kind == "flip":  # memory corruption of the replicas this rank holds
+            if replicator is not None:  # nothing held before the first round
+                log.warning("fault injection: flip %s", when)
+                replicator.flip_bits_at_rest()
+            return
+        log.warning("fault injection: %s %s", kind, when)
+        self.membership.record_fault()
+        strike(kind)
+
+
+def strike(kind: str) -> None:
     """Fail this process now: SIGKILL (crash) or SIGSTOP (hang)."""
     os.kill(os.getpid(), signal.SIGKILL if kind == "kill" else signal.SIGSTOP)

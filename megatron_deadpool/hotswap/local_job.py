@@ -18,7 +18,8 @@ from typing import IO, Any
 from ..config.deadpool import DeadpoolConfig
 from ..devices.gpus import GpuAssignment, assign_gpus, local_gpu_count
 from ..replication.placement import Placement
-from .coordinator import Coordinator, EventLog
+from .coordinator import Coordinator
+from .events import EventLog
 from .liveness import HeartbeatOnly, ProcessLiveness, kill_groups
 from .membership import Membership, host_store
 
@@ -48,11 +49,11 @@ class LocalJob:
         host = self._store_host()
         store = host_store(host, 0)
         self.address = f"{host}:{store.port}"
-        self.members = Membership(store, "launcher")
-        self.members.set_token(token)
+        self.membership = Membership(store, "launcher")
+        self.membership.set_token(token)
         self.next_spare = self.spares
         self.coordinator = Coordinator(
-            self.members,
+            self.membership,
             world_size,
             placement,
             [f"s{i}" for i in range(self.spares)],
@@ -60,7 +61,7 @@ class LocalJob:
             agree_timeout=cfg.agreement_timeout,
             liveness=self._liveness(),
             events=EventLog(run_dir / "events.jsonl"),
-            on_event=on_event,
+            say=on_event,
         )
         self.coordinator.start()
 
@@ -76,38 +77,43 @@ class LocalJob:
         return ProcessLiveness(self.procs)  # sees exits: no need to suspect silence
 
     @property
-    def pids(self) -> list[str]:
-        """Every process of the job at start: actives a0.., then spares s0.."""
+    def members(self) -> list[str]:
+        """Every member of the job at start: actives a0.., then spares s0.."""
         return [f"a{r}" for r in range(self.world_size)] + [f"s{i}" for i in range(self.spares)]
 
-    def local_rank(self, pid: str) -> int:
-        """The GPU (``LOCAL_RANK``) of process `pid`: actives 0.., spares after them; a spare
+    def local_rank(self, member: str) -> int:
+        """The GPU (``LOCAL_RANK``) of process `member`: actives 0.., spares after them; a spare
         added later (`add_spare`) takes the GPUs round-robin."""
-        task = int(pid[1:]) + (self.world_size if pid.startswith("s") else 0)
+        task = int(member[1:]) + (self.world_size if member.startswith("s") else 0)
         return self.gpus.local_rank(task % (self.world_size + self.spares))
 
-    def spawn(self, pid: str, cmd: list[str], env: dict[str, str], output: IO[Any] | int) -> None:
-        """Start process `pid` in a session of its own (``LOCAL_RANK`` set), its output to
-        `output` (a file, or `subprocess.PIPE`: read `procs[pid].stdout`)."""
-        self.procs[pid] = subprocess.Popen(
+    def spawn(
+        self, member: str, cmd: list[str], env: dict[str, str], output: IO[Any] | int
+    ) -> None:
+        """Start member `member` in a session of its own (``LOCAL_RANK`` set), its output to
+        `output` (a file, or `subprocess.PIPE`: read `procs[member].stdout`)."""
+        self.procs[member] = subprocess.Popen(
             cmd,
             stdout=output,
             stderr=subprocess.STDOUT,
-            env={**env, "LOCAL_RANK": str(self.local_rank(pid))},
+            env={**env, "LOCAL_RANK": str(self.local_rank(member))},
             start_new_session=True,
             **({"text": True, "bufsize": 1} if output == subprocess.PIPE else {}),
         )
 
     def add_spare(self, spawn: Callable[[str], None]) -> str:
         """Grow the pool by one spare (as a cluster's scheduler would add a node)."""
-        pid = f"s{self.next_spare}"
+        member = f"s{self.next_spare}"
         self.next_spare += 1
-        spawn(pid)
-        self.coordinator.spares.append(pid)
-        self.coordinator.events("spare_added", pid=pid, spares=len(self.coordinator.spares))
-        return pid
+        spawn(member)
+        self.coordinator.add_spare(member)
+        return member
 
     # ------------------------------------------------------------------ monitoring
+    @property
+    def deadpool(self) -> bool:
+        return self.cfg.enabled
+
     def tick(self) -> None:
         """One round of failure handling (DeadPool on)."""
         if self.cfg.enabled:
@@ -124,31 +130,35 @@ class LocalJob:
         """The processes that hold the ranks now."""
         return list(self.coordinator.roster.slots.values())
 
-    def exit_codes(self, pids: list[str]) -> dict[str, int | None]:
-        return {pid: self.procs[pid].poll() for pid in pids if pid in self.procs}
+    def exit_codes(self, members: list[str]) -> dict[str, int | None]:
+        return {member: self.procs[member].poll() for member in members if member in self.procs}
 
     def failed(self) -> dict[str, int]:
         """Actives that exited with an error and that no recovery accounts for."""
-        dead = self.coordinator.dead_pids if self.cfg.enabled else set()
+        dead = self.coordinator.dead if self.cfg.enabled else frozenset()
         return {
-            pid: code
-            for pid, code in self.exit_codes(self.actives()).items()
-            if code not in (None, 0) and pid not in dead
+            member: code
+            for member, code in self.exit_codes(self.actives()).items()
+            if code not in (None, 0) and member not in dead
         }
 
     def finished(self) -> bool:
         """Every active exited - with 0, or lost after its training was complete - and no
         recovery is under way."""
-        gone = self.coordinator.after_training
+        gone = self.coordinator.after_work
         codes = self.exit_codes(self.actives())
-        return self.coordinator.recovery is None and all(
-            c == 0 or (c is not None and pid in gone) for pid, c in codes.items()
+        return not self.coordinator.recovering and all(
+            c == 0 or (c is not None and member in gone) for member, c in codes.items()
         )
 
-    def wait_exit(self, pids: list[str], timeout_s: float) -> None:
+    def await_salvage(self) -> None:
+        """Out of redundancy: the ranks save what survives, then exit (within a minute)."""
+        self.wait_exit(self.actives(), 60.0)
+
+    def wait_exit(self, members: list[str], timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline and any(
-            c is None for c in self.exit_codes(pids).values()
+            c is None for c in self.exit_codes(members).values()
         ):
             time.sleep(0.05)
 
@@ -157,7 +167,7 @@ class LocalJob:
         """Each rank's final parameter digest (equal digests: equal weights)."""
         out = {}
         for r in range(self.world_size):
-            digest = self.members.digest(r)
+            digest = self.membership.digest(r)
             if digest is not None:
                 out[r] = digest
         return out
@@ -166,7 +176,7 @@ class LocalJob:
         """Tell waiting spares to leave, give the ranks `grace_s` and the spares a second to
         exit on their own, then kill every process group (a spare still starting up cannot see
         the shutdown yet)."""
-        self.members.request_shutdown()
+        self.membership.request_shutdown()
         self.wait_exit(self.actives(), grace_s)
         self.wait_exit(list(self.procs), 1.0)
         kill_groups(self.procs.values())

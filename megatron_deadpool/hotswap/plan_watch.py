@@ -5,9 +5,9 @@ answering without closing its sockets) would otherwise wait for the process grou
 (`--deadpool-pg-timeout`): no error reaches it, so it never enters recovery, and the
 coordinator's plan waits for its report until the agreement timeout presumes it dead too. The
 coordinator names the frozen rank dead after the heartbeat timeout and publishes the plan of the
-next generation; `PlanWatch`, run on the heartbeat thread after each beat (one `check` on the
-store per beat), sees it while this rank is still in the old generation and not recovering yet,
-and - if the main thread has still not entered recovery one beat later (it is blocked: a main
+next generation; `PlanWatch`, run on the heartbeat thread after each beat (one read of the
+latest planned generation per beat), sees it while this rank is still in the old generation and
+not recovering yet, and - if the main thread has still not entered recovery one beat later (it is blocked: a main
 thread that is not would have met the failed collective by then and recovered by itself) -
 calls `devices.abort_groups`: the blocked collective raises at once, the main thread enters
 recovery, and the driver takes any error of that step for the failure it recovers from
@@ -59,15 +59,15 @@ class PlanWatch:
         with self._lock:
             self._after_training = True
 
-    def __call__(self, members: Membership) -> None:
+    def __call__(self, membership: Membership) -> None:
         """One look (on the heartbeat thread, with its own store connection)."""
         g, after_training = self._generation, self._after_training
         if g is None or self.fired is not None:
             return
         why = None
-        if members.planned(g + 1):
-            why = f"the coordinator planned generation {g + 1} (a peer failed)"
-        elif after_training and members.end() is not None:
+        if membership.latest_plan() > g:
+            why = f"the coordinator planned a generation after {g} (a peer failed)"
+        elif after_training and membership.end() is not None:
             why = "the coordinator reported a peer lost after training completed"
         if why is None or why != self._noticed:
             self._noticed = why  # the main thread gets one beat to get there first

@@ -5,16 +5,18 @@ replica sources is `restore_plan.py`, run by the coordinator):
 
 - `release_groups`: abort every group, keep what already arrived of the in-flight replication
   round, then swap every process-group handle for a placeholder.
-- `agree`: report what this process holds under the newest plan's generation until a roster
-  includes it, blocked on the store (no polling); on the coordinator's abort (out of
-  redundancy) save what survives and raise.
-- `exchange_shards`: bring this rank to T - a needy rank receives its shard from the holder the
-  plan names (verified by checksum on arrival), the others roll back to their local snapshot
-  and serve the shards they hold for needy ranks.
-- `salvage`: out of redundancy, write this survivor's part of the snapshot set of one common
-  iteration (its own snapshot and those it holds for dead ranks; `snapshot_set.py` is the
-  format)
-  and, on one survivor, the set's manifest; returns the sentence saying what was saved.
+- `Recovery.agree`: report what this process holds under the newest plan's generation until a
+  roster includes it, blocked on the store (no polling); out of redundancy, salvage and raise.
+- `Recovery.exchange_shards`: bring this rank to T - a needy rank receives its shard from the
+  holder the plan names (verified by checksum on arrival), the others roll back to their local
+  snapshot and serve the shards they hold for needy ranks.
+- `Recovery.salvage`: out of redundancy, write this survivor's part of the snapshot set of one
+  common iteration (its own snapshot and those it holds for dead ranks; `snapshot_set.py` is
+  the format) and, on one survivor, the set's manifest; returns the sentence saying what was
+  saved. `Recovery.save_held`: the same without any coordinator, for every iteration held.
+
+A `Recovery` holds what these steps need of the process that takes them - its store access,
+member name, rank, roster and replicator - as the driver has them when the step starts.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -34,9 +37,8 @@ from ..replication.replicator import Replicator
 from ..replication.shard_exchange import start_shard_exchange
 from ..replication.snapshot import RankState, Snapshotter
 from . import rebind
-from .adapter import JobAdapter
 from .membership import Membership
-from .roster import Roster
+from .messages import EndReport, HoldingsReport, OutOfRedundancy, Roster, Verdict
 
 log = logging.getLogger(__name__)
 
@@ -46,25 +48,28 @@ SALVAGE_WAIT_S = 30.0
 DECISION_WAIT_S = 600.0
 """Longest single wait for the coordinator's decision on a plan (it then waits again)."""
 
+SalvageTarget = Callable[[int], tuple[str | None, dict[str, Any] | None]]
+"""iteration -> (the save directory, None: none; extra manifest fields): `JobAdapter`'s."""
 
-def abort_and_salvage(replicator: Replicator | None) -> list[list[dist.ProcessGroup]]:
+
+def abort_keeping_arrivals(replicator: Replicator | None) -> list[list[dist.ProcessGroup]]:
     """Abort every group (`devices.abort_groups`: nothing after this can wait on a dead or hung
-    peer) and salvage the in-flight round's completed receives (`Replicator.abandon`); returns
-    the groups torch knew, boxed for `rebind.release` to free (after the abort torch forgets
+    peer) and keep the in-flight round's completed receives (`Replicator.abandon`); returns the
+    groups torch knew, boxed for `rebind.release` to free (after the abort torch forgets
     them)."""
     held = rebind.hold_groups()
     abort_groups()
     if replicator is not None:
-        salvaged = replicator.abandon()
-        if salvaged:
-            log.info("kept the in-flight round's verified replicas of ranks %s", salvaged)
+        kept = replicator.abandon()
+        if kept:
+            log.info("kept the in-flight round's verified replicas of ranks %s", kept)
     return held
 
 
 def release_groups(
     replicator: Replicator | None, roots: list[Any], extra: dict[str, dist.ProcessGroup | None]
 ) -> int:
-    """`abort_and_salvage`, then `rebind.release` every group handle under `roots` and the
+    """`abort_keeping_arrivals`, then `rebind.release` every group handle under `roots` and the
     groups in `extra` (by name, e.g. the replication group); returns how many handles were
     swapped.
 
@@ -72,226 +77,246 @@ def release_groups(
     so that reference counting frees them here (a group still referenced from a frame costs a
     full garbage collection, ~0.5-2 s on Megatron's heap, and is not freed even then).
     """
-    return rebind.release(roots, extra, abort_and_salvage(replicator))
+    return rebind.release(roots, extra, abort_keeping_arrivals(replicator))
 
 
-def agree(
-    members: Membership,
-    *,
-    roster: Roster,
-    rank: int | None,
-    pid: str,
-    replicator: Replicator | None,
-    report: dict[str, Any],
-    deadline: float,
-    cause: BaseException,
-    on_abort: Callable[[dict[str, Any]], str],
-    meanwhile: Callable[[], object] = lambda: None,
-) -> Roster:
-    """Report holdings for the coordinator's plan(s) until a roster includes this process.
-    `meanwhile()` runs once, after the first report, while the coordinator decides (the
-    release of the old groups: it need not delay the report).
+@dataclass
+class Recovery:
+    """The recovery steps of one process, over what it holds as a step starts."""
 
-    Reports at once, for the generation after `roster`'s (the one this process is in), without
-    waiting for the coordinator's plan: at thousands of ranks every request a survivor makes
-    before the coordinator can decide delays the decision, and the plan would cost two (a wait,
-    a read). Then blocks on the store until the coordinator decides - a roster, an abort, or a
-    newer plan that supersedes it (more ranks died), which is then reported for in turn - and
-    reads the plan decided. No plan of that generation by the wall-clock `deadline`: this was
-    no peer failure. The new roster is `roster` with the plan's replacements (read in full
-    only if the plan has another base). It is returned once every newcomer claimed its slot:
-    a newcomer that died before that (its slot given up by the coordinator) leads to the next
-    plan instead of a rendezvous that would wait for it until the process groups' timeout.
+    membership: Membership
+    member: str
+    rank: int | None
+    """Its rank (None: a spare that holds none)."""
+    roster: Roster
+    """The roster it is in (before agreement), or joins (after)."""
+    replicator: Replicator | None
 
-    `report` is published with the holdings (e.g. Megatron's counters): what `replicator`
-    holds, or nothing for a process without a slot (the coordinator reads only the reports of
-    the ranks that keep theirs). On an abort, `on_abort(the coordinator's report)` saves what
-    it can and says what; then `OutOfRedundancyError` is raised.
-    """
-    holds = replicator.holdings() if replicator is not None else {"local": []}
-    g = roster.generation + 1
-    first = True
-    while True:
-        members.report_holdings(
-            g, rank, {**report, "holds": holds if rank is not None else {"local": []}, "pid": pid}
+    def agree(
+        self,
+        job_report: dict[str, Any],
+        *,
+        last_completed: int,
+        deadline: float,
+        cause: BaseException,
+        salvage_target: SalvageTarget,
+        meanwhile: Callable[[], object] = lambda: None,
+    ) -> Roster:
+        """Report holdings for the coordinator's plan(s) until a roster includes this process.
+        `meanwhile()` runs once, after the first report, while the coordinator decides (the
+        release of the old groups: it need not delay the report).
+
+        Reports at once, for the generation after the roster's (the one this process is in),
+        without waiting for the coordinator's plan: at thousands of ranks every request a
+        survivor makes before the coordinator can decide delays the decision, and the plan
+        would cost two (a wait, a read). Then blocks on the store until the coordinator decides
+        - a roster, out of redundancy, or a newer plan that supersedes it (more ranks died),
+        which is then reported for in turn - and reads the plan decided. No plan of that
+        generation by the wall-clock `deadline`: this was no peer failure. The new roster is
+        the old one with the plan's replacements (read in full only if the plan has another
+        base). It is returned once every newcomer claimed its slot: a newcomer that died before
+        that (its slot given up by the coordinator) leads to the next plan instead of a
+        rendezvous that would wait for it until the process groups' timeout.
+
+        `job_report` is published with the holdings (e.g. Megatron's counters): what the
+        replicator holds, or nothing for a process without a slot (the coordinator reads only
+        the reports of the ranks that keep theirs). Out of redundancy, this survivor's part of
+        the snapshot set is saved (`salvage`, where `salvage_target` says) and
+        `OutOfRedundancyError` says what was saved.
+        """
+        holds = self.replicator.holdings() if self.replicator is not None else {"local": []}
+        report = HoldingsReport(
+            member=self.member,
+            last_completed=last_completed,
+            holds={k: tuple(v) for k, v in holds.items()} if self.rank is not None else {},
+            job=job_report,
         )
-        meanwhile()
-        meanwhile = lambda: None
-        decision = None
-        if first:  # planned by the deadline, or it was no peer failure
-            decision = members.wait_decision(g, max(0.0, deadline - time.time()))
-            if decision is None and not members.planned(g):
+        m = self.membership
+        g = self.roster.generation + 1
+        first = True
+        while True:
+            if self.rank is not None:
+                m.report_holdings(g, self.rank, report)
+            meanwhile()
+            meanwhile = lambda: None  # once
+            decision = None
+            if first:  # planned by the deadline, or it was no peer failure
+                decision = m.wait_decision(g, max(0.0, deadline - time.time()))
+                if decision is None and not m.planned(g):
+                    raise DeadpoolRuntimeError(
+                        "a collective failed but the coordinator planned no recovery in time: "
+                        "not a peer failure"
+                    ) from cause
+                first = False
+            while decision is None:  # the coordinator decides within its agree timeout
+                decision = m.wait_decision(g, DECISION_WAIT_S)
+            if decision.verdict is Verdict.OUT_OF_REDUNDANCY:
+                self._out_of_redundancy(salvage_target)
+            if decision.verdict is Verdict.SUPERSEDED:
+                assert decision.superseded_by is not None
+                g = decision.superseded_by
+                continue
+            assert decision.restore_iteration is not None
+            plan = m.plan(g)  # published before the decision
+            if plan is None:
+                raise DeadpoolRuntimeError(f"generation {g} was decided without a plan")
+            new = self.roster.successor(plan, decision.restore_iteration) or m.roster(g)
+            if new.rank_of(self.member) is None:
                 raise DeadpoolRuntimeError(
-                    "a collective failed but the coordinator planned no recovery in time: "
-                    "not a peer failure"
-                ) from cause
-            first = False
-        while decision is None:  # the coordinator decides within its agree timeout
-            decision = members.wait_decision(g, DECISION_WAIT_S)
-        if "abort" in decision:
-            _out_of_redundancy(members.abort() or {}, on_abort)
-        if "roster" in decision:
-            plan = members.plan(g)  # published before the decision
-            new = roster.successor(plan, decision["roster"]) or members.roster(g)
-            if new.rank_of(pid) is None:
-                raise DeadpoolRuntimeError(
-                    f"the coordinator's roster of generation {g} leaves this process ({pid}) "
-                    "out: it was presumed dead"
+                    f"the coordinator's roster of generation {g} leaves this process "
+                    f"({self.member}) out: it was presumed dead"
                 )
             ready = None
             while ready is None:  # a newcomer claims its slot, or is given up when it dies
-                ready = members.wait_newcomers(g, plan["needy"], DECISION_WAIT_S)
+                ready = m.wait_newcomers(g, plan.needy, DECISION_WAIT_S)
             if ready:
                 return new
             log.warning("a newcomer of generation %d was lost before joining", g)
             g += 1  # the coordinator gave its slot up as it planned the next generation
-        else:
-            g = decision["superseded"]
 
-
-def _out_of_redundancy(info: dict[str, Any], on_abort: Callable[[dict[str, Any]], str]) -> None:
-    saved = on_abort(info)
-    lost = info.get("lost_ranks") or []
-    raise OutOfRedundancyError(
-        f"out of redundancy: {info.get('reason')}; "
-        + (f"shards lost: ranks {lost}" if lost else "no shard lost")
-        + f"; {saved}"
-    )
-
-
-def exchange_shards(
-    members: Membership,
-    roster: Roster,
-    *,
-    rank: int,
-    state: RankState,
-    replicator: Replicator | None,
-    group: dist.ProcessGroup,
-    needy: bool,
-) -> bool:
-    """Load the snapshot of `roster.restore_iteration` into `state`; True when it came from a
-    holder. Holders send needy ranks their shard while this rank restores its own."""
-    t_iter = roster.restore_iteration
-    sources = members.sources(roster.generation)
-    members.stamp(roster.generation, "joined", rank)
-    if needy and rank not in sources:
-        raise DeadpoolRuntimeError(f"rank {rank} must restore but the plan names no source")
-    sends: dict[int, torch.Tensor] = {}
-    if rank not in sources:
-        if replicator is None:
-            raise DeadpoolRuntimeError(f"rank {rank} has no snapshot of iteration {t_iter}")
-        flat = replicator.verified_copy(rank, t_iter)
-        sends = {
-            target: replicator.verified_copy(target, t_iter)
-            for target, holder in sources.items()
-            if holder == rank
-        }
-    device = state.state_tensors()[0].device
-    pending = start_shard_exchange(
-        group,
-        rank=rank,
-        world_size=roster.world_size,
-        sends=sends,
-        source=sources.get(rank),
-        gpu=device if device.type == "cuda" else None,
-    )
-    if rank in sources:
-        flat = pending.wait()
-    Snapshotter.restore_into(state, flat, owner=rank, iteration=t_iter)
-    pending.wait()
-    return rank in sources
-
-
-def salvage(
-    members: Membership,
-    replicator: Replicator | None,
-    *,
-    root: str | None,
-    report: dict[str, Any],
-    rank: int | None,
-    world_size: int,
-    extra: dict[str, Any] | None = None,
-) -> str:
-    """Write this survivor's part of the snapshot set the coordinator chose; say what.
-
-    `report` is the coordinator's abort report (`save`: iteration, sources, complete; the dead
-    and lost ranks). `extra` goes into the manifest (e.g. Megatron's sample counters at T).
-    """
-    save = report.get("save")
-    if not root:
-        return "nothing saved (no --save directory)"
-    if not save or replicator is None or rank is None:
-        return "no snapshot iteration common to the survivors: nothing saved"
-    t = save["iteration"]
-    own = replicator.verified_copy(rank, t)
-    if own is not None:
-        snapshot_set.write_flat(snapshot_set.rank_file(root, t, rank), own)
-    for needy, holder in save["sources"].items():
-        if holder == rank:
-            flat = replicator.verified_copy(int(needy), t)
-            snapshot_set.write_flat(snapshot_set.rank_file(root, t, int(needy)), flat)
-    members.mark_salvaged(rank)
-    if members.claim_manifest():  # one survivor writes the manifest
-        survivors = [r for r in range(world_size) if r not in report.get("dead_ranks", [])]
-        deadline = time.time() + SALVAGE_WAIT_S
-        while time.time() < deadline and not members.all_salvaged(survivors):
-            time.sleep(0.1)
-        snapshot_set.publish_manifest(
-            root, t, world_size, {"reason": report.get("reason"), **(extra or {})}
+    def _out_of_redundancy(self, salvage_target: SalvageTarget) -> None:
+        report = self.membership.out_of_redundancy()
+        if report is None:
+            raise DeadpoolRuntimeError("out of redundancy decided without its report")
+        saved = self.salvage(report, salvage_target)
+        lost = list(report.lost_ranks)
+        raise OutOfRedundancyError(
+            f"out of redundancy: {report.reason}; "
+            + (f"shards lost: ranks {lost}" if lost else "no shard lost")
+            + f"; {saved}"
         )
-    where = snapshot_set.set_dir(root, t)
-    if save["complete"]:
-        return (
-            f"saved every rank's state of iteration {t} to {where}: run the same command with "
-            "--load to resume"
+
+    def exchange_shards(
+        self, state: RankState, group: dist.ProcessGroup | None, *, needy: bool
+    ) -> bool:
+        """Load the snapshot of the roster's restore iteration into `state`; True when it came
+        from a holder. Holders send needy ranks their shard while this rank restores its own."""
+        rank, roster = self._rank(), self.roster
+        t_iter = roster.restore_iteration
+        if t_iter is None:
+            raise DeadpoolRuntimeError(f"roster {roster.generation} names no restore iteration")
+        sources = self.membership.sources(roster.generation).holders
+        self.membership.stamp(roster.generation, "joined", rank)
+        if needy and rank not in sources:
+            raise DeadpoolRuntimeError(f"rank {rank} must restore but the plan names no source")
+        sends: dict[int, torch.Tensor] = {}
+        flat = None
+        if rank not in sources:
+            if self.replicator is None:
+                raise DeadpoolRuntimeError(f"rank {rank} has no snapshot of iteration {t_iter}")
+            flat = self.replicator.verified_copy(rank, t_iter)
+            for target, holder in sources.items():
+                if holder == rank:
+                    copy = self.replicator.verified_copy(target, t_iter)
+                    if copy is None:
+                        raise DeadpoolRuntimeError(
+                            f"rank {rank} holds no verified copy of rank {target}'s shard of "
+                            f"iteration {t_iter}"
+                        )
+                    sends[target] = copy
+        if group is None:
+            raise DeadpoolRuntimeError("no replication group to exchange shards over")
+        device = state.state_tensors()[0].device
+        pending = start_shard_exchange(
+            group,
+            rank=rank,
+            world_size=roster.world_size,
+            sends=sends,
+            source=sources.get(rank),
+            gpu=device if device.type == "cuda" else None,
         )
-    missing = save.get("missing", [])
-    return (
-        f"saved the surviving snapshots of iteration {t} to {where}; the shards of ranks "
-        f"{missing} are lost (incomplete: --load resumes from the last complete checkpoint)"
-    )
+        if rank in sources:
+            flat = pending.wait()
+        if flat is None:
+            raise DeadpoolRuntimeError(f"rank {rank} has no verified snapshot of {t_iter}")
+        Snapshotter.restore_into(state, flat, owner=rank, iteration=t_iter)
+        pending.wait()
+        return rank in sources
 
-
-def save_held(
-    replicator: Replicator | None,
-    rank: int | None,
-    roster: Roster | None,
-    job: JobAdapter | None,
-) -> str:
-    """Without any coordinator (the primary's and the standby's nodes both lost), write every
-    verified snapshot this rank holds - its own and the replicas it holds, of each iteration it
-    has - as its parts of those iterations' snapshot sets; say what was saved.
-
-    Nobody picks an iteration or a writer: survivors that hold the same copy both write it (the
-    same bytes), and each set's manifest is rewritten until it shows what is on disk
-    (`snapshot_set.publish_manifest`), so an iteration whose every shard survived somewhere
-    becomes a complete set that `--load` resumes from. The save directory and the job's
-    manifest fields come from `job.salvage_target(iteration)`.
-    """
-    if replicator is None or rank is None or roster is None or job is None:
-        return "nothing saved: this process held no training state yet"
-    owners: dict[int, list[int]] = {}
-    for key, iterations in replicator.holdings().items():
-        for t in iterations:
-            owners.setdefault(t, []).append(rank if key == "local" else int(key))
-    if not owners:
-        return "nothing saved: no verified snapshot held"
-    lines = []
-    for t in sorted(owners):
-        root, extra = job.salvage_target(t)
+    def salvage(self, report: OutOfRedundancy | EndReport, salvage_target: SalvageTarget) -> str:
+        """Write this survivor's part of the snapshot set the report's save order names (its
+        own snapshot and the dead ranks' copies it holds); on one survivor also the manifest,
+        with the job's fields (e.g. Megatron's sample counters at T); say what was saved."""
+        order = report.save
+        if order is None or self.replicator is None or self.rank is None:
+            if salvage_target(-1)[0] is None:
+                return "nothing saved (no --save directory)"
+            return "no snapshot iteration common to the survivors: nothing saved"
+        t, rank = order.iteration, self.rank
+        root, extra = salvage_target(t)
         if not root:
             return "nothing saved (no --save directory)"
-        for owner in owners[t]:
-            flat = replicator.verified_copy(owner, t)
-            if flat is not None:
-                snapshot_set.write_flat(snapshot_set.rank_file(root, t, owner), flat)
-        reason = "no coordinator left: every survivor saved what it held"
-        manifest = snapshot_set.publish_manifest(
-            root, t, roster.world_size, {"reason": reason, **(extra or {})}
+        own = self.replicator.verified_copy(rank, t)
+        if own is not None:
+            snapshot_set.write_flat(snapshot_set.rank_file(root, t, rank), own)
+        for needy, holder in order.sources.items():
+            if holder == rank:
+                flat = self.replicator.verified_copy(needy, t)
+                if flat is not None:
+                    snapshot_set.write_flat(snapshot_set.rank_file(root, t, needy), flat)
+        m = self.membership
+        m.mark_salvaged(rank)
+        if m.claim_manifest():  # one survivor writes the manifest
+            world = self.roster.world_size
+            survivors = [r for r in range(world) if r not in report.dead_ranks]
+            deadline = time.time() + SALVAGE_WAIT_S
+            while time.time() < deadline and not m.all_salvaged(survivors):
+                time.sleep(0.1)
+            snapshot_set.publish_manifest(
+                root, t, world, {"reason": report.reason, **(extra or {})}
+            )
+        where = snapshot_set.set_dir(root, t)
+        if order.complete:
+            return (
+                f"saved every rank's state of iteration {t} to {where}: run the same command with "
+                "--load to resume"
+            )
+        return (
+            f"saved the surviving snapshots of iteration {t} to {where}; the shards of ranks "
+            f"{list(order.missing)} are lost (incomplete: --load resumes from the last complete "
+            "checkpoint)"
         )
-        state = "complete" if manifest["complete"] else f"missing {manifest['ranks_missing']}"
-        lines.append(f"iteration {t}: ranks {sorted(owners[t])} ({state} so far)")
-    return (
-        f"saved what this rank held to {snapshot_set.set_dir(root, max(owners)).parent}: "
-        f"{'; '.join(lines)}. --load resumes from the newest complete set"
-    )
+
+    def save_held(self, salvage_target: SalvageTarget) -> str:
+        """Without any coordinator (the primary's and the standby's nodes both lost), write
+        every verified snapshot this rank holds - its own and the replicas it holds, of each
+        iteration it has - as its parts of those iterations' snapshot sets; say what was saved.
+
+        Nobody picks an iteration or a writer: survivors that hold the same copy both write it
+        (the same bytes), and each set's manifest is rewritten until it shows what is on disk
+        (`snapshot_set.publish_manifest`), so an iteration whose every shard survived somewhere
+        becomes a complete set that `--load` resumes from.
+        """
+        if self.replicator is None or self.rank is None:
+            return "nothing saved: this process held no training state yet"
+        owners: dict[int, list[int]] = {}
+        for key, iterations in self.replicator.holdings().items():
+            for t in iterations:
+                owners.setdefault(t, []).append(self.rank if key == "local" else int(key))
+        if not owners:
+            return "nothing saved: no verified snapshot held"
+        lines, root = [], None
+        for t in sorted(owners):
+            root, extra = salvage_target(t)
+            if not root:
+                return "nothing saved (no --save directory)"
+            for owner in owners[t]:
+                flat = self.replicator.verified_copy(owner, t)
+                if flat is not None:
+                    snapshot_set.write_flat(snapshot_set.rank_file(root, t, owner), flat)
+            reason = "no coordinator left: every survivor saved what it held"
+            manifest = snapshot_set.publish_manifest(
+                root, t, self.roster.world_size, {"reason": reason, **(extra or {})}
+            )
+            state = "complete" if manifest["complete"] else f"missing {manifest['ranks_missing']}"
+            lines.append(f"iteration {t}: ranks {sorted(owners[t])} ({state} so far)")
+        assert root is not None
+        return (
+            f"saved what this rank held to {snapshot_set.set_dir(root, max(owners)).parent}: "
+            f"{'; '.join(lines)}. --load resumes from the newest complete set"
+        )
+
+    def _rank(self) -> int:
+        if self.rank is None:
+            raise DeadpoolRuntimeError(f"{self.member} holds no rank")
+        return self.rank

@@ -13,9 +13,14 @@ rank's shard.
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from ..replication.placement import Placement
+
+Holdings = Mapping[int, Mapping[str, Sequence[int]]]
+"""rank -> what it holds: "local" (its own snapshots) or an owner's rank -> verified
+iterations (`messages.HoldingsReport.holds`)."""
 
 
 @dataclass(frozen=True)
@@ -32,9 +37,7 @@ class RestorePlan:
         return self.iteration is not None
 
 
-def plan_restore(
-    placement: Placement, holdings: dict[int, dict[str, list[int]]], needy: set[int]
-) -> RestorePlan:
+def plan_restore(placement: Placement, holdings: Holdings, needy: set[int]) -> RestorePlan:
     """Choose T and sources; `holdings` maps each live, reporting rank to what it holds."""
     world = placement.layout.world_size
     candidates: set[int] | None = None
@@ -88,7 +91,7 @@ class SalvagePlan:
 
 def plan_salvage(
     placement: Placement,
-    holdings: dict[int, dict[str, list[int]]],
+    holdings: Holdings,
     needy: set[int],
     restore: RestorePlan | None = None,
 ) -> SalvagePlan | None:
@@ -98,7 +101,7 @@ def plan_salvage(
     complete set of its iteration. Otherwise the newest iteration every surviving rank has
     locally, with the dead ranks' copies that survive of it.
     """
-    if restore is not None and restore.ok:
+    if restore is not None and restore.iteration is not None:
         return SalvagePlan(restore.iteration, dict(restore.sources), complete=True)
     common: set[int] | None = None
     for rank, held in holdings.items():

@@ -108,7 +108,7 @@ class SrunJob(LocalJob):
     def close(self, grace_s: float) -> None:
         """Tell the spares to leave and give the step `grace_s` to end; then kill what is left
         of it (a frozen task never exits on its own) through Slurm, and srun last."""
-        self.members.request_shutdown()
+        self.membership.request_shutdown()
         if self.srun is not None:
             if not self._wait_srun(grace_s):
                 self._kill_step()

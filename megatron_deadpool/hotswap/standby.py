@@ -21,6 +21,7 @@ primary lives) and sees a standby that took over, so that the primary stands dow
 
 from __future__ import annotations
 
+import dataclasses
 import secrets
 import threading
 import time
@@ -29,10 +30,11 @@ from collections.abc import Callable
 from ..config.deadpool import DeadpoolConfig
 from ..errors import CoordinatorUnreachableError
 from .connection import STORE_ERRORS, BoundedStore, open_client
-from .coordinator import Coordinator, EventLog
+from .coordinator import Coordinator
+from .events import EventLog
 from .membership import Membership
-from .rebuild import Rebuilt, Registration, rebuild
-from .roster import pid_of
+from .messages import CoordinatorIdentity, Registration, member_of
+from .rebuild import Rebuilt, rebuild
 
 
 class PeerWatch:
@@ -46,12 +48,12 @@ class PeerWatch:
     def probe(self, address: str) -> tuple[bool, Membership | None]:
         """(whether the store at `address` answers, a client of it if it serves this job)."""
         try:
-            members = self.clients.get(address)
-            if members is None:
+            membership = self.clients.get(address)
+            if membership is None:
                 client = open_client(address, max(0.5, min(2.0, self.op_timeout)))
-                members = Membership(BoundedStore(client, self.op_timeout), "coordinator")
-                self.clients[address] = members
-            return True, members if members.job_token() == self.token else None
+                membership = Membership(BoundedStore(client, self.op_timeout), "coordinator")
+                self.clients[address] = membership
+            return True, membership if membership.job_token() == self.token else None
         except STORE_ERRORS:
             self.clients.pop(address, None)
             return False, None
@@ -59,9 +61,9 @@ class PeerWatch:
     def serving(self, addresses: list[str]) -> tuple[str, Membership] | None:
         """The first of `addresses` that serves this job, with a client of it."""
         for address in addresses:
-            members = self.probe(address)[1]
-            if members is not None:
-                return address, members
+            membership = self.probe(address)[1]
+            if membership is not None:
+                return address, membership
         return None
 
     def watch_in_background(self, addresses: list[str], interval: float) -> threading.Event:
@@ -89,26 +91,27 @@ class Standby:
         index: int,
         token: str,
         world_size: int,
-        members: Membership,
+        membership: Membership,
         events: EventLog,
         say: Callable[[str], None],
     ) -> None:
-        """`members`: this standby's own store (not serving until it takes over)."""
+        """`membership`: this standby's own store (not serving until it takes over)."""
         self.cfg = cfg
         self.index = index
         self.earlier = cfg.coordinators[:index]
         self.token = token
         self.world_size = world_size
-        self.members = members
+        self.membership = membership
         self.events = events
         self.say = say
         self.watch = PeerWatch(token, max(0.5, min(2.0, cfg.heartbeat_timeout / 4)))
         self.spares = [f"s{i}" for i in range(cfg.spares)]
-        self.pids = [f"a{r}" for r in range(world_size)] + self.spares
-        # Where each process re-registers: under its pid, or its task index when it connected
-        # for the first time during the takeover without knowing its pid yet (Megatron-LM).
-        self.keys = {p: p for p in self.pids}
-        self.keys.update({f"task{t}": pid_of(t, world_size) for t in range(len(self.pids))})
+        self.members = [f"a{r}" for r in range(world_size)] + self.spares
+        # Where each process re-registers: under its member name, or its task index when it
+        # connected for the first time during the takeover without knowing its name yet
+        # (Megatron-LM).
+        self.keys = {m: m for m in self.members}
+        self.keys.update({f"task{t}": member_of(t, world_size) for t in range(len(self.members))})
         self.registrations: dict[str, Registration] = {}
         self.primary_last_seen: float | None = None  # wall time the earlier one last answered
         self._next_late_read = 0.0
@@ -161,8 +164,8 @@ class Standby:
         """Serve the job and collect the re-registrations; the rebuilt state, or None when
         this standby withdrew (an earlier coordinator answers again before anyone came)."""
         cfg = self.cfg
-        self.members.set_identity(self.index, secrets.token_hex(8))
-        self.members.set_token(self.token)
+        self.membership.set_identity(CoordinatorIdentity(self.index, secrets.token_hex(8)))
+        self.membership.set_token(self.token)
         self.events("taking_over", epoch=self.index)
         answering = PeerWatch(self.token, self.watch.op_timeout).watch_in_background(
             self.earlier, cfg.heartbeat_interval
@@ -176,7 +179,7 @@ class Standby:
                     first_active = now
                     answering.set()  # committed: stop watching
                 elif answering.is_set():
-                    self.members.withdraw(self.pids)
+                    self.membership.withdraw(self.members)
                     self.registrations.clear()
                     self.events("withdrew", coordinators=self.earlier)
                     self.say(
@@ -195,14 +198,14 @@ class Standby:
     def hand_over(self, coord: Coordinator, state: Rebuilt) -> None:
         """Write the rebuilt state into this store, give `coord` the job, and let the waiting
         processes go on (`rebuilt`)."""
-        m = self.members
+        m = self.membership
         if state.layout is not None:
             m.publish_layout(state.layout)
         m.set_progress(state.progress)
         for rank, iteration in sorted(state.finished.items()):
             m.report_finished(rank, iteration)
-        for pid in state.done:
-            m.restore_done(pid)
+        for member in state.done:
+            m.restore_done(member)
         why = (
             f"did not re-register with standby coordinator {self.cfg.coordinators[self.index]} "
             f"within {self.cfg.heartbeat_timeout:g}s (lost with its node?)"
@@ -211,7 +214,7 @@ class Standby:
             state.roster,
             state.spares,
             state.next_generation,
-            {pid: why for pid in state.missing.values()},
+            {member: why for member in state.missing.values()},
             lost_at=self.primary_last_seen,
         )
         m.publish_rebuilt(self.index)
@@ -239,34 +242,36 @@ class Standby:
             return
         self._next_late_read = now + 0.5
         late = self._read_registrations()
-        known = {*coord.dead_pids, *coord.spares, *coord.roster.slots.values()}
-        for pid in self.spares:
-            if pid not in known and pid not in self.registrations and self.members.announced(pid):
-                self.registrations[pid] = Registration(pid=pid)
-                late.append(pid)
-        for pid in late:
-            record = self.registrations[pid]
-            if record.rank is None and not record.done and pid not in known:
-                coord.spares.append(pid)
-                self.events("spare_rejoined", pid=pid, spares=len(coord.spares))
+        for member in self.spares:
+            if (
+                not coord.knows(member)
+                and member not in self.registrations
+                and self.membership.announced(member)
+            ):
+                self.registrations[member] = Registration(member=member)
+                late.append(member)
+        for member in late:
+            record = self.registrations[member]
+            if record.rank is None and not record.done:
+                coord.add_spare(member, "spare_rejoined")
 
     def _read_registrations(self) -> list[str]:
-        """Read the re-registrations not read yet; their pids."""
+        """Read the re-registrations not read yet; their members."""
         new = []
-        for key, pid in self.keys.items():
-            if pid in self.registrations:
+        for key, member in self.keys.items():
+            if member in self.registrations:
                 continue
-            record = self.members.registration(key)
+            record = self.membership.registration(key)
             if record is not None:
-                self.registrations[pid] = Registration.from_json({**record, "pid": pid})
+                self.registrations[member] = dataclasses.replace(record, member=member)
                 self.events(
                     "rejoined",
-                    pid=pid,
-                    rank=record.get("rank"),
-                    generation=record.get("generation"),
-                    last_completed=record.get("last_completed"),
+                    member=member,
+                    rank=record.rank,
+                    generation=record.generation,
+                    last_completed=record.last_completed,
                 )
-                new.append(pid)
+                new.append(member)
         return new
 
 

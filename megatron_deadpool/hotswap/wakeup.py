@@ -30,19 +30,19 @@ BLOCK_S = 24 * 3600.0
 
 
 class StoreWaiter(threading.Thread):
-    """Calls `block(members)` (True: something happened) in a loop; sets `event` on news.
+    """Calls `block(membership)` (True: something happened) in a loop; sets `event` on news.
 
     `unblock()` (on another connection) makes a pending `block` return: `stop` uses it."""
 
     def __init__(
         self,
-        members: Membership,
+        membership: Membership,
         block: Callable[[Membership], bool],
         unblock: Callable[[], None],
         name: str,
     ) -> None:
         super().__init__(name=name, daemon=True)
-        self.members = members
+        self.membership = membership
         self.block = block
         self.unblock = unblock
         self.event = threading.Event()
@@ -52,7 +52,7 @@ class StoreWaiter(threading.Thread):
     def run(self) -> None:
         while not self.stopping:
             try:
-                news = self.block(self.members)
+                news = self.block(self.membership)
             except dist.DistStoreError:  # a timed-out blocking call: block again
                 continue
             except (RuntimeError, OSError) as exc:  # the store is gone: wake the waiter to see
@@ -79,13 +79,18 @@ class StoreWaiter(threading.Thread):
             self.join(timeout_s)
 
 
-def _own_connection(members: Membership) -> Membership:
-    store = members.store.clone()
+def _own_connection(membership: Membership) -> Membership:
+    """A connection of its own to the same server (torch's `clone`; a bounded client's clone
+    is a plain one), for a thread that blocks in it."""
+    clone = getattr(membership.store, "clone", None)
+    if clone is None:
+        raise TypeError(f"{type(membership.store).__name__} cannot open a second connection")
+    store = clone()
     store.set_timeout(datetime.timedelta(seconds=BLOCK_S))
-    return Membership(store, members.pid)
+    return Membership(store, membership.member)
 
 
-def coordinator_inbox(members: Membership) -> StoreWaiter:
+def coordinator_inbox(membership: Membership) -> StoreWaiter:
     """A started waiter that wakes the coordinator on every `notify_coordinator`."""
 
     def block(m: Membership) -> bool:
@@ -93,22 +98,22 @@ def coordinator_inbox(members: Membership) -> StoreWaiter:
         return True
 
     waiter = StoreWaiter(
-        _own_connection(members),
+        _own_connection(membership),
         block,
-        lambda: members.notify_coordinator("stop"),
+        membership.notify_coordinator,
         "deadpool-coordinator-inbox",
     )
     waiter.start()
     return waiter
 
 
-def spare_wakeups(members: Membership) -> StoreWaiter:
+def spare_wakeups(membership: Membership) -> StoreWaiter:
     """A started waiter that wakes a waiting spare on every roster and on the shutdown.
 
     Created before the spare first looks at the store: it waits for the events after the epoch
     it read, in order, so an event between that look and the wait is not missed.
     """
-    seen = members.spare_epoch()
+    seen = membership.spare_epoch()
 
     def block(m: Membership) -> bool:
         nonlocal seen
@@ -119,7 +124,7 @@ def spare_wakeups(members: Membership) -> StoreWaiter:
 
     # Unblocking wakes every waiting spare once: harmless, each only looks at the store again.
     waiter = StoreWaiter(
-        _own_connection(members), block, members.wake_spares, "deadpool-spare-wakeup"
+        _own_connection(membership), block, membership.wake_spares, "deadpool-spare-wakeup"
     )
     waiter.start()
     return waiter

@@ -29,12 +29,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TextIO
 
-from ..errors import ConfigError
+from ..errors import ConfigError, ExitCode
 from ..hotswap.local_job import LocalJob
+from ..hotswap.supervisor import Supervisor
 from .runner import preparse
-
-CONFIG_ERROR_EXIT = 2
-OUT_OF_REDUNDANCY_EXIT = 3
 
 
 def _free_port() -> int:
@@ -82,8 +80,8 @@ class MegatronLauncher:
         with self.lock:
             print(text, file=self.stream, flush=True)
 
-    def _forward(self, pid: str, proc: subprocess.Popen) -> None:
-        with open(self.run_dir / f"{pid}.log", "w") as log:
+    def _forward(self, member: str, proc: subprocess.Popen) -> None:
+        with open(self.run_dir / f"{member}.log", "w") as log:
             for line in proc.stdout:  # type: ignore[union-attr]
                 log.write(line)
                 log.flush()
@@ -92,14 +90,14 @@ class MegatronLauncher:
                     self.stream.flush()
 
     # ------------------------------------------------------------------ processes
-    def _spawn(self, pid: str, env: dict[str, str]) -> None:
-        task = int(pid[1:]) + (self.nproc if pid.startswith("s") else 0)
+    def _spawn(self, member: str, env: dict[str, str]) -> None:
+        task = int(member[1:]) + (self.nproc if member.startswith("s") else 0)
         runner = [] if self.patched else ["-m", "megatron_deadpool.megatron_lm"]
         cmd = [sys.executable, *runner, self.script, *self.script_args]
         child_env = {**env, "RANK": str(task)}  # LOCAL_RANK: LocalJob.spawn
-        self.local.spawn(pid, cmd, child_env, subprocess.PIPE)
+        self.local.spawn(member, cmd, child_env, subprocess.PIPE)
         thread = threading.Thread(
-            target=self._forward, args=(pid, self.local.procs[pid]), daemon=True
+            target=self._forward, args=(member, self.local.procs[member]), daemon=True
         )
         thread.start()
         self.threads.append(thread)
@@ -134,8 +132,8 @@ class MegatronLauncher:
         t0 = time.monotonic()
         rc = 1
         try:
-            for pid in local.pids:
-                self._spawn(pid, env)
+            for member in local.members:
+                self._spawn(member, env)
             rc = self._monitor(t0)
         finally:
             local.close(grace_s=10 if self.ended else 0)
@@ -143,48 +141,55 @@ class MegatronLauncher:
         return rc
 
     def _monitor(self, t0: float) -> int:
+        """Supervise the job (`hotswap.supervisor`)."""
         local = self.local
-        while True:
-            local.tick()
+        assert local is not None
+
+        def config_error() -> int | None:
             codes = local.exit_codes(local.actives())
-            config_errors = [p for p, c in codes.items() if c == CONFIG_ERROR_EXIT]
-            if config_errors:
-                self._print(f"[deadpool] {config_errors[0]} exited with a configuration error")
-                return CONFIG_ERROR_EXIT
-            if not self.cfg.enabled:
-                failed = local.failed()
-                if failed:
-                    pid, code = next(iter(failed.items()))
-                    self._print(f"[deadpool] {pid} exited with code {code}; stopping the job")
-                    return code
-            elif local.coordinator.aborted is not None:  # survivors save, then exit 3
-                local.wait_exit(local.actives(), 60.0)
-                return OUT_OF_REDUNDANCY_EXIT
-            if local.finished():
-                self.ended = True
-                # The same exit code from every rank is the job's own (Megatron's rerun state
-                # machine ends a job with 16 or 17 on all of them); a rank lost after its work
-                # was done (killed: a negative code) is not.
-                ends = set(codes.values())
-                return ends.pop() if len(ends) == 1 and min(ends) > 0 else 0
-            if time.monotonic() - t0 > self.timeout_s:
-                self._print(f"[deadpool] the job exceeded its {self.timeout_s:.0f}s limit")
-                return 124
-            local.wait(0.05)
+            refused = [m for m, c in codes.items() if c == ExitCode.BAD_INPUT]
+            if not refused:
+                return None
+            self._print(f"[deadpool] {refused[0]} exited with a configuration error")
+            return ExitCode.BAD_INPUT
+
+        def failed(members: dict[str, int]) -> int:
+            member, code = next(iter(members.items()))
+            self._print(f"[deadpool] {member} exited with code {code}; stopping the job")
+            return code
+
+        def finished() -> int:
+            self.ended = True
+            # The same exit code from every rank is the job's own (Megatron's rerun state
+            # machine ends a job with 16 or 17 on all of them); a rank lost after its work was
+            # done (killed: a negative code) is not.
+            ends = {c for c in local.exit_codes(local.actives()).values() if c is not None}
+            return ends.pop() if len(ends) == 1 and min(ends) > 0 else ExitCode.OK
+
+        return Supervisor(
+            local,
+            limit_s=self.timeout_s - (time.monotonic() - t0),
+            say=lambda text: self._print(f"[deadpool] {text}"),
+            finished=finished,
+            on_failed=failed,
+            checks=[config_error],
+        ).run()
 
     def _write_summary(self, rc: int, wall_s: float) -> None:
         local = self.local
         coord = local.coordinator if self.cfg.enabled else None
+        oor = coord.out_of_redundancy if coord else None
+        ended = coord.ended if coord else None
         summary = {
             "returncode": rc,
             "wall_s": round(wall_s, 3),
             "ranks": self.nproc,
             "spares": self.spares,
             "deadpool": self.cfg.enabled,
-            "recoveries": coord.finished if coord else [],
-            "out_of_redundancy": coord.aborted if coord else None,
-            "lost_after_training": coord.ended if coord else None,
-            "exit_codes": {pid: p.poll() for pid, p in local.procs.items()},
+            "recoveries": coord.recoveries if coord else [],
+            "out_of_redundancy": oor.to_dict() if oor else None,
+            "lost_after_training": ended.to_dict() if ended else None,
+            "exit_codes": {member: p.poll() for member, p in local.procs.items()},
             "param_digests": {str(r): d for r, d in local.digests().items()},
         }
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))

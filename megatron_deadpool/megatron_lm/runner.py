@@ -49,6 +49,7 @@ from ..config.flags import add_flags, from_namespace
 from ..errors import (
     ConfigError,
     CoordinatorUnreachableError,
+    ExitCode,
     LostAfterTrainingError,
     OutOfRedundancyError,
 )
@@ -149,16 +150,16 @@ def _exit_codes() -> Iterator[None]:
         yield
     except ConfigError as exc:
         print(f"deadpool: error: {exc}", file=sys.stderr, flush=True)
-        raise SystemExit(2) from None
+        raise SystemExit(ExitCode.BAD_INPUT) from None
     except OutOfRedundancyError as exc:
         print(f"deadpool: {exc}", file=sys.stderr, flush=True)
-        raise SystemExit(3) from None
+        raise SystemExit(ExitCode.OUT_OF_REDUNDANCY) from None
     except CoordinatorUnreachableError as exc:
         print(f"deadpool: error: {exc}", file=sys.stderr, flush=True)
-        raise SystemExit(4) from None
+        raise SystemExit(ExitCode.NO_COORDINATOR) from None
     except LostAfterTrainingError as exc:
         print(f"deadpool: {exc}", file=sys.stderr, flush=True)
-        raise SystemExit(0) from None
+        raise SystemExit(ExitCode.OK) from None
 
 
 def _pretrain(pretrain: Callable[..., Any], bound: inspect.BoundArguments) -> Any:
@@ -192,7 +193,8 @@ def _pretrain(pretrain: Callable[..., Any], bound: inspect.BoundArguments) -> An
     except Exception as exc:
         # pretrain()'s work after train() (its barriers, final save, evaluation) with a peer
         # lost after training completed: save what survives, end (LostAfterTrainingError).
-        if session.driver.completed is None or not session.driver.is_peer_failure(exc):
+        driver = session.driver
+        if driver.completed is None or not driver.is_peer_failure(exc):
             raise
         session.defer(exc, "Megatron's final work after training")
     session.finish()

@@ -6,14 +6,14 @@ embedded job's is `embedded.job`), driven by Megatron's own training loop throug
 
 - `begin()` (before `pretrain()`): connect to the coordinator, heartbeat, and - for a spare -
   wait for a slot. A spare that gets one becomes a *newcomer*: it runs Megatron's start-up in a
-  private world (`newcomer.py`) positioned at the agreed iteration.
+  private world (`hotswap/private_world.py`) positioned at the agreed iteration.
 - `train_step(...)` wraps Megatron's `train_step`: after each optimizer step the driver
-  replicates. When a collective fails, survivors recover *inside* the call (the driver
-  releases every group, agrees on the restore iteration T, joins the next generation, rebinds
-  and restores T), then recompute the steps after T (the data iterator replays their batches)
-  and return the step Megatron asked for. Megatron's loop never notices: survivors never re-run
-  `pretrain()`. A newcomer leaves its private world at its first step and restores from the
-  holder of its shard.
+  replicates. When a collective fails, survivors recover *inside* the call
+  (`Driver.recovering`: the driver releases every group, agrees on the restore iteration T,
+  joins the next generation, rebinds and restores T), then recompute the steps after T (the
+  data iterator replays their batches) and return the step Megatron asked for. Megatron's loop
+  never notices: survivors never re-run `pretrain()`. A newcomer takes its slot at its first
+  step (`Driver.take_slot`) and restores from the holder of its shard.
 - Failures seen between steps (in `training_log`, evaluation) are deferred to the next step,
   so that every survivor resumes at the same step.
 
@@ -33,7 +33,7 @@ import logging
 import os
 import time
 import traceback
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from ..config.deadpool import DeadpoolConfig
@@ -41,9 +41,8 @@ from ..config.faults import check_faults, parse_fault
 from ..devices import active_device
 from ..errors import ConfigError, DeadpoolRuntimeError, LostAfterTrainingError
 from ..hotswap.driver import Driver
-from ..hotswap.roster import Roster
+from ..hotswap.messages import Roster
 from ..replication.snapshot import RankState
-from . import newcomer
 from . import report as mreport
 from .replay import BatchRecorder, install_recorder, reset_rerun_iterators
 from .versions import forget_cached_collectives
@@ -58,6 +57,37 @@ def task_from_env() -> int:
     if not text.isdigit():
         raise ConfigError(f"RANK: expected a task index (0, 1, ...), got {text!r}")
     return int(text)
+
+
+@dataclass(frozen=True)
+class SurvivorReport:
+    """What a Megatron-LM survivor adds to its holdings report in a recovery
+    (`JobAdapter.recovery_report`): what a newcomer's start-up needs to stand where it does."""
+
+    target: int | None
+    """The step every survivor is about to return to Megatron."""
+    counters: dict[str, dict[str, float]]
+    """step -> Megatron's sample/FLOP counters after it."""
+    flags: tuple[bool, bool, bool]
+    """Megatron's args.do_train, do_valid, do_test."""
+    log_state: dict[str, Any] | None
+    """Its `training_log` running sums."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "flags": list(self.flags)}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> SurvivorReport:
+        try:
+            flags = tuple(bool(f) for f in d["flags"])
+            return cls(
+                target=None if d["target"] is None else int(d["target"]),
+                counters={str(k): dict(v) for k, v in d["counters"].items()},
+                flags=(flags[0], flags[1], flags[2]),
+                log_state=d["log_state"],
+            )
+        except (KeyError, TypeError, ValueError, IndexError, AttributeError) as exc:
+            raise DeadpoolRuntimeError(f"a survivor's report is not Megatron-LM's: {exc}") from None
 
 
 @dataclass
@@ -78,7 +108,7 @@ class MegatronSession:
         self.cfg = cfg
         self.task = task
         self.token = token
-        self.driver: Driver | None = None
+        self._active: Driver | None = None
         self.newcomer: NewcomerPlan | None = None
         self.joined_late = False  # a spare that took a slot after the start
         self.mp_call: tuple[Any, tuple, dict] | None = None
@@ -107,13 +137,14 @@ class MegatronSession:
         from . import workers
 
         workers.install()
-        self.driver = d = Driver(
+        self._active = d = Driver(
             self.cfg, active_device(), coordinator=coordinator, token=self.token, task=self.task
         )
         d.connect()
         roster = d.wait_for_slot()
         if roster is None:
             return False
+        assert d.rank is not None
         # What Megatron reads: the rank this process fills and the active world (not the tasks).
         os.environ["RANK"] = str(d.rank)
         os.environ["WORLD_SIZE"] = str(roster.world_size)
@@ -121,7 +152,7 @@ class MegatronSession:
         if roster.generation > 0:
             self.newcomer = self._newcomer_plan(roster)
             self.joined_late = True
-            newcomer.enter(d.rank, roster.world_size, self._record_pg_kwargs)
+            d.build_privately(record=self._record_pg_kwargs)
             log.info(
                 "taking rank %d in generation %d: Megatron start-up in a private world, "
                 "joining at step %d",
@@ -133,30 +164,41 @@ class MegatronSession:
 
     def _newcomer_plan(self, roster: Roster) -> NewcomerPlan:
         reports = self._survivor_reports(roster)
-        targets = {r["target"] for r in reports.values()}
+        targets = {r.target for r in reports.values()}
         if len(targets) != 1:
             raise DeadpoolRuntimeError(f"survivors report different steps to resume: {targets}")
         first = reports[min(reports)]
-        sources = self.driver.members.sources(roster.generation)
-        peer = reports.get(sources.get(self.driver.rank), first)  # same (tp, pp) position
+        sources = self.driver.membership.sources(roster.generation).holders
+        holder = sources.get(self.driver.rank) if self.driver.rank is not None else None
+        peer = reports.get(holder, first) if holder is not None else first  # same position
+        target = targets.pop()
+        if target is None:
+            raise DeadpoolRuntimeError("survivors report no step to resume")
         return NewcomerPlan(
             roster=roster,
-            target=targets.pop(),
-            counters=first["counters"],
-            flags=tuple(bool(f) for f in first["flags"]),
-            log_state=peer.get("log_state"),
+            target=target,
+            counters=first.counters,
+            flags=first.flags,
+            log_state=peer.log_state,
         )
 
-    def _survivor_reports(self, roster: Roster) -> dict[int, dict[str, Any]]:
-        members = self.driver.members
-        needy = set(members.plan(roster.generation).get("needy", []))
+    def _survivor_reports(self, roster: Roster) -> dict[int, SurvivorReport]:
+        membership = self.driver.membership
+        plan = membership.plan(roster.generation)
+        needy = set(plan.needy) if plan else set()
         out = {}
         for r in range(roster.world_size):
             if r not in needy:
-                value = members.holdings(roster.generation, r)
-                if value is not None and "target" in value:
-                    out[r] = value
+                report = membership.holdings(roster.generation, r)
+                if report is not None and "target" in report.job:
+                    out[r] = SurvivorReport.from_dict(report.job)
         return out
+
+    @property
+    def driver(self) -> Driver:
+        if self._active is None:
+            raise DeadpoolRuntimeError("--deadpool's session has not begun (`begin`)")
+        return self._active
 
     # ------------------------------------------------------------------ Megatron's start-up
     def init_process_group(self, real: Any, kwargs: dict[str, Any]) -> None:
@@ -192,7 +234,7 @@ class MegatronSession:
             layout.ranks_per_node,
             margs.train_iters or 0,
         )
-        if not newcomer.active():  # a newcomer's groups are made when it joins
+        if not d.building_privately():  # a newcomer's groups are made when it joins
             d.new_replication_group()
             d.plan_watch.joined(d.generation)  # generation 0's groups: Megatron made them
 
@@ -244,7 +286,7 @@ class MegatronSession:
         return self.objs[0]
 
     def after_rejoin(self, roster: Roster) -> None:
-        targets = {r["target"] for r in self._survivor_reports(roster).values()}
+        targets = {r.target for r in self._survivor_reports(roster).values()}
         if targets != {self.target}:
             raise DeadpoolRuntimeError(
                 f"survivors stopped at different steps {sorted(targets)}: they cannot resume "
@@ -271,13 +313,15 @@ class MegatronSession:
         from megatron.training import get_args
 
         a = get_args()
-        flags = [bool(getattr(a, name, False)) for name in ("do_train", "do_valid", "do_test")]
-        return {
-            "target": self.target,
-            "counters": {str(k): v for k, v in self.counters.items()},
-            "flags": flags,
-            "log_state": mreport.dump_log_state(self.total_loss_dict),
-        }
+        do_train, do_valid, do_test = (
+            bool(getattr(a, name, False)) for name in ("do_train", "do_valid", "do_test")
+        )
+        return SurvivorReport(
+            target=self.target,
+            counters={str(k): v for k, v in self.counters.items()},
+            flags=(do_train, do_valid, do_test),
+            log_state=mreport.dump_log_state(self.total_loss_dict),
+        ).to_dict()
 
     def salvage_target(self, iteration: int) -> tuple[str | None, dict[str, Any] | None]:
         from megatron.training import get_args
@@ -307,29 +351,29 @@ class MegatronSession:
         if self.objs is None:
             self._bind(model, optimizer, scheduler, config, data_iterator, n)
         self._note_counters(n)
-        failure, self.pending = self.pending, None
+        pending, self.pending = self.pending, None
+        self.target = n  # the step a recovery returns to (reported to the coordinator)
         running = _running_timers()
         call = (real, fwd, data_iterator, model, optimizer, scheduler, config, fb_func)
-        while True:
-            try:
-                if self.newcomer is not None:
-                    self._join_as_newcomer(n)
-                elif failure is not None:  # also when a recovery itself was cut short
-                    self.target = n
-                    d.recover(failure, target=n)
-                failure = None
-                d.begin_step(n)
-                while self.next_step < n:
-                    self._run(call, self.next_step)
-                result = self._run(call, n)
-                if n == self.last_step:  # a failure in here is recovered like any other
-                    d.finish_training(n)
-                return result
-            except Exception as exc:
-                if not d.is_peer_failure(exc):
-                    raise
-                _stop_timers_since(running)
-                failure = exc
+
+        def attempt(restored: int | None) -> Any:
+            """Step n, after the steps since the restore iteration (a recovery's recompute)."""
+            if self.newcomer is not None:
+                self._take_slot(n)
+            d.begin_step(n)
+            while self.next_step < n:
+                self._run(call, self.next_step)
+            result = self._run(call, n)
+            if n == self.last_step:  # a failure in here is recovered like any other
+                d.finish_training(n)
+            return result
+
+        return d.recovering(
+            attempt,
+            target=n,
+            pending=pending,
+            on_failure=lambda: _stop_timers_since(running),
+        )
 
     @property
     def last_step(self) -> int:
@@ -382,23 +426,18 @@ class MegatronSession:
         self.driver.step_completed(k)
         return result
 
-    def _join_as_newcomer(self, n: int) -> None:
-        """First step of a newcomer: leave the private world, join, receive the shard."""
-        plan, d = self.newcomer, self.driver
+    def _take_slot(self, n: int) -> None:
+        """First step of a newcomer: take its slot (`Driver.take_slot`) at the step the
+        survivors resume at, and Megatron's log sums from a peer at the same position."""
+        plan = self.newcomer
+        assert plan is not None
         self.newcomer = None  # a failure from here on is recovered like a survivor's
-        t0 = time.time()
         if n != plan.target:
             raise DeadpoolRuntimeError(
                 f"newcomer reached step {n}, the survivors resume at step {plan.target}"
             )
-        d.release()
-        newcomer.leave()
-        d.join(plan.roster, self.init_model_parallel)
-        d.attach()
-        t_joined = time.time()
-        d.restore(plan.roster, needy=True)
+        self.driver.take_slot(target=n)
         self._log_state_to_load = plan.log_state
-        d.record_newcomer(plan.roster, n, t0, t_joined)
 
     # ------------------------------------------------------------------ between steps
     def training_returned(self, iteration: int) -> None:

@@ -339,9 +339,9 @@ class Replicator:
         with partial bytes. Nothing here waits on a peer. A replica that verifies is as good
         as a committed one for recovery (agreement picks the newest iteration every needed
         party holds), so a failure right after a round's transfers costs no recomputation.
-        Returns the owners whose replica of the round was salvaged.
+        Returns the owners whose replica of the round was kept.
         """
-        salvaged: list[int] = []
+        kept: list[int] = []
         if self._round is not None:
             self._capture_done()
             try:
@@ -353,11 +353,11 @@ class Replicator:
             for owner, work in received.items():
                 buf = self.held[owner].buffers[self._held_slots[owner]]
                 if arrived(work, self.group, buf.device) and self._keep(owner):
-                    salvaged.append(owner)
+                    kept.append(owner)
         self._works = []
         self._recv_of = {}
         self._round = None
-        return salvaged
+        return kept
 
     def _keep(self, owner: int) -> bool:
         slot = self._held_slots[owner]

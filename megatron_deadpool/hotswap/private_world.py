@@ -1,7 +1,8 @@
-"""A newcomer builds Megatron-LM's objects in a world of its own, then steps into the real one.
+"""A newcomer builds its job's objects in a world of its own, then steps into the real one.
 
-A spare that takes rank r runs Megatron-LM's whole start-up (`initialize_megatron`, model and
-optimizer set-up, data loaders, the start of `train()`) exactly as rank r did. That start-up
+A spare that takes rank r builds everything rank r trains with - for Megatron-LM its whole
+start-up (`initialize_megatron`, model and optimizer set-up, data loaders, the start of
+`train()`), for the embedded job its model and optimizer - exactly as rank r did. That start-up
 is full of world collectives (`all_gather_object` aligning optimizer parameter groups,
 timestamp all-reduces, barriers, timer gathers) that the survivors, who are in the middle of
 training, cannot mirror. So the newcomer runs it in a *private* world: torch's `fake` process
@@ -12,8 +13,8 @@ stands `new_group` is told to use the world's own (fake) backend.
 
 At its first training step the newcomer releases every fake group handle its objects hold
 (`rebind.release`), joins the real generation like the survivors do, and `rebind.attach`
-puts the real groups in their place: from then on its objects are indistinguishable from a
-survivor's.
+puts the real groups in their place (`Driver.take_slot`): from then on its objects are
+indistinguishable from a survivor's.
 """
 
 from __future__ import annotations
@@ -33,9 +34,11 @@ def _fake_store() -> Any:
     return FakeStore()
 
 
-def enter(rank: int, world_size: int, record: Callable[[dict[str, Any]], None]) -> None:
+def enter(
+    rank: int, world_size: int, record: Callable[[dict[str, Any]], None] = lambda kwargs: None
+) -> None:
     """From now on `init_process_group` creates a fake world (rank of world_size) and
-    `new_group` fake groups; `record` receives the arguments Megatron asked for."""
+    `new_group` fake groups; `record` receives the arguments the job asked for."""
     if _ORIGINAL:
         return
     _ORIGINAL["init"] = dist.init_process_group

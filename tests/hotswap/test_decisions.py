@@ -1,0 +1,368 @@
+"""The coordinator's decision table, on the in-memory store and a clock moved by hand.
+
+Each case builds the real `Coordinator` (failure detection and decisions) on a `MemoryStore`
+(held to TCPStore's behaviour by `test_store_conformance.py`), plays the members' side of the
+protocol through their own `Membership` - beats, exits a launcher sees, holdings reports,
+claims - and checks what the coordinator published: plans, decisions, rosters, sources, the
+out-of-redundancy and end reports. No process, no sleep: the whole table runs in well under a
+second.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from megatron_deadpool.hotswap.clock import ManualClock
+from megatron_deadpool.hotswap.coordinator import Coordinator
+from megatron_deadpool.hotswap.events import EventLog
+from megatron_deadpool.hotswap.liveness import HeartbeatOnly, Liveness
+from megatron_deadpool.hotswap.membership import Membership
+from megatron_deadpool.hotswap.memory_store import MemoryStore
+from megatron_deadpool.hotswap.messages import (
+    Decision,
+    HoldingsReport,
+    LayoutRecord,
+    Registration,
+    Verdict,
+)
+from megatron_deadpool.hotswap.rebuild import rebuild
+from megatron_deadpool.replication.placement import Layout, place_replicas
+
+HEARTBEAT_TIMEOUT = 10.0
+AGREE_TIMEOUT = 20.0
+
+
+class Launcher:
+    """What a local launcher shows the coordinator: the exits it saw, the kills it made."""
+
+    def __init__(self) -> None:
+        self.codes: dict[str, int] = {}
+        self.killed: list[str] = []
+
+    def exited(self, member: str) -> int | None:
+        return self.codes.get(member)
+
+    def exits(self) -> dict[str, int]:
+        return dict(self.codes)
+
+    def kill(self, member: str) -> bool:
+        self.killed.append(member)
+        self.codes[member] = -9
+        return True
+
+
+class Job:
+    """A job of `world` ranks (`per_node` to a node, one replica each) and `spares` spares
+    around a real coordinator; every member beats before each tick unless it is `silent`."""
+
+    def __init__(
+        self,
+        *,
+        world: int = 4,
+        per_node: int = 1,
+        spares: int = 1,
+        liveness: Liveness | None = None,
+        suspect_after: float | None = None,
+        start: bool = True,
+    ) -> None:
+        self.store = MemoryStore()
+        self.clock = ManualClock()
+        self.layout = Layout(tp=1, pp=1, dp=world, ranks_per_node=per_node)
+        self.placement = place_replicas(self.layout, 1)
+        self.launcher = Launcher()
+        self.events = EventLog(None, clock=self.clock.time)
+        self.said: list[str] = []
+        self.coord = Coordinator(
+            Membership(self.store, "coordinator"),
+            world,
+            self.placement,
+            [f"s{i}" for i in range(spares)],
+            heartbeat_timeout=HEARTBEAT_TIMEOUT,
+            agree_timeout=AGREE_TIMEOUT,
+            liveness=liveness if liveness is not None else self.launcher,
+            events=self.events,
+            say=self.said.append,
+            sweep_interval=0.0,
+            suspect_after=suspect_after,
+            clock=self.clock,
+        )
+        self.world = world
+        names = [f"a{r}" for r in range(world)] + [f"s{i}" for i in range(spares)]
+        self.members = {name: Membership(self.store.clone(), name) for name in names}
+        self.silent: set[str] = set()
+        if start:
+            self.coord.start()
+        for m in self.members.values():
+            m.announce()
+
+    def m(self, name: str = "a0") -> Membership:
+        return self.members.setdefault(name, Membership(self.store.clone(), name))
+
+    def tick(self, seconds: float = 1.0) -> None:
+        """Time passes, every member that is not silent beats, the coordinator ticks."""
+        self.clock.advance(seconds)
+        for name, m in self.members.items():
+            if name not in self.silent and name not in self.launcher.codes:
+                m.heartbeat()
+        self.coord.tick()
+
+    def die(self, *names: str) -> None:
+        """Crashed: the launcher sees them exit, their beats stop."""
+        for name in names:
+            self.launcher.codes[name] = -9
+
+    def holds(self, rank: int, iterations: Iterable[int] = (3, 4)) -> dict[str, tuple[int, ...]]:
+        """What rank `rank` holds: its own snapshots, and its owners' replicas."""
+        its = tuple(iterations)
+        owners = [o for o in range(self.world) if rank in self.placement.holders[o]]
+        return {"local": its, **{str(o): its for o in owners}}
+
+    def report(self, generation: int, ranks: Iterable[int], last_completed: int = 5) -> None:
+        roster = self.coord.roster
+        for rank in ranks:
+            member = roster.slots[rank]
+            report = HoldingsReport(member, last_completed, self.holds(rank))
+            self.m(member).report_holdings(generation, rank, report)
+
+    def decision(self, generation: int) -> Decision | None:
+        return self.m().wait_decision(generation, 0.0)
+
+    def holder(self, rank: int) -> int:
+        return self.placement.holders[rank][0]
+
+
+def test_one_death_takes_a_spare_and_agrees_on_the_newest_common_iteration() -> None:
+    job = Job(spares=2)
+    job.die("a2")
+    job.tick()
+    plan = job.m().plan(1)
+    assert plan is not None and (plan.dead, plan.needy) == ((2,), (2,))
+    assert plan.replaced == {2: "s0"} and plan.base == 0
+    assert job.coord.spares == ("s1",) and job.coord.recovering
+    assert job.decision(1) is None  # waiting for the survivors' reports
+    job.report(1, [0, 1])
+    job.tick()
+    assert job.decision(1) is None  # one report is still missing
+    job.report(1, [3])
+    job.tick()
+    assert job.decision(1) == Decision.roster(4)
+    assert job.m().sources(1).holders == {2: job.holder(2)}
+    roster = job.m().roster(1)
+    assert roster.slots == {0: "a0", 1: "a1", 2: "s0", 3: "a3"} and roster.restore_iteration == 4
+    assert job.coord.roster == roster and job.coord.out_of_redundancy is None
+
+
+def test_a_hung_member_is_killed_after_the_heartbeat_timeout() -> None:
+    job = Job()
+    job.tick()
+    job.silent.add("a1")
+    job.tick(HEARTBEAT_TIMEOUT - 1)
+    assert job.m().plan(1) is None and job.launcher.killed == []
+    job.tick(2.0)
+    assert job.launcher.killed == ["a1"]
+    plan = job.m().plan(1)
+    assert plan is not None and plan.dead == (1,)
+    assert any("silent for" in line and "killed" in line for line in job.said)
+
+
+def test_a_lost_node_is_one_plan() -> None:
+    """On a cluster (heartbeats only) a node's ranks fall silent together: one plan for both."""
+    job = Job(world=4, per_node=2, spares=2, liveness=HeartbeatOnly())
+    job.tick()
+    job.silent |= {"a2", "a3"}
+    job.tick(HEARTBEAT_TIMEOUT + 1)
+    plan = job.m().plan(1)
+    assert plan is not None and plan.dead == (2, 3) and plan.replaced == {2: "s0", 3: "s1"}
+    assert job.m().plan(2) is None
+
+
+def test_a_crash_names_its_silent_node_mate_in_the_same_plan() -> None:
+    """One rank's exit is seen at once; its node mate, silent longer than the suspicion window,
+    goes into the same plan instead of a second one a heartbeat timeout later."""
+    job = Job(world=4, per_node=2, spares=2, suspect_after=3.0)
+    job.tick()
+    job.silent.add("a3")
+    job.tick(4.0)
+    assert job.m().plan(1) is None  # silent, but below the heartbeat timeout
+    job.die("a2")
+    job.tick()
+    plan = job.m().plan(1)
+    assert plan is not None and plan.dead == (2, 3)
+    assert "a3" in job.launcher.killed
+
+
+def test_a_reported_failure_condemns_silent_peers_sooner_but_not_the_reporter() -> None:
+    job = Job(world=4, spares=1, liveness=HeartbeatOnly(), suspect_after=3.0)
+    job.tick()
+    job.silent |= {"a1", "a2"}  # a1 is frozen; a2 is busy (its heartbeat thread starved)
+    job.m("a2").report_failure("Connection closed by peer")
+    job.tick(4.0)
+    plan = job.m().plan(1)
+    assert plan is not None and plan.dead == (1,)  # not a2: it reported the failure itself
+    job.tick(HEARTBEAT_TIMEOUT)  # ... until the full heartbeat timeout
+    plan2 = job.m().plan(2)
+    assert plan2 is not None and plan2.dead == (1, 2)
+
+
+def test_a_death_during_agreement_supersedes_the_plan() -> None:
+    job = Job(spares=2)
+    job.die("a2")
+    job.tick()
+    job.report(1, [1, 3])
+    job.die("a0")  # neither 2's holder nor held by 2: both shards survive
+    job.tick()
+    assert job.decision(1) == Decision.superseded(2)
+    plan = job.m().plan(2)
+    assert plan is not None and plan.dead == (0, 2) and plan.needy == (0, 2)
+    assert plan.replaced == {0: "s1", 2: "s0"} and plan.base == 0
+    job.report(2, [1, 3])
+    job.tick()
+    decision = job.decision(2)
+    assert decision is not None and decision.verdict is Verdict.ROSTER
+    assert job.m().sources(2).holders == {0: job.holder(0), 2: job.holder(2)}
+
+
+def test_a_survivor_that_never_reports_is_presumed_dead() -> None:
+    job = Job(spares=2, liveness=HeartbeatOnly())
+    job.tick()
+    job.silent.add("a2")
+    job.tick(HEARTBEAT_TIMEOUT + 1)
+    job.report(1, [0, 1])  # a3 beats, but never reports
+    job.tick(AGREE_TIMEOUT - 1)
+    assert job.decision(1) is None
+    job.tick(2.0)  # presumed dead now; planned at the next look
+    assert [e["member"] for e in job.events.of("process_dead")] == ["a2", "a3"]
+    job.tick()
+    assert job.decision(1) == Decision.superseded(2)
+    plan = job.m().plan(2)
+    assert plan is not None and plan.dead == (2, 3)
+
+
+def test_a_newcomer_lost_before_its_claim_gives_its_slot_up() -> None:
+    job = Job(spares=2)
+    job.die("a2")
+    job.tick()
+    job.report(1, [0, 1, 3])
+    job.tick()
+    assert job.decision(1) == Decision.roster(4)
+    job.die("s0")  # given rank 2, dead before it claimed the slot
+    job.tick()
+    assert job.m().wait_newcomers(1, [2], 0.0) is False  # survivors do not wait for it
+    assert job.m("s0").claim_slot(1, 2) is False
+    plan = job.m().plan(2)
+    assert plan is not None and plan.dead == (2,) and plan.replaced == {2: "s1"}
+    assert plan.base == 1
+
+
+def test_a_newcomer_lost_after_its_claim_keeps_the_claim_and_is_replaced() -> None:
+    job = Job(spares=2)
+    job.die("a2")
+    job.tick()
+    job.report(1, [0, 1, 3])
+    job.tick()
+    assert job.m("s0").claim_slot(1, 2) is True
+    job.die("s0")
+    job.tick()
+    assert job.m().wait_newcomers(1, [2], 0.0) is True  # the claim stands
+    plan = job.m().plan(2)
+    assert plan is not None and plan.needy == (2,) and plan.replaced == {2: "s1"}
+
+
+def test_no_spare_left_saves_a_complete_set_and_ends_out_of_redundancy() -> None:
+    job = Job(spares=0)
+    job.die("a2")
+    job.tick()
+    plan = job.m().plan(1)
+    assert plan is not None and plan.replaced == {}
+    job.report(1, [0, 1, 3])
+    job.tick()
+    assert job.decision(1) == Decision.out_of_redundancy()
+    assert job.decision(2) == Decision.out_of_redundancy()  # who reports for the next one
+    assert job.m().latest_plan() == 2  # plan watches see it
+    report = job.m().out_of_redundancy()
+    assert report is not None and report == job.coord.out_of_redundancy
+    assert report.reason == "no spare left to replace rank(s) [2]"
+    assert report.dead_ranks == (2,) and report.lost_ranks == ()
+    assert report.save is not None and report.save.complete
+    assert report.save.iteration == 4 and report.save.sources == {2: job.holder(2)}
+
+
+def test_an_owner_and_its_holder_lost_together_lose_the_shard() -> None:
+    job = Job(spares=2)
+    holder = job.holder(2)
+    job.die("a2", f"a{holder}")
+    job.tick()
+    survivors = [r for r in range(4) if r not in (2, holder)]
+    job.report(1, survivors)
+    job.tick()
+    report = job.coord.out_of_redundancy
+    assert report is not None and report.lost_ranks == (2,)
+    assert report.lost_shard_holders == {2: (holder,)}
+    assert report.save is not None and not report.save.complete and report.save.missing == (2,)
+    assert report.save.sources == {holder: job.holder(holder)}  # the holder's own shard lives
+
+
+def test_a_standby_adopts_the_job_and_recovers_who_never_came_back() -> None:
+    """The primary is gone; the standby rebuilds the job from the members' re-registrations
+    (`rebuild`), and the rank that never re-registered is recovered like any dead rank."""
+    old = Job(spares=1)
+    roster = old.coord.roster
+    layout = LayoutRecord(1, 1, 4, 1, 1)
+    registrations = {
+        f"a{r}": Registration(
+            member=f"a{r}",
+            rank=r,
+            generation=0,
+            world_size=4,
+            slots=dict(roster.slots),
+            restore_iteration=None,
+            last_completed=7,
+            layout=layout,
+        )
+        for r in (0, 2, 3)
+    }
+    registrations["s0"] = Registration(member="s0")
+    state = rebuild(registrations, 4, ["s0"])
+    assert state is not None and state.missing == {1: "a1"} and state.spares == ["s0"]
+    standby = Job(spares=1, start=False)
+    standby.coord.adopt(
+        state.roster, state.spares, state.next_generation, {"a1": "did not re-register"}
+    )
+    standby.tick()
+    plan = standby.m().plan(state.next_generation)
+    assert plan is not None and plan.dead == (1,) and plan.replaced == {1: "s0"}
+    standby.report(state.next_generation, [0, 2, 3])
+    standby.tick()
+    assert standby.decision(state.next_generation) == Decision.roster(4)
+
+
+def test_a_loss_after_training_completed_costs_no_recovery() -> None:
+    job = Job(spares=1)
+    for r in range(4):
+        job.m(f"a{r}").report_finished(r, 8)
+    job.die("a3")
+    job.tick()
+    assert job.m().plan(1) is None and not job.coord.recovering
+    end = job.m().end()
+    assert end is not None and end == job.coord.ended
+    assert end.dead_ranks == (3,) and end.lost_ranks == () and end.completed_iteration == 8
+    assert end.save.complete and end.save.sources == {3: job.holder(3)}
+    assert job.coord.spares == ("s0",)  # no spare spent
+    assert not job.coord.training_done()
+    for r in range(3):
+        job.m(f"a{r}").mark_done()
+    assert job.coord.training_done()  # a3 is gone after its work, not awaited
+
+
+def test_a_spare_added_later_takes_the_next_slot() -> None:
+    job = Job(spares=0)
+    job.coord.add_spare("s7")
+    job.m("s7").announce()
+    assert job.coord.spares == ("s7",)
+    job.coord.add_spare("s7")  # known already: nothing changes
+    assert job.coord.spares == ("s7",)
+    job.die("a0")
+    job.tick()
+    plan = job.m().plan(1)
+    assert plan is not None and plan.replaced == {0: "s7"}
+    assert [e["member"] for e in job.events.of("spare_added")] == ["s7"]
