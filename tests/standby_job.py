@@ -21,7 +21,7 @@ import pytest
 from conftest import deadpool_command
 
 Worker = Callable[[str, int, str], tuple[list[str], dict[str, str]]]
-"""(pid, task index, the coordinators' addresses) -> the process's command line and extra env."""
+"""(member, task index, the coordinators' addresses) -> the process's command line and extra env."""
 
 
 def free_port() -> int:
@@ -55,7 +55,7 @@ class StandbyJob:
         self.started = time.time()
 
     @property
-    def pids(self) -> list[str]:
+    def members(self) -> list[str]:
         return [f"a{r}" for r in range(self.world_size)] + [f"s{i}" for i in range(self.spares)]
 
     def _spawn(self, name: str, cmd: list[str], env: dict[str, str]) -> None:
@@ -93,9 +93,9 @@ class StandbyJob:
                 *extra,
             ]
             self._spawn(name, cmd, {})
-        for task, pid in enumerate(self.pids):
-            cmd, env = worker(pid, task, coordinators)
-            self._spawn(pid, cmd, env)
+        for task, member in enumerate(self.members):
+            cmd, env = worker(member, task, coordinators)
+            self._spawn(member, cmd, env)
 
     # ------------------------------------------------------------------ observing
     def log(self, name: str) -> str:

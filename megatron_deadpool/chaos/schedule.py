@@ -218,7 +218,7 @@ def _merge(recs: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def spare_ages(events: Sequence[dict[str, Any]]) -> dict[int, dict[str, float]]:
-    """generation -> {spare pid: seconds since it was spawned} when that generation's plan
+    """generation -> {spare member: seconds since it was spawned} when that generation's plan
     gave it a slot, from the coordinator's event log. A young spare may still be importing
     megatron-core when it is assigned: its recovery then includes its start-up."""
     start = next((e["t"] for e in events if e.get("event") == "roster"), None)
@@ -226,14 +226,14 @@ def spare_ages(events: Sequence[dict[str, Any]]) -> dict[int, dict[str, float]]:
     out: dict[int, dict[str, float]] = {}
     for e in events:
         if e.get("event") == "spare_added":
-            born[e["pid"]] = e["t"]
+            born[e["member"]] = e["t"]
         elif e.get("event") == "plan" and "slots" in e:
             needy = {str(r) for r in e.get("needy", [])}
             ages = {}
-            for rank, pid in e["slots"].items():
-                t0 = born.get(pid, start)
+            for rank, member in e["slots"].items():
+                t0 = born.get(member, start)
                 if rank in needy and t0 is not None:
-                    ages[pid] = round(e["t"] - t0, 2)
+                    ages[member] = round(e["t"] - t0, 2)
             out[e["generation"]] = ages
     return out
 

@@ -202,7 +202,8 @@ class Soak:
             if f.recovery:
                 g = f.recovery["generations"][-1]
                 f.recovery["replacement_age_s"] = {
-                    pid: ages.get(g, {}).get(pid) for pid in f.recovery["replaced_by"].values()
+                    member: ages.get(g, {}).get(member)
+                    for member in f.recovery["replaced_by"].values()
                 }
         record = {
             "episode": n,

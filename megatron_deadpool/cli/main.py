@@ -12,8 +12,10 @@ import importlib
 import sys
 import warnings
 from collections.abc import Sequence
+from types import ModuleType
+from typing import NoReturn
 
-from ..errors import ConfigError
+from ..errors import ConfigError, ExitCode
 
 # name -> (module, one-line help); `bench` has its own sub-subcommands.
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -40,11 +42,11 @@ COMMANDS: dict[str, tuple[str, str]] = {
 
 
 class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # one line, exit 2
-        self.exit(2, f"{self.prog}: error: {message}\n")
+    def error(self, message: str) -> NoReturn:  # one line, exit 2
+        self.exit(ExitCode.BAD_INPUT, f"{self.prog}: error: {message}\n")
 
 
-def build_parser(argv: Sequence[str]) -> tuple[argparse.ArgumentParser, object | None]:
+def build_parser(argv: Sequence[str]) -> tuple[argparse.ArgumentParser, ModuleType | None]:
     parser = _Parser(prog="deadpool", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     wanted = next((a for a in argv if not a.startswith("-")), None)
@@ -66,14 +68,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = parser.parse_args(argv)
         if module is None:
             parser.print_help()
-            return 2
+            return ExitCode.BAD_INPUT
         return int(module.run(args) or 0)
     except ConfigError as exc:
         print(f"deadpool: error: {exc}", file=sys.stderr)
-        return 2
+        return ExitCode.BAD_INPUT
     except KeyboardInterrupt:
         print("deadpool: interrupted", file=sys.stderr)
-        return 130
+        return ExitCode.INTERRUPTED
 
 
 if __name__ == "__main__":

@@ -88,10 +88,7 @@ def run(args: argparse.Namespace) -> int:
         if value is not None and value < (0 if name == "spares" else 1):
             flag = name.replace("_", "-")
             raise ConfigError(f"--{flag}: must be >= {0 if name == 'spares' else 1}, got {value}")
-    if args.cluster:
-        cluster = load_cluster(args.cluster)
-    else:
-        cluster = job.cluster
+    cluster = load_cluster(args.cluster) if args.cluster else job.cluster
     tp = args.tp or job.parallel.tp
     pp = args.pp or job.parallel.pp
     dp = args.dp or job.parallel.dp

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import socket
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from ..errors import ConfigError
 from .faults import parse_fault
@@ -143,7 +143,7 @@ class DeadpoolConfig:
         """The coordinators' addresses, primary first (empty: the launcher hosts one)."""
         return split_coordinators(self.coordinator) if self.coordinator else []
 
-    def replace(self, **changes: object) -> DeadpoolConfig:
+    def replace(self, **changes: Any) -> DeadpoolConfig:
         """A validated copy with `changes` applied."""
         return dataclasses.replace(self, **changes)
 

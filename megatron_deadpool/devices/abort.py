@@ -61,7 +61,7 @@ def abort_groups() -> AbortReport:
     with _LOCK:
         world = dist.distributed_c10d._get_default_group() if dist.is_initialized() else None
         previous = last_abort()
-        world_id = id(world) if world is not None else (previous and previous.world_id)
+        world_id = id(world) if world is not None else (previous.world_id if previous else None)
         del world
         aborted = nccl.abort_all()
         shut = gloo.shutdown_connections()

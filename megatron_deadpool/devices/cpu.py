@@ -161,7 +161,7 @@ def activate(pretend_cuda: bool = False) -> None:
         os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
         cuda = torch.cuda
         _ACTIVE["Tensor.type"] = torch.Tensor.type
-        torch.Tensor.type = _tensor_type  # type: ignore[method-assign]
+        torch.Tensor.type = _tensor_type  # type: ignore[method-assign,assignment]
         _set(torch.Tensor, "cuda", lambda self, *a, **k: self)
         _set(cuda, "current_device", lambda: _CPU)
         _set(cuda, "Stream", _NullStream)

@@ -128,7 +128,7 @@ def track_connections() -> None:
                 _TRACKED[inode] = name
         return result
 
-    c10d._new_process_group_helper = helper
+    c10d._new_process_group_helper = helper  # type: ignore[assignment]
 
 
 def tracked() -> dict[int, str]:

@@ -22,7 +22,12 @@ from megatron.core import parallel_state as ps
 
 from ..config.job import JobConfig
 from ..devices import select_device
-from ..errors import CoordinatorUnreachableError, ExitCode, OutOfRedundancyError
+from ..errors import (
+    CoordinatorUnreachableError,
+    DeadpoolRuntimeError,
+    ExitCode,
+    OutOfRedundancyError,
+)
 from ..hotswap.driver import Driver
 from ..hotswap.messages import IterationRecord, Roster
 from ..hotswap.weights import sync_params_from_main
@@ -40,6 +45,7 @@ def save_checkpoint(job: EmbeddedJob, iteration: int) -> Path:
     """The default `Saver`: a Megatron torch_dist checkpoint under `--save`."""
     from . import checkpoint
 
+    assert job.spec.train.save is not None
     return checkpoint.save(job.objs, iteration, job.spec.train.save)
 
 
@@ -68,12 +74,19 @@ class EmbeddedJob:
             token=token,
             member=member,
         )
-        self.objs: gpt.TrainingObjects | None = None
+        self._objs: gpt.TrainingObjects | None = None
         self.preempted_at: int | None = None
+
+    @property
+    def objs(self) -> gpt.TrainingObjects:
+        """What this rank trains with (built once it holds a slot)."""
+        if self._objs is None:
+            raise DeadpoolRuntimeError("this rank has not built its model and optimizer yet")
+        return self._objs
 
     # ------------------------------------------------------------------ JobAdapter
     def roots(self) -> list[Any]:
-        o = self.objs
+        o = self._objs
         return [o.model, o.optimizer, o.scheduler, o.config] if o else []
 
     def rank_state(self) -> RankState:
@@ -129,7 +142,7 @@ class EmbeddedJob:
             d.build_privately(init_model_parallel=self.init_model_parallel)
         else:
             d.join(roster, self.init_model_parallel)
-        self.objs = gpt.build(self.spec)
+        self._objs = gpt.build(self.spec)
         d.bind(self)
         if newcomer:
             start = d.take_slot() + 1
@@ -236,7 +249,7 @@ class EmbeddedJob:
         else:
             dist.destroy_process_group()
         digest = d.finish()
-        log.info("done: parameter digest %s", digest[:16])
+        log.info("done: parameter digest %s", (digest or "")[:16])
 
     # ------------------------------------------------------------------ persistent checkpoints
     def _save(self, iteration: int) -> None:
@@ -251,7 +264,8 @@ class EmbeddedJob:
         if point is None:
             log.info("no checkpoint in %s: starting from iteration 1", root)
             return 0
-        rank = self.driver.rank
+        rank = self.driver.roster.rank_of(self.driver.member)
+        assert rank is not None
         if point[0] == "snapshots":  # the set survivors saved when memory could not recover
             t = point[1]
             flat = snapshot_set.read_flat(snapshot_set.rank_file(root, t, rank))

@@ -63,7 +63,14 @@ class LocalLauncher:
         self.timeout_s = timeout_s
         self.progress = Progress(job.train.iters, stream=stream, quiet=quiet)
         self.token = job.deadpool.job_token or secrets.token_hex(8)
-        self.local: LocalJob | None = None
+        self._local: LocalJob | None = None
+
+    @property
+    def local(self) -> LocalJob:
+        """The job's store, coordinator and processes (once `run` started them)."""
+        if self._local is None:
+            raise RuntimeError("the job has not started yet (`run`)")
+        return self._local
 
     # ------------------------------------------------------------------ processes
     def _worker_command(self) -> list[str]:
@@ -117,13 +124,13 @@ class LocalLauncher:
         layout = Layout(job.parallel.tp, job.parallel.pp, job.parallel.dp, job.ranks_per_node)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         (self.run_dir / "job.yaml").write_text(yaml.safe_dump(job.to_dict(), sort_keys=False))
-        self.local = local = self._host(
+        self._local = local = self._host(
             cfg,
             world_size=layout.world_size,
             token=self.token,
             run_dir=self.run_dir,
             placement=place_replicas(layout, cfg.replicas) if cfg.enabled else None,
-            on_event=lambda text: self.progress.event(text),
+            say=self.progress.event,
         )
         self.progress.header(
             f"deadpool train: tp={job.parallel.tp} pp={job.parallel.pp} dp={job.parallel.dp} "
@@ -158,7 +165,6 @@ class LocalLauncher:
     def _monitor(self, records: list, log_file: TextIO | None, t_start: float) -> int:
         """Supervise the job (`hotswap.supervisor`), rendering rank 0's records as they come."""
         local = self.local
-        assert local is not None
         coord, membership = local.coordinator, local.membership
         deadpool = self.job.deadpool.enabled
         shown = {"next": self._first_iteration(), "generation": 0}
@@ -226,7 +232,6 @@ class LocalLauncher:
             self.job.ranks_per_node,
         )
         local = self.local
-        assert local is not None
         coord, membership = local.coordinator, local.membership
         final, preempted = membership.final_replication(), membership.preempted()
         oor, ended = coord.out_of_redundancy, coord.ended
@@ -252,10 +257,9 @@ class LocalLauncher:
                 statistics.median(r["iter_time_s"] for r in records) if records else None
             ),
         }
-        if complete:
+        if complete and digest is not None:
             loss = f", final loss {records[-1]['loss']:.4f}" if records else ""
             self.progress.header(
-                f"done: {len(records)} iterations in {wall_s:.1f}s{loss}, digest "
-                f"{summary['final_param_digest'][:16]}"
+                f"done: {len(records)} iterations in {wall_s:.1f}s{loss}, digest {digest[:16]}"
             )
         return summary

@@ -35,7 +35,7 @@ class LocalJob:
         token: str,
         run_dir: Path,
         placement: Placement | None = None,
-        on_event: Callable[[str], None] = lambda text: None,
+        say: Callable[[str], None] = lambda text: None,
     ) -> None:
         """`placement` None: the coordinator learns the layout from rank 0 once it exists.
         Refuses (`ConfigError`) a node with fewer GPUs than actives + spares before anything
@@ -61,7 +61,7 @@ class LocalJob:
             agree_timeout=cfg.agreement_timeout,
             liveness=self._liveness(),
             events=EventLog(run_dir / "events.jsonl"),
-            say=on_event,
+            say=say,
         )
         self.coordinator.start()
 

@@ -119,6 +119,7 @@ class SrunJob(LocalJob):
         self.coordinator.close()
 
     def _wait_srun(self, timeout_s: float) -> bool:
+        assert self.srun is not None
         try:
             self.srun.wait(timeout_s)
         except subprocess.TimeoutExpired:

@@ -87,7 +87,7 @@ def _stand_in_for_triton() -> None:
     stand_in = _TritonStandIn()
     for name in ("triton", "triton.language"):
         module = types.ModuleType(name)
-        module.__getattr__ = stand_in.__getattr__  # type: ignore[attr-defined]
+        module.__getattr__ = stand_in.__getattr__  # type: ignore[method-assign]
         module.__deadpool_stand_in__ = True  # type: ignore[attr-defined]
         module.__version__ = "0.0.0"  # type: ignore[attr-defined]  # "too old": no kernels
         sys.modules[name] = module

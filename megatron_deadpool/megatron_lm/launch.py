@@ -72,8 +72,15 @@ class MegatronLauncher:
         self.extra_env = dict(env or {})
         self.threads: list[threading.Thread] = []
         self.lock = threading.Lock()
-        self.local: LocalJob | None = None
+        self._local: LocalJob | None = None
         self.ended = False  # every active rank finished its work (`LocalJob.finished`)
+
+    @property
+    def local(self) -> LocalJob:
+        """The job's store, coordinator and processes (once `run` started them)."""
+        if self._local is None:
+            raise RuntimeError("the job has not started yet (`run`)")
+        return self._local
 
     # ------------------------------------------------------------------ output
     def _print(self, text: str) -> None:
@@ -115,12 +122,12 @@ class MegatronLauncher:
             CUDA_DEVICE_MAX_CONNECTIONS="1",
         )
         token = self.cfg.job_token or secrets.token_hex(8)
-        self.local = local = LocalJob(
+        self._local = local = LocalJob(
             self.cfg,
             world_size=self.nproc,
             token=token,
             run_dir=self.run_dir,
-            on_event=lambda text: self._print(f"[deadpool] {text}"),
+            say=lambda text: self._print(f"[deadpool] {text}"),
         )
         if self.cfg.enabled:
             env.update(DEADPOOL_COORDINATOR=local.address, DEADPOOL_JOB_TOKEN=token)
@@ -143,7 +150,6 @@ class MegatronLauncher:
     def _monitor(self, t0: float) -> int:
         """Supervise the job (`hotswap.supervisor`)."""
         local = self.local
-        assert local is not None
 
         def config_error() -> int | None:
             codes = local.exit_codes(local.actives())

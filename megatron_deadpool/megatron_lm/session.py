@@ -112,7 +112,7 @@ class MegatronSession:
         self.newcomer: NewcomerPlan | None = None
         self.joined_late = False  # a spare that took a slot after the start
         self.mp_call: tuple[Any, tuple, dict] | None = None
-        self.objs: tuple[Any, Any, Any, Any] | None = None
+        self._objs: tuple[Any, Any, Any, Any] | None = None
         self.extra_roots: list[Any] = []
         self.data_iterator: Any = None
         self.recorders: list[BatchRecorder] = []
@@ -239,6 +239,8 @@ class MegatronSession:
             d.plan_watch.joined(d.generation)  # generation 0's groups: Megatron made them
 
     def init_model_parallel(self) -> None:
+        if self.mp_call is None:
+            raise DeadpoolRuntimeError("Megatron has not created its groups yet")
         real, args, kwargs = self.mp_call
         real(*args, **kwargs)
 
@@ -271,12 +273,19 @@ class MegatronSession:
         if problems:
             raise ConfigError("--deadpool cannot protect this run: " + "; ".join(problems))
 
+    @property
+    def objs(self) -> tuple[Any, Any, Any, Any]:
+        """Megatron's model chunks, optimizer, scheduler and config (from its first step on)."""
+        if self._objs is None:
+            raise DeadpoolRuntimeError("Megatron has not run its first training step yet")
+        return self._objs
+
     # ------------------------------------------------------------------ JobAdapter
     def roots(self) -> list[Any]:
         """Everything that holds process-group handles DeadPool must rebind: model chunks, DDP,
         optimizer, scheduler, config, Megatron's checkpointing context (its save strategy
         keeps the data-parallel group)."""
-        return [*(self.objs or ()), *self.extra_roots]
+        return [*(self._objs or ()), *self.extra_roots]
 
     def rank_state(self) -> RankState:
         _, optimizer, scheduler, _ = self.objs
@@ -289,7 +298,7 @@ class MegatronSession:
         targets = {r.target for r in self._survivor_reports(roster).values()}
         if targets != {self.target}:
             raise DeadpoolRuntimeError(
-                f"survivors stopped at different steps {sorted(targets)}: they cannot resume "
+                f"survivors stopped at different steps {sorted(map(str, targets))}: they cannot resume "
                 "together (a failure between the commit and the end of a step)"
             )
 
@@ -348,7 +357,7 @@ class MegatronSession:
         in-place recovery; returns step n's result."""
         n = iteration + 1
         d = self.driver
-        if self.objs is None:
+        if self._objs is None:
             self._bind(model, optimizer, scheduler, config, data_iterator, n)
         self._note_counters(n)
         pending, self.pending = self.pending, None
@@ -382,7 +391,7 @@ class MegatronSession:
         return get_args().train_iters
 
     def _bind(self, model, optimizer, scheduler, config, data_iterator, n: int) -> None:
-        self.objs = (model, optimizer, scheduler, config)
+        self._objs = (model, optimizer, scheduler, config)
         self.data_iterator = data_iterator
         self.recorders = install_recorder(data_iterator)
         self.next_step = n
@@ -443,7 +452,7 @@ class MegatronSession:
     def training_returned(self, iteration: int) -> None:
         """Megatron's `train()` returned after `iteration` (its last step, or an exit
         condition: --exit-interval, --exit-duration-in-mins, a signal)."""
-        if self.objs is None:
+        if self._objs is None:
             return
         if self.driver.completed is None:
             try:

@@ -170,14 +170,14 @@ def _place_group(group: Sequence[int], layout: Layout, k: int) -> dict[int, tupl
             perms.append(perm)
             used.update((i, perm[i]) for i in range(n))
     while len(perms) < k:
-        perm = _matching(domains, used)
-        if perm is None:
+        matched = _matching(domains, used)
+        if matched is None:
             raise PlacementError(
                 f"cannot place {k} replicas in data-parallel group {_short(group)} with each "
                 f"rank holding exactly {k}; lower deadpool-replicas to {len(perms)}"
             )
-        perms.append(perm)
-        used.update((i, perm[i]) for i in range(n))
+        perms.append(matched)
+        used.update((i, matched[i]) for i in range(n))
     return {group[i]: tuple(group[p[i]] for p in perms) for i in range(n)}
 
 

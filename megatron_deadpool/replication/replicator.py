@@ -42,7 +42,7 @@ import torch
 import torch.distributed as dist
 
 from ..devices.groups import check_takes, tensor_device
-from ..devices.memory import ReplicaMemory
+from ..devices.memory import Choice, ReplicaMemory
 from ..devices.p2p import Transfer, arrived, post
 from .placement import Placement
 from .snapshot import CorruptReplicaError, Snapshotter, read_header, verify
@@ -171,7 +171,7 @@ class Replicator:
         dist.all_reduce(exchange, group=group)
         values = exchange.tolist()
         self.sizes = values[:world]
-        choice = "host" if values[world] else "gpu"
+        choice: Choice = "host" if values[world] else "gpu"
         self.device = memory.torch_device(choice)
         self.pinned = memory.pinned(choice)
         check_takes(group, self.device)

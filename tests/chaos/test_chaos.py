@@ -139,7 +139,7 @@ def test_replacement_spare_age_comes_from_the_event_log() -> None:
     events = [
         {"t": 100.0, "event": "roster", "generation": 0},
         {"t": 140.0, "event": "plan", "generation": 1, "needy": [2], "slots": {"2": "s0"}},
-        {"t": 140.1, "event": "spare_added", "pid": "s2"},
+        {"t": 140.1, "event": "spare_added", "member": "s2"},
         {
             "t": 141.0,
             "event": "plan",

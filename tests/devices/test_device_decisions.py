@@ -128,7 +128,7 @@ def test_the_local_launcher_core_gives_every_process_its_gpu(
     monkeypatch.setattr(local_job, "local_gpu_count", lambda: 5)
     job = local_job.LocalJob(cfg, world_size=4, token="t", run_dir=tmp_path)
     try:
-        assert [job.local_rank(pid) for pid in job.pids] == [0, 1, 2, 3, 4]
+        assert [job.local_rank(m) for m in job.members] == [0, 1, 2, 3, 4]
         assert job.local_rank("s1") == 0  # a spare added later (chaos runs) wraps around
     finally:
         job.close(grace_s=0)

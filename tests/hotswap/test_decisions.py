@@ -192,16 +192,22 @@ def test_a_crash_names_its_silent_node_mate_in_the_same_plan() -> None:
 
 
 def test_a_reported_failure_condemns_silent_peers_sooner_but_not_the_reporter() -> None:
-    job = Job(world=4, spares=1, liveness=HeartbeatOnly(), suspect_after=3.0)
+    """After a survivor reports a failed collective, a silent rank of the roster is named dead
+    after `suspect_after`; the reporter itself (alive, its heartbeat starved) and a silent
+    spare - like a newcomer busy in Megatron's start-up, whose collectives did not fail - only
+    after the full heartbeat timeout."""
+    job = Job(world=4, spares=2, liveness=HeartbeatOnly(), suspect_after=3.0)
     job.tick()
-    job.silent |= {"a1", "a2"}  # a1 is frozen; a2 is busy (its heartbeat thread starved)
+    job.silent |= {"a1", "a2", "s1"}  # a1 frozen; a2 and s1 busy (heartbeat threads starved)
     job.m("a2").report_failure("Connection closed by peer")
     job.tick(4.0)
+    assert job.coord.dead == {"a1"}
     plan = job.m().plan(1)
-    assert plan is not None and plan.dead == (1,)  # not a2: it reported the failure itself
+    assert plan is not None and plan.dead == (1,) and plan.replaced == {1: "s0"}
+    dead = job.events.of("process_dead")
+    assert "after a peer's collective failed" in dead[0]["why"]
     job.tick(HEARTBEAT_TIMEOUT)  # ... until the full heartbeat timeout
-    plan2 = job.m().plan(2)
-    assert plan2 is not None and plan2.dead == (1, 2)
+    assert job.coord.dead == {"a1", "a2", "s1"}
 
 
 def test_a_death_during_agreement_supersedes_the_plan() -> None:
@@ -366,3 +372,28 @@ def test_a_spare_added_later_takes_the_next_slot() -> None:
     plan = job.m().plan(1)
     assert plan is not None and plan.replaced == {0: "s7"}
     assert [e["member"] for e in job.events.of("spare_added")] == ["s7"]
+
+
+def test_a_failure_before_replication_started_ends_at_once() -> None:
+    """Every rank exits during start-up (say, a bad script argument) before rank 0 published
+    the layout (the Megatron-LM runner's coordinator learns it only then): the coordinator ends
+    the job with the reason instead of waiting for a layout it will never get."""
+    job = Job(world=2, spares=1)
+    job.coord = Coordinator(
+        Membership(job.store, "launcher"),
+        2,
+        None,  # no layout published yet
+        ["s0"],
+        heartbeat_timeout=HEARTBEAT_TIMEOUT,
+        agree_timeout=AGREE_TIMEOUT,
+        liveness=job.launcher,
+        events=job.events,
+        clock=job.clock,
+    )
+    job.coord.start()
+    job.die("a0", "a1")
+    job.tick()
+    job.tick()
+    report = job.coord.out_of_redundancy
+    assert report is not None and "failed before replication started" in report.reason
+    assert report.lost_ranks == (0, 1) and report.save is None

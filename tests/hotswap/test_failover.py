@@ -82,15 +82,15 @@ def cluster(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[StandbyJ
         timeout_s=JOB_TIMEOUT,
     )
 
-    def worker(pid: str, task: int, coordinators: str) -> tuple[list[str], dict[str, str]]:
+    def worker(member: str, task: int, coordinators: str) -> tuple[list[str], dict[str, str]]:
         return [
             sys.executable,
             "-m",
             "megatron_deadpool.embedded.worker",
             "--config",
             str(config),
-            "--pid",
-            pid,
+            "--member",
+            member,
             "--deadpool-coordinator",
             coordinators,
             *settings,

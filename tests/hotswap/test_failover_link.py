@@ -17,10 +17,10 @@ import torch.distributed as dist
 
 from megatron_deadpool.config.deadpool import DeadpoolConfig
 from megatron_deadpool.errors import CoordinatorUnreachableError, JobTokenError
-from megatron_deadpool.hotswap.coordinator import EventLog
+from megatron_deadpool.hotswap.events import EventLog
 from megatron_deadpool.hotswap.failover import CoordinatorLink, FailoverStore
 from megatron_deadpool.hotswap.membership import Membership, host_store
-from megatron_deadpool.hotswap.rebuild import Registration
+from megatron_deadpool.hotswap.messages import CoordinatorIdentity, Registration
 from megatron_deadpool.hotswap.standby import Standby
 
 TOKEN = "job-A"
@@ -33,7 +33,7 @@ class Server:
     def __init__(self) -> None:
         self.store = host_store("127.0.0.1", 0)
         backend = ("127.0.0.1", self.store.port)
-        self.members = Membership(self.store, "coordinator")
+        self.membership = Membership(self.store, "coordinator")
         self.relay = socket.create_server(("127.0.0.1", 0))
         self.address = f"127.0.0.1:{self.relay.getsockname()[1]}"
         self.sockets: list[socket.socket] = []
@@ -59,8 +59,8 @@ class Server:
             pass
 
     def serve(self, epoch: int, nonce: str, token: str = TOKEN) -> None:
-        self.members.set_identity(epoch, nonce)
-        self.members.set_token(token)
+        self.membership.set_identity(CoordinatorIdentity(epoch, nonce))
+        self.membership.set_token(token)
 
     def stop(self) -> None:
         self.relay.close()
@@ -77,7 +77,7 @@ class Server:
 
 
 def link(addresses: list[str], connect_timeout: float = 20.0, **kw: Any) -> CoordinatorLink:
-    record = kw.pop("record", lambda: Registration(pid="a2", rank=2, generation=0))
+    record = kw.pop("record", lambda: Registration(member="a2", rank=2, generation=0))
     return CoordinatorLink(
         addresses,
         TOKEN,
@@ -85,7 +85,7 @@ def link(addresses: list[str], connect_timeout: float = 20.0, **kw: Any) -> Coor
         op_timeout=2.0,
         rebuild_timeout=10.0,
         beat_s=0.2,
-        pid=lambda: "a2",
+        member=lambda: "a2",
         record=record,
     )
 
@@ -98,7 +98,7 @@ def test_a_standby_that_has_not_taken_over_is_never_joined() -> None:
     with pytest.raises(CoordinatorUnreachableError, match="serves no job yet"):
         link([primary.address, standby.address], connect_timeout=2.0).connect()
     assert time.monotonic() - t0 < 20
-    assert standby.members.registration("a2") is None
+    assert standby.membership.registration("a2") is None
 
 
 @pytest.mark.timeout(60)
@@ -113,35 +113,35 @@ def test_another_jobs_coordinator_is_refused() -> None:
 def test_a_process_re_registers_with_the_standby_that_took_over() -> None:
     primary, standby = Server(), Server()
     primary.serve(0, "primary")
-    primary.members.set_progress(7)
-    records = [Registration(pid="a2", rank=2, generation=0, last_completed=7)]
+    primary.membership.set_progress(7)
+    records = [Registration(member="a2", rank=2, generation=0, last_completed=7)]
     lk = link([primary.address, standby.address], record=lambda: records[-1])
     lk.connect()
-    members = Membership(FailoverStore(lk), "a2")
-    assert members.progress() == 7 and lk.identity == (0, "primary")
+    membership = Membership(FailoverStore(lk), "a2")
+    assert membership.progress() == 7 and lk.identity == CoordinatorIdentity(0, "primary")
 
     def take_over() -> None:  # what `Standby` does, by hand
         time.sleep(1.0)
         standby.serve(1, "standby")
         deadline = time.monotonic() + 30
-        while standby.members.registration("a2") is None and time.monotonic() < deadline:
+        while standby.membership.registration("a2") is None and time.monotonic() < deadline:
             time.sleep(0.05)
-        standby.members.set_progress(7)
-        standby.members.publish_rebuilt(1)
+        standby.membership.set_progress(7)
+        standby.membership.publish_rebuilt(1)
 
     helper = threading.Thread(target=take_over)
     helper.start()
     primary.stop()
     t0 = time.monotonic()
-    members.publish_digest(2, "d")  # a `set` is not answered: it may vanish with the primary
-    assert members.progress() == 7  # fails on the lost primary, repeated on the standby
-    members.publish_digest(2, "d")
+    membership.publish_digest(2, "d")  # a `set` is not answered: it may vanish with the primary
+    assert membership.progress() == 7  # fails on the lost primary, repeated on the standby
+    membership.publish_digest(2, "d")
     helper.join()
     assert time.monotonic() - t0 < 30
-    assert standby.members.digest(2) == "d"
-    assert lk.identity == (1, "standby") and lk.address == standby.address
-    assert Registration.from_json(standby.members.registration("a2")) == records[-1]
-    assert standby.members.announced("a2")  # announced itself there
+    assert standby.membership.digest(2) == "d"
+    assert lk.identity == CoordinatorIdentity(1, "standby") and lk.address == standby.address
+    assert standby.membership.registration("a2") == records[-1]
+    assert standby.membership.announced("a2")  # announced itself there
     # A second connection of the same process (its heartbeat's) follows without searching.
     beat = Membership(FailoverStore(lk), "a2")
     beat.heartbeat()
@@ -154,13 +154,15 @@ def test_a_blip_reconnects_to_the_same_coordinator_without_re_registering() -> N
     primary.serve(0, "primary")
     lk = link([primary.address, standby.address])
     lk.connect()
-    members = Membership(FailoverStore(lk), "a2")
-    members.set_progress(3)
+    membership = Membership(FailoverStore(lk), "a2")
+    membership.set_progress(3)
     primary.cut()
-    assert members.progress() == 3  # answered by the same coordinator on a new connection
-    assert lk.switches == 1 and lk.identity == (0, "primary") and lk.takeovers == []
-    assert primary.members.registration("a2") is None
-    assert standby.members.registration("a2") is None
+    assert membership.progress() == 3  # answered by the same coordinator on a new connection
+    assert (
+        lk.switches == 1 and lk.identity == CoordinatorIdentity(0, "primary") and lk.takeovers == []
+    )
+    assert primary.membership.registration("a2") is None
+    assert standby.membership.registration("a2") is None
 
 
 @pytest.mark.timeout(60)
@@ -190,11 +192,11 @@ def test_standby_withdraws_when_the_primary_answers_before_anyone_came(tmp_path:
     )
     said: list[str] = []
     events = EventLog(tmp_path / "events.jsonl")
-    sb = Standby(cfg, 1, TOKEN, 4, standby.members, events, said.append)
+    sb = Standby(cfg, 1, TOKEN, 4, standby.membership, events, said.append)
     assert sb.take_over() is None  # the primary still answers: it steps back at once
-    assert standby.members.job_token() is None and standby.members.identity() is None
+    assert standby.membership.job_token() is None and standby.membership.identity() is None
     assert [e["event"] for e in events.events] == ["taking_over", "withdrew"]
     # While the primary serves and then ends the job, the standby is not needed.
-    primary.members.request_shutdown()
+    primary.membership.request_shutdown()
     assert sb.wait_for_loss() is False
     assert isinstance(primary.store, dist.TCPStore)

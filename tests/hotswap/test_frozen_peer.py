@@ -86,7 +86,7 @@ def test_frozen_rank_is_replaced_without_waiting_for_the_collective_timeout(
     kinds = [e["event"] for e in events]
     assert "agree_timeout" not in kinds and "out_of_redundancy" not in kinds, kinds
     dead = [e for e in events if e["event"] == "process_dead"]
-    assert [e["pid"] for e in dead] == ["a1"] and "hung" in dead[0]["why"], dead
+    assert [e["member"] for e in dead] == ["a1"] and "hung" in dead[0]["why"], dead
     (recovered,) = [e for e in events if e["event"] == "recovered"]
     assert recovered["dead_ranks"] == [1] and recovered["replaced_by"] == {"1": "s0"}
     assert recovered["recomputed_iterations"] <= 1

@@ -10,11 +10,15 @@ from collections.abc import Iterator
 import pytest
 
 from megatron_deadpool.hotswap.membership import Membership, host_store
+from megatron_deadpool.hotswap.messages import EndReport, Plan, SaveOrder
 from megatron_deadpool.hotswap.plan_watch import PlanWatch
+
+PLAN = Plan(generation=1, base=0, world_size=4, dead=(2,), needy=(2,), replaced={2: "s0"})
+END = EndReport("lost", 8, (2,), (), SaveOrder(8, {2: 3}, True, ()))
 
 
 @pytest.fixture
-def members() -> Iterator[Membership]:
+def membership() -> Iterator[Membership]:
     yield Membership(host_store("127.0.0.1", 0), "a1")
 
 
@@ -25,50 +29,50 @@ def _watch() -> tuple[PlanWatch, list[int]]:
 
 @pytest.mark.timeout(30)
 def test_a_plan_the_main_thread_does_not_act_on_aborts_the_groups_one_beat_later(
-    members: Membership,
+    membership: Membership,
 ) -> None:
     watch, aborts = _watch()
-    watch(members)  # nothing joined yet: nothing to abort
+    watch(membership)  # nothing joined yet: nothing to abort
     watch.joined(0)
-    watch(members)
+    watch(membership)
     assert aborts == [] and watch.fired is None
-    members.publish_plan(1, {"generation": 1, "dead": [2]})
-    watch(members)  # first sight: the main thread may be on its way into recovery
+    membership.publish_plan(PLAN)
+    watch(membership)  # first sight: the main thread may be on its way into recovery
     assert aborts == []
-    watch(members)  # still not recovering a beat later: it is blocked
-    assert aborts == [1] and "generation 1" in (watch.fired or "")
-    watch(members)
+    watch(membership)  # still not recovering a beat later: it is blocked
+    assert aborts == [1] and "a generation after 0" in (watch.fired or "")
+    watch(membership)
     assert aborts == [1]  # once per generation
     watch.recovering()
     watch.joined(1)
     assert watch.fired is None
-    watch(members)
-    watch(members)
+    watch(membership)
+    watch(membership)
     assert aborts == [1]  # generation 1's own plan is not news
 
 
 @pytest.mark.timeout(30)
-def test_a_main_thread_that_enters_recovery_first_is_left_alone(members: Membership) -> None:
+def test_a_main_thread_that_enters_recovery_first_is_left_alone(membership: Membership) -> None:
     watch, aborts = _watch()
     watch.joined(0)
-    members.publish_plan(1, {"generation": 1, "dead": [2]})
-    watch(members)
+    membership.publish_plan(PLAN)
+    watch(membership)
     watch.recovering()  # its collective failed: it releases the groups itself
-    watch(members)
+    watch(membership)
     watch.joined(1)
-    watch(members)
+    watch(membership)
     assert aborts == []
 
 
 @pytest.mark.timeout(30)
-def test_after_training_the_end_report_aborts_too(members: Membership) -> None:
+def test_after_training_the_end_report_aborts_too(membership: Membership) -> None:
     watch, aborts = _watch()
     watch.joined(0)
-    members.publish_end({"dead_ranks": [2]})
-    watch(members)
-    watch(members)
+    membership.publish_end(END)
+    watch(membership)
+    watch(membership)
     assert aborts == []  # during training an end report is not the watch's business
     watch.training_completed()
-    watch(members)
-    watch(members)
+    watch(membership)
+    watch(membership)
     assert aborts == [1] and "after training" in (watch.fired or "")

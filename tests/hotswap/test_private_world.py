@@ -1,4 +1,4 @@
-"""A newcomer's private fake world (newcomer.py)."""
+"""A newcomer's private fake world (private_world.py)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ def test_newcomer_builds_in_a_private_world() -> None:
     proc = run_python("""
         import datetime, json
         import torch, torch.distributed as dist
-        from megatron_deadpool.megatron_lm import newcomer
+        from megatron_deadpool.hotswap import private_world as newcomer
         asked = []
         real_new_group = dist.new_group
         newcomer.enter(2, 4, asked.append)

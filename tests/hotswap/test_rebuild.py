@@ -7,23 +7,24 @@ import time
 
 import pytest
 
-from megatron_deadpool.hotswap.rebuild import Registration, rebuild
+from megatron_deadpool.hotswap.messages import LayoutRecord, ProtocolError, Registration
+from megatron_deadpool.hotswap.rebuild import rebuild
 
-LAYOUT = {"tp": 2, "pp": 1, "dp": 2, "ranks_per_node": 2, "replicas": 1}
+LAYOUT = LayoutRecord(tp=2, pp=1, dp=2, ranks_per_node=2, replicas=1)
 GEN0 = {0: "a0", 1: "a1", 2: "a2", 3: "a3"}
 
 
-def active(pid: str, rank: int, **kw: object) -> Registration:
+def active(member: str, rank: int, **kw: object) -> Registration:
     fields = {"generation": 0, "world_size": 4, "slots": GEN0, "layout": LAYOUT}
-    return Registration(pid=pid, rank=rank, **{**fields, **kw})  # type: ignore[arg-type]
+    return Registration(member=member, rank=rank, **{**fields, **kw})  # type: ignore[arg-type]
 
 
-def spare(pid: str, **kw: object) -> Registration:
-    return Registration(pid=pid, **kw)  # type: ignore[arg-type]
+def spare(member: str, **kw: object) -> Registration:
+    return Registration(member=member, **kw)  # type: ignore[arg-type]
 
 
 def regs(*records: Registration) -> dict[str, Registration]:
-    return {r.pid: r for r in records}
+    return {r.member: r for r in records}
 
 
 @pytest.mark.timeout(10)
@@ -92,9 +93,13 @@ def test_nothing_to_rebuild_without_a_process_that_held_a_rank() -> None:
 @pytest.mark.timeout(10)
 def test_registration_round_trips_through_json() -> None:
     record = active("a2", 2, last_completed=8, plan_seen=1, recovering=True)
-    back = Registration.from_json(json.loads(record.dumps()))
+    back = Registration.decode("rejoin/a2", record.encode())
     assert back == record and back.slots == GEN0  # rank keys are ints again
-    assert Registration.from_json({"pid": "s0", "from_a_newer_version": 1}) == spare("s0")
+    newer = {**json.loads(spare("s0").encode()), "from_a_newer_version": 1}
+    assert Registration.decode("rejoin/s0", json.dumps(newer)) == spare("s0")
+    broken = {**json.loads(record.encode()), "last_completed": "eight"}
+    with pytest.raises(ProtocolError, match=r"rejoin/a2.*last_completed"):
+        Registration.decode("rejoin/a2", json.dumps(broken))
 
 
 @pytest.mark.timeout(10)
@@ -102,7 +107,7 @@ def test_rebuild_scales_to_thousands_of_ranks() -> None:
     world = 16384
     slots = {r: f"a{r}" for r in range(world)}
     records = {
-        f"a{r}": Registration(pid=f"a{r}", rank=r, generation=0, world_size=world, slots=slots)
+        f"a{r}": Registration(member=f"a{r}", rank=r, generation=0, world_size=world, slots=slots)
         for r in range(world)
         if r // 8 != 3  # node 3 (ranks 24..31) lost
     }

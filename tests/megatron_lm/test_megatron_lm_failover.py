@@ -45,7 +45,7 @@ def job(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[StandbyJob]:
     job = StandbyJob(tmp_path, world_size=4, spares=2, settings=HEARTBEAT, timeout_s=JOB_TIMEOUT)
     master_port = str(free_port())
 
-    def worker(pid: str, task: int, coordinators: str) -> tuple[list[str], dict[str, str]]:
+    def worker(member: str, task: int, coordinators: str) -> tuple[list[str], dict[str, str]]:
         cmd = [sys.executable, "-m", "megatron_deadpool.megatron_lm", str(tree / "pretrain_gpt.py"),
                *ARGS, *more, "--deadpool", "--deadpool-spares", "2",
                "--deadpool-ranks-per-node", "2", "--deadpool-coordinator", coordinators,

@@ -12,7 +12,7 @@ from megatron_deadpool.errors import ConfigError
 
 
 def test_task_index_and_identity(monkeypatch: pytest.MonkeyPatch) -> None:
-    from megatron_deadpool.hotswap.roster import pid_of
+    from megatron_deadpool.hotswap.messages import member_of
     from megatron_deadpool.megatron_lm.session import task_from_env
 
     for name in ("RANK", "SLURM_PROCID"):
@@ -26,7 +26,7 @@ def test_task_index_and_identity(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(ConfigError, match="task index"):
         task_from_env()
     # The coordinator's world size decides: tasks beyond it are spares.
-    assert [pid_of(t, 4) for t in (0, 3, 4, 5)] == ["a0", "a3", "s0", "s1"]
+    assert [member_of(t, 4) for t in (0, 3, 4, 5)] == ["a0", "a3", "s0", "s1"]
 
 
 def test_session_refuses_what_it_cannot_protect() -> None:
