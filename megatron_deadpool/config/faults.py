@@ -144,14 +144,14 @@ def recovery_faults(specs: Sequence[str], rank: int) -> list[tuple[int, FaultKin
 
 
 def spare_faults(
-    specs: Sequence[str], pid: str, *, assigned: bool = False
+    specs: Sequence[str], member: str, *, assigned: bool = False
 ) -> list[tuple[int, int, FaultKind]]:
-    """(spec index, iteration, kind) of the specs that hit spare `pid` (`s{I}`): while it
+    """(spec index, iteration, kind) of the specs that hit spare `member` (`s{I}`): while it
     waits, or (`assigned`) once a recovery gave it a slot (`spare:I@recovery`)."""
     out: list[tuple[int, int, FaultKind]] = []
     for index, spec in enumerate(specs):
         fault = parse_fault(spec)
-        hits = fault.spare is not None and pid == f"s{fault.spare}"
+        hits = fault.spare is not None and member == f"s{fault.spare}"
         if hits and fault.during_recovery == assigned:
             out.append((index, fault.iteration, fault.kind))
     return out

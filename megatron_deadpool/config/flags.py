@@ -104,8 +104,8 @@ def dest_name(prefix: str, name: str) -> str:
 def _default_of(f: dataclasses.Field) -> Any:
     if f.default is not dataclasses.MISSING:
         return f.default
-    if f.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
-        return f.default_factory()  # type: ignore[misc]
+    if f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
     return None
 
 
@@ -114,8 +114,8 @@ def from_namespace(cls: type[T], args: argparse.Namespace, *, prefix: str) -> T:
     values: dict[str, Any] = {}
     for f in dataclasses.fields(cls):  # type: ignore[arg-type]
         value = getattr(args, dest_name(prefix, f.name))
-        if value is None and f.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
-            value = f.default_factory()  # type: ignore[misc]
+        if value is None and f.default_factory is not dataclasses.MISSING:
+            value = f.default_factory()
         values[f.name] = value
     return cls(**values)
 

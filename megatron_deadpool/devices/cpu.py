@@ -69,7 +69,7 @@ def plain_torch(fn: Callable[P, R]) -> Callable[P, R]:
 class _CudaToCpu(TorchFunctionMode):
     """Rewrites `device='cuda'` (and `.to('cuda')`) in every torch call to the CPU."""
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
+    def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if "device" in kwargs and _is_cuda(kwargs["device"]):
             kwargs = {**kwargs, "device": _CPU}

@@ -14,7 +14,8 @@ groups - is created by `torch.distributed.distributed_c10d._new_process_group_he
 `track_connections()` wraps that function once per process and records the established TCP
 connections that appear during a gloo group's creation (never the store's: its port is
 excluded). `shutdown_connections()` shuts those that still exist. Listening sockets are left
-alone: gloo's listener thread aborts the process when its listening socket is shut down.
+alone: gloo's listener thread kills the process (SIGABRT) when its listening socket is shut
+down.
 """
 
 from __future__ import annotations
@@ -88,7 +89,7 @@ def _new_connections(before: set[int], exclude_port: int | None) -> set[int]:
             if sock.type != socket.SOCK_STREAM or sock.getsockopt(
                 socket.SOL_SOCKET, socket.SO_ACCEPTCONN
             ):
-                continue  # a listener: gloo's listener thread aborts the process if shut down
+                continue  # a listener: gloo's listener thread kills the process if shut down
             ports = (sock.getsockname()[1], sock.getpeername()[1])
             if exclude_port not in ports:
                 found.add(inode)

@@ -10,9 +10,9 @@ keeps a second connection for its heartbeat, so that a main thread blocked in a 
 still beats - and a lost coordinator is noticed within one heartbeat interval.
 
 A helper that was given up on may still return later (its server was only slow). One that
-returns while the interpreter shuts down aborts the process (a thread re-entering Python then
-is unwound through torch's C++ frames), so at exit abandoned helpers get a few seconds to return
-first; one stuck for good never returns and does no harm.
+returns while the interpreter shuts down kills the process with SIGABRT (a thread re-entering
+Python then is unwound through torch's C++ frames), so at exit abandoned helpers get a few
+seconds to return first; one stuck for good never returns and does no harm.
 """
 
 from __future__ import annotations
@@ -98,8 +98,8 @@ def open_client(address: str, timeout: float) -> dist.TCPStore:
 
     A plain TCP connection first: torch's own client retries a refused connection for up to
     about three times its timeout, and a thread left inside torch when the interpreter exits
-    aborts the process. Only a server that accepts the connection gets a torch client, on a
-    helper thread (a stopped server accepts, then never answers).
+    kills the process (SIGABRT). Only a server that accepts the connection gets a torch client,
+    on a helper thread (a stopped server accepts, then never answers).
     """
     host, port = parse_host_port(address, "deadpool-coordinator", resolve=True)
     try:
@@ -205,7 +205,7 @@ class Heartbeat(threading.Thread):
     def stop(self, timeout_s: float) -> None:
         """No more beats; wait up to `timeout_s` for the one in flight. A process must not exit
         while this thread is inside a store call: a thread that returns from torch while the
-        interpreter shuts down aborts the process ("terminate called without an active
+        interpreter shuts down kills the process ("terminate called without an active
         exception", exit -6)."""
         self.stopped.set()
         if self.is_alive() and threading.current_thread() is not self:

@@ -479,7 +479,7 @@ class Coordinator:
             reason=reason,
             dead_ranks=tuple(dead if dead is not None else lost_ranks),
             lost_ranks=tuple(lost_ranks),
-            lost_shard_holders={r: tuple(holders[r]) if holders else () for r in lost_ranks},
+            lost_shards_holders={r: tuple(holders[r]) if holders else () for r in lost_ranks},
             save=save,
         )
         self._outcome.out_of_redundancy = report

@@ -17,44 +17,44 @@ class HeartbeatClock:
     """When each process's beat counter last changed, on the observer's monotonic clock."""
 
     def __init__(self) -> None:
-        self._seen: dict[str, tuple[int, float]] = {}  # pid -> (count, when it changed)
+        self._seen: dict[str, tuple[int, float]] = {}  # member -> (count, when it changed)
 
-    def observe(self, pid: str, count: int, now: float) -> None:
-        """`pid`'s counter read `count` at `now`. A count of 0 (never beat) starts nothing: a
+    def observe(self, member: str, count: int, now: float) -> None:
+        """`member`'s counter read `count` at `now`. A count of 0 (never beat) starts nothing: a
         process still starting up is not judged by its heartbeat."""
         if count == 0:
             return
-        seen = self._seen.get(pid)
+        seen = self._seen.get(member)
         if seen is None or seen[0] != count:
-            self._seen[pid] = (count, now)
+            self._seen[member] = (count, now)
 
-    def expect(self, pid: str, now: float) -> None:
-        """Judge `pid` from `now` on even if its counter never moves (a process known to be
+    def expect(self, member: str, now: float) -> None:
+        """Judge `member` from `now` on even if its counter never moves (a process known to be
         alive, e.g. one that re-registered with a standby coordinator taking the job over)."""
-        self._seen.setdefault(pid, (0, now))
+        self._seen.setdefault(member, (0, now))
 
     def sweep(
-        self, pids: Sequence[str], counts: Sequence[int], now: float, timeout: float
+        self, members: Sequence[str], counts: Sequence[int], now: float, timeout: float
     ) -> list[tuple[str, float]]:
-        """`observe` every (pid, count) read at `now`; returns (pid, age) of those whose
+        """`observe` every (member, count) read at `now`; returns (member, age) of those whose
         counter has not changed for more than `timeout` seconds. One pass: a sweep of
         16,384 processes costs a few milliseconds of the coordinator's time."""
         seen, late = self._seen, []
-        for pid, count in zip(pids, counts):
-            last = seen.get(pid)
+        for member, count in zip(members, counts):
+            last = seen.get(member)
             if last is None or last[0] != count:
                 if count:
-                    seen[pid] = (count, now)
+                    seen[member] = (count, now)
             elif now - last[1] > timeout:
-                late.append((pid, now - last[1]))
+                late.append((member, now - last[1]))
         return late
 
-    def age(self, pid: str, now: float) -> float | None:
-        """Seconds since `pid`'s counter last changed (None: it never beat)."""
-        seen = self._seen.get(pid)
+    def age(self, member: str, now: float) -> float | None:
+        """Seconds since `member`'s counter last changed (None: it never beat)."""
+        seen = self._seen.get(member)
         return None if seen is None else now - seen[1]
 
-    def last_change(self, pid: str) -> float | None:
-        """When `pid`'s counter last changed (None: it never beat)."""
-        seen = self._seen.get(pid)
+    def last_change(self, member: str) -> float | None:
+        """When `member`'s counter last changed (None: it never beat)."""
+        seen = self._seen.get(member)
         return None if seen is None else seen[1]

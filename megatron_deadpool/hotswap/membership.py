@@ -92,6 +92,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch.distributed as dist
 
 from ..errors import JobTokenError
+from .codec import read_float, read_int, read_text
 from .messages import (
     CLAIMED,
     GIVEN_UP,
@@ -113,9 +114,6 @@ from .messages import (
     Roster,
     Sources,
     decode_holdings,
-    read_float,
-    read_int,
-    read_text,
 )
 
 ABSENT = "\0absent\0"

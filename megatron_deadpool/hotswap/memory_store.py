@@ -9,8 +9,9 @@ store's timeout; `add` creates a missing key at 0 and keeps the count as decimal
 `compare_set` sets `desired` when the current value equals `expected` - a missing key counting
 as equal to "" - and answers the value the key holds afterwards (for a missing key and another
 `expected`: `expected`, nothing created); `queue_pop` blocks until `queue_push` gives it a
-value, oldest first, and a queue's key exists while the queue is not empty. `clone()` is another connection to the same data, with a timeout of its
-own. Thread-safe; every blocking call wakes when another thread changes the data.
+value, oldest first, and a queue's key exists while the queue is not empty. `clone()` is
+another connection to the same data, with a timeout of its own. Thread-safe; every blocking
+call wakes when another thread changes the data.
 """
 
 from __future__ import annotations

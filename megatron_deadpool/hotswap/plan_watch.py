@@ -7,8 +7,9 @@ coordinator's plan waits for its report until the agreement timeout presumes it 
 coordinator names the frozen rank dead after the heartbeat timeout and publishes the plan of the
 next generation; `PlanWatch`, run on the heartbeat thread after each beat (one read of the
 latest planned generation per beat), sees it while this rank is still in the old generation and
-not recovering yet, and - if the main thread has still not entered recovery one beat later (it is blocked: a main
-thread that is not would have met the failed collective by then and recovered by itself) -
+not recovering yet, and - if the main thread has still not entered recovery one beat later (it
+is blocked: a main thread that is not would have met the failed collective by then and recovered
+by itself) -
 calls `devices.abort_groups`: the blocked collective raises at once, the main thread enters
 recovery, and the driver takes any error of that step for the failure it recovers from
 (`Driver.is_peer_failure`). Waiting that beat keeps the abort from landing on a main thread

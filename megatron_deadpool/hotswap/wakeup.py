@@ -7,8 +7,8 @@ waits on that Event with whatever timeout its own periodic work needs, so it sta
 signals, costs no store traffic while nothing happens, and reacts within a store round trip when
 something does. Blocking calls time out only after `BLOCK_S`: torch logs two warnings for every
 store call that times out. `stop()` ends the thread (it unblocks its call with a real event):
-a thread still blocked in the store when the interpreter exits could abort the process if the
-call returned then.
+a thread still blocked in the store when the interpreter exits could kill the process (SIGABRT)
+if the call returned then.
 
 - `coordinator_inbox`: the coordinator wakes when a process notifies it (`coord/inbox`).
 - `spare_wakeups`: a waiting spare wakes when a roster is published or the job shuts down

@@ -195,7 +195,7 @@ class RankState:
             param = _params(opt)[ref]
             device = param.device if where == "param" else None
             if key.startswith(_SCALES):
-                holder = opt._scales.setdefault(param, {})  # type: ignore[attr-defined]
+                holder = opt._scales.setdefault(param, {})
                 holder.setdefault(key[len(_SCALES) :], _empty(dtype, shape, device))
             elif key not in opt.state[param]:
                 opt.state[param][key] = _empty(dtype, shape, device)

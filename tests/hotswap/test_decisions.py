@@ -303,7 +303,7 @@ def test_an_owner_and_its_holder_lost_together_lose_the_shard() -> None:
     job.tick()
     report = job.coord.out_of_redundancy
     assert report is not None and report.lost_ranks == (2,)
-    assert report.lost_shard_holders == {2: (holder,)}
+    assert report.lost_shards_holders == {2: (holder,)}
     assert report.save is not None and not report.save.complete and report.save.missing == (2,)
     assert report.save.sources == {holder: job.holder(holder)}  # the holder's own shard lives
 
