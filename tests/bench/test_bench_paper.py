@@ -195,27 +195,33 @@ def test_report_helpers(tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(120)
-def test_worker_launcher_is_passed_not_swapped(
+def test_worker_program_is_passed_not_swapped(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from megatron_deadpool.bench import paper_workers, recovery
+    from megatron_deadpool.bench import paper_workers, timed_launch
     from megatron_deadpool.embedded import launch
 
     local = launch.LocalLauncher
     passed: list = []
 
-    def timed(job, run_dir: Path, stop: bool, timeout_s: float, launcher=None) -> Launch:
+    def timed(job, run_dir: Path, stop: bool, timeout_s: float, **worker) -> Launch:
         assert launch.LocalLauncher is local
-        passed.append(launcher)
+        passed.append(worker)
         return Launch(0, [], {}, run_dir, spawned_at=0.0)
 
-    monkeypatch.setattr(recovery, "launch", timed)
+    monkeypatch.setattr(timed_launch, "launch", timed)
     job = base_job(None)
     paper_workers.launch(job, tmp_path, False, "", timeout_s=1.0, python="py")
     paper_workers.launch(job, tmp_path, False, "async", timeout_s=1.0, python="py")
-    assert passed[0] is None and issubclass(passed[1], local) and passed[1] is not local
-    commands = [passed[1](job, run_dir=str(tmp_path), quiet=True)._command("a0", "h:1")]
+    assert passed[0] == {} and set(passed[1]) == {"worker_command", "worker_env"}
+    assert "PYTHONPATH" in passed[1]["worker_env"]
+    launcher = local(job, run_dir=str(tmp_path), quiet=True, **passed[1])
+    commands = [
+        launcher._command("a0", "h:1"),
+        local(job, run_dir=str(tmp_path))._command("a0", "h:1"),
+    ]
     assert commands[0][:4] == ["py", "-m", "megatron_deadpool.bench.paper_workers", "async"]
+    assert commands[1][1:3] == ["-m", "megatron_deadpool.embedded.worker"]
 
 
 def test_worker_entry_needs_a_kind() -> None:
