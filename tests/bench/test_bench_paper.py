@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_deadpool.bench import paper, paper_matrix, plots, report
+from megatron_deadpool.bench import interleaved, paper, paper_matrix, plots, report
 from megatron_deadpool.bench.overhead import base_job
 from megatron_deadpool.bench.recovery import PHASE_LABELS, Launch
 from megatron_deadpool.bench.stats import ratio_summary
@@ -72,12 +72,12 @@ def test_run_figures_count_every_save_in_the_window() -> None:
     jobs = paper_matrix.matrix_jobs(base_job(None), paper.settings(parse("--quick")))
     every_n = paper_matrix.mode_job(jobs, paper_matrix.MODES[3], 4, Path("/nonexistent"))
     assert every_n.train.save_interval == 4 and not every_n.deadpool.enabled
-    fig = paper_matrix.run_figures(runner(every_n, Path("."), False, "").records, 5, 4)
-    assert len(fig["gaps_s"]) == 8  # iterations 6..13
-    assert fig["saves_in_window"] == 2  # after iterations 8 and 12
-    assert fig["amortised_s"] == pytest.approx(STEP + 2 * SAVE / 8)
-    assert fig["median_s"] == pytest.approx(STEP)
-    assert fig["first_save_s"] == pytest.approx(SAVE + FIRST)
+    fig = interleaved.iteration_times(runner(every_n, Path("."), False, "").records, 5, 4)
+    assert len(fig.gaps_s) == 8  # iterations 6..13
+    assert fig.saves_in_window == 2  # after iterations 8 and 12
+    assert fig.amortised_s == pytest.approx(STEP + 2 * SAVE / 8)
+    assert fig.median_s == pytest.approx(STEP)
+    assert fig.first_save_s == pytest.approx(SAVE + FIRST)
     hot = paper_matrix.mode_job(jobs, paper_matrix.MODES[1], 4, Path("/nonexistent"))
     assert hot.deadpool.enabled and hot.deadpool.spares >= 1 and not hot.deadpool.fail
     assert not hot.train.save
