@@ -124,13 +124,14 @@ def _launch(job: JobConfig, run_dir: Path, timeout_s: float = 600.0) -> SampledR
         samplers.append(CpuSampler(local.procs))  # the processes join it as they start
         samplers[0].start()
 
-    def ended(local: LocalJob) -> None:
-        samplers[0].stop()
-
-    hooks = LaunchHooks(started=started, ended=ended)
-    result = LocalLauncher(
-        job, run_dir=str(run_dir), quiet=True, timeout_s=timeout_s, hooks=hooks
-    ).run()
+    launcher = LocalLauncher(
+        job, run_dir=str(run_dir), quiet=True, timeout_s=timeout_s, hooks=LaunchHooks(started)
+    )
+    try:
+        result = launcher.run()
+    finally:
+        for sampler in samplers:
+            sampler.stop()
     return SampledRun(result.returncode, result.records, result.summary, samplers[0])
 
 
