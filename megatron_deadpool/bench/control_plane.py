@@ -3,10 +3,10 @@
 No training: the coordinator (`hotswap.coordinator.Coordinator`, its store hosted in this
 process as `deadpool coordinator` does) at each size, in two settings:
 
-- **coordinator alone** (`coordinator_alone`, every `--ranks` size, `--failures` times, medians):
-  one client writes what the ranks would (beat counters, every survivor's report) in bulk, so
-  the coordinator's own work is timed: a heartbeat sweep (keys, store requests, CPU), crash
-  noticed -> plan published, every report in -> roster published.
+- **coordinator alone** (`coordinator_alone.py`, every `--ranks` size, `--failures` times,
+  medians): one client writes what the ranks would (beat counters, every survivor's report)
+  in bulk, so the coordinator's own work is timed: a heartbeat sweep (keys, store requests,
+  CPU), crash noticed -> plan published, every report in -> roster published.
 - **with simulated ranks** (`--sim-ranks` sizes): simulated ranks (`sim_ranks.py`, several
   processes), each rank with its own store connection, beating, reporting holdings and joining
   generations through `Membership` like a real one:
@@ -26,6 +26,10 @@ process as `deadpool coordinator` does) at each size, in two settings:
    simulated ranks' clients per rank.
 
     deadpool bench control-plane --ranks 1024 4096 16384 --json control-plane.json
+
+The coordinator is the real one, unchanged: the bench watches it through its observer
+(`control_plane_job.CostLog`: every sweep's and decision's cost) and reads its public
+properties (roster, recoveries, dead members, the detector's sweep interval).
 
 All processes share this machine's cores: a figure that includes the simulated ranks' own work
 (failure -> every rank joined, and the reports that precede the roster) is what that many
@@ -50,17 +54,13 @@ import sys
 import time
 from typing import Any
 
-from ..hotswap.coordinator import EventLog
+from ..hotswap.coordinator import Coordinator
+from ..hotswap.events import EventLog
 from ..hotswap.liveness import kill_groups
 from ..hotswap.membership import BATCH_KEYS, Membership, host_store
 from ..replication.placement import place_replicas
-from .measured_coordinator import (
-    SPARES,
-    MeasuredCoordinator,
-    SimLiveness,
-    layout_for,
-    rss_mib,
-)
+from .control_plane_job import SPARES, CostLog, SimLiveness, layout_for, rss_mib
+from .coordinator_alone import coordinator_alone
 from .report import publish, text_row
 
 
@@ -136,7 +136,8 @@ class Bench:
         self.store = host_store("127.0.0.1", 0, timeout_s=args.timeout)
         self.members = Membership(self.store, "coordinator")
         self.liveness = SimLiveness()
-        self.coord = MeasuredCoordinator(
+        self.costs = CostLog()
+        self.coord = Coordinator(
             self.members,
             ranks,
             place_replicas(self.layout, 1),
@@ -145,10 +146,9 @@ class Bench:
             agree_timeout=args.timeout,
             liveness=self.liveness,
             events=EventLog(None),
-            on_event=lambda text: print(f"    coordinator: {text[:200]}", file=sys.stderr),
+            say=lambda text: print(f"    coordinator: {text[:200]}", file=sys.stderr),
+            observer=self.costs,
         )
-        self.coord.sweeps = []
-        self.coord.decisions = []
         self.procs: list[subprocess.Popen] = []
         self._lines: dict[int, bytes] = {}  # stdout fd -> bytes read, not yet a line
 
@@ -222,24 +222,26 @@ class Bench:
     # ------------------------------------------------------------------ measurements
     def steady(self, seconds: float) -> dict[str, Any]:
         """Tick as `deadpool coordinator` does while nothing fails."""
-        self.coord.sweeps.clear()
+        self.costs.sweeps.clear()
         cpu0, proc0, t0 = time.thread_time(), time.process_time(), time.monotonic()
         while time.monotonic() - t0 < seconds:
             self.coord.tick()
             self.coord.wait(0.05)
         wall = time.monotonic() - t0
         self._check_no_false_deaths()
-        sweeps = self.coord.sweeps[1:]  # the first may have created counters
-        keys = sweeps[0]["keys"] if sweeps else 0
-        cpu = statistics.median(s["cpu_s"] for s in sweeps) if sweeps else float("nan")
+        sweeps = self.costs.sweeps[1:]  # the first may have created counters
+        keys = sweeps[0].members if sweeps else 0
+        cpu = statistics.median(s.cpu_s for s in sweeps) if sweeps else float("nan")
+        wall_s = statistics.median(s.wall_s for s in sweeps) if sweeps else float("nan")
+        interval = self.coord.detector.sweep_interval
         return {
             "sweeps": len(sweeps),
-            "sweep_interval_s": self.coord.sweep_interval,
+            "sweep_interval_s": interval,
             "keys_per_sweep": keys,
             "requests_per_sweep": math.ceil(keys / BATCH_KEYS),
             "sweep_cpu_ms": cpu * 1e3,
-            "sweep_wall_ms": statistics.median(s["wall_s"] for s in sweeps) * 1e3,
-            "sweep_core_share": cpu / self.coord.sweep_interval,
+            "sweep_wall_ms": wall_s * 1e3,
+            "sweep_core_share": cpu / interval,
             "coordinator_thread_core_share": (time.thread_time() - cpu0) / wall,
             "coordinator_process_core_share": (time.process_time() - proc0) / wall,
             "beats_per_s": self.n / self.args.heartbeat_interval,
@@ -249,54 +251,53 @@ class Bench:
         """Crash one rank and measure its recovery."""
         roster = self.coord.roster
         rank = (index + 1) * self.n // (self.args.failures + 1) + 1
-        pid = roster.slots[rank]
-        owner = self.procs[0] if pid.startswith("s") else self.procs[int(pid[1:]) % self.procs_n]
-        self._send(owner, f"kill {pid}")
+        member = roster.slots[rank]
+        owner = self.procs[0] if member[0] == "s" else self.procs[int(member[1:]) % self.procs_n]
+        self._send(owner, f"kill {member}")
         self._expect(owner, "killed")
         events0 = len(self.coord.events.events)
+        decisions0 = len(self.costs.decisions)
         cpu0, proc0 = time.thread_time(), time.process_time()
         t_fail = time.time()
-        self.liveness.codes[pid] = -signal.SIGKILL
+        self.liveness.codes[member] = -signal.SIGKILL
         for proc in self.procs:
             self._send(proc, "fail")
-        cpu_roster = proc_roster = None
-        finished = len(self.coord.finished)
+        recovered = len(self.coord.recoveries)
         deadline = time.monotonic() + self.args.timeout
-        while len(self.coord.finished) == finished:
+        while len(self.coord.recoveries) == recovered:
             if time.monotonic() > deadline:
-                raise RuntimeError(f"the recovery from {pid}'s failure did not finish")
+                raise RuntimeError(f"the recovery from {member}'s failure did not finish")
             self.coord.tick()
-            if cpu_roster is None and self.coord.recovery and self.coord.recovery.t_agreed:
-                cpu_roster = time.thread_time() - cpu0
-                proc_roster = time.process_time() - proc0
             self.coord.wait(0.01)
         for proc in self.procs:
             self._expect(proc, "recovered")
         self._check_no_false_deaths()
         events = {e["event"]: e["t"] for e in self.coord.events.events[events0:]}
-        decision = self.coord.decisions[-1]
-        record = self.coord.finished[-1]
+        if len(self.costs.decisions) != decisions0 + 1:
+            raise RuntimeError(f"the recovery from {member}'s failure was not decided once")
+        decided = self.costs.decisions[-1]  # as the roster was published
+        record = self.coord.recoveries[-1]
         g = record["generation"]
         joined = max(self.members.stamp_times(g, "joined", list(range(self.n))))
         return {
             "rank": rank,
-            "pid": pid,
+            "member": member,
             "failure_to_plan_s": events["plan"] - t_fail,
             # the call that decided started when the last report woke the coordinator
-            "failure_to_all_reports_s": decision["t_start"] - t_fail,
-            "decide_s": decision["wall_s"],
-            "decide_cpu_s": decision["cpu_s"],
+            "failure_to_all_reports_s": decided.cost.t_start - t_fail,
+            "decide_s": decided.cost.wall_s,
+            "decide_cpu_s": decided.cost.cpu_s,
             "failure_to_roster_s": events["agreed"] - t_fail,
             "failure_to_all_joined_s": joined - t_fail,
-            "coordinator_thread_cpu_to_roster_s": cpu_roster,
-            "coordinator_process_cpu_to_roster_s": proc_roster,
+            "coordinator_thread_cpu_to_roster_s": decided.thread_cpu_s - cpu0,
+            "coordinator_process_cpu_to_roster_s": decided.process_cpu_s - proc0,
             "phases_s": record["phases_s"],
         }
 
     def _check_no_false_deaths(self) -> None:
         """Only the killed ranks may be dead: a live one named hung means its beats did not get
         through in time (the store or this machine could not keep up)."""
-        false = sorted(self.coord.dead_pids - set(self.liveness.codes))
+        false = sorted(self.coord.dead - set(self.liveness.codes))
         if false:
             raise RuntimeError(
                 f"{len(false)} live simulated rank(s) named dead by the heartbeat timeout (e.g. "
@@ -318,94 +319,6 @@ class Bench:
                 pass
         kill_groups(self.procs)
         self.coord.close()
-
-
-def coordinator_alone(ranks: int, args: argparse.Namespace, sweeps: int = 9) -> dict[str, Any]:
-    """The coordinator's own work at `ranks`, the ranks' side written in bulk.
-
-    One client writes what `ranks` processes would (beat counters, then every survivor's report)
-    with batched `multi_set`s, so that what is timed is the coordinator and its store requests
-    alone: a heartbeat sweep, the tick that notices a crash and publishes the plan, and the
-    tick that reads every report, decides and publishes the roster. Not the ranks' traffic (the
-    simulated ranks measure that).
-    """
-    layout = layout_for(ranks)
-    placement = place_replicas(layout, 1)
-    store = host_store("127.0.0.1", 0, timeout_s=args.timeout)
-    rss0 = rss_mib()
-    liveness = SimLiveness()
-    coord = MeasuredCoordinator(
-        Membership(store, "coordinator"),
-        ranks,
-        placement,
-        [f"s{i}" for i in range(SPARES)],
-        heartbeat_timeout=args.heartbeat_timeout,
-        agree_timeout=args.timeout,
-        liveness=liveness,
-        events=EventLog(None),
-    )
-    coord.sweeps, coord.decisions = [], []
-    writer = store.clone()
-    try:
-        t0 = time.perf_counter()
-        coord.start()
-        start_s = time.perf_counter() - t0
-        pids = coord._live_pids()
-        keys = [f"hb/{p}" for p in pids]
-        for beat in range(1, sweeps + 2):  # every counter moves between sweeps
-            for i in range(0, len(keys), BATCH_KEYS):
-                writer.multi_set(
-                    keys[i : i + BATCH_KEYS], [str(beat)] * len(keys[i : i + BATCH_KEYS])
-                )
-            writer.check(keys[-1:])  # the sets are one-way: a round trip orders them first
-            coord._sweep(time.monotonic())
-        sweep = coord.sweeps[1:]  # the first saw every counter for the first time
-        coord._next_sweep = math.inf  # the ticks below time failure handling alone
-        dead = ranks // 2 + 1
-        liveness.codes[coord.roster.slots[dead]] = -signal.SIGKILL
-        t0, cpu0 = time.perf_counter(), time.thread_time()
-        coord.tick()  # notices the exit, plans
-        plan_s, plan_cpu = time.perf_counter() - t0, time.thread_time() - cpu0
-        g = coord.recovery.generation
-        its = [99, 100]
-        reports = [
-            json.dumps(
-                {
-                    "last_completed": 100,
-                    "pid": f"a{r}",
-                    "holds": {"local": its, **{str(o): its for o in placement.held_by[r]}},
-                }
-            )
-            for r in range(ranks)
-            if r != dead
-        ]
-        report_keys = [f"gen{g}/holdings/{r}" for r in range(ranks) if r != dead]
-        for i in range(0, len(report_keys), BATCH_KEYS):
-            writer.multi_set(report_keys[i : i + BATCH_KEYS], reports[i : i + BATCH_KEYS])
-        writer.add(f"gen{g}/holdings/count", len(report_keys))
-        coord.tick()  # reads the reports, decides, publishes the roster
-        if not coord.decisions:
-            raise RuntimeError(f"coordinator alone at {ranks} ranks: no decision")
-        decision = coord.decisions[-1]
-        return {
-            "ranks": ranks,
-            "start_s": start_s,
-            "keys_per_sweep": sweep[0]["keys"],
-            "requests_per_sweep": math.ceil(sweep[0]["keys"] / BATCH_KEYS),
-            "sweep_cpu_ms": statistics.median(s["cpu_s"] for s in sweep) * 1e3,
-            "sweep_wall_ms": statistics.median(s["wall_s"] for s in sweep) * 1e3,
-            "sweep_core_share": statistics.median(s["cpu_s"] for s in sweep) / coord.sweep_interval,
-            "sweep_process_cpu_ms": statistics.median(s["process_cpu_s"] for s in sweep) * 1e3,
-            "sweep_process_core_share": statistics.median(s["process_cpu_s"] for s in sweep)
-            / coord.sweep_interval,
-            "notice_to_plan_s": plan_s,
-            "notice_to_plan_cpu_s": plan_cpu,
-            "reports_to_roster_s": decision["wall_s"],
-            "reports_to_roster_cpu_s": decision["cpu_s"],
-            "store_rss_growth_mib": rss_mib() - rss0,
-        }
-    finally:
-        coord.close()
 
 
 def _median_runs(runs: list[dict[str, Any]]) -> dict[str, Any]:

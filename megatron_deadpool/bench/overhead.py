@@ -1,10 +1,12 @@
 """`deadpool bench overhead`: what per-iteration replication costs, DeadPool on vs off.
 
 The same job runs with DeadPool off and on, interleaved (off, on, off, on, ...) so that drift
-in the machine's load hits both alike. Each run's first `--warmup` iterations are dropped
-(process start-up, allocator and gloo warm-up); the figure per run is the median of the rest.
-The result is the median over repeats of the on/off ratio of paired runs, plus the pooled
-medians of each mode:
+in the machine's load hits both alike. Each run's first `--warmup` iterations are left out
+(process start-up, allocator and gloo warm-up); the figure per run is its amortised time per
+iteration over the rest: the mean gap between consecutive iteration ends (`interleaved.py` owns
+the order of the runs, this definition and the statistics, shared with `bench paper`). The
+result is the median over repeats of the on/off ratio of paired runs, plus the median of each
+mode's runs:
 
     deadpool bench overhead --repeats 20 --iters 30 --json overhead.json
 
@@ -26,30 +28,37 @@ import argparse
 import dataclasses
 import os
 import shutil
-import statistics
 import sys
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 from ..config.job import JobConfig, ParallelConfig, load_job
 from ..errors import ConfigError
 from .cpu_use import CpuSampler
+from .interleaved import Launched, Run, check_window, compare, interleave, measured_run
 from .report import job_shape, publish, text_row
-from .stats import median_ci, ratio_summary, ratio_text
+from .stats import median, ratio_text
+
+if TYPE_CHECKING:
+    from ..hotswap.local_job import LocalJob
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "cpu-demo.yaml"
 """The CPU demo job, used when no --config is given (and present in the source tree)."""
 
 
-class _Result(Protocol):
+@dataclasses.dataclass
+class SampledRun:
+    """A run's result and the CPU its processes used, by role (`cpu_use`)."""
+
     returncode: int
     records: list[dict[str, Any]]
     summary: dict[str, Any]
+    cpu: CpuSampler | None = None
 
 
-Runner = Callable[[JobConfig, Path], _Result]
+Runner = Callable[[JobConfig, Path], Launched]
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -102,46 +111,39 @@ def check_counts(*, iters: int, repeats: int, warmup: int) -> None:
     """Refuse counts that leave nothing to measure."""
     if repeats < 1:
         raise ConfigError(f"repeats: must be >= 1, got {repeats}")
-    if warmup < 0:
-        raise ConfigError(f"warmup: must be >= 0, got {warmup}")
-    if iters <= warmup:
-        raise ConfigError(f"iters ({iters}) must exceed warmup ({warmup}) to leave timed steps")
+    check_window(iters=iters, warmup=warmup)
 
 
-def _launch(job: JobConfig, run_dir: Path, timeout_s: float = 600.0) -> _Result:
-    """Run `job`; the result also carries the CPU its processes used, by role (`cpu_use`)."""
-    from ..embedded.launch import LocalLauncher
+def _launch(job: JobConfig, run_dir: Path, timeout_s: float = 600.0) -> SampledRun:
+    """Run `job`, sampling the CPU its processes use from the moment they start."""
+    from ..embedded.launch import LaunchHooks, LocalLauncher
 
-    class SampledLauncher(LocalLauncher):
-        sampler: CpuSampler | None = None
+    samplers: list[CpuSampler] = []
 
-        def _monitor(self, *args: Any, **kwargs: Any) -> int:
-            self.sampler = CpuSampler(self.local.procs)
-            self.sampler.start()
-            try:
-                return super()._monitor(*args, **kwargs)
-            finally:
-                self.sampler.stop()
+    def started(local: LocalJob) -> None:
+        samplers.append(CpuSampler(local.procs))  # the processes join it as they start
+        samplers[0].start()
 
-    launcher = SampledLauncher(job, run_dir=str(run_dir), quiet=True, timeout_s=timeout_s)
-    result = launcher.run()
-    result.sampler = launcher.sampler  # type: ignore[attr-defined]
-    return result
+    launcher = LocalLauncher(
+        job, run_dir=str(run_dir), quiet=True, timeout_s=timeout_s, hooks=LaunchHooks(started)
+    )
+    try:
+        result = launcher.run()
+    finally:
+        for sampler in samplers:
+            sampler.stop()
+    return SampledRun(result.returncode, result.records, result.summary, samplers[0])
 
 
-def cpu_per_iteration(result: Any, warmup: int) -> dict[str, float] | None:
+def cpu_per_iteration(result: Launched, warmup: int) -> dict[str, float] | None:
     """CPU seconds per timed iteration by role (ranks, spares, launcher), if sampled."""
-    sampler = getattr(result, "sampler", None)
+    sampler = getattr(result, "cpu", None)
     records = result.records
     if sampler is None or len(records) <= max(warmup, 1):
         return None
     start = records[max(warmup, 1) - 1]["time"]
     timed = len(records) - max(warmup, 1)
     return {k: v / timed for k, v in sampler.window(start, records[-1]["time"]).items()}
-
-
-def _median(values: list[float]) -> float:
-    return float(statistics.median(values)) if values else float("nan")
 
 
 def measure(
@@ -158,52 +160,44 @@ def measure(
     """Run the interleaved pairs and aggregate; raises RuntimeError when a run fails."""
     check_counts(iters=iters, repeats=repeats, warmup=warmup)
     jobs = variants(job, iters, spares)
-    runs: list[dict[str, Any]] = []
-    for rep in range(1, repeats + 1):
-        for mode in ("off", "on"):
-            run_dir = work_dir / f"{mode}-{rep}"
-            result = runner(jobs[mode], run_dir)
-            if result.returncode != 0 or len(result.records) != iters:
-                raise RuntimeError(
-                    f"run {rep} with DeadPool {mode} failed (exit {result.returncode}, "
-                    f"{len(result.records)}/{iters} iterations); logs in {run_dir}"
-                )
-            timed = [r["iter_time_s"] for r in result.records[warmup:]]
-            run = {
-                "mode": mode,
-                "repeat": rep,
-                "iter_times_s": timed,
-                "median_iter_s": _median(timed),
-                "median_replication_s": _median(
-                    [r.get("replication_s", 0.0) for r in result.records[warmup:]]
-                ),
-                "replica_bytes_per_rank": result.records[-1].get("replica_bytes_sent", 0),
-                "losses": [r["loss"] for r in result.records],
-                "final_param_digest": result.summary.get("final_param_digest"),
-                "wall_s": result.summary.get("wall_s"),
-                "cpu_per_iter_s": cpu_per_iteration(result, warmup),
-            }
-            runs.append(run)
-            progress(_row(run))
-    off = [r for r in runs if r["mode"] == "off"]
-    on = [r for r in runs if r["mode"] == "on"]
-    off_iter = _median([t for r in off for t in r["iter_times_s"]])
-    on_iter = _median([t for r in on for t in r["iter_times_s"]])
-    ratios = [b["median_iter_s"] / a["median_iter_s"] for a, b in zip(off, on)]
-    ratio = _median(ratios)
-    ci = median_ci(ratios)
+
+    def run_one(mode: str, repeat: int) -> Run:
+        run_dir = work_dir / f"{mode}-{repeat}"
+        result = runner(jobs[mode], run_dir)
+        run = measured_run(
+            mode,
+            repeat,
+            result,
+            iters=iters,
+            warmup=warmup,
+            what=f"DeadPool {mode}",
+            run_dir=run_dir,
+        )
+        timed = result.records[warmup:]
+        run.extra.update(
+            median_replication_s=median([r.get("replication_s", 0.0) for r in timed]),
+            replica_bytes_per_rank=result.records[-1].get("replica_bytes_sent", 0),
+            cpu_per_iter_s=cpu_per_iteration(result, warmup),
+        )
+        progress(_row(run))
+        return run
+
+    runs = interleave(("off", "on"), repeats, run_one)
+    off, on = compare(runs["off"], runs["off"]), compare(runs["on"], runs["off"])
+    ci = on["ratio"]["ci"]
     return {
-        "cpu_per_iter_s": {mode: _cpu_medians(runs, mode) for mode in ("off", "on")},
-        "off_iter_s": off_iter,
-        "on_iter_s": on_iter,
-        "ratio_median": ratio,
+        "cpu_per_iter_s": {mode: _cpu_medians(runs[mode]) for mode in ("off", "on")},
+        "off_iter_s": off["amortised_s"],
+        "on_iter_s": on["amortised_s"],
+        "ratio_median": on["ratio_median"],
         "ratio_ci95": list(ci) if ci else None,
-        "ratio": ratio_summary(ratios),
-        "ratios": ratios,
-        "overhead_pct": (ratio - 1.0) * 100.0,
-        "losses_identical": all(r["losses"] == runs[0]["losses"] for r in runs),
-        "digests_identical": runs[0]["final_param_digest"] is not None
-        and len({r["final_param_digest"] for r in runs}) == 1,
+        "ratio": on["ratio"],
+        "ratios": on["ratios"],
+        "overhead_pct": (on["ratio_median"] - 1.0) * 100.0,
+        "losses_identical": off["losses_match"] and on["losses_match"],
+        "digests_identical": off["digests_match"] and on["digests_match"],
+        "time_per_iteration": "amortised: the mean gap between consecutive iteration ends, "
+        "warm-up left out (median over a mode's runs)",
         "config": {
             **job_shape(jobs["on"]),
             "spares_on": jobs["on"].deadpool.spares,
@@ -211,27 +205,27 @@ def measure(
             "warmup": warmup,
             "repeats": repeats,
         },
-        "runs": runs,
+        "runs": [r.to_dict() for pair in zip(runs["off"], runs["on"]) for r in pair],
     }
 
 
-def _cpu_medians(runs: list[dict[str, Any]], mode: str) -> dict[str, float] | None:
-    """Median over `mode`'s runs of the CPU seconds per iteration of each role."""
-    cpu = [r["cpu_per_iter_s"] for r in runs if r["mode"] == mode and r["cpu_per_iter_s"]]
-    return {k: _median([c[k] for c in cpu]) for k in cpu[0]} if cpu else None
+def _cpu_medians(runs: list[Run]) -> dict[str, float | None] | None:
+    """Median over `runs` of the CPU seconds per iteration of each role."""
+    cpu = [r.extra["cpu_per_iter_s"] for r in runs if r.extra["cpu_per_iter_s"]]
+    return {k: median([c[k] for c in cpu]) for k in cpu[0]} if cpu else None
 
 
 _SPECS = (">4", ">8", ">12", ">10", ">11")
-_HEADER = text_row(["run", "deadpool", "median s/it", "repl s/it", "bytes/rank"], _SPECS)
+_HEADER = text_row(["run", "deadpool", "s/it", "repl s/it", "bytes/rank"], _SPECS)
 
 
-def _row(run: dict[str, Any]) -> str:
+def _row(run: Run) -> str:
     cells = [
-        str(run["repeat"]),
-        run["mode"],
-        f"{run['median_iter_s']:.4f}",
-        f"{run['median_replication_s']:.4f}",
-        f"{run['replica_bytes_per_rank']:,d}",
+        str(run.repeat),
+        run.config,
+        f"{run.times.amortised_s:.4f}",
+        f"{run.extra['median_replication_s']:.4f}",
+        f"{run.extra['replica_bytes_per_rank']:,d}",
     ]
     return text_row(cells, _SPECS)
 

@@ -151,7 +151,7 @@ def run(args: argparse.Namespace, runner: Runner | None = None) -> int:
             stop,
             worker,
             timeout_s=args.timeout,
-            python=python if worker == "nvrx-local" else sys.executable,
+            python=python if worker == "nvrx-local" and python else sys.executable,
         )
     )
 

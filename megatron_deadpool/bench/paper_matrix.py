@@ -7,7 +7,9 @@ after the first save (its one-time start-up, e.g. the checkpoint writer's helper
 reported apart), so every save in the window is counted. The median over repeats is reported,
 with the ratio to `no_ft` of the same repeat: its median over repeats and the 95% interval of
 that median (`stats.ratio_summary`), printed as a figure only when the interval excludes 1.
-Every configuration must give the same losses as `no_ft`.
+Every configuration must give the same losses as `no_ft`. The order of the runs, this definition
+of time per iteration and the statistics are `interleaved.py`'s, shared with `bench overhead`;
+this module adds the configurations and the report's entries.
 """
 
 from __future__ import annotations
@@ -22,8 +24,10 @@ from typing import Any
 
 from ..config.job import JobConfig
 from . import recovery as rec
+from .interleaved import Run, compare, interleave, measured_run
 from .paper_workers import Runner
-from .stats import min_repeats, ratio_summary
+from .stats import min_repeats
+from .timed_launch import Launch
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,33 +107,6 @@ def mode_job(jobs: dict[str, JobConfig], mode: Mode, interval: int, save_dir: Pa
     return dataclasses.replace(ref, train=train)
 
 
-def iteration_gaps(records: list[dict[str, Any]]) -> dict[int, float]:
-    """iteration i -> seconds between the ends of iterations i-1 and i (saves after i-1 count)."""
-    by_it = {r["iteration"]: r["time"] for r in records}
-    return {i: by_it[i] - by_it[i - 1] for i in sorted(by_it) if i - 1 in by_it}
-
-
-def _median(values: list[float]) -> float | None:
-    return float(statistics.median(values)) if values else None
-
-
-def run_figures(records: list[dict[str, Any]], warmup: int, save_every: int) -> dict[str, Any]:
-    """Amortised and median s/iteration of one run over iterations warmup+1.., first-save cost."""
-    gaps = iteration_gaps(records)
-    window = [g for i, g in gaps.items() if i > warmup]
-    typical = _median(window)
-    first = gaps.get(save_every + 1) if save_every else None
-    return {
-        "gaps_s": [round(g, 6) for g in window],
-        "amortised_s": statistics.fmean(window) if window else None,
-        "median_s": typical,
-        "saves_in_window": sum(
-            1 for i in gaps if i > warmup and save_every and (i - 1) % save_every == 0
-        ),
-        "first_save_s": None if first is None or typical is None else first - typical,
-    }
-
-
 def failure_free(
     jobs: dict[str, JobConfig],
     s: dict[str, Any],
@@ -137,41 +114,39 @@ def failure_free(
     work_dir: Path,
     unavailable: dict[str, str],
     progress: Callable[[str], None],
-) -> tuple[dict[str, Any], rec.Launch | None]:
+) -> tuple[dict[str, Any], Launch | None]:
     """Run the matrix; its figures by configuration with the notes, and the first no-FT run."""
     modes = {m.key: m for m in MODES if m.key in s["modes"]}
-    runs: dict[str, list[dict[str, Any]]] = {k: [] for k in modes}
-    reference: rec.Launch | None = None
-    for rep in range(1, s["repeats"] + 1):
-        for key, mode in modes.items():
-            if key in unavailable:
-                continue
-            run_dir = work_dir / f"{key}-{rep}"
-            job = mode_job(jobs, mode, s["interval"], run_dir / "ckpt")
-            t0 = time.monotonic()
-            result = runner(job, run_dir, False, mode.worker)
-            ok = result.returncode == 0 and len(result.records) == s["iters"]
-            progress(
-                f"  {rep}/{s['repeats']} {mode.label:<46} exit {result.returncode}, "
-                f"{len(result.records)} iterations, {time.monotonic() - t0:.0f}s"
-            )
-            if not ok:
-                raise RuntimeError(
-                    f"{mode.label}: run failed (exit {result.returncode}); logs in {run_dir}"
-                )
-            fig = run_figures(result.records, s["warmup"], job.train.save_interval)
-            fig.update(
-                repeat=rep,
-                losses=[r["loss"] for r in result.records],
-                digest=result.summary.get("final_param_digest"),
-                wall_s=result.summary.get("wall_s"),
-            )
-            runs[key].append(fig)
-            if key == "no_ft" and reference is None:
-                reference = result
-            if not s.get("keep"):
-                shutil.rmtree(run_dir / "ckpt", ignore_errors=True)
-    base = runs.get("no_ft") or []
+    reference: list[Launch] = []  # the first no-FT run (bench recovery's reference)
+
+    def run_one(key: str, repeat: int) -> Run:
+        mode = modes[key]
+        run_dir = work_dir / f"{key}-{repeat}"
+        job = mode_job(jobs, mode, s["interval"], run_dir / "ckpt")
+        t0 = time.monotonic()
+        result = runner(job, run_dir, False, mode.worker)
+        progress(
+            f"  {repeat}/{s['repeats']} {mode.label:<46} exit {result.returncode}, "
+            f"{len(result.records)} iterations, {time.monotonic() - t0:.0f}s"
+        )
+        run = measured_run(
+            key,
+            repeat,
+            result,
+            iters=s["iters"],
+            warmup=s["warmup"],
+            save_every=job.train.save_interval,
+            what=mode.label,
+            run_dir=run_dir,
+        )
+        if key == "no_ft" and not reference:
+            reference.append(result)
+        if not s.get("keep"):
+            shutil.rmtree(run_dir / "ckpt", ignore_errors=True)
+        return run
+
+    measured = [k for k in modes if k not in unavailable]
+    runs = interleave(measured, s["repeats"], run_one)
     out: dict[str, Any] = {}
     for key, mode in modes.items():
         entry: dict[str, Any] = {
@@ -183,26 +158,22 @@ def failure_free(
             entry.update(amortised_s=None, reason=unavailable[key], runs=[])
             out[key] = entry
             continue
-        mine = runs[key]
-        ratios = [r["amortised_s"] / b["amortised_s"] for r, b in zip(mine, base)]
+        c = compare(runs[key], runs.get("no_ft", []))
         entry.update(
-            amortised_s=_median([r["amortised_s"] for r in mine]),
-            median_s=_median([r["median_s"] for r in mine]),
-            per_run_amortised_s=[r["amortised_s"] for r in mine],
-            ratio_vs_no_ft=_median(ratios),
-            ratio=ratio_summary(ratios),
-            ratios=ratios,
-            first_save_s=_median(
-                [r["first_save_s"] for r in mine if r["first_save_s"] is not None]
-            ),
-            saves_in_window=mine[0]["saves_in_window"],
-            losses_match_no_ft=bool(base) and all(r["losses"] == base[0]["losses"] for r in mine),
-            digests_match_no_ft=bool(base)
-            and all(r["digest"] is not None and r["digest"] == base[0]["digest"] for r in mine),
-            runs=mine,
+            amortised_s=c["amortised_s"],
+            median_s=c["median_s"],
+            per_run_amortised_s=c["per_run_amortised_s"],
+            ratio_vs_no_ft=c["ratio_median"],
+            ratio=c["ratio"],
+            ratios=c["ratios"],
+            first_save_s=c["first_save_s"],
+            saves_in_window=c["saves_in_window"],
+            losses_match_no_ft=c["losses_match"],
+            digests_match_no_ft=c["digests_match"],
+            runs=[r.to_dict() for r in runs[key]],
         )
         out[key] = entry
-    return {"modes": out, "notes": NOTES + _noise(out, s["repeats"])}, reference
+    return {"modes": out, "notes": NOTES + _noise(out, s["repeats"])}, next(iter(reference), None)
 
 
 def _noise(modes: dict[str, Any], repeats: int) -> list[str]:

@@ -16,6 +16,7 @@ from ..config.job import JobConfig
 from . import recovery as rec
 from .paper_matrix import matrix_jobs
 from .paper_workers import Runner
+from .timed_launch import Launch
 
 
 def recovery_part(
@@ -23,17 +24,17 @@ def recovery_part(
     s: dict[str, Any],
     runner: Runner,
     work_dir: Path,
-    reference: rec.Launch | None,
+    reference: Launch | None,
     progress: Callable[[str], None],
-) -> tuple[dict[str, Any], rec.Launch | None, rec.Launch | None]:
+) -> tuple[dict[str, Any], Launch | None, Launch | None]:
     """bench recovery's measure, `recovery_repeats` times; medians of totals and phases.
 
     Returns the result, the reference run and the first hot-swap run (for the loss curve).
     """
     jobs = matrix_jobs(job, s)
-    seen: dict[str, rec.Launch] = {}
+    seen: dict[str, Launch] = {}
 
-    def run_one(variant: JobConfig, run_dir: Path, stop: bool) -> rec.Launch:
+    def run_one(variant: JobConfig, run_dir: Path, stop: bool) -> Launch:
         if reference is not None and variant == jobs["reference"]:
             seen.setdefault("reference", reference)
             return reference  # the first no-FT run is this very job: not run again
@@ -64,9 +65,7 @@ def recovery_part(
     return out, seen.get("reference"), seen.get("deadpool")
 
 
-def loss_data(
-    reference: rec.Launch, hot: rec.Launch, result: dict[str, Any], fail: str
-) -> dict[str, Any]:
+def loss_data(reference: Launch, hot: Launch, result: dict[str, Any], fail: str) -> dict[str, Any]:
     """The loss curve's data: both runs' losses, the failure, the recomputed iterations."""
     fault = parse_fault(fail)
     restore = int(result["deadpool_restore_iteration"])

@@ -4,8 +4,8 @@
 configurations run workers with a saver of their own (`EmbeddedJob(saver=...)`) that calls
 those APIs the way Megatron-LM does:
 
-- launcher side: `launch` runs a job like `bench recovery` does, through `WorkerLauncher`, whose
-  processes are `python -m megatron_deadpool.bench.paper_workers KIND ARGS`; `nvrx_python` and
+- launcher side: `launch` runs a job like `bench recovery` does (`timed_launch.launch`), its
+  processes `python -m megatron_deadpool.bench.paper_workers KIND ARGS`; `nvrx_python` and
   `probe_nvrx` find an interpreter that has nvidia-resiliency-ext;
 - worker side: `main`, `_save_async` and `_save_nvrx_local`.
 """
@@ -21,11 +21,12 @@ from pathlib import Path
 from typing import Any
 
 from ..config.job import JobConfig
-from . import recovery as rec
+from . import timed_launch
+from .timed_launch import Launch
 
 KINDS = ("async", "nvrx-local")
 
-Runner = Callable[[JobConfig, Path, bool, str], rec.Launch]
+Runner = Callable[[JobConfig, Path, bool, str], Launch]
 """(job, run_dir, stop_on_failure, worker) -> Launch; worker is "" (the usual one) or a KIND."""
 
 
@@ -83,22 +84,19 @@ def _worker_env() -> dict[str, str]:
 
 def launch(
     job: JobConfig, run_dir: Path, stop: bool, worker: str, *, timeout_s: float, python: str
-) -> rec.Launch:
-    """`bench recovery`'s timed launch; a `worker` KIND runs its processes through `main`."""
+) -> Launch:
+    """`bench recovery`'s timed launch; a `worker` KIND runs its processes through `main`
+    (`python -m megatron_deadpool.bench.paper_workers KIND` instead of the embedded worker)."""
     if not worker:
-        return rec.launch(job, run_dir, stop, timeout_s)
-    from ..embedded.launch import LocalLauncher
-
-    class WorkerLauncher(LocalLauncher):
-        """Starts `python -m megatron_deadpool.bench.paper_workers KIND` instead of the worker."""
-
-        def _worker_command(self) -> list[str]:
-            return [python, "-m", "megatron_deadpool.bench.paper_workers", worker]
-
-        def _worker_env(self) -> dict[str, str]:
-            return _worker_env()
-
-    return rec.launch(job, run_dir, stop, timeout_s, WorkerLauncher)
+        return timed_launch.launch(job, run_dir, stop, timeout_s)
+    return timed_launch.launch(
+        job,
+        run_dir,
+        stop,
+        timeout_s,
+        worker_command=[python, "-m", "megatron_deadpool.bench.paper_workers", worker],
+        worker_env=_worker_env(),
+    )
 
 
 # ---------------------------------------------------------------------- worker side

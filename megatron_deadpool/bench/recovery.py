@@ -15,7 +15,8 @@ The same job meets the same failure twice:
 
 Both times run from the failure (the dying process's own timestamp) until training is back where
 it failed: the iteration during which it failed has completed again. A failure-free reference
-run (DeadPool off) gives the loss sequence and final parameter digest both must reproduce.
+run (DeadPool off) gives the loss sequence and final parameter digest both must reproduce. Each
+run is launched, and its times recorded, by `timed_launch.py`.
 
     deadpool bench recovery --iters 12 --fail 2@8 --save-interval 5 --json recovery.json
 
@@ -36,18 +37,15 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ..config.faults import check_faults, parse_fault
 from ..config.job import JobConfig
 from ..errors import ConfigError
-from ..hotswap.liveness import kill_groups
 from .overhead import base_job
 from .report import job_shape, publish, text_row, yes_no
 from .stats import ratio_summary, ratio_text
-
-if TYPE_CHECKING:
-    from ..embedded.launch import LocalLauncher
+from .timed_launch import Launch, Runner, launch
 
 DEADPOOL_PHASES = ("detect", "agree", "reconstruct", "restore")
 RESTART_PHASES = ("detect", "teardown", "relaunch_init", "checkpoint_load")
@@ -65,30 +63,6 @@ PHASE_LABELS = {
     "recompute": "recompute lost iterations",
     "first_iteration": "the failed iteration again",
 }
-
-
-@dataclasses.dataclass
-class Launch:
-    """One launched run and what the bench recorded around it."""
-
-    returncode: int
-    records: list[dict[str, Any]]
-    summary: dict[str, Any]
-    run_dir: Path
-    spawned_at: float
-    """Wall clock when the launcher started the first process."""
-    failed_at: float | None = None
-    """Earliest fault-injection stamp of a dying process (`fault/{pid}` in the store)."""
-    stopped_at: float | None = None
-    """When every process of a failed run was gone (restart baseline only)."""
-    detected_at: float | None = None
-    """When the launcher saw the failure (restart baseline only)."""
-    load_s: float | None = None
-    """Slowest rank's `checkpoint.load` (`load/{rank}` in the store), if the run loaded one."""
-
-
-Runner = Callable[[JobConfig, Path, bool], Launch]
-"""(job, run_dir, stop_on_failure) -> Launch."""
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -160,70 +134,6 @@ def jobs(
             job, train=dataclasses.replace(saving, load=save_dir), deadpool=off
         ),
     }
-
-
-# ---------------------------------------------------------------------- launching
-def launch(
-    job: JobConfig,
-    run_dir: Path,
-    stop_on_failure: bool,
-    timeout_s: float,
-    launcher: type[LocalLauncher] | None = None,
-) -> Launch:
-    """Run `job` with `launcher` (default: the local launcher), recording the times the bench
-    needs."""
-    if launcher is None:
-        from ..embedded.launch import LocalLauncher
-
-        launcher = LocalLauncher
-
-    class TimedLauncher(launcher):  # type: ignore[valid-type,misc]
-        """Stamps process start and failure handling; reads fault and load stamps at the end."""
-
-        spawned_at: float | None = None
-        detected_at: float | None = None
-        stopped_at: float | None = None
-        extra: dict[str, Any] | None = None
-
-        def _spawn(self, *args: Any, **kwargs: Any) -> None:
-            if self.spawned_at is None:
-                self.spawned_at = time.time()
-            super()._spawn(*args, **kwargs)
-
-        def _monitor(self, *args: Any, **kwargs: Any) -> int:
-            rc = super()._monitor(*args, **kwargs)
-            if rc != 0 and stop_on_failure:
-                self.detected_at = time.time()
-                # Like torchrun on a worker failure: stop everyone at once, including what the
-                # dead process left behind in its process group (the checkpoint writer's helper).
-                kill_groups(self.local.procs.values())
-                self.stopped_at = time.time()
-            return rc
-
-        def _summary(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
-            members = self.local.members
-            faults = [t for t in map(members.fault_time, self.local.procs) if t is not None]
-            loads = [members.load_time(r) for r in range(self.job.parallel.world_size)]
-            loads = [t for t in loads if t is not None]
-            self.extra = {
-                "failed_at": min(faults) if faults else None,
-                "load_s": max(loads) if loads else None,
-            }
-            return super()._summary(*args, **kwargs)
-
-    timed = TimedLauncher(job, run_dir=str(run_dir), quiet=True, timeout_s=timeout_s)
-    result = timed.run()
-    return Launch(
-        returncode=result.returncode,
-        records=result.records,
-        summary=result.summary,
-        run_dir=run_dir,
-        spawned_at=timed.spawned_at or 0.0,
-        failed_at=(timed.extra or {}).get("failed_at"),
-        stopped_at=timed.stopped_at,
-        detected_at=timed.detected_at,
-        load_s=(timed.extra or {}).get("load_s"),
-    )
 
 
 # ---------------------------------------------------------------------- timing

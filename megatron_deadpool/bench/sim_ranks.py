@@ -4,11 +4,11 @@ One process runs many simulated ranks (`python -m megatron_deadpool.bench.sim_ra
 CONFIG a JSON object). Every rank keeps its own connection to the coordinator's store and, on
 it, issues the store operations a real rank issues, through the same `Membership` methods and in
 the same order (`tests/bench/test_control_plane.py` checks the sequence against
-`recovery.agree`):
+`Recovery.agree`):
 
 - start: `announce` (its ready key and first beat);
 - while nothing fails: one beat per heartbeat interval (+1 on its counter);
-- when a peer fails (the bench says "fail"): as a survivor in `recovery.agree`, report its
+- when a peer fails (the bench says "fail"): as a survivor in `Recovery.agree`, report its
   holdings (what the placement makes it hold: its own snapshot and its owners' replicas), wait
   for the decision, read the plan and wait for the newcomers' claims of their slots; then join
   the new generation as the driver does (read the
@@ -32,8 +32,8 @@ What differs from real ranks, and why (this machine has 2 cores and a 20,000-fil
   coordinator's host is not shared with the ranks;
 - pure work (the new roster, each rank's holdings) is computed once per process.
 
-Control, one line each on stdin: `kill PID` (the rank stops beating and stamps its fault, like
-an injected crash; answered `killed PID`), `fail` (run one recovery as survivors; answered
+Control, one line each on stdin: `kill MEMBER` (the rank stops beating and stamps its fault,
+like an injected crash; answered `killed MEMBER`), `fail` (run one recovery as survivors; answered
 `recovered G`), `stop` (exit at once). `ready N` is printed once every rank connected.
 """
 
@@ -46,7 +46,7 @@ import traceback
 from typing import Any
 
 from ..hotswap.membership import Membership
-from ..hotswap.roster import Roster
+from ..hotswap.messages import HoldingsReport, Keys, Roster, Verdict
 from ..replication.placement import Layout, place_replicas
 from .store_wire import FOREVER_S, Hub, WireStore
 
@@ -56,11 +56,14 @@ UNIQUE_ID = b"\0" * 128  # the size of an ncclUniqueId
 def survivor_report(
     members: Membership, g: int, rank: int, holds: dict[str, list[int]], iteration: int
 ) -> None:
-    """A survivor's first step in `recovery.agree`: its report for generation g (then it waits
+    """A survivor's first step in `Recovery.agree`: its report for generation g (then it waits
     for the decision: `Membership.wait_decision`)."""
-    members.report_holdings(
-        g, rank, {"last_completed": iteration, "holds": holds, "pid": members.pid}
+    report = HoldingsReport(
+        member=members.member,
+        last_completed=iteration,
+        holds={k: tuple(v) for k, v in holds.items()},
     )
+    members.report_holdings(g, rank, report)
 
 
 class SimProcess:
@@ -76,7 +79,7 @@ class SimProcess:
         self.roster = Roster(0, self.world, {r: f"a{r}" for r in range(self.world)})
         self.ranks: dict[int, Membership] = {}  # live ranks of this process
         self.spares: list[Membership] = []
-        self.connected: set[str] = set()  # pids that announced themselves: they beat
+        self.connected: set[str] = set()  # members that announced themselves: they beat
         self.dead: set[str] = set()  # killed: they no longer beat
 
     def _store(self) -> WireStore:
@@ -85,19 +88,19 @@ class SimProcess:
     # ------------------------------------------------------------------ start
     def connect(self) -> None:
         group = int(self.cfg["hb_group"])
-        pids = [f"a{r}" for r in self.cfg["ranks"]] + list(self.cfg["spares"])
-        for i in range(0, len(pids), group):
+        names = [f"a{r}" for r in self.cfg["ranks"]] + list(self.cfg["spares"])
+        for i in range(0, len(names), group):
             store = self._store()
-            self.hub.spawn(self._beat, [Membership(store, pid) for pid in pids[i : i + group]])
+            self.hub.spawn(self._beat, [Membership(store, m) for m in names[i : i + group]])
 
         def announce(members: Membership) -> Membership:
             members.announce()
-            self.connected.add(members.pid)  # from now on it beats
+            self.connected.add(members.member)  # from now on it beats
             return members
 
-        for members in self.hub.each(announce, [Membership(self._store(), p) for p in pids]):
-            if members.pid.startswith("a"):
-                self.ranks[int(members.pid[1:])] = members
+        for members in self.hub.each(announce, [Membership(self._store(), m) for m in names]):
+            if members.member.startswith("a"):
+                self.ranks[int(members.member[1:])] = members
             else:
                 self.spares.append(members)
         for members in self.spares:
@@ -109,7 +112,7 @@ class SimProcess:
         pause = float(self.cfg["interval"]) / len(beats)
         while True:
             for members in beats:
-                if members.pid in self.connected and members.pid not in self.dead:
+                if members.member in self.connected and members.member not in self.dead:
                     members.heartbeat()
                 self.hub.sleep(pause)
 
@@ -119,10 +122,10 @@ class SimProcess:
         return {"local": its, **{str(o): its for o in self.placement.held_by[rank]}}
 
     # ------------------------------------------------------------------ failures
-    def kill(self, pid: str) -> None:
+    def kill(self, member: str) -> None:
         """The rank stops beating and stamps its fault (as an injected crash does)."""
-        self.dead.add(pid)
-        rank = next(r for r, m in self.ranks.items() if m.pid == pid)
+        self.dead.add(member)
+        rank = next(r for r, m in self.ranks.items() if m.member == member)
         self.ranks.pop(rank).record_fault()
 
     def recover(self) -> int:
@@ -136,12 +139,15 @@ class SimProcess:
             rank, members = item
             survivor_report(members, g, rank, self.holds(rank), self.iteration)
             decision = members.wait_decision(g, FOREVER_S)
-            if "roster" not in decision:
+            if decision is None or decision.verdict is not Verdict.ROSTER:
                 raise RuntimeError(f"simulated recovery of generation {g}: decision {decision}")
+            assert decision.restore_iteration is not None
             plan = members.plan(g)
-            members.wait_newcomers(g, plan["needy"], FOREVER_S)
+            if plan is None:
+                raise RuntimeError(f"simulated recovery: generation {g} decided without a plan")
+            members.wait_newcomers(g, plan.needy, FOREVER_S)
             if not new:  # pure work, once per process
-                new.append(roster.successor(plan, decision["roster"]) or members.roster(g))
+                new.append(roster.successor(plan, decision.restore_iteration) or members.roster(g))
             self._join(new[0], rank, members)
 
         self.hub.each(survive, list(self.ranks.items()))
@@ -154,7 +160,9 @@ class SimProcess:
         g = roster.generation
         members.sources(g)
         members.stamp(g, "joined", rank)
-        pg_store = members.store.prefixed(f"gen{g}")  # as `Membership.process_group_store`
+        store = members.store
+        assert isinstance(store, WireStore)
+        pg_store = store.prefixed(Keys.PROCESS_GROUPS.format(g=g))  # `process_group_store`
         if rank == 0:
             pg_store.set("sim/unique_id", UNIQUE_ID)
         else:
@@ -166,18 +174,20 @@ class SimProcess:
             members.stamp(g, "first_iteration", 0)
 
     def _spare(self, members: Membership) -> None:
-        """Driver.wait_for_slot, then a newcomer's join; afterwards a rank like the others."""
+        """Driver.wait_for_slot (a newcomer claims its slot), then a newcomer's join;
+        afterwards a rank like the others."""
         seen = members.spare_epoch()
         while True:
             if members.shutdown_requested():
                 return
             roster = members.roster(members.generation())
-            rank = roster.rank_of(members.pid)
+            rank = roster.rank_of(members.member)
             if rank is not None:
                 break
             if members.wait_spare_epoch(seen + 1, FOREVER_S):
                 seen += 1
-        members.claim_slot(roster.generation, rank)
+        if not members.claim_slot(roster.generation, rank):
+            raise RuntimeError(f"{members.member}: its slot was given up before it claimed it")
         self.roster = roster
         self._join(roster, rank, members)
         self.ranks[rank] = members

@@ -10,7 +10,8 @@ exists and it says so with None.
 `ratio_summary` and `ratio_text` are how every benchmark reports a ratio of paired runs: the
 median with its interval, and the figure itself only when the interval lies on one side of 1;
 otherwise "no difference measurable at this noise" (or, with too few repeats for an
-interval, that it was not measured).
+interval, that it was not measured). `median` is the benchmarks' median of a list that may be
+empty.
 """
 
 from __future__ import annotations
@@ -19,6 +20,11 @@ import statistics
 from collections.abc import Sequence
 from math import comb
 from typing import Any
+
+
+def median(values: Sequence[float]) -> float | None:
+    """The median of `values`; None when there are none."""
+    return float(statistics.median(values)) if values else None
 
 
 def median_ci(values: Sequence[float], level: float = 0.95) -> tuple[float, float] | None:
@@ -56,7 +62,7 @@ def ratio_summary(ratios: Sequence[float], level: float = 0.95) -> dict[str, Any
     else:
         verdict = "none"
     return {
-        "median": statistics.median(ratios) if ratios else None,
+        "median": median(ratios),
         "ci": list(ci) if ci else None,
         "level": level,
         "n": len(ratios),

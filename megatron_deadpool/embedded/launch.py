@@ -2,7 +2,9 @@
 
 Like torchrun, but nobody is restarted on a failure: the job's store and coordinator are hosted
 in-process (`hotswap.local_job`), one worker process is started per active rank and spare, and
-rank 0's per-iteration records are rendered live and written to the JSON log.
+rank 0's per-iteration records are rendered live and written to the JSON log. A caller that
+watches a run (a benchmark) passes `LaunchHooks` and, to run another program in each process,
+`worker_command` and `worker_env`, instead of subclassing.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
@@ -42,6 +45,23 @@ class RunResult:
     run_dir: Path | None = None
 
 
+def _nothing(*_: object) -> None:
+    pass
+
+
+@dataclass(frozen=True)
+class LaunchHooks:
+    """What a caller may do at three moments of a run (all optional; a benchmark's timers)."""
+
+    started: Callable[[LocalJob], None] = _nothing
+    """The job's store and coordinator exist; its first process is about to be started."""
+    failed: Callable[[LocalJob, dict[str, int]], None] = _nothing
+    """DeadPool off: processes failed (member -> exit code), before the run ends (e.g. stop
+    every other process at once, as torchrun does)."""
+    ended: Callable[[LocalJob], None] = _nothing
+    """Supervision ended, before the summary and the shutdown: the store still answers."""
+
+
 class LocalLauncher:
     """Runs a job on this machine; `run()` returns when every process has exited."""
 
@@ -55,8 +75,17 @@ class LocalLauncher:
         stream: TextIO | None = None,
         quiet: bool = False,
         replenish_spares: bool = False,
+        hooks: LaunchHooks = LaunchHooks(),
+        worker_command: Sequence[str] | None = None,
+        worker_env: Mapping[str, str] | None = None,
     ) -> None:
+        """`worker_command`: the program each process runs, before its arguments (default: the
+        embedded worker); `worker_env`: the environment it starts from (default: this
+        process's)."""
         self.job = job
+        self.hooks = hooks
+        self.worker_command = list(worker_command) if worker_command else None
+        self.worker_env = dict(worker_env) if worker_env is not None else None
         self.replenish_spares = replenish_spares
         self.json_log = json_log
         self.run_dir = Path(run_dir or job.deadpool.log_dir or tempfile.mkdtemp(prefix="deadpool-"))
@@ -74,11 +103,11 @@ class LocalLauncher:
 
     # ------------------------------------------------------------------ processes
     def _worker_command(self) -> list[str]:
-        """The program each process runs (before its arguments); benchmarks substitute theirs."""
-        return [sys.executable, "-m", "megatron_deadpool.embedded.worker"]
+        """The program each process runs (before its arguments)."""
+        return self.worker_command or [sys.executable, "-m", "megatron_deadpool.embedded.worker"]
 
     def _worker_env(self) -> dict[str, str]:
-        return dict(os.environ)
+        return dict(os.environ) if self.worker_env is None else dict(self.worker_env)
 
     def _env(self) -> dict[str, str]:
         """Every process's environment."""
@@ -140,6 +169,7 @@ class LocalLauncher:
             + f"; logs in {self.run_dir}"
         )
         t_start = time.monotonic()
+        self.hooks.started(local)
         self._start()
         records: list[dict[str, Any]] = []
         # Closed in the `finally` below, after the monitor loop that writes it.
@@ -152,6 +182,7 @@ class LocalLauncher:
         previous = signal.signal(signal.SIGTERM, on_sigterm)
         try:
             rc = self._monitor(records, log_file, t_start)
+            self.hooks.ended(local)
             summary = self._summary(records, rc, time.monotonic() - t_start)
             if log_file:
                 log_file.write(json.dumps(summary) + "\n")
@@ -190,6 +221,7 @@ class LocalLauncher:
             return True
 
         def failed(members: dict[str, int]) -> int:
+            self.hooks.failed(local, members)
             for member, code in members.items():
                 self.progress.event(f"process {member} exited with code {code}")
                 self.progress.event("its log ends:\n" + self._tail(member))

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_deadpool.bench import paper, paper_matrix, plots, report
+from megatron_deadpool.bench import interleaved, paper, paper_matrix, plots, report
 from megatron_deadpool.bench.overhead import base_job
 from megatron_deadpool.bench.recovery import PHASE_LABELS, Launch
 from megatron_deadpool.bench.stats import ratio_summary
@@ -72,12 +72,12 @@ def test_run_figures_count_every_save_in_the_window() -> None:
     jobs = paper_matrix.matrix_jobs(base_job(None), paper.settings(parse("--quick")))
     every_n = paper_matrix.mode_job(jobs, paper_matrix.MODES[3], 4, Path("/nonexistent"))
     assert every_n.train.save_interval == 4 and not every_n.deadpool.enabled
-    fig = paper_matrix.run_figures(runner(every_n, Path("."), False, "").records, 5, 4)
-    assert len(fig["gaps_s"]) == 8  # iterations 6..13
-    assert fig["saves_in_window"] == 2  # after iterations 8 and 12
-    assert fig["amortised_s"] == pytest.approx(STEP + 2 * SAVE / 8)
-    assert fig["median_s"] == pytest.approx(STEP)
-    assert fig["first_save_s"] == pytest.approx(SAVE + FIRST)
+    fig = interleaved.iteration_times(runner(every_n, Path("."), False, "").records, 5, 4)
+    assert len(fig.gaps_s) == 8  # iterations 6..13
+    assert fig.saves_in_window == 2  # after iterations 8 and 12
+    assert fig.amortised_s == pytest.approx(STEP + 2 * SAVE / 8)
+    assert fig.median_s == pytest.approx(STEP)
+    assert fig.first_save_s == pytest.approx(SAVE + FIRST)
     hot = paper_matrix.mode_job(jobs, paper_matrix.MODES[1], 4, Path("/nonexistent"))
     assert hot.deadpool.enabled and hot.deadpool.spares >= 1 and not hot.deadpool.fail
     assert not hot.train.save
@@ -195,27 +195,33 @@ def test_report_helpers(tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(120)
-def test_worker_launcher_is_passed_not_swapped(
+def test_worker_program_is_passed_not_swapped(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from megatron_deadpool.bench import paper_workers, recovery
+    from megatron_deadpool.bench import paper_workers, timed_launch
     from megatron_deadpool.embedded import launch
 
     local = launch.LocalLauncher
     passed: list = []
 
-    def timed(job, run_dir: Path, stop: bool, timeout_s: float, launcher=None) -> Launch:
+    def timed(job, run_dir: Path, stop: bool, timeout_s: float, **worker) -> Launch:
         assert launch.LocalLauncher is local
-        passed.append(launcher)
+        passed.append(worker)
         return Launch(0, [], {}, run_dir, spawned_at=0.0)
 
-    monkeypatch.setattr(recovery, "launch", timed)
+    monkeypatch.setattr(timed_launch, "launch", timed)
     job = base_job(None)
     paper_workers.launch(job, tmp_path, False, "", timeout_s=1.0, python="py")
     paper_workers.launch(job, tmp_path, False, "async", timeout_s=1.0, python="py")
-    assert passed[0] is None and issubclass(passed[1], local) and passed[1] is not local
-    commands = [passed[1](job, run_dir=str(tmp_path), quiet=True)._command("a0", "h:1")]
+    assert passed[0] == {} and set(passed[1]) == {"worker_command", "worker_env"}
+    assert "PYTHONPATH" in passed[1]["worker_env"]
+    launcher = local(job, run_dir=str(tmp_path), quiet=True, **passed[1])
+    commands = [
+        launcher._command("a0", "h:1"),
+        local(job, run_dir=str(tmp_path))._command("a0", "h:1"),
+    ]
     assert commands[0][:4] == ["py", "-m", "megatron_deadpool.bench.paper_workers", "async"]
+    assert commands[1][1:3] == ["-m", "megatron_deadpool.embedded.worker"]
 
 
 def test_worker_entry_needs_a_kind() -> None:

@@ -13,7 +13,7 @@ import pytest
 from megatron_deadpool.bench import control_plane
 from megatron_deadpool.bench.sim_ranks import FOREVER_S, survivor_report
 from megatron_deadpool.hotswap.membership import Membership, host_store
-from megatron_deadpool.hotswap.roster import Roster
+from megatron_deadpool.hotswap.messages import Decision, Plan, Roster
 
 
 class Recording:
@@ -42,12 +42,11 @@ def _survivor_ops(survive) -> list[tuple[str, Any]]:
     survivor = threading.Thread(target=survive, args=(Membership(recording, "a1"),))
     survivor.start()
     time.sleep(0.2)  # the survivor reports and blocks on the decision before the plan exists
-    replaced = {"2": "s0"}
-    plan = {"generation": 1, "base": 0, "world_size": 3, "dead": [2], "needy": [2]}
-    coordinator.publish_plan(1, {**plan, "replaced": replaced})
+    plan = Plan(generation=1, base=0, world_size=3, dead=(2,), needy=(2,), replaced={2: "s0"})
+    coordinator.publish_plan(plan)
     while coordinator.holdings_count(1) < 1:
         time.sleep(0.01)
-    coordinator.decide(1, {"roster": 6})
+    coordinator.decide(1, Decision.roster(6))
     coordinator.claim_slot(1, 2)  # as the newcomer of rank 2 does before it joins
     survivor.join(30)
     assert not survivor.is_alive()
@@ -65,22 +64,26 @@ def test_simulated_survivor_makes_the_store_calls_of_agree() -> None:
             def holdings(self) -> dict[str, list[int]]:
                 return holds
 
-        recovery.agree(
+        recovery.Recovery(
             members,
-            roster=Roster(0, 3, {0: "a0", 1: "a1", 2: "a2"}),
-            rank=1,
-            pid="a1",
-            replicator=Holder(),  # type: ignore[arg-type]
-            report={"last_completed": 6},
+            "a1",
+            1,
+            Roster(0, 3, {0: "a0", 1: "a1", 2: "a2"}),
+            Holder(),  # type: ignore[arg-type]
+        ).agree(
+            {},
+            last_completed=6,
             deadline=time.time() + 30,
             cause=RuntimeError("peer died"),
-            on_abort=lambda info: "",
+            salvage_target=lambda iteration: (None, None),
         )
 
     def simulated(members: Membership) -> None:
         survivor_report(members, 1, 1, holds, 6)
         members.wait_decision(1, FOREVER_S)
-        members.wait_newcomers(1, members.plan(1)["needy"], FOREVER_S)
+        plan = members.plan(1)
+        assert plan is not None
+        members.wait_newcomers(1, plan.needy, FOREVER_S)
 
     ops = _survivor_ops(real)
     assert [op for op, _ in ops] == [

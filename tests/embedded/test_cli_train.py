@@ -179,17 +179,21 @@ def _fake_runner(calls: list[str]) -> Callable[..., SimpleNamespace]:
         calls.append(mode)
         base = 0.1 if mode == "off" else 0.11
         iters = job.train.iters
-        records = [
-            {
-                "iteration": i,
-                "loss": 3.0 - 0.1 * i,
-                "iter_time_s": (5.0 if i <= 2 else base + 0.001 * (i % 3)),
-                "replication_s": 0.0 if mode == "off" else 0.01,
-                "replica_bytes_sent": 0 if mode == "off" else 1000,
-                "committed_iteration": None,
-            }
-            for i in range(1, iters + 1)
-        ]
+        records, end = [], 1000.0
+        for i in range(1, iters + 1):
+            step = 5.0 if i <= 2 else base + 0.001 * (i % 3)
+            end += step  # iterations follow each other: the gap to the previous end is the step
+            records.append(
+                {
+                    "iteration": i,
+                    "time": end,
+                    "loss": 3.0 - 0.1 * i,
+                    "iter_time_s": step,
+                    "replication_s": 0.0 if mode == "off" else 0.01,
+                    "replica_bytes_sent": 0 if mode == "off" else 1000,
+                    "committed_iteration": None,
+                }
+            )
         summary = {"final_param_digest": "abc", "wall_s": 1.0}
         return SimpleNamespace(returncode=0, records=records, summary=summary)
 
@@ -212,11 +216,16 @@ def test_bench_overhead_interleaves_and_writes_json(
     data = json.loads(out.read_text())
     assert {"off_iter_s", "on_iter_s", "ratio_median", "runs"} <= set(data)
     assert len(data["runs"]) == 4
-    assert all(len(r["iter_times_s"]) == 4 for r in data["runs"])  # 2 warm-up left out
-    # Timed iterations 3..6 take base + 0, 1, 2, 0 ms: median base + 0.5 ms.
-    assert data["off_iter_s"] == pytest.approx(0.1005)
-    assert data["on_iter_s"] == pytest.approx(0.1105)
-    assert data["ratio_median"] == pytest.approx(0.1105 / 0.1005)
+    assert all(len(r["gaps_s"]) == 4 for r in data["runs"])  # 2 warm-up left out
+    assert [(r["config"], r["repeat"]) for r in data["runs"]] == [
+        ("off", 1), ("on", 1), ("off", 2), ("on", 2)
+    ]  # fmt: skip
+    # Timed iterations 3..6 take base + 0, 1, 2, 0 ms: amortised (their mean) base + 0.75 ms,
+    # typical (their median) base + 0.5 ms.
+    assert all(r["median_s"] == pytest.approx(r["amortised_s"] - 0.00025) for r in data["runs"])
+    assert data["off_iter_s"] == pytest.approx(0.10075)
+    assert data["on_iter_s"] == pytest.approx(0.11075)
+    assert data["ratio_median"] == pytest.approx(0.11075 / 0.10075)
     assert data["losses_identical"] and data["digests_identical"]
     assert data["ratio_ci95"] is None  # two pairs are too few for a 95% interval
     out = capsys.readouterr().out
