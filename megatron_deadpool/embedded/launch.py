@@ -24,10 +24,14 @@ import yaml
 from ..config.deadpool import DeadpoolConfig
 from ..config.job import JobConfig
 from ..digest import final_digest
+from ..hotswap.forkserver import Preload
 from ..hotswap.local_job import LocalJob
 from ..replication.placement import Layout, place_replicas
 from ..replication.save_dir import resume_point
 from .progress import Progress
+
+WORKER_PRELOAD = Preload(("megatron_deadpool.embedded.worker", "megatron_deadpool.embedded.job"))
+"""What every process imports (torch, megatron-core): its processes fork from a warm interpreter."""
 
 
 @dataclass
@@ -102,7 +106,8 @@ class LocalLauncher:
 
     def _spawn(self, pid: str) -> None:
         with open(self.run_dir / f"{pid}.log", "w") as log:  # the child keeps its own copy
-            self.local.spawn(pid, self._command(pid, self.local.address), self._env(), log)
+            cmd = self._command(pid, self.local.address)
+            self.local.spawn(pid, cmd, self._env(), log, preload=WORKER_PRELOAD)
 
     def _tail(self, pid: str, lines: int = 15) -> str:
         path = self.run_dir / f"{pid}.log"
