@@ -135,17 +135,22 @@ class ForkServer:
         argv += ["--parent", str(os.getpid())]
         if threading.current_thread() is threading.main_thread():
             argv.append("--die-with-parent")  # PR_SET_PDEATHSIG follows the starting thread
-        with open(log_path, "ab") if log_path else contextlib.nullcontext() as out:
-            self.proc = subprocess.Popen(
-                argv,
-                env=dict(env),
-                stdin=subprocess.DEVNULL,
-                stdout=out or subprocess.DEVNULL,
-                stderr=out,
-                pass_fds=(theirs.fileno(),),
-                start_new_session=True,  # a Ctrl-C meant for the launcher is the launcher's
-            )
-        theirs.close()
+        try:
+            with open(log_path, "ab") if log_path else contextlib.nullcontext() as out:
+                self.proc = subprocess.Popen(
+                    argv,
+                    env=dict(env),
+                    stdin=subprocess.DEVNULL,
+                    stdout=out or subprocess.DEVNULL,
+                    stderr=out,
+                    pass_fds=(theirs.fileno(),),
+                    start_new_session=True,  # a Ctrl-C meant for the launcher is the launcher's
+                )
+        except OSError:
+            self.sock.close()
+            raise
+        finally:
+            theirs.close()
         self._ready(timeout_s, log_path)
 
     def _ready(self, timeout_s: float, log_path: Path | None) -> None:
@@ -449,7 +454,7 @@ class WarmStart:
                 log_path = self.log_dir / f"forkserver{suffix}.log"
             try:
                 self.servers[preload] = ForkServer(preload, env, log_path=log_path)
-            except ForkServerError as exc:
+            except (ForkServerError, OSError) as exc:
                 self.servers[preload] = None
                 self._say(f"warm start off: {exc}; processes start as fresh interpreters")
         return self.servers[preload]

@@ -434,3 +434,21 @@ def test_local_job_forks_and_close_leaves_nothing(tmp_path: Path, started: list)
     assert server.proc.returncode is not None and all(_gone(p.pid) for p in procs)
     assert [(tmp_path / f"{pid}.log").read_text() for pid in job.pids] == ["0\n", "1\n"]
     assert (tmp_path / "forkserver.log").exists()
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(300)
+def test_on_a_gpu_the_server_stays_clear_of_cuda_and_children_use_it(started) -> None:
+    """With CUDA present: importing torch and megatron-core in the server initialises no CUDA
+    (no hazard: forks are allowed), and a forked child initialises CUDA and computes on it."""
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    srv = ForkServer(Preload(("megatron_deadpool.embedded.job",)), ENV)
+    try:
+        assert srv.hazards == []
+        code = "import torch; print((torch.ones(4, device='cuda') * 2).sum().item())"
+        assert _run(srv, [PY, "-c", code], started) == (0, "8.0\n")
+    finally:
+        srv.close()
