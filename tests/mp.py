@@ -1,24 +1,34 @@
-"""A small multi-process harness: run one function in N fresh processes joined in a gloo world.
+"""A small multi-process harness: run one function in N processes joined in a gloo world.
 
     results = run_world("test_replication:_replication_rank", 4, kwargs={"tp": 2}, timeout=150)
 
-The test process hosts a loopback `TCPStore(port=0)`; each child is a fresh interpreter
-(`sys.executable -c ...`, its own session so its whole process group can be killed) that
-connects to the store, selects the CPU development mode (`select_device("cpu")`), sets one
-torch thread, joins a gloo default group of `world_size` ranks and calls
-`target(rank=..., world_size=..., store=..., **kwargs)`. The target returns JSON-serialisable
-data; it travels back through the store as JSON (nothing is ever unpickled). A child that
-raises reports its traceback the same way.
+The test process hosts a loopback `TCPStore(port=0)`; each child (`sys.executable -c ...`, its
+own session so its whole process group can be killed) is forked from the test session's fork
+server, which imported torch, megatron-core and DeadPool's modules once (`WARM`,
+`hotswap.warm_start`; DEADPOOL_WARM_START=0: fresh interpreters). It connects to the store,
+selects the CPU development mode (`select_device("cpu")`), sets one torch thread, joins a
+gloo default group of `world_size` ranks and calls `target(rank=..., world_size=..., store=...,
+**kwargs)`. The target returns JSON-serialisable data; it travels back through the store as
+JSON (nothing is ever unpickled). A child that raises reports its traceback the same way.
 
 `run_world` returns the per-rank results in rank order, or raises `WorldError` (an
 `AssertionError`) with every failing rank's traceback and log tail when a rank fails, exits
 without a result, or the hard timeout passes. In every case all children's process groups are
 SIGKILLed in a `finally` before it returns; should the test process itself be killed, a
-watchdog thread in every child ends it within a second.
+watchdog thread in every child ends it within a second (the fork server dies with the test
+process; its children see their parent change).
+
+One fork server serves the whole test session (started by the first `run_world`, ended at
+exit), not one per `run_world` call, which would pay the server's imports (torch,
+megatron-core: several CPU-seconds) once per call; tests/replication/test_replication.py took
+74 s warm against 159 s with fresh interpreters (2 cores, shared with other jobs). With fresh
+interpreters on a loaded machine a child may still be importing when a short run limit passes
+(test_harness_reports_failures_and_kills_every_child[hang], 25 s).
 """
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import importlib
 import json
@@ -32,10 +42,30 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+from megatron_deadpool.hotswap.forkserver import Preload
+from megatron_deadpool.hotswap.warm_start import WarmStart
+
 TESTS_DIR = Path(__file__).resolve().parent
 REPO_ROOT = TESTS_DIR.parent
 _RESULT = "mp/result/{rank}"
 _BOOT = "import sys; sys.path.insert(0, {tests!r}); import mp; mp._child_main()"
+PRELOAD = Preload(
+    (
+        "pytest",
+        "torch.distributed",
+        "megatron_deadpool.embedded.job",
+        "megatron_deadpool.embedded.checkpoint",
+        "megatron_deadpool.devices.abort",
+        "megatron_deadpool.devices.memory",
+        "megatron_deadpool.devices.p2p",
+        "megatron_deadpool.replication.replicator",
+        "megatron_deadpool.replication.shard_exchange",
+    )
+)
+"""What the children's targets import (the test modules under tests/ that use `run_world`)."""
+WARM = WarmStart(log=lambda line: print(f"tests/mp.py: {line}", file=sys.stderr, flush=True))
+"""The children's starter: one fork server for the test session (ended at exit)."""
+atexit.register(WARM.close)
 
 
 class WorldError(AssertionError):
@@ -80,19 +110,20 @@ def run_world(
         MP_PARENT=str(os.getpid()),
         **(env or {}),
     )
-    procs: list[subprocess.Popen] = []
+    server_env = {k: v for k, v in child_env.items() if not k.startswith("MP_")}
+    procs: list[Any] = []  # subprocess.Popen, or its kind for a forked child
     failed = False
     try:
         for rank in range(world_size):
             with open(log_dir / f"rank{rank}.log", "w") as log:
                 procs.append(
-                    subprocess.Popen(
+                    WARM.start(
                         [sys.executable, "-c", _BOOT.format(tests=str(TESTS_DIR))],
-                        env={**child_env, "MP_RANK": str(rank)},
-                        stdout=log,
-                        stderr=subprocess.STDOUT,
-                        start_new_session=True,
+                        {**child_env, "MP_RANK": str(rank)},
+                        log,
+                        preload=PRELOAD,
                         cwd=str(REPO_ROOT),
+                        server_env=server_env,
                     )
                 )
         results = _collect(store, procs, timeout, log_dir, set(optional))
@@ -176,7 +207,7 @@ def _child_main() -> None:
     world_size = int(os.environ["MP_WORLD"])
     timeout = float(os.environ["MP_TIMEOUT"])
     sys.path[:0] = [os.environ["MP_PATH"], str(TESTS_DIR)]
-    _start_watchdog(parent=int(os.environ["MP_PARENT"]), limit_s=timeout + 30.0)
+    _start_watchdog(int(os.environ["MP_PARENT"]), limit_s=timeout + 30.0)
     import torch
     import torch.distributed as dist
 
@@ -221,15 +252,26 @@ def _child_main() -> None:
     os._exit(0)  # skip interpreter teardown (gloo threads, atexit hooks)
 
 
-def _start_watchdog(parent: int, limit_s: float) -> None:
-    """Exit when the test process is gone (even SIGKILLed) or the run is far past its limit."""
+def _start_watchdog(test_process: int, limit_s: float) -> None:
+    """Exit when the test process is gone (even SIGKILLed) or the run is far past its limit.
+
+    The parent is the test process, or the fork server, which dies with the test process:
+    either way the parent changes (or the test process was gone before we looked)."""
     import threading
 
     deadline = time.monotonic() + limit_s
+    parent = os.getppid()
+
+    def gone(pid: int) -> bool:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        return False
 
     def watch() -> None:
         while True:
-            if os.getppid() != parent or time.monotonic() > deadline:
+            if os.getppid() != parent or gone(test_process) or time.monotonic() > deadline:
                 os._exit(3)
             time.sleep(0.5)
 

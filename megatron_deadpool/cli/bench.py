@@ -29,6 +29,10 @@ BENCHES: dict[str, tuple[str, str]] = {
         "hot swap vs restart from a persistent checkpoint: recovery time by phase",
     ),
     "paper": ("megatron_deadpool.bench.paper", "the paper's figures and tables"),
+    "start": (
+        "megatron_deadpool.bench.start",
+        "a new worker's start: forked from a warm fork server vs a fresh interpreter",
+    ),
     "control-plane": (
         "megatron_deadpool.bench.control_plane",
         "the coordinator and store protocol against 1,024-16,384 simulated ranks",

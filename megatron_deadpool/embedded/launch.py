@@ -28,11 +28,15 @@ from ..config.deadpool import DeadpoolConfig
 from ..config.job import JobConfig
 from ..digest import final_digest
 from ..errors import ExitCode
+from ..hotswap.forkserver import Preload
 from ..hotswap.local_job import LocalJob
 from ..hotswap.supervisor import Supervisor
 from ..replication.placement import Layout, place_replicas
 from ..replication.save_dir import resume_point
 from .progress import Progress
+
+WORKER_PRELOAD = Preload(("megatron_deadpool.embedded.worker", "megatron_deadpool.embedded.job"))
+"""What every process imports (torch, megatron-core): its processes fork from a warm interpreter."""
 
 
 @dataclass
@@ -140,7 +144,8 @@ class LocalLauncher:
 
     def _spawn(self, member: str) -> None:
         with open(self.run_dir / f"{member}.log", "w") as log:  # the child keeps its own copy
-            self.local.spawn(member, self._command(member, self.local.address), self._env(), log)
+            cmd = self._command(member, self.local.address)
+            self.local.spawn(member, cmd, self._env(), log, preload=WORKER_PRELOAD)
 
     def _tail(self, member: str, lines: int = 15) -> str:
         path = self.run_dir / f"{member}.log"

@@ -4,7 +4,9 @@ What `deadpool train` and `deadpool megatron-lm` share, like torchrun but withou
 anyone when a rank dies: the store on loopback with the job token, the coordinator (DeadPool
 on), one process per active rank and spare in its own session (so a process and its helpers can
 be killed as a group), the coordinator's ticks, exit codes, time limit, shutdown and the final
-parameter digests. Each launcher decides what its job's progress and outcome look like.
+parameter digests. Each launcher decides what its job's progress and outcome look like, and
+what its processes import: given that (`Preload`), they are forked from one interpreter that
+imported it once (`hotswap.warm_start`) instead of starting fresh.
 """
 
 from __future__ import annotations
@@ -20,8 +22,13 @@ from ..devices.gpus import GpuAssignment, assign_gpus, local_gpu_count
 from ..replication.placement import Placement
 from .coordinator import Coordinator
 from .events import EventLog
+from .forkserver import Preload
 from .liveness import HeartbeatOnly, ProcessLiveness, kill_groups
 from .membership import Membership, host_store
+from .warm_start import WarmStart
+
+PER_PROCESS_ENV = ("RANK", "LOCAL_RANK")
+"""Variables that differ between a job's processes: not given to their fork server."""
 
 
 class LocalJob:
@@ -46,6 +53,7 @@ class LocalJob:
         self.spares = cfg.spares if cfg.enabled else 0
         self.gpus = self._assign_gpus()
         self.procs: dict[str, subprocess.Popen] = {}
+        self.starter = WarmStart(log=say, log_dir=run_dir)
         host = self._store_host()
         store = host_store(host, 0)
         self.address = f"{host}:{store.port}"
@@ -85,20 +93,29 @@ class LocalJob:
         """The GPU (``LOCAL_RANK``) of process `member`: actives 0.., spares after them; a spare
         added later (`add_spare`) takes the GPUs round-robin."""
         task = int(member[1:]) + (self.world_size if member.startswith("s") else 0)
+        if self.gpus is None:
+            raise RuntimeError("this job's GPUs are each node's (Slurm's SLURM_LOCALID)")
         return self.gpus.local_rank(task % (self.world_size + self.spares))
 
     def spawn(
-        self, member: str, cmd: list[str], env: dict[str, str], output: IO[Any] | int
+        self,
+        member: str,
+        cmd: list[str],
+        env: dict[str, str],
+        output: IO[Any] | int,
+        preload: Preload | None = None,
     ) -> None:
         """Start member `member` in a session of its own (``LOCAL_RANK`` set), its output to
-        `output` (a file, or `subprocess.PIPE`: read `procs[member].stdout`)."""
-        self.procs[member] = subprocess.Popen(
+        `output` (a file, or `subprocess.PIPE`: read `procs[member].stdout`). With `preload`
+        (what the command imports), fork it from the job's warm interpreter (started on first
+        use)."""
+        common = {k: v for k, v in env.items() if k not in PER_PROCESS_ENV}
+        self.procs[member] = self.starter.start(  # type: ignore[assignment]  # Popen-like
             cmd,
-            stdout=output,
-            stderr=subprocess.STDOUT,
-            env={**env, "LOCAL_RANK": str(self.local_rank(member))},
-            start_new_session=True,
-            **({"text": True, "bufsize": 1} if output == subprocess.PIPE else {}),
+            {**env, "LOCAL_RANK": str(self.local_rank(member))},
+            output,
+            preload=preload,
+            server_env=common,
         )
 
     def add_spare(self, spawn: Callable[[str], None]) -> str:
@@ -180,4 +197,5 @@ class LocalJob:
         self.wait_exit(self.actives(), grace_s)
         self.wait_exit(list(self.procs), 1.0)
         kill_groups(self.procs.values())
+        self.starter.close()  # after the processes it forked: it reports their exits
         self.coordinator.close()

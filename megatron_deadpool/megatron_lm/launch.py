@@ -30,9 +30,19 @@ from pathlib import Path
 from typing import TextIO
 
 from ..errors import ConfigError, ExitCode
+from ..hotswap.forkserver import Preload
 from ..hotswap.local_job import LocalJob
 from ..hotswap.supervisor import Supervisor
 from .runner import preparse
+
+RUNNER_IMPORTS = (
+    *(
+        f"megatron_deadpool.megatron_lm.{name}"
+        for name in ("hooks", "log_level", "resume", "session", "workers")
+    ),
+    "megatron_deadpool.hotswap.private_world",
+)
+"""What the runner imports once the script calls `pretrain` (preloaded with the script's imports)."""
 
 
 def _free_port() -> int:
@@ -102,12 +112,22 @@ class MegatronLauncher:
         runner = [] if self.patched else ["-m", "megatron_deadpool.megatron_lm"]
         cmd = [sys.executable, *runner, self.script, *self.script_args]
         child_env = {**env, "RANK": str(task)}  # LOCAL_RANK: LocalJob.spawn
-        self.local.spawn(member, cmd, child_env, subprocess.PIPE)
+        self.local.spawn(member, cmd, child_env, subprocess.PIPE, preload=self._preload())
         thread = threading.Thread(
             target=self._forward, args=(member, self.local.procs[member]), daemon=True
         )
         thread.start()
         self.threads.append(thread)
+
+    def _preload(self) -> Preload:
+        """What every process imports, as the runner imports it: the script's Megatron-LM tree
+        first on the import path (never the installed megatron-core), `prepare()` (Python for
+        the tree's release, the CPU mode), then the script's own top-level imports."""
+        return Preload(
+            ("megatron_deadpool.megatron_lm.runner:prepare", *RUNNER_IMPORTS),
+            path=(os.path.dirname(self.script),),
+            scripts=(self.script,),
+        )
 
     # ------------------------------------------------------------------ run
     def run(self) -> int:
