@@ -264,11 +264,11 @@ class Replicator:
         t0 = time.perf_counter()
         self._capture_done()
         if self._findings is not None:  # host replicas: the worker thread waited and verified
-            findings = self._findings.result()
-            self._findings = None
+            findings = self._findings.result()  # a failed post raises here
             t1 = time.perf_counter()
-            if findings.errors:
+            if findings.errors:  # the round stays in flight: `abandon` reads these findings
                 raise findings.errors[0]
+            self._findings = None
             flipped = self._flip_in_transit()
             verdicts = [
                 (
