@@ -72,6 +72,14 @@ class ExitCode(IntEnum):
     standby took over from)."""
     MAX_WAIT = 6
     """`deadpool coordinator`: `--max-wait` reached."""
+    ABORT_HUNG = 7
+    """A survivor's abort of its process groups did not return within `--deadpool-abort-timeout`
+    (a hung NCCL abort): the process ended itself so that the coordinator sees a death, not a
+    live process that never reports; a spare takes its slot."""
+    DEVICE_FAULT = 8
+    """This rank's GPU stopped completing work (its last step's work not done within the
+    process-group timeout plus the heartbeat timeout) or its CUDA context failed: the process
+    ended itself so that a spare takes its slot."""
     TIMEOUT = 124
     """A launcher's `--timeout` passed (as `timeout(1)`)."""
     INTERRUPTED = 130

@@ -56,6 +56,12 @@ class DeadpoolConfig:
     """Timeout in seconds of every collective DeadPool creates (and of the rebuilt groups);
     the bound on how long a survivor can block on a dead peer. Above the agreement timeout."""
 
+    abort_timeout: float | None = None
+    """Seconds a survivor's abort of its process groups may take (it runs on a thread of its own
+    while the heartbeat goes on); past it the process ends with exit code 7, so that the
+    coordinator sees a death instead of a live process that never reports. Below the agreement
+    timeout (default: the heartbeat timeout)."""
+
     connect_timeout: float = 60.0
     """Seconds a process may take to reach the coordinator at start-up, or to find it (or a
     standby that took over) again after losing it; past it the process exits with a clear error
@@ -113,6 +119,17 @@ class DeadpoolConfig:
                 f"({self.pg_timeout}s): survivors are named before they are presumed dead, and "
                 "presumed dead before their collectives time out"
             )
+        if self.abort_timeout is not None and not (
+            isinstance(self.abort_timeout, (int, float))
+            and not isinstance(self.abort_timeout, bool)
+            and 0 < self.abort_timeout < self.agreement_timeout
+        ):
+            raise ConfigError(
+                f"deadpool-abort-timeout ({self.abort_timeout}s) must be a positive number of "
+                f"seconds below the agreement timeout ({self.agreement_timeout:g}s): the "
+                "coordinator presumes a survivor dead that has not reported by then, so one whose "
+                "abort hangs longer must have ended itself before"
+            )
         standbys = len(split_coordinators(self.coordinator)) - 1 if self.coordinator else 0
         if standbys and self.connect_timeout < 2 * self.heartbeat_timeout:
             raise ConfigError(
@@ -131,6 +148,16 @@ class DeadpoolConfig:
         if self.agree_timeout is not None:
             return float(self.agree_timeout)
         return (self.heartbeat_timeout + self.pg_timeout) / 2
+
+    @property
+    def abort_bound(self) -> float:
+        """The abort timeout in effect: a healthy abort takes well under a second (NCCL
+        communicators aborted, gloo connections shut down); one still running after a heartbeat
+        timeout is hung (NVIDIA/nccl#1777, #829), and ending the process then keeps plan,
+        abort and the death being named within the agreement timeout."""
+        if self.abort_timeout is not None:
+            return float(self.abort_timeout)
+        return self.heartbeat_timeout
 
     @property
     def suspect_after(self) -> float:

@@ -1,35 +1,50 @@
 """`abort_groups`: make every collective of this process with a dead or hung peer return now.
 
 Called by a survivor as soon as a failure is known - from the thread that caught a failed
-collective, or from a watcher thread while the main thread is still blocked in one - and
-before anything waits on a transfer or reads a received buffer (`Replicator.abandon`). It
-never waits for a peer:
+collective, or (`start_abort`) from the heartbeat thread's plan watch while the main thread is
+still blocked in one - and before anything waits on a transfer or reads a received buffer
+(`Replicator.abandon`). It never waits for a peer:
 
 1. NCCL (and every other group): abort all groups together (`devices.nccl.abort_all`), never
    a graceful destroy; kernels stuck on a dead peer return, the next collective on an
-   aborted group raises `DistBackendError`. First, so that NCCL's own sockets (recorded with a
-   ``cpu:gloo,cuda:nccl`` group's gloo connections) are closed by NCCL, not cut under it;
+   aborted group raises `DistBackendError`. First, so that NCCL's own sockets are closed by
+   NCCL, not cut under it;
 2. gloo: shut down the connections of every gloo group (`devices.gloo`): a collective blocked
    on a dead or SIGSTOPped peer raises at once instead of at the group's timeout (gloo's
    `abort()`, called in step 1, does nothing).
 
 Afterwards torch knows no process group; handles still held by Megatron's objects are swapped
 for placeholders by `hotswap.rebind.release` and the next generation is created from scratch.
+
+**Off the caller's thread, bounded in time.** The abort always runs on a thread of its own
+(``deadpool-abort``): torch aborts an NCCL group on a `std::async` thread that it waits for up
+to the group's timeout, and an NCCL abort can hang for good (NVIDIA/nccl#1777, #829). The
+heartbeat thread must keep beating meanwhile (`start_abort` returns at once; the plan watch
+uses it), and a survivor whose abort hangs must not live on as a process that neither beats
+out nor reports: once `bound_aborts(seconds)` is set, an abort still running after that long
+ends the process with `ExitCode.ABORT_HUNG` (7) - the launcher sees the exit at once, a
+cluster coordinator the heartbeat's silence - and a spare takes the slot. `abort_groups`
+starts the abort (or joins the one running) and waits for it.
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch.distributed as dist
 
+from ..errors import ExitCode
 from . import gloo, nccl
 
 log = logging.getLogger(__name__)
-_LOCK = threading.Lock()
+_LOCK = threading.Lock()  # one abort's work at a time
+_START = threading.Lock()  # which run is current
 
 
 @dataclass(frozen=True)
@@ -54,9 +69,67 @@ def last_abort() -> AbortReport | None:
     return _LAST[-1] if _LAST else None
 
 
+class AbortRun:
+    """One abort on the abort thread: `done` is set when it returned (or raised)."""
+
+    def __init__(self) -> None:
+        self.done = threading.Event()
+        self.report: AbortReport | None = None
+        self.error: BaseException | None = None
+        self.started = time.monotonic()
+
+    def result(self) -> AbortReport:
+        """Wait for the abort; its report, or its exception re-raised."""
+        self.done.wait()
+        if self.error is not None:
+            raise self.error
+        assert self.report is not None
+        return self.report
+
+
+_BOUND_S: list[float] = []  # empty: aborts are not bounded (tools, tests)
+_CURRENT: list[AbortRun] = []
+_COUNT = [0]
+
+
+def bound_aborts(seconds: float | None) -> None:
+    """From now on an abort still running `seconds` after it started ends the process with
+    `ExitCode.ABORT_HUNG`; None: unbounded again."""
+    _BOUND_S[:] = [] if seconds is None else [float(seconds)]
+
+
+def abort_count() -> int:
+    """How many aborts this process started: a caller that posted work on a group compares it
+    before and after to learn whether the group was aborted meanwhile."""
+    return _COUNT[0]
+
+
+def start_abort() -> AbortRun:
+    """Start an abort of every group on the abort thread, or join the one running; returns at
+    once (safe from any thread, the heartbeat's included)."""
+    with _START:
+        if _CURRENT and not _CURRENT[-1].done.is_set():
+            return _CURRENT[-1]
+        run = AbortRun()
+        _CURRENT[:] = [run]
+        _COUNT[0] += 1
+        threading.Thread(target=_run, args=(run,), name="deadpool-abort", daemon=True).start()
+        if _BOUND_S:
+            bound = _BOUND_S[0]
+            threading.Thread(
+                target=_watch, args=(run, bound), name="deadpool-abort-bound", daemon=True
+            ).start()
+        return run
+
+
 def abort_groups() -> AbortReport:
     """Abort every process group of this process (all groups together, then the gloo
-    connections); safe to call twice and from any thread."""
+    connections) and wait for it; safe to call twice and from any thread."""
+    return start_abort().result()
+
+
+def _abort_now() -> AbortReport:
+    """The abort's work (on the abort thread)."""
     t0 = time.perf_counter()
     with _LOCK:
         world = dist.distributed_c10d._get_default_group() if dist.is_initialized() else None
@@ -73,3 +146,34 @@ def abort_groups() -> AbortReport:
         report.gloo_connections,
     )
     return report
+
+
+def _run(run: AbortRun) -> None:
+    try:
+        run.report = _abort_now()
+    except BaseException as exc:  # noqa: BLE001 - handed to whoever waits for the run
+        run.error = exc
+        log.error("aborting the process groups failed: %s", str(exc).splitlines()[0][:200])
+    finally:
+        run.done.set()
+
+
+def _watch(run: AbortRun, bound_s: float) -> None:
+    if not run.done.wait(bound_s):
+        end_process(
+            ExitCode.ABORT_HUNG,
+            f"the abort of this process's groups has not returned after {bound_s:g}s "
+            "(--deadpool-abort-timeout): ending the process so that a spare takes its slot",
+        )
+
+
+def end_process(code: int, why: str, exit_now: Callable[[int], object] = os._exit) -> None:
+    """End this process at once with `code` after saying why (from any thread; no clean-up
+    runs: a thread stuck in the CUDA driver or NCCL would hold it up)."""
+    try:
+        log.critical("%s (exit code %d)", why, code)
+        for handler in logging.getLogger().handlers + log.handlers:
+            handler.flush()
+        sys.stderr.flush()
+    finally:
+        exit_now(code)

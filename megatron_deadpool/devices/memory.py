@@ -7,6 +7,13 @@ takes GPU memory when that fits (`fits_on_gpu`) and pinned host memory otherwise
 must be the same on every rank - a GPU send is received on the GPU (NCCL), a host one on the
 host (gloo) - so each rank's `local_choice` is agreed by the replication group (the
 `Replicator` takes host memory when any rank must).
+
+**The choice holds for the run.** A replicator built after a recovery takes over its
+predecessor's buffers, and while it decides, those 2 (k + 1) buffers are still allocated: read
+then, free memory would vote "host" on every survivor - and one such vote moves every rank to
+pinned host memory for the rest of the run. So a rank that already holds buffers votes what it
+holds (`decide`, ``previous``); only a rank without any (the first replicator, a newcomer)
+reads free memory, counting what it could reuse as free (``reusable``).
 """
 
 from __future__ import annotations
@@ -38,6 +45,30 @@ def fits_on_gpu(need: int, free: int, total: int) -> bool:
     return need + headroom <= free
 
 
+def decide(
+    setting: Literal["auto", "cpu", "gpu"],
+    kind: Literal["cpu", "cuda"],
+    need: int,
+    reading: tuple[int, int] | None,
+    previous: Choice | None = None,
+    reusable: int = 0,
+) -> Choice:
+    """One rank's vote (pure): host memory without CUDA or under ``cpu``, GPU memory under
+    ``gpu``; under ``auto`` the memory its buffers already live in (`previous`: the choice holds
+    for the run), else GPU memory when `need` bytes fit in `reading` = (free, total) with the
+    `reusable` bytes of GPU buffers it would take over counted as free (`fits_on_gpu`)."""
+    if kind == "cpu" or setting == "cpu":
+        return "host"
+    if setting == "gpu":
+        return "gpu"
+    if previous is not None:
+        return previous
+    if reading is None:
+        raise ValueError("auto replica memory without a previous choice needs a memory reading")
+    free, total = reading
+    return "gpu" if fits_on_gpu(need, free + reusable, total) else "host"
+
+
 @dataclass(frozen=True)
 class ReplicaMemory:
     """The user's setting for a process on `device`, turned into concrete memory."""
@@ -56,14 +87,16 @@ class ReplicaMemory:
                 "use 'cpu' or 'auto'"
             )
 
-    def local_choice(self, need: int) -> Choice:
-        """This rank's choice for `need` bytes of buffers (free memory read now for auto)."""
-        if self.device.kind == "cpu" or self.setting == "cpu":
-            return "host"
-        if self.setting == "gpu":
-            return "gpu"
-        free, total = torch.cuda.mem_get_info(self.device.index)
-        return "gpu" if fits_on_gpu(need, free, total) else "host"
+    def local_choice(
+        self, need: int, *, previous: Choice | None = None, reusable: int = 0
+    ) -> Choice:
+        """This rank's choice for `need` bytes of buffers (`decide`; free memory is read only
+        when it matters). `previous`: the memory this rank's buffers are in already;
+        `reusable`: bytes of GPU buffers it would take over."""
+        reading: tuple[int, int] | None = None
+        if self.setting == "auto" and self.device.kind == "cuda" and previous is None:
+            reading = torch.cuda.mem_get_info(self.device.index)
+        return decide(self.setting, self.device.kind, need, reading, previous, reusable)
 
     def torch_device(self, choice: Choice) -> torch.device:
         return self.device.torch_device if choice == "gpu" else torch.device("cpu")

@@ -7,7 +7,9 @@ an error). So every operation here runs on a helper thread and the caller waits 
 no answer raises `DistNetworkError`, as a closed connection does, and the helper (stuck in torch)
 is abandoned; and a `set` is confirmed by a round trip on the same connection. Every process
 keeps a second connection for its heartbeat, so that a main thread blocked in a collective
-still beats - and a lost coordinator is noticed within one heartbeat interval.
+still beats - and a lost coordinator is noticed within one heartbeat interval. Only the beat
+itself, and a store error of what runs after it (`after_beat`: the plan watch), count as losing
+the coordinator; any other error after a beat is logged and the beating goes on.
 
 A helper that was given up on may still return later (its server was only slow). One that
 returns while the interpreter shuts down kills the process with SIGABRT (a thread re-entering
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import atexit
 import datetime
+import logging
 import queue
 import socket
 import threading
@@ -29,12 +32,19 @@ from typing import Any, TypeVar
 import torch.distributed as dist
 
 from ..config.deadpool import parse_host_port
+from ..errors import CoordinatorUnreachableError
 from .membership import Membership
+
+log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
 STORE_ERRORS = (dist.DistNetworkError, dist.DistStoreError, RuntimeError, OSError)
 """What a store operation raises when the coordinator is unreachable (or refused us)."""
+
+LOST_ERRORS = (CoordinatorUnreachableError, dist.DistNetworkError, dist.DistStoreError, OSError)
+"""What, raised after a beat (`Heartbeat.after_beat`), means the coordinator is lost: a store
+error, never another `RuntimeError` (e.g. torch's `DistBackendError` from a process group)."""
 
 
 class _Caller(threading.Thread):
@@ -216,7 +226,17 @@ class Heartbeat(threading.Thread):
             try:
                 self.membership.heartbeat()  # a round trip: notices a lost coordinator
                 if self.after_beat is not None:
-                    self.after_beat(self.membership)
+                    self._after_beat(self.after_beat)
             except STORE_ERRORS as exc:  # no coordinator could be found again
                 self.lost = str(exc).splitlines()[0][:200]
                 return
+
+    def _after_beat(self, after_beat: Callable[[Membership], None]) -> None:
+        """Run `after_beat`; a store error goes up (the coordinator is lost), any other error
+        is logged and the next beat comes as usual."""
+        try:
+            after_beat(self.membership)
+        except LOST_ERRORS:
+            raise
+        except Exception as exc:  # noqa: BLE001 - not the coordinator's: keep beating
+            log.error("after a heartbeat: %s", str(exc).splitlines()[0][:200])

@@ -33,9 +33,15 @@ import torch.distributed as dist
 
 from ..config.deadpool import DeadpoolConfig, split_coordinators
 from ..devices import Device, nccl
-from ..devices.abort import abort_groups
+from ..devices.abort import bound_aborts, start_abort
 from ..devices.failures import is_peer_failure
-from ..devices.groups import replication_backend
+from ..devices.groups import (
+    host_transfer_group,
+    new_host_group,
+    replication_backend,
+    verdict_ahead,
+)
+from ..devices.health import DeviceWatch
 from ..devices.memory import ReplicaMemory
 from ..digest import rank_digest
 from ..errors import ConfigError, CoordinatorUnreachableError, DeadpoolRuntimeError, first_line
@@ -61,6 +67,9 @@ T = TypeVar("T")
 
 REPLICATION = "DEADPOOL_REPLICATION"
 """The name the replication group goes by when its handle is released and rebound."""
+
+HOST_REPLICATION = "DEADPOOL_HOST_REPLICATION"
+"""The same for the data-parallel peers' gloo group of replicas in host memory (CUDA)."""
 
 
 class Driver:
@@ -93,6 +102,7 @@ class Driver:
         self.placement: Placement | None = None
         self.replicator: Replicator | None = None
         self.repl_group: dist.ProcessGroup | None = None
+        self.host_repl_group: dist.ProcessGroup | None = None  # CUDA, replicas in host memory
         self.pg_backend = device.backend
         self.pg_timeout = datetime.timedelta(seconds=cfg.pg_timeout)
         self.committed: int | None = None
@@ -100,7 +110,9 @@ class Driver:
         self.last_completed = 0
         self.resumed_at: int | None = None
         self.recoveries: list[RecoveryRecord] = []
-        self.plan_watch = PlanWatch(abort_groups)  # a peer frozen in a collective with us
+        # a peer frozen in a collective with us, or (NCCL) a collective that failed silently
+        self.plan_watch = PlanWatch(start_abort, errors=self._collective_errors)
+        self._device_watch: DeviceWatch | None = None  # CUDA: this GPU still completes work
         self.recovering_now = False  # between a failed collective and the restore
         self.done = False  # finished its work
         self._job: JobAdapter | None = None
@@ -183,10 +195,22 @@ class Driver:
         if self.member.startswith("s"):
             set_context(spare=self.member)
         membership.announce()
+        bound_aborts(cfg.abort_bound)  # a hung abort ends the process (exit code 7)
         self._heartbeat = beat = Heartbeat(FailoverStore(link), self.member, cfg.heartbeat_interval)
-        beat.after_beat = self.plan_watch
+        beat.after_beat = self._after_beat
         beat.start()
         atexit.register(self.stop_heartbeat)  # whatever way this process ends (`Heartbeat.stop`)
+
+    def _after_beat(self, membership: Membership) -> None:
+        """After each heartbeat (heartbeat thread): the plan watch, then (CUDA) whether this GPU
+        still completes work (`devices.health`: a hung GPU ends the process, exit code 8)."""
+        self.plan_watch(membership)
+        if self._device_watch is not None:
+            self._device_watch(membership)
+
+    def _collective_errors(self) -> list[str]:
+        """This rank's NCCL groups whose collective failed or timed out (`get_error`)."""
+        return nccl.backend_errors() if self.device.kind == "cuda" else []
 
     def rejoin_record(self) -> Registration:
         """What this process tells a standby coordinator that took over (read by whichever of
@@ -357,10 +381,18 @@ class Driver:
         return LayoutRecord(lay.tp, lay.pp, lay.dp, lay.ranks_per_node, self.cfg.replicas)
 
     def new_replication_group(self) -> None:
-        """Create this generation's replication group (every rank, after Megatron's groups)."""
+        """Create this generation's replication group(s) (every rank, after Megatron's
+        groups; `devices.groups`): the world-wide one, and on CUDA, where replicas may live in
+        host memory, the data-parallel peers' gloo group. Then, with
+        ``DEADPOOL_NCCL_INIT=warm``, set up this rank's communicators (`nccl.warm_groups`)."""
         self._replica_memory()  # refuses 'gpu' without CUDA before any step
         backend = replication_backend(self.device)
         self.repl_group = dist.new_group(backend=backend, timeout=self.pg_timeout)
+        self.host_repl_group = None
+        if host_transfer_group(self.device, self.cfg.replica_device):
+            peers = self._layout().dp_group_of[self._rank()]
+            self.host_repl_group = new_host_group(peers, self.pg_timeout)
+        nccl.warm_groups()
 
     # ------------------------------------------------------------------ training steps
     def recovering(
@@ -403,7 +435,8 @@ class Driver:
         globally committed iteration."""
         if self.replicator is None:
             self.replicator = self._make_replicator()
-        if verdict is None:
+        if verdict is None:  # no step collective carries it: on CUDA agree before the next step
+            self.replicator.verdict_ahead = verdict_ahead(self.device)
             self.committed = self.replicator.finish_round()
         else:
             self.committed = self.replicator.commit(verdict)
@@ -411,7 +444,12 @@ class Driver:
         return self.committed
 
     def step_completed(self, n: int) -> None:
-        """Step n is done on this rank."""
+        """Step n is done on this rank (on CUDA: its work queued, watched until done)."""
+        if self.device.kind == "cuda":
+            if self._device_watch is None:
+                bound = self.pg_timeout.total_seconds() + self.cfg.heartbeat_timeout
+                self._device_watch = DeviceWatch(bound)
+            self._device_watch.step_done(n)
         self.last_completed = n
         if self.rank == 0:
             self.membership.set_progress(n)
@@ -438,7 +476,7 @@ class Driver:
         # (and its connections) outlive the release below.
         traceback.clear_frames(exc.__traceback__)
         # The group is handed over in a dict the release empties: no reference may outlive it.
-        extra, self.repl_group = {REPLICATION: self.repl_group}, None
+        extra = self._hand_over_groups()
         held = abort_keeping_arrivals(self.replicator)
         self.faults.in_recovery(self._rank(), self.replicator)
         t_released = time.time()
@@ -480,7 +518,8 @@ class Driver:
     def attach(self) -> None:
         """Put the new generation's groups in every released handle; none may stay stale."""
         stale: list[str] = []
-        n = rebind.attach(self._roots(), {REPLICATION: self.repl_group}, stale)
+        groups = {REPLICATION: self.repl_group, HOST_REPLICATION: self.host_repl_group}
+        n = rebind.attach(self._roots(), groups, stale)
         self.membership.report_stale_refs(self.generation, len(stale))
         if stale:
             raise DeadpoolRuntimeError(
@@ -504,7 +543,9 @@ class Driver:
         assert t_iter is not None
         state = self.job.rank_state()
         steps = Recovery(self.membership, self.member, self.rank, roster, self.replicator)
-        from_holder = steps.exchange_shards(state, self.repl_group, needy=needy)
+        from_holder = steps.exchange_shards(
+            state, self.repl_group, needy=needy, host_group=self.host_repl_group
+        )
         sync_params_from_main(self.job.model(), state.optimizer)
         self.replicator = self._make_replicator()
         self.replicator.start_round(t_iter)
@@ -572,8 +613,7 @@ class Driver:
         self.plan_watch.recovering()
         m = self.membership
         m.report_failure(first_line(exc))
-        extra, self.repl_group = {REPLICATION: self.repl_group}, None
-        release_groups(self.replicator, self._roots(), extra)
+        release_groups(self.replicator, self._roots(), self._hand_over_groups())
         deadline = time.time() + self.cfg.heartbeat_timeout + self.cfg.agreement_timeout
         report = m.end()
         while report is None and time.time() < deadline:
@@ -633,6 +673,12 @@ class Driver:
     def _roots(self) -> list[Any]:
         return [*(self._job.roots() if self._job else []), self.replicator]
 
+    def _hand_over_groups(self) -> dict[str, dist.ProcessGroup | None]:
+        """DeadPool's own groups, by name, for `rebind.release` (this object keeps none)."""
+        extra = {REPLICATION: self.repl_group, HOST_REPLICATION: self.host_repl_group}
+        self.repl_group = self.host_repl_group = None
+        return extra
+
     def _replica_memory(self) -> ReplicaMemory:
         return ReplicaMemory(self.cfg.replica_device, self.device)
 
@@ -647,6 +693,7 @@ class Driver:
             self.repl_group,
             self._replica_memory(),
             previous=self.replicator,
+            host_group=self.host_repl_group,
         )
 
 

@@ -16,6 +16,16 @@ recovery, and the driver takes any error of that step for the failure it recover
 that is between collectives, in code that would not expect torch's groups to vanish. After
 training completed the same holds for the coordinator's end report (a peer lost in the job's
 final work: its last barrier, the final save).
+
+On NCCL a collective that failed or timed out does not raise either (blocking wait is off): its
+backend only records the error (`devices.nccl.backend_errors`, polled here through `errors`),
+and the main thread waits behind the failed kernel. That is the second reason to abort: the main
+thread then raises and recovers like any survivor whose collective failed.
+
+The abort is only started here (`devices.abort.start_abort`): it runs on a thread of its own,
+bounded by `--deadpool-abort-timeout`, and the heartbeat thread that called the watch goes on
+beating meanwhile - a slow abort does not get the survivor named dead, and a hung one ends the
+process (exit code 7) instead of turning it into a zombie.
 """
 
 from __future__ import annotations
@@ -31,14 +41,20 @@ log = logging.getLogger(__name__)
 
 class PlanWatch:
     """Calls `abort` once when a plan for a generation after this rank's appears while this
-    rank is not recovering (or, after training completed, when the end report appears).
+    rank is not recovering (or, after training completed, when the end report appears; or
+    when `errors` reports a failed collective of this rank), one beat after it first saw it.
 
     The driver brackets its own recovery with `recovering()` / `joined(generation)`; the
     checks and the abort hold one lock with them, so that no abort can hit the groups of a
     generation the main thread already joined."""
 
-    def __init__(self, abort: Callable[[], object]) -> None:
+    def __init__(
+        self, abort: Callable[[], object], errors: Callable[[], list[str]] | None = None
+    ) -> None:
+        """`abort()` starts the abort and returns at once (`devices.abort.start_abort`);
+        `errors()` lists this rank's failed collectives nothing raised (NCCL)."""
         self._abort = abort
+        self._errors = errors
         self._lock = threading.Lock()
         self._generation: int | None = None  # None: no groups to abort (not joined, recovering)
         self._after_training = False
@@ -65,13 +81,15 @@ class PlanWatch:
         g, after_training = self._generation, self._after_training
         if g is None or self.fired is not None:
             return
-        why = None
+        why, kind = None, None
         if membership.latest_plan() > g:
-            why = f"the coordinator planned a generation after {g} (a peer failed)"
+            why, kind = f"the coordinator planned a generation after {g} (a peer failed)", "plan"
         elif after_training and membership.end() is not None:
-            why = "the coordinator reported a peer lost after training completed"
-        if why is None or why != self._noticed:
-            self._noticed = why  # the main thread gets one beat to get there first
+            why, kind = "the coordinator reported a peer lost after training completed", "end"
+        elif self._errors is not None and (failed := self._errors()):
+            why, kind = f"a collective of this rank failed ({', '.join(failed[:3])})", "error"
+        if kind is None or kind != self._noticed:
+            self._noticed = kind  # the main thread gets one beat to get there first
             return
         with self._lock:
             if self._generation != g or self.fired is not None:

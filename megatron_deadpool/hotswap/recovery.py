@@ -187,10 +187,16 @@ class Recovery:
         )
 
     def exchange_shards(
-        self, state: RankState, group: dist.ProcessGroup | None, *, needy: bool
+        self,
+        state: RankState,
+        group: dist.ProcessGroup | None,
+        *,
+        needy: bool,
+        host_group: dist.ProcessGroup | None = None,
     ) -> bool:
         """Load the snapshot of the roster's restore iteration into `state`; True when it came
-        from a holder. Holders send needy ranks their shard while this rank restores its own."""
+        from a holder. Holders send needy ranks their shard while this rank restores its own.
+        `host_group`: where shards in host memory travel, when not on `group` (CUDA)."""
         rank, roster = self._rank(), self.roster
         t_iter = roster.restore_iteration
         if t_iter is None:
@@ -224,6 +230,7 @@ class Recovery:
             sends=sends,
             source=sources.get(rank),
             gpu=device if device.type == "cuda" else None,
+            host_group=host_group,
         )
         if rank in sources:
             flat = pending.wait()

@@ -45,6 +45,7 @@ from ..hotswap.messages import Roster
 from ..replication.snapshot import RankState
 from . import report as mreport
 from .replay import BatchRecorder, install_recorder, reset_rerun_iterators
+from .startup_bound import startup_bound_problems
 from .versions import forget_cached_collectives
 
 log = logging.getLogger("megatron_deadpool.megatron_lm")
@@ -263,6 +264,7 @@ class MegatronSession:
             problems.append("context or expert parallelism: placement covers tp x pp x dp only")
         if getattr(a, "use_tp_pp_dp_mapping", False):
             problems.append("--use-tp-pp-dp-mapping: placement assumes Megatron's default order")
+        problems += startup_bound_problems(a)  # state inside the start-up communicators
         timeout_s = getattr(a, "distributed_timeout_minutes", 10) * 60
         if self.cfg.heartbeat_timeout >= timeout_s:
             problems.append(

@@ -10,12 +10,16 @@ Round t, started right after optimizer step t (`start_round`):
       device-to-host copy has landed (a helper thread waits on its event, the host does not);
   then training goes on: the transfers overlap the next iteration's forward/backward.
 Round t is settled during step t+1, after its forward/backward and optimizer step (`settle`):
-wait for the transfers (normally long done) and verify every received replica's checksum. It
-is committed (`commit`) once every rank's verdict is known: the embedded job carries the
+wait for the transfers (normally long done) and verify every received replica's checksum -
+for replicas in host memory on a worker thread that starts as soon as they are posted
+(`verifier.RoundCheck`), so the host checksum of GiBs stays off the main thread. It is
+committed (`commit`) once every rank's verdict is known: the embedded job carries the
 verdicts on the world all-reduce every training step makes anyway (`gpt.train_step`), so
 replication adds no collective of its own to the critical path; `finish_round` does settle and
 commit with one tiny all-reduce on the replication group, for callers without such a step
-(restore, end of training, the Megatron-LM hooks). Every pair of slots keeps its newest
+(restore, end of training, the Megatron-LM hooks) - on CUDA (`verdict_ahead`) posted
+asynchronously before step t+1's optimizer step and read after it (`verdict.AheadVerdict`).
+Every pair of slots keeps its newest
 verified (for local slots: the committed) copy untouched while round t is in flight, so a
 failure mid-transfer always leaves it a complete, verified copy (double buffering). A replica
 that fails its checksum is not committed on any rank; the previous one stays in force.
@@ -24,9 +28,12 @@ After a failure the groups are aborted first (`devices.abort_groups`), then `aba
 the receives of the in-flight round that completed and verify, never waiting on one.
 
 Memory: where the buffers live is agreed at construction (`devices.memory`: GPU memory when
-it fits under ``auto``, else pinned host memory, the same on every rank), and a replicator
+it fits under ``auto``, else pinned host memory, the same on every rank; a rank with buffers
+already votes where they are, so the first choice holds across recoveries), and a replicator
 built after a recovery takes over its predecessor's buffers (`previous`) instead of
-allocating a second set next to them.
+allocating a second set next to them (`slots.Pool`). Replicas in host memory next to a GPU
+travel on `host_group` (gloo, the data-parallel peers: `devices.groups`), everything else on
+`group`.
 """
 
 from __future__ import annotations
@@ -35,78 +42,23 @@ import contextlib
 import logging
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from ..devices import p2p
 from ..devices.groups import check_takes, tensor_device
 from ..devices.memory import Choice, ReplicaMemory
 from ..devices.p2p import Transfer, arrived, post
 from .placement import Placement
+from .slots import Pool, SlotPair, gpu_bytes
 from .snapshot import CorruptReplicaError, Snapshotter, read_header, verify
+from .verdict import AheadVerdict
+from .verifier import Findings, RoundCheck
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class SlotPair:
-    """Two flat buffers and the iteration each holds verified (None: nothing valid)."""
-
-    buffers: tuple[torch.Tensor, torch.Tensor]
-    verified: list[int | None] = field(default_factory=lambda: [None, None])
-
-    def free_slot(self) -> int:
-        """The slot to overwrite: never the one holding the newest verified iteration."""
-        latest = self.latest()
-        if latest is None:
-            return 0
-        return 1 - next(i for i, it in enumerate(self.verified) if it == latest[0])
-
-    def latest(self) -> tuple[int, torch.Tensor] | None:
-        """(iteration, buffer) of the newest verified content."""
-        best = None
-        for slot, it in enumerate(self.verified):
-            if it is not None and (best is None or it > best[0]):
-                best = (it, self.buffers[slot])
-        return best
-
-    def find(self, iteration: int) -> torch.Tensor | None:
-        """The buffer holding verified `iteration`, if any."""
-        for slot, it in enumerate(self.verified):
-            if it == iteration:
-                return self.buffers[slot]
-        return None
-
-    def iterations(self) -> list[int]:
-        return sorted(it for it in self.verified if it is not None)
-
-
-class _Pool:
-    """Buffers to hand out: a predecessor's, reused when size and place match, else new."""
-
-    def __init__(self, previous: Replicator | None, device: torch.device, pin: bool) -> None:
-        self.device = device
-        self.pin = pin
-        self.free: list[torch.Tensor] = []
-        if previous is not None:
-            self.free = [
-                buf
-                for pair in (previous.local, *previous.held.values())
-                for buf in pair.buffers
-                if buf.device == device and buf.is_pinned() == pin
-            ]
-            previous.retire()  # its other buffers are freed before anything new is allocated
-
-    def take(self, nbytes: int) -> torch.Tensor:
-        for i, buf in enumerate(self.free):
-            if buf.numel() == nbytes:
-                return self.free.pop(i)
-        return torch.zeros(nbytes, dtype=torch.uint8, device=self.device, pin_memory=self.pin)
-
-    def pair(self, nbytes: int) -> SlotPair:
-        return SlotPair((self.take(nbytes), self.take(nbytes)))
 
 
 class StepGuard:
@@ -153,7 +105,11 @@ class Replicator:
         group: dist.ProcessGroup,
         memory: ReplicaMemory,
         previous: Replicator | None = None,
+        host_group: dist.ProcessGroup | None = None,
     ) -> None:
+        """`group`: the world-wide replication group; `host_group`: where replicas in host
+        memory travel when that is another group (CUDA: the data-parallel peers' gloo group);
+        `previous`: the replicator this one succeeds (its buffers are taken over)."""
         self.snap = snapshotter
         self.placement = placement
         self.rank = rank
@@ -165,17 +121,28 @@ class Replicator:
         # with every rank's memory choice (the same for all: host memory if any rank needs it).
         own = snapshotter.flat_nbytes()
         need = 2 * own * (1 + len(self.owners))  # held shards: DP peers', of the same size
+        kept = previous.buffers() if previous is not None else []
+        vote = memory.local_choice(
+            need,
+            previous=previous.choice if previous is not None else None,
+            reusable=gpu_bytes(kept),
+        )
         exchange = torch.zeros(world + 1, dtype=torch.int64, device=tensor_device(group))
         exchange[rank] = own
-        exchange[world] = int(memory.local_choice(need) == "host")
+        exchange[world] = int(vote == "host")
         dist.all_reduce(exchange, group=group)
         values = exchange.tolist()
         self.sizes = values[:world]
-        choice: Choice = "host" if values[world] else "gpu"
-        self.device = memory.torch_device(choice)
-        self.pinned = memory.pinned(choice)
-        check_takes(group, self.device)
-        pool = _Pool(previous, self.device, self.pinned)
+        self.choice: Choice = "host" if values[world] else "gpu"
+        self.device = memory.torch_device(self.choice)
+        self.pinned = memory.pinned(self.choice)
+        on_host = self.device.type == "cpu"
+        self.transfer_group = host_group if on_host and host_group is not None else group
+        check_takes(self.transfer_group, self.device)
+        if previous is not None:
+            previous.retire()  # its other buffers are freed before anything new is allocated
+        pool = Pool(kept, self.device, self.pinned)
+        del kept
         self.local = pool.pair(self.sizes[rank])
         self.held = {o: pool.pair(self.sizes[o]) for o in self.owners}
         del pool
@@ -193,11 +160,16 @@ class Replicator:
         self.committed: int | None = None
         self.corrupt_seen: list[tuple[int, int, str]] = []  # (owner, iteration, reason)
         self._flip_on_arrival: tuple[int, int, int] | None = None
+        # Replicas in host memory are verified on a worker thread (`verifier`).
+        self._check = RoundCheck() if on_host else None
+        self._findings: Future[Findings] | None = None
+        self.verdict_ahead = False  # agree on verdicts before the next step (`verdict`)
+        self._verdict = AheadVerdict(group)
         self.timings: dict[str, float] = {}  # seconds spent in the last round, by part
         self.bytes_per_round = sum(self.sizes[rank] for _ in self.holders)
         log.info(
             "replicas in %s memory: %d B own snapshot x2, %d held replicas x2",
-            "GPU" if choice == "gpu" else ("pinned host" if self.pinned else "host"),
+            "GPU" if self.choice == "gpu" else ("pinned host" if self.pinned else "host"),
             own,
             len(self.owners),
         )
@@ -222,7 +194,7 @@ class Replicator:
             self.snap.capture(iteration, buf)
             self.local.verified[slot] = iteration
             self.timings["capture"] = time.perf_counter() - t0
-            self._works = post(transfers, self.group)
+            self._works = post(transfers, self.transfer_group)
         else:  # GPU: capture on a side stream ordered after the step; the host does not wait
             self._stream.wait_stream(torch.cuda.current_stream(self.snap.device))
             with torch.cuda.stream(self._stream):
@@ -231,15 +203,23 @@ class Replicator:
                 event.record()
                 self._capture = (event, slot)
                 if self._poster is None:  # GPU replicas: NCCL's stream waits for the capture
-                    self._works = post(transfers, self.group)
+                    self._works = post(transfers, self.transfer_group)
                 else:
                     self._works = self._poster.submit(self._post_after, event, transfers)
         self._round = iteration
+        if self._check is not None:  # host replicas: waited for and verified off this thread
+            receives = {o: (i, transfers[i].tensor) for o, i in self._recv_of.items()}
+            works = self._works
+            self._findings = self._check.start(
+                lambda: works.result() if isinstance(works, Future) else works,
+                receives,
+                iteration,
+            )
         self.timings["capture_post"] = time.perf_counter() - t0
 
     def _post_after(self, event: torch.cuda.Event, transfers: list[Transfer]) -> list[dist.Work]:
         event.synchronize()  # the device-to-host copy into pinned memory has landed
-        return post(transfers, self.group)
+        return post(transfers, self.transfer_group)
 
     def _slot_to_fill(self, pair: SlotPair) -> int:
         """Keep the copy of the committed iteration (else the newest): fill the other slot."""
@@ -249,10 +229,15 @@ class Replicator:
         return pair.free_slot()
 
     def before_step(self) -> None:
-        """The next optimizer step must not overwrite the shard before the capture read it:
-        the current stream waits for the capture's event (no host synchronisation)."""
+        """Called first by the next optimizer step (`guard_optimizer_step`). That step must not
+        overwrite the shard before the capture read it: the current stream waits for the
+        capture's event (no host synchronisation). With `verdict_ahead` the round in flight
+        is settled here and its verdict posted, to be read after the step (`finish_round`)."""
         if self._capture is not None:
             torch.cuda.current_stream(self.snap.device).wait_event(self._capture[0])
+        if self.verdict_ahead and self._round is not None and not self._verdict.pending:
+            ok = self.settle()
+            self._verdict.post(bool(ok), self._stream)
 
     def _capture_done(self) -> None:
         """Mark the local slot of a GPU capture verified once its event passed (a local copy:
@@ -278,20 +263,55 @@ class Replicator:
         iteration = self._round
         t0 = time.perf_counter()
         self._capture_done()
+        if self._findings is not None:  # host replicas: the worker thread waited and verified
+            findings = self._findings.result()  # a failed post raises here
+            t1 = time.perf_counter()
+            if findings.errors:  # the round stays in flight: `abandon` reads these findings
+                raise findings.errors[0]
+            self._findings = None
+            flipped = self._flip_in_transit()
+            verdicts = [
+                (
+                    self._verify_received(owner, iteration)
+                    if owner == flipped
+                    else self._take_finding(findings, owner, iteration)
+                )
+                for owner in self.owners
+            ]
+            self.timings.update(wait=t1 - t0, verify=time.perf_counter() - t1)
+            return all(verdicts)
         works = self._round_works()
         with self._on_side_stream():  # GPU replicas: only the side stream waits for NCCL
             for work in {id(w): w for w in works}.values():
                 work.wait()
             t1 = time.perf_counter()
-            if self._flip_on_arrival is not None:  # fault injection: damage in transit
-                owner, byte, bit = self._flip_on_arrival
-                self._flip_on_arrival = None
-                target = self.held[owner].buffers[self._held_slots[owner]]
-                target[byte % self.sizes[owner]] ^= 1 << bit
+            self._flip_in_transit()
             verdicts = [self._verify_received(owner, iteration) for owner in self.owners]
             ok = all(verdicts)  # every replica verified (and marked), no short cut
         self.timings.update(wait=t1 - t0, verify=time.perf_counter() - t1)
         return ok
+
+    def _flip_in_transit(self) -> int | None:
+        """Fault injection: damage the replica of the owner `flip_bit_on_arrival` named
+        before it is verified; returns that owner."""
+        if self._flip_on_arrival is None:
+            return None
+        owner, byte, bit = self._flip_on_arrival
+        self._flip_on_arrival = None
+        target = self.held[owner].buffers[self._held_slots[owner]]
+        target[byte % self.sizes[owner]] ^= 1 << bit
+        return owner
+
+    def _take_finding(self, findings: Findings, owner: int, iteration: int) -> bool:
+        """The worker thread's verdict on `owner`'s replica, marked as `_verify_received`
+        would mark it."""
+        reason = findings.corrupt.get(owner)
+        if reason is not None:
+            self.corrupt_seen.append((owner, iteration, reason))
+            log.warning("replica not committed: %s", reason)
+            return False
+        self.held[owner].verified[self._held_slots[owner]] = iteration
+        return True
 
     def _verify_received(self, owner: int, iteration: int) -> bool:
         pair, slot = self.held[owner], self._held_slots[owner]
@@ -319,9 +339,15 @@ class Replicator:
         return self.committed
 
     def finish_round(self) -> int | None:
-        """Settle and commit the in-flight round, agreeing on the verdict with one all-reduce."""
+        """Settle and commit the in-flight round, agreeing on the verdict with one all-reduce
+        (read now when `before_step` posted it already)."""
         if self._round is None:
             return self.committed
+        if self._verdict.pending:
+            t0 = time.perf_counter()
+            agreed = self._verdict.read()
+            self.timings["commit"] = time.perf_counter() - t0
+            return self.commit(agreed)
         ok = self.settle()
         failed = torch.tensor([0 if ok else 1], dtype=torch.int64, device=tensor_device(self.group))
         t0 = time.perf_counter()
@@ -342,21 +368,46 @@ class Replicator:
         Returns the owners whose replica of the round was kept.
         """
         kept: list[int] = []
+        self._verdict.drop()  # a verdict in flight belongs to the aborted group
         if self._round is not None:
             self._capture_done()
-            try:
-                works = self._round_works(timeout=5.0)
-            except Exception as exc:  # noqa: BLE001 - posting failed on the broken group
-                log.info("the in-flight round was not posted (%s)", str(exc).splitlines()[0])
-                works = []
-            received = {owner: works[i] for owner, i in self._recv_of.items() if works}
-            for owner, work in received.items():
-                buf = self.held[owner].buffers[self._held_slots[owner]]
-                if arrived(work, self.group, buf.device) and self._keep(owner):
-                    kept.append(owner)
+            if self._findings is not None:
+                kept = self._keep_found(self._findings)
+            else:
+                try:
+                    works = self._round_works(timeout=5.0)
+                except Exception as exc:  # noqa: BLE001 - posting failed on the broken group
+                    log.info("the in-flight round was not posted (%s)", str(exc).splitlines()[0])
+                    works = []
+                received = {owner: works[i] for owner, i in self._recv_of.items() if works}
+                for owner, work in received.items():
+                    buf = self.held[owner].buffers[self._held_slots[owner]]
+                    if arrived(work, self.transfer_group, buf.device) and self._keep(owner):
+                        kept.append(owner)
+        self._findings = None
         self._works = []
         self._recv_of = {}
         self._round = None
+        return kept
+
+    def _keep_found(self, findings: Future[Findings]) -> list[int]:
+        """abandon, host replicas: the worker thread's findings once the abort made its waits
+        return (bounded as `devices.p2p.arrived` bounds a wait)."""
+        try:
+            found = findings.result(timeout=p2p.GLOO_SETTLE_S + 4.0)
+        except FutureTimeout:
+            log.info("the in-flight round's transfers did not settle: nothing kept")
+            return []
+        except Exception as exc:  # noqa: BLE001 - posting failed on the broken group
+            log.info("the in-flight round was not posted (%s)", str(exc).splitlines()[0])
+            return []
+        kept = []
+        for owner in self.owners:
+            if found.verified(owner):
+                self.held[owner].verified[self._held_slots[owner]] = self._round
+                kept.append(owner)
+            elif owner in found.corrupt:
+                log.info("in-flight replica of rank %d dropped: %s", owner, found.corrupt[owner])
         return kept
 
     def _keep(self, owner: int) -> bool:
@@ -373,10 +424,18 @@ class Replicator:
         """Finish an in-flight round (end of training)."""
         self.finish_round()
 
+    def buffers(self) -> list[torch.Tensor]:
+        """Every buffer this replicator holds (what a successor may take over)."""
+        return [buf for pair in (self.local, *self.held.values()) for buf in pair.buffers]
+
     def retire(self) -> None:
         """Give up every buffer (a successor took the ones it reuses)."""
         if self._poster is not None:
             self._poster.shutdown(wait=False)
+        if self._check is not None:
+            self._check.shutdown()
+        self._verdict.drop()
+        self._findings = None
         self.local = SlotPair((torch.empty(0, dtype=torch.uint8),) * 2)
         self.held = {}
         self._works = []
@@ -398,19 +457,35 @@ class Replicator:
         self._capture_done()
         pairs = {"local": (self.rank, self.local)}
         pairs.update({str(o): (o, pair) for o, pair in self.held.items()})
-        out: dict[str, list[int]] = {}
-        for key, (owner, pair) in pairs.items():
-            for slot, it in enumerate(pair.verified):
-                if it is None:
-                    continue
-                try:
-                    verify(pair.buffers[slot], owner=owner, iteration=it)
-                except CorruptReplicaError as exc:
-                    pair.verified[slot] = None
-                    self.corrupt_seen.append((owner, it, str(exc)))
-                    log.error("dropping a corrupt copy before recovery: %s", exc)
-            out[key] = pair.iterations()
-        return out
+        copies = [
+            (owner, pair, slot, it)
+            for owner, pair in pairs.values()
+            for slot, it in enumerate(pair.verified)
+            if it is not None
+        ]
+        for (owner, pair, slot, it), error in zip(copies, self._verify_copies(copies)):
+            if error is not None:
+                pair.verified[slot] = None
+                self.corrupt_seen.append((owner, it, error))
+                log.error("dropping a corrupt copy before recovery: %s", error)
+        return {key: pair.iterations() for key, (_, pair) in pairs.items()}
+
+    def _verify_copies(self, copies: list[tuple[int, SlotPair, int, int]]) -> list[str | None]:
+        """Why each copy fails `verify` (None: it verifies). Copies in host memory are checked
+        concurrently, one thread each (the host checksum releases the interpreter lock)."""
+
+        def one(copy: tuple[int, SlotPair, int, int]) -> str | None:
+            owner, pair, slot, it = copy
+            try:
+                verify(pair.buffers[slot], owner=owner, iteration=it)
+            except CorruptReplicaError as exc:
+                return str(exc)
+            return None
+
+        if self.device.type != "cpu" or len(copies) < 2:
+            return [one(c) for c in copies]
+        with ThreadPoolExecutor(min(len(copies), 8), "deadpool-holdings") as pool:
+            return list(pool.map(one, copies))
 
     def flip_bit_on_arrival(self, owner: int, byte: int, bit: int) -> None:
         """Fault injection: flip one bit of `owner`'s next replica before it is verified."""

@@ -4,12 +4,13 @@ Two steps on the (new generation's) replication group, taken by every rank of th
 
 1. one all-reduce of a small table - for each needy rank, the size of its snapshot and
    whether its holder keeps it in GPU memory - so that the receiver allocates the right
-   buffer on the device the holder sends from (on a ``cpu:gloo,cuda:nccl`` group a host
-   tensor travels over gloo and a GPU tensor over NCCL: both ends must agree). Being a
-   collective of the whole group, it is also the group's first operation, which NCCL's
-   batched point-to-point calls require (`devices.p2p`);
-2. one batched round of point-to-point transfers (`devices.p2p.post`): holders send, needy
-   ranks receive.
+   buffer on the device the holder sends from (on CUDA a GPU tensor travels over the NCCL
+   replication group and a host tensor over the data-parallel peers' gloo group,
+   `devices.groups`: both ends must agree). Being a collective of the whole group, it is also
+   the group's first operation, which NCCL's batched point-to-point calls require
+   (`devices.p2p`);
+2. one batched round of point-to-point transfers per device (`devices.p2p.post`): holders
+   send, needy ranks receive.
 
 The holders restore their own snapshot while the transfers run (`PendingShards.wait` after).
 """
@@ -52,10 +53,12 @@ def start_shard_exchange(
     sends: dict[int, torch.Tensor],
     source: int | None,
     gpu: torch.device | None = None,
+    host_group: dist.ProcessGroup | None = None,
 ) -> PendingShards:
     """Post this rank's part of the exchange: `sends` maps needy rank -> the flat snapshot
     this rank holds for it; `source` is the holder this rank receives from (None: it
-    receives nothing). `gpu` is this process's CUDA device (None on the CPU)."""
+    receives nothing). `gpu` is this process's CUDA device (None on the CPU); `host_group`:
+    where host tensors travel when not on `group` (CUDA)."""
     table = torch.zeros(2 * world_size, dtype=torch.int64, device=tensor_device(group))
     for target, flat in sends.items():
         table[2 * target] = flat.numel()
@@ -75,5 +78,9 @@ def start_shard_exchange(
     by_device: dict[torch.device, list[Transfer]] = {}
     for transfer in transfers:
         by_device.setdefault(transfer.tensor.device, []).append(transfer)
-    works = [w for batch in by_device.values() for w in post(batch, group)]
+    works = [
+        w
+        for device, batch in by_device.items()
+        for w in post(batch, host_group if device.type == "cpu" and host_group else group)
+    ]
     return PendingShards(received, works)

@@ -19,6 +19,7 @@ import torch
 from ..devices import gloo, nccl
 from ..devices.base import Device
 from ..devices.memory import Choice, ReplicaMemory
+from ..devices.pinned import buffer
 from ..errors import ConfigError
 from ..replication import pack
 from ..units import human_bytes
@@ -108,9 +109,7 @@ def capture(memory: ReplicaMemory, choice: Choice, scale: int = 1) -> tuple[list
         problems.append(f"pack on {device}: checksum {packed:#x}, expected {expected:#x}")
     problems += verify(snapshot, reference, expected, f"snapshot on {device}")
     pinned = memory.pinned(choice)
-    replica = torch.zeros(
-        plan.nbytes, dtype=torch.uint8, device=memory.torch_device(choice), pin_memory=pinned
-    )
+    replica = buffer(plan.nbytes, memory.torch_device(choice), pinned=pinned)  # as replicas are
     replica.copy_(snapshot, non_blocking=True)
     if device.type == "cuda":
         torch.cuda.synchronize(device)

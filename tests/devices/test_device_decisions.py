@@ -17,10 +17,12 @@ from megatron_deadpool.devices.failures import is_peer_failure
 from megatron_deadpool.devices.gpus import assign_gpus
 from megatron_deadpool.devices.groups import (
     device_for,
+    host_transfer_group,
     parse_backend_config,
     replication_backend,
+    verdict_ahead,
 )
-from megatron_deadpool.devices.memory import GIB, ReplicaMemory, fits_on_gpu
+from megatron_deadpool.devices.memory import GIB, ReplicaMemory, decide, fits_on_gpu
 from megatron_deadpool.errors import ConfigError, DeadpoolRuntimeError
 
 # ---------------------------------------------------------------------- NCCL settings
@@ -165,7 +167,7 @@ def test_which_device_small_tensors_of_a_group_use() -> None:
     assert device_for(parse_backend_config("cpu:gloo,cuda:nccl")) == "cpu"
     assert device_for(parse_backend_config("cpu:gloo,cuda:gloo")) == "cpu"
     assert replication_backend(Device("cpu", "gloo")) == "gloo"
-    assert replication_backend(Device("cuda", "nccl", 1)) == "cpu:gloo,cuda:nccl"
+    assert replication_backend(Device("cuda", "nccl", 1)) == "nccl"  # no world-wide gloo
 
 
 def test_auto_replica_memory_takes_the_gpu_only_with_headroom() -> None:
@@ -183,6 +185,51 @@ def test_auto_replica_memory_takes_the_gpu_only_with_headroom() -> None:
     )
     with pytest.raises(ConfigError, match="'gpu' needs CUDA"):
         ReplicaMemory("gpu", Device("cpu", "gloo"))
+
+
+def test_replication_groups_and_verdicts_by_device() -> None:
+    """CPU: the world gloo group carries everything, verdicts agreed at once. CUDA: NCCL only
+    world-wide, verdicts posted ahead; a gloo group of data-parallel peers only where replicas
+    may live in host memory."""
+    cpu, cuda = Device("cpu", "gloo"), Device("cuda", "nccl", 0)
+    assert not verdict_ahead(cpu) and verdict_ahead(cuda)
+    assert not host_transfer_group(cpu, "auto") and not host_transfer_group(cpu, "cpu")
+    assert host_transfer_group(cuda, "auto") and host_transfer_group(cuda, "cpu")
+    assert not host_transfer_group(cuda, "gpu")
+
+
+def test_auto_keeps_the_first_choice_across_recoveries() -> None:
+    """A rebuilt replicator decides while its predecessor's 2(k+1) buffers still fill the GPU:
+    it votes what it holds; only a rank without buffers reads free memory."""
+    total, need = 80 * GIB, 40 * GIB
+    # The first replicator: 50 GiB free after the step's peak - fits with 4 GiB headroom.
+    assert decide("auto", "cuda", need, (50 * GIB, total)) == "gpu"
+    # After a recovery its own 40 GiB are still allocated: 10 GiB free would vote host...
+    assert decide("auto", "cuda", need, (10 * GIB, total)) == "host"
+    # ...so a survivor votes where its buffers are, without reading free memory at all.
+    assert decide("auto", "cuda", need, None, previous="gpu") == "gpu"
+    assert decide("auto", "cuda", need, None, previous="host") == "host"
+    # A rank that reads free memory counts GPU buffers it would take over as free.
+    assert decide("auto", "cuda", need, (10 * GIB, total), reusable=40 * GIB) == "gpu"
+    assert decide("auto", "cuda", need, (5 * GIB, total), reusable=38 * GIB) == "host"
+    # The user's settings and the CPU mode are never overridden.
+    assert decide("cpu", "cuda", 1, None, previous="gpu") == "host"
+    assert decide("gpu", "cuda", 1 << 50, None, previous="host") == "gpu"
+    assert decide("auto", "cpu", 1, None) == "host"
+    with pytest.raises(ValueError, match="memory reading"):
+        decide("auto", "cuda", 1, None)
+
+
+def test_a_survivor_reads_no_free_memory(monkeypatch: pytest.MonkeyPatch) -> None:
+    def no_reading(index: int) -> tuple[int, int]:
+        raise AssertionError("a rank with buffers must not read free memory")
+
+    monkeypatch.setattr(torch.cuda, "mem_get_info", no_reading)
+    memory = ReplicaMemory("auto", Device("cuda", "nccl", 0))
+    assert memory.local_choice(1 << 40, previous="gpu") == "gpu"
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda index: (3 * GIB, 80 * GIB))
+    assert memory.local_choice(GIB, reusable=4 * GIB) == "gpu"  # 7 GiB >= 1 + 4 headroom
+    assert memory.local_choice(GIB) == "host"
 
 
 def test_select_device_refuses_a_spare_without_a_gpu_of_its_own() -> None:

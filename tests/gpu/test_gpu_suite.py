@@ -16,8 +16,8 @@ out of its reach: `deadpool selftest` on a real node covers those.
    FusedAdam when TE is installed - Megatron picks it at import): snapshot, restore into a
    freshly built model and optimizer, the next step bitwise (#8);
 5. one embedded training step and replication rounds on NCCL (#1, #2, #3: batches on the
-   model's device, the world all-reduce on CUDA, a batched self-round on the
-   ``cpu:gloo,cuda:nccl`` replication group);
+   model's device, the world all-reduce on CUDA, a batched self-round on the NCCL-only
+   replication group);
 6. the overlap figure: a 1.5 GB shard captured and copied to pinned host memory while a
    matmul loop runs on the main stream; the loop's slowdown is reported.
 """
@@ -308,7 +308,7 @@ def test_embedded_steps_and_replication_rounds_on_nccl(nccl_world: Any) -> None:
 
     device = nccl_world
     group = dist.new_group(backend=replication_backend(device))
-    assert backends(group) == {"cpu": "gloo", "cuda": "nccl"}
+    assert backends(group) == {"cuda": "nccl"}  # no world-wide gloo group on CUDA
     # One GPU, one rank: the rank holds its own replica (a self send/receive in the batch).
     placement = Placement(Layout(tp=1, pp=1, dp=1, ranks_per_node=1), 1, ((0,),))
     job = _job(iters=4)

@@ -1,14 +1,21 @@
-"""The plan watch's decisions on a real store: when it aborts a survivor's groups, and when not.
+"""The plan watch's decisions on a real store: when it aborts a survivor's groups, and when not;
+and a real heartbeat that goes on beating while the abort it started runs (slow or hung), and
+that takes only a store error after a beat for a lost coordinator.
 
-(`tests/hotswap/test_frozen_peer.py` runs it in a job with a frozen rank.)
+(`tests/hotswap/test_frozen_peer.py` runs it in a job with a frozen rank;
+`tests/devices/test_abort_bound.py` ends a process whose abort outlives its bound.)
 """
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
+from megatron_deadpool.hotswap.connection import Heartbeat, open_client
 from megatron_deadpool.hotswap.membership import Membership, host_store
 from megatron_deadpool.hotswap.messages import EndReport, Plan, SaveOrder
 from megatron_deadpool.hotswap.plan_watch import PlanWatch
@@ -76,3 +83,115 @@ def test_after_training_the_end_report_aborts_too(membership: Membership) -> Non
     watch(membership)
     watch(membership)
     assert aborts == [1] and "after training" in (watch.fired or "")
+
+
+@pytest.mark.timeout(30)
+def test_a_collective_that_failed_silently_aborts_the_groups_one_beat_later(
+    membership: Membership,
+) -> None:
+    """NCCL: a failed or timed-out collective raises nothing (blocking wait is off); its backend
+    records it (`get_error`), and the watch aborts like for a plan."""
+    aborts: list[int] = []
+    failed: list[str] = []
+    watch = PlanWatch(lambda: aborts.append(1), errors=lambda: list(failed))
+    watch.joined(0)
+    watch(membership)
+    failed.append("tp: TIMEOUT")
+    watch(membership)
+    assert aborts == []  # the main thread gets its beat
+    failed.append("dp: COMM_ERROR")  # more groups time out: still the same finding
+    watch(membership)
+    assert aborts == [1] and "collective of this rank failed (tp: TIMEOUT" in (watch.fired or "")
+
+
+# ---------------------------------------------------------------------- a real heartbeat
+
+
+@pytest.fixture
+def stand_in_abort(monkeypatch: pytest.MonkeyPatch) -> Iterator[threading.Event]:
+    """The abort's work replaced by one that blocks until the returned event is set (never,
+    for a hung abort); unbounded, so this test process is not ended."""
+    from megatron_deadpool.devices import abort
+
+    release = threading.Event()
+    monkeypatch.setattr(
+        abort,
+        "_abort_now",
+        lambda: (release.wait(60), abort.AbortReport(0, False, 0.0, None))[1],
+    )
+    abort.bound_aborts(None)
+    yield release
+    release.set()
+
+
+def _beating(store: Any, after_beat: Any) -> Heartbeat:
+    beat = Heartbeat(open_client(f"127.0.0.1:{store.port}", 30), "a1", 0.1)
+    beat.after_beat = after_beat
+    beat.start()
+    return beat
+
+
+def _beats(membership: Membership) -> int:
+    return membership.heartbeat_counts(["a1"])[0]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("abort_kind", ["slow", "hung"])
+def test_the_heartbeat_keeps_beating_while_the_plan_watch_aborts(
+    abort_kind: str, stand_in_abort: threading.Event
+) -> None:
+    from megatron_deadpool.devices import abort
+
+    store = host_store("127.0.0.1", 0)
+    membership = Membership(store, "a1")
+    watch = PlanWatch(abort.start_abort)
+    watch.joined(0)
+    beat = _beating(store, watch)
+    try:
+        membership.publish_plan(PLAN)
+        deadline = time.monotonic() + 20
+        while watch.fired is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert watch.fired is not None  # the abort started (and is still running)
+        before = _beats(membership)
+        time.sleep(1.5)
+        assert _beats(membership) >= before + 4  # beating on through the abort
+        if abort_kind == "slow":
+            stand_in_abort.set()
+            time.sleep(0.5)
+            before = _beats(membership)
+            time.sleep(0.5)
+            assert _beats(membership) > before
+        assert beat.lost is None and beat.is_alive()
+    finally:
+        beat.stop(5)
+
+
+@pytest.mark.timeout(60)
+def test_only_a_store_error_after_a_beat_means_the_coordinator_is_lost() -> None:
+    from torch.distributed import DistBackendError
+
+    from megatron_deadpool.errors import CoordinatorUnreachableError
+
+    store = host_store("127.0.0.1", 0)
+    membership = Membership(store, "a1")
+    raised: list[BaseException] = [DistBackendError("Future for ProcessGroup abort timed out")]
+
+    def after_beat(_: Membership) -> None:
+        if raised:
+            raise raised[0]
+
+    beat = _beating(store, after_beat)
+    try:
+        time.sleep(0.8)
+        assert beat.lost is None and beat.is_alive()  # a RuntimeError of a group: beat on
+        before = _beats(membership)
+        time.sleep(0.5)
+        assert _beats(membership) > before
+        raised[0] = CoordinatorUnreachableError("no coordinator at 127.0.0.1:1")
+        deadline = time.monotonic() + 10
+        while beat.lost is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert beat.lost is not None and "no coordinator" in beat.lost
+    finally:
+        beat.stop(5)

@@ -46,3 +46,45 @@ def test_session_refuses_what_it_cannot_protect() -> None:
     for change, message in bad:
         with pytest.raises(ConfigError, match=re.escape(message)):
             session._check_megatron_args(SimpleNamespace(**{**vars(ok), **change}))
+
+
+@pytest.mark.parametrize(
+    "change,flag,fix",
+    [
+        ({"tp_comm_overlap": True}, "--tp-comm-overlap: ", "drop --tp-comm-overlap"),
+        ({"cuda_graph_impl": "local"}, "--cuda-graph-impl=local: ", "--cuda-graph-impl none"),
+        (
+            {"cuda_graph_impl": "transformer_engine"},
+            "--cuda-graph-impl=transformer_engine: ",
+            "--cuda-graph-impl none",
+        ),
+        ({"enable_cuda_graph": True}, "--cuda-graph-impl=local: ", "--cuda-graph-impl none"),
+        ({"nccl_ub": True}, "--use-nccl-ub: ", "drop --use-nccl-ub"),
+    ],
+)
+def test_options_bound_to_the_start_up_communicators_are_refused_in_one_line(
+    change: dict, flag: str, fix: str
+) -> None:
+    from megatron_deadpool.megatron_lm.session import MegatronSession
+
+    session = MegatronSession(DeadpoolConfig(enabled=True), 0, "token")
+    ok = SimpleNamespace(use_distributed_optimizer=True, data_parallel_size=2,
+                         distributed_timeout_minutes=10, tp_comm_overlap=False,
+                         cuda_graph_impl="none", nccl_ub=False)  # fmt: skip
+    session._check_megatron_args(ok)
+    with pytest.raises(ConfigError) as info:
+        session._check_megatron_args(SimpleNamespace(**{**vars(ok), **change}))
+    message = str(info.value)
+    assert "\n" not in message and message.count(flag) == 1 and fix in message
+
+
+def test_every_start_up_bound_option_is_named_when_several_are_given() -> None:
+    from megatron_deadpool.megatron_lm.startup_bound import startup_bound_problems
+
+    args = SimpleNamespace(tp_comm_overlap=True, cuda_graph_impl="local", nccl_ub=True)
+    problems = startup_bound_problems(args)
+    assert [p.split(":")[0] for p in problems] == [
+        "--tp-comm-overlap", "--cuda-graph-impl=local", "--use-nccl-ub"
+    ]  # fmt: skip
+    assert startup_bound_problems(SimpleNamespace()) == []  # a release without these options
+    assert startup_bound_problems(SimpleNamespace(cuda_graph_impl=None)) == []

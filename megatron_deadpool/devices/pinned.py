@@ -1,0 +1,76 @@
+"""Replica buffers: GPU memory, or page-locked host memory of exactly the size asked for.
+
+torch's ``pin_memory=True`` takes host memory from its caching host allocator
+(`CachingHostAllocator.h`), which rounds every block up to a power of two: a 9 GiB shard pins
+16 GiB, times the 2 (k + 1) buffers of a rank, times the ranks of a node. Host replica buffers
+are made here instead (`buffer`): anonymous memory mapped at the size asked for, rounded up to
+whole pages only (`mmap`: zero-filled and page-aligned), page-locked with ``cudaHostRegister``
+(through `torch.cuda.cudart()`, flag ``cudaHostRegisterPortable`` as torch's own
+`torch.cuda._pin_memory_utils` does), and unregistered when the last tensor viewing it is
+freed, before its pages are unmapped: a finalizer on the numpy array that owns the mapping,
+which the tensor's storage keeps alive (`torch.from_numpy`). Whole pages, because two
+registrations may not share one (``cudaErrorHostMemoryAlreadyRegistered``).
+
+torch treats such memory as pinned: `Tensor.is_pinned()` asks ``cudaPointerGetAttributes``
+(host memory registered with the driver is ``cudaMemoryTypeHost``), and a non-blocking copy
+between it and the GPU is asynchronous. The CUDA calls themselves run only on a GPU; the
+allocation path and the pairing of registration and unregistration are tested on the CPU
+with a stand-in runtime.
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import weakref
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..errors import DeadpoolRuntimeError
+
+log = logging.getLogger(__name__)
+
+PAGE = mmap.PAGESIZE
+PORTABLE = 1
+"""``cudaHostRegisterPortable``: the memory counts as pinned in every CUDA context."""
+
+
+def mapped_length(nbytes: int) -> int:
+    """Bytes mapped for a buffer of `nbytes`: whole pages, at least one."""
+    return max(PAGE, -(-nbytes // PAGE) * PAGE)
+
+
+def buffer(
+    nbytes: int, device: torch.device, *, pinned: bool, runtime: Any | None = None
+) -> torch.Tensor:
+    """A zero-filled 1-D uint8 tensor of exactly `nbytes` on `device`: GPU memory, plain host
+    memory, or (`pinned`) page-locked host memory of `nbytes` rounded up to whole pages.
+    `runtime`: the CUDA runtime's Python binding (default `torch.cuda.cudart()`)."""
+    if device.type != "cpu":
+        return torch.zeros(nbytes, dtype=torch.uint8, device=device)
+    if not pinned:
+        return torch.zeros(nbytes, dtype=torch.uint8)
+    length = mapped_length(nbytes)
+    array = np.frombuffer(mmap.mmap(-1, length), dtype=np.uint8)
+    pointer = int(array.ctypes.data)
+    cudart = runtime if runtime is not None else torch.cuda.cudart()
+    code = int(cudart.cudaHostRegister(pointer, length, PORTABLE))
+    if code != 0:
+        raise DeadpoolRuntimeError(
+            f"cudaHostRegister of {length} B of host memory for a replica failed (cudaError "
+            f"{code}); free host memory, or keep replicas on the GPU "
+            "(--deadpool-replica-device gpu)"
+        )
+    finalizer = weakref.finalize(array, _unregister, cudart, pointer, length)
+    finalizer.atexit = False  # at exit the process's memory goes anyway; no CUDA call then
+    return torch.from_numpy(array)[:nbytes]
+
+
+def _unregister(cudart: Any, pointer: int, length: int) -> None:
+    code = int(cudart.cudaHostUnregister(pointer))
+    if code != 0:
+        log.warning(
+            "cudaHostUnregister of %d B at %#x failed (cudaError %d)", length, pointer, code
+        )

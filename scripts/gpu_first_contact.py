@@ -1,0 +1,823 @@
+#!/usr/bin/env python3
+"""First contact with one GPU: ten minutes that check what the CPU tests cannot, in one table.
+
+    python scripts/gpu_first_contact.py [--json FILE] [--budget 600] [--only a,b] [--no-build]
+
+Every row runs in a fresh interpreter, bounded in time (the whole run by `--budget`); a row
+that finds a problem says FAIL, one that cannot run here says skip and why, one that only
+reports says info. Without CUDA every row is skipped and the exit code is 0; otherwise 0 when
+no row failed, 1 when one did. `--json` writes every row's figures. Rows:
+
+  versions        torch, CUDA, NCCL, the device; `Backend.get_error` and its error types present
+  kernel          the fused pack kernel: built (for this device's architecture only, e.g. sm_90,
+                  unless installed already), the architectures in its binary, one pack checked
+  pack            pack kernel vs a plain copy at 1 MiB and 1 GiB (GB/s), checksums against the
+                  host (1 MiB) and the GPU's torch fallback (1 GiB)
+  gens_split      three generations of init -> Megatron's groups -> abort in a world of one,
+  gens_warm       each step timed, memory and threads watched for leaks: communicators split
+                  from the world's (default) or set up by each group (DEADPOOL_NCCL_INIT=warm)
+  abort_deadpool  an abort while another stream is busy and NCCL work waits behind it: every
+  abort_torch     group's abort started together (DeadPool) vs torch's one-by-one loop
+  plan_watch      a plan-watch abort while a real heartbeat keeps beating (and the GPU is busy)
+  pinned_repl     a Replicator with pinned host replicas, three rounds at 2 GiB (settle timed;
+                  two processes sharing the GPU on gloo: one GPU cannot hold two NCCL ranks)
+  auto_rebuilt    a rebuilt `auto` replicator must stay on the GPU with its predecessor's buffers
+                  still allocated
+  pinned_size     pinned replica buffers of the exact size (`host_memory_stats` untouched,
+                  `is_pinned()`, an asynchronous copy) vs torch's power-of-two `pin_memory`
+  overlap         the capture's cost to a matmul loop through the real Replicator, default and
+  overlap_conn1   with CUDA_DEVICE_MAX_CONNECTIONS=1
+  device_watch    a step's work not done within the bound is noticed; `get_error()` polled
+  selftest        `deadpool selftest --nproc 1`
+
+The lent machine may lack megatron-core: rows that need it say so (carry its wheel).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+MIB, GIB = 1 << 20, 1 << 30
+
+
+class Skip(Exception):
+    """This row cannot run here; the message says why."""
+
+
+def _cuda() -> Any:
+    import torch
+
+    if not (torch.cuda.is_available() and torch.cuda.device_count()):
+        raise Skip("no CUDA device")
+    return torch
+
+
+def _megatron() -> None:
+    try:
+        import megatron.core  # noqa: F401
+    except ImportError as exc:
+        raise Skip(f"megatron-core not importable ({exc}); carry its wheel") from None
+
+
+def _threads() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+def _ms(fn: Callable[[], object], repeat: int = 3) -> float:
+    torch = _cuda()
+    best = float("inf")
+    for _ in range(repeat):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        best = min(best, start.elapsed_time(end))
+    return best
+
+
+def _world_of_one(groups: int = 0) -> Any:
+    """A world-size-1 NCCL world on a fresh store (DeadPool's settings), plus `groups` groups."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from megatron_deadpool.devices import nccl, select_device
+
+    select_device("cuda", local_rank=0)
+    dist.init_process_group(
+        backend="nccl",
+        store=dist.HashStore(),
+        rank=0,
+        world_size=1,
+        timeout=datetime.timedelta(seconds=60),
+        **nccl.init_kwargs("nccl"),
+    )
+    return [dist.new_group([0], backend="nccl") for _ in range(groups)]
+
+
+# ---------------------------------------------------------------------- rows
+
+
+def check_versions() -> dict[str, Any]:
+    torch = _cuda()
+    c10d = torch._C._distributed_c10d
+    has = hasattr(c10d, "Backend") and hasattr(c10d.Backend, "get_error")
+    kinds = getattr(c10d, "ErrorType", None)
+    figures = {
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "nccl": ".".join(map(str, torch.cuda.nccl.version())),
+        "device": torch.cuda.get_device_name(),
+        "capability": "sm_{}{}".format(*torch.cuda.get_device_capability()),
+        "torch_archs": torch.cuda.get_arch_list(),
+        "get_error": has,
+        "error_types": [
+            t for t in ("SUCCESS", "TIMEOUT", "COMM_ERROR", "REMOTE_ERROR") if hasattr(kinds, t)
+        ],
+        "python": sys.version.split()[0],
+    }
+    status = "pass" if has else "FAIL"
+    note = "" if has else "no Backend.get_error: NCCL errors are not polled"
+    return {"status": status, "figures": figures, "note": note}
+
+
+def check_kernel() -> dict[str, Any]:
+    torch = _cuda()
+    from megatron_deadpool.replication import pack
+
+    ext = pack._extension()
+    if ext is None:
+        raise Skip("deadpool_cuda_kernels not importable (build: pip install ./cuda_kernels)")
+    archs: list[str] = []
+    try:
+        listing = subprocess.run(
+            ["cuobjdump", "--list-elf", ext.__file__],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=False,
+        ).stdout
+        archs = sorted({w for w in listing.replace(".", " ").split() if w.startswith("sm_")})
+    except (OSError, subprocess.SubprocessError):
+        archs = ["cuobjdump not found"]
+    buf = torch.randint(0, 256, (4 * MIB + 12,), dtype=torch.uint8, device="cuda")
+    same = pack.checksum(buf) == pack.checksum(buf.cpu())
+    own = "sm_{}{}".format(*torch.cuda.get_device_capability())
+    status = "pass" if same and (own in archs or not archs or "cuobjdump" in archs[0]) else "FAIL"
+    return {"status": status, "figures": {"archs": archs, "device": own, "checksum_ok": same}}
+
+
+def check_pack() -> dict[str, Any]:
+    torch = _cuda()
+    from megatron_deadpool.replication import pack
+
+    if pack._extension() is None:
+        raise Skip("deadpool_cuda_kernels not importable: the kernel row says why")
+    figures: dict[str, Any] = {}
+    ok = True
+    for label, nbytes in (("1MiB", MIB), ("1GiB", GIB)):
+        raw = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device="cuda")
+        tensors = [raw[: nbytes // 2].view(torch.float32), raw[nbytes // 2 :].view(torch.bfloat16)]
+        plan = pack.PackPlan(tensors)
+        out = torch.empty(plan.nbytes, dtype=torch.uint8, device="cuda")
+        checksum = plan.pack(out)
+        if nbytes <= MIB:
+            reference = pack.checksum(out.cpu())
+        else:  # the GPU's torch fallback: no multi-GiB host reference
+            os.environ["DEADPOOL_PACK_BACKEND"] = "torch"
+            try:
+                reference = pack.checksum(out)
+            finally:
+                del os.environ["DEADPOOL_PACK_BACKEND"]
+        ok &= checksum == reference and torch.equal(out, raw)
+        copy = torch.empty_like(out)
+        pack_ms = _ms(lambda plan=plan, out=out: plan.pack_on_device(out))
+        copy_ms = _ms(lambda copy=copy, raw=raw: copy.copy_(raw))
+        figures[label] = {
+            "pack_gb_s": round(nbytes / pack_ms / 1e6, 1),
+            "copy_gb_s": round(nbytes / copy_ms / 1e6, 1),
+            "pack_ms": round(pack_ms, 3),
+            "copy_ms": round(copy_ms, 3),
+        }
+        del raw, out, copy
+    return {"status": "pass" if ok else "FAIL", "figures": figures}
+
+
+def check_generations(mode: str) -> dict[str, Any]:
+    torch = _cuda()
+    os.environ["DEADPOOL_NCCL_INIT"] = mode
+    import datetime
+
+    import torch.distributed as dist
+
+    from megatron_deadpool.devices import nccl, select_device
+    from megatron_deadpool.devices.abort import abort_groups
+
+    try:
+        from megatron.core import parallel_state as ps
+    except ImportError:
+        ps = None
+    select_device("cuda", local_rank=0)
+    store = dist.TCPStore("127.0.0.1", 0, 1, True, wait_for_workers=False)
+    generations = []
+    for g in range(3):
+        row: dict[str, Any] = {}
+        t0 = time.perf_counter()
+        dist.init_process_group(
+            backend="nccl",
+            store=dist.PrefixStore(f"gen{g}", store),
+            rank=0,
+            world_size=1,
+            timeout=datetime.timedelta(seconds=60),
+            **nccl.init_kwargs("nccl"),
+        )
+        t1 = time.perf_counter()
+        if ps is not None:
+            ps.initialize_model_parallel(1, 1)
+        else:
+            for _ in range(40):
+                dist.new_group([0])
+        dist.new_group(backend="nccl")  # DeadPool's replication group
+        t2 = time.perf_counter()
+        row["warmed"] = nccl.warm_groups()
+        t3 = time.perf_counter()
+        x = torch.ones(1, device="cuda")
+        dist.all_reduce(x)
+        torch.cuda.synchronize()
+        t4 = time.perf_counter()
+        row["groups"] = len(nccl.known_groups())
+        abort_groups()
+        if ps is not None:
+            ps.destroy_model_parallel()
+        t5 = time.perf_counter()
+        torch.cuda.synchronize()
+        row.update(
+            init_s=round(t1 - t0, 3),
+            groups_s=round(t2 - t1, 3),
+            warm_s=round(t3 - t2, 3),
+            first_collective_s=round(t4 - t3, 3),
+            abort_s=round(t5 - t4, 3),
+            threads=_threads(),
+            allocated_mib=round(torch.cuda.memory_allocated() / MIB, 1),
+            free_mib=round(torch.cuda.mem_get_info()[0] / MIB, 1),
+        )
+        generations.append(row)
+    leak_threads = generations[2]["threads"] - generations[0]["threads"]
+    leak_mib = generations[0]["free_mib"] - generations[2]["free_mib"]
+    status = "pass" if leak_threads <= 2 and leak_mib < 256 else "FAIL"
+    note = "" if ps is not None else "no megatron-core: 40 plain groups stand in"
+    return {
+        "status": status,
+        "figures": {
+            "generations": generations,
+            "threads_gained": leak_threads,
+            "free_mib_lost": round(leak_mib, 1),
+        },
+        "note": note,
+    }
+
+
+def check_abort(kind: str) -> dict[str, Any]:
+    torch = _cuda()
+    import torch.distributed as dist
+
+    from megatron_deadpool.devices.abort import abort_groups
+
+    groups = _world_of_one(groups=20)
+    busy = torch.cuda.Stream()
+    with torch.cuda.stream(busy):
+        torch.cuda._sleep(int(3e9))  # a couple of seconds of GPU time
+    main = torch.cuda.current_stream()
+    main.wait_stream(busy)  # NCCL work queued behind the busy stream
+    x = torch.ones(1 << 20, device="cuda")
+    works = [dist.all_reduce(x, group=g, async_op=True) for g in groups[:4]]
+    t0 = time.perf_counter()
+    if kind == "deadpool":
+        abort_groups()
+    else:
+        dist.distributed_c10d._abort_process_group()
+    seconds = time.perf_counter() - t0
+    still_busy = not busy.query()
+    del works
+    try:  # the NCCL work queued behind the busy stream meets aborted communicators
+        torch.cuda.synchronize()
+        after = "clean"
+    except RuntimeError as exc:
+        after = str(exc).splitlines()[0][:160]
+    figures = {
+        "abort_s": round(seconds, 3),
+        "stream_still_busy_after": still_busy,
+        "device_after_queued_work_ran": after,
+    }
+    return {"status": "pass" if seconds < 30 else "FAIL", "figures": figures}
+
+
+def check_plan_watch() -> dict[str, Any]:
+    torch = _cuda()
+    import torch.distributed as dist
+
+    from megatron_deadpool.devices import abort, nccl
+    from megatron_deadpool.hotswap.connection import Heartbeat, open_client
+    from megatron_deadpool.hotswap.membership import Membership, host_store
+    from megatron_deadpool.hotswap.messages import Plan
+    from megatron_deadpool.hotswap.plan_watch import PlanWatch
+
+    store = host_store("127.0.0.1", 0)
+    membership = Membership(store, "a0")
+    _world_of_one(groups=10)
+    watch = PlanWatch(abort.start_abort, errors=nccl.backend_errors)
+    watch.joined(0)
+    abort.bound_aborts(20.0)
+    beat = Heartbeat(open_client(f"127.0.0.1:{store.port}", 30), "a0", 0.1)
+    beat.after_beat = watch
+    beat.start()
+    x = torch.ones(1, device="cuda")
+    dist.all_reduce(x)
+    torch.cuda._sleep(int(6e9))  # the main thread will wait behind this (no NCCL work queued)
+    x = x * 2
+    plan = Plan(generation=1, base=0, world_size=1, dead=(0,), needy=(0,), replaced={0: "s0"})
+    threading.Timer(0.5, membership.publish_plan, (plan,)).start()
+    t0 = time.perf_counter()
+    beats0 = membership.heartbeat_counts(["a0"])[0]
+    try:
+        x.item()
+        returned = "returned"
+    except RuntimeError as exc:
+        returned = f"raised: {str(exc).splitlines()[0][:80]}"
+    waited = time.perf_counter() - t0
+    deadline = time.monotonic() + 20
+    while (abort.last_abort() is None) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    beats = membership.heartbeat_counts(["a0"])[0] - beats0
+    report = abort.last_abort()
+    beat.stop(5)
+    figures = {
+        "fired": watch.fired,
+        "abort_s": report.seconds if report else None,
+        "main_thread_waited_s": round(waited, 2),
+        "main_thread": returned,
+        "beats_meanwhile": beats,
+        "heartbeat_lost": beat.lost,
+    }
+    ok = watch.fired is not None and report is not None and beats >= 5 and beat.lost is None
+    return {"status": "pass" if ok else "FAIL", "figures": figures}
+
+
+def _pinned_child(rank: int, port: int, numel: int, out_path: str) -> None:
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    from megatron_deadpool.devices import select_device
+    from megatron_deadpool.devices.memory import ReplicaMemory
+    from megatron_deadpool.replication.placement import Layout, place_replicas
+    from megatron_deadpool.replication.replicator import Replicator
+    from megatron_deadpool.replication.snapshot import Snapshotter
+
+    device = select_device("cuda", local_rank=0)
+    store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, timeout=datetime.timedelta(seconds=120))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
+    state = _adam_state(numel, seed=rank)
+    placement = place_replicas(Layout(tp=1, pp=1, dp=2, ranks_per_node=1), 1)
+    group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=120))
+    t0 = time.perf_counter()
+    repl = Replicator(
+        Snapshotter(state, rank), placement, rank, group, ReplicaMemory("cpu", device)
+    )
+    build_s = time.perf_counter() - t0
+    rounds = []
+    for it in range(1, 4):
+        t0 = time.perf_counter()
+        repl.start_round(it)
+        post_s = time.perf_counter() - t0
+        torch.cuda._sleep(int(1e9))  # "the next iteration"
+        repl.before_step()
+        t0 = time.perf_counter()
+        committed = repl.finish_round()
+        rounds.append(
+            {
+                "capture_post_host_s": round(post_s, 4),
+                "settle_s": round(time.perf_counter() - t0, 3),
+                "wait_s": round(repl.timings.get("wait", -1), 3),
+                "verify_s": round(repl.timings.get("verify", -1), 3),
+                "committed": committed,
+            }
+        )
+    result = {
+        "rank": rank,
+        "flat_bytes": repl.sizes[rank],
+        "pinned": repl.local.buffers[0].is_pinned(),
+        "build_s": round(build_s, 2),
+        "rounds": rounds,
+    }
+    Path(out_path).write_text(json.dumps(result))
+    dist.destroy_process_group()
+
+
+def _adam_state(numel: int, seed: int) -> Any:
+    import torch
+
+    from megatron_deadpool.replication.snapshot import RankState
+
+    class Wrapped:
+        def __init__(self, opt: Any) -> None:
+            self.optimizer = opt
+            self.param_groups = opt.param_groups
+
+    class Scheduler:
+        num_steps = 0
+
+        def state_dict(self) -> dict[str, Any]:
+            return {"num_steps": self.num_steps}
+
+        def load_state_dict(self, state: dict[str, Any]) -> None:
+            self.num_steps += state["num_steps"]
+
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    params = [torch.nn.Parameter(torch.randn(numel, device="cuda", generator=gen))]
+    opt = torch.optim.Adam(params, lr=1e-3)
+    params[0].grad = torch.randn(numel, device="cuda", generator=gen)
+    opt.step()
+    params[0].grad = None
+    return RankState(Wrapped(opt), Scheduler())
+
+
+def check_pinned_replicator() -> dict[str, Any]:
+    _cuda()
+    _megatron()
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    numel = 2 * GIB // 12  # fp32 params + Adam's two moments: a 2 GiB shard
+    with tempfile.TemporaryDirectory() as tmp:
+        paths = [os.path.join(tmp, f"r{r}.json") for r in range(2)]
+        code = (
+            f"import sys; sys.path.insert(0, {str(REPO / 'scripts')!r}); "
+            "import gpu_first_contact as g; g._pinned_child(int(sys.argv[1]), "
+            f"{port}, {numel}, sys.argv[2])"
+        )
+        procs = [subprocess.Popen([sys.executable, "-c", code, str(r), paths[r]]) for r in range(2)]
+        try:
+            codes = [p.wait(timeout=220) for p in procs]
+        finally:
+            for p in procs:  # a child past its time holds the GPU: end it with the row
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+        if any(codes):
+            return {"status": "FAIL", "figures": {"exit_codes": codes}}
+        results = [json.loads(Path(p).read_text()) for p in paths]
+    ok = all(r["pinned"] and [x["committed"] for x in r["rounds"]] == [1, 2, 3] for r in results)
+    return {"status": "pass" if ok else "FAIL", "figures": {"ranks": results}}
+
+
+def check_auto_rebuilt() -> dict[str, Any]:
+    torch = _cuda()
+    _megatron()
+    import torch.distributed as dist
+
+    from megatron_deadpool.devices.base import Device
+    from megatron_deadpool.devices.memory import ReplicaMemory, fits_on_gpu
+    from megatron_deadpool.replication.placement import Layout, Placement
+    from megatron_deadpool.replication.replicator import Replicator
+    from megatron_deadpool.replication.snapshot import Snapshotter
+
+    _world_of_one()
+    group = dist.new_group(backend="nccl")
+    free, total = torch.cuda.mem_get_info()
+    numel = int(free * 0.12) // 12  # own ~12 % of free: 4 buffers (self-held) ~ 50 %
+    state = _adam_state(numel, seed=0)
+    placement = Placement(Layout(tp=1, pp=1, dp=1, ranks_per_node=1), 1, ((0,),))
+    memory = ReplicaMemory("auto", Device("cuda", "nccl", torch.cuda.current_device()))
+    first = Replicator(Snapshotter(state, 0), placement, 0, group, memory)
+    first.start_round(1)
+    first.finish_round()
+    own = first.sizes[0]
+    need = 4 * own
+    free_now, total = torch.cuda.mem_get_info()
+    naive = "gpu" if fits_on_gpu(need, free_now, total) else "host"
+    second = Replicator(Snapshotter(state, 0), placement, 0, group, memory, previous=first)
+    second.start_round(2)
+    committed = second.finish_round()
+    figures = {
+        "own_gib": round(own / GIB, 2),
+        "need_gib": round(need / GIB, 2),
+        "free_gib_at_rebuild": round(free_now / GIB, 2),
+        "vote_from_free_memory_alone": naive,
+        "first": first.choice,
+        "rebuilt": second.choice,
+        "committed": committed,
+    }
+    ok = first.choice == second.choice == "gpu" and committed == 2
+    return {"status": "pass" if ok else "FAIL", "figures": figures}
+
+
+def check_pinned_size() -> dict[str, Any]:
+    torch = _cuda()
+    from megatron_deadpool.devices.pinned import buffer
+
+    def stats() -> dict[str, int]:
+        found = torch.cuda.host_memory_stats().items()
+        return {k: v for k, v in found if "bytes" in k and isinstance(v, int)}
+
+    nbytes = 9 * MIB + 17
+    before = stats()
+    ours = buffer(nbytes, torch.device("cpu"), pinned=True)
+    after_ours = stats()
+    src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device="cuda")
+    ours.copy_(src, non_blocking=True)
+    done = torch.cuda.Event()
+    done.record()
+    done.synchronize()
+    copied = torch.equal(ours, src.cpu())
+    theirs = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    after_theirs = stats()
+    changed_by_ours = {k: after_ours[k] - before.get(k, 0) for k in after_ours}
+    changed_by_torch = {k: after_theirs[k] - after_ours.get(k, 0) for k in after_theirs}
+    figures = {
+        "requested": nbytes,
+        "ours_pinned": ours.is_pinned(),
+        "ours_host_allocator_delta": {k: v for k, v in changed_by_ours.items() if v},
+        "torch_host_allocator_delta": {k: v for k, v in changed_by_torch.items() if v},
+        "async_copy_ok": copied,
+    }
+    del theirs
+    ok = ours.is_pinned() and copied and not figures["ours_host_allocator_delta"]
+    return {"status": "pass" if ok else "FAIL", "figures": figures}
+
+
+def check_overlap() -> dict[str, Any]:
+    torch = _cuda()
+    _megatron()
+    import torch.distributed as dist
+
+    from megatron_deadpool.devices.base import Device
+    from megatron_deadpool.devices.memory import ReplicaMemory
+    from megatron_deadpool.replication.placement import Layout, Placement
+    from megatron_deadpool.replication.replicator import Replicator
+    from megatron_deadpool.replication.snapshot import Snapshotter
+
+    _world_of_one()
+    group = dist.new_group(backend="nccl")
+    state = _adam_state(1_500_000_000 // 12, seed=0)  # a 1.5 GB shard
+    placement = Placement(Layout(tp=1, pp=1, dp=1, ranks_per_node=1), 1, ((0,),))
+    memory = ReplicaMemory("gpu", Device("cuda", "nccl", torch.cuda.current_device()))
+    repl = Replicator(Snapshotter(state, 0), placement, 0, group, memory)
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+
+    def loop() -> None:
+        for _ in range(40):
+            torch.mm(a, b)
+
+    loop()
+    repl.start_round(1)
+    repl.finish_round()
+    torch.cuda.synchronize()
+    alone = _ms(loop)
+    withs = []
+    for it in range(2, 5):
+
+        def step(it: int = it) -> None:
+            repl.start_round(it)
+            loop()
+
+        withs.append(_ms(step, repeat=1))
+        repl.before_step()
+        repl.finish_round()
+    with_ms = min(withs)
+    figures = {
+        "CUDA_DEVICE_MAX_CONNECTIONS": os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS", "(unset)"),
+        "loop_alone_ms": round(alone, 2),
+        "loop_with_round_ms": round(with_ms, 2),
+        "slowdown_percent": round(100 * (with_ms / alone - 1), 1),
+        "capture_post_host_ms": round(1000 * repl.timings.get("capture_post", -1), 2),
+    }
+    return {"status": "info", "figures": figures}
+
+
+def check_device_watch() -> dict[str, Any]:
+    torch = _cuda()
+    import torch.distributed as dist
+
+    from megatron_deadpool.devices import nccl
+    from megatron_deadpool.devices.health import DeviceWatch
+
+    _world_of_one(groups=3)
+    x = torch.ones(1, device="cuda")
+    dist.all_reduce(x)
+    torch.cuda.synchronize()
+    errors = nccl.backend_errors()
+    ended: list[tuple[int, str]] = []
+    watch = DeviceWatch(1.0, end=lambda code, why: ended.append((code, why)))
+    torch.cuda._sleep(int(6e9))  # a step whose work is not done for seconds
+    watch.step_done(1)
+    t0 = time.monotonic()
+    while not ended and time.monotonic() - t0 < 10:
+        watch(None)
+        time.sleep(0.1)
+    noticed = time.monotonic() - t0
+    torch.cuda.synchronize()
+    ended_after_done: list[tuple[int, str]] = []
+    done = DeviceWatch(1.0, end=lambda code, why: ended_after_done.append((code, why)))
+    done.step_done(2)
+    torch.cuda.synchronize()
+    time.sleep(1.5)
+    done(None)
+    figures = {
+        "backend_errors": errors,
+        "stall_noticed_after_s": round(noticed, 2) if ended else None,
+        "exit_code": ended[0][0] if ended else None,
+        "false_alarm_on_done_work": bool(ended_after_done),
+    }
+    ok = errors == [] and bool(ended) and not ended_after_done
+    return {"status": "pass" if ok else "FAIL", "figures": figures}
+
+
+def check_selftest() -> dict[str, Any]:
+    _cuda()
+    with tempfile.TemporaryDirectory() as tmp:
+        report = os.path.join(tmp, "selftest.json")
+        proc = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "megatron_deadpool.cli",
+                "selftest",
+                "--nproc",
+                "1",
+                "--json",
+                report,
+                "--timeout",
+                "200",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=230,
+            check=False,
+        )
+        rows = json.loads(Path(report).read_text()) if os.path.exists(report) else None
+    figures = {"exit_code": proc.returncode, "table": proc.stdout.strip().splitlines()[-12:]}
+    if rows is not None:
+        figures["json"] = rows
+    return {"status": "pass" if proc.returncode == 0 else "FAIL", "figures": figures}
+
+
+CHECKS: dict[str, tuple[float, Callable[[], dict[str, Any]], dict[str, str]]] = {
+    "versions": (60, check_versions, {}),
+    "kernel": (60, check_kernel, {}),
+    "pack": (120, check_pack, {}),
+    "gens_split": (120, lambda: check_generations("split"), {}),
+    "gens_warm": (120, lambda: check_generations("warm"), {}),
+    "abort_deadpool": (60, lambda: check_abort("deadpool"), {}),
+    "abort_torch": (60, lambda: check_abort("torch"), {}),
+    "plan_watch": (60, check_plan_watch, {}),
+    "pinned_repl": (240, check_pinned_replicator, {}),
+    "auto_rebuilt": (120, check_auto_rebuilt, {}),
+    "pinned_size": (60, check_pinned_size, {}),
+    "overlap": (120, check_overlap, {}),
+    "overlap_conn1": (120, check_overlap, {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}),
+    "device_watch": (60, check_device_watch, {}),
+    "selftest": (240, check_selftest, {}),
+}
+
+
+# ---------------------------------------------------------------------- the run
+
+
+def _run_one(name: str) -> None:
+    """In the child: run one row, print its result as the last line."""
+    try:
+        result = CHECKS[name][1]()
+    except Skip as exc:
+        result = {"status": "skip", "note": str(exc)}
+    except Exception as exc:  # noqa: BLE001 - the row failed; say how
+        result = {"status": "FAIL", "note": f"{type(exc).__name__}: {str(exc)[:300]}"}
+    sys.stdout.flush()
+    print("RESULT " + json.dumps(result, default=str), flush=True)
+    os._exit(0)  # no teardown: aborted groups and busy streams are this row's, not the next's
+
+
+def _build_kernel(env: dict[str, str], budget: float) -> tuple[str, str]:
+    """Build the pack kernel for this device's architecture only into a temporary folder;
+    (folder for PYTHONPATH or "", what happened)."""
+    probe = subprocess.run(
+        [sys.executable, "-c", "import torch; print('%d.%d' % torch.cuda.get_device_capability())"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+        check=False,
+    )
+    if probe.returncode != 0:
+        return "", "no CUDA device"
+    arch = probe.stdout.strip()
+    target = tempfile.mkdtemp(prefix="deadpool-kernel-")
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "--no-build-isolation",
+            "--no-deps",
+            "-q",
+            "--target",
+            target,
+            str(REPO / "cuda_kernels"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=budget,
+        check=False,
+        env={**env, "TORCH_CUDA_ARCH_LIST": arch},
+    )
+    if proc.returncode != 0:
+        return "", f"build failed: {proc.stderr.strip().splitlines()[-1:]}"
+    return target, f"built for sm_{arch.replace('.', '')} only into {target}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--json", help="write every row's figures to this file")
+    parser.add_argument("--budget", type=float, default=600.0, help="seconds for the whole run")
+    parser.add_argument("--only", help="comma-separated rows to run")
+    parser.add_argument("--no-build", action="store_true", help="do not build the pack kernel")
+    parser.add_argument("--check", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.check:
+        _run_one(args.check)
+    t_start = time.monotonic()
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+    }
+    names = args.only.split(",") if args.only else list(CHECKS)
+    unknown = [n for n in names if n not in CHECKS]
+    if unknown:
+        print(f"gpu_first_contact: error: --only: unknown rows {unknown}", file=sys.stderr)
+        return 2
+    rows: list[dict[str, Any]] = []
+    try:
+        import torch
+
+        has_cuda = torch.cuda.is_available() and torch.cuda.device_count() > 0
+    except ImportError:
+        has_cuda = False
+    if has_cuda and not args.no_build:
+        code = (
+            "from megatron_deadpool.replication import pack; print(pack._extension() is not None)"
+        )
+        have = subprocess.run(
+            [sys.executable, "-c", code],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=120,
+            check=False,
+        ).stdout.strip()
+        if have != "True":
+            folder, said = _build_kernel(env, min(300.0, args.budget / 2))
+            print(f"[first contact] pack kernel: {said}", flush=True)
+            if folder:
+                env["PYTHONPATH"] = os.pathsep.join([folder, env["PYTHONPATH"]])
+    print(f"{'row':<16} {'status':<6} {'s':>6}  figures / note", flush=True)
+    for name in names:
+        timeout, _, extra = CHECKS[name]
+        left = args.budget - (time.monotonic() - t_start)
+        t0 = time.monotonic()
+        if not has_cuda:
+            result: dict[str, Any] = {"status": "skip", "note": "no CUDA device"}
+        elif left < 10:
+            result = {"status": "skip", "note": "out of the run's time budget"}
+        else:
+            try:
+                proc = subprocess.run(
+                    [sys.executable, str(Path(__file__).resolve()), "--check", name],
+                    capture_output=True,
+                    text=True,
+                    timeout=min(timeout, left),
+                    env={**env, **extra},
+                    check=False,
+                )
+                lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
+                if lines:
+                    result = json.loads(lines[-1][len("RESULT ") :])
+                else:
+                    tail = (proc.stderr.strip().splitlines() or ["(no output)"])[-1]
+                    result = {"status": "FAIL", "note": f"exit {proc.returncode}: {tail[:200]}"}
+            except subprocess.TimeoutExpired:
+                result = {"status": "FAIL", "note": f"timed out after {min(timeout, left):.0f}s"}
+        result["row"] = name
+        result["seconds"] = round(time.monotonic() - t0, 1)
+        rows.append(result)
+        shown = result.get("note") or json.dumps(result.get("figures", {}), default=str)
+        print(f"{name:<16} {result['status']:<6} {result['seconds']:>6}  {shown[:300]}", flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1, default=str))
+    failed = [r["row"] for r in rows if r["status"] == "FAIL"]
+    print(
+        f"[first contact] {len(rows)} rows, {len(failed)} failed {failed or ''} in "
+        f"{time.monotonic() - t_start:.0f}s",
+        flush=True,
+    )
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
