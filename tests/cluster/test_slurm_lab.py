@@ -419,7 +419,7 @@ def test_frozen_node_is_detected_by_heartbeat_and_replaced(
     lab.freeze("n2")
     record = job.wait_end()
     dead = [e for e in job.events() if e["event"] == "process_dead"]
-    assert {e["pid"] for e in dead} == {"a2", "a3"}, job.describe()
+    assert {e["member"] for e in dead} == {"a2", "a3"}, job.describe()
     # by their silence: the first as hung, its node-mate as hung or as silent on a dead rank's node
     assert all("silent for" in e["why"] for e in dead), dead
     recovered = job.event("recovered")

@@ -218,7 +218,7 @@ def test_a_rank_lost_after_training_completed_costs_nothing(root: str) -> None:
         json.loads(line)
         for line in (Path(root) / "lost_at_end" / "logs" / "events.jsonl").read_text().splitlines()
     ]
-    assert [e["pid"] for e in events if e["event"] == "process_dead"] == ["a2"]
+    assert [e["member"] for e in events if e["event"] == "process_dead"] == ["a2"]
     manifest = json.loads(
         (
             Path(root) / "lost_at_end" / "ckpt" / "deadpool" / "iter_0000006" / "manifest.json"
