@@ -79,3 +79,18 @@ def train_case(
     if lines and lines[-1].get("event") == "summary":
         return proc, lines[:-1], lines[-1]
     return proc, lines, {}
+
+
+def assert_out_of_redundancy(
+    proc: subprocess.CompletedProcess, report: dict, out: Path, survivors: list[int]
+) -> None:
+    """A `deadpool train` run (`train_case` under `out`) that ran out of redundancy: exit code
+    3, the reason on the launcher's output, and each survivor's log ending on the message it
+    exited with ("out of redundancy: REASON; ..."), as README "When memory cannot recover"
+    documents."""
+    assert proc.returncode == 3, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert report, "no out_of_redundancy report in the summary"
+    assert f"OUT OF REDUNDANCY: {report['reason']}" in proc.stdout, proc.stdout[-3000:]
+    for rank in survivors:
+        log = (out / "logs" / f"a{rank}.log").read_text(errors="replace")
+        assert f"out of redundancy: {report['reason']}; " in log, (rank, log[-2000:])

@@ -185,7 +185,7 @@ class LocalLauncher:
                 continue
             if coord.aborted is not None:
                 local.wait_exit(local.actives(), 30.0)
-                return 1
+                return 3  # out of redundancy, as the workers and the Megatron-LM launcher
             failed = local.failed()
             if failed and not deadpool:
                 for pid, code in failed.items():
