@@ -114,11 +114,14 @@ def _check_recovered(case: str, ref: str, root: str, dead: list[list[int]]) -> d
 def test_killed_then_hung_ranks_are_replaced_bitwise(root: str) -> None:
     summary = _check_recovered("kill_then_hang", "ref_tp", root, [[2], [1]])
     assert [r["generation"] for r in summary["recoveries"]] == [1, 2]
-    crash, hang = summary["recoveries"]
-    assert crash["phases_s"]["detect"] < 2.0  # the launcher sees the exit at once
+    _, hang = summary["recoveries"]
     assert hang["phases_s"]["detect"] >= 2.5  # heartbeat timeout is 3 s
     events = (Path(root) / "kill_then_hang" / "logs" / "events.jsonl").read_text()
-    assert "(hung); killed" in events
+    dead = [json.loads(x)["why"] for x in events.splitlines() if '"process_dead"' in x]
+    # The crash is seen by the launcher as the process exits, not by a heartbeat timeout (how
+    # long detection takes: `deadpool bench recovery`, its "detect failure" row).
+    assert len(dead) == 2 and dead[0] == "exited with code -9", dead
+    assert dead[1].endswith("(hung); killed"), dead
 
 
 @pytest.mark.timeout(600)
