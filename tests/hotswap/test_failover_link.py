@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 import torch.distributed as dist
+from procs import wait_until
 
 from megatron_deadpool.config.deadpool import DeadpoolConfig
 from megatron_deadpool.errors import CoordinatorUnreachableError, JobTokenError
@@ -121,14 +122,14 @@ def test_a_process_re_registers_with_the_standby_that_took_over() -> None:
     assert members.progress() == 7 and lk.identity == (0, "primary")
 
     def take_over() -> None:  # what `Standby` does, by hand
-        time.sleep(1.0)
+        # Only once the process, having lost the primary, has found the standby serving no job.
+        wait_until(lambda: len(standby.sockets) > tried, 30, "a connection to the standby")
         standby.serve(1, "standby")
-        deadline = time.monotonic() + 30
-        while standby.members.registration("a2") is None and time.monotonic() < deadline:
-            time.sleep(0.05)
+        wait_until(lambda: standby.members.registration("a2"), 30, "a2's re-registration")
         standby.members.set_progress(7)
         standby.members.publish_rebuilt(1)
 
+    tried = len(standby.sockets)
     helper = threading.Thread(target=take_over)
     helper.start()
     primary.stop()
