@@ -43,6 +43,17 @@ def run_deadpool(
     )
 
 
+def call_deadpool(*args: str) -> int:
+    """`deadpool ARGS...` in this process, through the real entry point (`cli.main.main`): its
+    exit code, argparse's own exits included. Output goes to pytest's capture (`capsys`)."""
+    from megatron_deadpool.cli import main as cli
+
+    try:
+        return cli.main(list(args))
+    except SystemExit as exc:  # argparse's own errors and --help exit
+        return exc.code if isinstance(exc.code, int) else 1
+
+
 @pytest.fixture
 def deadpool_cli() -> Callable[..., subprocess.CompletedProcess]:
     """`deadpool_cli("train", "--tp", "0")` runs the real CLI and returns the finished process."""
