@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import time
 from functools import cache
@@ -19,6 +18,7 @@ from typing import Any
 
 import pytest
 from conftest import REPO_ROOT, assert_out_of_redundancy, deadpool_command, run_deadpool, train_case
+from procs import free_port
 
 ITERS = "6"
 CASES: dict[str, list[str]] = {
@@ -179,12 +179,6 @@ def test_dead_spare_shrinks_the_pool_and_the_next_one_is_used(root: str) -> None
     assert not any(e["event"] == "recovered" and "s0" in e["replaced_by"].values() for e in events)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _worker(*args: str, env: dict[str, str] | None = None, timeout: float = 120):
     """`python -m megatron_deadpool.embedded.worker` as rank 0 of the CPU demo."""
     import sys
@@ -212,7 +206,7 @@ def _worker(*args: str, env: dict[str, str] | None = None, timeout: float = 120)
 def test_unreachable_coordinator_is_a_clear_error_in_bounded_time() -> None:
     t0 = time.monotonic()
     proc = _worker(
-        "--deadpool-coordinator", f"127.0.0.1:{_free_port()}", "--deadpool-connect-timeout", "3"
+        "--deadpool-coordinator", f"127.0.0.1:{free_port()}", "--deadpool-connect-timeout", "3"
     )
     assert proc.returncode == 4, proc.stderr[-2000:]
     assert "coordinator 127.0.0.1" in proc.stderr and "unreachable after 3s" in proc.stderr
@@ -230,7 +224,7 @@ def test_coordinator_address_that_does_not_resolve_is_refused() -> None:
 
 @pytest.mark.timeout(180)
 def test_process_from_another_job_is_refused(tmp_path: Path) -> None:
-    port = _free_port()
+    port = free_port()
     coord = subprocess.Popen(
         [
             *deadpool_command(),

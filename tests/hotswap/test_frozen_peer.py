@@ -16,25 +16,19 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 from conftest import REPO_ROOT, deadpool_command, train_case
+from procs import free_port
 
 ITERS = "6"
 TIMING = [
     "--deadpool-heartbeat-interval", "0.5", "--deadpool-heartbeat-timeout", "4",
     "--deadpool-agree-timeout", "60", "--deadpool-pg-timeout", "150",
 ]  # fmt: skip
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _spawn(cmd: list[str], log: Path, env: dict[str, str]) -> subprocess.Popen:
@@ -48,7 +42,7 @@ def _spawn(cmd: list[str], log: Path, env: dict[str, str]) -> subprocess.Popen:
 def test_frozen_rank_is_replaced_without_waiting_for_the_collective_timeout(
     tmp_path: Path,
 ) -> None:
-    port = _free_port()
+    port = free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1", "DEADPOOL_JOB_TOKEN": "frozen-test"}
     config = str(REPO_ROOT / "configs" / "cpu-demo.yaml")
     procs: list[subprocess.Popen] = []
