@@ -12,16 +12,17 @@ from __future__ import annotations
 
 import json
 import subprocess
+from collections.abc import Callable
 from functools import cache
 from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import assert_out_of_redundancy, run_deadpool, train_case
+from conftest import TrainRun, assert_out_of_redundancy, run_deadpool, train_case
 
 ITERS = "6"
 CASES: dict[str, list[str]] = {
-    "ref_tp": ["--tp", "2", "--dp", "2"],
+    # The TP2 x DP2 cases compare against the session's shared failure-free run (`tp_reference`).
     "ref_pp": ["--pp", "2", "--dp", "2"],
     # One run, two failures: a crash, then a hang (SIGSTOP) of another rank.
     "kill_then_hang": [
@@ -82,10 +83,16 @@ def root(tmp_path_factory: pytest.TempPathFactory) -> str:
     return str(tmp_path_factory.mktemp("hotswap"))
 
 
-def _check_recovered(case: str, ref: str, root: str, dead: list[list[int]]) -> dict:
+@pytest.fixture(scope="module")
+def tp_reference(failure_free: Callable[[int], TrainRun]) -> dict[str, Any]:
+    """The summary of the failure-free TP2 x DP2 run of ITERS iterations (conftest: shared with
+    test_faults, test_frozen_peer and test_train)."""
+    return failure_free(int(ITERS))[2]
+
+
+def _check_recovered(case: str, reference: dict, root: str, dead: list[list[int]]) -> dict:
     proc, _, summary = run(case, root)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    _, _, reference = run(ref, root)
     assert summary["losses"] == reference["losses"]
     assert summary["final_param_digest"] == reference["final_param_digest"]
     assert summary["dp_replicas_identical"]
@@ -111,8 +118,8 @@ def _check_recovered(case: str, ref: str, root: str, dead: list[list[int]]) -> d
 
 
 @pytest.mark.timeout(600)
-def test_killed_then_hung_ranks_are_replaced_bitwise(root: str) -> None:
-    summary = _check_recovered("kill_then_hang", "ref_tp", root, [[2], [1]])
+def test_killed_then_hung_ranks_are_replaced_bitwise(root: str, tp_reference: dict) -> None:
+    summary = _check_recovered("kill_then_hang", tp_reference, root, [[2], [1]])
     assert [r["generation"] for r in summary["recoveries"]] == [1, 2]
     _, hang = summary["recoveries"]
     assert hang["phases_s"]["detect"] >= 2.5  # heartbeat timeout is 3 s
@@ -126,15 +133,15 @@ def test_killed_then_hung_ranks_are_replaced_bitwise(root: str) -> None:
 
 @pytest.mark.timeout(600)
 def test_pipeline_parallel_rank_is_replaced_bitwise(root: str) -> None:
-    _check_recovered("pp_kill", "ref_pp", root, [[3]])
+    _check_recovered("pp_kill", run("ref_pp", root)[2], root, [[3]])
 
 
 @pytest.mark.timeout(600)
-def test_whole_node_is_replaced_by_two_spares(root: str) -> None:
-    _check_recovered("node", "ref_tp", root, [[2, 3]])
+def test_whole_node_is_replaced_by_two_spares(root: str, tp_reference: dict) -> None:
+    _check_recovered("node", tp_reference, root, [[2, 3]])
 
 
-def _resume(case: str, root: str) -> dict[str, Any]:
+def _resume(case: str, root: str, reference: dict[str, Any]) -> dict[str, Any]:
     """`--load` the directory the failed run saved into; the run must end as if unbroken."""
     out = Path(root) / case
     proc = run_deadpool(
@@ -153,14 +160,13 @@ def _resume(case: str, root: str) -> dict[str, Any]:
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     summary = json.loads((out / "resume.jsonl").read_text().splitlines()[-1])
-    _, _, reference = run("ref_tp", root)
     assert summary["losses"] == reference["losses"][-len(summary["losses"]) :]
     assert summary["final_param_digest"] == reference["final_param_digest"]
     return summary
 
 
 @pytest.mark.timeout(600)
-def test_no_spare_left_saves_every_shard_and_resumes_exactly(root: str) -> None:
+def test_no_spare_left_saves_every_shard_and_resumes_exactly(root: str, tp_reference: dict) -> None:
     proc, _, summary = run("no_spare", root)
     report = summary["out_of_redundancy"]
     assert_out_of_redundancy(proc, report, Path(root) / "no_spare", survivors=[0, 1, 3])
@@ -174,12 +180,14 @@ def test_no_spare_left_saves_every_shard_and_resumes_exactly(root: str) -> None:
         ).read_text()
     )
     assert manifest["complete"] and manifest["ranks_present"] == [0, 1, 2, 3]
-    resumed = _resume("no_spare", root)
+    resumed = _resume("no_spare", root, tp_reference)
     assert len(resumed["losses"]) == int(ITERS) - manifest["iteration"]
 
 
 @pytest.mark.timeout(600)
-def test_owner_and_its_holder_lost_together_is_reported_and_resumable(root: str) -> None:
+def test_owner_and_its_holder_lost_together_is_reported_and_resumable(
+    root: str, tp_reference: dict
+) -> None:
     proc, _, summary = run("owner_and_holder", root)
     report = summary["out_of_redundancy"]
     assert_out_of_redundancy(proc, report, Path(root) / "owner_and_holder", survivors=[1, 3])
@@ -193,18 +201,20 @@ def test_owner_and_its_holder_lost_together_is_reported_and_resumable(root: str)
         ).read_text()
     )
     assert manifest["ranks_missing"] == [0, 2] and not manifest["complete"]
-    resumed = _resume("owner_and_holder", root)  # from the Megatron checkpoint of iteration 2
+    resumed = _resume(
+        "owner_and_holder", root, tp_reference
+    )  # from the Megatron checkpoint of iteration 2
     assert len(resumed["losses"]) == int(ITERS) - 2
 
 
 @pytest.mark.timeout(600)
-def test_a_rank_lost_after_training_completed_costs_nothing(root: str) -> None:
+def test_a_rank_lost_after_training_completed_costs_nothing(root: str, tp_reference: dict) -> None:
     """No recovery (nothing to recompute), no live rank reported dead, the run succeeds with
     the failure-free losses and weights, and the survivors save the final state - the dead
     rank's from its holder's memory - as a complete snapshot set that `--load` resumes from."""
     proc, records, summary = run("lost_at_end", root)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    _, _, reference = run("ref_tp", root)
+    reference = tp_reference
     assert [r["loss"] for r in records] == summary["losses"] == reference["losses"]
     assert summary["final_param_digest"] == reference["final_param_digest"]
     assert summary["recoveries"] == []

@@ -1,21 +1,23 @@
 """`deadpool train` end to end through the real CLI.
 
-Two full runs (TP2 x DP2, 4 iterations; DeadPool on, then off) must give bit-identical losses
+Two full runs (TP2 x DP2, 6 iterations; DeadPool on, then off) must give bit-identical losses
 and final parameters; the DeadPool run must show each iteration's replication committed one
-iteration behind. (Its answers to bad input: tests/cli/test_train_cli.py.)
+iteration behind. The DeadPool run is the session's shared failure-free run (conftest's
+`failure_free`, which the hot-swap tests compare against). (Its answers to bad input:
+tests/cli/test_train_cli.py.)
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import run_deadpool
+from conftest import FAILURE_FREE_ARGS, TrainRun, run_deadpool
 
-ITERS = 4
-RUN_ARGS = ["train", "--tp", "2", "--dp", "2", "--iters", str(ITERS)]
+ITERS = 6
 
 
 def _read_log(path: Path) -> tuple[list[dict[str, Any]], dict[str, Any]]:
@@ -25,19 +27,23 @@ def _read_log(path: Path) -> tuple[list[dict[str, Any]], dict[str, Any]]:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    """The two full training runs of this file (each ~20 s on 2 cores)."""
-    out: dict[str, Any] = {}
-    for mode, extra in (("on", []), ("off", ["--no-deadpool"])):
-        d = tmp_path_factory.mktemp(f"train-{mode}")
-        log = d / "log.jsonl"
-        proc = run_deadpool(
-            *RUN_ARGS, *extra, "--json-log", str(log), "--run-dir", str(d / "run"), timeout=240
-        )
-        assert proc.returncode == 0, f"DeadPool {mode}: exit {proc.returncode}\n{proc.stderr}"
-        assert "Traceback" not in proc.stderr
-        records, summary = _read_log(log)
-        out[mode] = {"records": records, "summary": summary, "stdout": proc.stdout}
+def runs(
+    tmp_path_factory: pytest.TempPathFactory, failure_free: Callable[[int], TrainRun]
+) -> dict[str, Any]:
+    """The two full training runs of this file (each ~20 s on 2 cores): DeadPool on (the shared
+    failure-free run, checked there to exit 0 without a traceback), then off."""
+    _, records, summary = failure_free(ITERS)
+    out: dict[str, Any] = {"on": {"records": records, "summary": summary}}
+    d = tmp_path_factory.mktemp("train-off")
+    log = d / "log.jsonl"
+    proc = run_deadpool(
+        "train", *FAILURE_FREE_ARGS, "--iters", str(ITERS), "--no-deadpool", "--json-log",
+        str(log), "--run-dir", str(d / "run"), timeout=240,
+    )  # fmt: skip
+    assert proc.returncode == 0, f"DeadPool off: exit {proc.returncode}\n{proc.stderr}"
+    assert "Traceback" not in proc.stderr
+    records, summary = _read_log(log)
+    out["off"] = {"records": records, "summary": summary}
     return out
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import re
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -18,7 +18,7 @@ from mlm import RUN_TIMEOUT, launch, megatron_args, megatron_lm_tree
 from procs import free_port
 from standby_job import StandbyJob
 
-ITERS = 12
+ITERS = 16
 KILL_AT = 4
 ARGS = [*megatron_args(ITERS), "--use-distributed-optimizer"]
 HEARTBEAT = ["--deadpool-heartbeat-timeout", "4", "--deadpool-heartbeat-interval", "0.5"]
@@ -26,14 +26,10 @@ JOB_TIMEOUT = 2 * RUN_TIMEOUT
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
-    """Each rank's final parameter digest of a failure-free run (the local launcher)."""
-    tree = megatron_lm_tree()
-    tmp = tmp_path_factory.mktemp("mlm-reference")
-    deadpool = ["--deadpool", "--deadpool-spares", "0", "--deadpool-ranks-per-node", "2"]
-    run = launch(tmp, "reference", tree / "pretrain_gpt.py", [*ARGS, *deadpool])
-    assert run.returncode == 0, run.describe()
-    return run.summary["param_digests"]
+def reference(megatron_lm_failure_free: Callable[[int], dict[str, str]]) -> dict[str, str]:
+    """Each rank's final parameter digest of a failure-free run (the local launcher; conftest:
+    shared with the Slurm lab's Megatron-LM job)."""
+    return megatron_lm_failure_free(ITERS)
 
 
 @pytest.fixture
