@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 import torch.distributed as dist
-from procs import wait_until
+from procs import free_port, wait_until
 
 from megatron_deadpool.config.deadpool import DeadpoolConfig
 from megatron_deadpool.errors import CoordinatorUnreachableError, JobTokenError
@@ -100,6 +100,17 @@ def test_a_standby_that_has_not_taken_over_is_never_joined() -> None:
         link([primary.address, standby.address], connect_timeout=2.0).connect()
     assert time.monotonic() - t0 < 20
     assert standby.members.registration("a2") is None
+
+
+@pytest.mark.timeout(60)
+def test_a_coordinator_that_refuses_connections_is_given_up_on_after_the_connect_timeout() -> None:
+    """What a worker does when no coordinator listens (test_faults runs the worker itself,
+    whose start-up on a loaded machine would dominate any time measured there)."""
+    address = f"127.0.0.1:{free_port()}"  # nothing listens: every attempt is refused
+    t0 = time.monotonic()
+    with pytest.raises(CoordinatorUnreachableError, match=f"{address} unreachable after 2s"):
+        link([address], connect_timeout=2.0).connect()
+    assert 2.0 <= time.monotonic() - t0 < 20
 
 
 @pytest.mark.timeout(60)

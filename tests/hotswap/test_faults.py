@@ -224,14 +224,15 @@ def _worker(*args: str, env: dict[str, str] | None = None, timeout: float = 120)
 
 @pytest.mark.timeout(120)
 def test_unreachable_coordinator_is_a_clear_error_in_bounded_time() -> None:
-    t0 = time.monotonic()
+    """Exit code 4 and one clear line. That the worker gives up after its connect timeout is
+    timed without the worker's start-up (imports take most of a minute on a loaded machine) in
+    test_failover_link's refused-connections test; here the pytest timeout bounds the run."""
     proc = _worker(
         "--deadpool-coordinator", f"127.0.0.1:{free_port()}", "--deadpool-connect-timeout", "3"
     )
     assert proc.returncode == 4, proc.stderr[-2000:]
     assert "coordinator 127.0.0.1" in proc.stderr and "unreachable after 3s" in proc.stderr
     assert "Traceback" not in proc.stderr
-    assert time.monotonic() - t0 < 60
 
 
 @pytest.mark.timeout(120)
