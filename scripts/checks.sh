@@ -8,6 +8,6 @@ cd "$(dirname "$0")/.."
 bin=$(dirname "${PYTHON:-.venv/bin/python}")
 echo "checks: ruff, black, isort, mypy" >&2
 "$bin/ruff" check megatron_deadpool tests scripts
-"$bin/black" --check --quiet megatron_deadpool tests scripts
+"$bin/black" --check megatron_deadpool tests scripts
 "$bin/isort" --check-only --quiet megatron_deadpool tests scripts
 "$bin/mypy"

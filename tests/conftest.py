@@ -1,7 +1,13 @@
-"""Shared test set-up: the harness on the import path, and a runner for the real `deadpool` CLI.
+"""Shared test set-up: the harness on the import path, runners for the real `deadpool` CLI, and
+the failure-free reference runs, computed once per session.
 
 Multi-process tests use `tests/mp.py` (fresh interpreters joined in a gloo world on a loopback
-TCPStore); CLI tests run the installed `deadpool` command as a subprocess, the way a user does.
+TCPStore); CLI tests run the installed `deadpool` command as a subprocess, the way a user does
+(`run_deadpool`), or its entry point in this process (`call_deadpool`). Bitwise tests compare
+against `failure_free(iters)` (`deadpool train`) and `megatron_lm_failure_free(iters)`. Other
+helpers: tests/procs.py (ports, waiting on conditions), tests/stores.py (a recording store),
+tests/optimizers.py (optimizer stand-ins), tests/mlm.py (Megatron-LM trees and runs),
+tests/standby_job.py (a job with a standby coordinator).
 """
 
 from __future__ import annotations
@@ -43,6 +49,17 @@ def run_deadpool(
     )
 
 
+def call_deadpool(*args: str) -> int:
+    """`deadpool ARGS...` in this process, through the real entry point (`cli.main.main`): its
+    exit code, argparse's own exits included. Output goes to pytest's capture (`capsys`)."""
+    from megatron_deadpool.cli import main as cli
+
+    try:
+        return cli.main(list(args))
+    except SystemExit as exc:  # argparse's own errors and --help exit
+        return exc.code if isinstance(exc.code, int) else 1
+
+
 @pytest.fixture
 def deadpool_cli() -> Callable[..., subprocess.CompletedProcess]:
     """`deadpool_cli("train", "--tp", "0")` runs the real CLI and returns the finished process."""
@@ -53,9 +70,11 @@ def deadpool_cli() -> Callable[..., subprocess.CompletedProcess]:
 FAST_HEARTBEAT = ["--deadpool-heartbeat-timeout", "3", "--deadpool-heartbeat-interval", "0.5"]
 
 
-def train_case(
-    out: Path, args: list[str], iters: str
-) -> tuple[subprocess.CompletedProcess, list[dict], dict]:
+TrainRun = tuple[subprocess.CompletedProcess, list[dict], dict]
+"""A finished `deadpool train`: the process, the per-iteration records, the summary."""
+
+
+def train_case(out: Path, args: list[str], iters: str, timeout: float = 240) -> TrainRun:
     """`deadpool train ARGS` with logs under `out` ("{ckpt}" in ARGS becomes out/ckpt).
 
     Returns the finished process, the per-iteration records and the summary ({} if none).
@@ -73,9 +92,82 @@ def train_case(
         str(log),
         "--run-dir",
         str(out / "logs"),
-        timeout=240,
+        timeout=timeout,
     )
     lines = [json.loads(x) for x in log.read_text().splitlines()] if log.exists() else []
     if lines and lines[-1].get("event") == "summary":
         return proc, lines[:-1], lines[-1]
     return proc, lines, {}
+
+
+# The failure-free runs that bitwise tests compare against: one per session and length.
+FAILURE_FREE_ARGS = ["--tp", "2", "--dp", "2", "--spares", "0"]
+"""The CPU demo's model and layout (configs/cpu-demo.yaml: TP 2 x DP 2, two ranks per node),
+DeadPool on, no spare: what every embedded job of the tests trains, whatever its spares,
+failure domains or coordinators."""
+
+
+@pytest.fixture(scope="session")
+def failure_free(tmp_path_factory: pytest.TempPathFactory) -> Callable[[int], TrainRun]:
+    """`failure_free(iters)`: the failure-free `deadpool train` of the CPU demo for `iters`
+    iterations (`FAILURE_FREE_ARGS`), run the first time a test asks for that length in this
+    session and shared by every test comparing against it (losses and parameter digests,
+    exactly): test_hotswap, test_faults, test_frozen_peer and test_train (its DeadPool-on run)
+    at 6 iterations, test_faults' preemption at 8, test_failover and the Slurm lab at 30."""
+    done: dict[int, TrainRun] = {}
+
+    def get(iters: int) -> TrainRun:
+        if iters not in done:
+            out = tmp_path_factory.mktemp(f"failure-free-{iters}")
+            run = train_case(out, FAILURE_FREE_ARGS, str(iters), timeout=600)
+            proc, records, summary = run
+            assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+            assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+            assert len(records) == iters and summary.get("final_param_digest"), summary
+            done[iters] = run
+        return done[iters]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def megatron_lm_failure_free(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Callable[[int], dict[str, str]]:
+    """`megatron_lm_failure_free(iters)`: each rank's final parameter digest of a failure-free
+    `deadpool megatron-lm` run of the oldest supported Megatron-LM tag MEGATRON_LM_PATH lists
+    (`mlm.megatron_args(iters)`, TP 2 x DP 2, distributed optimizer, DeadPool on, no spare),
+    run once per session and length: test_megatron_lm_failover and the Slurm lab's Megatron-LM
+    job (16 iterations) compare against it. Skips without a tree."""
+    from mlm import launch, megatron_args, megatron_lm_tree
+
+    done: dict[int, dict[str, str]] = {}
+
+    def get(iters: int) -> dict[str, str]:
+        if iters not in done:
+            tree = megatron_lm_tree()
+            tmp = tmp_path_factory.mktemp(f"mlm-failure-free-{iters}")
+            args = [*megatron_args(iters), "--use-distributed-optimizer", "--deadpool",
+                    "--deadpool-spares", "0", "--deadpool-ranks-per-node", "2"]  # fmt: skip
+            run = launch(tmp, "reference", tree / "pretrain_gpt.py", args)
+            assert run.returncode == 0, run.describe()
+            assert sorted(run.iterations()) == list(range(1, iters + 1)), run.describe()
+            done[iters] = run.summary["param_digests"]
+        return done[iters]
+
+    return get
+
+
+def assert_out_of_redundancy(
+    proc: subprocess.CompletedProcess, report: dict, out: Path, survivors: list[int]
+) -> None:
+    """A `deadpool train` run (`train_case` under `out`) that ran out of redundancy: exit code
+    3, the reason on the launcher's output, and each survivor's log ending on the message it
+    exited with ("out of redundancy: REASON; ..."), as README "When memory cannot recover"
+    documents."""
+    assert proc.returncode == 3, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert report, "no out_of_redundancy report in the summary"
+    assert f"OUT OF REDUNDANCY: {report['reason']}" in proc.stdout, proc.stdout[-3000:]
+    for rank in survivors:
+        log = (out / "logs" / f"a{rank}.log").read_text(errors="replace")
+        assert f"out of redundancy: {report['reason']}; " in log, (rank, log[-2000:])

@@ -1,7 +1,9 @@
-"""Shared by the Megatron-LM tests (tests/megatron_lm/): the Megatron-LM trees to run, and a
-fresh interpreter for code that must not touch the test process.
+"""Shared by the Megatron-LM tests (tests/megatron_lm/, the Slurm lab's): the Megatron-LM trees
+to run, the tests' `pretrain_gpt.py` arguments and launcher (`launch`, a `Run`), and a fresh
+interpreter for code that must not touch the test process.
 
-The end-to-end tests run each supported tag's own `pretrain_gpt.py`. MEGATRON_LM_PATH lists
+The end-to-end tests run each supported tag's own `pretrain_gpt.py`; `fake_megatron_tree` makes
+a folder that only looks like a tree of a given release. MEGATRON_LM_PATH lists
 the Megatron-LM trees to run them against, separated by the path separator (`:`), in any
 order; each tree's tag is read from its `megatron/core/package_info.py`. A test of a tag with
 no tree in the list skips, naming what to set (README, "Use with Megatron-LM" > "Tested
@@ -11,11 +13,14 @@ combinations"). `.ci/run` sets it to prepared copies of `../shared/megatron-lm/<
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
+import re
 import subprocess
 import sys
 import sysconfig
 import textwrap
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -26,6 +31,63 @@ REPO = Path(__file__).resolve().parents[1]
 APPLY = REPO / "scripts" / "apply_patches.sh"
 TAGS = tuple(r.tag for r in RELEASES)
 OLDEST, NEWEST = TAGS[0], TAGS[-1]
+RUN_TIMEOUT = 300.0
+"""Bound on one `deadpool megatron-lm` run of the tests (4 ranks + spares, CPU)."""
+
+
+def megatron_args(iters: int) -> list[str]:
+    """The tests' `pretrain_gpt.py` arguments: a tiny GPT, TP 2 (with 4 ranks: DP 2), mock
+    data, every iteration logged, `iters` iterations."""
+    return (
+        "--tensor-model-parallel-size 2 --num-layers 2 --hidden-size 64 --num-attention-heads 4 "
+        "--seq-length 64 --max-position-embeddings 64 --micro-batch-size 2 "
+        f"--global-batch-size 8 --train-iters {iters} --lr 1e-3 --min-lr 1e-4 "
+        "--lr-decay-style cosine --lr-warmup-iters 2 --mock-data --tokenizer-type NullTokenizer "
+        "--vocab-size 128 --eval-iters 0 --eval-interval 1000 --log-interval 1 --seed 1234 "
+        "--attention-dropout 0.1 --hidden-dropout 0.1"
+    ).split()
+
+
+_LINE = re.compile(
+    r" iteration\s+(\d+)/\s*\d+ \|.*?learning rate: ([0-9.E+-]+) \|.*?lm loss: ([0-9.E+-]+) \|"
+    r".*?grad norm: ([0-9.]+) \|"
+)
+
+
+@dataclass
+class Run:
+    """A finished `launch`: exit code, the launcher's and ranks' output, summary.json."""
+
+    returncode: int
+    text: str
+    summary: dict
+    run_dir: Path
+
+    def iterations(self) -> dict[int, tuple[str, str, str]]:
+        """iteration -> (learning rate, lm loss, grad norm), each logged exactly once."""
+        found: dict[int, tuple[str, str, str]] = {}
+        for m in _LINE.finditer(self.text):
+            it = int(m.group(1))
+            assert it not in found, f"iteration {it} logged twice"
+            found[it] = m.group(2, 3, 4)
+        return found
+
+    def describe(self) -> str:
+        return self.text[-6000:]
+
+
+def launch(tmp: Path, name: str, script: Path, args: list[str], *, patched: bool = False,
+           env: dict[str, str] | None = None) -> Run:  # fmt: skip
+    """`script ARGS` on 4 ranks (+ spares, as ARGS say) through `deadpool megatron-lm`'s
+    launcher, in this process; its logs under tmp/NAME, its output in tmp/NAME.out."""
+    from megatron_deadpool.megatron_lm.launch import MegatronLauncher
+
+    out = tmp / f"{name}.out"
+    with open(out, "w") as stream:
+        rc = MegatronLauncher(str(script), args, 4, patched=patched, run_dir=str(tmp / name),
+                              timeout_s=RUN_TIMEOUT, stream=stream, env=env).run()  # fmt: skip
+    summary = json.loads((tmp / name / "summary.json").read_text())
+    return Run(rc, out.read_text(errors="replace"), summary, tmp / name)
 
 
 def run_python(code: str, timeout: float = 90.0) -> subprocess.CompletedProcess:
@@ -39,6 +101,18 @@ def run_python(code: str, timeout: float = 90.0) -> subprocess.CompletedProcess:
         timeout=timeout,
         env=env,
     )
+
+
+def fake_megatron_tree(root: Path, version: tuple[int, int, int], script: bool = True) -> Path:
+    """A folder that looks like a Megatron-LM tree of `version` (its
+    `megatron/core/package_info.py`), with a `pretrain_gpt.py` that only announces "the script
+    ran" (unless `script` is False); `root` itself."""
+    info = root / "megatron" / "core" / "package_info.py"
+    info.parent.mkdir(parents=True)
+    info.write_text("MAJOR = {}\nMINOR = {}\nPATCH = {}\nPRE_RELEASE = ''\n".format(*version))
+    if script:
+        (root / "pretrain_gpt.py").write_text("print('the script ran')\n")
+    return root
 
 
 def _trees() -> dict[str, Path]:

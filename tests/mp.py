@@ -69,7 +69,10 @@ atexit.register(WARM.close)
 
 
 class WorldError(AssertionError):
-    """A multi-process run failed: a rank raised, died, or the run timed out."""
+    """A multi-process run failed: a rank raised, died, or the run timed out. `pids`: the
+    ranks' processes (all killed by the time it is raised)."""
+
+    pids: tuple[int, ...] = ()
 
 
 def run_world(
@@ -127,8 +130,10 @@ def run_world(
                     )
                 )
         results = _collect(store, procs, timeout, log_dir, set(optional))
-    except BaseException:
+    except BaseException as exc:
         failed = True
+        if isinstance(exc, WorldError):
+            exc.pids = tuple(proc.pid for proc in procs)
         raise
     finally:
         kill_groups(procs)  # whole groups: helpers (checkpoint writers) linger

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import time
 from collections.abc import Callable
@@ -19,15 +18,10 @@ from typing import Any
 
 import pytest
 from conftest import deadpool_command
+from procs import free_port
 
 Worker = Callable[[str, int, str], tuple[list[str], dict[str, str]]]
 """(member, task index, the coordinators' addresses) -> the process's command line and extra env."""
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class StandbyJob:

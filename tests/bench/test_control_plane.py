@@ -9,28 +9,13 @@ import time
 from typing import Any
 
 import pytest
+from procs import wait_until
+from stores import Recording
 
 from megatron_deadpool.bench import control_plane
 from megatron_deadpool.bench.sim_ranks import FOREVER_S, survivor_report
 from megatron_deadpool.hotswap.membership import Membership, host_store
 from megatron_deadpool.hotswap.messages import Decision, Plan, Roster
-
-
-class Recording:
-    """A store that records (operation, first argument) of every call, then makes it."""
-
-    def __init__(self, store: Any) -> None:
-        self.store = store
-        self.ops: list[tuple[str, Any]] = []
-
-    def __getattr__(self, name: str) -> Any:
-        call = getattr(self.store, name)
-
-        def recorded(*args: Any, **kwargs: Any) -> Any:
-            self.ops.append((name, args[0] if args else None))
-            return call(*args, **kwargs)
-
-        return recorded
 
 
 def _survivor_ops(survive) -> list[tuple[str, Any]]:
@@ -41,11 +26,16 @@ def _survivor_ops(survive) -> list[tuple[str, Any]]:
     recording = Recording(store.clone())
     survivor = threading.Thread(target=survive, args=(Membership(recording, "a1"),))
     survivor.start()
-    time.sleep(0.2)  # the survivor reports and blocks on the decision before the plan exists
+
+    # The survivor reports, then blocks on the decision, before the plan exists.
+    def waiting() -> bool:
+        return any(op == "wait" for op, _ in recording.ops)
+
+    wait_until(lambda: waiting() or not survivor.is_alive(), 60, "the survivor's wait")
+    assert waiting(), recording.ops
     plan = Plan(generation=1, base=0, world_size=3, dead=(2,), needy=(2,), replaced={2: "s0"})
     coordinator.publish_plan(plan)
-    while coordinator.holdings_count(1) < 1:
-        time.sleep(0.01)
+    wait_until(lambda: coordinator.holdings_count(1) >= 1, 60, "the survivor's report")
     coordinator.decide(1, Decision.roster(6))
     coordinator.claim_slot(1, 2)  # as the newcomer of rank 2 does before it joins
     survivor.join(30)

@@ -20,20 +20,20 @@ import shutil
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
-from conftest import run_deadpool
-from mlm import megatron_lm_tree
+from conftest import TrainRun, run_deadpool
+from mlm import megatron_args, megatron_lm_tree
 
 ROOT = Path(__file__).resolve().parents[2]
 # Short (munge's socket path), fixed per checkout (an interrupted run's lab is taken down first).
 LAB_DIR = Path("/tmp") / f"dplab-{hashlib.sha256(str(ROOT).encode()).hexdigest()[:8]}"
-ITERS = 40
+ITERS = 30
 FAIL_AT = 10  # the iteration after which a node fails
 JOB_TIMEOUT = 300.0  # per Slurm job: start-up of 6 Python processes on 2 shared cores included
 
@@ -73,7 +73,7 @@ def lab(lab_host: None) -> Iterator[Any]:
 
 # ---------------------------------------------------------------------- the job
 def write_job(folder: Path, **train: Any) -> Path:
-    """The embedded job's config: the CPU demo model, 40 iterations, fast hang detection."""
+    """The embedded job's config: the CPU demo model, ITERS iterations, fast hang detection."""
     folder.mkdir(parents=True, exist_ok=True)
     config = {
         "model": {
@@ -99,25 +99,10 @@ EXPECTED_SETTINGS = {"heartbeat_interval": 0.5, "heartbeat_timeout": 3.0, "pg_ti
 
 
 @pytest.fixture(scope="module")
-def reference(lab_host: None, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    """`deadpool train` on one machine with the same job: its JSON summary."""
-    tmp = tmp_path_factory.mktemp("reference")
-    proc = run_deadpool(
-        "train",
-        "--config",
-        str(write_job(tmp)),
-        "--spares",
-        "0",
-        "--json-log",
-        str(tmp / "run.jsonl"),
-        "--run-dir",
-        str(tmp / "logs"),
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    summary = json.loads((tmp / "run.jsonl").read_text().splitlines()[-1])
-    assert summary["event"] == "summary" and summary["final_param_digest"]
-    return summary
+def reference(lab_host: None, failure_free: Callable[[int], TrainRun]) -> dict[str, Any]:
+    """`deadpool train` on one machine with the same model and layout: its JSON summary
+    (conftest: shared with test_failover)."""
+    return failure_free(ITERS)[2]
 
 
 @dataclass
@@ -494,15 +479,8 @@ def test_both_coordinators_nodes_lost_survivors_save_and_the_job_ends(
 
 
 # ---------------------------------------------------------------------- Megatron-LM
-MLM_ITERS = 16
-MLM_ARGS = (
-    "--tensor-model-parallel-size 2 --num-layers 2 --hidden-size 64 --num-attention-heads 4 "
-    "--seq-length 64 --max-position-embeddings 64 --micro-batch-size 2 --global-batch-size 8 "
-    f"--train-iters {MLM_ITERS} --lr 1e-3 --min-lr 1e-4 --lr-decay-style cosine "
-    "--lr-warmup-iters 2 --mock-data --tokenizer-type NullTokenizer --vocab-size 128 "
-    "--eval-iters 0 --eval-interval 1000 --log-interval 1 --seed 1234 --attention-dropout 0.1 "
-    "--hidden-dropout 0.1 --use-distributed-optimizer"
-)
+MLM_ITERS = 16  # as test_megatron_lm_failover: both compare against one failure-free run
+MLM_ARGS = " ".join([*megatron_args(MLM_ITERS), "--use-distributed-optimizer"])
 MLM_FLAGS = (
     "--deadpool-heartbeat-timeout 3 --deadpool-heartbeat-interval 0.5 --deadpool-pg-timeout 30"
 )
@@ -510,20 +488,13 @@ MLM_FLAGS = (
 
 @pytest.mark.timeout(3 * JOB_TIMEOUT + 600)
 def test_megatron_lm_node_killed_mid_run_the_spare_node_takes_over(
-    lab: Any, tmp_path: Path
+    lab: Any, tmp_path: Path, megatron_lm_failure_free: Callable[[int], dict[str, str]]
 ) -> None:
     """DEADPOOL_MODE=megatron-lm through vista.sbatch: pretrain_gpt.py unmodified, node 1's
     tasks killed at an iteration from Megatron's own log line; the final weights are those of
     `deadpool megatron-lm` on one machine without a failure."""
     tree = megatron_lm_tree()  # the oldest supported tag MEGATRON_LM_PATH lists
-    local = run_deadpool(
-        "megatron-lm", "--nproc-per-node", "4", "--run-dir", str(tmp_path / "reference"),
-        str(tree / "pretrain_gpt.py"), *MLM_ARGS.split(), "--deadpool",
-        "--deadpool-ranks-per-node", "2", *MLM_FLAGS.split(),
-        timeout=2 * JOB_TIMEOUT,
-    )  # fmt: skip
-    assert local.returncode == 0, local.stdout[-3000:] + local.stderr[-3000:]
-    expected = json.loads((tmp_path / "reference" / "summary.json").read_text())["param_digests"]
+    expected = megatron_lm_failure_free(MLM_ITERS)  # conftest: the same run on one machine
     job = submit(
         lab,
         tmp_path / "logs",

@@ -14,19 +14,23 @@ leaves the threads blocked. The stopped rank is killed by the harness at the end
 from __future__ import annotations
 
 import datetime
+import linecache
 import os
 import signal
+import sys
 import threading
 import time
 from typing import Any
 
 import pytest
 from mp import run_world
+from procs import wait_stopped, wait_until
 
 PG_TIMEOUT_S = 60.0
 
 
 def _blocked(target: Any) -> tuple[threading.Thread, dict[str, Any]]:
+    """A thread running `target` (a collective that blocks), and what it raised and when."""
     outcome: dict[str, Any] = {}
 
     def run() -> None:
@@ -43,6 +47,18 @@ def _blocked(target: Any) -> tuple[threading.Thread, dict[str, Any]]:
     return thread, outcome
 
 
+def _waiting_in_collective(thread: threading.Thread) -> bool:
+    """Whether `thread` is in a torch.distributed call at its `work.wait()`: the operation is
+    posted and the thread blocks on it (in C++, with the GIL released)."""
+    frame = sys._current_frames().get(thread.ident or -1)
+    while frame is not None:
+        path = frame.f_code.co_filename
+        if path.endswith("distributed_c10d.py"):
+            return linecache.getline(path, frame.f_lineno).strip() == "work.wait()"
+        frame = frame.f_back
+    return False
+
+
 def _abort_rank(*, rank: int, world_size: int, store: Any, use_deadpool: bool) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
@@ -56,17 +72,21 @@ def _abort_rank(*, rank: int, world_size: int, store: Any, use_deadpool: bool) -
     pair = dist.new_group([0, 2], backend="gloo", timeout=timeout)  # members only use it
     dist.barrier()
     if rank == 2:
-        store.set("stopping", "1")
+        store.set("stopping", str(os.getpid()))
         os.kill(os.getpid(), signal.SIGSTOP)  # never continued: the harness kills it
         time.sleep(3600)
     store.wait(["stopping"])
-    time.sleep(0.3)  # rank 2 is stopped by now
+    wait_stopped(int(store.get("stopping")))
     threads = [_blocked(lambda: dist.all_reduce(torch.ones(1 << 16)))]
     if rank == 0:
         threads.append(_blocked(lambda: dist.recv(torch.empty(8), src=2, group=pair)))
     else:
         threads.append(_blocked(lambda: dist.all_reduce(torch.ones(4), group=sub)))
-    time.sleep(1.0)
+    wait_until(
+        lambda: all(_waiting_in_collective(t) or not t.is_alive() for t, _ in threads),
+        30,
+        "both threads to block in their collective",
+    )
     still_blocked = all(t.is_alive() for t, _ in threads)
     connections = len(tracked())
     t0 = time.monotonic()

@@ -302,15 +302,12 @@ def test_bench_recovery_fails_when_a_recovered_run_differs(
     monkeypatch.setattr(recovery, "launch", _fake_launch({"deadpool": "ref", "restart": "x"}))
     assert cli.main(["bench", "recovery", "--fail", f"2@{FAIL_AT}"]) == 1
     assert "differs from the failure-free run" in capsys.readouterr().err
-    assert cli.main(["bench", "recovery", "--fail", "2@8:hang"]) == 2
 
 
 @pytest.mark.timeout(60)
 def test_bench_recovery_repeats_report_medians_and_the_speedups_interval(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
 ) -> None:
-    from megatron_deadpool.cli import main as cli
-
     rc, data = _bench_recovery(tmp_path, monkeypatch, "--repeats", "6")
     assert rc == 0, capsys.readouterr().err
     printed = capsys.readouterr().out
@@ -319,5 +316,3 @@ def test_bench_recovery_repeats_report_medians_and_the_speedups_interval(
     assert data["speedup_ratio"]["ci"] == pytest.approx([speedup, speedup])
     assert data["deadpool_recomputed_runs"] == [0] * 6
     assert f"median: {speedup:.1f}x (95% CI" in printed and "0/0/0/0/0/0" in printed
-    assert cli.main(["bench", "recovery", "--repeats", "0"]) == 2
-    assert "--repeats" in capsys.readouterr().err

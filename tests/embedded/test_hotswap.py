@@ -4,23 +4,25 @@ Each case runs `deadpool train` with injected failures (SIGKILL then SIGSTOP in 
 whole node, a pipeline-parallel rank) and checks that the run ends with exactly the losses and
 the parameter digest of the failure-free run, recomputes at most one iteration, and leaves no object
 holding a process group of an aborted generation. Failures memory cannot recover end the run
-with a non-zero exit code and a report naming the lost ranks and shards.
+with exit code 3, the reason on the launcher's output and in each survivor's log, and a report
+naming the lost ranks and shards.
 """
 
 from __future__ import annotations
 
 import json
 import subprocess
+from collections.abc import Callable
 from functools import cache
 from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import run_deadpool, train_case
+from conftest import TrainRun, assert_out_of_redundancy, run_deadpool, train_case
 
 ITERS = "6"
 CASES: dict[str, list[str]] = {
-    "ref_tp": ["--tp", "2", "--dp", "2"],
+    # The TP2 x DP2 cases compare against the session's shared failure-free run (`tp_reference`).
     "ref_pp": ["--pp", "2", "--dp", "2"],
     # One run, two failures: a crash, then a hang (SIGSTOP) of another rank.
     "kill_then_hang": [
@@ -81,10 +83,16 @@ def root(tmp_path_factory: pytest.TempPathFactory) -> str:
     return str(tmp_path_factory.mktemp("hotswap"))
 
 
-def _check_recovered(case: str, ref: str, root: str, dead: list[list[int]]) -> dict:
+@pytest.fixture(scope="module")
+def tp_reference(failure_free: Callable[[int], TrainRun]) -> dict[str, Any]:
+    """The summary of the failure-free TP2 x DP2 run of ITERS iterations (conftest: shared with
+    test_faults, test_frozen_peer and test_train)."""
+    return failure_free(int(ITERS))[2]
+
+
+def _check_recovered(case: str, reference: dict, root: str, dead: list[list[int]]) -> dict:
     proc, _, summary = run(case, root)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    _, _, reference = run(ref, root)
     assert summary["losses"] == reference["losses"]
     assert summary["final_param_digest"] == reference["final_param_digest"]
     assert summary["dp_replicas_identical"]
@@ -110,27 +118,30 @@ def _check_recovered(case: str, ref: str, root: str, dead: list[list[int]]) -> d
 
 
 @pytest.mark.timeout(600)
-def test_killed_then_hung_ranks_are_replaced_bitwise(root: str) -> None:
-    summary = _check_recovered("kill_then_hang", "ref_tp", root, [[2], [1]])
+def test_killed_then_hung_ranks_are_replaced_bitwise(root: str, tp_reference: dict) -> None:
+    summary = _check_recovered("kill_then_hang", tp_reference, root, [[2], [1]])
     assert [r["generation"] for r in summary["recoveries"]] == [1, 2]
-    crash, hang = summary["recoveries"]
-    assert crash["phases_s"]["detect"] < 2.0  # the launcher sees the exit at once
+    _, hang = summary["recoveries"]
     assert hang["phases_s"]["detect"] >= 2.5  # heartbeat timeout is 3 s
     events = (Path(root) / "kill_then_hang" / "logs" / "events.jsonl").read_text()
-    assert "(hung); killed" in events
+    dead = [json.loads(x)["why"] for x in events.splitlines() if '"process_dead"' in x]
+    # The crash is seen by the launcher as the process exits, not by a heartbeat timeout (how
+    # long detection takes: `deadpool bench recovery`, its "detect failure" row).
+    assert len(dead) == 2 and dead[0] == "exited with code -9", dead
+    assert dead[1].endswith("(hung); killed"), dead
 
 
 @pytest.mark.timeout(600)
 def test_pipeline_parallel_rank_is_replaced_bitwise(root: str) -> None:
-    _check_recovered("pp_kill", "ref_pp", root, [[3]])
+    _check_recovered("pp_kill", run("ref_pp", root)[2], root, [[3]])
 
 
 @pytest.mark.timeout(600)
-def test_whole_node_is_replaced_by_two_spares(root: str) -> None:
-    _check_recovered("node", "ref_tp", root, [[2, 3]])
+def test_whole_node_is_replaced_by_two_spares(root: str, tp_reference: dict) -> None:
+    _check_recovered("node", tp_reference, root, [[2, 3]])
 
 
-def _resume(case: str, root: str) -> dict[str, Any]:
+def _resume(case: str, root: str, reference: dict[str, Any]) -> dict[str, Any]:
     """`--load` the directory the failed run saved into; the run must end as if unbroken."""
     out = Path(root) / case
     proc = run_deadpool(
@@ -149,21 +160,19 @@ def _resume(case: str, root: str) -> dict[str, Any]:
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     summary = json.loads((out / "resume.jsonl").read_text().splitlines()[-1])
-    _, _, reference = run("ref_tp", root)
     assert summary["losses"] == reference["losses"][-len(summary["losses"]) :]
     assert summary["final_param_digest"] == reference["final_param_digest"]
     return summary
 
 
 @pytest.mark.timeout(600)
-def test_no_spare_left_saves_every_shard_and_resumes_exactly(root: str) -> None:
+def test_no_spare_left_saves_every_shard_and_resumes_exactly(root: str, tp_reference: dict) -> None:
     proc, _, summary = run("no_spare", root)
-    assert proc.returncode != 0
     report = summary["out_of_redundancy"]
+    assert_out_of_redundancy(proc, report, Path(root) / "no_spare", survivors=[0, 1, 3])
     assert report["dead_ranks"] == [2] and report["lost_ranks"] == []  # nothing lost
     assert "no spare left" in report["reason"]
     assert report["save"]["complete"] and report["save"]["sources"] == {"2": 0}
-    assert "OUT OF REDUNDANCY" in proc.stdout
     assert summary["final_param_digest"] is None
     manifest = json.loads(
         next(
@@ -171,15 +180,17 @@ def test_no_spare_left_saves_every_shard_and_resumes_exactly(root: str) -> None:
         ).read_text()
     )
     assert manifest["complete"] and manifest["ranks_present"] == [0, 1, 2, 3]
-    resumed = _resume("no_spare", root)
+    resumed = _resume("no_spare", root, tp_reference)
     assert len(resumed["losses"]) == int(ITERS) - manifest["iteration"]
 
 
 @pytest.mark.timeout(600)
-def test_owner_and_its_holder_lost_together_is_reported_and_resumable(root: str) -> None:
+def test_owner_and_its_holder_lost_together_is_reported_and_resumable(
+    root: str, tp_reference: dict
+) -> None:
     proc, _, summary = run("owner_and_holder", root)
-    assert proc.returncode != 0
     report = summary["out_of_redundancy"]
+    assert_out_of_redundancy(proc, report, Path(root) / "owner_and_holder", survivors=[1, 3])
     assert report["lost_ranks"] == [0, 2]
     assert report["lost_shards_holders"] == {"0": [2], "2": [0]}
     assert "no surviving copy" in report["reason"]
@@ -190,18 +201,20 @@ def test_owner_and_its_holder_lost_together_is_reported_and_resumable(root: str)
         ).read_text()
     )
     assert manifest["ranks_missing"] == [0, 2] and not manifest["complete"]
-    resumed = _resume("owner_and_holder", root)  # from the Megatron checkpoint of iteration 2
+    resumed = _resume(
+        "owner_and_holder", root, tp_reference
+    )  # from the Megatron checkpoint of iteration 2
     assert len(resumed["losses"]) == int(ITERS) - 2
 
 
 @pytest.mark.timeout(600)
-def test_a_rank_lost_after_training_completed_costs_nothing(root: str) -> None:
+def test_a_rank_lost_after_training_completed_costs_nothing(root: str, tp_reference: dict) -> None:
     """No recovery (nothing to recompute), no live rank reported dead, the run succeeds with
     the failure-free losses and weights, and the survivors save the final state - the dead
     rank's from its holder's memory - as a complete snapshot set that `--load` resumes from."""
     proc, records, summary = run("lost_at_end", root)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    _, _, reference = run("ref_tp", root)
+    reference = tp_reference
     assert [r["loss"] for r in records] == summary["losses"] == reference["losses"]
     assert summary["final_param_digest"] == reference["final_param_digest"]
     assert summary["recoveries"] == []

@@ -36,6 +36,7 @@ import pytest
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 
 import torch
+from optimizers import Scheduler, Wrapped
 
 pytestmark = [
     pytest.mark.gpu,
@@ -131,23 +132,6 @@ def test_pack_kernel_matches_the_host_checksum_and_is_timed_against_a_copy(gib: 
 # ---------------------------------------------------------------------- 2.-3. capture
 
 
-class _Wrapped:
-    def __init__(self, opt: torch.optim.Optimizer) -> None:
-        self.optimizer = opt
-        self.param_groups = opt.param_groups
-
-
-class _Scheduler:
-    def __init__(self) -> None:
-        self.num_steps = 0
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"num_steps": self.num_steps}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.num_steps += state["num_steps"]
-
-
 def _gpu_state(numel: int, seed: int = 0) -> Any:
     """A torch Adam over CUDA parameters after one step (its `step` is a CPU scalar)."""
     from megatron_deadpool.replication.snapshot import RankState
@@ -162,7 +146,7 @@ def _gpu_state(numel: int, seed: int = 0) -> Any:
         p.grad = torch.randn(p.shape, device="cuda", generator=gen)
     opt.step()
     assert opt.state[params[0]]["step"].device.type == "cpu"
-    return RankState(_Wrapped(opt), _Scheduler())
+    return RankState(Wrapped(opt), Scheduler())
 
 
 @pytest.mark.timeout(300)

@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 import torch.distributed as dist
+from procs import free_port, wait_until
 
 from megatron_deadpool.config.deadpool import DeadpoolConfig
 from megatron_deadpool.errors import CoordinatorUnreachableError, JobTokenError
@@ -102,6 +103,17 @@ def test_a_standby_that_has_not_taken_over_is_never_joined() -> None:
 
 
 @pytest.mark.timeout(60)
+def test_a_coordinator_that_refuses_connections_is_given_up_on_after_the_connect_timeout() -> None:
+    """What a worker does when no coordinator listens (test_faults runs the worker itself,
+    whose start-up on a loaded machine would dominate any time measured there)."""
+    address = f"127.0.0.1:{free_port()}"  # nothing listens: every attempt is refused
+    t0 = time.monotonic()
+    with pytest.raises(CoordinatorUnreachableError, match=f"{address} unreachable after 2s"):
+        link([address], connect_timeout=2.0).connect()
+    assert 2.0 <= time.monotonic() - t0 < 20
+
+
+@pytest.mark.timeout(60)
 def test_another_jobs_coordinator_is_refused() -> None:
     other = Server()
     other.serve(0, "x", token="job-B")
@@ -121,14 +133,14 @@ def test_a_process_re_registers_with_the_standby_that_took_over() -> None:
     assert membership.progress() == 7 and lk.identity == CoordinatorIdentity(0, "primary")
 
     def take_over() -> None:  # what `Standby` does, by hand
-        time.sleep(1.0)
+        # Only once the process, having lost the primary, has found the standby serving no job.
+        wait_until(lambda: len(standby.sockets) > tried, 30, "a connection to the standby")
         standby.serve(1, "standby")
-        deadline = time.monotonic() + 30
-        while standby.membership.registration("a2") is None and time.monotonic() < deadline:
-            time.sleep(0.05)
+        wait_until(lambda: standby.membership.registration("a2"), 30, "a2's re-registration")
         standby.membership.set_progress(7)
         standby.membership.publish_rebuilt(1)
 
+    tried = len(standby.sockets)
     helper = threading.Thread(target=take_over)
     helper.start()
     primary.stop()

@@ -10,19 +10,27 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import time
+from collections.abc import Callable
 from functools import cache
 from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import REPO_ROOT, deadpool_command, run_deadpool, train_case
+from conftest import (
+    REPO_ROOT,
+    TrainRun,
+    assert_out_of_redundancy,
+    deadpool_command,
+    run_deadpool,
+    train_case,
+)
+from procs import free_port
 
 ITERS = "6"
 CASES: dict[str, list[str]] = {
-    "ref_tp": ["--tp", "2", "--dp", "2"],
+    # TP2 x DP2 cases compare against the session's shared failure-free run (`tp_reference`).
     "ref_dp3": ["--tp", "1", "--dp", "3"],
     # Rank 1 holds replicas of ranks 0 and 2 (k=2); rank 0 dies and every copy rank 1 holds
     # rots just before agreement: checksums must catch it and rank 2's copy be used instead.
@@ -109,10 +117,16 @@ def run(case: str, root: str) -> tuple[subprocess.CompletedProcess, dict[str, An
     return proc, summary
 
 
-def _same_as(case: str, ref: str, root: str) -> dict[str, Any]:
+@pytest.fixture(scope="module")
+def tp_reference(failure_free: Callable[[int], TrainRun]) -> dict[str, Any]:
+    """The summary of the failure-free TP2 x DP2 run of ITERS iterations (conftest: shared with
+    test_hotswap, test_frozen_peer and test_train)."""
+    return failure_free(int(ITERS))[2]
+
+
+def _same_as(case: str, reference: dict[str, Any], root: str) -> dict[str, Any]:
     proc, summary = run(case, root)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    _, reference = run(ref, root)
     assert summary["losses"] == reference["losses"]
     assert summary["final_param_digest"] == reference["final_param_digest"]
     for rec in summary["recoveries"]:
@@ -122,7 +136,7 @@ def _same_as(case: str, ref: str, root: str) -> dict[str, Any]:
 
 @pytest.mark.timeout(600)
 def test_corrupt_replica_is_caught_and_another_copy_used(root: str) -> None:
-    summary = _same_as("flip_fallback", "ref_dp3", root)
+    summary = _same_as("flip_fallback", run("ref_dp3", root)[1], root)
     assert [r["dead_ranks"] for r in summary["recoveries"]] == [[0]]
     logs = "".join(p.read_text() for p in (Path(root) / "flip_fallback" / "logs").glob("a1.log"))
     assert "dropping a corrupt copy before recovery" in logs
@@ -135,25 +149,29 @@ def test_corrupt_replica_is_caught_and_another_copy_used(root: str) -> None:
 @pytest.mark.timeout(600)
 def test_only_copy_corrupt_ends_the_run_naming_the_shard(root: str) -> None:
     proc, summary = run("flip_lost", root)
-    assert proc.returncode != 0
     report = summary["out_of_redundancy"]
+    assert_out_of_redundancy(proc, report, Path(root) / "flip_lost", survivors=[0, 1, 3])
     assert report["lost_ranks"] == [2] and report["lost_shards_holders"] == {"2": [0]}
     assert summary["final_param_digest"] is None
 
 
 @pytest.mark.timeout(600)
-def test_second_failure_during_recovery_starts_over(root: str) -> None:
-    summary = _same_as("during_recovery", "ref_tp", root)
+def test_second_failure_during_recovery_starts_over(
+    root: str, tp_reference: dict[str, Any]
+) -> None:
+    summary = _same_as("during_recovery", tp_reference, root)
     (rec,) = summary["recoveries"]
     assert rec["dead_ranks"] == [1, 2] and rec["generation"] == 2  # re-planned once
     assert sorted(rec["replaced_by"].values()) == ["s0", "s1"]
 
 
 @pytest.mark.timeout(600)
-def test_spare_lost_before_it_joins_is_replaced_by_the_next(root: str) -> None:
+def test_spare_lost_before_it_joins_is_replaced_by_the_next(
+    root: str, tp_reference: dict[str, Any]
+) -> None:
     """Without the slot claim the survivors waited in generation 1's rendezvous for s0 until
     the process groups' timeout, and the coordinator took them for dead (out of redundancy)."""
-    summary = _same_as("newcomer_lost", "ref_tp", root)
+    summary = _same_as("newcomer_lost", tp_reference, root)
     (rec,) = summary["recoveries"]
     assert rec["dead_ranks"] == [2] and rec["replaced_by"] == {"2": "s1"}
     assert rec["generation"] == 2  # generation 1 (rank 2 <- s0) never formed
@@ -166,8 +184,10 @@ def test_spare_lost_before_it_joins_is_replaced_by_the_next(root: str) -> None:
 
 
 @pytest.mark.timeout(600)
-def test_dead_spare_shrinks_the_pool_and_the_next_one_is_used(root: str) -> None:
-    summary = _same_as("spare_dies", "ref_tp", root)
+def test_dead_spare_shrinks_the_pool_and_the_next_one_is_used(
+    root: str, tp_reference: dict[str, Any]
+) -> None:
+    summary = _same_as("spare_dies", tp_reference, root)
     assert summary["recoveries"][0]["replaced_by"] == {"2": "s1"}
     events = [
         json.loads(x)
@@ -177,12 +197,6 @@ def test_dead_spare_shrinks_the_pool_and_the_next_one_is_used(root: str) -> None
     # in the same instant - the plan is redone with s1. Either way it is never used.
     assert any(e["event"] == "process_dead" and e["member"] == "s0" for e in events)
     assert not any(e["event"] == "recovered" and "s0" in e["replaced_by"].values() for e in events)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _worker(*args: str, env: dict[str, str] | None = None, timeout: float = 120):
@@ -210,14 +224,15 @@ def _worker(*args: str, env: dict[str, str] | None = None, timeout: float = 120)
 
 @pytest.mark.timeout(120)
 def test_unreachable_coordinator_is_a_clear_error_in_bounded_time() -> None:
-    t0 = time.monotonic()
+    """Exit code 4 and one clear line. That the worker gives up after its connect timeout is
+    timed without the worker's start-up (imports take most of a minute on a loaded machine) in
+    test_failover_link's refused-connections test; here the pytest timeout bounds the run."""
     proc = _worker(
-        "--deadpool-coordinator", f"127.0.0.1:{_free_port()}", "--deadpool-connect-timeout", "3"
+        "--deadpool-coordinator", f"127.0.0.1:{free_port()}", "--deadpool-connect-timeout", "3"
     )
     assert proc.returncode == 4, proc.stderr[-2000:]
     assert "coordinator 127.0.0.1" in proc.stderr and "unreachable after 3s" in proc.stderr
     assert "Traceback" not in proc.stderr
-    assert time.monotonic() - t0 < 60
 
 
 @pytest.mark.timeout(120)
@@ -230,7 +245,7 @@ def test_coordinator_address_that_does_not_resolve_is_refused() -> None:
 
 @pytest.mark.timeout(180)
 def test_process_from_another_job_is_refused(tmp_path: Path) -> None:
-    port = _free_port()
+    port = free_port()
     coord = subprocess.Popen(
         [
             *deadpool_command(),
@@ -266,7 +281,9 @@ def test_process_from_another_job_is_refused(tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(300)
-def test_sigterm_saves_a_checkpoint_and_resumes_exactly(tmp_path: Path) -> None:
+def test_sigterm_saves_a_checkpoint_and_resumes_exactly(
+    tmp_path: Path, failure_free: Callable[[int], TrainRun]
+) -> None:
     ckpt, log = tmp_path / "ckpt", tmp_path / "pre.jsonl"
     env = {k: v for k, v in os.environ.items() if k != "PYTHONWARNINGS"}
     proc = subprocess.Popen(
@@ -320,20 +337,7 @@ def test_sigterm_saves_a_checkpoint_and_resumes_exactly(tmp_path: Path) -> None:
     )
     assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-2000:]
     post = json.loads((tmp_path / "post.jsonl").read_text().splitlines()[-1])
-    full = run_deadpool(
-        "train",
-        "--tp",
-        "2",
-        "--dp",
-        "2",
-        "--iters",
-        "8",
-        "--json-log",
-        str(tmp_path / "full.jsonl"),
-        timeout=240,
-    )
-    assert full.returncode == 0
-    ref = json.loads((tmp_path / "full.jsonl").read_text().splitlines()[-1])
+    _, _, ref = failure_free(8)  # the same run without SIGTERM (shared: conftest)
     assert summary["losses"][:stopped] == ref["losses"][:stopped]
     assert post["losses"] == ref["losses"][stopped:]
     assert post["final_param_digest"] == ref["final_param_digest"]

@@ -16,25 +16,20 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from conftest import REPO_ROOT, deadpool_command, train_case
+from conftest import REPO_ROOT, TrainRun, deadpool_command
+from procs import free_port
 
 ITERS = "6"
 TIMING = [
     "--deadpool-heartbeat-interval", "0.5", "--deadpool-heartbeat-timeout", "4",
     "--deadpool-agree-timeout", "60", "--deadpool-pg-timeout", "150",
 ]  # fmt: skip
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _spawn(cmd: list[str], log: Path, env: dict[str, str]) -> subprocess.Popen:
@@ -46,9 +41,9 @@ def _spawn(cmd: list[str], log: Path, env: dict[str, str]) -> subprocess.Popen:
 
 @pytest.mark.timeout(400)
 def test_frozen_rank_is_replaced_without_waiting_for_the_collective_timeout(
-    tmp_path: Path,
+    tmp_path: Path, failure_free: Callable[[int], TrainRun]
 ) -> None:
-    port = _free_port()
+    port = free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1", "DEADPOOL_JOB_TOKEN": "frozen-test"}
     config = str(REPO_ROOT / "configs" / "cpu-demo.yaml")
     procs: list[subprocess.Popen] = []
@@ -96,5 +91,5 @@ def test_frozen_rank_is_replaced_without_waiting_for_the_collective_timeout(
     assert any("aborting this rank's process groups" in text for text in survivors), survivors[0]
     assert all("entering recovery" in text for text in survivors)
     (finished,) = [e for e in events if e["event"] == "finished"]
-    _, _, reference = train_case(tmp_path / "reference", ["--config", config], ITERS)
+    _, _, reference = failure_free(int(ITERS))  # the CPU demo without the failure (conftest)
     assert finished["final_param_digest"] == reference["final_param_digest"]

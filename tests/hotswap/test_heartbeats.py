@@ -18,6 +18,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from procs import wait_until
+from stores import Recording, keys_waited_on
 
 from megatron_deadpool.hotswap.heartbeats import HeartbeatClock
 from megatron_deadpool.hotswap.messages import Decision, Plan, Roster
@@ -115,17 +117,17 @@ def test_agreement_blocks_until_decided_and_follows_a_superseding_plan() -> None
     """A survivor reports for plan 1; more ranks die, plan 2 supersedes it; the survivor
     reports again and returns with roster 2 - without polling (it only ever blocks), and
     without reading the full roster (it applies the plan's replacements to its own)."""
-    coord, plan, thread, out = _survivor_reported_for_plan_1()
+    coord, plan, thread, out, survivor = _survivor_reported_for_plan_1()
     report = coord.holdings(1, 0)
     assert report is not None and report.last_completed == 7
     replaced = {1: "s1", 2: "s0"}
     coord.publish_plan(replace(plan, generation=2, needy=(1, 2), replaced=replaced))
     coord.decide(1, Decision.superseded(2))
-    _wait_for(lambda: coord.holdings_count(2) == 1)
+    wait_until(lambda: coord.holdings_count(2) == 1, 10, "the report for plan 2")
     coord.decide(2, Decision.roster(6))  # no gen2/roster key: the survivor must not need it
     coord.claim_slot(2, 1)
-    time.sleep(0.3)
-    assert thread.is_alive()  # it joins only once every newcomer claimed its slot
+    # It joins only once every newcomer claimed its slot: it blocks on s0's claim.
+    _wait_blocked_on_claim(survivor, coord, thread, 2, 2)
     coord.claim_slot(2, 2)
     thread.join(10)
     assert "error" not in out, out
@@ -138,15 +140,14 @@ def test_a_newcomer_lost_before_its_claim_sends_the_survivor_to_the_next_plan() 
     gives the slot up and plans generation 2 (rank 2 <- s1); the survivor, which waited for the
     claim instead of entering generation 1's rendezvous, reports for plan 2 and returns its
     roster. A claim made before the give-up stands (`compare_set`)."""
-    coord, plan, thread, out = _survivor_reported_for_plan_1()
+    coord, plan, thread, out, survivor = _survivor_reported_for_plan_1()
     coord.decide(1, Decision.roster(7))
-    time.sleep(0.3)
-    assert thread.is_alive()  # waiting for s0's claim
+    _wait_blocked_on_claim(survivor, coord, thread, 1, 2)  # waiting for s0's claim
     coord.give_up_slot(1, 2)
     assert not coord.claim_slot(1, 2)  # s0, had it lived: too late
     coord.publish_plan(replace(plan, generation=2, base=1, replaced={2: "s1"}))
     coord.decide(1, Decision.superseded(2))
-    _wait_for(lambda: coord.holdings_count(2) == 1)
+    wait_until(lambda: coord.holdings_count(2) == 1, 10, "the report for plan 2")
     coord.publish_roster(Roster(2, 3, {0: "a0", 1: "a1", 2: "s1"}, restore_iteration=7))
     coord.decide(2, Decision.roster(7))
     assert coord.claim_slot(2, 2)
@@ -156,19 +157,30 @@ def test_a_newcomer_lost_before_its_claim_sends_the_survivor_to_the_next_plan() 
     assert out["roster"] == Roster(2, 3, {0: "a0", 1: "a1", 2: "s1"}, restore_iteration=7)
 
 
-def _survivor_reported_for_plan_1() -> tuple[Any, Plan, threading.Thread, dict]:
+def _survivor_reported_for_plan_1() -> tuple[Any, Plan, threading.Thread, dict, Recording]:
     """A store, the coordinator's view of it, and a survivor in agreement that has reported
     for plan 1 (rank 2 <- s0): (coordinator membership, plan 1, the survivor's thread, its
-    result dict)."""
+    result dict, the survivor's recording store)."""
     from megatron_deadpool.hotswap.membership import Membership, host_store
 
     store = host_store("127.0.0.1", 0)
     coord = Membership(store, "coordinator")
-    thread, out = _survivor_in_agreement(Membership(store.clone(), "a0"))
+    survivor = Recording(store.clone())
+    thread, out = _survivor_in_agreement(Membership(survivor, "a0"))
     plan = Plan(generation=1, base=0, world_size=3, dead=(2,), needy=(2,), replaced={2: "s0"})
     coord.publish_plan(plan)
-    _wait_for(lambda: coord.holdings_count(1) == 1)
-    return coord, plan, thread, out
+    wait_until(lambda: coord.holdings_count(1) == 1, 10, "the report for plan 1")
+    return coord, plan, thread, out, survivor
+
+
+def _wait_blocked_on_claim(
+    survivor: Recording, coord: Any, thread: threading.Thread, generation: int, rank: int
+) -> None:
+    """Until the survivor blocks in a store wait on the newcomer's claim of `rank`'s slot in
+    `generation` (which nobody made yet), then check it is still there."""
+    claim = keys_waited_on(coord.store, lambda m: m.wait_newcomers(generation, [rank], 0.001))
+    wait_until(lambda: survivor.waited_on(claim) or not thread.is_alive(), 10, f"a wait on {claim}")
+    assert thread.is_alive() and survivor.waited_on(claim), survivor.ops
 
 
 def _survivor_in_agreement(survivor) -> tuple[threading.Thread, dict]:
@@ -194,10 +206,3 @@ def _survivor_in_agreement(survivor) -> tuple[threading.Thread, dict]:
     thread = threading.Thread(target=run)
     thread.start()
     return thread, out
-
-
-def _wait_for(condition, timeout_s: float = 10.0) -> None:
-    end = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < end, "timed out"
-        time.sleep(0.01)

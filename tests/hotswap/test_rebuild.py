@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import time
 
 import pytest
 
@@ -111,7 +110,5 @@ def test_rebuild_scales_to_thousands_of_ranks() -> None:
         for r in range(world)
         if r // 8 != 3  # node 3 (ranks 24..31) lost
     }
-    t0 = time.perf_counter()
-    state = rebuild(records, world_size=world, spares=[])
-    assert time.perf_counter() - t0 < 2.0
+    state = rebuild(records, world_size=world, spares=[])  # time: `deadpool bench planning`
     assert state is not None and sorted(state.missing) == list(range(24, 32))

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from mlm import fake_megatron_tree
 
 from megatron_deadpool.config.deadpool import DeadpoolConfig
 from megatron_deadpool.errors import ConfigError
@@ -30,10 +31,7 @@ def test_in_process_restart_is_refused_with_deadpool_only() -> None:
 def test_the_runner_refuses_before_the_script_runs(tmp_path: Path) -> None:
     """Megatron creates in-process restart's store in the script itself, before `pretrain`:
     the refusal comes first, in one line."""
-    info = tmp_path / "megatron" / "core" / "package_info.py"
-    info.parent.mkdir(parents=True)
-    info.write_text("MAJOR = 0\nMINOR = 19\nPATCH = 1\n")
-    (tmp_path / "pretrain_gpt.py").write_text("print('the script ran')\n")
+    fake_megatron_tree(tmp_path, (0, 19, 1))
     proc = subprocess.run(
         [sys.executable, "-m", "megatron_deadpool.megatron_lm", str(tmp_path / "pretrain_gpt.py"),
          "--inprocess-restart", "--deadpool", "--deadpool-spares", "1"],

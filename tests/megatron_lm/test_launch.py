@@ -1,14 +1,12 @@
-"""`deadpool megatron-lm`: the local launcher and its CLI (launch.py, cli/megatron_lm.py)."""
+"""`deadpool megatron-lm`'s local launcher (megatron_lm/launch.py); its command line is tested
+in tests/cli/test_megatron_lm_cli.py."""
 
 from __future__ import annotations
 
-import argparse
 import json
 import re
 import time
 from pathlib import Path
-
-import pytest
 
 
 def test_launcher_gives_each_rank_torchruns_environment(tmp_path: Path) -> None:
@@ -48,33 +46,3 @@ def test_launcher_stops_the_job_when_a_rank_fails_without_deadpool(tmp_path: Pat
                               run_dir=str(tmp_path / "run"), stream=stream).run()  # fmt: skip
     assert rc == 7 and time.monotonic() - t0 < 40
     assert "a1 exited with code 7" in (tmp_path / "out.txt").read_text()
-
-
-def test_deadpool_megatron_lm_subcommand(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """`deadpool megatron-lm ...` through the real CLI entry (registered here in case cli.py
-    does not list it yet)."""
-    from megatron_deadpool.cli import main as cli
-
-    monkeypatch.setitem(
-        cli.COMMANDS, "megatron-lm", ("megatron_deadpool.cli.megatron_lm", "Megatron-LM runner")
-    )
-    script = tmp_path / "echo.py"
-    script.write_text("import os, sys\nprint('task', os.environ['RANK'], sys.argv[1:])\n")
-    rc = cli.main(["megatron-lm", "--nproc-per-node", "2", "--patched", "--run-dir",
-                   str(tmp_path / "run"), str(script), "--timeout", "5"])  # fmt: skip
-    assert rc == 0
-    log = (tmp_path / "run" / "a1.log").read_text()
-    assert "task 1 ['--timeout', '5']" in log
-    assert cli.main(["megatron-lm", "--nproc-per-node", "0", str(script)]) == 2
-
-
-def test_cli_passes_everything_after_the_script_through() -> None:
-    from megatron_deadpool.cli.megatron_lm import configure
-
-    parser = argparse.ArgumentParser()
-    configure(parser)
-    args = parser.parse_args(
-        ["--nproc-per-node", "4", "pretrain_gpt.py", "--timeout", "9", "--deadpool"]
-    )
-    assert args.nproc_per_node == 4 and args.script == "pretrain_gpt.py"
-    assert args.script_args == ["--timeout", "9", "--deadpool"] and args.timeout == 3600.0

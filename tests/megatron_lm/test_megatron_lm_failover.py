@@ -10,31 +10,26 @@ from __future__ import annotations
 
 import re
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from mlm import megatron_lm_tree
-from standby_job import StandbyJob, free_port
-from test_pretrain_gpt import MEGATRON_ARGS, RUN_TIMEOUT, _launch
+from mlm import RUN_TIMEOUT, launch, megatron_args, megatron_lm_tree
+from procs import free_port
+from standby_job import StandbyJob
 
-ITERS = 12
+ITERS = 16
 KILL_AT = 4
-ARGS = [*MEGATRON_ARGS, "--use-distributed-optimizer"]
-ARGS[ARGS.index("--train-iters") + 1] = str(ITERS)
+ARGS = [*megatron_args(ITERS), "--use-distributed-optimizer"]
 HEARTBEAT = ["--deadpool-heartbeat-timeout", "4", "--deadpool-heartbeat-interval", "0.5"]
 JOB_TIMEOUT = 2 * RUN_TIMEOUT
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
-    """Each rank's final parameter digest of a failure-free run (the local launcher)."""
-    tree = megatron_lm_tree()
-    tmp = tmp_path_factory.mktemp("mlm-reference")
-    deadpool = ["--deadpool", "--deadpool-spares", "0", "--deadpool-ranks-per-node", "2"]
-    run = _launch(tmp, "reference", tree / "pretrain_gpt.py", [*ARGS, *deadpool])
-    assert run.returncode == 0, run.describe()
-    return run.summary["param_digests"]
+def reference(megatron_lm_failure_free: Callable[[int], dict[str, str]]) -> dict[str, str]:
+    """Each rank's final parameter digest of a failure-free run (the local launcher; conftest:
+    shared with the Slurm lab's Megatron-LM job)."""
+    return megatron_lm_failure_free(ITERS)
 
 
 @pytest.fixture
@@ -108,7 +103,7 @@ def test_both_coordinators_nodes_lost_in_megatron_lm_survivors_save(
     tree = megatron_lm_tree()
     args = [*ARGS, "--save", str(ckpt), "--save-interval", "100", "--load", str(ckpt),
             "--deadpool", "--deadpool-spares", "0", "--deadpool-ranks-per-node", "2"]  # fmt: skip
-    resumed = _launch(tmp_path, "resumed", tree / "pretrain_gpt.py", args)
+    resumed = launch(tmp_path, "resumed", tree / "pretrain_gpt.py", args)
     assert resumed.returncode == 0, resumed.describe()
     assert f"resumed from DeadPool's snapshot set of iteration {point[1]}" in resumed.text
     assert resumed.summary["param_digests"] == reference

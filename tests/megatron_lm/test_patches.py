@@ -7,18 +7,11 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from mlm import APPLY, TAGS, megatron_lm_tree
-
-
-def _fake_tree(root: Path, version: tuple[int, int, int]) -> Path:
-    info = root / "megatron" / "core" / "package_info.py"
-    info.parent.mkdir(parents=True)
-    info.write_text("MAJOR = {}\nMINOR = {}\nPATCH = {}\nPRE_RELEASE = ''\n".format(*version))
-    return root
+from mlm import APPLY, TAGS, fake_megatron_tree, megatron_lm_tree
 
 
 def test_apply_patches_refuses_other_versions_and_non_trees(tmp_path: Path) -> None:
-    tree = _fake_tree(tmp_path / "mlm", (0, 15, 0))
+    tree = fake_megatron_tree(tmp_path / "mlm", (0, 15, 0), script=False)
     proc = subprocess.run(
         ["bash", str(APPLY), str(tree)], capture_output=True, text=True, check=False
     )

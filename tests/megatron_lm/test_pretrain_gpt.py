@@ -22,62 +22,28 @@ import os
 import re
 import subprocess
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from mlm import APPLY, NEWEST, OLDEST, REPO, TAGS, megatron_lm_tree, run_python
-
-RUN_TIMEOUT = 300.0
-BOTH = pytest.mark.parametrize("tag", TAGS)
-
-
-ITERS = 6
-MEGATRON_ARGS = (
-    "--tensor-model-parallel-size 2 --num-layers 2 --hidden-size 64 --num-attention-heads 4 "
-    "--seq-length 64 --max-position-embeddings 64 --micro-batch-size 2 --global-batch-size 8 "
-    f"--train-iters {ITERS} --lr 1e-3 --min-lr 1e-4 --lr-decay-style cosine "
-    "--lr-warmup-iters 2 --mock-data --tokenizer-type NullTokenizer --vocab-size 128 "
-    "--eval-iters 0 --eval-interval 1000 --log-interval 1 --seed 1234 --attention-dropout 0.1 "
-    "--hidden-dropout 0.1"
-).split()
-DEADPOOL_ARGS = ["--deadpool", "--deadpool-spares", "1", "--deadpool-ranks-per-node", "2"]
-_LINE = re.compile(
-    r" iteration\s+(\d+)/\s*\d+ \|.*?learning rate: ([0-9.E+-]+) \|.*?lm loss: ([0-9.E+-]+) \|"
-    r".*?grad norm: ([0-9.]+) \|"
+from mlm import (
+    APPLY,
+    NEWEST,
+    OLDEST,
+    REPO,
+    RUN_TIMEOUT,
+    TAGS,
+    Run,
+    launch,
+    megatron_args,
+    megatron_lm_tree,
+    run_python,
 )
 
+BOTH = pytest.mark.parametrize("tag", TAGS)
 
-@dataclass
-class Run:
-    returncode: int
-    text: str
-    summary: dict
-    run_dir: Path
-
-    def iterations(self) -> dict[int, tuple[str, str, str]]:
-        """iteration -> (learning rate, lm loss, grad norm), each logged exactly once."""
-        found: dict[int, tuple[str, str, str]] = {}
-        for m in _LINE.finditer(self.text):
-            it = int(m.group(1))
-            assert it not in found, f"iteration {it} logged twice"
-            found[it] = m.group(2, 3, 4)
-        return found
-
-    def describe(self) -> str:
-        return self.text[-6000:]
-
-
-def _launch(tmp: Path, name: str, script: Path, args: list[str], *, patched: bool = False,
-            env: dict[str, str] | None = None) -> Run:  # fmt: skip
-    from megatron_deadpool.megatron_lm.launch import MegatronLauncher
-
-    out = tmp / f"{name}.out"
-    with open(out, "w") as stream:
-        rc = MegatronLauncher(str(script), args, 4, patched=patched, run_dir=str(tmp / name),
-                              timeout_s=RUN_TIMEOUT, stream=stream, env=env).run()  # fmt: skip
-    summary = json.loads((tmp / name / "summary.json").read_text())
-    return Run(rc, out.read_text(errors="replace"), summary, tmp / name)
+ITERS = 6
+MEGATRON_ARGS = megatron_args(ITERS)
+DEADPOOL_ARGS = ["--deadpool", "--deadpool-spares", "1", "--deadpool-ranks-per-node", "2"]
 
 
 def _baseline(tag: str, tmp: Path) -> Run:
@@ -85,7 +51,7 @@ def _baseline(tag: str, tmp: Path) -> Run:
     tree = megatron_lm_tree(tag)
     args = [*MEGATRON_ARGS, "--use-distributed-optimizer", "--save", str(tmp / "ckpt"),
             "--save-interval", "3", "--tensorboard-dir", str(tmp / "tb"), *DEADPOOL_ARGS]  # fmt: skip
-    run = _launch(tmp, "baseline", tree / "pretrain_gpt.py", args)
+    run = launch(tmp, "baseline", tree / "pretrain_gpt.py", args)
     assert run.returncode == 0, run.describe()
     return run
 
@@ -96,7 +62,7 @@ def _nodistopt(tag: str, tmp: Path) -> Run:
     tree = megatron_lm_tree(tag)
     args = [*MEGATRON_ARGS, "--save", str(tmp / "ckpt"), "--save-interval", "3",
             *DEADPOOL_ARGS, "--deadpool-fail", "1@4"]  # fmt: skip
-    return _launch(tmp, "nodistopt", tree / "pretrain_gpt.py", args)
+    return launch(tmp, "nodistopt", tree / "pretrain_gpt.py", args)
 
 
 @pytest.fixture(scope="module")
@@ -162,7 +128,7 @@ def test_killed_rank_is_hot_swapped_bitwise(shared_runs, tag: str, tmp_path: Pat
     baseline = shared_runs(tag, "baseline")
     args = [*MEGATRON_ARGS, "--use-distributed-optimizer", "--save", str(tmp_path / "ckpt"),
             "--save-interval", "3", *DEADPOOL_ARGS, "--deadpool-fail", "2@4"]  # fmt: skip
-    run = _launch(tmp_path, "swap", tree / "pretrain_gpt.py", args, env=_drop_in_flight_env())
+    run = launch(tmp_path, "swap", tree / "pretrain_gpt.py", args, env=_drop_in_flight_env())
     _assert_same_training(run, baseline)
     (rec,) = run.summary["recoveries"]
     assert rec["dead_ranks"] == [2] and rec["replaced_by"] == {"2": "s0"}
@@ -248,7 +214,7 @@ def test_hung_rank_is_hot_swapped_bitwise(shared_runs, tag: str, tmp_path: Path)
         script = _patched_view(tree, tmp_path / "mlm")
     args = [*MEGATRON_ARGS, "--use-distributed-optimizer", *DEADPOOL_ARGS, *HANG_HEARTBEAT,
             "--deadpool-fail", "2@4:hang"]  # fmt: skip
-    run = _launch(tmp_path, "hang", script, args, patched=tag == NEWEST,
+    run = launch(tmp_path, "hang", script, args, patched=tag == NEWEST,
                   env={"MEGATRON_LOGGING_LEVEL": "30"})  # fmt: skip
     _assert_same_training(run, baseline)
     (rec,) = run.summary["recoveries"]
@@ -278,7 +244,7 @@ def test_out_of_redundancy_saves_every_shard_and_load_resumes_bitwise(
             "--save-interval", "100", "--deadpool", "--deadpool-ranks-per-node", "2"]  # fmt: skip
     if tag == NEWEST:
         base.append("--verify-integrity")
-    run = _launch(tmp_path, "oor", tree / "pretrain_gpt.py", [*base, "--deadpool-fail", "2@4"])
+    run = launch(tmp_path, "oor", tree / "pretrain_gpt.py", [*base, "--deadpool-fail", "2@4"])
     assert run.returncode == 3, run.describe()
     oor = run.summary["out_of_redundancy"]
     assert oor["dead_ranks"] == [2] and "no spare left" in oor["reason"]
@@ -292,7 +258,7 @@ def test_out_of_redundancy_saves_every_shard_and_load_resumes_bitwise(
     assert manifest["megatron"]["consumed_train"] == 8 * t  # global batch 8
     assert not (ckpt / "latest_checkpointed_iteration.txt").exists()  # none before the failure
 
-    resumed = _launch(tmp_path, "resumed", tree / "pretrain_gpt.py", [*base, "--load", str(ckpt)])
+    resumed = launch(tmp_path, "resumed", tree / "pretrain_gpt.py", [*base, "--load", str(ckpt)])
     assert resumed.returncode == 0, resumed.describe()
     assert re.search(rf"resumed from DeadPool's snapshot set of iteration {t}", resumed.text)
     assert (ckpt / f"iter_{t:07d}" / "metadata.json").is_file()  # Megatron's format now
@@ -331,7 +297,7 @@ def test_rank_lost_after_training_completed_costs_nothing(
     ckpt = tmp_path / "ckpt"
     base = [*MEGATRON_ARGS, "--use-distributed-optimizer", "--save", str(ckpt),
             "--save-interval", "4", *DEADPOOL_ARGS]  # fmt: skip
-    run = _launch(tmp_path, "end", tree / "pretrain_gpt.py", [*base, "--deadpool-fail", "2@end"])
+    run = launch(tmp_path, "end", tree / "pretrain_gpt.py", [*base, "--deadpool-fail", "2@end"])
     assert run.returncode == 0, run.describe()
     assert run.iterations() == baseline.iterations(), run.describe()
     assert run.summary["recoveries"] == []
@@ -352,7 +318,7 @@ def test_rank_lost_after_training_completed_costs_nothing(
     assert manifest["megatron"]["consumed_train"] == 8 * ITERS  # global batch 8
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "4"
 
-    converted = _launch(tmp_path, "converted", tree / "pretrain_gpt.py", [*base, "--load",
+    converted = launch(tmp_path, "converted", tree / "pretrain_gpt.py", [*base, "--load",
                         str(ckpt)])  # fmt: skip
     assert converted.returncode == 0, converted.describe()
     assert re.search(rf"resumed from DeadPool's snapshot set of iteration {ITERS}", converted.text)
@@ -374,7 +340,7 @@ def test_out_of_redundancy_with_shards_lost_saves_what_survives(tag: str, tmp_pa
     base = [*MEGATRON_ARGS, "--use-distributed-optimizer", "--save", str(ckpt),
             "--save-interval", "3", "--deadpool", "--deadpool-ranks-per-node", "2"]  # fmt: skip
     fail = ["--deadpool-fail", "0@5", "--deadpool-fail", "2@5"]
-    run = _launch(tmp_path, "lost", tree / "pretrain_gpt.py", [*base, *fail])
+    run = launch(tmp_path, "lost", tree / "pretrain_gpt.py", [*base, *fail])
     assert run.returncode == 3, run.describe()
     oor = run.summary["out_of_redundancy"]
     assert oor["lost_ranks"] == [0, 2] and oor["lost_shards_holders"] == {"0": [2], "2": [0]}
@@ -387,7 +353,7 @@ def test_out_of_redundancy_with_shards_lost_saves_what_survives(tag: str, tmp_pa
     assert manifest["ranks_present"] == [1, 3] and manifest["ranks_missing"] == [0, 2]
     assert salvage.latest_complete(ckpt) is None
 
-    resumed = _launch(tmp_path, "resumed", tree / "pretrain_gpt.py", [*base, "--load", str(ckpt)])
+    resumed = launch(tmp_path, "resumed", tree / "pretrain_gpt.py", [*base, "--load", str(ckpt)])
     assert resumed.returncode == 0, resumed.describe()
     assert "resumed from DeadPool's snapshot set" not in resumed.text
     assert sorted(resumed.iterations()) == [4, 5, 6], resumed.describe()
@@ -425,12 +391,12 @@ def test_patched_script_resumes_from_megatrons_checkpoint_and_hot_swaps(
     nodistopt = shared_runs(tag, "nodistopt")
     assert nodistopt.returncode == 0, nodistopt.describe()
     load = ["--load", str(nodistopt.run_dir.parent / "ckpt"), "--ckpt-step", "3"]
-    reference = _launch(tmp_path, "resumed", tree / "pretrain_gpt.py",
+    reference = launch(tmp_path, "resumed", tree / "pretrain_gpt.py",
                         [*MEGATRON_ARGS, *load, *DEADPOOL_ARGS])  # fmt: skip
     assert reference.returncode == 0, reference.describe()
     script = _patched_view(tree, tmp_path / "mlm")
     args = [*MEGATRON_ARGS, *load, *DEADPOOL_ARGS, "--deadpool-fail", "3@5"]
-    run = _launch(tmp_path, "patched", script, args, patched=True)
+    run = launch(tmp_path, "patched", script, args, patched=True)
     assert run.returncode == 0, run.describe()
     (rec,) = run.summary["recoveries"]
     assert rec["dead_ranks"] == [3] and rec["restore_iteration"] == 4
@@ -453,7 +419,7 @@ def test_megatrons_own_exit_ends_the_job_and_is_no_failure(tag: str, tmp_path: P
     args = [*MEGATRON_ARGS, "--use-distributed-optimizer", "--save", str(ckpt),
             "--save-interval", "100", "--rerun-mode", "validate_results", "--error-injection-rate", "1",
             "--error-injection-type", "persistent_error", *DEADPOOL_ARGS]  # fmt: skip
-    run = _launch(tmp_path, "rerun", tree / "pretrain_gpt.py", args)
+    run = launch(tmp_path, "rerun", tree / "pretrain_gpt.py", args)
     assert run.returncode == 16, run.describe()
     assert "Saving a checkpoint and exiting now" in run.text, run.describe()
     assert run.summary["recoveries"] == [] and run.summary["out_of_redundancy"] is None

@@ -9,7 +9,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from mlm import run_python
+from mlm import fake_megatron_tree, run_python
 
 from megatron_deadpool.errors import ConfigError
 from megatron_deadpool.megatron_lm import versions
@@ -17,18 +17,8 @@ from megatron_deadpool.megatron_lm import versions
 UNSUPPORTED = "supported tags: core_v0.16.1, core_v0.19.0"
 
 
-def _tree(root: Path, version: tuple[int, int, int]) -> Path:
-    """A folder that looks like a Megatron-LM tree of `version` to `import megatron`, with a
-    pretrain_gpt.py that announces when it runs."""
-    info = root / "megatron" / "core" / "package_info.py"
-    info.parent.mkdir(parents=True)
-    info.write_text("MAJOR = {}\nMINOR = {}\nPATCH = {}\nPRE_RELEASE = ''\n".format(*version))
-    (root / "pretrain_gpt.py").write_text("print('the script ran')\n")
-    return root
-
-
 def test_each_release_series_maps_to_its_tag(tmp_path: Path) -> None:
-    info = _tree(tmp_path, (0, 19, 1)) / "megatron" / "core" / "package_info.py"
+    info = fake_megatron_tree(tmp_path, (0, 19, 1)) / "megatron" / "core" / "package_info.py"
     assert versions.read_version(info) == (0, 19, 1)  # what tag core_v0.19.0 states
     assert versions.release_of((0, 19, 1)).tag == "core_v0.19.0"
     assert versions.release_of((0, 16, 1)).tag == "core_v0.16.1"
@@ -54,14 +44,14 @@ def test_the_tree_first_on_the_import_path_decides(tmp_path: Path) -> None:
             print(json.dumps(str(exc)))
         """
     for version, expected in (((0, 19, 1), "core_v0.19.0"), ((0, 17, 0), UNSUPPORTED)):
-        root = _tree(tmp_path / ".".join(map(str, version)), version)
+        root = fake_megatron_tree(tmp_path / ".".join(map(str, version)), version)
         proc = run_python(code.format(root=str(root)))
         assert proc.returncode == 0, proc.stderr[-2000:]
         assert expected in json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def test_the_runner_refuses_an_unsupported_tree_in_one_line(tmp_path: Path) -> None:
-    script = _tree(tmp_path, (0, 18, 2)) / "pretrain_gpt.py"
+    script = fake_megatron_tree(tmp_path, (0, 18, 2)) / "pretrain_gpt.py"
     proc = subprocess.run(
         [sys.executable, "-m", "megatron_deadpool.megatron_lm", str(script), "--num-layers", "2"],
         capture_output=True, text=True, timeout=120, check=False,

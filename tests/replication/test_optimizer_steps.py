@@ -2,9 +2,10 @@
 
 - Transformer Engine's and apex's `FusedAdam` keep ``step`` in ``param_groups[i]["step"]`` (an
   int) and, for fp16 states, TE keeps per-state scales in ``optimizer._scales[p][name]``:
-  `_GroupStepAdam` below does the same (with TE's update rule). Snapshot, restore into a
-  fresh optimizer with no state, one more step on both: bitwise equal. Without the group
-  step the restored optimizer restarts bias correction and the step differs (the control).
+  `GroupStepAdam` (tests/optimizers.py) does the same (with TE's update rule). Snapshot,
+  restore into a fresh optimizer with no state, one more step on both: bitwise equal. Without
+  the group step the restored optimizer restarts bias correction and the step differs (the
+  control).
 - torch `Adam` keeps ``state[p]["step"]`` as a 0-dim CPU tensor (on a GPU too): such scalars
   travel in the snapshot's host blob; same round trip, bitwise.
 - Megatron's CUDA-graph-safe RNG tracker holds `torch.Generator` objects: captured through
@@ -16,10 +17,10 @@
 from __future__ import annotations
 
 import math
-from typing import Any
 
 import pytest
 import torch
+from optimizers import Scheduler, Wrapped, make_optimizer, set_grads
 
 from megatron_deadpool.errors import ConfigError
 from megatron_deadpool.replication import snapshot
@@ -33,98 +34,6 @@ from megatron_deadpool.replication.snapshot import (
 )
 
 
-class _GroupStepAdam(torch.optim.Optimizer):
-    """AdamW as TE's FusedAdam computes it (`multi_tensor_adam`, adam_w_mode=1), keeping the
-    step per param group as an int, optionally with exp_avg in fp16 behind a per-state scale
-    (TE's `_scales`, `set_scaled_state` / `get_unscaled_state`)."""
-
-    def __init__(self, params: Any, lr: float = 1e-2, fp16_exp_avg: bool = False) -> None:
-        super().__init__(
-            params, {"lr": lr, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.01}
-        )
-        self.fp16_exp_avg = fp16_exp_avg
-        self._scales: dict[torch.Tensor, dict[str, torch.Tensor]] = {}
-
-    def _exp_avg(self, p: torch.Tensor) -> torch.Tensor:
-        state = self.state[p]
-        if not self.fp16_exp_avg:
-            return state["exp_avg"]
-        return state["exp_avg"].float() * self._scales[p]["exp_avg"]
-
-    def _store_exp_avg(self, p: torch.Tensor, value: torch.Tensor) -> None:
-        if not self.fp16_exp_avg:
-            self.state[p]["exp_avg"].copy_(value)
-            return
-        scale = self._scales[p]["exp_avg"]
-        torch.div(value.abs().max().reshape(1), 32000.0, out=scale)
-        scale.clamp_(min=1e-30)
-        self.state[p]["exp_avg"].copy_((value / scale).half())
-
-    @torch.no_grad()
-    def step(self) -> None:  # type: ignore[override]
-        for group in self.param_groups:
-            group["step"] = group.get("step", 0) + 1
-            beta1, beta2 = group["betas"]
-            bc1 = 1 - beta1 ** group["step"]
-            bc2 = 1 - beta2 ** group["step"]
-            for p in group["params"]:
-                state = self.state[p]
-                if not state:
-                    dtype = torch.float16 if self.fp16_exp_avg else torch.float32
-                    state["exp_avg"] = torch.zeros_like(p, dtype=dtype)
-                    state["exp_avg_sq"] = torch.zeros_like(p)
-                    if self.fp16_exp_avg:
-                        self._scales[p] = {"exp_avg": torch.ones(1)}
-                m = self._exp_avg(p).mul(beta1).add_(p.grad, alpha=1 - beta1)
-                self._store_exp_avg(p, m)
-                v = state["exp_avg_sq"].mul_(beta2).addcmul_(p.grad, p.grad, value=1 - beta2)
-                denom = (v / bc2).sqrt_().add_(group["eps"])
-                p.mul_(1 - group["lr"] * group["weight_decay"])
-                p.addcdiv_(m / bc1, denom, value=-group["lr"])
-
-
-class _Wrapped:
-    """What `snapshot.inner_optimizers` expects of a Megatron optimizer: `.optimizer`."""
-
-    def __init__(self, opt: torch.optim.Optimizer) -> None:
-        self.optimizer = opt
-        self.param_groups = opt.param_groups
-
-
-class _Scheduler:
-    """The scheduler interface `RankState` uses (Megatron's `OptimizerParamScheduler`)."""
-
-    def __init__(self) -> None:
-        self.num_steps = 0
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"num_steps": self.num_steps}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.num_steps += state["num_steps"]
-
-
-def _params(seed: int) -> list[torch.nn.Parameter]:
-    gen = torch.Generator().manual_seed(seed)
-    return [
-        torch.nn.Parameter(torch.randn(5, 3, generator=gen)),
-        torch.nn.Parameter(torch.randn(7, generator=gen)),
-    ]
-
-
-def _grads(params: list[torch.Tensor], step: int) -> None:
-    gen = torch.Generator().manual_seed(100 + step)
-    for p in params:
-        p.grad = torch.randn(p.shape, generator=gen)
-
-
-def _make(kind: str, seed: int) -> tuple[list[torch.nn.Parameter], torch.optim.Optimizer]:
-    params = _params(seed)
-    if kind == "torch-adam":
-        return params, torch.optim.Adam(params, lr=1e-2)
-    return params, _GroupStepAdam(params, fp16_exp_avg=kind == "fused-fp16")
-
-
 def _bits(tensors: list[torch.Tensor]) -> list[bytes]:
     return [
         t.detach().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes() for t in tensors
@@ -133,23 +42,23 @@ def _bits(tensors: list[torch.Tensor]) -> list[bytes]:
 
 def _round_trip(kind: str, drop_group_step: bool = False) -> tuple[RankState, RankState]:
     """Train 3 steps, snapshot, restore into a fresh optimizer, then one more step on both."""
-    params, opt = _make(kind, seed=1)
+    params, opt = make_optimizer(kind, seed=1)
     for step in range(3):
-        _grads(params, step)
+        set_grads(params, step)
         opt.step()
-    source = RankState(_Wrapped(opt), _Scheduler())
+    source = RankState(Wrapped(opt), Scheduler())
     snap = Snapshotter(source, owner=0)
     flat = torch.zeros(snap.flat_nbytes(), dtype=torch.uint8)
     snap.capture(3, flat)
-    fresh_params, fresh_opt = _make(kind, seed=2)  # other values, no state at all
-    fresh = RankState(_Wrapped(fresh_opt), _Scheduler())
+    fresh_params, fresh_opt = make_optimizer(kind, seed=2)  # other values, no state at all
+    fresh = RankState(Wrapped(fresh_opt), Scheduler())
     Snapshotter.restore_into(fresh, flat, owner=0, iteration=3)
     assert _bits(fresh.state_tensors()) == _bits(source.state_tensors())
     if drop_group_step:
         for group in fresh_opt.param_groups:
             group.pop("step")
     for p, opt_, state in ((params, opt, source), (fresh_params, fresh_opt, fresh)):
-        _grads(p, 3)
+        set_grads(p, 3)
         opt_.step()
     return source, fresh
 
@@ -169,22 +78,22 @@ def test_the_group_step_matters_control() -> None:
 
 
 def test_fused_adam_group_step_and_te_scales_are_in_the_snapshot() -> None:
-    params, opt = _make("fused-fp16", seed=1)
-    _grads(params, 0)
+    params, opt = make_optimizer("fused-fp16", seed=1)
+    set_grads(params, 0)
     opt.step()
-    state = RankState(_Wrapped(opt), _Scheduler())
+    state = RankState(Wrapped(opt), Scheduler())
     keys = {(entry[1], entry[2]) for entry in state.manifest()}
     assert {(0, "_scales/exp_avg"), (1, "_scales/exp_avg"), (0, "exp_avg")} <= keys
     assert state.small_state(1)["group_steps"] == [[0, 0, 1]]
 
 
 def test_torch_adams_cpu_scalar_steps_travel_in_the_host_blob() -> None:
-    params, opt = _make("torch-adam", seed=1)
-    _grads(params, 0)
+    params, opt = make_optimizer("torch-adam", seed=1)
+    set_grads(params, 0)
     opt.step()
     steps = [opt.state[p]["step"] for p in params]
     assert all(s.dim() == 0 and s.device.type == "cpu" for s in steps)
-    snap = Snapshotter(RankState(_Wrapped(opt), _Scheduler()), owner=0)
+    snap = Snapshotter(RankState(Wrapped(opt), Scheduler()), owner=0)
     start, stop = snap.blob.scalars
     assert stop - start == sum(s.element_size() for s in steps)
     assert all(t.dim() > 0 for t in snap.plan.tensors[:-1])  # the blob is the last tensor
@@ -194,12 +103,12 @@ def test_fp8_optimizer_states_are_refused_with_the_fix() -> None:
     class Float8Like(torch.Tensor):
         pass
 
-    params, opt = _make("fused", seed=1)
-    _grads(params, 0)
+    params, opt = make_optimizer("fused", seed=1)
+    set_grads(params, 0)
     opt.step()
     opt.state[params[0]]["exp_avg"] = opt.state[params[0]]["exp_avg"].as_subclass(Float8Like)
     with pytest.raises(ConfigError, match="FP8 optimizer states .* use fp32, bf16 or fp16"):
-        RankState(_Wrapped(opt), _Scheduler()).manifest()
+        RankState(Wrapped(opt), Scheduler()).manifest()
 
 
 def test_graph_safe_rng_tracker_generators_round_trip_in_place() -> None:
@@ -210,10 +119,10 @@ def test_graph_safe_rng_tracker_generators_round_trip_in_place() -> None:
     gen = torch.Generator().manual_seed(1234)
     try:
         tracker.set_states({"model-parallel-rng": gen})
-        params, opt = _make("fused", seed=1)
-        _grads(params, 0)
+        params, opt = make_optimizer("fused", seed=1)
+        set_grads(params, 0)
         opt.step()
-        state = RankState(_Wrapped(opt), _Scheduler())
+        state = RankState(Wrapped(opt), Scheduler())
         snap = Snapshotter(state, owner=0)
         flat = torch.zeros(snap.flat_nbytes(), dtype=torch.uint8)
         snap.capture(1, flat)
@@ -246,7 +155,7 @@ def test_the_optimizer_step_waits_for_the_capture_first() -> None:
         def before_step(self) -> None:
             calls.append("wait for capture")
 
-    params, opt = _make("fused", seed=1)
+    params, opt = make_optimizer("fused", seed=1)
     real_step = opt.step
 
     def step() -> None:
@@ -256,7 +165,7 @@ def test_the_optimizer_step_waits_for_the_capture_first() -> None:
     opt.step = step  # type: ignore[method-assign]
     guard = guard_optimizer_step(opt)
     assert guard_optimizer_step(opt) is guard  # once per optimizer
-    _grads(params, 0)
+    set_grads(params, 0)
     opt.step()
     assert calls == ["step"]  # no replicator yet
     guard.replicator = Replicator()  # type: ignore[assignment]

@@ -27,6 +27,7 @@ from typing import Any
 import pytest
 import torch
 from mp import WorldError, run_world
+from optimizers import Wrapped
 
 from megatron_deadpool.replication import snapshot
 from megatron_deadpool.replication.snapshot import (
@@ -303,34 +304,32 @@ def test_bit_flip_at_rest_is_detected(world: dict[str, Any]) -> None:
 
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("mode", ["raise", "hang"])
-def test_harness_reports_failures_and_kills_every_child(mode: str, tmp_path: Any) -> None:
-    # The hang's limit also covers start-up (importing torch, joining the group), which takes
-    # several seconds on a loaded 2-core machine: the pid files must be written before it.
+def test_harness_reports_failures_and_kills_every_child(mode: str) -> None:
+    # The hang's limit also covers start-up (importing torch, joining the group): on a loaded
+    # machine a child may still be starting when it passes, and must be killed all the same.
     expected = "boom from rank 1" if mode == "raise" else "timed out after 25s"
-    with pytest.raises(WorldError, match=expected):
+    with pytest.raises(WorldError, match=expected) as failed:
         run_world(
             "test_replication:_misbehave",
             2,
-            kwargs={"mode": mode, "pid_dir": str(tmp_path)},
+            kwargs={"mode": mode},
             timeout=60 if mode == "raise" else 25,
             keep_logs_on_failure=False,
         )
-    pids = [int(p.read_text()) for p in tmp_path.glob("*.pid")]
+    pids = failed.value.pids
     assert len(pids) == 2
     for pid in pids:
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
 
 
-def _misbehave(*, rank: int, world_size: int, store: Any, mode: str, pid_dir: str) -> dict:
+def _misbehave(*, rank: int, world_size: int, store: Any, mode: str) -> dict:
     import time
 
     import torch.distributed as dist
 
-    with open(os.path.join(pid_dir, f"{rank}.pid"), "w") as f:
-        f.write(str(os.getpid()))
     assert dist.get_world_size() == world_size == 2
-    dist.barrier()  # both pid files are written
+    dist.barrier()  # both ranks started
     if rank == 1:
         if mode == "raise":
             raise ValueError("boom from rank 1")
@@ -340,14 +339,6 @@ def _misbehave(*, rank: int, world_size: int, store: Any, mode: str, pid_dir: st
 
 
 # ---------------------------------------------------------------------- single process
-class _Wrapped:
-    """What `snapshot.inner_optimizers` expects of a Megatron optimizer: `.optimizer`."""
-
-    def __init__(self, opt: torch.optim.Optimizer) -> None:
-        self.optimizer = opt
-        self.param_groups = opt.param_groups
-
-
 def _toy_state(seed: int = 0, steps: int = 2) -> RankState:
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
@@ -361,7 +352,7 @@ def _toy_state(seed: int = 0, steps: int = 2) -> RankState:
         for p in params:
             p.grad = torch.randn(p.shape, generator=gen)
         adam.step()
-    opt = _Wrapped(adam)
+    opt = Wrapped(adam)
     sched = OptimizerParamScheduler(
         opt,
         init_lr=0.0,

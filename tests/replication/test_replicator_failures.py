@@ -1,8 +1,8 @@
 """The replicator around a failure, on gloo worlds of real processes.
 
 - Abort first, then only completed receives: three ranks each hold the other two's replicas
-  (k=2); rank 2 stops itself (SIGSTOP) before round 2. Ranks 0 and 1 post round 2, give each
-  other's bytes a second to arrive, call `abort_groups()` and `abandon()`: the replica that
+  (k=2); rank 2 stops itself (SIGSTOP) before round 2. Ranks 0 and 1 post round 2, wait
+  until each other's bytes arrived, call `abort_groups()` and `abandon()`: the replica that
   arrived is kept (verified), the stopped owner's is not, the previous round's stays, and
   nothing waits on the stopped rank (the group timeout is 60 s).
 - A replicator built after a recovery takes over its predecessor's buffers: no second set.
@@ -20,13 +20,14 @@ from typing import Any
 
 import pytest
 from mp import run_world
+from procs import wait_stopped, wait_until
 
 PG_TIMEOUT = datetime.timedelta(seconds=60)
 
 
 def _replicator(rank: int, world_size: int, replicas: int, seed: int, previous: Any = None):
     import torch.distributed as dist
-    from test_optimizer_steps import _grads, _make, _Scheduler, _Wrapped
+    from optimizers import Scheduler, Wrapped, make_optimizer, set_grads
 
     from megatron_deadpool.devices.base import Device
     from megatron_deadpool.devices.memory import ReplicaMemory
@@ -34,10 +35,10 @@ def _replicator(rank: int, world_size: int, replicas: int, seed: int, previous: 
     from megatron_deadpool.replication.replicator import Replicator
     from megatron_deadpool.replication.snapshot import RankState, Snapshotter
 
-    params, opt = _make("torch-adam", seed=seed)
-    _grads(params, 0)
+    params, opt = make_optimizer("torch-adam", seed=seed)
+    set_grads(params, 0)
     opt.step()
-    state = RankState(_Wrapped(opt), _Scheduler())
+    state = RankState(Wrapped(opt), Scheduler())
     layout = Layout(tp=1, pp=1, dp=world_size, ranks_per_node=1)
     group = dist.new_group(backend="gloo", timeout=PG_TIMEOUT)
     memory = ReplicaMemory("cpu", Device("cpu", "gloo"))
@@ -56,15 +57,13 @@ def _abandon_rank(*, rank: int, world_size: int, store: Any) -> dict[str, Any]:
     repl.start_round(1)
     committed = repl.finish_round()
     if rank == 2:
-        store.set("stopping", "1")
+        store.set("stopping", str(os.getpid()))
         os.kill(os.getpid(), signal.SIGSTOP)  # never continued: the harness kills it
     store.wait(["stopping"])
-    time.sleep(0.3)
+    wait_stopped(int(store.get("stopping")))
     repl.start_round(2)
     peer = 1 - rank
-    store.set(f"posted/{rank}", "1")
-    store.wait([f"posted/{peer}"])
-    time.sleep(1.0)  # the peer's few kilobytes have arrived by now
+    wait_until(lambda: _landed(repl, peer, 2), 60, f"rank {peer}'s replica of round 2")
     t0 = time.monotonic()
     abort_groups()
     salvaged = repl.abandon()
@@ -75,6 +74,19 @@ def _abandon_rank(*, rank: int, world_size: int, store: Any) -> dict[str, Any]:
         "seconds": seconds,
         "holdings": repl.holdings(),
     }
+
+
+def _landed(repl: Any, owner: int, iteration: int) -> bool:
+    """Whether `owner`'s replica of `iteration` is wholly in this rank's receive buffer (its
+    checksum verifies), read without waiting on the transfer (on gloo a wait would consume
+    the receive's completion, which `abandon` must find)."""
+    from megatron_deadpool.replication.snapshot import CorruptReplicaError, verify
+
+    try:
+        verify(repl.held[owner].buffers[repl._held_slots[owner]], owner=owner, iteration=iteration)
+    except CorruptReplicaError:
+        return False
+    return True
 
 
 @pytest.mark.timeout(150)

@@ -166,29 +166,6 @@ def test_a_refused_setting_fails_and_nothing_runs(tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize(
-    ("args", "flag"),
-    [
-        (["--nproc", "0"], "--nproc"),
-        (["--nproc", "4", "--spares", "0"], "--spares"),
-        (["--nproc", "4", "--timeout", "0"], "--timeout"),
-        (["--nproc", "four"], "--nproc"),
-        ([], "--nproc"),
-        (["--nproc", "4", "--spare-nodes", "2"], "--spare-nodes"),
-        (["--slurm", "--nproc", "4"], "--nproc"),
-        (["--slurm"], "--slurm"),  # outside an allocation
-    ],
-)
-def test_bad_input_is_one_line_and_exit_2(tmp_path: Path, args: list[str], flag: str) -> None:
-    environ = {k: "" for k in os.environ if k.startswith("SLURM_")}
-    proc = _selftest(tmp_path, *args, "--run-dir", str(tmp_path), timeout=90, **environ)
-    assert proc.returncode == 2, proc.stdout + proc.stderr
-    assert proc.stdout == ""
-    assert len(proc.stderr.splitlines()) == 1 and flag in proc.stderr, proc.stderr
-    assert not list(tmp_path.iterdir())  # nothing ran
-
-
-@pytest.mark.timeout(120)
 def test_one_rank_runs_the_device_checks_and_skips_the_runs(tmp_path: Path) -> None:
     """`--nproc 1` (one GPU): no peer to hold a replica, so no training run; the settings and
     device checks still run, and skipped rows do not fail the selftest."""

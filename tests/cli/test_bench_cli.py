@@ -1,0 +1,58 @@
+"""`deadpool bench`'s command line (megatron_deadpool/cli/bench.py) through the real `deadpool`
+command: every benchmark the README lists is registered, and bad arguments are refused with
+exit code 2 and one line, before anything runs. What the benchmarks measure is tested in
+tests/bench/ (and `bench recovery` in tests/embedded/test_checkpoint.py)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from conftest import call_deadpool
+
+# The benchmarks the README and docs/reproduce.md name, and their modules.
+DOCUMENTED = {
+    "overhead": "megatron_deadpool.bench.overhead",
+    "pack": "megatron_deadpool.bench.pack_bench",
+    "recovery": "megatron_deadpool.bench.recovery",
+    "paper": "megatron_deadpool.bench.paper",
+    "control-plane": "megatron_deadpool.bench.control_plane",
+    "planning": "megatron_deadpool.bench.planning",
+}
+
+
+def test_every_documented_benchmark_is_listed_with_its_module() -> None:
+    from megatron_deadpool.cli.bench import BENCHES
+
+    assert {name: module for name, (module, _) in BENCHES.items()} == DOCUMENTED
+
+
+@pytest.mark.timeout(60)
+def test_bench_without_a_name_says_which_exist(capsys: pytest.CaptureFixture[str]) -> None:
+    assert call_deadpool("bench") == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert all(name in line for name in DOCUMENTED), line
+
+
+@pytest.mark.timeout(60)
+def test_bench_overhead_refuses_nothing_to_measure(capsys: pytest.CaptureFixture) -> None:
+    assert call_deadpool("bench", "overhead", "--iters", "2", "--warmup", "2") == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "iters (2) must exceed warmup (2)" in err[0]
+
+
+@pytest.mark.timeout(60)
+def test_bench_recovery_refuses_bad_arguments_before_any_run(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    from megatron_deadpool.bench import recovery
+
+    def no_run(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("a run was started")
+
+    monkeypatch.setattr(recovery, "launch", no_run)
+    assert call_deadpool("bench", "recovery", "--fail", "2@8:hang") == 2
+    assert len(capsys.readouterr().err.strip().splitlines()) == 1
+    assert call_deadpool("bench", "recovery", "--repeats", "0") == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert "--repeats" in line

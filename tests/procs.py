@@ -1,0 +1,40 @@
+"""Shared by tests that start processes or wait on other threads: a free loopback port, waiting
+on a condition with a deadline (instead of sleeping "long enough"), and a process's state.
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_until(
+    condition: Callable[[], object], timeout_s: float, what: str, poll_s: float = 0.01
+) -> None:
+    """Return as soon as `condition()` is true; fail naming `what` after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out after {timeout_s:.0f}s waiting for {what}"
+        time.sleep(poll_s)
+
+
+def process_state(pid: int) -> str | None:
+    """A process's state letter (R running, S sleeping, T stopped, ...); None once it is gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return None
+
+
+def wait_stopped(pid: int, timeout_s: float = 30.0) -> None:
+    """Until process `pid` is stopped (SIGSTOP took effect)."""
+    wait_until(lambda: process_state(pid) == "T", timeout_s, f"process {pid} to be stopped")
