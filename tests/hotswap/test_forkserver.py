@@ -414,12 +414,12 @@ def test_local_job_forks_and_close_leaves_nothing(tmp_path: Path, started: list)
 
     job = LocalJob(DeadpoolConfig(enabled=False), world_size=2, token="t", run_dir=tmp_path)
     try:
-        for pid in job.pids:
-            with open(tmp_path / f"{pid}.log", "w") as log:
+        for member in job.members:
+            with open(tmp_path / f"{member}.log", "w") as log:
                 code = (
                     "import os, time; print(os.environ['LOCAL_RANK'], flush=True); time.sleep(300)"
                 )
-                job.spawn(pid, [PY, "-c", code], dict(ENV, RANK="9"), log, preload=LIGHT)
+                job.spawn(member, [PY, "-c", code], dict(ENV, RANK="9"), log, preload=LIGHT)
         procs = list(job.procs.values())
         started.extend(procs)
         assert all(isinstance(p, ForkedProcess) for p in procs)
@@ -432,7 +432,7 @@ def test_local_job_forks_and_close_leaves_nothing(tmp_path: Path, started: list)
         job.close(grace_s=0)
     assert [p.returncode for p in procs] == [-signal.SIGKILL] * 2
     assert server.proc.returncode is not None and all(_gone(p.pid) for p in procs)
-    assert [(tmp_path / f"{pid}.log").read_text() for pid in job.pids] == ["0\n", "1\n"]
+    assert [(tmp_path / f"{m}.log").read_text() for m in job.members] == ["0\n", "1\n"]
     assert (tmp_path / "forkserver.log").exists()
 
 

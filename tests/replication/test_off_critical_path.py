@@ -26,14 +26,14 @@ FLIP_ROUND = 2  # rank 1 damages rank 0's replica of this round as it arrives
 
 
 def _state(seed: int) -> Any:
-    from test_optimizer_steps import _grads, _make, _Scheduler, _Wrapped
+    from optimizers import Scheduler, Wrapped, make_optimizer, set_grads
 
     from megatron_deadpool.replication.snapshot import RankState
 
-    params, opt = _make("torch-adam", seed=seed)
-    _grads(params, 0)
+    params, opt = make_optimizer("torch-adam", seed=seed)
+    set_grads(params, 0)
     opt.step()
-    return RankState(_Wrapped(opt), _Scheduler())
+    return RankState(Wrapped(opt), Scheduler())
 
 
 def _run(repl: Any, rank: int, ahead: bool) -> list[Any]:
