@@ -15,7 +15,8 @@ from conftest import call_deadpool
 
 REPO = Path(__file__).resolve().parents[2]
 # The benchmarks the README lists in its "Benchmarks" block (`deadpool bench NAME ...`).
-DOCUMENTED = set(re.findall(r"^deadpool bench ([a-z-]+)", (REPO / "README.md").read_text(), re.M))
+README = (REPO / "README.md").read_text()
+DOCUMENTED = set(re.findall(r"^deadpool bench ([a-z-]+)", README, re.MULTILINE))
 
 
 def test_every_documented_benchmark_is_listed_with_its_module() -> None:
