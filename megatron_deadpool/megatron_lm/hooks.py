@@ -31,6 +31,7 @@ import inspect
 from collections.abc import Callable
 from typing import Any
 
+from . import timers
 from .resume import build_without_loading
 from .session import MegatronSession
 
@@ -175,11 +176,13 @@ def wrap_training_log(real: Any, session: Any) -> Any:
             # Megatron logs a process's first iteration unconditionally (with a world
             # barrier); a newcomer's first iteration is not the job's.
             bound.arguments["is_first_iteration"] = False
+        running = timers.running(timers.megatron())
         try:
             out = real(*bound.args, **bound.kwargs)
         except Exception as exc:
             if not session.is_peer_failure(exc):
                 raise
+            timers.restore(timers.megatron(), running)
             session.defer(exc, "training_log")
             return bound.arguments["report_memory_flag"]
         session.after_log(bound.arguments["iteration"])
@@ -196,11 +199,13 @@ def wrap_between_steps(
 
     @functools.wraps(real)
     def guarded(*args: Any, **kwargs: Any) -> Any:
+        running = timers.running(timers.megatron())
         try:
             return real(*args, **kwargs)
         except Exception as exc:
             if not session.is_peer_failure(exc):
                 raise
+            timers.restore(timers.megatron(), running)
             session.defer(exc, where)
             return fallback(sig.bind(*args, **kwargs))
 

@@ -44,6 +44,7 @@ from ..hotswap.driver import Driver
 from ..hotswap.messages import Roster
 from ..replication.snapshot import RankState
 from . import report as mreport
+from . import timers
 from .replay import BatchRecorder, install_recorder, reset_rerun_iterators
 from .startup_bound import startup_bound_problems
 from .versions import forget_cached_collectives
@@ -364,7 +365,7 @@ class MegatronSession:
         self._note_counters(n)
         pending, self.pending = self.pending, None
         self.target = n  # the step a recovery returns to (reported to the coordinator)
-        running = _running_timers()
+        running = timers.running(timers.megatron())
         call = (real, fwd, data_iterator, model, optimizer, scheduler, config, fb_func)
 
         def attempt(restored: int | None) -> Any:
@@ -383,7 +384,7 @@ class MegatronSession:
             attempt,
             target=n,
             pending=pending,
-            on_failure=lambda: _stop_timers_since(running),
+            on_failure=lambda: timers.restore(timers.megatron(), running),
         )
 
     @property
@@ -531,19 +532,3 @@ def _num_microbatches() -> int:
     from megatron.core.num_microbatches_calculator import get_num_microbatches
 
     return get_num_microbatches()
-
-
-def _running_timers() -> set[str]:
-    from megatron.training import get_timers
-
-    timers = getattr(get_timers(), "_timers", {})
-    return {name for name, t in timers.items() if getattr(t, "_started", False)}
-
-
-def _stop_timers_since(running: set[str]) -> None:
-    """Timers a failed step started and never stopped (Megatron asserts on a second start)."""
-    from megatron.training import get_timers
-
-    for name, t in getattr(get_timers(), "_timers", {}).items():
-        if getattr(t, "_started", False) and name not in running:
-            t.reset()

@@ -146,3 +146,70 @@ def test_train_hook_marks_the_rank_done_when_megatron_ends_the_job() -> None:
         wrap_train(train, session)(*range(8), context, 9, pg_collection="pgs")
     assert exited.value.code == 16 and session.finished == 1
     assert session.extra_roots == [context, "pgs"]  # rebound after a swap like the model
+
+
+def test_a_log_failing_in_its_timers_barrier_leaves_the_interval_timer_running(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Megatron's own `Timers`: `training_log` reads `interval-time` with a barrier, which
+    stops and resets it, then restarts it with another barrier; a peer dying there left it
+    stopped at 0 s, and the first log after the recovery divided by that 0 (ZeroDivisionError,
+    seen in the Slurm lab). The hook puts the timer back running, so the next log reads the
+    time since."""
+    import time
+
+    import torch
+    from megatron.core.timers import Timers
+
+    from megatron_deadpool.megatron_lm import timers as timers_mod
+    from megatron_deadpool.megatron_lm.hooks import wrap_training_log
+
+    megatron_timers = Timers(log_level=0, log_option="minmax")
+    monkeypatch.setattr(timers_mod, "megatron", lambda: megatron_timers)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)  # a CPU, no CUDA
+    barriers = []
+
+    def barrier(group=None) -> None:  # the second barrier of the first read meets a dead peer
+        barriers.append(group)
+        if len(barriers) == 2:
+            raise RuntimeError(
+                "[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer"
+            )
+
+    monkeypatch.setattr(torch.distributed, "barrier", barrier)
+    read: list[float] = []
+
+    def training_log(loss_dict, total_loss_dict, learning_rate, iteration, loss_scale,
+                     report_memory_flag, skipped_iter, grad_norm, params_norm,
+                     num_zeros_in_grad, max_attention_logit, pg_collection=None,
+                     is_first_iteration=False):  # fmt: skip
+        elapsed = megatron_timers("interval-time").elapsed(barrier=True)
+        read.append(elapsed)
+        return 1.0 / elapsed  # Megatron's throughput
+
+    megatron_timers("interval-time", log_level=0).start()
+    session = _FakeSession()
+    log = wrap_training_log(training_log, session)
+    args = ({}, {}, 1e-3, 7, 1.0, True, 0, 1.0, None, None, 0)
+    assert log(*args) is True  # failed in the restart's barrier: deferred
+    assert session.deferred == ["training_log"]
+    time.sleep(0.01)
+    assert log(*args) > 0  # no ZeroDivisionError
+    assert read == [pytest.approx(read[0])] and read[0] >= 0.01  # the time since the restart
+    assert megatron_timers("interval-time")._started
+
+
+def test_a_step_that_fails_resets_the_timers_it_started() -> None:
+    from megatron.core.timers import Timers
+
+    from megatron_deadpool.megatron_lm import timers
+
+    megatron_timers = Timers(log_level=2, log_option="minmax")
+    for name in ("interval-time", "forward-backward", "optimizer"):
+        megatron_timers(name, log_level=0)
+    megatron_timers("interval-time")._started = True
+    before = timers.running(megatron_timers)
+    megatron_timers("forward-backward")._started = True  # the step started it, then failed
+    timers.restore(megatron_timers, before)
+    assert timers.running(megatron_timers) == {"interval-time"}
+    assert timers.running(None) == set()
