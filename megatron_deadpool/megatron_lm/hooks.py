@@ -167,6 +167,8 @@ def wrap_train_step(real: Any, session: Any) -> Any:
 
 def wrap_training_log(real: Any, session: Any) -> Any:
     sig = inspect.signature(real)
+    failed = object()  # `guarded`'s answer when a peer failure was deferred
+    guarded = wrap_between_steps(real, session, "training_log", lambda b: failed)
 
     @functools.wraps(real)
     def training_log(*args: Any, **kwargs: Any) -> Any:
@@ -176,14 +178,8 @@ def wrap_training_log(real: Any, session: Any) -> Any:
             # Megatron logs a process's first iteration unconditionally (with a world
             # barrier); a newcomer's first iteration is not the job's.
             bound.arguments["is_first_iteration"] = False
-        running = timers.running(timers.megatron())
-        try:
-            out = real(*bound.args, **bound.kwargs)
-        except Exception as exc:
-            if not session.is_peer_failure(exc):
-                raise
-            timers.restore(timers.megatron(), running)
-            session.defer(exc, "training_log")
+        out = guarded(*bound.args, **bound.kwargs)
+        if out is failed:
             return bound.arguments["report_memory_flag"]
         session.after_log(bound.arguments["iteration"])
         return out
@@ -194,7 +190,8 @@ def wrap_training_log(real: Any, session: Any) -> Any:
 def wrap_between_steps(
     real: Any, session: Any, where: str, fallback: Callable[[inspect.BoundArguments], Any]
 ) -> Any:
-    """`real` with a peer failure deferred to the next step (returning `fallback(args)`)."""
+    """`real` with a peer failure deferred to the next step (returning `fallback(args)`),
+    Megatron's timers left as they were before the call (`timers.restore`)."""
     sig = inspect.signature(real)
 
     @functools.wraps(real)
