@@ -9,7 +9,6 @@ watches a run (a benchmark) passes `LaunchHooks` and, to run another program in 
 
 from __future__ import annotations
 
-import json
 import os
 import secrets
 import signal
@@ -33,6 +32,7 @@ from ..hotswap.local_job import LocalJob
 from ..hotswap.supervisor import Supervisor
 from ..replication.placement import Layout, place_replicas
 from ..replication.save_dir import resume_point
+from .iteration_log import IterationLog
 from .progress import Progress
 
 WORKER_PRELOAD = Preload(("megatron_deadpool.embedded.worker", "megatron_deadpool.embedded.job"))
@@ -176,9 +176,9 @@ class LocalLauncher:
         t_start = time.monotonic()
         self.hooks.started(local)
         self._start()
-        records: list[dict[str, Any]] = []
         # Closed in the `finally` below, after the monitor loop that writes it.
         log_file = open(self.json_log, "w") if self.json_log else None  # noqa: SIM115
+        log = IterationLog(self._first_iteration(), log_file)
         self._sigterm = False
 
         def on_sigterm(*_: object) -> None:
@@ -186,24 +186,23 @@ class LocalLauncher:
 
         previous = signal.signal(signal.SIGTERM, on_sigterm)
         try:
-            rc = self._monitor(records, log_file, t_start)
+            rc = self._monitor(log, t_start)
             self.hooks.ended(local)
-            summary = self._summary(records, rc, time.monotonic() - t_start)
-            if log_file:
-                log_file.write(json.dumps(summary) + "\n")
+            summary = self._summary(log.records, rc, time.monotonic() - t_start)
+            log.write(summary)
         finally:
             signal.signal(signal.SIGTERM, previous)
             local.close(grace_s=10.0)
             if log_file:
                 log_file.close()
-        return RunResult(returncode=rc, records=records, summary=summary, run_dir=self.run_dir)
+        return RunResult(returncode=rc, records=log.records, summary=summary, run_dir=self.run_dir)
 
-    def _monitor(self, records: list, log_file: TextIO | None, t_start: float) -> int:
+    def _monitor(self, log: IterationLog, t_start: float) -> int:
         """Supervise the job (`hotswap.supervisor`), rendering rank 0's records as they come."""
         local = self.local
         coord, membership = local.coordinator, local.membership
         deadpool = self.job.deadpool.enabled
-        shown = {"next": self._first_iteration(), "generation": 0}
+        shown = {"generation": 0}
 
         def show_progress() -> bool:
             """Spares added, the display rewound after a recovery, the next record shown;
@@ -212,17 +211,12 @@ class LocalLauncher:
                 local.add_spare(self._spawn)  # as a cluster's scheduler would add nodes
             if coord.roster.generation != shown["generation"]:  # a recovery agreed: rewind
                 shown["generation"] = coord.roster.generation
-                shown["next"] = (coord.roster.restore_iteration or 0) + 1
-                del records[shown["next"] - 1 :]
-            rec = membership.metrics(shown["generation"], shown["next"])
+                log.rewind(coord.roster.restore_iteration or 0)
+            rec = membership.metrics(shown["generation"], log.next_iteration)
             if rec is None:
                 return False
-            records.append(rec.to_dict())
-            self.progress.iteration(records[-1], deadpool)
-            if log_file:
-                log_file.write(json.dumps(records[-1]) + "\n")
-                log_file.flush()
-            shown["next"] += 1
+            log.append(rec.to_dict())
+            self.progress.iteration(log.records[-1], deadpool)
             return True
 
         def failed(members: dict[str, int]) -> int:
@@ -235,7 +229,7 @@ class LocalLauncher:
         def finished() -> int:
             if membership.preempted() is not None:
                 return ExitCode.PREEMPTED  # stopped on purpose, resumable with --load
-            return ExitCode.OK if shown["next"] > self.job.train.iters else ExitCode.FAILED
+            return ExitCode.OK if log.next_iteration > self.job.train.iters else ExitCode.FAILED
 
         def preempt() -> str | None:
             if not self._sigterm:

@@ -91,9 +91,10 @@ def tp_reference(failure_free: Callable[[int], TrainRun]) -> dict[str, Any]:
 
 
 def _check_recovered(case: str, reference: dict, root: str, dead: list[list[int]]) -> dict:
-    proc, _, summary = run(case, root)
+    proc, records, summary = run(case, root)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert summary["losses"] == reference["losses"]
+    assert [r["loss"] for r in records] == summary["losses"]  # the JSON log: one line each
     assert summary["final_param_digest"] == reference["final_param_digest"]
     assert summary["dp_replicas_identical"]
     recoveries = summary["recoveries"]

@@ -1,0 +1,55 @@
+"""`deadpool train`'s records and JSON log after a recovery that restores an earlier iteration
+than the last one shown: the iterations trained again replace theirs, one line per iteration."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from megatron_deadpool.embedded.iteration_log import IterationLog
+
+
+def _lines(path: Path) -> list[dict]:
+    return [json.loads(x) for x in path.read_text().splitlines()]
+
+
+def test_recomputed_iterations_replace_their_lines(tmp_path: Path) -> None:
+    path = tmp_path / "run.jsonl"
+    with path.open("w") as file:
+        log = IterationLog(1, file)
+        for it in (1, 2):
+            log.append({"iteration": it, "generation": 0})
+        log.rewind(1)  # iteration 2 was not committed everywhere: trained again
+        assert log.next_iteration == 2
+        for it in (2, 3):
+            log.append({"iteration": it, "generation": 1})
+        log.rewind(3)  # nothing to drop
+        log.write({"event": "summary"})
+    want = [(1, 0), (2, 1), (3, 1)]
+    assert [(r["iteration"], r["generation"]) for r in log.records] == want
+    *records, summary = _lines(path)
+    assert [(r["iteration"], r["generation"]) for r in records] == want
+    assert summary == {"event": "summary"}
+
+
+def test_a_run_resumed_from_a_checkpoint_rewinds_to_its_own_records(tmp_path: Path) -> None:
+    path = tmp_path / "run.jsonl"
+    with path.open("w") as file:
+        log = IterationLog(5, file)  # --load resumed after iteration 4
+        for it in (5, 6, 7):
+            log.append({"iteration": it})
+        log.rewind(5)
+        log.append({"iteration": 6, "again": True})
+        log.rewind(4)  # back to the checkpoint's iteration: nothing of this run is kept
+        assert log.records == [] and log.next_iteration == 5
+        log.append({"iteration": 5})
+    assert _lines(path) == [{"iteration": 5}]
+
+
+def test_without_a_file_only_the_records_rewind() -> None:
+    log = IterationLog(1)
+    log.append({"iteration": 1})
+    log.append({"iteration": 2})
+    log.rewind(0)
+    log.write({"event": "summary"})
+    assert log.records == [] and log.next_iteration == 1
