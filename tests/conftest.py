@@ -12,11 +12,14 @@ tests/standby_job.py (a job with a standby coordinator).
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -24,6 +27,30 @@ TESTS_DIR = Path(__file__).resolve().parent
 REPO_ROOT = TESTS_DIR.parent
 if str(TESTS_DIR) not in sys.path:
     sys.path.insert(0, str(TESTS_DIR))
+
+
+LONGEST_FIRST = (
+    "megatron_lm/test_pretrain_gpt.py",
+    "cluster/test_slurm_lab.py",
+    "hotswap/test_failover.py",
+    "hotswap/test_faults.py",
+    "embedded/test_hotswap.py",
+    "megatron_lm/test_megatron_lm_failover.py",
+    "selftest/test_selftest.py",
+)
+"""The modules that take longest (a minute or more each on 2 cores), longest first."""
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Run the longest modules first (`LONGEST_FIRST`), the others as collected: `-n 2` hands out
+    whole modules (`--dist loadfile`, pyproject.toml) in this order, so no long module is left to
+    run alone at the end."""
+
+    def rank(item: pytest.Item) -> int:
+        module = item.path.relative_to(TESTS_DIR).as_posix()
+        return LONGEST_FIRST.index(module) if module in LONGEST_FIRST else len(LONGEST_FIRST)
+
+    items.sort(key=rank)
 
 
 def deadpool_command() -> list[str]:
@@ -79,8 +106,6 @@ def train_case(out: Path, args: list[str], iters: str, timeout: float = 240) -> 
 
     Returns the finished process, the per-iteration records and the summary ({} if none).
     """
-    import json
-
     log = out / "run.jsonl"
     proc = run_deadpool(
         "train",
@@ -107,25 +132,44 @@ DeadPool on, no spare: what every embedded job of the tests trains, whatever its
 failure domains or coordinators."""
 
 
+def once_per_run(factory: pytest.TempPathFactory, name: str, make: Callable[[Path], Any]) -> Any:
+    """`make(folder)`'s JSON-able result, computed once per test run: with pytest-xdist's
+    workers (`-n 2`), the first to ask runs it in a folder of the run's shared temporary root,
+    under a file lock, and the others wait and read its result. A `make` that fails leaves no
+    result: the next to ask runs it again (and fails the same way)."""
+    from filelock import FileLock
+
+    root = factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # shared by the workers of this run
+    folder, result = root / name, root / f"{name}.json"
+    with FileLock(str(root / f"{name}.lock")):
+        if not result.exists():
+            folder.mkdir(exist_ok=True)
+            result.write_text(json.dumps(make(folder)))
+        return json.loads(result.read_text())
+
+
 @pytest.fixture(scope="session")
 def failure_free(tmp_path_factory: pytest.TempPathFactory) -> Callable[[int], TrainRun]:
     """`failure_free(iters)`: the failure-free `deadpool train` of the CPU demo for `iters`
     iterations (`FAILURE_FREE_ARGS`), run the first time a test asks for that length in this
-    session and shared by every test comparing against it (losses and parameter digests,
-    exactly): test_hotswap, test_faults, test_frozen_peer and test_train (its DeadPool-on run)
-    at 6 iterations, test_faults' preemption at 8, test_failover and the Slurm lab at 30."""
-    done: dict[int, TrainRun] = {}
+    test run (`once_per_run`) and shared by every test comparing against it (losses and
+    parameter digests, exactly): test_hotswap, test_faults, test_frozen_peer and test_train (its
+    DeadPool-on run) at 6 iterations, test_faults' preemption at 8, test_failover and the Slurm
+    lab at 30."""
+
+    def make(iters: int, out: Path) -> dict[str, Any]:
+        proc, records, summary = train_case(out, FAILURE_FREE_ARGS, str(iters), timeout=600)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+        assert len(records) == iters and summary.get("final_param_digest"), summary
+        return {"proc": [proc.args, proc.returncode, proc.stdout, proc.stderr],
+                "records": records, "summary": summary}  # fmt: skip
 
     def get(iters: int) -> TrainRun:
-        if iters not in done:
-            out = tmp_path_factory.mktemp(f"failure-free-{iters}")
-            run = train_case(out, FAILURE_FREE_ARGS, str(iters), timeout=600)
-            proc, records, summary = run
-            assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-            assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
-            assert len(records) == iters and summary.get("final_param_digest"), summary
-            done[iters] = run
-        return done[iters]
+        run = once_per_run(tmp_path_factory, f"failure-free-{iters}", partial(make, iters))
+        return subprocess.CompletedProcess(*run["proc"]), run["records"], run["summary"]
 
     return get
 
@@ -141,19 +185,19 @@ def megatron_lm_failure_free(
     job (16 iterations) compare against it. Skips without a tree."""
     from mlm import launch, megatron_args, megatron_lm_tree
 
-    done: dict[int, dict[str, str]] = {}
+    def make(iters: int, tree: Path, tmp: Path) -> dict[str, str]:
+        args = [*megatron_args(iters), "--use-distributed-optimizer", "--deadpool",
+                "--deadpool-spares", "0", "--deadpool-ranks-per-node", "2"]  # fmt: skip
+        run = launch(tmp, "reference", tree / "pretrain_gpt.py", args)
+        assert run.returncode == 0, run.describe()
+        assert sorted(run.iterations()) == list(range(1, iters + 1)), run.describe()
+        return run.summary["param_digests"]
 
     def get(iters: int) -> dict[str, str]:
-        if iters not in done:
-            tree = megatron_lm_tree()
-            tmp = tmp_path_factory.mktemp(f"mlm-failure-free-{iters}")
-            args = [*megatron_args(iters), "--use-distributed-optimizer", "--deadpool",
-                    "--deadpool-spares", "0", "--deadpool-ranks-per-node", "2"]  # fmt: skip
-            run = launch(tmp, "reference", tree / "pretrain_gpt.py", args)
-            assert run.returncode == 0, run.describe()
-            assert sorted(run.iterations()) == list(range(1, iters + 1)), run.describe()
-            done[iters] = run.summary["param_digests"]
-        return done[iters]
+        tree = megatron_lm_tree()  # skips without one
+        return once_per_run(
+            tmp_path_factory, f"mlm-failure-free-{iters}", partial(make, iters, tree)
+        )
 
     return get
 
