@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..config.job import JobConfig, ParallelConfig, load_job
+from ..config.numbers import number_arg
 from ..errors import ConfigError
 from .cpu_use import CpuSampler
 from .interleaved import Launched, Run, check_window, compare, interleave, measured_run
@@ -81,7 +82,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--json", dest="json_path", help="write the results as JSON here")
     parser.add_argument(
-        "--timeout", type=float, default=600.0, help="wall-clock limit of one run in s"
+        "--timeout",
+        type=number_arg(above=0, unit="seconds"),
+        default=600.0,
+        help="wall-clock limit of one run in s",
     )
 
 

@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from ..config.numbers import number_arg
 from ..replication import pack
 
 DEFAULT_SIZES_MB = (64, 256)
@@ -146,16 +147,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         prog="deadpool bench pack",
         description="Bandwidth of snapshot pack + checksum vs a plain copy of the same bytes.",
     )
-    parser.add_argument("--sizes-mb", type=float, nargs="+", default=list(DEFAULT_SIZES_MB))
-    parser.add_argument("--repeats", type=int, default=DEFAULT_REPEATS)
+    parser.add_argument(
+        "--sizes-mb", type=number_arg(above=0), nargs="+", default=list(DEFAULT_SIZES_MB)
+    )
+    parser.add_argument(
+        "--repeats", type=number_arg(integer=True, minimum=1), default=DEFAULT_REPEATS
+    )
     parser.add_argument("--device", default="cpu", help="cpu (default) or cuda")
     parser.add_argument(
         "--threads", type=int, nargs="+", default=None, help="CPU thread counts (default: N 1)"
     )
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON here")
     args = parser.parse_args(argv)
-    if args.repeats < 1:
-        parser.error("--repeats must be at least 1")
     result = run_pack_bench(args.sizes_mb, args.repeats, args.device, args.threads)
     print(format_table(result))
     print("GB/s: median of repeats (best in brackets); pack/copy uses the medians.")

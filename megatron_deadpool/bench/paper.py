@@ -40,6 +40,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ..config.numbers import number_arg
 from ..errors import ConfigError
 from . import plots
 from .overhead import base_job
@@ -80,7 +81,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="interpreter with nvidia-resiliency-ext for nvrx_local_1 (default: this one if "
         "it has the package, else $DEADPOOL_NVRX_PYTHON)",
     )
-    parser.add_argument("--timeout", type=float, default=600.0, help="limit of one run in s")
+    parser.add_argument(
+        "--timeout",
+        type=number_arg(above=0, unit="seconds"),
+        default=600.0,
+        help="limit of one run in s",
+    )
     parser.add_argument("--keep", action="store_true", help="keep run logs and checkpoints")
 
 

@@ -41,6 +41,7 @@ from typing import Any
 
 from ..config.faults import check_faults, parse_fault
 from ..config.job import JobConfig
+from ..config.numbers import number_arg
 from ..errors import ConfigError
 from .overhead import base_job
 from .report import job_shape, publish, text_row, yes_no
@@ -97,7 +98,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--json", dest="json_path", help="write the results as JSON here")
     parser.add_argument(
-        "--timeout", type=float, default=600.0, help="wall-clock limit of one run in s"
+        "--timeout",
+        type=number_arg(above=0, unit="seconds"),
+        default=600.0,
+        help="wall-clock limit of one run in s",
     )
     parser.add_argument("--keep", action="store_true", help="keep run logs and checkpoints")
 

@@ -19,6 +19,8 @@ from pathlib import Path
 from ..chaos.schedule import KINDS, parse_kinds, spares_needed
 from ..chaos.soak import Soak, SoakSettings, print_table
 from ..config.job import JobConfig, load_job
+from ..config.numbers import number_arg
+from ..config.paths import check_writable_dir, check_writable_file
 from ..errors import ConfigError
 
 DEFAULT_CONFIG = "configs/cpu-demo.yaml"
@@ -26,11 +28,14 @@ DEFAULT_CONFIG = "configs/cpu-demo.yaml"
 
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--minutes", type=float, required=True, help="wall-time budget of the whole soak"
+        "--minutes",
+        type=number_arg(above=0),
+        required=True,
+        help="wall-time budget of the whole soak",
     )
     parser.add_argument(
         "--mtbf-iters",
-        type=float,
+        type=number_arg(minimum=1),
         required=True,
         metavar="K",
         help="mean iterations between failures (each iteration fails with probability 1/K)",
@@ -39,7 +44,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--config", default=DEFAULT_CONFIG, help=f"job config (default {DEFAULT_CONFIG})"
     )
-    parser.add_argument("--iters", type=int, default=40, help="iterations per episode (default 40)")
+    parser.add_argument(
+        "--iters",
+        type=number_arg(integer=True, minimum=1),
+        default=40,
+        help="iterations per episode (default 40)",
+    )
     parser.add_argument(
         "--kinds",
         default=",".join(KINDS),
@@ -48,10 +58,14 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--spares",
-        type=int,
+        type=number_arg(integer=True, minimum=0),
         help="spare pool size (default: the config's, at least the largest failure's ranks)",
     )
-    parser.add_argument("--episodes", type=int, help="stop after this many episodes")
+    parser.add_argument(
+        "--episodes",
+        type=number_arg(integer=True, minimum=1),
+        help="stop after this many episodes",
+    )
     parser.add_argument(
         "--heartbeat-timeout",
         type=float,
@@ -80,10 +94,6 @@ def _job(args: argparse.Namespace, kinds: tuple[str, ...]) -> JobConfig:
         raise ConfigError(f"chaos: {args.config} turns DeadPool off (deadpool.enabled: false)")
     need = spares_needed(kinds, job.ranks_per_node)
     spares = args.spares if args.spares is not None else max(job.deadpool.spares, need)
-    if args.iters < 1:
-        raise ConfigError("chaos --iters: must be >= 1")
-    if args.minutes <= 0:
-        raise ConfigError("chaos --minutes: must be positive")
     deadpool = job.deadpool.replace(
         spares=spares,
         fail=[],
@@ -98,6 +108,10 @@ def _job(args: argparse.Namespace, kinds: tuple[str, ...]) -> JobConfig:
 
 def run(args: argparse.Namespace) -> int:
     kinds = parse_kinds(args.kinds)
+    if args.run_dir:
+        check_writable_dir(args.run_dir, "--run-dir")
+    if args.json_path:
+        check_writable_file(args.json_path, "--json")
     settings = SoakSettings(
         seed=args.seed,
         mtbf_iters=args.mtbf_iters,

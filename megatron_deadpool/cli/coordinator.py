@@ -31,6 +31,8 @@ from pathlib import Path
 from ..config.deadpool import DeadpoolConfig, parse_host_port
 from ..config.flags import add_flags, dest_name
 from ..config.job import load_job
+from ..config.numbers import number_arg
+from ..config.paths import check_writable_dir
 from ..digest import final_digest
 from ..errors import ConfigError, CoordinatorUnreachableError, ExitCode
 from ..hotswap.coordinator import Coordinator
@@ -44,7 +46,12 @@ from ..logs import setup_logging
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--world-size", type=int, required=True, help="active ranks (tp*pp*dp)")
+    parser.add_argument(
+        "--world-size",
+        type=number_arg(integer=True, minimum=1),
+        required=True,
+        help="active ranks (tp*pp*dp)",
+    )
     parser.add_argument(
         "--standby",
         type=int,
@@ -66,7 +73,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
         defaults={f.name: None for f in dataclasses.fields(DeadpoolConfig)},
     )
     parser.add_argument(
-        "--max-wait", type=float, default=7 * 24 * 3600, help="give up after this many seconds"
+        "--max-wait",
+        type=number_arg(above=0, unit="seconds"),
+        default=7 * 24 * 3600,
+        help="give up after this many seconds",
     )
 
 
@@ -81,8 +91,6 @@ def job_settings(args: argparse.Namespace) -> DeadpoolConfig:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.world_size < 1:
-        raise ConfigError("world-size: must be >= 1")
     cfg = job_settings(args)
     addresses = cfg.coordinators
     if not addresses:
@@ -101,6 +109,8 @@ def run(args: argparse.Namespace) -> int:
     token = token or secrets.token_hex(16)
     address = addresses[args.standby]
     host, port = parse_host_port(address, "deadpool-coordinator")
+    if cfg.log_dir:
+        check_writable_dir(cfg.log_dir, "--deadpool-log-dir")
     setup_logging()
     try:
         store = host_store(host, port)  # listens on that host only

@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import argparse
 
+from ..config.numbers import number_arg
+
 
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--nproc-per-node",
-        type=int,
+        type=number_arg(integer=True, minimum=1),
         required=True,
         metavar="N",
         help="active ranks to start on this machine (spares come on top: --deadpool-spares)",
@@ -28,7 +30,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--run-dir", help="directory for per-process logs and summary.json")
     parser.add_argument(
-        "--timeout", type=float, default=3600.0, help="wall-clock limit of the job in seconds"
+        "--timeout",
+        type=number_arg(above=0, unit="seconds"),
+        default=3600.0,
+        help="wall-clock limit of the job in seconds",
     )
     parser.add_argument("script", help="the Megatron-LM training script, e.g. pretrain_gpt.py")
     parser.add_argument(

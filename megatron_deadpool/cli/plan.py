@@ -19,9 +19,13 @@ from pathlib import Path
 
 from ..config.cluster import GB, GIB, ClusterConfig, load_cluster
 from ..config.job import ModelConfig, TrainConfig, load_job
+from ..config.numbers import number_arg
 from ..errors import ConfigError
 from ..planner.capacity import PlanReport, RecoveryModel, Workload, format_seconds, plan
 from ..replication.placement import Layout
+
+COUNT = number_arg(integer=True, minimum=1)
+"""A count flag's type: an integer >= 1."""
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -34,20 +38,20 @@ def configure(parser: argparse.ArgumentParser) -> None:
         metavar="YAML",
         help="model or job config (configs/models/*.yaml, configs/cpu-demo.yaml)",
     )
-    parser.add_argument("--tp", type=int, help="tensor-parallel size (default: the file's)")
-    parser.add_argument("--pp", type=int, help="pipeline-parallel size (default: the file's)")
-    parser.add_argument("--dp", type=int, help="data-parallel size (default: the file's)")
+    parser.add_argument("--tp", type=COUNT, help="tensor-parallel size (default: the file's)")
+    parser.add_argument("--pp", type=COUNT, help="pipeline-parallel size (default: the file's)")
+    parser.add_argument("--dp", type=COUNT, help="data-parallel size (default: the file's)")
     parser.add_argument(
         "--gpus-per-node",
-        type=int,
+        type=COUNT,
         metavar="N",
         help="GPUs (ranks) per node = failure domain (default: the cluster's, else the file's "
         "deadpool.ranks_per_node, else tp)",
     )
-    parser.add_argument("--replicas", type=int, metavar="K", help="replicas k per shard")
+    parser.add_argument("--replicas", type=COUNT, metavar="K", help="replicas k per shard")
     parser.add_argument(
         "--spares",
-        type=int,
+        type=number_arg(integer=True, minimum=0),
         metavar="S",
         help="spare ranks (default: the file's deadpool.spares, or one node's worth if 0)",
     )
@@ -56,13 +60,20 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--global-batch-size",
-        type=int,
+        type=COUNT,
         metavar="SEQS",
         help="sequences per iteration (default: the file's micro_batch_size x "
         "num_microbatches x dp)",
     )
-    parser.add_argument("--micro-batch-size", type=int, metavar="SEQS", help="default: the file's")
-    parser.add_argument("--mfu", type=float, default=0.4, help="model FLOPs utilisation (0.4)")
+    parser.add_argument(
+        "--micro-batch-size", type=COUNT, metavar="SEQS", help="default: the file's"
+    )
+    parser.add_argument(
+        "--mfu",
+        type=number_arg(above=0, maximum=1),
+        default=0.4,
+        help="model FLOPs utilisation (0.4)",
+    )
     parser.add_argument(
         "--recompute",
         choices=["none", "selective", "full"],
@@ -83,30 +94,28 @@ def configure(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     """Plan and print; bad input raises `ConfigError` (one line, exit 2 via the CLI)."""
     job = load_job(args.model)
-    for name in ("tp", "pp", "dp", "gpus_per_node", "replicas", "spares"):
-        value = getattr(args, name)
-        if value is not None and value < (0 if name == "spares" else 1):
-            flag = name.replace("_", "-")
-            raise ConfigError(f"--{flag}: must be >= {0 if name == 'spares' else 1}, got {value}")
     cluster = load_cluster(args.cluster) if args.cluster else job.cluster
-    tp = args.tp or job.parallel.tp
-    pp = args.pp or job.parallel.pp
-    dp = args.dp or job.parallel.dp
-    gpus_per_node = args.gpus_per_node or (
-        cluster.gpus_per_node if cluster is not None else job.deadpool.ranks_per_node or tp
+    tp = _given(args.tp, job.parallel.tp)
+    pp = _given(args.pp, job.parallel.pp)
+    dp = _given(args.dp, job.parallel.dp)
+    gpus_per_node = _given(
+        args.gpus_per_node,
+        cluster.gpus_per_node if cluster is not None else _given(job.deadpool.ranks_per_node, tp),
     )
     if cluster is None:
         cluster = ClusterConfig(site="generic", gpus_per_node=gpus_per_node)
-    elif args.gpus_per_node and args.gpus_per_node != cluster.gpus_per_node:
+    elif args.gpus_per_node is not None and args.gpus_per_node != cluster.gpus_per_node:
         raise ConfigError(
             f"--gpus-per-node {args.gpus_per_node} contradicts cluster {cluster.site} "
             f"({cluster.gpus_per_node} GPUs per node)"
         )
     layout = Layout(tp=tp, pp=pp, dp=dp, ranks_per_node=gpus_per_node)
-    replicas = args.replicas or job.deadpool.replicas
+    replicas = _given(args.replicas, job.deadpool.replicas)
     spares = args.spares if args.spares is not None else (job.deadpool.spares or gpus_per_node)
-    mbs = args.micro_batch_size or job.train.micro_batch_size
-    gbs = args.global_batch_size or job.train.micro_batch_size * job.train.num_microbatches * dp
+    mbs = _given(args.micro_batch_size, job.train.micro_batch_size)
+    gbs = _given(
+        args.global_batch_size, job.train.micro_batch_size * job.train.num_microbatches * dp
+    )
     workload = Workload(
         global_batch_size=gbs, micro_batch_size=mbs, mfu=args.mfu, recompute=args.recompute
     )
@@ -135,6 +144,12 @@ def run(args: argparse.Namespace) -> int:
         except OSError as exc:
             raise ConfigError(f"--json: cannot write {args.json}: {exc.strerror}") from None
     return 0
+
+
+def _given(value: int | None, default: int) -> int:
+    """A flag's value when it was given (0 included: a flag's bounds refuse it), else the
+    default: never `value or default`, which would turn a given 0 into the default."""
+    return default if value is None else value
 
 
 def megatron_args(

@@ -8,14 +8,22 @@ from __future__ import annotations
 
 import argparse
 
+from ..config.job import JobConfig
 from ..config.job_args import add_job_flags, job_from_args
+from ..config.numbers import number_arg
+from ..config.paths import check_writable_dir, check_writable_file
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
     add_job_flags(parser)
     parser.add_argument("--json-log", help="write one JSON object per iteration, then a summary")
     parser.add_argument("--run-dir", help="directory for per-process logs (default: a temp dir)")
-    parser.add_argument("--timeout", type=float, default=900.0, help="wall-clock limit (s)")
+    parser.add_argument(
+        "--timeout",
+        type=number_arg(above=0, unit="seconds"),
+        default=900.0,
+        help="wall-clock limit (s)",
+    )
     parser.add_argument("--quiet", action="store_true", help="no progress output")
 
 
@@ -30,6 +38,7 @@ def run(args: argparse.Namespace) -> int:
         job.train.iters,
         job.deadpool.spares,
     )
+    check_paths(job, args)
     # Imports megatron-core: only once the input is valid.
     from ..embedded.launch import LocalLauncher
 
@@ -41,3 +50,19 @@ def run(args: argparse.Namespace) -> int:
         quiet=args.quiet,
     ).run()
     return result.returncode
+
+
+def check_paths(job: JobConfig, args: argparse.Namespace) -> None:
+    """Every directory and file the run will write or read, refused before any process
+    starts (`config.paths`, `replication.save_dir.check_load`)."""
+    from ..replication.save_dir import check_load
+
+    for path, flag in ((args.run_dir, "--run-dir"), (job.deadpool.log_dir, "--deadpool-log-dir")):
+        if path:
+            check_writable_dir(path, flag)
+    if args.json_log:
+        check_writable_file(args.json_log, "--json-log")
+    if job.train.save:
+        check_writable_dir(job.train.save, "--save")
+    if job.train.load:
+        check_load(job.train.load, save=job.train.save)

@@ -16,10 +16,10 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import yaml
-
 from ..errors import ConfigError
 from .flags import from_mapping
+from .numbers import check_number
+from .yaml_file import read_yaml
 
 GIB = 2**30
 GB = 10**9
@@ -92,28 +92,18 @@ class ClusterConfig:
                 "'.', '_' or '-'"
             )
         for name in ("gpus_per_node", "nics_per_node"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ConfigError(f"cluster.{name}: must be a positive integer, got {value!r}")
+            check_number(getattr(self, name), f"cluster.{name}", integer=True, minimum=1)
         for name in ("gpu_memory_gib", "host_memory_gib", "gpu_tflops", "nic_gb_s"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-                raise ConfigError(f"cluster.{name}: must be a positive number, got {value!r}")
-        for name in ("intra_node_gb_s", "host_device_gb_s"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
-                raise ConfigError(f"cluster.{name}: must be a number >= 0, got {value!r}")
-        if self.host_device_gb_s == 0:
-            raise ConfigError("cluster.host_device_gb_s: must be positive")
+            check_number(getattr(self, name), f"cluster.{name}", above=0)
+        check_number(self.host_device_gb_s, "cluster.host_device_gb_s", above=0)
+        check_number(self.intra_node_gb_s, "cluster.intra_node_gb_s", minimum=0)
         if self.gpus_per_node > 1 and self.intra_node_gb_s == 0:
             raise ConfigError(
                 "cluster.intra_node_gb_s: must be positive when a node has more than one GPU"
             )
-        if not 0 <= self.memory_reserve_fraction < 1:
-            raise ConfigError(
-                "cluster.memory_reserve_fraction: must be in [0, 1), got "
-                f"{self.memory_reserve_fraction!r}"
-            )
+        check_number(
+            self.memory_reserve_fraction, "cluster.memory_reserve_fraction", minimum=0, below=1
+        )
         for i, entry in enumerate(self.env):
             if not _ENV_ENTRY.match(entry):
                 raise ConfigError(
@@ -156,12 +146,7 @@ def cluster_from_mapping(data: object, *, where: str = "cluster") -> ClusterConf
 def load_cluster(path: str | Path) -> ClusterConfig:
     """Read a cluster description: a YAML file whose only section is `cluster:`."""
     p = Path(path)
-    if not p.is_file():
-        raise ConfigError(f"cluster: file {str(p)!r} does not exist")
-    try:
-        data = yaml.safe_load(p.read_text())
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"cluster: {p} is not valid YAML: {exc}") from None
+    data = read_yaml(p, "cluster")
     if not isinstance(data, dict) or set(data) != {"cluster"}:
         raise ConfigError(
             f"{p.name}: expected one top-level section 'cluster:' holding the cluster keys"

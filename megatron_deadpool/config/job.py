@@ -13,17 +13,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-import yaml
-
 from ..errors import ConfigError
 from .cluster import ClusterConfig
 from .deadpool import DeadpoolConfig
 from .flags import from_mapping
+from .numbers import check_number
+from .yaml_file import read_yaml
 
 
 def _positive(value: int, where: str) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ConfigError(f"{where}: must be a positive integer, got {value!r}")
+    check_number(value, where, integer=True, minimum=1)
 
 
 @dataclass(kw_only=True)
@@ -171,18 +170,11 @@ class TrainConfig:
     def __post_init__(self) -> None:
         for name in ("iters", "micro_batch_size", "num_microbatches"):
             _positive(getattr(self, name), f"train.{name}")
-        if (
-            isinstance(self.save_interval, bool)
-            or not isinstance(self.save_interval, int)
-            or (self.save_interval < 0)
-        ):
-            raise ConfigError(f"train.save_interval: must be >= 0, got {self.save_interval!r}")
+        check_number(self.save_interval, "train.save_interval", integer=True, minimum=0)
         if self.save_interval and not self.save:
             raise ConfigError("train.save_interval: set train.save (--save DIR) as well")
-        if isinstance(self.lr_warmup_iters, bool) or self.lr_warmup_iters < 0:
-            raise ConfigError("train.lr_warmup_iters: must be >= 0")
-        if not self.lr > 0:
-            raise ConfigError(f"train.lr: must be positive, got {self.lr}")
+        check_number(self.lr_warmup_iters, "train.lr_warmup_iters", integer=True, minimum=0)
+        check_number(self.lr, "train.lr", above=0)
 
 
 @dataclass(kw_only=True)
@@ -282,10 +274,4 @@ def job_from_mapping(data: Any, *, where: str = "config") -> JobConfig:
 def load_job(path: str | Path) -> JobConfig:
     """Read and validate a YAML job config."""
     p = Path(path)
-    if not p.is_file():
-        raise ConfigError(f"config: file {str(p)!r} does not exist")
-    try:
-        data = yaml.safe_load(p.read_text())
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"config: {p} is not valid YAML: {exc}") from None
-    return job_from_mapping(data or {}, where=p.name)
+    return job_from_mapping(read_yaml(p, "config") or {}, where=p.name)

@@ -177,6 +177,8 @@ class LocalLauncher:
         self.hooks.started(local)
         self._start()
         # Closed in the `finally` below, after the monitor loop that writes it.
+        if self.json_log:
+            Path(self.json_log).parent.mkdir(parents=True, exist_ok=True)
         log_file = open(self.json_log, "w") if self.json_log else None  # noqa: SIM115
         log = IterationLog(self._first_iteration(), log_file)
         self._sigterm = False

@@ -16,6 +16,7 @@ Out of redundancy it waits for the survivors to save what survives and exits wit
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import secrets
@@ -29,6 +30,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TextIO
 
+from ..config.paths import check_writable_dir
 from ..errors import ConfigError, ExitCode
 from ..hotswap.forkserver import Preload
 from ..hotswap.local_job import LocalJob
@@ -43,6 +45,16 @@ RUNNER_IMPORTS = (
     "megatron_deadpool.hotswap.private_world",
 )
 """What the runner imports once the script calls `pretrain` (preloaded with the script's imports)."""
+
+
+def megatron_save_dir(script_args: Sequence[str]) -> str | None:
+    """Megatron-LM's `--save` on the script's command line, if any: checked before any process
+    starts (Megatron itself finds an unwritable one at its first save). Its `--load` is left to
+    Megatron: a folder without a checkpoint starts the run from scratch there, which is how a
+    job that saves and resumes in one folder starts the first time."""
+    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    parser.add_argument("--save")
+    return parser.parse_known_args(list(script_args))[0].save
 
 
 def _free_port() -> int:
@@ -76,6 +88,12 @@ class MegatronLauncher:
         self.patched = patched
         self.cfg = preparse(self.script_args)
         self.spares = self.cfg.spares if self.cfg.enabled else 0
+        for path, flag in ((run_dir, "--run-dir"), (self.cfg.log_dir, "--deadpool-log-dir")):
+            if path:
+                check_writable_dir(path, flag)
+        save = megatron_save_dir(self.script_args)
+        if save:
+            check_writable_dir(save, "--save")
         self.run_dir = Path(run_dir or self.cfg.log_dir or tempfile.mkdtemp(prefix="deadpool-mlm-"))
         self.timeout_s = timeout_s
         self.stream = stream or sys.stdout

@@ -92,9 +92,12 @@ def extra_args_provider(
 
 def preparse(argv: Sequence[str]) -> DeadpoolConfig:
     """The `--deadpool-*` flags of a Megatron command line (everything else is ignored)."""
-    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False, exit_on_error=False)
     add_flags(parser, DeadpoolConfig, prefix="deadpool")
-    known, _ = parser.parse_known_args(list(argv))
+    try:
+        known, _ = parser.parse_known_args(list(argv))
+    except argparse.ArgumentError as exc:  # one line, as Megatron's parser would not say it
+        raise ConfigError(str(exc)) from None
     return from_namespace(DeadpoolConfig, known, prefix="deadpool")
 
 

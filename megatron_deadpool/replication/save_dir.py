@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from ..errors import CheckpointError
+from ..errors import CheckpointError, ConfigError
 from .snapshot_set import latest_complete
 
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -55,3 +55,31 @@ def resume_point(root: str | Path) -> tuple[str, int] | None:
         return None
     iteration, kind = max(options)
     return kind, iteration
+
+
+def check_load(root: str | os.PathLike[str], *, save: str | None = None) -> None:
+    """Refuse, before any process starts, a `--load` the ranks would fail on or silently
+    ignore: a folder that does not exist (unless it is the `--save` folder as well: the first
+    run of a job that saves and resumes in one place starts from iteration 1, as Megatron-LM
+    does), a file, a marker that names no iteration or a missing iteration folder, a
+    snapshot-set manifest that cannot be read."""
+    path = Path(root)
+    if not path.exists():
+        if save is not None and path.absolute() == Path(save).absolute():
+            return
+        raise ConfigError(
+            f"--load: {str(path)!r} does not exist; give the directory a run saved into with "
+            "--save (or drop --load to start from iteration 1)"
+        )
+    if not path.is_dir():
+        raise ConfigError(f"--load: {str(path)!r} is a file; give the directory --save wrote")
+    try:
+        point = resume_point(path)
+    except (CheckpointError, OSError) as exc:
+        raise ConfigError(f"--load: {exc}") from None
+    if point is not None and point[0] == "megatron" and not iteration_dir(path, point[1]).is_dir():
+        raise ConfigError(
+            f"--load: {path / TRACKER} names iteration {point[1]}, but "
+            f"{iteration_dir(path, point[1])} is missing; point --load at a complete --save "
+            "directory"
+        )

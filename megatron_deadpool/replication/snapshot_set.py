@@ -21,6 +21,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..errors import CheckpointError
+
 SUBDIR = "deadpool"
 
 
@@ -96,6 +98,12 @@ def latest_complete(root: str | Path) -> int | None:
             manifest = json.loads(path.read_text())
         except (OSError, ValueError):
             continue
+        iteration = manifest.get("iteration") if isinstance(manifest, dict) else None
+        if isinstance(iteration, bool) or not isinstance(iteration, int):
+            raise CheckpointError(
+                f"{path}: not a snapshot-set manifest (no iteration number); remove its folder "
+                "or point --load at a directory written by --save"
+            )
         if manifest.get("complete"):
-            complete.append(int(manifest["iteration"]))
+            complete.append(iteration)
     return max(complete, default=None)

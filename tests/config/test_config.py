@@ -257,7 +257,7 @@ def test_yaml_deadpool_section_defaults_to_enabled() -> None:
         ({"model": {"hidden_size": None}}, "config.model.hidden_size: must not be empty"),
         ({"model": 3}, "config.model: expected a mapping"),
         ([1, 2], "config: expected a mapping"),
-        ({"parallel": {"tp": 0}}, "parallel.tp: must be a positive integer"),
+        ({"parallel": {"tp": 0}}, "parallel.tp: expected an integer >= 1, got 0"),
         ({"model": {"num_layers": 3}, "parallel": {"pp": 2}}, "parallel.pp (2) must divide"),
         ({"parallel": {"tp": 3}}, "parallel.tp (3) must divide model.num_attention_heads"),
         ({"parallel": {"pp": 2}, "train": {"num_microbatches": 1}}, "train.num_microbatches"),
