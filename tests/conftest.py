@@ -41,10 +41,19 @@ LONGEST_FIRST = (
 """The modules that take longest (a minute or more each on 2 cores), longest first."""
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """With pytest-xdist's workers (`-n 2`), each module runs whole on one worker (its module
+    fixtures and cached runs made once), in the order collected (`--dist loadfile
+    --no-loadscope-reorder`, whatever the command line says)."""
+    if getattr(config.option, "numprocesses", None):
+        config.option.dist = "loadfile"
+        config.option.loadscopereorder = False
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Run the longest modules first (`LONGEST_FIRST`), the others as collected: `-n 2` hands out
-    whole modules (`--dist loadfile`, pyproject.toml) in this order, so no long module is left to
-    run alone at the end."""
+    whole modules in this order (`pytest_configure`), so no long module is left to run alone at
+    the end."""
 
     def rank(item: pytest.Item) -> int:
         module = item.path.relative_to(TESTS_DIR).as_posix()
