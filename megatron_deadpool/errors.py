@@ -23,6 +23,11 @@ class JobTokenError(ConfigError):
     """A process presented a job token that does not match the coordinator's job."""
 
 
+class OpenFilesError(ConfigError):
+    """The process that would host the job's store may not open enough files for the job's
+    connections (its hard limit is too low)."""
+
+
 class DeadpoolRuntimeError(RuntimeError):
     """Base for runtime conditions that end a run deliberately."""
 

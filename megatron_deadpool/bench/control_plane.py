@@ -45,7 +45,6 @@ import importlib.util
 import json
 import math
 import os
-import resource
 import select
 import signal
 import statistics
@@ -58,6 +57,7 @@ from ..hotswap.coordinator import Coordinator
 from ..hotswap.events import EventLog
 from ..hotswap.liveness import kill_groups
 from ..hotswap.membership import BATCH_KEYS, Membership, host_store
+from ..hotswap.store_files import RESERVE, reserve_files
 from ..replication.placement import place_replicas
 from .control_plane_job import SPARES, CostLog, SimLiveness, layout_for, rss_mib
 from .coordinator_alone import coordinator_alone
@@ -112,17 +112,6 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _raise_file_limit(need: int) -> None:
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft < min(need, hard):
-        resource.setrlimit(resource.RLIMIT_NOFILE, (min(need, hard), hard))
-    if need > hard:
-        raise RuntimeError(
-            f"the store would hold {need} connections but this process may open at most "
-            f"{hard} files (hard limit): raise it (ulimit -Hn) or use a larger --hb-group"
-        )
-
-
 class Bench:
     """One job size: the store, the coordinator, the simulated ranks."""
 
@@ -131,7 +120,9 @@ class Bench:
         self.args = args
         self.layout = layout_for(ranks)
         self.procs_n = args.procs
-        _raise_file_limit(ranks + SPARES + -(-ranks // args.hb_group) + args.procs * 8 + 64)
+        # One connection per simulated rank, one per heartbeat group, a few per process.
+        need = ranks + SPARES + -(-ranks // args.hb_group) + args.procs * 8 + RESERVE
+        reserve_files(need, f"the store of {ranks} simulated ranks (or use a larger --hb-group)")
         self.rss0 = rss_mib()
         self.store = host_store("127.0.0.1", 0, timeout_s=args.timeout)
         self.members = Membership(self.store, "coordinator")

@@ -47,6 +47,7 @@ except ImportError as exc:  # pragma: no cover - greenlet comes with the [bench]
     ) from exc
 
 VALIDATE, SET, COMPARE_SET, GET, ADD, CHECK, WAIT = range(7)
+DELETE_KEY = 8
 MULTI_GET, CANCEL_WAIT, PING, QUEUE_PUSH = 10, 12, 13, 14
 MAGIC = 0x3C85F7CE
 STOP_WAITING, WAIT_CANCELED = 0, 1
@@ -308,6 +309,9 @@ class WireStore:
     def compare_set(self, key: str, expected: str | bytes, desired: str | bytes) -> bytes:
         request = bytes([COMPARE_SET]) + self._key(key) + _text(expected) + _text(desired)
         return self._ask(request, _ONE_STRING)[0]
+
+    def delete_key(self, key: str) -> bool:
+        return self._ask(bytes([DELETE_KEY]) + self._key(key), _INT) == 1
 
     def queue_push(self, key: str, value: str | bytes) -> None:
         self._send(bytes([QUEUE_PUSH]) + self._key(key) + _text(value))

@@ -37,6 +37,10 @@ BENCHES: dict[str, tuple[str, str]] = {
         "megatron_deadpool.bench.control_plane",
         "the coordinator and store protocol against 1,024-16,384 simulated ranks",
     ),
+    "store-state": (
+        "megatron_deadpool.bench.store_state",
+        "the coordinator's store over 100,000 iterations: keys and memory, kept vs pruned",
+    ),
     "planning": (
         "megatron_deadpool.bench.planning",
         "replica placement and a standby's rebuild at 16,384 ranks (pure, one core)",

@@ -41,6 +41,7 @@ from ..hotswap.liveness import HeartbeatOnly
 from ..hotswap.membership import Membership, host_store
 from ..hotswap.messages import CoordinatorIdentity
 from ..hotswap.standby import Standby, StandbyWatch
+from ..hotswap.store_files import reserve_files, store_files_needed
 from ..hotswap.supervisor import CoordinatorOnly, Supervisor
 from ..logs import setup_logging
 
@@ -111,12 +112,16 @@ def run(args: argparse.Namespace) -> int:
     host, port = parse_host_port(address, "deadpool-coordinator")
     if cfg.log_dir:
         check_writable_dir(cfg.log_dir, "--deadpool-log-dir")
+    role = "standby" if args.standby else "coordinator"
+    reserve_files(
+        store_files_needed(args.world_size, cfg.spares),
+        f"deadpool {role} (the store of {args.world_size} ranks and {cfg.spares} spare(s))",
+    )
     setup_logging()
     try:
         store = host_store(host, port)  # listens on that host only
     except (RuntimeError, OSError) as exc:
         raise ConfigError(f"deadpool-coordinator: cannot listen on {address} ({exc})") from None
-    role = "standby" if args.standby else "coordinator"
 
     def say(text: str) -> None:
         print(f"deadpool {role}: {text}", flush=True)

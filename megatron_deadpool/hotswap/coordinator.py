@@ -12,7 +12,9 @@ each `tick()` then:
      failure, the out-of-redundancy report naming the lost ranks and shards and what survivors
      save (`OutOfRedundancy`) - and its decision, which survivors block on; a survivor that
      does not report within the agreement timeout is presumed dead (a new plan);
-  3. each phase's wall time, from the stamps ranks publish.
+  3. each phase's wall time, from the stamps ranks publish; the recovery is then complete, and
+     the keys of the generations before the previous one are deleted over the next ticks, a
+     batch each (`pruning.py`; what may go: `retention.py`).
 Every observation and decision goes to the event log (`events.py`). State changes only through
 these methods (`add_spare` for a spare that joins later); what launchers read is read-only.
 
@@ -46,6 +48,7 @@ from .messages import (
     SaveOrder,
     Sources,
 )
+from .pruning import Pruner
 from .restore_plan import RestorePlan, plan_restore, plan_salvage
 from .wakeup import StoreWaiter, coordinator_inbox
 
@@ -147,6 +150,7 @@ class Coordinator:
         self._handled: set[str] = set()  # dead members a plan already accounts for
         self._next_generation = 1
         self._inbox: StoreWaiter | None = None
+        self._pruner = Pruner(membership)
 
     # ------------------------------------------------------------------ what launchers read
     @property
@@ -213,6 +217,7 @@ class Coordinator:
         self._roster = roster
         self._spares = list(spares)
         self._next_generation = next_generation
+        self._pruner = Pruner(self.membership, first=roster.generation)  # nothing older here
         self.membership.publish_roster(roster)
         self.events("roster", generation=roster.generation, slots=roster.slots, adopted=True)
         self.detector.expect(self._live())  # they re-registered: judged by their beats from now
@@ -291,6 +296,8 @@ class Coordinator:
                     gc.enable()
             if self._recovery is not None and self._recovery.t_agreed is not None:
                 self._track_phases()
+        if self._recovery is None:
+            self._pruner.step()
 
     def _live(self) -> list[str]:
         """The members watched: spares and the current (or planned) slots, not dead ones."""
@@ -563,6 +570,7 @@ class Coordinator:
             "total_s": round(first - rec.t_failure, 4),
         }
         self._outcome.recoveries.append(record)
+        self._pruner.completed(g)
         self.events("recovered", **record)
         self.say(
             f"recovered in {record['total_s']:.2f}s: "

@@ -25,7 +25,12 @@ from .events import EventLog
 from .forkserver import Preload
 from .liveness import HeartbeatOnly, ProcessLiveness, kill_groups
 from .membership import Membership, host_store
+from .store_files import reserve_files, store_files_needed
 from .warm_start import WarmStart
+
+LAUNCHER_FILES_PER_PROCESS = 2
+"""Files the launcher holds of each process besides its store connections: its output file
+and its process handle (a pidfd, or the fork server's report of its exit)."""
 
 PER_PROCESS_ENV = ("RANK", "LOCAL_RANK")
 """Variables that differ between a job's processes: not given to their fork server."""
@@ -53,6 +58,11 @@ class LocalJob:
         self.spares = cfg.spares if cfg.enabled else 0
         self.gpus = self._assign_gpus()
         self.procs: dict[str, subprocess.Popen] = {}
+        reserve_files(
+            store_files_needed(world_size, self.spares, per_process=LAUNCHER_FILES_PER_PROCESS),
+            f"this launcher (the store and processes of {world_size} ranks and "
+            f"{self.spares} spare(s))",
+        )
         self.starter = WarmStart(log=say, log_dir=run_dir)
         host = self._store_host()
         store = host_store(host, 0)

@@ -78,6 +78,12 @@ Keys (the message type of each structured value in CamelCase):
                               over; task{i} for a process that does not know its member name
                               yet (task i: actives first, then spares)
   rebuilt                     the standby rebuilt the job's state from the re-registrations
+
+What is deleted, and when (`retention.py`): rank 0 keeps the last `RETAINED_ITERATIONS` of its
+`metrics/g{g}/{it}` records (publishing one deletes the one that many iterations back), and once
+generation g is complete the coordinator deletes every key of the generations before g - 1 -
+`gen{h}/...` (torch's rendezvous keys included) and `metrics/g{h}/...` - but generation 0's
+roster. Everything else lives as long as the job.
 """
 
 from __future__ import annotations
@@ -92,6 +98,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch.distributed as dist
 
 from ..errors import JobTokenError
+from . import retention
 from .codec import read_float, read_int, read_text
 from .messages import (
     CLAIMED,
@@ -147,15 +154,17 @@ class StoreLike(Protocol):
 
     def queue_push(self, key: str, value: str) -> None: ...
 
+    def delete_key(self, key: str) -> bool: ...
+
 
 @runtime_checkable
 class ServingStore(StoreLike, Protocol):
-    """What the coordinator's own store answers besides (a standby withdrawing, the
-    coordinator's inbox)."""
-
-    def delete_key(self, key: str) -> bool: ...
+    """What the coordinator's own store answers besides (the coordinator's inbox, the keys of
+    finished generations)."""
 
     def queue_pop(self, key: str) -> bytes: ...
+
+    def list_keys(self) -> list[str]: ...
 
 
 class Membership:
@@ -553,14 +562,33 @@ class Membership:
     def progress(self) -> int:
         return self._int(Keys.PROGRESS) or 0
 
-    def publish_metrics(self, record: IterationRecord) -> None:
+    def publish_metrics(
+        self, record: IterationRecord, retain: int | None = retention.RETAINED_ITERATIONS
+    ) -> None:
+        """Rank 0's record of an iteration; the record `retain` iterations back goes (None:
+        every record stays, as before records were pruned - for comparing, `bench store-state`)."""
         key = Keys.METRICS.format(g=record.generation, iteration=record.iteration)
         self._set(key, record.encode())
+        expired = None if retain is None else retention.expired_iteration(record.iteration, retain)
+        if expired is not None:
+            self.store.delete_key(Keys.METRICS.format(g=record.generation, iteration=expired))
 
     def metrics(self, generation: int, iteration: int) -> IterationRecord | None:
         key = Keys.METRICS.format(g=generation, iteration=iteration)
         value = self._peek(key)
         return None if value is None else IterationRecord.decode(key, value)
+
+    # ------------------------------------------------------------------ pruning
+    def generation_keys(self, first: int, below: int) -> list[str]:
+        """The keys of generations `first` .. `below - 1` that may be deleted (`retention.py`),
+        in one request (the coordinator's store)."""
+        return retention.generation_keys(self.serving().list_keys(), first, below)
+
+    def forget(self, keys: Sequence[str]) -> None:
+        """Delete `keys` (one request each: torch's store has no batched delete)."""
+        store = self.serving()
+        for key in keys:
+            store.delete_key(key)
 
     def publish_final_replication(self, committed: int | None) -> None:
         self._set(Keys.FINAL_REPLICATION, FinalReplication(committed).encode())

@@ -9,7 +9,8 @@ store's timeout; `add` creates a missing key at 0 and keeps the count as decimal
 `compare_set` sets `desired` when the current value equals `expected` - a missing key counting
 as equal to "" - and answers the value the key holds afterwards (for a missing key and another
 `expected`: `expected`, nothing created); `queue_pop` blocks until `queue_push` gives it a
-value, oldest first, and a queue's key exists while the queue is not empty. `clone()` is
+value, oldest first, and a queue's key exists while the queue is not empty; `delete_key`,
+`list_keys` and `num_keys` see the keys that hold values, not the queues. `clone()` is
 another connection to the same data, with a timeout of its own. Thread-safe; every blocking
 call wakes when another thread changes the data.
 """
@@ -114,6 +115,11 @@ class MemoryStore:
     def delete_key(self, key: str) -> bool:
         with self._data.changed:
             return self._data.values.pop(key, None) is not None
+
+    def list_keys(self) -> list[str]:
+        """Every key holding a value (not the queues, as in torch)."""
+        with self._data.changed:
+            return list(self._data.values)
 
     def num_keys(self) -> int:
         with self._data.changed:

@@ -282,8 +282,11 @@ class ForkServer:
             pidfd = self._pidfds.get(rid)
         if pidfd is None:
             return UNKNOWN_EXIT
-        # The server is gone: the pidfd still tells whether the process ended, not how.
-        if select.select([pidfd], [], [], timeout)[0]:
+        # The server is gone: the pidfd still tells whether the process ended, not how. (poll,
+        # not select: a launcher of a large job has descriptors beyond select's 1,024.)
+        poller = select.poll()
+        poller.register(pidfd, select.POLLIN)
+        if poller.poll(None if timeout is None else timeout * 1e3):
             with self._cond:
                 self._forget(rid)
             return UNKNOWN_EXIT

@@ -67,6 +67,8 @@ def _calls(store: Any) -> list[Any]:
     run(lambda: store.compare_set("gone", ABSENT, ABSENT))  # `Membership._peek`
     run(lambda: store.compare_set("slot", "", "ready"))
     run(lambda: store.queue_push("inbox", "holdings 1"))
+    run(lambda: store.delete_key("k"))
+    run(lambda: store.delete_key("k"))  # gone: False
     run(lambda: store.wait(["never"], datetime.timedelta(seconds=0.2)))
     run(lambda: store.add("c", 1))  # the connection still works after a cancelled wait
     return out

@@ -105,6 +105,15 @@ def test_delete_key(store: Any) -> None:
     assert not store.check(["d"])
 
 
+def test_list_keys_and_num_keys_see_values_not_queues(store: Any) -> None:
+    store.set("a/b", "1")
+    store.add("c", 1)
+    store.queue_push("q", "x")
+    assert sorted(store.list_keys()) == ["a/b", "c"] and store.num_keys() == 2
+    store.delete_key("a/b")
+    assert store.list_keys() == ["c"] and store.num_keys() == 1
+
+
 def test_queues(store: Any) -> None:
     store.queue_push("q", "a")
     store.queue_push("q", b"b")

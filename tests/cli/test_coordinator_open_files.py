@@ -1,0 +1,117 @@
+"""`deadpool coordinator` started under the common default soft limit of 1,024 open files serves a
+job of more than 2,048 connections: it raises its own limit (`hotswap/store_files.py`); and it
+refuses, with one line naming `ulimit -n` and the number, a job its hard limit cannot hold.
+
+Real connections: torch store clients held by this test process (one descriptor each, its own
+soft limit raised for them) against the real command, started through `prlimit` with the
+limits under test."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import resource
+import shutil
+import socket
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+from conftest import REPO_ROOT, deadpool_command
+from procs import free_port, wait_until
+
+from megatron_deadpool.config.deadpool import DeadpoolConfig
+from megatron_deadpool.hotswap.store_files import CONNECTIONS_PER_PROCESS, store_files_needed
+
+CLIENTS = 2100
+"""Connections the test opens: more than 2,048 (twice the default soft limit)."""
+DEFAULT_SOFT = 1024
+
+
+def _coordinator(world: int, port: int, soft: int, hard: int) -> subprocess.Popen:
+    return subprocess.Popen(
+        [
+            "prlimit",
+            f"--nofile={soft}:{hard}",  # the child's limits, set before it starts
+            *deadpool_command(),
+            "coordinator",
+            "--world-size",
+            str(world),
+            "--deadpool-coordinator",
+            f"127.0.0.1:{port}",
+            "--deadpool-job-token",
+            "open-files-test",
+            "--max-wait",
+            "300",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=REPO_ROOT,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+    )
+
+
+def _accepts(port: int) -> bool:
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=1.0).close()
+    except OSError:
+        return False
+    return True
+
+
+def _soft_limit_of(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/limits").read_text().splitlines():
+        if line.startswith("Max open files"):
+            return int(line.split()[3])
+    raise AssertionError("no open-files line in /proc/PID/limits")
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(shutil.which("prlimit") is None, reason="needs util-linux's prlimit")
+def test_a_coordinator_under_a_soft_limit_of_1024_serves_more_than_2048_connections() -> None:
+    world = -(-CLIENTS // CONNECTIONS_PER_PROCESS)  # a job whose ranks keep that many
+    need = store_files_needed(world, DeadpoolConfig().spares)
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    own = CLIENTS + 256  # this process: one descriptor per client, and its own files
+    if hard != resource.RLIM_INFINITY and hard < max(need, own):
+        pytest.skip(f"this machine's hard open-files limit ({hard}) is below {max(need, own)}")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, own), hard))
+    port = free_port()
+    proc = _coordinator(world, port, DEFAULT_SOFT, hard)
+    clients: list[dist.TCPStore] = []
+    try:
+        wait_until(lambda: _accepts(port) or proc.poll() is not None, 60, "the coordinator")
+        assert proc.poll() is None, proc.communicate()
+        assert _soft_limit_of(proc.pid) >= need
+        for i in range(CLIENTS):
+            client = dist.TCPStore(
+                "127.0.0.1",
+                port,
+                is_master=False,
+                timeout=datetime.timedelta(seconds=20),
+                wait_for_workers=False,
+            )
+            client.set(f"probe/{i}", str(i))
+            clients.append(client)
+        for i, client in enumerate(clients):  # every connection still answers
+            assert client.get(f"probe/{(i + 1) % CLIENTS}") == str((i + 1) % CLIENTS).encode()
+        assert proc.poll() is None
+    finally:
+        clients.clear()
+        proc.terminate()
+        proc.communicate(timeout=30)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(shutil.which("prlimit") is None, reason="needs util-linux's prlimit")
+def test_a_coordinator_refuses_a_job_its_hard_limit_cannot_hold() -> None:
+    world = 600  # a job of 600 ranks keeps ~1,200 connections
+    need = store_files_needed(world, DeadpoolConfig().spares)
+    assert need > DEFAULT_SOFT
+    proc = _coordinator(world, free_port(), DEFAULT_SOFT, DEFAULT_SOFT)
+    out, err = proc.communicate(timeout=100)
+    assert proc.returncode == 2, (out, err)
+    (line,) = err.strip().splitlines()
+    assert f"ulimit -n {need}" in line and f"at most {DEFAULT_SOFT}" in line, line
