@@ -1,9 +1,11 @@
-"""Parameter digests that let two runs be compared bit for bit.
+"""Model-state digests that let two runs be compared bit for bit.
 
-`rank_digest` hashes one rank's model parameters (name, dtype, shape, bytes) in
-`named_parameters()` order; `job_digest` combines the digests of the data-parallel-rank-0
-ranks in rank order - one per model-parallel position, which together hold every parameter
-of the model exactly once.
+`rank_digest` hashes one rank's model parameters and then its buffers (name, dtype, shape,
+bytes) in `named_parameters()` / `named_buffers()` order, for every model chunk: every buffer,
+persistent or not - state a step changes outside the optimizer (the MoE router's
+``expert_bias``) as well as constants (rotary ``inv_freq``), which are equal anyway.
+`job_digest` combines the digests of the data-parallel-rank-0 ranks in rank order - one per
+model-parallel position, which together hold every parameter of the model exactly once.
 """
 
 from __future__ import annotations
@@ -15,13 +17,18 @@ import torch
 
 
 def rank_digest(modules: Iterable[torch.nn.Module]) -> str:
-    """sha256 over this rank's parameters in a canonical order."""
+    """sha256 over this rank's parameters, then its buffers, chunk by chunk, in a canonical
+    order."""
     h = hashlib.sha256()
     for module in modules:
-        for name, param in module.named_parameters():
-            data = param.detach().contiguous().cpu()
+        named: list[tuple[str, torch.Tensor]] = [
+            (f"param:{n}", p) for n, p in module.named_parameters()
+        ]
+        named += [(f"buffer:{n}", b) for n, b in module.named_buffers() if b is not None]
+        for name, tensor in named:
+            data = tensor.detach().contiguous().cpu()
             h.update(f"{name}|{data.dtype}|{tuple(data.shape)}|".encode())
-            h.update(data.view(torch.uint8).numpy().tobytes())
+            h.update(data.reshape(-1).view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
 
 

@@ -31,6 +31,7 @@ if str(TESTS_DIR) not in sys.path:
 
 LONGEST_FIRST = (
     "megatron_lm/test_pretrain_gpt.py",
+    "megatron_lm/test_pretrain_gpt_models.py",
     "cluster/test_slurm_lab.py",
     "hotswap/test_failover.py",
     "hotswap/test_faults.py",

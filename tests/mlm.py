@@ -48,6 +48,17 @@ def megatron_args(iters: int) -> list[str]:
     ).split()
 
 
+HANG_HEARTBEAT = ["--deadpool-heartbeat-timeout", "6", "--deadpool-heartbeat-interval", "0.5"]
+"""DeadPool flags of the tests whose rank hangs: named after 6 s of silence."""
+
+
+def drop_in_flight_env() -> dict[str, str]:
+    """Children import tests/hooks/drop_in_flight/sitecustomize.py: a failure drops the
+    replication round in flight (as if it cut the transfers), so recovery recomputes a step."""
+    hook = REPO / "tests" / "hooks" / "drop_in_flight"
+    return {"PYTHONPATH": os.pathsep.join([str(hook), os.environ.get("PYTHONPATH", "")])}
+
+
 _LINE = re.compile(
     r" iteration\s+(\d+)/\s*\d+ \|.*?learning rate: ([0-9.E+-]+) \|.*?lm loss: ([0-9.E+-]+) \|"
     r".*?grad norm: ([0-9.]+) \|"

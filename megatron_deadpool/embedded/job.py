@@ -90,7 +90,7 @@ class EmbeddedJob:
         return [o.model, o.optimizer, o.scheduler, o.config] if o else []
 
     def rank_state(self) -> RankState:
-        return RankState(self.objs.optimizer, self.objs.scheduler)
+        return RankState(self.objs.optimizer, self.objs.scheduler, self.objs.model)
 
     def model(self) -> list[Any]:
         return self.objs.model

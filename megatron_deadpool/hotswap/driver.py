@@ -637,7 +637,7 @@ class Driver:
         return self.committed
 
     def finish(self) -> str | None:
-        """Training is over on this rank: drain replication, publish the parameter digest
+        """Training is over on this rank: drain replication, publish the model digest
         (None: no model was built), mark the process done."""
         digest = None
         if self._job is not None:

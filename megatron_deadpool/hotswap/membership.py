@@ -66,7 +66,7 @@ Keys (the message type of each structured value in CamelCase):
   progress/last               the newest iteration rank 0 completed
   metrics/g{g}/{it}           IterationRecord: rank 0's record of iteration `it` in generation g
   replication/final           FinalReplication: the committed iteration at the end of training
-  digest/{rank}               the rank's final parameter digest
+  digest/{rank}               the rank's final digest of parameters and buffers
   done/{member}               wall time the member finished its work (done/count: how many)
   preempt                     set by a launcher: stop after the current iteration
   preempted                   Preempted: where training stopped on purpose

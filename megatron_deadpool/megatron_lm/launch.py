@@ -234,6 +234,7 @@ class MegatronLauncher:
             "out_of_redundancy": oor.to_dict() if oor else None,
             "lost_after_training": ended.to_dict() if ended else None,
             "exit_codes": {member: p.poll() for member, p in local.procs.items()},
+            # each rank's digest of its final parameters and buffers (`digest.rank_digest`)
             "param_digests": {str(r): d for r, d in local.digests().items()},
         }
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))

@@ -141,7 +141,7 @@ class Resumer:
         from ..replication.snapshot import RankState, Snapshotter, rng_tensors
 
         flat = salvage.read_flat(salvage.rank_file(point.root, point.iteration, rank))
-        state = RankState(optimizer, scheduler)
+        state = RankState(optimizer, scheduler, model)
         Snapshotter.restore_into(state, flat, owner=rank, iteration=point.iteration)
         self.rng = [t.clone() for t in rng_tensors()]
         sync_params_from_main(model, optimizer)

@@ -47,6 +47,8 @@ from . import report as mreport
 from . import timers
 from .replay import BatchRecorder, install_recorder, reset_rerun_iterators
 from .startup_bound import startup_bound_problems
+from .trackers import clear_logging_trackers
+from .unsnapshotted import unsnapshotted_problems
 from .versions import forget_cached_collectives
 
 log = logging.getLogger("megatron_deadpool.megatron_lm")
@@ -254,8 +256,7 @@ class MegatronSession:
                 "optimizer state, but data-parallel size is 1: no peer can stand in for a "
                 "failed rank; use data-parallel size >= 2 or run without --deadpool"
             )
-        if getattr(a, "fp16", False):
-            problems.append("--fp16: the loss scaler's state is not replicated; use --bf16")
+        problems += unsnapshotted_problems(a)  # state a step changes outside the snapshot
         if getattr(a, "rampup_batch_size", None):
             problems.append("--rampup-batch-size: replaying steps needs a constant batch size")
         if (
@@ -291,8 +292,8 @@ class MegatronSession:
         return [*(self._objs or ()), *self.extra_roots]
 
     def rank_state(self) -> RankState:
-        _, optimizer, scheduler, _ = self.objs
-        return RankState(optimizer, scheduler)
+        model, optimizer, scheduler, _ = self.objs
+        return RankState(optimizer, scheduler, model)
 
     def model(self) -> list[Any]:
         return self.objs[0]
@@ -307,13 +308,15 @@ class MegatronSession:
 
     def after_restore(self, iteration: int, *, needy: bool) -> None:
         """Megatron's rerun state machine and data iterators back at `iteration`; the
-        optimizer's cached answers of collectives dropped on every rank (`versions.py`)."""
+        optimizer's cached answers of collectives dropped on every rank (`versions.py`); the
+        logging trackers emptied (`trackers.py`)."""
         from megatron.core.rerun_state_machine import RerunState, get_rerun_state_machine
 
         rsm = get_rerun_state_machine()
         rsm.state = RerunState.NOT_RUNNING_YET
         rsm.current_iteration = iteration
         forget_cached_collectives(self.objs[1])
+        clear_logging_trackers()
         reset_rerun_iterators(self.data_iterator)
         if not needy:
             for rec in self.recorders:
@@ -373,8 +376,9 @@ class MegatronSession:
             if self.newcomer is not None:
                 self._take_slot(n)
             d.begin_step(n)
-            while self.next_step < n:
+            while self.next_step < n:  # recomputed: never logged
                 self._run(call, self.next_step)
+                clear_logging_trackers()
             result = self._run(call, n)
             if n == self.last_step:  # a failure in here is recovered like any other
                 d.finish_training(n)

@@ -2,10 +2,17 @@
 
 A rank's state is its distributed-optimizer shard - for every inner optimizer of Megatron's
 (chained) optimizer, every parameter the inner torch optimizer updates (the fp32 main-param
-shard) and every tensor of its optimizer state - plus small per-rank state: the iteration, RNG
-states, the LR scheduler's state and per-group optimizer values (JSON, never pickle). Model
-weights are not part of it: they are identical across data-parallel peers and are re-derived
-from the main-param shards by Megatron's param all-gather.
+shard) and every tensor of its optimizer state - plus every buffer of its model chunks, plus
+small per-rank state: the iteration, RNG states, the LR scheduler's state and per-group
+optimizer values (JSON, never pickle). Model weights are not part of it: they are identical
+across data-parallel peers and are re-derived from the main-param shards by Megatron's param
+all-gather.
+
+Buffers are state a training step may change outside the optimizer (e.g. the MoE router's
+``expert_bias``, updated every step, and its ``local_tokens_per_expert`` counter, filled by the
+forward pass and zeroed at the step's end): all of them, persistent or not, are captured and
+restored, constant ones (rotary ``inv_freq``) included - they are small, and checking which
+ones a step changes would be a guess.
 
 Where optimizers keep their step (checked against their sources):
 - torch `Adam`/`AdamW` (Megatron's choice without TE and apex): ``state[p]["step"]``, a 0-dim
@@ -35,6 +42,7 @@ from __future__ import annotations
 
 import json
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -135,6 +143,9 @@ def inner_optimizers(optimizer: Any) -> list[torch.optim.Optimizer]:
 _SCALES = "_scales/"
 """Manifest key prefix of TE FusedAdam's per-state scales (`optimizer._scales[p][name]`)."""
 
+BUFFER = "buffer"
+"""First field of a model buffer's manifest entry (an optimizer's entries start with its index)."""
+
 
 class RankState:
     """The live tensors and small state of one rank, in the canonical packing order.
@@ -142,17 +153,30 @@ class RankState:
     The manifest lists every optimizer tensor as ``[opt, ref, key, dtype, shape, where]``:
     ``ref`` a parameter index (per-parameter state, or TE's scales under ``_scales/NAME``) or
     ``"g<group index>"`` (a tensor-valued group entry, e.g. a capturable FusedAdam's step);
-    ``where`` is ``"param"`` (the parameter's device) or ``"cpu"``.
+    ``where`` is ``"param"`` (the parameter's device) or ``"cpu"``. Then every buffer of the
+    model chunks as ``["buffer", chunk, name, dtype, shape, "model"]`` (on the buffer's own
+    device).
     """
 
-    def __init__(self, optimizer: Any, scheduler: Any) -> None:
+    def __init__(self, optimizer: Any, scheduler: Any, model: Sequence[Any] = ()) -> None:
+        """`model`: the rank's model chunks, whose buffers travel with the shard."""
         self.optimizer = optimizer
         self.scheduler = scheduler
+        self.model = list(model)
+
+    def _buffers(self) -> list[tuple[int, str, torch.Tensor]]:
+        """(chunk, name, buffer) of every model chunk, in `named_buffers()` order."""
+        return [
+            (ci, name, buf)
+            for ci, chunk in enumerate(self.model)
+            for name, buf in chunk.named_buffers()
+            if buf is not None
+        ]
 
     def _walk(self) -> list[tuple[list[Any] | None, torch.Tensor]]:
         """(manifest entry, tensor) in packing order: each parameter (entry None: the main
         param itself), then its state tensors and TE scales; after each optimizer's
-        parameters, its tensor-valued group entries."""
+        parameters, its tensor-valued group entries; last the model's buffers."""
         out: list[tuple[list[Any] | None, torch.Tensor]] = []
         for oi, opt in enumerate(inner_optimizers(self.optimizer)):
             scales = getattr(opt, "_scales", None) or {}
@@ -169,6 +193,9 @@ class RankState:
                 if torch.is_tensor(value) and group["params"]:
                     where = _describe(value, "step", group["params"][0])
                     out.append(([oi, f"g{gi}", "step", *where], value))
+        for ci, name, buf in self._buffers():
+            _check_plain(buf, f"model buffer {name!r}")
+            out.append(([BUFFER, ci, name, str(buf.dtype), list(buf.shape), "model"], buf))
         return out
 
     def manifest(self) -> list[list[Any]]:
@@ -182,7 +209,11 @@ class RankState:
     def ensure_state(self, manifest: list[list[Any]]) -> None:
         """Create empty optimizer-state tensors per `manifest` (a newcomer has none yet)."""
         opts = inner_optimizers(self.optimizer)
+        buffers = {(ci, name): buf for ci, name, buf in self._buffers()}
         for entry in manifest:
+            if entry[0] == BUFFER:
+                _ensure_buffer(buffers, entry)
+                continue
             oi, ref, key, dtype, shape = entry[:5]
             where = entry[5] if len(entry) > 5 else ("param" if shape else "cpu")
             opt = opts[oi]
@@ -227,14 +258,39 @@ class RankState:
             opts[oi].param_groups[gi]["step"] = value
 
 
-def _describe(value: torch.Tensor, key: str, param: torch.Tensor) -> list[Any]:
-    """dtype, shape and place of an optimizer tensor (refusing what cannot be packed)."""
+def _ensure_buffer(buffers: dict[tuple[int, str], torch.Tensor], entry: list[Any]) -> None:
+    """The model buffer a replica's manifest `entry` names, in the replica's dtype: Megatron
+    changes some buffers' dtype on their first use (the MoE router keeps ``expert_bias`` in
+    float32 under --bf16), which a newcomer's model has not seen yet."""
+    _, ci, name, dtype, shape = entry[:5]
+    buf = buffers.get((ci, name))
+    if buf is None or list(buf.shape) != list(shape):
+        have = "none" if buf is None else f"shape {list(buf.shape)}"
+        raise CorruptReplicaError(
+            f"the replica holds model buffer {name!r} of chunk {ci} with shape {shape}, this "
+            f"rank's model has {have}: the models differ"
+        )
+    if str(buf.dtype) != dtype:
+        buf.data = _empty(dtype, shape, buf.device)
+
+
+def _check_plain(value: torch.Tensor, what: str, hint: str = "") -> None:
+    """Refuse what cannot be packed: anything but a plain dense tensor."""
     if type(value) not in (torch.Tensor, torch.nn.Parameter) or value.layout != torch.strided:
         raise ConfigError(
-            f"optimizer state {key!r} is a {type(value).__name__} ({value.layout}): DeadPool "
-            "replicates plain dense tensors only; FP8 optimizer states (exp_avg_dtype uint8) "
-            "are not supported, use fp32, bf16 or fp16 states"
+            f"{what} is a {type(value).__name__} ({value.layout}): DeadPool replicates plain "
+            f"dense tensors only{hint}"
         )
+
+
+def _describe(value: torch.Tensor, key: str, param: torch.Tensor) -> list[Any]:
+    """dtype, shape and place of an optimizer tensor (refusing what cannot be packed)."""
+    _check_plain(
+        value,
+        f"optimizer state {key!r}",
+        "; FP8 optimizer states (exp_avg_dtype uint8) are not supported, use fp32, bf16 or "
+        "fp16 states",
+    )
     where = "param" if value.device == param.device else "cpu"
     if where == "cpu" and value.device.type != "cpu":
         raise ConfigError(

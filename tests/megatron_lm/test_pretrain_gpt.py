@@ -8,17 +8,17 @@ MEGATRON_LM_PATH lists a tree of that tag (tests/mlm.py; README, "Use with Megat
     pip install -e '.[megatron-lm]'
     export MEGATRON_LM_PATH=$(scripts/prepare_megatron_lm.sh ../shared/megatron-lm)
 
-They compare every logged iteration (lm loss, grad norm, learning rate) and the final
-parameter digests of runs with a killed or hung rank against a failure-free run. Both tags
-run the failure-free, killed, hung and out-of-redundancy runs; each of the others runs on one
-tag, to keep the suite within its time budget (README, "Tested combinations").
+They compare every logged iteration (lm loss, grad norm, learning rate) and each rank's final
+digest of its parameters and buffers (`digest.rank_digest`) of runs with a killed or hung rank
+against a failure-free run. Both tags run the failure-free, killed, hung and
+out-of-redundancy runs; each of the others runs on one tag, to keep the suite within its time
+budget (README, "Tested combinations").
 """
 
 from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import re
 import subprocess
 from collections.abc import Callable
@@ -27,12 +27,13 @@ from pathlib import Path
 import pytest
 from mlm import (
     APPLY,
+    HANG_HEARTBEAT,
     NEWEST,
     OLDEST,
-    REPO,
     RUN_TIMEOUT,
     TAGS,
     Run,
+    drop_in_flight_env,
     launch,
     megatron_args,
     megatron_lm_tree,
@@ -111,13 +112,6 @@ def test_failure_free_run_replicates_every_iteration(shared_runs, tag: str) -> N
         assert "lm loss" in acc.Tags()["scalars"]  # Megatron's own, same writer
 
 
-def _drop_in_flight_env() -> dict[str, str]:
-    """Children import tests/hooks/drop_in_flight/sitecustomize.py: a failure drops the
-    replication round in flight (as if it cut the transfers), so recovery recomputes a step."""
-    hook = REPO / "tests" / "hooks" / "drop_in_flight"
-    return {"PYTHONPATH": os.pathsep.join([str(hook), os.environ.get("PYTHONPATH", "")])}
-
-
 @pytest.mark.timeout(3 * RUN_TIMEOUT)
 @BOTH
 def test_killed_rank_is_hot_swapped_bitwise(shared_runs, tag: str, tmp_path: Path) -> None:
@@ -128,7 +122,7 @@ def test_killed_rank_is_hot_swapped_bitwise(shared_runs, tag: str, tmp_path: Pat
     baseline = shared_runs(tag, "baseline")
     args = [*MEGATRON_ARGS, "--use-distributed-optimizer", "--save", str(tmp_path / "ckpt"),
             "--save-interval", "3", *DEADPOOL_ARGS, "--deadpool-fail", "2@4"]  # fmt: skip
-    run = launch(tmp_path, "swap", tree / "pretrain_gpt.py", args, env=_drop_in_flight_env())
+    run = launch(tmp_path, "swap", tree / "pretrain_gpt.py", args, env=drop_in_flight_env())
     _assert_same_training(run, baseline)
     (rec,) = run.summary["recoveries"]
     assert rec["dead_ranks"] == [2] and rec["replaced_by"] == {"2": "s0"}
@@ -195,9 +189,6 @@ def _patched_view(tree: Path, where: Path) -> Path:
     )
     assert applied.returncode == 0, applied.stderr
     return where / "pretrain_gpt.py"
-
-
-HANG_HEARTBEAT = ["--deadpool-heartbeat-timeout", "6", "--deadpool-heartbeat-interval", "0.5"]
 
 
 @pytest.mark.timeout(3 * RUN_TIMEOUT)

@@ -39,6 +39,8 @@ def test_session_refuses_what_it_cannot_protect() -> None:
     bad = [
         ({"use_distributed_optimizer": False, "data_parallel_size": 1}, "data-parallel size is 1"),
         ({"fp16": True}, "--fp16"),
+        ({"fp8": "hybrid"}, "--fp8-format: Transformer Engine's FP8 scaling state"),
+        ({"fp4": "e2m1"}, "--fp4-format: "),
         ({"rampup_batch_size": [4, 4, 100]}, "rampup"),
         ({"context_parallel_size": 2}, "context or expert"),
         ({"distributed_timeout_minutes": 0.1}, "below --distributed-timeout-minutes"),

@@ -339,7 +339,17 @@ def _misbehave(*, rank: int, world_size: int, store: Any, mode: str) -> dict:
 
 
 # ---------------------------------------------------------------------- single process
-def _toy_state(seed: int = 0, steps: int = 2) -> RankState:
+class _Router(torch.nn.Module):
+    """A model chunk with the MoE router's buffers: one a step changes, one a counter."""
+
+    def __init__(self, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        self.register_buffer("expert_bias", torch.zeros(4, dtype=dtype))
+        self.register_buffer("tokens", torch.zeros(4, dtype=dtype), persistent=False)
+        self.register_buffer("ga_steps", torch.tensor(0.0), persistent=False)  # a host scalar
+
+
+def _toy_state(seed: int = 0, steps: int = 2, model: tuple = ()) -> RankState:
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
     gen = torch.Generator().manual_seed(seed)
@@ -367,7 +377,7 @@ def _toy_state(seed: int = 0, steps: int = 2) -> RankState:
         wd_incr_style="constant",
     )
     sched.step(increment=steps)
-    return RankState(opt, sched)
+    return RankState(opt, sched, model)
 
 
 def _captured(state: RankState, owner: int = 3, iteration: int = 7) -> torch.Tensor:
@@ -452,3 +462,43 @@ def test_restore_into_live_scheduler_keeps_num_steps() -> None:
     Snapshotter.restore_into(state, flat, owner=0, iteration=3)
     assert state.scheduler.state_dict() == expected
     assert state.optimizer.param_groups[0]["lr"] == lr
+
+
+@pytest.mark.timeout(60)
+def test_model_buffers_travel_with_the_shard_and_into_the_digest() -> None:
+    """Buffers a step changes outside the optimizer (the MoE router's expert bias, its token
+    counter) are captured and restored - a survivor's in place, a newcomer's (whose bias
+    Megatron has not turned to float32 yet under --bf16) in the replica's dtype - and are part
+    of the final digest."""
+    from megatron_deadpool.digest import rank_digest
+
+    router = _Router()
+    router.expert_bias.copy_(torch.tensor([0.1, -0.2, 0.3, 0.0]))
+    router.ga_steps.fill_(3.0)
+    state = _toy_state(seed=1, steps=3, model=(router,))
+    assert [e[:3] for e in state.manifest() if e[0] == snapshot.BUFFER] == [
+        ["buffer", 0, "expert_bias"], ["buffer", 0, "tokens"], ["buffer", 0, "ga_steps"]
+    ]  # fmt: skip
+    flat = _captured(state, owner=0, iteration=3)
+    digest = rank_digest([router])
+    expected = {n: b.clone() for n, b in router.named_buffers()}
+
+    router.expert_bias.add_(1.0)  # the survivor went on: a step past the snapshot
+    router.tokens.add_(5.0)  # and a forward pass of a step cut short
+    router.ga_steps.add_(1.0)
+    assert rank_digest([router]) != digest
+    Snapshotter.restore_into(state, flat, owner=0, iteration=3)
+    assert all(torch.equal(b, expected[n]) for n, b in router.named_buffers())
+    assert rank_digest([router]) == digest
+
+    newcomer = _Router(torch.bfloat16)
+    Snapshotter.restore_into(_toy_state(seed=2, steps=0, model=(newcomer,)), flat, owner=0,
+                             iteration=3)  # fmt: skip
+    assert newcomer.expert_bias.dtype == torch.float32
+    assert all(torch.equal(b, expected[n]) for n, b in newcomer.named_buffers())
+    assert rank_digest([newcomer]) == digest
+
+    other = torch.nn.Module()
+    other.register_buffer("expert_bias", torch.zeros(5))
+    with pytest.raises(CorruptReplicaError, match="the models differ"):
+        Snapshotter.restore_into(_toy_state(model=(other,)), flat, owner=0, iteration=3)

@@ -1,0 +1,134 @@
+"""Megatron-LM's `pretrain_gpt.py` with models beyond test_pretrain_gpt.py's dense TP2 x DP2 GPT,
+hot-swapped bitwise: an MoE model whose router keeps state outside the optimizer, and an
+interleaved pipeline.
+
+- MoE (4 experts, top 2, EP 1, DP4 + a spare) with ``--moe-router-enable-expert-bias``:
+  the router's ``expert_bias`` is a module buffer Megatron updates every step outside the
+  optimizer, and ``local_tokens_per_expert`` a counter the forward pass fills. Rank 2 is killed
+  as iteration 4 starts with the replication round in flight dropped: the survivors roll back
+  to iteration 2 and the spare takes rank 2's buffers from its holder. Every lm loss and every
+  rank's final digest of parameters and buffers must be the failure-free run's.
+- Interleaved pipeline: PP2 x VPP2 x DP2 + a spare (4 layers, one per virtual stage), a killed
+  rank and a hung rank, against the same failure-free run; newest tag only (`NEWEST_ONLY`).
+
+Each model's failure-free run is made once per module (`baselines`) and shared. Skips unless
+MEGATRON_LM_PATH lists a tree of the tag (tests/mlm.py).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from mlm import (
+    HANG_HEARTBEAT,
+    NEWEST,
+    RUN_TIMEOUT,
+    TAGS,
+    Run,
+    drop_in_flight_env,
+    launch,
+    megatron_args,
+    megatron_lm_tree,
+)
+
+ITERS = 5
+NEWEST_ONLY = pytest.mark.parametrize("tag", [NEWEST])
+"""The interleaved pipeline runs on the newest tag only: each of its runs takes about 50 s on
+2 cores (over the suite's 45 s bound for running a case on both tags)."""
+SPARE = ["--deadpool", "--deadpool-spares", "1", "--use-distributed-optimizer"]
+MODELS: dict[str, list[str]] = {
+    "moe": [
+        *megatron_args(ITERS), *SPARE, "--deadpool-ranks-per-node", "2",
+        "--tensor-model-parallel-size", "1",  # MoE with TP needs sequence parallelism
+        "--num-experts", "4", "--moe-router-topk", "2", "--moe-router-score-function",
+        "sigmoid", "--moe-router-enable-expert-bias", "--moe-router-bias-update-rate", "1e-2",
+        "--disable-bias-linear",  # core_v0.19.0's local experts add their bias in place: error
+    ],
+    # TP 1, 4 layers: two pipeline stages of two virtual stages of one layer; every rank its
+    # own failure domain (a rank's data-parallel peer is the other rank of its stage).
+    "vpp": [
+        *megatron_args(ITERS), *SPARE, "--deadpool-ranks-per-node", "1",
+        "--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "2",
+        "--num-layers", "4", "--num-layers-per-virtual-pipeline-stage", "1",
+    ],
+}  # fmt: skip
+"""The `pretrain_gpt.py` arguments of each model (argparse keeps an option's last value)."""
+
+
+@pytest.fixture(scope="module")
+def baselines(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str, str], Run]:
+    """`baselines(tag, model)`: the failure-free run of `model` on `tag`'s tree, made once per
+    module."""
+    done: dict[tuple[str, str], Run] = {}
+
+    def get(tag: str, model: str) -> Run:
+        if (tag, model) not in done:
+            tmp = tmp_path_factory.mktemp(f"mlm-{model}-{tag}")
+            run = launch(tmp, "baseline", megatron_lm_tree(tag) / "pretrain_gpt.py", MODELS[model])
+            assert run.returncode == 0, run.describe()
+            assert sorted(run.iterations()) == list(range(1, ITERS + 1)), run.describe()
+            done[tag, model] = run
+        return done[tag, model]
+
+    return get
+
+
+def _assert_same_training(run: Run, baseline: Run) -> None:
+    """Every logged iteration (lr, lm loss, grad norm) and every rank's digest of its final
+    parameters and buffers equal the failure-free run's."""
+    assert run.returncode == 0, run.describe()
+    assert run.iterations() == baseline.iterations(), run.describe()
+    assert sorted(run.iterations()) == list(range(1, ITERS + 1))
+    assert run.summary["param_digests"] == baseline.summary["param_digests"]
+
+
+def _killed(tag: str, model: str, tmp: Path) -> Run:
+    """Rank 2 SIGKILLed as iteration 4 starts, the round in flight dropped: the survivors roll
+    back to iteration 2 and recompute iteration 3, the spare restores from rank 2's holder."""
+    args = [*MODELS[model], "--deadpool-fail", "2@4"]
+    run = launch(tmp, "swap", megatron_lm_tree(tag) / "pretrain_gpt.py", args,
+                 env=drop_in_flight_env())  # fmt: skip
+    (rec,) = run.summary["recoveries"] or [None]
+    assert rec is not None, run.describe()
+    assert rec["dead_ranks"] == [2] and rec["replaced_by"] == {"2": "s0"}
+    assert rec["restore_iteration"] == 2 and rec["recomputed_iterations"] == 1
+    return run
+
+
+@pytest.mark.timeout(3 * RUN_TIMEOUT)
+@pytest.mark.parametrize("tag", TAGS)
+def test_moe_expert_bias_is_restored_bitwise_after_a_killed_rank(
+    baselines, tag: str, tmp_path: Path
+) -> None:
+    baseline = baselines(tag, "moe")
+    run = _killed(tag, "moe", tmp_path)
+    _assert_same_training(run, baseline)
+
+
+@pytest.mark.timeout(3 * RUN_TIMEOUT)
+@NEWEST_ONLY
+def test_interleaved_pipeline_killed_rank_is_hot_swapped_bitwise(
+    baselines, tag: str, tmp_path: Path
+) -> None:
+    baseline = baselines(tag, "vpp")
+    run = _killed(tag, "vpp", tmp_path)
+    _assert_same_training(run, baseline)
+
+
+@pytest.mark.timeout(3 * RUN_TIMEOUT)
+@NEWEST_ONLY
+def test_interleaved_pipeline_hung_rank_is_hot_swapped_bitwise(
+    baselines, tag: str, tmp_path: Path
+) -> None:
+    """Rank 2 stopped (SIGSTOP) as iteration 4 starts: only its silence names it."""
+    baseline = baselines(tag, "vpp")
+    args = [*MODELS["vpp"], *HANG_HEARTBEAT, "--deadpool-fail", "2@4:hang"]
+    run = launch(tmp_path, "hang", megatron_lm_tree(tag) / "pretrain_gpt.py", args)
+    _assert_same_training(run, baseline)
+    (rec,) = run.summary["recoveries"]
+    assert rec["dead_ranks"] == [2] and rec["replaced_by"] == {"2": "s0"}
+    assert rec["restore_iteration"] in (2, 3) and rec["recomputed_iterations"] <= 1
+    assert re.search(r"process a2 silent for [\d.]+s \(hung\); killed", run.text), run.describe()
