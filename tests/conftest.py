@@ -34,6 +34,7 @@ LONGEST_FIRST = (
     "megatron_lm/test_pretrain_gpt_models.py",
     "cluster/test_slurm_lab.py",
     "hotswap/test_failover.py",
+    "megatron_lm/test_pretrain_gpt_models.py",
     "hotswap/test_faults.py",
     "embedded/test_hotswap.py",
     "megatron_lm/test_megatron_lm_failover.py",
