@@ -127,10 +127,7 @@ def _save_async(job: Any, iteration: int) -> None:
 
     def marker() -> None:  # runs after megatron's own finalize (metadata + barrier)
         if dist.get_rank() == 0:
-            tracker = Path(root) / ck.TRACKER
-            tmp = tracker.with_name(ck.TRACKER + ".tmp")
-            tmp.write_text(f"{iteration}\n")
-            os.replace(tmp, tracker)
+            ck.write_tracker(root, iteration)
 
     request.add_finalize_fn(marker)
     queue.schedule_async_request(request)

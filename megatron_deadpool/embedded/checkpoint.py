@@ -48,7 +48,7 @@ from megatron.core.tensor_parallel import get_cuda_rng_tracker
 from megatron.core.utils import unwrap_model
 
 from ..errors import CheckpointError
-from ..replication.save_dir import TRACKER, iteration_dir, latest_iteration
+from ..replication.save_dir import TRACKER, iteration_dir, latest_iteration, write_tracker
 from ..replication.snapshot import inner_optimizers
 
 if TYPE_CHECKING:  # importing gpt builds Megatron's layer specs: not needed to read a marker
@@ -219,10 +219,7 @@ def save(objs: TrainingObjects, iteration: int, root: str | os.PathLike[str]) ->
     )
     dist.barrier()  # every rank's files are complete
     if dist.get_rank() == 0:
-        tracker = Path(root) / TRACKER
-        tmp = tracker.with_name(TRACKER + ".tmp")
-        tmp.write_text(f"{iteration}\n")
-        os.replace(tmp, tracker)  # readers see the old or the new marker, never half of one
+        write_tracker(root, iteration)
     dist.barrier()
     log.debug(
         "saved checkpoint of iteration %d to %s in %.2fs", iteration, path, time.perf_counter() - t0

@@ -260,15 +260,19 @@ class EmbeddedJob:
     def _load(self, root: str) -> int:
         from . import checkpoint
 
-        point = save_dir.resume_point(root)
-        if point is None:
-            log.info("no checkpoint in %s: starting from iteration 1", root)
-            return 0
         rank = self.driver.roster.rank_of(self.driver.member)
         assert rank is not None
-        if point[0] == "snapshots":  # the set survivors saved when memory could not recover
-            t = point[1]
-            flat = snapshot_set.read_flat(snapshot_set.rank_file(root, t, rank))
+        resume = save_dir.choose_resume(root, rank=rank, agree=save_dir.world_agrees)
+        fallback = resume.fallback(root)
+        if fallback:
+            log.warning("%s", fallback)
+        if resume.kind is None:
+            log.info("no checkpoint in %s: starting from iteration 1", root)
+            return 0
+        if resume.kind == "snapshots":  # the set survivors saved when memory could not recover
+            t = resume.iteration
+            path = snapshot_set.rank_file(root, t, rank)
+            flat = snapshot_set.read_flat(path, owner=rank, iteration=t)
             Snapshotter.restore_into(self.rank_state(), flat, owner=rank, iteration=t)
             sync_params_from_main(self.objs.model, self.objs.optimizer)
             log.info("resumed from DeadPool snapshot set of iteration %d", t)

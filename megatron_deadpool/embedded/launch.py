@@ -31,7 +31,7 @@ from ..hotswap.forkserver import Preload
 from ..hotswap.local_job import LocalJob
 from ..hotswap.supervisor import Supervisor
 from ..replication.placement import Layout, place_replicas
-from ..replication.save_dir import resume_point
+from ..replication.save_dir import choose_resume
 from .iteration_log import IterationLog
 from .progress import Progress
 
@@ -254,8 +254,13 @@ class LocalLauncher:
     def _first_iteration(self) -> int:
         """1, or the iteration after the checkpoint `--load` resumes from."""
         load = self.job.train.load
-        point = resume_point(load) if load else None
-        return point[1] + 1 if point else 1
+        if not load:
+            return 1
+        resume = choose_resume(load)
+        fallback = resume.fallback(load)
+        if fallback:
+            self.progress.event(fallback)
+        return resume.iteration + 1
 
     def _summary(self, records: list, rc: int, wall_s: float) -> dict[str, Any]:
         layout = Layout(

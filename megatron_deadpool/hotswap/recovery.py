@@ -25,6 +25,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -253,26 +254,25 @@ class Recovery:
         root, extra = salvage_target(t)
         if not root:
             return "nothing saved (no --save directory)"
-        own = self.replicator.verified_copy(rank, t)
-        if own is not None:
-            snapshot_set.write_flat(snapshot_set.rank_file(root, t, rank), own)
-        for needy, holder in order.sources.items():
-            if holder == rank:
-                flat = self.replicator.verified_copy(needy, t)
-                if flat is not None:
-                    snapshot_set.write_flat(snapshot_set.rank_file(root, t, needy), flat)
+        owners = [rank] + [needy for needy, holder in order.sources.items() if holder == rank]
+        written, error = self._write_parts(root, t, owners)
         m = self.membership
-        m.mark_salvaged(rank)
+        m.mark_salvaged(rank)  # also when it failed: the manifest writer need not wait for it
         if m.claim_manifest():  # one survivor writes the manifest
             world = self.roster.world_size
             survivors = [r for r in range(world) if r not in report.dead_ranks]
             deadline = time.time() + SALVAGE_WAIT_S
             while time.time() < deadline and not m.all_salvaged(survivors):
                 time.sleep(0.1)
-            snapshot_set.publish_manifest(
-                root, t, world, {"reason": report.reason, **(extra or {})}
-            )
+            try:
+                snapshot_set.publish_manifest(
+                    root, t, world, {"reason": report.reason, **(extra or {})}
+                )
+            except OSError as exc:
+                error = error or _failed(snapshot_set.set_dir(root, t) / "manifest.json", exc)
         where = snapshot_set.set_dir(root, t)
+        if error:
+            return _partly_saved(where, written, [o for o in owners if o not in written], error)
         if order.complete:
             return (
                 f"saved every rank's state of iteration {t} to {where}: run the same command with "
@@ -307,14 +307,18 @@ class Recovery:
             root, extra = salvage_target(t)
             if not root:
                 return "nothing saved (no --save directory)"
-            for owner in owners[t]:
-                flat = self.replicator.verified_copy(owner, t)
-                if flat is not None:
-                    snapshot_set.write_flat(snapshot_set.rank_file(root, t, owner), flat)
+            written, error = self._write_parts(root, t, owners[t])
             reason = "no coordinator left: every survivor saved what it held"
-            manifest = snapshot_set.publish_manifest(
-                root, t, self.roster.world_size, {"reason": reason, **(extra or {})}
-            )
+            try:
+                manifest = snapshot_set.publish_manifest(
+                    root, t, self.roster.world_size, {"reason": reason, **(extra or {})}
+                )
+            except OSError as exc:
+                error = error or _failed(snapshot_set.set_dir(root, t) / "manifest.json", exc)
+            if error:
+                unsaved = [o for o in owners[t] if o not in written]
+                lines.append(_partly_saved(snapshot_set.set_dir(root, t), written, unsaved, error))
+                continue
             state = "complete" if manifest["complete"] else f"missing {manifest['ranks_missing']}"
             lines.append(f"iteration {t}: ranks {sorted(owners[t])} ({state} so far)")
         assert root is not None
@@ -323,7 +327,41 @@ class Recovery:
             f"{'; '.join(lines)}. --load resumes from the newest complete set"
         )
 
+    def _write_parts(self, root: str, t: int, owners: list[int]) -> tuple[list[int], str | None]:
+        """Write the verified snapshots of iteration `t` this rank holds of `owners` (its own
+        included) into the set under `root`: (the owners written, why the others were not -
+        None when nothing failed). The first write that fails (a full disk, a read-only
+        folder) ends it: it leaves no temporary file (`durable.write_durably`)."""
+        assert self.replicator is not None
+        written: list[int] = []
+        for owner in owners:
+            flat = self.replicator.verified_copy(owner, t)
+            if flat is None:
+                continue
+            path = snapshot_set.rank_file(root, t, owner)
+            try:
+                snapshot_set.write_flat(path, flat)
+            except OSError as exc:
+                return written, _failed(path, exc)
+            written.append(owner)
+        return written, None
+
     def _rank(self) -> int:
         if self.rank is None:
             raise DeadpoolRuntimeError(f"{self.member} holds no rank")
         return self.rank
+
+
+def _failed(path: Path, exc: OSError) -> str:
+    """A write that failed, in a few words: the file and the system's reason."""
+    return f"writing {path.name} failed: {exc.strerror or exc}"
+
+
+def _partly_saved(where: Path, written: list[int], unsaved: list[int], error: str) -> str:
+    """The sentence for a snapshot set this rank could not write in full."""
+    saved = f"saved ranks {written}" if written else "saved nothing"
+    lost = f", not ranks {unsaved}" if unsaved else ""
+    return (
+        f"could not save to {where} ({error}): this rank {saved}{lost}; the set is "
+        "incomplete (--load resumes from the newest complete checkpoint before it)"
+    )

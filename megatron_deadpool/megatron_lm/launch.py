@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import TextIO
 
 from ..config.paths import check_writable_dir
+from ..durable import write_durably
 from ..errors import ConfigError, ExitCode
 from ..hotswap.forkserver import Preload
 from ..hotswap.local_job import LocalJob
@@ -237,4 +238,4 @@ class MegatronLauncher:
             # each rank's digest of its final parameters and buffers (`digest.rank_digest`)
             "param_digests": {str(r): d for r, d in local.digests().items()},
         }
-        (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        write_durably(self.run_dir / "summary.json", json.dumps(summary, indent=2).encode())

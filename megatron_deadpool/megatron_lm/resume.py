@@ -39,6 +39,7 @@ import torch
 
 from ..errors import ConfigError
 from ..replication import snapshot_set as salvage
+from ..replication.save_dir import Agree, choose_resume, latest_iteration, world_agrees
 
 log = logging.getLogger("megatron_deadpool.megatron_lm")
 
@@ -66,21 +67,30 @@ class SnapshotResume:
 
 
 def snapshot_to_resume(
-    load: str | None, ckpt_step: int | None, world_size: int
+    load: str | None,
+    ckpt_step: int | None,
+    world_size: int,
+    *,
+    rank: int | None = None,
+    agree: Agree | None = None,
 ) -> SnapshotResume | None:
     """The snapshot set under `load` a launch resumes from, or None for Megatron's own load.
 
     None when there is no `--load`, `--ckpt-step` names a Megatron checkpoint, there is no
-    complete set, or Megatron's latest checkpoint there is as new. Raises `ConfigError` when the
-    set does not fit this run (another world size, no Megatron counters).
+    complete set that verifies (`save_dir.choose_resume`, by this `rank` with the others
+    through `agree`, or every file here; a damaged newer one is passed over, in one warning
+    line), or Megatron's latest checkpoint there is as new. Raises `ConfigError` when the set
+    does not fit this run (another world size, no Megatron counters).
     """
     if not load or ckpt_step is not None:
         return None
-    t = salvage.latest_complete(load)
-    if t is None:
+    resume = choose_resume(load, rank=rank, agree=agree)
+    fallback = resume.fallback(load)
+    if fallback:
+        log.warning("%s", fallback)
+    if resume.kind != "snapshots":
         return None
-    from ..replication.save_dir import latest_iteration
-
+    t = resume.iteration
     megatron = latest_iteration(load)
     if megatron is not None and megatron >= t:
         return None
@@ -113,7 +123,9 @@ class Resumer:
         from megatron.training import get_args
 
         a = get_args()
-        point = snapshot_to_resume(a.load, a.ckpt_step, dist.get_world_size())
+        point = snapshot_to_resume(
+            a.load, a.ckpt_step, dist.get_world_size(), rank=dist.get_rank(), agree=world_agrees
+        )
         if point is None:
             return real(*args, **kwargs)
         out = build_without_loading(a, real, *args, **kwargs)  # the state: the snapshot set
@@ -140,7 +152,11 @@ class Resumer:
         from ..hotswap.weights import sync_params_from_main
         from ..replication.snapshot import RankState, Snapshotter, rng_tensors
 
-        flat = salvage.read_flat(salvage.rank_file(point.root, point.iteration, rank))
+        flat = salvage.read_flat(
+            salvage.rank_file(point.root, point.iteration, rank),
+            owner=rank,
+            iteration=point.iteration,
+        )
         state = RankState(optimizer, scheduler, model)
         Snapshotter.restore_into(state, flat, owner=rank, iteration=point.iteration)
         self.rng = [t.clone() for t in rng_tensors()]

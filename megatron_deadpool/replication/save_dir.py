@@ -3,16 +3,26 @@
 Megatron-LM's layout (`megatron/training/checkpointing.py`): one folder per saved iteration,
 `ROOT/iter_0000005/`, and the marker `ROOT/latest_checkpointed_iteration.txt` naming the newest
 complete one. Beside them DeadPool's snapshot sets, `ROOT/deadpool/iter_T/` (`snapshot_set.py`),
-written when memory could not recover a failure. A `--load` resumes from whichever is newer.
+written when memory could not recover a failure. A `--load` resumes from whichever is newer,
+once it verified it: a set whose files do not match their headers and checksums (truncated by
+a node lost while it was written, damaged since) is passed over for the next newest set or
+Megatron checkpoint, and `choose_resume` says so in one line (`Resume.fallback`).
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+import torch.distributed as dist
+
+from ..devices.groups import tensor_device
+from ..durable import write_durably
 from ..errors import CheckpointError, ConfigError
-from .snapshot_set import latest_complete
+from . import snapshot_set
 
 TRACKER = "latest_checkpointed_iteration.txt"
 """Megatron-LM's marker file: the iteration of the newest complete checkpoint."""
@@ -21,6 +31,12 @@ TRACKER = "latest_checkpointed_iteration.txt"
 def iteration_dir(root: str | os.PathLike[str], iteration: int) -> Path:
     """`root/iter_{iteration:07d}`, Megatron-LM's directory of one saved iteration."""
     return Path(root) / f"iter_{iteration:07d}"
+
+
+def write_tracker(root: str | os.PathLike[str], iteration: int) -> Path:
+    """Name `iteration` in `root`'s marker file, atomically and durably (readers see the old
+    or the new marker, never half of one, and it names only an iteration already written)."""
+    return write_durably(Path(root) / TRACKER, f"{iteration}\n".encode())
 
 
 def latest_iteration(root: str | os.PathLike[str]) -> int | None:
@@ -42,19 +58,80 @@ def latest_iteration(root: str | os.PathLike[str]) -> int | None:
         ) from None
 
 
-def resume_point(root: str | Path) -> tuple[str, int] | None:
-    """('snapshots' | 'megatron', iteration) of the newest complete state under `root`."""
-    options = []
+Agree = Callable[[bool], bool]
+"""This rank's verdict on a snapshot set (True: its own file verified) -> every rank's (True:
+each rank's did); a collective over the world, called the same number of times on every rank."""
+
+
+def world_agrees(ok: bool) -> bool:
+    """`Agree` over the default group: whether `ok` holds on every rank (one all-reduce)."""
+    flag = torch.tensor([0 if ok else 1], dtype=torch.int64, device=tensor_device())
+    dist.all_reduce(flag)
+    return int(flag.item()) == 0
+
+
+@dataclass(frozen=True)
+class Resume:
+    """Where a `--load` resumes: ('snapshots' | 'megatron', iteration), or nothing at all
+    (`kind` None), and the newer snapshot sets passed over, each with why."""
+
+    kind: str | None
+    iteration: int
+    passed_over: tuple[str, ...] = ()
+
+    def point(self) -> tuple[str, int] | None:
+        return None if self.kind is None else (self.kind, self.iteration)
+
+    def fallback(self, root: str | Path) -> str | None:
+        """The one line saying which newer sets were passed over and what is resumed instead
+        (None: nothing was passed over)."""
+        if not self.passed_over:
+            return None
+        instead = {
+            "snapshots": f"the snapshot set of iteration {self.iteration}",
+            "megatron": f"the Megatron checkpoint of iteration {self.iteration}",
+            None: "iteration 1 (nothing older to resume from)",
+        }[self.kind]
+        return f"--load {root}: passed over {'; '.join(self.passed_over)}; resuming from {instead}"
+
+
+def choose_resume(
+    root: str | Path, *, rank: int | None = None, agree: Agree | None = None
+) -> Resume:
+    """The newest verified state under `root` (`Resume`).
+
+    One process deciding for the job (the launcher; `rank` None) checks every file of a
+    candidate set: header, sizes and checksum. The ranks of a world deciding together (`rank`
+    and `agree`) check every file's header and sizes (the same answer on every rank), their own
+    file's checksum, and `agree` on it: every rank picks the same set, and the answer is the
+    launcher's, though each rank reads only its own file in full. A Megatron checkpoint is
+    taken as its marker names it (`check_load` refuses one whose folder is missing).
+    """
+    options: list[tuple[int, str]] = [(t, "snapshots") for t in snapshot_set.complete_sets(root)]
     megatron = latest_iteration(root)
     if megatron is not None:
         options.append((megatron, "megatron"))
-    snaps = latest_complete(root)
-    if snaps is not None:
-        options.append((snaps, "snapshots"))
-    if not options:
-        return None
-    iteration, kind = max(options)
-    return kind, iteration
+    passed: list[str] = []
+    for iteration, kind in sorted(options, reverse=True):
+        if kind == "megatron":
+            return Resume(kind, iteration, tuple(passed))
+        problem = snapshot_set.set_problem(root, iteration, checksums=rank is None)
+        if problem is None and rank is not None and agree is not None:
+            own = snapshot_set.rank_problem(root, iteration, rank, checksum=True)
+            if not agree(own is None):
+                problem = own or "another rank's file failed its checksum"
+        if problem is None:
+            return Resume(kind, iteration, tuple(passed))
+        passed.append(
+            f"the damaged snapshot set {snapshot_set.set_dir(root, iteration)} ({problem})"
+        )
+    return Resume(None, 0, tuple(passed))
+
+
+def resume_point(root: str | Path) -> tuple[str, int] | None:
+    """('snapshots' | 'megatron', iteration) of the newest verified state under `root`, every
+    file of a set checked (`choose_resume` as one process deciding)."""
+    return choose_resume(root).point()
 
 
 def check_load(root: str | os.PathLike[str], *, save: str | None = None) -> None:

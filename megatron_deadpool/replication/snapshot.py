@@ -95,7 +95,15 @@ def _signed(value: int) -> int:
 
 def read_header(flat: torch.Tensor) -> Header | None:
     """The header of a flat snapshot, or None when the trailer is not a DeadPool header."""
-    words = struct.unpack(_HEADER_FORMAT, flat[-HEADER_BYTES:].cpu().numpy().tobytes())
+    return parse_header(flat[-HEADER_BYTES:].cpu().numpy().tobytes())
+
+
+def parse_header(raw: bytes) -> Header | None:
+    """The header in the `HEADER_BYTES` bytes `raw` (a flat snapshot's trailer), or None when
+    they are not a DeadPool header."""
+    if len(raw) != HEADER_BYTES:
+        return None
+    words = struct.unpack(_HEADER_FORMAT, raw)
     if words[0] != MAGIC or words[6] != _header_check(list(words[:6])):
         return None
     return Header(
@@ -107,17 +115,26 @@ def read_header(flat: torch.Tensor) -> Header | None:
     )
 
 
+def size_problem(header: Header, total: int) -> str | None:
+    """Why `header` cannot head a flat snapshot of `total` bytes (None: its sizes fit): what a
+    reader checks before it allocates anything the header sizes."""
+    if header.nbytes != total - HEADER_BYTES or not 0 < header.meta_nbytes <= header.nbytes:
+        return (
+            f"snapshot header sizes are inconsistent (packed {header.nbytes} B in a "
+            f"{total} B buffer, meta {header.meta_nbytes} B)"
+        )
+    return None
+
+
 @plain_torch
 def verify(flat: torch.Tensor, *, owner: int | None = None, iteration: int | None = None) -> Header:
     """Check magic, identity and checksum; raise `CorruptReplicaError` naming what failed."""
     header = read_header(flat)
     if header is None:
         raise CorruptReplicaError("snapshot header missing or damaged (bad magic or check word)")
-    if header.nbytes != flat.numel() - HEADER_BYTES or not 0 < header.meta_nbytes <= header.nbytes:
-        raise CorruptReplicaError(
-            f"snapshot header sizes are inconsistent (packed {header.nbytes} B in a "
-            f"{flat.numel()} B buffer, meta {header.meta_nbytes} B)"
-        )
+    problem = size_problem(header, flat.numel())
+    if problem:
+        raise CorruptReplicaError(problem)
     if owner is not None and header.owner != owner:
         raise CorruptReplicaError(f"replica belongs to rank {header.owner}, expected {owner}")
     if iteration is not None and header.iteration != iteration:

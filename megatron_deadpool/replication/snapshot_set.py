@@ -9,19 +9,25 @@ checksum-verified). An incomplete set is kept for inspection, and `--load` resum
 last complete checkpoint instead (a Megatron checkpoint written by `--save-interval`).
 With no coordinator left to pick T and the writers, each survivor writes every iteration it
 holds, and the manifests are kept true by whoever writes last (`publish_manifest`).
+
+Every file is written durably (`durable.write_durably`: fsynced, renamed, folder fsynced), so a
+set whose manifest says complete was on disk when it said so. A reader trusts none of it: it
+checks a rank file's header and sizes before it allocates anything (`read_flat`), and a set's
+files against their headers and checksums before a resume picks it (`set_problem`).
 """
 
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import numpy as np
 import torch
 
+from ..durable import write_durably
 from ..errors import CheckpointError
+from .snapshot import HEADER_BYTES, CorruptReplicaError, Header, parse_header, size_problem, verify
 
 SUBDIR = "deadpool"
 
@@ -32,20 +38,93 @@ def set_dir(root: str | Path, iteration: int) -> Path:
 
 
 def rank_file(root: str | Path, iteration: int, rank: int) -> Path:
+    """The file of `rank`'s flat snapshot in the set of `iteration`."""
     return set_dir(root, iteration) / f"rank_{rank:05d}.snap"
 
 
 def write_flat(path: Path, flat: torch.Tensor) -> None:
-    """Write one flat snapshot (payload and header) atomically."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".{os.getpid()}.tmp")  # two holders may write the same copy
-    flat.detach().cpu().numpy().tofile(tmp)
-    os.replace(tmp, path)
+    """Write one flat snapshot (payload and header) atomically and durably (two holders may
+    write the same copy: each through its own temporary file)."""
+    data = flat.detach().cpu().contiguous().numpy()
+
+    def write(out: BinaryIO) -> None:
+        out.write(data.data)  # the array's own buffer: no copy
+
+    write_durably(path, write)
 
 
-def read_flat(path: Path) -> torch.Tensor:
-    """Read a flat snapshot written by `write_flat`."""
-    return torch.from_numpy(np.fromfile(path, dtype=np.uint8))
+def file_header(path: Path, *, owner: int | None = None, iteration: int | None = None) -> Header:
+    """The header of the flat snapshot in `path`, checked against the file's size (and the
+    expected owner and iteration, when given) without reading more than the header; raises
+    `CorruptReplicaError` (or `OSError`: no such file) saying what is wrong."""
+    with open(path, "rb") as f:
+        size = f.seek(0, 2)
+        if size < HEADER_BYTES:
+            raise CorruptReplicaError(f"{path.name}: truncated ({size} B, no header)")
+        f.seek(size - HEADER_BYTES)
+        header = parse_header(f.read(HEADER_BYTES))
+    if header is None:
+        raise CorruptReplicaError(f"{path.name}: snapshot header missing or damaged")
+    problem = size_problem(header, size)
+    if problem:
+        raise CorruptReplicaError(f"{path.name}: {problem} (truncated or damaged)")
+    if owner not in (None, header.owner) or iteration not in (None, header.iteration):
+        raise CorruptReplicaError(
+            f"{path.name}: holds rank {header.owner}'s snapshot of iteration {header.iteration}, "
+            f"expected rank {owner}'s of {iteration}"
+        )
+    return header
+
+
+def read_flat(
+    path: Path, *, owner: int | None = None, iteration: int | None = None
+) -> torch.Tensor:
+    """Read a flat snapshot written by `write_flat`: its header and sizes are checked first
+    (`file_header`), so a damaged or crafted header never sizes an allocation."""
+    header = file_header(path, owner=owner, iteration=iteration)
+    data = np.fromfile(path, dtype=np.uint8, count=header.nbytes + HEADER_BYTES)
+    if data.size != header.nbytes + HEADER_BYTES:
+        raise CorruptReplicaError(f"{path.name}: shrank while it was read")
+    return torch.from_numpy(data)
+
+
+def rank_problem(root: str | Path, iteration: int, rank: int, *, checksum: bool) -> str | None:
+    """Why `rank`'s file of the set of `iteration` cannot be resumed from (None: it can): no
+    file, a header that does not fit it, and with `checksum` a payload that fails it."""
+    path = rank_file(root, iteration, rank)
+    try:
+        if checksum:
+            verify(
+                read_flat(path, owner=rank, iteration=iteration), owner=rank, iteration=iteration
+            )
+        else:
+            file_header(path, owner=rank, iteration=iteration)
+    except CorruptReplicaError as exc:
+        return str(exc) if str(exc).startswith(path.name) else f"{path.name}: {exc}"
+    except OSError as exc:
+        return f"{path.name}: {exc.strerror or exc}"
+    return None
+
+
+def set_problem(root: str | Path, iteration: int, *, checksums: bool) -> str | None:
+    """Why the complete set of `iteration` cannot be resumed from (None: it can): a manifest
+    without a world size, any rank's file missing or not fitting its header, and with
+    `checksums` any file failing its checksum. The first problem found."""
+    try:
+        world = read_manifest(root, iteration).get("world_size")
+    except (OSError, ValueError, AttributeError):
+        return "manifest.json unreadable"
+    if isinstance(world, bool) or not isinstance(world, int) or not 0 < world < 1 << 20:
+        return f"manifest.json: world_size {world!r} is not a rank count"
+    for rank in range(world):  # every header first: a truncated set costs no checksum
+        problem = rank_problem(root, iteration, rank, checksum=False)
+        if problem:
+            return problem
+    for rank in range(world) if checksums else ():
+        problem = rank_problem(root, iteration, rank, checksum=True)
+        if problem:
+            return problem
+    return None
 
 
 def ranks_present(root: str | Path, iteration: int) -> list[int]:
@@ -59,12 +138,10 @@ def read_manifest(root: str | Path, iteration: int) -> dict[str, Any]:
 
 
 def write_manifest(root: str | Path, manifest: dict[str, Any]) -> Path:
-    """The set's manifest, replaced atomically (a complete one makes the set a checkpoint)."""
+    """The set's manifest, replaced atomically and durably (a complete one makes the set a
+    checkpoint)."""
     path = set_dir(root, manifest["iteration"]) / "manifest.json"
-    tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(manifest, indent=1))
-    os.replace(tmp, path)
-    return path
+    return write_durably(path, json.dumps(manifest, indent=1).encode())
 
 
 def publish_manifest(
@@ -90,8 +167,9 @@ def publish_manifest(
             return manifest
 
 
-def latest_complete(root: str | Path) -> int | None:
-    """Iteration of the newest complete snapshot set under `root`, if any."""
+def complete_sets(root: str | Path) -> list[int]:
+    """Iterations of the snapshot sets under `root` whose manifest says complete, newest first
+    (what the manifests say: `set_problem` checks the files)."""
     complete = []
     for path in (Path(root) / SUBDIR).glob("iter_*/manifest.json"):
         try:
@@ -106,4 +184,10 @@ def latest_complete(root: str | Path) -> int | None:
             )
         if manifest.get("complete"):
             complete.append(iteration)
-    return max(complete, default=None)
+    return sorted(complete, reverse=True)
+
+
+def latest_complete(root: str | Path) -> int | None:
+    """Iteration of the newest snapshot set under `root` whose manifest says complete, if any."""
+    complete = complete_sets(root)
+    return complete[0] if complete else None

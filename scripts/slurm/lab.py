@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """A real multi-node Slurm cluster on one machine: try the cluster scripts, then break nodes.
 
-    python3 scripts/slurm/lab.py up --nodes 3            # as root; installs Slurm if missing
+    python3 scripts/slurm/lab.py up --nodes 3            # as root; prints its state folder
+    export DEADPOOL_LAB_DIR=/tmp/dplab-XXXXXXXX          # (or --state DIR on every command)
     eval "$(python3 scripts/slurm/lab.py env)"           # SLURM_CONF for sbatch, squeue, ...
     python3 scripts/slurm/lab.py status
     python3 scripts/slurm/lab.py crash n2                # the whole node dies at once
@@ -14,11 +15,21 @@ Each node nI is a `slurmd -N nI` in its own network, PID, UTS and mount namespac
 pair joins it to a bridge on this machine, where `slurmctld` and `munged` run; process 1 of
 its PID namespace is a shell (it names the node, mounts the lab's hosts file over /etc/hosts
 and reaps orphans), so killing that one process kills the whole node. Every daemon, file and
-name the lab creates is recorded in its state folder (`--state`, default
-$DEADPOOL_LAB_DIR or /tmp/deadpool-slurm-lab); `down` removes exactly those, never anything
-found by name. The nodes accept the site options of scripts/slurm/*.sbatch unchanged:
-partitions debug (default), gh and gh-dev (Vista), `--gpus-per-node` up to --gpus-per-node
-fake GPUs per node, `--constraint=gpu`, any `-A` and `--qos` (accounting is off).
+name the lab creates is recorded in its state folder; `down` removes exactly those, never
+anything found by name, and then the folder.
+
+The lab runs as root and trusts nothing another user could have put in its way: its state
+folder is private (`up` makes a fresh one with mkdtemp, mode 0700, or creates the `--state`
+folder it is given; a folder that exists is used only when root owns it and no group or other
+user may write to it, and never through a symbolic link), state.json is read only from there
+(a regular file root owns), every process it signals must still carry the lab's secret in its
+environment (a PID in the state that is not the lab's own is never signalled), each `up`
+writes a fresh munge key, and the script its nodes run is written there too. The folder is
+root's alone: run Slurm's commands against the lab as root as well.
+
+The nodes accept the site options of scripts/slurm/*.sbatch unchanged: partitions debug
+(default), gh and gh-dev (Vista), `--gpus-per-node` up to --gpus-per-node fake GPUs per node,
+`--constraint=gpu`, any `-A` and `--qos` (accounting is off).
 
 Standard library only (the tests import it); Linux, root, Debian's Slurm 22.05 packages.
 Errors are one line `lab: error: ...` and exit code 2.
@@ -38,6 +49,7 @@ import socket
 import stat
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -45,7 +57,10 @@ from typing import Any
 
 PACKAGES = ["slurmctld", "slurmd", "slurm-client", "munge"]
 PROGRAMS = ["slurmctld", "slurmd", "munged", "sbatch", "scontrol", "sinfo", "squeue", "srun"]
-DEFAULT_STATE = os.environ.get("DEADPOOL_LAB_DIR", "/tmp/deadpool-slurm-lab")
+STATE_ENV = "DEADPOOL_LAB_DIR"
+"""The environment variable naming the lab's state folder when `--state` is not given."""
+TOKEN_ENV = "DEADPOOL_LAB_TOKEN"
+"""Set, to the lab's secret, in the environment of every process the lab starts."""
 SUBNETS = ipaddress.ip_network("10.213.0.0/16")  # the lab takes the first free /24 in it
 
 NODE_SCRIPT = """#!/bin/bash
@@ -108,9 +123,21 @@ def _pid_ns(pid: int) -> str | None:
         return None
 
 
-def _signal(rec: dict[str, int] | None, sig: int) -> bool:
-    """Send `sig` to a recorded process if it is still that process."""
-    if not _alive(rec):
+def _ours(rec: dict[str, int] | None, token: str | None) -> bool:
+    """A recorded process that is still that process (PID and start time) and one the lab
+    started: its environment carries the lab's secret `token`."""
+    if not rec or not token or not _alive(rec):
+        return False
+    try:
+        environ = Path(f"/proc/{rec['pid']}/environ").read_bytes().split(b"\0")
+    except OSError:
+        return False
+    return f"{TOKEN_ENV}={token}".encode() in environ
+
+
+def _signal(rec: dict[str, int] | None, sig: int, token: str | None) -> bool:
+    """Send `sig` to a recorded process if it is still that process and the lab's own."""
+    if not _ours(rec, token):
         return False
     try:
         os.kill(rec["pid"], sig)
@@ -119,14 +146,46 @@ def _signal(rec: dict[str, int] | None, sig: int) -> bool:
     return True
 
 
-def _stop_recorded(rec: dict[str, int] | None, grace: float = 5.0) -> None:
-    """SIGTERM a recorded daemon, SIGKILL it after `grace` seconds."""
-    if not _signal(rec, signal.SIGTERM):
+def _stop_recorded(rec: dict[str, int] | None, token: str | None, grace: float = 5.0) -> None:
+    """SIGTERM a recorded daemon of the lab's, SIGKILL it after `grace` seconds."""
+    if not _signal(rec, signal.SIGTERM, token):
         return
     deadline = time.monotonic() + grace
     while _alive(rec) and time.monotonic() < deadline:
         time.sleep(0.05)
-    _signal(rec, signal.SIGKILL)
+    _signal(rec, signal.SIGKILL, token)
+
+
+# ---------------------------------------------------------------------- the private folder
+def _check_private(path: Path, what: str, *, folder: bool) -> None:
+    """Refuse `path` unless it is a real folder (or regular file), not a symbolic link, that
+    this user owns and no group or other user may write to."""
+    info = os.lstat(path)
+    kind = stat.S_ISDIR(info.st_mode) if folder else stat.S_ISREG(info.st_mode)
+    if not kind:
+        expected = "a folder" if folder else "a regular file"
+        raise LabError(f"{what} {path} is not {expected} (a symbolic link?): refused")
+    if info.st_uid != os.geteuid():
+        raise LabError(f"{what} {path} belongs to uid {info.st_uid}, not to this user: refused")
+    if info.st_mode & 0o022:
+        raise LabError(
+            f"{what} {path} is writable by group or others (mode {info.st_mode & 0o777:o}): "
+            "refused"
+        )
+
+
+def _write_private(path: Path, data: bytes, mode: int = 0o600) -> None:
+    """Create `path` afresh (whatever was there is removed first, a link never followed) with
+    `data`, atomically: a new file under a unique name, renamed over `path`."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(6)}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, mode)
+    try:
+        with os.fdopen(fd, "wb") as out:
+            out.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def _run(cmd: Sequence[str], *, check: bool = True, **kw: Any) -> subprocess.CompletedProcess:
@@ -199,29 +258,43 @@ def install_packages() -> None:
 
 # ---------------------------------------------------------------------- the lab
 class Lab:
-    """One lab, described by its state folder."""
+    """One lab, described by its private state folder (module docstring)."""
 
-    def __init__(self, state_dir: str | os.PathLike = DEFAULT_STATE) -> None:
+    def __init__(self, state_dir: str | os.PathLike) -> None:
+        """The lab in `state_dir`: a private folder of this user's (refused otherwise), or one
+        that does not exist yet (`up` creates it)."""
         self.dir = Path(state_dir).absolute()
         self.state_file = self.dir / "state.json"
         self.tag = hashlib.sha256(str(self.dir).encode()).hexdigest()[:4]
-        self.state: dict[str, Any] = (
-            json.loads(self.state_file.read_text()) if self.state_file.exists() else {}
-        )
+        self.state: dict[str, Any] = {}
+        if os.path.lexists(self.dir):
+            _check_private(self.dir, "the lab's state folder", folder=True)
+            if os.path.lexists(self.state_file):
+                _check_private(self.state_file, "the lab's state file", folder=False)
+                self.state = json.loads(self.state_file.read_text())
+
+    @classmethod
+    def fresh(cls, parent: str | os.PathLike | None = None) -> Lab:
+        """A lab in a new private folder (mkdtemp: mode 0700) under `parent` (default: the
+        system's temporary folder)."""
+        return cls(tempfile.mkdtemp(prefix="dplab-", dir=parent))
 
     # -------------------------------------------------------------- state
     def _save(self) -> None:
-        tmp = self.state_file.with_suffix(".tmp")
-        tmp.write_text(json.dumps(self.state, indent=1))
-        tmp.replace(self.state_file)
+        _write_private(self.state_file, json.dumps(self.state, indent=1).encode())
+
+    @property
+    def token(self) -> str | None:
+        """The secret every process of this lab carries in its environment (`_ours`)."""
+        return self.state.get("token")
 
     @property
     def conf(self) -> Path:
         return self.dir / "slurm.conf"
 
     def env(self) -> dict[str, str]:
-        """What Slurm's commands need to reach this lab's controller."""
-        return {"SLURM_CONF": str(self.conf)}
+        """What Slurm's commands need to reach this lab's controller (and lab.py its folder)."""
+        return {"SLURM_CONF": str(self.conf), STATE_ENV: str(self.dir)}
 
     def nodes(self) -> list[str]:
         return list(self.state.get("nodes", {}))
@@ -258,11 +331,16 @@ class Lab:
                 f"--state {self.dir}: too long for a unix socket path; pick a shorter one"
             )
         install_packages()
+        try:
+            self.dir.mkdir(mode=0o700)  # never one made meanwhile by someone else
+        except FileExistsError:
+            _check_private(self.dir, "the lab's state folder", folder=True)
         for sub in ("ctld", "spool", "run"):  # an earlier lab's jobs must not come back
             shutil.rmtree(self.dir / sub, ignore_errors=True)
         for sub in ("munge", "ctld", "spool", "log", "run", "dev"):
-            (self.dir / sub).mkdir(parents=True, exist_ok=True)
-        self.state = {"tag": self.tag, "procs": {}, "nodes": {}, "links": [], "netns": []}
+            (self.dir / sub).mkdir(mode=0o700, exist_ok=True)
+        self.state = {"tag": self.tag, "token": secrets.token_hex(16), "procs": {}, "nodes": {},
+                      "links": [], "netns": []}  # fmt: skip
         self._save()
         try:
             self._network(nodes)
@@ -359,18 +437,20 @@ class Lab:
                 if not dev.exists():
                     os.mknod(dev, 0o666 | stat.S_IFCHR, os.makedev(1, 3))
             last = f"gpu[0-{gpus - 1}]" if gpus > 1 else "gpu0"
-            (d / "gres.conf").write_text(f"NodeName=n[1-{nodes}] Name=gpu File={d}/dev/{last}\n")
+            _write_private(
+                d / "gres.conf", f"NodeName=n[1-{nodes}] Name=gpu File={d}/dev/{last}\n".encode()
+            )
         for name, node in self.state["nodes"].items():
             lines.append(f"NodeName={name} NodeHostname={name} NodeAddr={node['addr']} {node_opts}")
         for partition, default in (("debug", "YES"), ("gh", "NO"), ("gh-dev", "NO")):
             lines.append(
                 f"PartitionName={partition} Nodes=ALL Default={default} MaxTime=INFINITE State=UP"
             )
-        self.conf.write_text("\n".join(lines) + "\n")
+        _write_private(self.conf, ("\n".join(lines) + "\n").encode(), 0o644)
         hosts = ["127.0.0.1 localhost", f"{self.state['host_addr']} {host}"]
         hosts += [f"{n['addr']} {name}" for name, n in self.state["nodes"].items()]
-        (d / "hosts").write_text("\n".join(hosts) + "\n")
-        (d / "node.sh").write_text(NODE_SCRIPT)
+        _write_private(d / "hosts", ("\n".join(hosts) + "\n").encode(), 0o644)
+        _write_private(d / "node.sh", NODE_SCRIPT.encode(), 0o700)
 
     def _daemon(self, name: str, cmd: list[str]) -> None:
         with open(self.dir / "log" / f"{name}.out", "ab") as out:
@@ -380,17 +460,20 @@ class Lab:
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
-                env={**os.environ, **self.env()},
+                env=self._child_env(),
             )
         self.state["procs"][name] = _record(proc.pid)
         self._save()
 
+    def _child_env(self) -> dict[str, str]:
+        """The environment of a process the lab starts: Slurm's, and the lab's secret."""
+        assert self.token, "no lab token: `up` sets it first"
+        return {**os.environ, **self.env(), TOKEN_ENV: self.token}
+
     def _start_munge(self) -> None:
         m = self.dir / "munge"
         key = m / "munge.key"
-        if not key.exists():
-            key.write_bytes(secrets.token_bytes(128))
-        key.chmod(0o400)
+        _write_private(key, secrets.token_bytes(128), 0o400)  # fresh for every lab
         (m / "munge.socket").unlink(missing_ok=True)  # an earlier lab's, if any
         self._daemon(
             "munged",
@@ -439,7 +522,7 @@ class Lab:
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
             start_new_session=True,
-            env={**os.environ, **self.env()},
+            env=self._child_env(),
         )
         node["launcher"] = _record(proc.pid)
         self._save()
@@ -479,16 +562,19 @@ class Lab:
 
     # -------------------------------------------------------------- breaking nodes
     def node_pids(self, name: str) -> list[int]:
-        """Every process of node `name` (its PID namespace), by host PID."""
-        node = self._node(name)
-        if not _alive(node.get("init")):
+        """Every process of node `name` (the PID namespace of its process 1, the lab's own),
+        by host PID."""
+        init = self._node(name).get("init")
+        if not _ours(init, self.token):
             return []
-        return [p for p in _pids() if _pid_ns(p) == node["pid_ns"]]
+        assert init is not None
+        pid_ns = _pid_ns(init["pid"])
+        return [p for p in _pids() if pid_ns is not None and _pid_ns(p) == pid_ns]
 
     def crash(self, name: str) -> None:
         """SIGKILL process 1 of the node's PID namespace: every process of the node dies."""
         node = self._node(name)
-        if not _signal(node.get("init"), signal.SIGKILL):
+        if not _signal(node.get("init"), signal.SIGKILL, self.token):
             raise LabError(f"node {name} is not running")
         self._wait(lambda: not self.node_pids(name), 10, f"node {name}: processes outlived it")
 
@@ -558,25 +644,26 @@ class Lab:
         return "\n".join(lines)
 
     def down(self) -> None:
-        """Stop and remove everything this lab recorded; safe to repeat, and after a failed up."""
-        nodes = self.state.get("nodes", {})
+        """Stop and remove everything this lab recorded, then its folder; safe to repeat, and
+        after a failed up. Only the lab's own processes are signalled (`_ours`)."""
+        nodes, token = self.state.get("nodes", {}), self.token
         for node in nodes.values():
-            _signal(node.get("init"), signal.SIGKILL)  # the whole node with it
-            _signal(node.get("launcher"), signal.SIGKILL)
+            _signal(node.get("init"), signal.SIGKILL, token)  # the whole node with it
+            _signal(node.get("launcher"), signal.SIGKILL, token)
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline and any(
-            _alive(n.get("init")) or _alive(n.get("launcher")) for n in nodes.values()
+            _ours(n.get("init"), token) or _ours(n.get("launcher"), token) for n in nodes.values()
         ):
             time.sleep(0.05)
         for name in ("slurmctld", "munged"):
-            _stop_recorded(self.state.get("procs", {}).get(name))
+            _stop_recorded(self.state.get("procs", {}).get(name), token)
         for link in reversed(self.state.get("links", [])):
             _run(["ip", "link", "del", link], check=False)
         for netns in self.state.get("netns", []):
             _run(["ip", "netns", "del", netns], check=False)
         self.state = {}
-        if self.state_file.exists():
-            self.state_file.unlink()
+        if os.path.lexists(self.dir):  # checked private when this object was made
+            shutil.rmtree(self.dir)
 
 
 # ---------------------------------------------------------------------- command line
@@ -584,7 +671,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="lab.py", description=__doc__.splitlines()[0], epilog="See the module docstring."
     )
-    parser.add_argument("--state", default=DEFAULT_STATE, help="the lab's state folder")
+    parser.add_argument(
+        "--state",
+        default=os.environ.get(STATE_ENV),
+        help=f"the lab's private state folder (default ${STATE_ENV}; `up` without either makes "
+        "a fresh one and prints it)",
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     up = sub.add_parser("up", help="install Slurm if missing; start a controller and N nodes")
     up.add_argument("--nodes", type=int, required=True)
@@ -604,19 +696,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     sub.add_parser("down", help="stop and remove everything the lab created")
     args = parser.parse_args(argv)
     try:
-        lab = Lab(args.state)
+        if os.geteuid() != 0:
+            raise LabUnavailable(
+                "the lab must run as root (it creates network namespaces and Slurm daemons)"
+            )
+        if args.state is None:
+            if args.command != "up":
+                raise LabError(f"which lab? give --state DIR (`up` printed it) or set {STATE_ENV}")
+            lab = Lab.fresh()
+        else:
+            lab = Lab(args.state)
         if args.command == "up":
             lab.up(args.nodes, args.gpus_per_node, args.cpus_per_node)
             print(lab.status())
-            print(f'next: eval "$(python3 {sys.argv[0]} --state {lab.dir} env)"')
+            print(f'next: export {STATE_ENV}={lab.dir}; eval "$(python3 {sys.argv[0]} env)"')
         elif args.command == "env":
             for key, value in lab.env().items():
                 print(f"export {key}={value}")
         elif args.command == "status":
             print(lab.status())
         elif args.command == "down":
-            if os.geteuid() != 0:
-                raise LabUnavailable("the lab must run as root")
             lab.down()
         elif args.command in ("cut", "uncut"):
             lab.cut(args.node, up=args.command == "uncut")

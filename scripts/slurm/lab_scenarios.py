@@ -182,14 +182,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--site", choices=("vista", "perlmutter"), default="vista")
     parser.add_argument("--extra-args", default="", help="DEADPOOL_EXTRA_ARGS for the workers")
     parser.add_argument("--max-wait", type=float, default=600.0)
-    parser.add_argument("--state", default="/tmp/dplab-scenarios", help="the lab's state folder")
+    parser.add_argument(
+        "--state", help="the lab's private state folder (default: a fresh one, removed after)"
+    )
     parser.add_argument("--out", help="log folder (default: a new one under /tmp)")
     args = parser.parse_args(argv)
     out = Path(args.out or tempfile.mkdtemp(prefix=f"deadpool-{args.scenario}-"))
     out.mkdir(parents=True, exist_ok=True)
-    lab = labmod.Lab(args.state)
     try:
-        lab.down()
+        lab = labmod.Lab(args.state) if args.state else labmod.Lab.fresh()
+    except labmod.LabError as exc:
+        print(f"lab_scenarios: error: {exc}", file=sys.stderr)
+        return 2
+    try:
+        lab.down()  # an earlier lab in that folder, if any (the folder goes with it)
         lab.up(nodes=3, gpus_per_node=4)
         report = run(args, lab, out)
     except labmod.LabError as exc:

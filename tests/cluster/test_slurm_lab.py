@@ -11,7 +11,6 @@ Debian's Slurm packages when they are missing.
 
 from __future__ import annotations
 
-import hashlib
 import importlib.util
 import json
 import os
@@ -31,8 +30,6 @@ from conftest import TrainRun, run_deadpool
 from mlm import megatron_args, megatron_lm_tree
 
 ROOT = Path(__file__).resolve().parents[2]
-# Short (munge's socket path), fixed per checkout (an interrupted run's lab is taken down first).
-LAB_DIR = Path("/tmp") / f"dplab-{hashlib.sha256(str(ROOT).encode()).hexdigest()[:8]}"
 ITERS = 30
 FAIL_AT = 10  # the iteration after which a node fails
 JOB_TIMEOUT = 300.0  # per Slurm job: start-up of 6 Python processes on 2 shared cores included
@@ -61,9 +58,9 @@ def lab_host() -> None:
 
 @pytest.fixture
 def lab(lab_host: None) -> Iterator[Any]:
-    """A fresh 3-node lab per test; everything it started is gone afterwards, whatever happens."""
-    lab = labmod.Lab(LAB_DIR)
-    lab.down()  # what an interrupted earlier run of this checkout left behind, if anything
+    """A fresh 3-node lab per test, in a new private folder; everything it started, and the
+    folder, are gone afterwards, whatever happens."""
+    lab = labmod.Lab.fresh()
     try:
         lab.up(nodes=3, gpus_per_node=4)
         yield lab
@@ -246,7 +243,91 @@ def test_down_removes_everything_the_lab_recorded(lab: Any) -> None:
     links = labmod._run(["ip", "-o", "link"]).stdout
     assert not any(name in netns for name in state["netns"])
     assert not any(f" {name}:" in links or f" {name}@" in links for name in state["links"])
-    assert not (LAB_DIR / "state.json").exists()
+    assert not os.path.lexists(lab.dir)  # its folder too: nothing of it stays in /tmp
+
+
+# ---------------------------------------------------------------------- nothing in /tmp trusted
+def _planted_lab(folder: Path, state: dict[str, Any]) -> Path:
+    """A private-looking lab folder with `state` planted as its state.json."""
+    folder.mkdir(mode=0o700)
+    (folder / "state.json").write_text(json.dumps(state))
+    return folder
+
+
+def test_a_state_folder_someone_else_could_have_planted_is_refused(tmp_path: Path) -> None:
+    """Writable by group or others, another user's, a symbolic link (folder or state.json):
+    refused before state.json is read, so nothing in it is ever acted on."""
+    folder = _planted_lab(tmp_path / "lab", {"procs": {}, "nodes": {}})
+    os.chmod(folder, 0o777)
+    with pytest.raises(labmod.LabError, match="writable by group or others .mode 777.: refused"):
+        labmod.Lab(folder)
+    os.chmod(folder, 0o700)
+    (tmp_path / "link").symlink_to(folder)
+    with pytest.raises(labmod.LabError, match="is not a folder .a symbolic link..: refused"):
+        labmod.Lab(tmp_path / "link")
+    (tmp_path / "elsewhere.json").write_text("{}")
+    (folder / "state.json").unlink()
+    (folder / "state.json").symlink_to(tmp_path / "elsewhere.json")
+    with pytest.raises(labmod.LabError, match="state file .* is not a regular file"):
+        labmod.Lab(folder)
+    if os.geteuid() == 0:
+        os.chown(folder, 65534, 65534)
+        with pytest.raises(labmod.LabError, match="belongs to uid 65534, not to this user"):
+            labmod.Lab(folder)
+
+
+def test_down_never_signals_a_process_the_lab_did_not_start(tmp_path: Path) -> None:
+    """A state.json naming a process that is not the lab's (its PID and start time right, as
+    one planted to make `down` SIGKILL it would be): `down` leaves it running."""
+    victim = subprocess.Popen(["sleep", "60"])
+    try:
+        rec = labmod._record(victim.pid)
+        node = {"init": rec, "launcher": rec, "netns": "dplab-none", "veth": "dpl-none",
+                "pid_ns": labmod._pid_ns(victim.pid)}  # fmt: skip
+        state = {"tag": "0000", "token": "forged", "procs": {"munged": rec, "slurmctld": rec},
+                 "nodes": {"n1": node}, "links": [], "netns": []}  # fmt: skip
+        folder = _planted_lab(tmp_path / "lab", state)
+        labmod.Lab(folder).down()
+        time.sleep(0.2)
+        assert victim.poll() is None, "down killed a process the lab did not start"
+        assert not folder.exists()
+        lab = labmod.Lab(_planted_lab(tmp_path / "lab2", state))
+        assert lab.node_pids("n1") == []  # nothing to freeze: not the lab's node
+        with pytest.raises(labmod.LabError, match="node n1 is not running"):
+            lab.crash("n1")
+        assert victim.poll() is None
+    finally:
+        victim.kill()
+        victim.wait()
+
+
+def test_a_fresh_lab_folder_is_private_and_down_removes_it(tmp_path: Path) -> None:
+    lab = labmod.Lab.fresh(tmp_path)
+    info = os.lstat(lab.dir)
+    assert info.st_mode & 0o777 == 0o700 and info.st_uid == os.geteuid()
+    assert lab.dir.parent == tmp_path and lab.dir.name.startswith("dplab-")
+    lab.down()
+    assert not lab.dir.exists()
+
+
+@pytest.mark.timeout(120)
+def test_up_writes_a_fresh_munge_key_over_a_planted_one(lab_host: None, tmp_path: Path) -> None:
+    folder = tmp_path / "lab"
+    (folder / "munge").mkdir(parents=True, mode=0o700)
+    folder.chmod(0o700)
+    planted = b"k" * 128
+    (folder / "munge" / "munge.key").write_bytes(planted)
+    lab = labmod.Lab(folder)
+    try:
+        lab.up(nodes=1, gpus_per_node=0)
+        key = folder / "munge" / "munge.key"
+        assert key.read_bytes() != planted and len(key.read_bytes()) == 128
+        assert os.lstat(key).st_mode & 0o777 == 0o400
+        assert labmod._ours(lab.state["procs"]["munged"], lab.token)
+        assert (folder / "node.sh").read_text() == labmod.NODE_SCRIPT
+    finally:
+        lab.down()
+    assert not folder.exists()
 
 
 @pytest.mark.timeout(60)

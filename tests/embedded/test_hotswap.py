@@ -41,6 +41,21 @@ CASES: dict[str, list[str]] = {
     "node": ["--tp", "2", "--dp", "2", "--spares", "2", "--fail", "node:1@3"],
     # With --save: memory still holds every shard, so survivors save a complete set.
     "no_spare": ["--tp", "2", "--dp", "2", "--spares", "0", "--fail", "2@4", "--save", "{ckpt}"],
+    # The same with Megatron checkpoints as well: what --load falls back on.
+    "no_spare_interval": [
+        "--tp",
+        "2",
+        "--dp",
+        "2",
+        "--spares",
+        "0",
+        "--fail",
+        "2@4",
+        "--save",
+        "{ckpt}",
+        "--save-interval",
+        "2",
+    ],
     # Rank 2 killed right after training completed (its last step done and replicated).
     "lost_at_end": [
         "--tp",
@@ -142,8 +157,11 @@ def test_whole_node_is_replaced_by_two_spares(root: str, tp_reference: dict) -> 
     _check_recovered("node", tp_reference, root, [[2, 3]])
 
 
-def _resume(case: str, root: str, reference: dict[str, Any]) -> dict[str, Any]:
-    """`--load` the directory the failed run saved into; the run must end as if unbroken."""
+def _resume(
+    case: str, root: str, reference: dict[str, Any], says: tuple[str, ...] = ()
+) -> dict[str, Any]:
+    """`--load` the directory the failed run saved into; the run must end as if unbroken (and
+    its output contain each of `says`)."""
     out = Path(root) / case
     proc = run_deadpool(
         "train",
@@ -160,6 +178,7 @@ def _resume(case: str, root: str, reference: dict[str, Any]) -> dict[str, Any]:
         timeout=240,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert all(part in proc.stdout for part in says), proc.stdout[-3000:]
     summary = json.loads((out / "resume.jsonl").read_text().splitlines()[-1])
     assert summary["losses"] == reference["losses"][-len(summary["losses"]) :]
     assert summary["final_param_digest"] == reference["final_param_digest"]
@@ -183,6 +202,77 @@ def test_no_spare_left_saves_every_shard_and_resumes_exactly(root: str, tp_refer
     assert manifest["complete"] and manifest["ranks_present"] == [0, 1, 2, 3]
     resumed = _resume("no_spare", root, tp_reference)
     assert len(resumed["losses"]) == int(ITERS) - manifest["iteration"]
+
+
+@pytest.mark.timeout(600)
+def test_load_passes_over_a_damaged_snapshot_set_and_resumes_exactly(
+    root: str, tp_reference: dict
+) -> None:
+    """The newest complete set has one flipped bit in rank 1's file (a write that did not reach
+    the disk whole, or damage since): `--load` checks every file before any rank resumes,
+    passes the set over in one line, and every rank resumes from the Megatron checkpoint
+    instead - bitwise the failure-free run from there."""
+    from megatron_deadpool.replication import save_dir, snapshot_set
+
+    proc, _, _ = run("no_spare_interval", root)
+    assert proc.returncode == 3, proc.stdout[-3000:] + proc.stderr[-3000:]
+    ckpt = Path(root) / "no_spare_interval" / "ckpt"
+    t = snapshot_set.latest_complete(ckpt)
+    megatron = save_dir.latest_iteration(ckpt)
+    assert t is not None and megatron is not None and t >= megatron, (t, megatron)
+    damaged = snapshot_set.rank_file(ckpt, t, 1)
+    data = bytearray(damaged.read_bytes())
+    data[100] ^= 1 << 5
+    damaged.write_bytes(bytes(data))
+    where = snapshot_set.set_dir(ckpt, t)
+    says = (
+        f"--load {ckpt}: passed over the damaged snapshot set {where} (rank_00001.snap: checksum",
+        f"); resuming from the Megatron checkpoint of iteration {megatron}\n",
+    )
+    resumed = _resume("no_spare_interval", root, tp_reference, says)
+    assert len(resumed["losses"]) == int(ITERS) - megatron
+
+
+@pytest.mark.timeout(600)
+def test_a_full_disk_during_the_out_of_redundancy_save_ends_with_code_3_and_no_temporary_file(
+    root: str, tmp_path: Path
+) -> None:
+    """--save on a 64 KiB filesystem (tmpfs in a private mount namespace): the survivors' save
+    fails for want of space; the run still ends with exit code 3, each survivor's line says
+    what was and was not saved, no traceback, and no temporary file is left there."""
+    import os
+    import shutil
+
+    from conftest import FAST_HEARTBEAT, deadpool_command
+
+    if os.geteuid() != 0 or shutil.which("unshare") is None:
+        pytest.skip("needs root and unshare to mount a small filesystem privately")
+    save, listing, out = tmp_path / "save", tmp_path / "listing.txt", tmp_path / "run"
+    save.mkdir()
+    script = (
+        'save=$1 listing=$2; shift 2; mount -t tmpfs -o size=64k tmpfs "$save" || exit 90; '
+        '"$@"; rc=$?; find "$save" > "$listing"; exit $rc'
+    )
+    cmd = [*deadpool_command(), "train", "--tp", "2", "--dp", "2", "--spares", "0", "--fail",
+           "2@4", "--save", str(save), "--iters", ITERS, *FAST_HEARTBEAT, "--json-log",
+           str(out / "run.jsonl"), "--run-dir", str(out / "logs")]  # fmt: skip
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run(
+        ["unshare", "-m", "--propagation", "private", "sh", "-c", script, "sh", str(save),
+         str(listing), *cmd],
+        capture_output=True, text=True, timeout=300, check=False, env=env,
+    )  # fmt: skip
+    assert proc.returncode == 3, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "Traceback" not in proc.stdout + proc.stderr
+    files = listing.read_text().split()
+    assert files and not [f for f in files if f.endswith(".tmp")], files
+    assert not list(save.iterdir())  # it all went to the private mount, gone with it
+    for rank in (0, 1, 3):
+        log = (out / "logs" / f"a{rank}.log").read_text(errors="replace")
+        assert "Traceback" not in log, log[-3000:]
+        line = next(x for x in log.splitlines() if "out of redundancy: " in x)
+        assert "could not save to " in line and "No space left on device" in line, line
+        assert "saved nothing, not ranks [" in line and "the set is incomplete" in line, line
 
 
 @pytest.mark.timeout(600)

@@ -10,9 +10,13 @@ from megatron_deadpool.errors import ConfigError
 
 
 def _snapshot_set(root: Path, iteration: int, **manifest: object) -> None:
+    """A set of 4 ranks' files that verify (`--load` checks them), with a manifest."""
+    from flats import flat
+
     from megatron_deadpool.replication import snapshot_set as salvage
 
-    salvage.set_dir(root, iteration).mkdir(parents=True)
+    for rank in range(4):
+        salvage.write_flat(salvage.rank_file(root, iteration, rank), flat(rank, iteration))
     counters = {"consumed_train": 8 * iteration, "consumed_valid": 0, "skipped_train": 0,
                 "flops": 1e9 * iteration}  # fmt: skip
     salvage.write_manifest(root, {"iteration": iteration, "complete": True, "world_size": 4,
