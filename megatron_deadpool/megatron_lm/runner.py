@@ -29,6 +29,11 @@ code 3 after writing DeadPool's snapshot set of one common iteration under `--sa
 the set is complete, launching the same command with `--load` resumes from it and, with
 `--save`, writes it as a Megatron checkpoint through Megatron's own `save_checkpoint`
 (`megatron_lm_resume` says why that cannot happen before the exit).
+
+An exception that ends a process inside `pretrain()` is first reported to the coordinator
+(`Driver.report_error`: phase, type, first line, the end of the traceback): an error of
+Megatron's start-up, or a spare's repeat of the error of the rank it replaced, is the job's own
+and ends the job with exit code 9 instead of costing a spare (`hotswap/job_error.py`).
 """
 
 from __future__ import annotations
@@ -198,6 +203,7 @@ def _pretrain(pretrain: Callable[..., Any], bound: inspect.BoundArguments) -> An
         # lost after training completed: save what survives, end (LostAfterTrainingError).
         driver = session.driver
         if driver.completed is None or not driver.is_peer_failure(exc):
+            driver.report_error(exc)  # the coordinator decides: the job's own error?
             raise
         session.defer(exc, "Megatron's final work after training")
     session.finish()

@@ -421,3 +421,37 @@ def test_megatrons_own_exit_ends_the_job_and_is_no_failure(tag: str, tmp_path: P
         len(re.findall(r"process a\d exited with code 16 after finishing its work", run.text)) == 4
     )
     assert (ckpt / "latest_checkpointed_iteration.txt").is_file()
+
+
+@pytest.mark.timeout(2 * RUN_TIMEOUT)
+@pytest.mark.parametrize("tag", [NEWEST])
+def test_an_error_in_megatrons_start_up_is_the_jobs_error_no_spare_spent(
+    tag: str, tmp_path: Path
+) -> None:
+    """A --data-path that does not exist: Megatron's dataset builder raises on rank 0 before
+    the first step (the other ranks wait for it, then lose it). No node failed: the job ends at
+    once with exit code 9 (not 3, which asks for a resume that would fail again), the rank's
+    error as the one-line cause and the end of its log; the spare is never given a slot."""
+    tree = megatron_lm_tree(tag)
+    missing = tmp_path / "nonexistent"
+    args = [*(a for a in MEGATRON_ARGS if a != "--mock-data"), "--data-path", str(missing),
+            *DEADPOOL_ARGS]  # fmt: skip
+    run = launch(tmp_path, "bad_data", tree / "pretrain_gpt.py", args)
+    assert run.returncode == 9, run.describe()
+    where = re.escape(str(missing))
+    cause = re.search(r"\[deadpool\] JOB ERROR: rank (\d) start-up: AssertionError: One or both "
+                      r"of the \.idx and \.bin files cannot be found at the path prefix "
+                      rf"{where}\n", run.text)  # fmt: skip
+    assert cause is not None, run.describe()
+    member = f"a{cause[1]}"
+    assert f"[deadpool] {member}'s log ({run.run_dir / member}.log) ends:" in run.text
+    assert re.search(rf"    {member}\| .*AssertionError: One or both of the", run.text)
+    verdict = run.summary["job_error"]
+    assert verdict["report"]["member"] == member and verdict["report"]["phase"] == "start-up"
+    assert run.summary["recoveries"] == [] and run.summary["out_of_redundancy"] is None
+    events = [json.loads(x) for x in (run.run_dir / "events.jsonl").read_text().splitlines()]
+    assert [e for e in events if e["event"] == "plan"] == []  # the spare was never given a slot
+    (decided,) = [e for e in events if e["event"] == "job_error"]
+    first_death = min(e["t"] for e in events if e["event"] == "process_dead")
+    assert decided["t"] - first_death < 1.0  # decided as it died: no timeout waited for
+    assert "[deadpool] recovery:" not in run.text and "taking rank" not in run.text
