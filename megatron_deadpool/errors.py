@@ -60,7 +60,9 @@ class ExitCode(IntEnum):
 
     0, 3 and 143 mean "resume": the job ended on its own terms (3: out of redundancy, what
     survived is saved - run the same command with `--load`; 143: stopped on SIGTERM, saved).
-    2 means "fix the job": nothing started, or every rank failed the same way before training.
+    2 and 9 mean "fix the job": resuming repeats the error (2: a flag, file or setting refused
+    before anything started; 9: the job's own error - its ranks failed before their first step
+    was replicated, or a spare failed exactly as the rank it replaced).
     """
 
     OK = 0
@@ -85,6 +87,11 @@ class ExitCode(IntEnum):
     """This rank's GPU stopped completing work (its last step's work not done within the
     process-group timeout plus the heartbeat timeout) or its CUDA context failed: the process
     ended itself so that a spare takes its slot."""
+    JOB_ERROR = 9
+    """The job's own error, not a lost process: a rank raised an exception before its first
+    step was replicated (arguments, imports, data paths, initialisation), or a spare raised the
+    same one in the same phase as the rank it replaced. No spare is spent on it; the launcher
+    names the rank, its phase and the error, and shows the end of its log: fix the job."""
     TIMEOUT = 124
     """A launcher's `--timeout` passed (as `timeout(1)`)."""
     INTERRUPTED = 130

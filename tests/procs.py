@@ -1,10 +1,12 @@
-"""Shared by tests that start processes or wait on other threads: a free loopback port, waiting
-on a condition with a deadline (instead of sleeping "long enough"), and a process's state.
+"""Shared by tests that start processes or wait on other threads: a free loopback port, a
+process started with its output in a file, waiting on a condition with a deadline (instead of
+sleeping "long enough"), and a process's state.
 """
 
 from __future__ import annotations
 
 import socket
+import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -15,6 +17,15 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def spawn_logged(cmd: list[str], log: Path, env: dict[str, str]) -> subprocess.Popen:
+    """Start `cmd` in a session of its own (kill it with its helpers: `os.killpg`), its output
+    and errors to `log`."""
+    with open(log, "w") as out:  # the child keeps its own descriptor
+        return subprocess.Popen(
+            cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
 
 
 def wait_until(

@@ -15,7 +15,9 @@ and workers must present the same job token (`--deadpool-job-token` or `DEADPOOL
 Exit codes: 0 every rank finished (this coordinator ended the job); 3 out of redundancy (the
 survivors saved what they held); 4 a standby found no coordinator of the job to watch; 5 not the
 job's coordinator (a standby the job never needed, or a primary a standby took over from);
-6 `--max-wait` reached. A launcher ends the job on 0, 3 and 6 (`scripts/slurm`).
+6 `--max-wait` reached; 9 the job's own error (a rank's exception before replication started, or
+a spare failing as the rank it replaced did: it prints `JOB ERROR: ...` and the end of that
+rank's traceback). A launcher ends the job on 0, 3, 6 and 9 (`scripts/slurm`).
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ from ..hotswap.coordinator import Coordinator
 from ..hotswap.events import EventLog
 from ..hotswap.liveness import HeartbeatOnly
 from ..hotswap.membership import Membership, host_store
-from ..hotswap.messages import CoordinatorIdentity
+from ..hotswap.messages import CoordinatorIdentity, JobError
 from ..hotswap.standby import Standby, StandbyWatch
 from ..hotswap.store_files import reserve_files, store_files_needed
 from ..hotswap.supervisor import CoordinatorOnly, Supervisor
@@ -223,11 +225,19 @@ def serve(
         time.sleep(2.0)  # let spares and a standby see the shutdown before the store goes
         return ExitCode.OK
 
+    def job_error(verdict: JobError) -> int:
+        coord.membership.request_shutdown()  # waiting spares leave
+        lines = "\n".join(f"    {verdict.report.member}| {line}" for line in verdict.report.tail)
+        say(f"{verdict.report.member}'s traceback ends:\n{lines}")
+        time.sleep(2.0)  # let spares see the shutdown before the store goes
+        return ExitCode.JOB_ERROR
+
     code = Supervisor(
         CoordinatorOnly(coord, each_tick, deadline),
         limit_s=deadline - time.monotonic(),
         say=say,
         finished=finished,
+        on_job_error=job_error,
         checks=[superseded],
         on_timeout=ExitCode.MAX_WAIT,
     ).run()

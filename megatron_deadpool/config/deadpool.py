@@ -86,7 +86,8 @@ class DeadpoolConfig:
     when it is lost. Unset: the launcher hosts it on loopback."""
 
     fail: list[str] = field(default_factory=list)
-    """Fault injection, repeatable: RANK@ITER[:kill|hang] or node:N@ITER[:kill|hang]."""
+    """Fault injection, repeatable: RANK@ITER[:kill|hang|flip|raise] or
+    node:N@ITER[:kill|hang|raise] (and the forms of `config/faults.py`)."""
 
     log_dir: str | None = None
     """Directory for the coordinator's event log and per-rank logs."""

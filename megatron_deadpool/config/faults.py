@@ -1,9 +1,9 @@
 """Fault-injection specs (`--fail ...`): parsing and who-is-hit, nothing else.
 
-Forms (each fault fires once per job):
-  RANK@ITER[:kill|hang|flip]   rank RANK fails as it starts iteration ITER, so its peers are
-                               caught in that iteration's collectives
-  node:N@ITER[:kill|hang]      every rank of failure domain N, likewise
+Forms (each fault fires once per job, but `raise`):
+  RANK@ITER[:kill|hang|flip|raise]  rank RANK fails as it starts iteration ITER, so its peers
+                               are caught in that iteration's collectives
+  node:N@ITER[:kill|hang|raise]  every rank of failure domain N, likewise
   spare:I@ITER[:kill|hang]     waiting spare s{I}, once training has reached iteration ITER
   spare:I@recovery[:kill|hang] spare s{I}, as soon as a recovery gives it a slot, before it
                                claims the slot and joins (a spare lost while being swapped in)
@@ -15,7 +15,10 @@ Forms (each fault fires once per job):
                                final report)
 Kinds: `kill` (SIGKILL, the default), `hang` (SIGSTOP: alive but silent, as a hung GPU or a
 stuck NIC), `flip` (flip one bit of every replica the rank holds, at rest: memory corruption
-that checksums must catch before the replica is used).
+that checksums must catch before the replica is used), `raise` (an exception in the job's code,
+as a bug or a bad input file would raise: a deterministic error, so it fires every time the
+rank reaches ITER - in whichever process holds the rank, a spare that took its slot included;
+at iteration 1 it is an error of the job's start-up, before anything was replicated).
 """
 
 from __future__ import annotations
@@ -29,13 +32,13 @@ from ..errors import ConfigError
 
 _SPEC = re.compile(
     r"^(?:(?P<node>node:)|(?P<spare>spare:))?(?P<who>\d+)@(?P<when>\d+|recovery|end)"
-    r"(?::(?P<kind>kill|hang|flip))?$"
+    r"(?::(?P<kind>kill|hang|flip|raise))?$"
 )
 
-FaultKind = Literal["kill", "hang", "flip"]
+FaultKind = Literal["kill", "hang", "flip", "raise"]
 FORMS = (
-    "RANK@ITER[:kill|hang|flip], node:N@ITER, spare:I@ITER, RANK@recovery, spare:I@recovery "
-    "or RANK@end"
+    "RANK@ITER[:kill|hang|flip|raise], node:N@ITER, spare:I@ITER, RANK@recovery, "
+    "spare:I@recovery or RANK@end"
 )
 
 
@@ -88,6 +91,11 @@ def parse_fault(text: str) -> FaultSpec:
         raise ConfigError(f"fail: iteration in {text!r} must be >= 1")
     if kind == "flip" and (match["node"] or match["spare"]):
         raise ConfigError(f"fail: {text!r}: 'flip' applies to one rank (RANK@ITER:flip)")
+    if kind == "raise" and (match["spare"] or recovery or end):
+        raise ConfigError(
+            f"fail: {text!r}: 'raise' applies to a rank or node as an iteration starts "
+            "(RANK@ITER:raise, node:N@ITER:raise)"
+        )
     if recovery and match["node"]:
         raise ConfigError(
             f"fail: {text!r}: '@recovery' applies to one rank or spare (RANK@recovery, "

@@ -115,7 +115,9 @@ class EmbeddedJob:
 
     # ------------------------------------------------------------------ life
     def run(self) -> ExitCode:
-        """The process's life; its exit code (0 done, 3 out of redundancy, 4 coordinator lost)."""
+        """The process's life; its exit code (0 done, 3 out of redundancy, 4 coordinator lost).
+        Any other error is reported to the coordinator (`Driver.report_error`: is it the job's
+        own?) and ends the process with its traceback."""
         try:
             return self._run()
         except OutOfRedundancyError as exc:
@@ -125,6 +127,9 @@ class EmbeddedJob:
             log.error("%s", self.driver.coordinator_lost(str(exc)))
         except CoordinatorUnreachableError as exc:
             log.error("%s", exc)
+        except Exception as exc:
+            self.driver.report_error(exc)
+            raise
         self.driver.without_coordinator()
         return ExitCode.NO_COORDINATOR
 

@@ -143,14 +143,9 @@ class LocalLauncher:
             self._spawn(member)
 
     def _spawn(self, member: str) -> None:
-        with open(self.run_dir / f"{member}.log", "w") as log:  # the child keeps its own copy
+        with open(self.local.log_path(member), "w") as log:  # the child keeps its own copy
             cmd = self._command(member, self.local.address)
             self.local.spawn(member, cmd, self._env(), log, preload=WORKER_PRELOAD)
-
-    def _tail(self, member: str, lines: int = 15) -> str:
-        path = self.run_dir / f"{member}.log"
-        text = path.read_text(errors="replace").splitlines() if path.exists() else []
-        return "\n".join(f"    {member}| {line}" for line in text[-lines:])
 
     # ------------------------------------------------------------------ run
     def run(self) -> RunResult:
@@ -187,6 +182,7 @@ class LocalLauncher:
             self._sigterm = True
 
         previous = signal.signal(signal.SIGTERM, on_sigterm)
+        rc: int = ExitCode.FAILED
         try:
             rc = self._monitor(log, t_start)
             self.hooks.ended(local)
@@ -194,7 +190,8 @@ class LocalLauncher:
             log.write(summary)
         finally:
             signal.signal(signal.SIGTERM, previous)
-            local.close(grace_s=10.0)
+            # The job's own error: the survivors wait on peers that are gone; nothing to save.
+            local.close(grace_s=0.0 if rc == ExitCode.JOB_ERROR else 10.0)
             if log_file:
                 log_file.close()
         return RunResult(returncode=rc, records=log.records, summary=summary, run_dir=self.run_dir)
@@ -225,7 +222,7 @@ class LocalLauncher:
             self.hooks.failed(local, members)
             for member, code in members.items():
                 self.progress.event(f"process {member} exited with code {code}")
-                self.progress.event("its log ends:\n" + self._tail(member))
+                self.progress.event("its log ends:\n" + local.log_tail(member))
             return ExitCode.FAILED
 
         def finished() -> int:
@@ -246,6 +243,7 @@ class LocalLauncher:
             say=self.progress.event,
             finished=finished,
             on_failed=failed,
+            on_job_error=lambda verdict: local.job_error(verdict, self.progress.event),
             on_tick=show_progress,
             interval_s=0.02,
             preempt=preempt,
@@ -288,6 +286,7 @@ class LocalLauncher:
             "deadpool": self.job.deadpool.enabled,
             "recoveries": coord.recoveries,
             "out_of_redundancy": oor.to_dict() if oor else None,
+            "job_error": coord.job_error.to_dict() if coord.job_error else None,
             "lost_after_training": ended.to_dict() if ended else None,
             "preempted": asdict(preempted) if preempted else None,
             "wall_s": wall_s,

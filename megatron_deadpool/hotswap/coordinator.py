@@ -2,11 +2,14 @@
 
 It runs inside the local launchers (`local_job.py`, where it can also see process exits and
 kill a hung process) or on its own on a cluster's batch host (`deadpool coordinator`), where
-heartbeats are its only signal. Who is dead is the failure detector's part (`detector.py`);
-each `tick()` then:
-  1. for members that died since the last tick: a plan for a new generation - the dead set and
-     the spares taking their slots (`Plan`) - or, once training completed, the end report of
-     what was lost afterwards (`EndReport`: nothing to recompute);
+heartbeats and the processes' own reports are its signals. Who is dead is the failure
+detector's part (`detector.py`); each `tick()` then:
+  1. for members that died since the last tick: when a death is the job's own error - a rank
+     that reported an exception before replication started, a newcomer that failed as the
+     member it replaced did (`job_error.judge`) - the verdict that ends the job (`JobError`, no
+     spare spent); otherwise a plan for a new generation - the dead set and the spares taking
+     their slots (`Plan`) - or, once training completed, the end report of what was lost
+     afterwards (`EndReport`: nothing to recompute);
   2. once every planned survivor reported its holdings, the restore iteration
      (`restore_plan.plan_restore`) and the new roster - or, when memory cannot recover the
      failure, the out-of-redundancy report naming the lost ranks and shards and what survivors
@@ -32,16 +35,19 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from ..errors import ExitCode
 from ..replication.placement import Placement, place_replicas
 from .clock import Clock, SystemClock
 from .detector import FailureDetector, SweepObserver
 from .events import EventLog
+from .job_error import judge
 from .liveness import Liveness
 from .membership import Membership
 from .messages import (
     Decision,
     EndReport,
     HoldingsReport,
+    JobError,
     OutOfRedundancy,
     Plan,
     Roster,
@@ -100,6 +106,7 @@ class _Outcome:
     recoveries: list[dict[str, Any]] = field(default_factory=list)
     out_of_redundancy: OutOfRedundancy | None = None
     ended: EndReport | None = None
+    job_error: JobError | None = None
 
 
 class Coordinator:
@@ -148,6 +155,7 @@ class Coordinator:
         self._recovery: PendingRecovery | None = None
         self._outcome = _Outcome()
         self._handled: set[str] = set()  # dead members a plan already accounts for
+        self._replaced: dict[str, str] = {}  # newcomer -> the member whose slot it took
         self._next_generation = 1
         self._inbox: StoreWaiter | None = None
         self._pruner = Pruner(membership)
@@ -177,6 +185,11 @@ class Coordinator:
     def out_of_redundancy(self) -> OutOfRedundancy | None:
         """Why memory could not recover a failure, once it could not (the job then ends)."""
         return self._outcome.out_of_redundancy
+
+    @property
+    def job_error(self) -> JobError | None:
+        """The job's own error, once a death was one (the job then ends; no spare is spent)."""
+        return self._outcome.job_error
 
     @property
     def ended(self) -> EndReport | None:
@@ -284,7 +297,7 @@ class Coordinator:
         if fresh:  # something died since the last tick: look at the slots (O(world) once)
             self._lost(fresh)
         rec = self._recovery
-        if rec is not None and self._outcome.out_of_redundancy is None:
+        if rec is not None and not self._ended():
             if rec.t_agreed is None:
                 # No garbage collection while deciding: at 16,384 ranks the decision makes some
                 # 100,000 objects, enough to start collections of this large heap midway (up to
@@ -298,6 +311,10 @@ class Coordinator:
                 self._track_phases()
         if self._recovery is None:
             self._pruner.step()
+
+    def _ended(self) -> bool:
+        """The job ended by a decision: out of redundancy, or the job's own error."""
+        return self._outcome.out_of_redundancy is not None or self._outcome.job_error is not None
 
     def _live(self) -> list[str]:
         """The members watched: spares and the current (or planned) slots, not dead ones."""
@@ -320,7 +337,11 @@ class Coordinator:
                 dead, slots, lambda r: node.domain_ranks(node.domain(r)), self._handled
             )
         self._handled.update(fresh | {slots[r] for r in dead})
-        if not dead or self._outcome.out_of_redundancy is not None:
+        if not dead or self._ended():
+            return
+        verdict = judge({r: slots[r] for r in dead}, self.detector.error_reports(), self._replaced)
+        if verdict is not None:
+            self._end_job_error(verdict)
             return
         completed = self.membership.training_complete() if self._recovery is None else None
         if completed is None:
@@ -343,6 +364,7 @@ class Coordinator:
             needy.add(rank)
             if self._spares and not no_spare:
                 slots[rank] = self._spares.pop(0)
+                self._replaced[slots[rank]] = base[rank]
             else:  # nothing can take the slot: agree anyway, to save what survives
                 no_spare = f"no spare left to replace rank(s) {sorted(all_dead)}"
         generation = self._next_generation
@@ -498,6 +520,14 @@ class Coordinator:
         self.membership.publish_out_of_redundancy(report, generations)
         self.events("out_of_redundancy", **report.to_dict())
         self.say(f"OUT OF REDUNDANCY: {reason}")
+
+    def _end_job_error(self, verdict: JobError) -> None:
+        """The job's own error: no plan, no spare; the job ends (the launchers stop it)."""
+        self._outcome.job_error = verdict
+        self.membership.publish_job_error(verdict)
+        self.events("job_error", **verdict.to_dict())
+        self.say(f"JOB ERROR: {verdict.report.cause()}")
+        self.say(f"{verdict.reason}; no spare used: fix the job (exit code {ExitCode.JOB_ERROR:d})")
 
     def _end(self, dead: set[int], completed: int) -> None:
         """Ranks lost after training completed: no recovery (nothing to recompute); the

@@ -1,6 +1,9 @@
 """Failure detection for the coordinator: which members are dead, and why.
 
-Three signals, looked at once per `look()` (the coordinator's tick):
+Four signals, looked at once per `look()` (the coordinator's tick):
+  - error reports: a member that reported the error it ends with (`messages.ErrorReport`) is
+    dead at once, with or without a launcher that sees its exit (one round trip per look: the
+    report counter); the reports are kept for the coordinator's verdict (`job_error.py`);
   - exits the launcher saw (`liveness.Liveness`; none on a cluster): a member that exits with an
     error before it finished its work is dead; one that finished first is noted as lost after
     its work, which needs no recovery;
@@ -28,6 +31,7 @@ from .events import EventLog
 from .heartbeats import HeartbeatClock
 from .liveness import Liveness
 from .membership import Membership
+from .messages import ErrorReport
 
 
 @dataclass(frozen=True)
@@ -87,6 +91,9 @@ class FailureDetector:
         self._suspicious_until = 0.0  # (monotonic) while a reported failure is unexplained
         self._suspects: set[str] = set()  # who a reported failure can be explained by
         self._lost_at: dict[str, float] = {}  # member -> wall time it was lost, known otherwise
+        self._errors: dict[str, ErrorReport] = {}  # member -> the first error it reported
+        self._errors_counted = 0  # error reports counted by the store so far
+        self._errors_unread: set[int] = set()  # counted, not published yet when last looked
 
     # ------------------------------------------------------------------ what it knows
     @property
@@ -109,6 +116,7 @@ class FailureDetector:
         (rank -> member: who a reported failure may concern)."""
         now = self.clock.monotonic()
         self._watch_failure_reports(now, slots)
+        self._notice_errors()
         self._notice_exits()
         if now >= self._next_sweep:
             self._next_sweep = now + self.sweep_interval
@@ -144,6 +152,41 @@ class FailureDetector:
         """`members` were lost at or after wall time `when` (the earlier coordinator's last
         answer: most likely with its node)."""
         self._lost_at.update({m: when for m in members})
+
+    def error_reports(self) -> dict[str, ErrorReport]:
+        """Every member's error report so far (member -> its first), read up to now (a report
+        is published before its process exits, so an exit seen is read with its report); the
+        members of reports new since the last look are named dead, as `look` does."""
+        self._notice_errors()
+        return dict(self._errors)
+
+    def _read_errors(self) -> list[ErrorReport]:
+        """The reports published since the last read (one round trip when there are none)."""
+        count = self.membership.error_count()
+        numbers = sorted(self._errors_unread | set(range(self._errors_counted + 1, count + 1)))
+        self._errors_counted = max(self._errors_counted, count)
+        new = []
+        for number in numbers:
+            report = self.membership.error_report(number)
+            if report is None:  # counted by the store, not published yet: look again later
+                self._errors_unread.add(number)
+                continue
+            self._errors_unread.discard(number)
+            self._errors.setdefault(report.member, report)
+            new.append(report)
+        return new
+
+    def _notice_errors(self) -> None:
+        """A member that reported the error it ends with is dead (after its work: no failure)."""
+        for report in self._read_errors():
+            member = report.member
+            if member in self._dead or member in self._after_work:
+                continue
+            self.events("error_reported", **report.to_dict())
+            if self.membership.is_done(member):
+                self._after_work.add(member)
+            else:
+                self.mark_dead(member, f"ended with an error: {report.cause()}")
 
     def _notice_exits(self) -> None:
         for member, code in self.liveness.exits().items():

@@ -44,7 +44,14 @@ from ..devices.groups import (
 from ..devices.health import DeviceWatch
 from ..devices.memory import ReplicaMemory
 from ..digest import rank_digest
-from ..errors import ConfigError, CoordinatorUnreachableError, DeadpoolRuntimeError, first_line
+from ..errors import (
+    ConfigError,
+    CoordinatorUnreachableError,
+    DeadpoolRuntimeError,
+    LostAfterTrainingError,
+    OutOfRedundancyError,
+    first_line,
+)
 from ..logs import set_context
 from ..replication.placement import Layout, Placement, place_replicas
 from ..replication.replicator import Replicator
@@ -55,7 +62,7 @@ from .connection import Heartbeat
 from .failover import CoordinatorLink, FailoverStore, host_id
 from .injection import FaultInjector
 from .membership import Membership
-from .messages import LayoutRecord, Registration, Roster, member_of
+from .messages import ErrorReport, LayoutRecord, Phase, Registration, Roster, member_of
 from .plan_watch import PlanWatch
 from .recovery import Recovery, abort_keeping_arrivals, release_groups
 from .wakeup import StoreWaiter, spare_wakeups
@@ -70,6 +77,20 @@ REPLICATION = "DEADPOOL_REPLICATION"
 
 HOST_REPLICATION = "DEADPOOL_HOST_REPLICATION"
 """The same for the data-parallel peers' gloo group of replicas in host memory (CUDA)."""
+
+NOT_THE_JOBS_ERRORS = (
+    ConfigError,  # bad input: exit code 2, its own one line
+    OutOfRedundancyError,
+    LostAfterTrainingError,
+    CoordinatorUnreachableError,
+    dist.DistStoreError,  # the coordinator's store, not the job
+    dist.DistNetworkError,
+)
+"""Errors a process ends with that are no error of the job's (`Driver.report_error`): bad
+input, which has its own exit code, DeadPool's own verdicts and a lost coordinator."""
+
+TRACEBACK_LINES = 12
+"""How many of its traceback's last lines an error report carries (each cut at 240 characters)."""
 
 
 class Driver:
@@ -211,6 +232,44 @@ class Driver:
     def _collective_errors(self) -> list[str]:
         """This rank's NCCL groups whose collective failed or timed out (`get_error`)."""
         return nccl.backend_errors() if self.device.kind == "cuda" else []
+
+    def phase(self) -> Phase:
+        """Where this process is in its life (what its error report names)."""
+        if self.rank is None:
+            return Phase.WAITING
+        if self.completed is not None:
+            return Phase.AFTER_TRAINING
+        if self.recovering_now:
+            return Phase.RECOVERY
+        return Phase.START_UP if self.committed is None else Phase.TRAINING
+
+    def report_error(self, exc: BaseException) -> None:
+        """This process ends with `exc`, an error no recovery accounts for: tell the coordinator
+        (`ErrorReport`: phase, the exception's type and first line, the end of its traceback),
+        which tells the job's own error from a lost process (`job_error.py`). Nothing is
+        reported for a peer's failure (the peer's death is the failure), for the errors in
+        `NOT_THE_JOBS_ERRORS`, or before this process reached the coordinator; a report that
+        cannot be delivered is only logged (the exit is seen all the same)."""
+        if self._membership is None or self.is_peer_failure(exc):
+            return
+        if isinstance(exc, NOT_THE_JOBS_ERRORS):
+            return
+        lines = "".join(traceback.format_exception(exc)).splitlines()[-TRACEBACK_LINES:]
+        report = ErrorReport(
+            number=1,  # the store's number replaces it
+            member=self.member,
+            rank=self.rank,
+            generation=self.generation if self.rank is not None else -1,
+            phase=self.phase(),
+            error=type(exc).__name__,
+            message=first_line(exc) if str(exc).strip() else "",
+            time=time.time(),
+            tail=tuple(line[:240] for line in lines),
+        )
+        try:
+            self._membership.report_error(report)
+        except (RuntimeError, OSError) as failed:  # no store: the exit counts as a failure
+            log.warning("could not report this error to the coordinator: %s", first_line(failed))
 
     def rejoin_record(self) -> Registration:
         """What this process tells a standby coordinator that took over (read by whichever of

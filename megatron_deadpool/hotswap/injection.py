@@ -12,7 +12,9 @@ slot - not again for the process that takes it over, nor when a step is recomput
 store counts (`Membership.fire_once`). A fault strikes as SIGKILL (`kill`: a crash), SIGSTOP
 (`hang`: alive but silent) or by flipping a bit in every replica the rank holds (`flip`:
 memory corruption that checksums must catch); the time it struck is stamped in the store, so
-that the coordinator measures detection from it.
+that the coordinator measures detection from it. `raise` is the exception: a deterministic
+error of the job (`InjectedError`, which the process reports as its own error), it fires every
+time its rank reaches the iteration, in whichever process holds the rank.
 """
 
 from __future__ import annotations
@@ -33,6 +35,10 @@ from ..replication.replicator import Replicator
 from .membership import Membership
 
 log = logging.getLogger("megatron_deadpool.injection")
+
+
+class InjectedError(RuntimeError):
+    """What a `raise` fault raises: a stand-in for a bug in the job or a bad input file."""
 
 
 class FaultInjector:
@@ -67,6 +73,8 @@ class FaultInjector:
     ) -> None:
         """`rank` starts iteration n."""
         hit = iteration_faults(self.specs, rank, ranks_per_node).get(n)
+        if hit is not None and hit[1] == "raise":  # deterministic: every time, whoever holds it
+            raise InjectedError(f"fault injection: rank {rank} raises at iteration {n}")
         if hit is not None and self.membership.fire_once(hit[0], rank):
             self._strike(hit[1], f"at iteration {n}", replicator)
 

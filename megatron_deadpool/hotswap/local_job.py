@@ -3,9 +3,10 @@
 What `deadpool train` and `deadpool megatron-lm` share, like torchrun but without restarting
 anyone when a rank dies: the store on loopback with the job token, the coordinator (DeadPool
 on), one process per active rank and spare in its own session (so a process and its helpers can
-be killed as a group), the coordinator's ticks, exit codes, time limit, shutdown and the final
-parameter digests. Each launcher decides what its job's progress and outcome look like, and
-what its processes import: given that (`Preload`), they are forked from one interpreter that
+be killed as a group), its log (RUN_DIR/{member}.log) and the end of it shown when the job ends
+with that process's own error, the coordinator's ticks, exit codes, time limit, shutdown and the
+final parameter digests. Each launcher decides what its job's progress and outcome look like,
+and what its processes import: given that (`Preload`), they are forked from one interpreter that
 imported it once (`hotswap.warm_start`) instead of starting fresh.
 """
 
@@ -19,12 +20,14 @@ from typing import IO, Any
 
 from ..config.deadpool import DeadpoolConfig
 from ..devices.gpus import GpuAssignment, assign_gpus, local_gpu_count
+from ..errors import ExitCode
 from ..replication.placement import Placement
 from .coordinator import Coordinator
 from .events import EventLog
 from .forkserver import Preload
 from .liveness import HeartbeatOnly, ProcessLiveness, kill_groups
 from .membership import Membership, host_store
+from .messages import JobError, task_of
 from .store_files import reserve_files, store_files_needed
 from .warm_start import WarmStart
 
@@ -102,7 +105,7 @@ class LocalJob:
     def local_rank(self, member: str) -> int:
         """The GPU (``LOCAL_RANK``) of process `member`: actives 0.., spares after them; a spare
         added later (`add_spare`) takes the GPUs round-robin."""
-        task = int(member[1:]) + (self.world_size if member.startswith("s") else 0)
+        task = task_of(member, self.world_size)
         if self.gpus is None:
             raise RuntimeError("this job's GPUs are each node's (Slurm's SLURM_LOCALID)")
         return self.gpus.local_rank(task % (self.world_size + self.spares))
@@ -181,6 +184,31 @@ class LocalJob:
     def await_salvage(self) -> None:
         """Out of redundancy: the ranks save what survives, then exit (within a minute)."""
         self.wait_exit(self.actives(), 60.0)
+
+    def log_path(self, member: str) -> Path:
+        """Where process `member`'s output goes (written by the launcher)."""
+        return self.run_dir / f"{member}.log"
+
+    def log_tail(self, member: str, lines: int = 15) -> str:
+        """The last `lines` lines of `member`'s log, each indented and marked with its name."""
+        path = self.log_path(member)
+        text = path.read_text(errors="replace").splitlines() if path.exists() else []
+        return "\n".join(f"    {member}| {line}" for line in text[-lines:])
+
+    def job_error(
+        self,
+        verdict: JobError,
+        say: Callable[[str], None],
+        flush: Callable[[str], None] = lambda member: None,
+    ) -> int:
+        """The job ended with its own error (the coordinator said which): once that process
+        exited (its traceback is the end of its log) and `flush(member)` wrote what is left of
+        its output, show its log's last lines; exit code 9."""
+        member = verdict.report.member
+        self.wait_exit([member], 5.0)
+        flush(member)
+        say(f"{member}'s log ({self.log_path(member)}) ends:\n" + self.log_tail(member))
+        return ExitCode.JOB_ERROR
 
     def wait_exit(self, members: list[str], timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s

@@ -56,6 +56,11 @@ Keys (the message type of each structured value in CamelCase):
   failures                    counter: survivors that saw a collective fail (the coordinator
                               then suspects silent ranks sooner than the heartbeat timeout)
   failure/{member}            FailureReport: what the survivor saw fail, numbered by `failures`
+  errors                      counter: processes that ended with an error of their own
+  error/{n}                   ErrorReport n: who, in which phase, the exception and the end of
+                              its traceback (a process that dies by a signal reports nothing)
+  job_error                   JobError: the coordinator's verdict that a failure is the job's
+                              own error (no spare takes the slots; the job ends)
   finished/{rank}             the iteration the rank finished training at (replicated)
   training/complete           the iteration training completed at (every rank's last step done
                               and replicated: a later loss needs no recomputation)
@@ -93,6 +98,7 @@ import os
 import socket
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any, Protocol, runtime_checkable
 
 import torch.distributed as dist
@@ -108,10 +114,12 @@ from .messages import (
     CoordinatorIdentity,
     Decision,
     EndReport,
+    ErrorReport,
     FailureReport,
     FinalReplication,
     HoldingsReport,
     IterationRecord,
+    JobError,
     Keys,
     LayoutRecord,
     OutOfRedundancy,
@@ -525,6 +533,31 @@ class Membership:
     def failure_count(self) -> int:
         """How many failure reports survivors made so far."""
         return self._count(Keys.FAILURES)
+
+    # ------------------------------------------------------------------ a process's own error
+    def report_error(self, report: ErrorReport) -> None:
+        """This process ends with `report`'s error: numbered by the store (`errors`), then
+        published under its number, and the coordinator woken."""
+        number = self.store.add(Keys.ERRORS, 1)
+        self._set(Keys.ERROR.format(number=number), replace(report, number=number).encode())
+        self.notify_coordinator()
+
+    def error_count(self) -> int:
+        """How many processes reported an error of their own (one round trip)."""
+        return self._count(Keys.ERRORS)
+
+    def error_report(self, number: int) -> ErrorReport | None:
+        """Report `number` (None: counted, not published yet)."""
+        key = Keys.ERROR.format(number=number)
+        value = self._peek(key)
+        return None if value is None else ErrorReport.decode(key, value)
+
+    def publish_job_error(self, verdict: JobError) -> None:
+        self._set(Keys.JOB_ERROR, verdict.encode())
+
+    def job_error(self) -> JobError | None:
+        value = self._peek(Keys.JOB_ERROR)
+        return None if value is None else JobError.decode(Keys.JOB_ERROR, value)
 
     # ------------------------------------------------------------------ the end of training
     def report_finished(self, rank: int, iteration: int) -> None:

@@ -50,6 +50,9 @@ class Keys:
     OUT_OF_REDUNDANCY = "out_of_redundancy"
     FAILURES = "failures"
     FAILURE = "failure/{member}"
+    ERRORS = "errors"
+    ERROR = "error/{number}"
+    JOB_ERROR = "job_error"
     FINISHED = "finished/{rank}"
     TRAINING_COMPLETE = "training/complete"
     END = "end"
@@ -82,14 +85,6 @@ WAKE = "wake"
 # ---------------------------------------------------------------------- reading fields
 
 
-CLAIMED = "ready"
-"""`gen{g}/ready/{rank}`: the newcomer claimed its slot."""
-GIVEN_UP = "lost"
-"""`gen{g}/ready/{rank}`: the coordinator gave the slot up (the newcomer was lost first)."""
-WAKE = "wake"
-"""What a member pushes into the coordinator's inbox (the content is never read)."""
-
-
 def is_member(name: object) -> bool:
     """Whether `name` names a member: `a{r}` or `s{i}`."""
     return isinstance(name, str) and len(name) > 1 and name[0] in "as" and name[1:].isdigit()
@@ -98,6 +93,11 @@ def is_member(name: object) -> bool:
 def member_of(task: int, world_size: int) -> str:
     """The member name of task index `task`: actives first (ranks 0..W-1), then spares."""
     return f"a{task}" if task < world_size else f"s{task - world_size}"
+
+
+def task_of(member: str, world_size: int) -> int:
+    """The task index of member `member` (`member_of`'s inverse)."""
+    return int(member[1:]) + (world_size if member.startswith("s") else 0)
 
 
 def _ranks(values: Any, what: str) -> None:
@@ -337,6 +337,76 @@ class FailureReport(Message):
 
     def validate(self) -> None:
         require(self.number >= 1, "number below 1")
+
+
+class Phase(str, Enum):
+    """Where in its life a process was when it ended with an error (`ErrorReport`)."""
+
+    WAITING = "waiting"
+    """A spare without a slot."""
+    START_UP = "start-up"
+    """It holds a slot, and no iteration of its own was replicated yet: arguments, imports,
+    data, initialisation, the first steps (a newcomer: its build, before it took the slot)."""
+    TRAINING = "training"
+    RECOVERY = "recovery"
+    """Between a failed collective and its restore."""
+    AFTER_TRAINING = "after training"
+    """Training completed (its last step done and replicated): the final save, evaluation."""
+
+
+@dataclass(frozen=True)
+class ErrorReport(Message):
+    """`error/{number}`: a process ends with an exception no recovery accounts for (not a
+    peer's failure, not one of DeadPool's own verdicts): who, where in its life, the exception's
+    type and first line, and the last lines of its traceback. Numbered in the order reports
+    reach the store (`errors` counts them; the number is the store's, set as it is reported).
+    A process that dies by a signal reports nothing: its death stays a failure to hot-swap."""
+
+    number: int
+    member: str
+    rank: int | None
+    """The rank it held (None: a spare without a slot)."""
+    generation: int
+    """The generation of that rank's roster (-1: none)."""
+    phase: Phase
+    error: str
+    """The exception's type, e.g. `FileNotFoundError`."""
+    message: str
+    """Its first line (empty when it says nothing)."""
+    time: float
+    tail: tuple[str, ...] = ()
+    """The last lines of its traceback."""
+
+    def validate(self) -> None:
+        require(self.number >= 1, "number below 1")
+        require(is_member(self.member), f"{self.member!r} is not a member name")
+        require(self.rank is None or self.rank >= 0, "rank below 0")
+        require(self.generation >= -1, "generation below -1")
+
+    def signature(self) -> tuple[Phase, str, str]:
+        """What makes two errors the same error: phase, type and first line."""
+        return self.phase, self.error, self.message
+
+    def cause(self) -> str:
+        """One line: `rank 2 start-up: FileNotFoundError: ...` (a spare: its member name)."""
+        who = f"rank {self.rank}" if self.rank is not None else f"spare {self.member}"
+        what = f"{self.error}: {self.message}" if self.message else self.error
+        return f"{who} {self.phase.value}: {what}"
+
+
+@dataclass(frozen=True)
+class JobError(Message):
+    """`job_error`: the coordinator's verdict that a failure is the job's own error, not a lost
+    process - a rank failed before replication started, or a newcomer failed as the member it
+    replaced did: the report that names the error, why it is the job's, and the ranks that
+    died with it. No spare takes their slots; the job ends (exit code 9)."""
+
+    reason: str
+    report: ErrorReport
+    dead_ranks: tuple[int, ...]
+
+    def validate(self) -> None:
+        _ranks(self.dead_ranks, "dead ranks")
 
 
 @dataclass(frozen=True)

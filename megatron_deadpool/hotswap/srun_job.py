@@ -23,6 +23,7 @@ from pathlib import Path
 from ..devices.gpus import GpuAssignment
 from .liveness import HeartbeatOnly, ProcessLiveness
 from .local_job import LocalJob
+from .messages import task_of
 
 # Each task's RANK and LOCAL_RANK, expanded in the task (as deadpool_launch.sh does).
 TASK_WRAPPER = ["bash", "-c", 'export RANK=$SLURM_PROCID LOCAL_RANK=$SLURM_LOCALID; exec "$@"']
@@ -73,6 +74,10 @@ class SrunJob(LocalJob):
 
     def _liveness(self) -> ProcessLiveness | HeartbeatOnly:
         return HeartbeatOnly()
+
+    def log_path(self, member: str) -> Path:
+        """Srun writes task i's output to task-{i}.log (actives first, then spares)."""
+        return self.run_dir / f"task-{task_of(member, self.world_size)}.log"
 
     def start(
         self,

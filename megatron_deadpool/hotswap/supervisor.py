@@ -7,6 +7,9 @@ its processes, `local_job.LocalJob` and its srun form, or the coordinator alone,
 coordinator ticks, the launcher's own work is done (`on_tick`: progress lines, new spares; True
 when it made progress, which skips the pause), then the first of these ends the loop:
   - a launcher's own check (`checks`: a configuration error, a standby that took over);
+  - the job's own error (a rank's exception before replication started, a spare failing as the
+    rank it replaced did: `job_error.py`) -> the launcher's verdict (`on_job_error`: it shows
+    the end of that rank's log) -> exit code 9;
   - out of redundancy: the survivors get their time to save what survives -> exit code 3;
   - with DeadPool off, a failed process -> the launcher's verdict (`on_failed`);
   - every rank finished -> the launcher's verdict (`finished`: 0, 143 after a preemption, the
@@ -26,6 +29,7 @@ from typing import Protocol
 from ..errors import ExitCode
 from .coordinator import Coordinator
 from .membership import Membership
+from .messages import JobError
 
 
 class Supervised(Protocol):
@@ -66,6 +70,8 @@ class Supervisor:
     """The exit code once every rank finished."""
     on_failed: Callable[[dict[str, int]], int] = lambda failed: ExitCode.FAILED
     """With DeadPool off: the exit code when members failed (member -> code)."""
+    on_job_error: Callable[[JobError], int] = lambda verdict: ExitCode.JOB_ERROR
+    """The job's own error ended the job: say what the user needs to fix it; the exit code."""
     on_tick: Callable[[], bool] = lambda: False
     checks: Sequence[Callable[[], int | None]] = ()
     on_timeout: ExitCode = ExitCode.TIMEOUT
@@ -100,6 +106,8 @@ class Supervisor:
             code = check()
             if code is not None:
                 return code
+        if self.job.deadpool and self.job.coordinator.job_error is not None:
+            return self.on_job_error(self.job.coordinator.job_error)
         if self.job.deadpool and self.job.coordinator.out_of_redundancy is not None:
             self.job.await_salvage()
             return ExitCode.OUT_OF_REDUNDANCY

@@ -11,7 +11,10 @@ Unlike torchrun it does not stop the job when a rank dies: the coordinator hands
 rank's slot to a spare. Every process's output is forwarded as it comes (Megatron prints its
 iteration lines on the last rank) and kept in RUN_DIR/{a0,a1,...,s0}.log; coordinator events
 print as `[deadpool] ...` lines; RUN_DIR/summary.json records the outcome and each recovery.
-Out of redundancy it waits for the survivors to save what survives and exits with code 3.
+Out of redundancy it waits for the survivors to save what survives and exits with code 3. When
+the coordinator finds the job's own error (every rank failing in Megatron's start-up, a spare
+failing as the rank it replaced did: `hotswap/job_error.py`) it prints `JOB ERROR: ...` and the
+end of that rank's log, stops every process and exits with code 9.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from ..durable import write_durably
 from ..errors import ConfigError, ExitCode
 from ..hotswap.forkserver import Preload
 from ..hotswap.local_job import LocalJob
+from ..hotswap.messages import JobError, task_of
 from ..hotswap.supervisor import Supervisor
 from .runner import preparse
 
@@ -99,7 +103,7 @@ class MegatronLauncher:
         self.timeout_s = timeout_s
         self.stream = stream or sys.stdout
         self.extra_env = dict(env or {})
-        self.threads: list[threading.Thread] = []
+        self.threads: dict[str, threading.Thread] = {}  # member -> its output's forwarder
         self.lock = threading.Lock()
         self._local: LocalJob | None = None
         self.ended = False  # every active rank finished its work (`LocalJob.finished`)
@@ -117,7 +121,7 @@ class MegatronLauncher:
             print(text, file=self.stream, flush=True)
 
     def _forward(self, member: str, proc: subprocess.Popen) -> None:
-        with open(self.run_dir / f"{member}.log", "w") as log:
+        with open(self.local.log_path(member), "w") as log:
             for line in proc.stdout:  # type: ignore[union-attr]
                 log.write(line)
                 log.flush()
@@ -127,7 +131,7 @@ class MegatronLauncher:
 
     # ------------------------------------------------------------------ processes
     def _spawn(self, member: str, env: dict[str, str]) -> None:
-        task = int(member[1:]) + (self.nproc if member.startswith("s") else 0)
+        task = task_of(member, self.nproc)
         runner = [] if self.patched else ["-m", "megatron_deadpool.megatron_lm"]
         cmd = [sys.executable, *runner, self.script, *self.script_args]
         child_env = {**env, "RANK": str(task)}  # LOCAL_RANK: LocalJob.spawn
@@ -136,7 +140,7 @@ class MegatronLauncher:
             target=self._forward, args=(member, self.local.procs[member]), daemon=True
         )
         thread.start()
-        self.threads.append(thread)
+        self.threads[member] = thread
 
     def _preload(self) -> Preload:
         """What every process imports, as the runner imports it: the script's Megatron-LM tree
@@ -203,6 +207,13 @@ class MegatronLauncher:
             self._print(f"[deadpool] {member} exited with code {code}; stopping the job")
             return code
 
+        def job_error(verdict: JobError) -> int:
+            return local.job_error(
+                verdict,
+                lambda text: self._print(f"[deadpool] {text}"),
+                flush=lambda member: self.threads[member].join(timeout=2.0),  # all forwarded
+            )
+
         def finished() -> int:
             self.ended = True
             # The same exit code from every rank is the job's own (Megatron's rerun state
@@ -217,6 +228,7 @@ class MegatronLauncher:
             say=lambda text: self._print(f"[deadpool] {text}"),
             finished=finished,
             on_failed=failed,
+            on_job_error=job_error,
             checks=[config_error],
         ).run()
 
@@ -224,6 +236,7 @@ class MegatronLauncher:
         local = self.local
         coord = local.coordinator if self.cfg.enabled else None
         oor = coord.out_of_redundancy if coord else None
+        job_error = coord.job_error if coord else None
         ended = coord.ended if coord else None
         summary = {
             "returncode": rc,
@@ -233,6 +246,7 @@ class MegatronLauncher:
             "deadpool": self.cfg.enabled,
             "recoveries": coord.recoveries if coord else [],
             "out_of_redundancy": oor.to_dict() if oor else None,
+            "job_error": job_error.to_dict() if job_error else None,
             "lost_after_training": ended.to_dict() if ended else None,
             "exit_codes": {member: p.poll() for member, p in local.procs.items()},
             # each rank's digest of its final parameters and buffers (`digest.rank_digest`)

@@ -29,6 +29,11 @@ code 3 after writing DeadPool's snapshot set of one common iteration under `--sa
 the set is complete, launching the same command with `--load` resumes from it and, with
 `--save`, writes it as a Megatron checkpoint through Megatron's own `save_checkpoint`
 (`megatron_lm_resume` says why that cannot happen before the exit).
+
+An exception that ends a process inside `pretrain()` is first reported to the coordinator
+(`Driver.report_error`: phase, type, first line, the end of the traceback): an error of
+Megatron's start-up, or a spare's repeat of the error of the rank it replaced, is the job's own
+and ends the job with exit code 9 instead of costing a spare (`hotswap/job_error.py`).
 """
 
 from __future__ import annotations
@@ -56,6 +61,9 @@ from ..errors import (
 from . import interplay, versions
 
 log = logging.getLogger("megatron_deadpool.megatron_lm")
+
+_session_begun = False
+"""Whether `pretrain()` began this process's DeadPool session (which reports its errors)."""
 
 USAGE = (
     "usage: python -m megatron_deadpool.megatron_lm SCRIPT [Megatron-LM args] [--deadpool ...]\n"
@@ -185,6 +193,8 @@ def _pretrain(pretrain: Callable[..., Any], bound: inspect.BoundArguments) -> An
     prepare_communication("cpu" if megatron_lm_cpu.needs_cpu() else "cuda")
     token = cfg.job_token or os.environ.get("DEADPOOL_JOB_TOKEN", "")
     session = MegatronSession(cfg, task_from_env(), token)
+    global _session_begun
+    _session_begun = True
     if not session.begin():
         return None  # a spare the job never needed
     megatron_lm_hooks.install(session)
@@ -198,6 +208,7 @@ def _pretrain(pretrain: Callable[..., Any], bound: inspect.BoundArguments) -> An
         # lost after training completed: save what survives, end (LostAfterTrainingError).
         driver = session.driver
         if driver.completed is None or not driver.is_peer_failure(exc):
+            driver.report_error(exc)  # the coordinator decides: the job's own error?
             raise
         session.defer(exc, "Megatron's final work after training")
     session.finish()
@@ -253,7 +264,28 @@ def run_script(script: str, script_args: Sequence[str]) -> None:
     prepare()
     install()
     _spawn_through_runner()
-    runpy.run_path(path, run_name="__main__")
+    try:
+        runpy.run_path(path, run_name="__main__")
+    except Exception as exc:
+        if not _session_begun:
+            _report_before_pretrain(exc)
+        raise
+
+
+def _report_before_pretrain(exc: Exception) -> None:
+    """The script raised `exc` before `pretrain()` began a session (core_v0.19.0's parses and
+    validates Megatron's arguments first): with `--deadpool`, report it as this rank's start-up
+    error (`MegatronSession.report_early_error`); a report that cannot be made is only logged
+    (the process's exit is seen all the same)."""
+    from .session import MegatronSession, task_from_env
+
+    try:
+        cfg = preparse(sys.argv[1:])
+        if cfg.enabled:
+            token = cfg.job_token or os.environ.get("DEADPOOL_JOB_TOKEN", "")
+            MegatronSession(cfg, task_from_env(), token).report_early_error(exc)
+    except (ValueError, RuntimeError, OSError) as failed:
+        log.warning("could not report this error to the coordinator: %s", failed)
 
 
 def _spawn_through_runner() -> None:

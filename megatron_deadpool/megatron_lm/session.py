@@ -132,19 +132,7 @@ class MegatronSession:
     # ------------------------------------------------------------------ start-up
     def begin(self) -> bool:
         """Connect, heartbeat, wait for a slot; False when this spare was never needed."""
-        coordinator = self.cfg.coordinator or os.environ.get("DEADPOOL_COORDINATOR")
-        if not coordinator:
-            raise ConfigError(
-                "deadpool-coordinator: --deadpool needs the coordinator's HOST:PORT; use "
-                "`deadpool megatron-lm` (which hosts it) or start `deadpool coordinator`"
-            )
-        from . import workers
-
-        workers.install()
-        self._active = d = Driver(
-            self.cfg, active_device(), coordinator=coordinator, token=self.token, task=self.task
-        )
-        d.connect()
+        d = self._connect()
         roster = d.wait_for_slot()
         if roster is None:
             return False
@@ -165,6 +153,35 @@ class MegatronSession:
                 self.newcomer.target,
             )
         return True
+
+    def report_early_error(self, exc: BaseException) -> None:
+        """The script raised `exc` before `pretrain()` began this session (core_v0.19.0's
+        `pretrain_gpt.py` parses and validates Megatron's arguments first): an active rank
+        connects, takes its slot of generation 0 and reports `exc` as its start-up error, so
+        that the coordinator ends the job instead of handing the slot to a spare
+        (`hotswap/job_error.py`); a spare reports nothing (it held no slot)."""
+        d = self._connect()
+        if d.member.startswith("a"):
+            d.wait_for_slot()  # generation 0's roster names it: at once
+            d.report_error(exc)
+        d.stop_heartbeat()
+
+    def _connect(self) -> Driver:
+        """This process's driver, connected to the coordinator and beating."""
+        coordinator = self.cfg.coordinator or os.environ.get("DEADPOOL_COORDINATOR")
+        if not coordinator:
+            raise ConfigError(
+                "deadpool-coordinator: --deadpool needs the coordinator's HOST:PORT; use "
+                "`deadpool megatron-lm` (which hosts it) or start `deadpool coordinator`"
+            )
+        from . import workers
+
+        workers.install()
+        self._active = d = Driver(
+            self.cfg, active_device(), coordinator=coordinator, token=self.token, task=self.task
+        )
+        d.connect()
+        return d
 
     def _newcomer_plan(self, roster: Roster) -> NewcomerPlan:
         reports = self._survivor_reports(roster)

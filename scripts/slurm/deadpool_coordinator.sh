@@ -7,7 +7,9 @@
 # Started by deadpool_launch.sh for the primary (on the batch host) and the standby (another
 # node). The coordinator's output goes to $DEADPOOL_LOG_DIR/NAME.log, its exit status to
 # $DEADPOOL_LOG_DIR/NAME.status. When it exits as the job's active coordinator - 0 every rank
-# finished, 3 out of redundancy (the survivors save what they hold), 6 --max-wait - this script
+# finished, 3 out of redundancy (the survivors save what they hold), 6 --max-wait, 9 the job's
+# own error (a rank's exception before replication started, or a spare failing as the rank it
+# replaced did; its log names it: fix the job, do not requeue it as it is) - this script
 # says why in the job's log ($DEADPOOL_JOB_LOG, appended; else its standard output), gives the
 # tasks DEADPOOL_END_GRACE seconds to end on their own, then cancels the job (scancel), so that
 # no stopped or frozen task, nor a job whose batch host died, holds the nodes. Any other status
@@ -28,6 +30,7 @@ case $rc in
 0) why="every rank finished" ;;
 3) why="out of redundancy: the survivors save what they hold" ;;
 6) why="--max-wait reached" ;;
+9) why="the job's own error (JOB ERROR in the log): fix the job" ;;
 5) exit 0 ;; # not the job's coordinator: nothing went wrong
 *) exit "$rc" ;;
 esac

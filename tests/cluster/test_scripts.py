@@ -408,7 +408,7 @@ def _wrapper(
 
 
 @pytest.mark.timeout(30)
-@pytest.mark.parametrize("status", [0, 3, 6])
+@pytest.mark.parametrize("status", [0, 3, 6, 9])
 def test_coordinator_that_ended_the_job_ends_the_slurm_job(tmp_path: Path, status: int) -> None:
     out, calls, _ = _wrapper(tmp_path, status)
     assert f"standby on {socket.gethostname()} exited with status {status}" in out

@@ -321,6 +321,8 @@ def test_ranks_per_node_default_order() -> None:
         (" 7@2 ", FaultSpec(iteration=2, kind="kill", rank=7)),
         ("spare:1@3", FaultSpec(iteration=3, kind="kill", spare=1)),
         ("spare:0@recovery:hang", FaultSpec(0, "hang", spare=0, during_recovery=True)),
+        ("2@4:raise", FaultSpec(iteration=4, kind="raise", rank=2)),
+        ("node:1@1:raise", FaultSpec(iteration=1, kind="raise", node=1)),
     ],
 )
 def test_fault_specs_parse(text: str, expected: FaultSpec) -> None:
@@ -329,7 +331,8 @@ def test_fault_specs_parse(text: str, expected: FaultSpec) -> None:
 
 MALFORMED = [
     "", "2", "@5", "2@", "2@0", "x@1", "2@5:boom", "node:@1", "node:1", "-1@2", "2@5:",
-    "node:1@recovery", "spare:0@recovery:flip", "spare:0@end",
+    "node:1@recovery", "spare:0@recovery:flip", "spare:0@end", "spare:0@2:raise",
+    "1@recovery:raise", "1@end:raise",
 ]  # fmt: skip
 
 

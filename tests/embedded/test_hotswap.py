@@ -5,12 +5,15 @@ whole node, a pipeline-parallel rank) and checks that the run ends with exactly 
 the parameter digest of the failure-free run, recomputes at most one iteration, and leaves no object
 holding a process group of an aborted generation. Failures memory cannot recover end the run
 with exit code 3, the reason on the launcher's output and in each survivor's log, and a report
-naming the lost ranks and shards.
+naming the lost ranks and shards. The job's own error (an exception before anything was
+replicated, or a spare raising what the rank it replaced raised) is no failure to hot-swap: the
+run ends at once with exit code 9 and that error, no spare spent on it.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 from collections.abc import Callable
 from functools import cache
@@ -69,6 +72,22 @@ CASES: dict[str, list[str]] = {
         "--save",
         "{ckpt}",
     ],
+    # Every rank raises as iteration 1 starts: an error of the job's start-up.
+    "start_up_error": [
+        "--tp",
+        "2",
+        "--dp",
+        "2",
+        "--spares",
+        "1",
+        "--fail",
+        "node:0@1:raise",
+        "--fail",
+        "node:1@1:raise",
+    ],
+    # Rank 2 raises as iteration 4 starts, in whichever process holds it: the spare that takes
+    # its slot raises the same.
+    "same_error_again": ["--tp", "2", "--dp", "2", "--spares", "2", "--fail", "2@4:raise"],
     "owner_and_holder": [
         "--tp",
         "2",
@@ -337,3 +356,53 @@ def test_a_rank_lost_after_training_completed_costs_nothing(root: str, tp_refere
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
     after = json.loads((out / "resume.jsonl").read_text().splitlines()[-1])
     assert after["losses"] == [] and after["final_param_digest"] == reference["final_param_digest"]
+
+
+def _events(case: str, root: str) -> list[dict[str, Any]]:
+    path = Path(root) / case / "logs" / "events.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+@pytest.mark.timeout(300)
+def test_an_error_of_every_rank_before_replication_ends_the_job_at_once(root: str) -> None:
+    """The exception ends the job with exit code 9, the first failing rank's error as its
+    cause and the end of that rank's log; the spare is never given a slot."""
+    proc, records, summary = run("start_up_error", root)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 9, out[-3000:]
+    cause = re.search(
+        r"JOB ERROR: rank (\d) start-up: InjectedError: fault injection: rank (\d) raises at "
+        r"iteration 1\n",
+        proc.stdout,
+    )
+    assert cause is not None and cause[1] == cause[2], out[-3000:]
+    member = f"a{cause[1]}"
+    assert f"{member}'s log (" in proc.stdout and "ends:" in proc.stdout
+    assert re.search(rf"{member}\| .*InjectedError: fault injection", proc.stdout), proc.stdout
+    assert records == [] and summary["recoveries"] == []
+    assert summary["out_of_redundancy"] is None
+    verdict = summary["job_error"]
+    assert verdict["report"]["member"] == member and verdict["report"]["phase"] == "start-up"
+    events = _events("start_up_error", root)
+    assert [e for e in events if e["event"] == "plan"] == []  # no spare given a slot
+    (decided,) = [e for e in events if e["event"] == "job_error"]
+    first_death = min(e["t"] for e in events if e["event"] == "process_dead")
+    assert decided["t"] - first_death < 1.0  # decided as it died: no timeout waited for
+    assert "recovery:" not in proc.stdout
+
+
+@pytest.mark.timeout(300)
+def test_a_spare_raising_what_the_rank_it_replaced_raised_ends_the_job(root: str) -> None:
+    """Rank 2 raises in training: a spare takes its slot (a first error may be its node's). The
+    spare raises the same error in the same phase: the job ends, the second spare unused."""
+    proc, _, summary = run("same_error_again", root)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 9, out[-3000:]
+    message = "fault injection: rank 2 raises at iteration 4"
+    assert f"JOB ERROR: rank 2 training: InjectedError: {message}\n" in proc.stdout, out[-3000:]
+    assert "rank 2's spare s0 failed as a2 did before it" in proc.stdout
+    assert re.search(rf"s0\| .*InjectedError: {message}", proc.stdout), proc.stdout
+    plans = [e for e in _events("same_error_again", root) if e["event"] == "plan"]
+    assert [p["slots"]["2"] for p in plans] == ["s0"]  # s1 never got a slot
+    assert summary["job_error"]["report"]["member"] == "s0"
+    assert summary["out_of_redundancy"] is None

@@ -20,8 +20,11 @@ from megatron_deadpool.hotswap.membership import Membership
 from megatron_deadpool.hotswap.memory_store import MemoryStore
 from megatron_deadpool.hotswap.messages import (
     Decision,
+    ErrorReport,
     HoldingsReport,
+    Keys,
     LayoutRecord,
+    Phase,
     Registration,
     Verdict,
 )
@@ -123,6 +126,23 @@ class Job:
             member = roster.slots[rank]
             report = HoldingsReport(member, last_completed, self.holds(rank))
             self.m(member).report_holdings(generation, rank, report)
+
+    def raised(
+        self,
+        member: str,
+        phase: Phase,
+        *,
+        rank: int | None,
+        generation: int = 0,
+        message: str = "One or both of the .idx and .bin files cannot be found at /nonexistent",
+    ) -> None:
+        """`member` ends with an exception of its own: it reports it (as `Driver.report_error`
+        does) - nothing else; `die` makes the launcher see it exit."""
+        tail = ("Traceback (most recent call last):", f"AssertionError: {message}")
+        report = ErrorReport(
+            1, member, rank, generation, phase, "AssertionError", message, self.clock.time(), tail
+        )
+        self.m(member).report_error(report)
 
     def decision(self, generation: int) -> Decision | None:
         return self.m().wait_decision(generation, 0.0)
@@ -397,3 +417,156 @@ def test_a_failure_before_replication_started_ends_at_once() -> None:
     report = job.coord.out_of_redundancy
     assert report is not None and "failed before replication started" in report.reason
     assert report.lost_ranks == (0, 1) and report.save is None
+
+
+# ---------------------------------------------------------------------- the job's own error
+PATH_ERROR = (
+    "AssertionError: One or both of the .idx and .bin files cannot be found at /nonexistent"
+)
+
+
+def test_every_rank_failing_in_start_up_is_the_jobs_error_and_spends_no_spare() -> None:
+    """Every rank raises the same exception in its start-up (say, a data path that does not
+    exist) and exits: the job's own error - no plan, no spare given a slot, the lowest rank's
+    report named as the cause."""
+    job = Job(world=4, spares=1)
+    for r in (3, 1, 0, 2):
+        job.raised(f"a{r}", Phase.START_UP, rank=r)
+        job.die(f"a{r}")
+    job.tick()
+    verdict = job.coord.job_error
+    assert verdict is not None and verdict == job.m().job_error()
+    assert verdict.report.member == "a0" and verdict.dead_ranks == (0, 1, 2, 3)
+    assert verdict.report.cause() == f"rank 0 start-up: {PATH_ERROR}"
+    assert "before replication started" in verdict.reason
+    assert job.m().plan(1) is None and job.m().latest_plan() == 0
+    assert job.coord.spares == ("s0",) and not job.coord.recovering
+    assert job.coord.out_of_redundancy is None
+    assert f"JOB ERROR: rank 0 start-up: {PATH_ERROR}" in job.said
+    assert job.events.of("job_error")[0]["report"]["member"] == "a0"
+    job.die("s0")
+    job.tick()
+    assert job.m().plan(1) is None  # the job has ended: nothing more is decided
+
+
+def test_one_rank_failing_in_start_up_ends_the_job_while_its_peers_still_live() -> None:
+    """Only rank 2 raises (its peers wait for it in a collective): the job ends at its exit."""
+    job = Job(world=4, spares=1)
+    job.tick()
+    job.raised("a2", Phase.START_UP, rank=2)
+    job.die("a2")
+    job.tick()
+    verdict = job.coord.job_error
+    assert verdict is not None and verdict.dead_ranks == (2,)
+    assert verdict.report.cause() == f"rank 2 start-up: {PATH_ERROR}"
+    assert job.m().plan(1) is None and job.coord.spares == ("s0",)
+
+
+def test_a_reported_error_needs_no_launcher_nor_heartbeat_timeout() -> None:
+    """On a cluster (heartbeats only) the report itself names the member dead, at once."""
+    job = Job(world=4, spares=1, liveness=HeartbeatOnly())
+    job.tick()
+    job.raised("a1", Phase.START_UP, rank=1)
+    job.tick(0.1)
+    verdict = job.coord.job_error
+    assert verdict is not None and verdict.report.member == "a1"
+    assert "ended with an error: rank 1 start-up" in job.events.of("process_dead")[0]["why"]
+
+
+def test_a_death_by_signal_in_start_up_stays_a_failure() -> None:
+    """A process killed in its start-up reports nothing: a spare takes its slot, as before."""
+    job = Job(world=4, spares=1)
+    job.die("a2")
+    job.tick()
+    plan = job.m().plan(1)
+    assert plan is not None and plan.replaced == {2: "s0"}
+    assert job.coord.job_error is None
+
+
+def test_a_newcomer_failing_as_the_rank_it_replaced_is_the_jobs_error() -> None:
+    """Rank 2 raises in training: a first error there may be its node's (memory, disk), so a
+    spare takes the slot. The spare raises the same error in the same phase: the error follows
+    the slot - the job ends, the second spare is not spent."""
+    job = Job(spares=2)
+    message = "fault injection: rank 2 raises at iteration 4"
+    job.raised("a2", Phase.TRAINING, rank=2, message=message)
+    job.die("a2")
+    job.tick()
+    plan = job.m().plan(1)
+    assert plan is not None and plan.replaced == {2: "s0"} and job.coord.job_error is None
+    job.report(1, [0, 1, 3])
+    job.tick()
+    assert job.decision(1) == Decision.roster(4)
+    job.raised("s0", Phase.TRAINING, rank=2, generation=1, message=message)
+    job.die("s0")
+    job.tick()
+    verdict = job.coord.job_error
+    assert verdict is not None and verdict.report.member == "s0"
+    assert verdict.report.cause() == f"rank 2 training: AssertionError: {message}"
+    assert "spare s0 failed as a2 did" in verdict.reason
+    assert job.m().plan(2) is None and job.coord.spares == ("s1",)
+
+
+def test_a_newcomer_failing_otherwise_is_hot_swapped() -> None:
+    """Same slot, another error (or another phase): a failure to hot-swap like any other."""
+    job = Job(spares=2)
+    job.raised("a2", Phase.TRAINING, rank=2, message="CUDA error: an illegal memory access")
+    job.die("a2")
+    job.tick()
+    job.report(1, [0, 1, 3])
+    job.tick()
+    job.raised("s0", Phase.START_UP, rank=2, generation=1, message="CUDA error: out of memory")
+    job.die("s0")
+    job.tick()
+    assert job.coord.job_error is None
+    plan = job.m().plan(2)
+    assert plan is not None and plan.replaced == {2: "s1"}
+
+
+def test_the_same_error_two_holders_apart_is_the_jobs_error() -> None:
+    """a2 raises, its spare s0 is killed by a signal (nothing reported), the next spare s1
+    raises a2's error: the nearest earlier holder that reported anything decides."""
+    job = Job(spares=3)
+    message = "fault injection: rank 2 raises at iteration 4"
+    job.raised("a2", Phase.TRAINING, rank=2, message=message)
+    job.die("a2")
+    job.tick()
+    job.report(1, [0, 1, 3])
+    job.tick()
+    job.die("s0")
+    job.tick()
+    plan = job.m().plan(2)
+    assert plan is not None and plan.replaced == {2: "s1"}
+    job.report(2, [0, 1, 3])
+    job.tick()
+    job.raised("s1", Phase.TRAINING, rank=2, generation=2, message=message)
+    job.die("s1")
+    job.tick()
+    verdict = job.coord.job_error
+    assert verdict is not None and "spare s1 failed as a2 did" in verdict.reason
+    assert job.coord.spares == ("s2",)
+
+
+def test_a_waiting_spares_error_only_shrinks_the_pool() -> None:
+    job = Job(spares=2)
+    job.raised("s0", Phase.WAITING, rank=None, generation=-1)
+    job.die("s0")
+    job.tick()
+    assert job.coord.spares == ("s1",) and job.coord.job_error is None
+    assert job.m().plan(1) is None
+
+
+def test_a_report_counted_before_it_is_published_is_read_once_it_is() -> None:
+    """Two processes report at once: the store numbers them in one order, their values may land
+    in the other. A number counted but not yet published is looked at again next time."""
+    job = Job(world=4, spares=1, liveness=HeartbeatOnly())
+    job.tick()
+    job.store.add(Keys.ERRORS, 1)  # report 1 is counted, its value not published yet
+    job.raised("s0", Phase.WAITING, rank=None, generation=-1)  # becomes report 2
+    job.tick(0.1)
+    assert job.coord.dead == {"s0"} and job.coord.spares == () and job.coord.job_error is None
+    late = ErrorReport(1, "a1", 1, 0, Phase.START_UP, "AssertionError", "late", 0.0)
+    job.store.set(Keys.ERROR.format(number=1), late.encode())
+    job.tick(0.1)
+    verdict = job.coord.job_error
+    assert verdict is not None and verdict.report.member == "a1"

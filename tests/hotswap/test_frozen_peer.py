@@ -23,20 +23,13 @@ from pathlib import Path
 
 import pytest
 from conftest import REPO_ROOT, TrainRun, deadpool_command
-from procs import free_port
+from procs import free_port, spawn_logged
 
 ITERS = "6"
 TIMING = [
     "--deadpool-heartbeat-interval", "0.5", "--deadpool-heartbeat-timeout", "4",
     "--deadpool-agree-timeout", "60", "--deadpool-pg-timeout", "150",
 ]  # fmt: skip
-
-
-def _spawn(cmd: list[str], log: Path, env: dict[str, str]) -> subprocess.Popen:
-    with open(log, "w") as out:  # the child keeps its own descriptor
-        return subprocess.Popen(
-            cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
-        )
 
 
 @pytest.mark.timeout(400)
@@ -50,7 +43,7 @@ def test_frozen_rank_is_replaced_without_waiting_for_the_collective_timeout(
     logs = tmp_path / "logs"
     logs.mkdir()
     try:
-        coordinator = _spawn(
+        coordinator = spawn_logged(
             [
                 *deadpool_command(), "coordinator", "--world-size", "4", "--config", config,
                 "--deadpool-coordinator", f"127.0.0.1:{port}", "--deadpool-log-dir", str(logs),
@@ -67,7 +60,7 @@ def test_frozen_rank_is_replaced_without_waiting_for_the_collective_timeout(
                 "--deadpool-fail", "1@4:hang", *TIMING,
             ]  # fmt: skip
             procs.append(
-                _spawn(worker, logs / f"task{task}.out", {**env, "SLURM_PROCID": str(task)})
+                spawn_logged(worker, logs / f"task{task}.out", {**env, "SLURM_PROCID": str(task)})
             )
         assert coordinator.wait(timeout=330) == 0, (logs / "coordinator.out").read_text()[-3000:]
         events = [json.loads(line) for line in (logs / "events.jsonl").read_text().splitlines()]

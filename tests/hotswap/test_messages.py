@@ -14,12 +14,15 @@ from megatron_deadpool.hotswap.messages import (
     CoordinatorIdentity,
     Decision,
     EndReport,
+    ErrorReport,
     FailureReport,
     FinalReplication,
     HoldingsReport,
     IterationRecord,
+    JobError,
     LayoutRecord,
     OutOfRedundancy,
+    Phase,
     Plan,
     Preempted,
     Registration,
@@ -65,6 +68,12 @@ EXAMPLES = [
         recovering=True,
     ),
 ]
+ERROR = ErrorReport(3, "a2", 2, 0, Phase.START_UP, "FileNotFoundError", "no /data", 1.7e9, ("x",))
+EXAMPLES += [
+    ERROR,
+    ErrorReport(1, "s0", None, -1, Phase.WAITING, "KeyError", "", 1.7e9),
+    JobError("rank 2 failed in its start-up", ERROR, (0, 2)),
+]
 
 
 @pytest.mark.parametrize("message", EXAMPLES, ids=lambda m: type(m).__name__)
@@ -93,6 +102,11 @@ def test_every_message_survives_its_encoding(message: object) -> None:
         (EXAMPLES[15], {"time": float("nan")}, "field 'time': nan is not finite"),
         (EXAMPLES[16], {"loss": float("inf")}, "field 'loss': inf is not finite"),
         (EXAMPLES[20], {"layout": {**EXAMPLES[0].to_dict(), "tp": 0}}, "sizes >= 1"),
+        (ERROR, {"phase": "lunch"}, "field 'phase': 'lunch' is not one of"),
+        (ERROR, {"member": "rank2"}, "'rank2' is not a member name"),
+        (ERROR, {"tail": ["x", 3]}, "field 'tail': expected text"),
+        (ERROR, {"number": 0}, "number below 1"),
+        (EXAMPLES[-1], {"report": {**ERROR.to_dict(), "rank": -1}}, "rank below 0"),
     ],
 )
 def test_a_value_that_is_not_its_message_is_refused_by_name(
@@ -143,3 +157,9 @@ def test_scalars_are_checked_too() -> None:
 
 def test_members_are_named_by_task() -> None:
     assert [member_of(t, 4) for t in (0, 3, 4, 5)] == ["a0", "a3", "s0", "s1"]
+
+
+def test_an_error_report_names_its_cause_in_one_line() -> None:
+    assert ERROR.cause() == "rank 2 start-up: FileNotFoundError: no /data"
+    assert EXAMPLES[-2].cause() == "spare s0 waiting: KeyError"
+    assert ERROR.signature() == (Phase.START_UP, "FileNotFoundError", "no /data")

@@ -421,3 +421,59 @@ def test_megatrons_own_exit_ends_the_job_and_is_no_failure(tag: str, tmp_path: P
         len(re.findall(r"process a\d exited with code 16 after finishing its work", run.text)) == 4
     )
     assert (ckpt / "latest_checkpointed_iteration.txt").is_file()
+
+
+def _assert_job_error(run: Run, error: str) -> str:
+    """`run` ended with the job's own error: exit code 9, `[deadpool] JOB ERROR: rank R
+    start-up: ERROR` (a regular expression) and the end of that rank's log, no spare given a
+    slot, decided as the rank died; its member."""
+    assert run.returncode == 9, run.describe()
+    cause = re.search(rf"\[deadpool\] JOB ERROR: rank (\d) start-up: {error}\n", run.text)
+    assert cause is not None, run.describe()
+    member = f"a{cause[1]}"
+    assert f"[deadpool] {member}'s log ({run.run_dir / member}.log) ends:" in run.text
+    assert re.search(rf"    {member}\| .*{error}", run.text), run.describe()
+    verdict = run.summary["job_error"]
+    assert verdict["report"]["member"] == member and verdict["report"]["phase"] == "start-up"
+    assert run.summary["recoveries"] == [] and run.summary["out_of_redundancy"] is None
+    events = [json.loads(x) for x in (run.run_dir / "events.jsonl").read_text().splitlines()]
+    assert [e for e in events if e["event"] == "plan"] == []  # the spare was never given a slot
+    (decided,) = [e for e in events if e["event"] == "job_error"]
+    first_death = min(e["t"] for e in events if e["event"] == "process_dead")
+    assert decided["t"] - first_death < 1.0  # decided as it died: no timeout waited for
+    assert "[deadpool] recovery:" not in run.text and "taking rank" not in run.text
+    return member
+
+
+@pytest.mark.timeout(2 * RUN_TIMEOUT)
+@pytest.mark.parametrize("tag", [NEWEST])
+def test_an_error_in_megatrons_start_up_is_the_jobs_error_no_spare_spent(
+    tag: str, tmp_path: Path
+) -> None:
+    """A --data-path that does not exist: Megatron's dataset builder raises on the ranks that
+    build it, before the first step (the others wait for them, then lose them). No node failed:
+    the job ends at once with exit code 9 (not 3, which asks for a resume that would fail
+    again), the rank's error as the one-line cause and the end of its log; the spare is never
+    given a slot."""
+    tree = megatron_lm_tree(tag)
+    missing = tmp_path / "nonexistent"
+    args = [*(a for a in MEGATRON_ARGS if a != "--mock-data"), "--data-path", str(missing),
+            *DEADPOOL_ARGS]  # fmt: skip
+    run = launch(tmp_path, "bad_data", tree / "pretrain_gpt.py", args)
+    _assert_job_error(run, "AssertionError: One or both of the \\.idx and \\.bin files cannot be "
+                      f"found at the path prefix {re.escape(str(missing))}")  # fmt: skip
+
+
+@pytest.mark.timeout(2 * RUN_TIMEOUT)
+@pytest.mark.parametrize("tag", [NEWEST])
+def test_an_argument_megatron_refuses_before_pretrain_is_the_jobs_error(
+    tag: str, tmp_path: Path
+) -> None:
+    """core_v0.19.0's pretrain_gpt.py validates its arguments before it calls pretrain(), so
+    before DeadPool's session exists: the runner reports the error all the same (--tp-comm-overlap
+    without --sequence-parallel, which Megatron asserts on every rank)."""
+    tree = megatron_lm_tree(tag)
+    args = [*MEGATRON_ARGS, "--tp-comm-overlap", *DEADPOOL_ARGS]
+    run = launch(tmp_path, "bad_args", tree / "pretrain_gpt.py", args)
+    _assert_job_error(run, "AssertionError: Tensor parallel communication/GEMM overlap can happen "
+                      "only when sequence parallelism is enabled")  # fmt: skip
