@@ -52,8 +52,9 @@ class JobSeal:
     """Seals and opens store values with the job's secret (never stored, never shown)."""
 
     def __init__(self, secret: str) -> None:
-        if not secret:
-            raise ConfigError(f"deadpool-job-token: empty; set {SECRET_ENV} or {SECRET_FILE_ENV}")
+        """`secret` empty: a process given none, which no job's store will accept (launchers
+        and `deadpool coordinator` never run a job without one): it is refused as it connects
+        (`Membership.check_token`), after its coordinator's address was checked."""
         # A key of its own, derived from the secret: the secret itself is never MAC material.
         self._key = hashlib.sha256(b"deadpool store seal\0" + secret.encode()).digest()
 
