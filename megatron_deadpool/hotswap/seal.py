@@ -43,6 +43,9 @@ SECRET_FILE_ENV = "DEADPOOL_JOB_TOKEN_FILE"
 MAC_CHARS = 64
 """A sealed value's prefix: the HMAC-SHA256 in hex."""
 
+BLOCK = 64
+"""SHA-256's block size: HMAC pads its key to it."""
+
 
 class ForgedValue(ProtocolError):
     """A store value without this job's MAC: forged, altered, or copied from another key."""
@@ -56,14 +59,23 @@ class JobSeal:
         and `deadpool coordinator` never run a job without one): it is refused as it connects
         (`Membership.check_token`), after its coordinator's address was checked."""
         # A key of its own, derived from the secret: the secret itself is never MAC material.
-        self._key = hashlib.sha256(b"deadpool store seal\0" + secret.encode()).digest()
+        key = hashlib.sha256(b"deadpool store seal\0" + secret.encode()).digest()
+        # HMAC (RFC 2104) with its inner and outer hashes keyed once and copied for each MAC:
+        # the same MAC as `hmac.new(key, message, sha256)` in a quarter of `hmac.digest`'s CPU
+        # (which looks the digest up by name on every call): ~1 us for a survivor's report.
+        block = key.ljust(BLOCK, b"\0")
+        self._inner = hashlib.sha256(bytes(b ^ 0x36 for b in block))
+        self._outer = hashlib.sha256(bytes(b ^ 0x5C for b in block))
 
     def __repr__(self) -> str:
         return "JobSeal(<secret>)"
 
     def _mac(self, key: str, payload: bytes) -> bytes:
-        digest = hmac.digest(self._key, key.encode() + b"\0" + payload, "sha256")
-        return digest.hex().encode()
+        inner = self._inner.copy()
+        inner.update(key.encode() + b"\0" + payload)
+        outer = self._outer.copy()
+        outer.update(inner.digest())
+        return outer.hexdigest().encode()
 
     def seal(self, key: str, payload: str) -> str:
         """`payload` as stored under `key`: its MAC, then the payload."""

@@ -5,6 +5,8 @@ copied from another key or generation) is rejected, treated as absent and report
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import os
 import stat
 from pathlib import Path
@@ -43,6 +45,9 @@ def test_a_seal_opens_only_for_its_key_and_payload_with_the_same_secret() -> Non
     sealed = SEAL.seal("gen1/plan", PLAN.encode())
     assert SEAL.open("gen1/plan", sealed.encode()) == PLAN.encode().encode()
     assert TEST_SECRET not in sealed and TEST_SECRET not in repr(SEAL)
+    key = hashlib.sha256(b"deadpool store seal\0" + TEST_SECRET.encode()).digest()
+    message = b"gen1/plan\0" + PLAN.encode().encode()  # HMAC-SHA256 of key name and payload
+    assert sealed[:64] == hmac.new(key, message, hashlib.sha256).hexdigest()
     altered = sealed.replace('"dead": [2]', '"dead": [1]')
     assert altered != sealed
     for key, raw in [
