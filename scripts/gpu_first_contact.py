@@ -313,14 +313,15 @@ def check_plan_watch() -> dict[str, Any]:
     from megatron_deadpool.hotswap.membership import Membership, host_store
     from megatron_deadpool.hotswap.messages import Plan
     from megatron_deadpool.hotswap.plan_watch import PlanWatch
+    from megatron_deadpool.hotswap.seal import JobSeal, new_secret
 
     store = host_store("127.0.0.1", 0)
-    membership = Membership(store, "a0")
+    membership = Membership(store, "a0", JobSeal(new_secret()))
     _world_of_one(groups=10)
     watch = PlanWatch(abort.start_abort, errors=nccl.backend_errors)
     watch.joined(0)
     abort.bound_aborts(20.0)
-    beat = Heartbeat(open_client(f"127.0.0.1:{store.port}", 30), "a0", 0.1)
+    beat = Heartbeat(membership.sibling(open_client(f"127.0.0.1:{store.port}", 30)), 0.1)
     beat.after_beat = watch
     beat.start()
     x = torch.ones(1, device="cuda")

@@ -7,6 +7,14 @@ from __future__ import annotations
 
 from typing import Any
 
+from megatron_deadpool.hotswap.seal import JobSeal
+
+TEST_SECRET = "test-job-secret"
+"""The job secret of the tests' stores."""
+
+SEAL = JobSeal(TEST_SECRET)
+"""What seals their values (`Membership(store, member, SEAL)`)."""
+
 
 class Recording:
     """A store that records (operation, first argument) of every call, then makes it."""
@@ -35,7 +43,7 @@ def keys_waited_on(store: Any, call: Any) -> list[str]:
     from megatron_deadpool.hotswap.membership import Membership
 
     probe = Recording(store.clone())
-    call(Membership(probe, "probe"))
+    call(Membership(probe, "probe", SEAL))
     waits = [arg for op, arg in probe.ops if op == "wait"]
     assert len(waits) == 1, probe.ops
     return list(waits[0])

@@ -57,6 +57,7 @@ from ..hotswap.coordinator import Coordinator
 from ..hotswap.events import EventLog
 from ..hotswap.liveness import kill_groups
 from ..hotswap.membership import BATCH_KEYS, Membership, host_store
+from ..hotswap.seal import SECRET_ENV, JobSeal, new_secret
 from ..hotswap.store_files import RESERVE, reserve_files
 from ..replication.placement import place_replicas
 from .control_plane_job import SPARES, CostLog, SimLiveness, layout_for, rss_mib
@@ -125,7 +126,8 @@ class Bench:
         reserve_files(need, f"the store of {ranks} simulated ranks (or use a larger --hb-group)")
         self.rss0 = rss_mib()
         self.store = host_store("127.0.0.1", 0, timeout_s=args.timeout)
-        self.members = Membership(self.store, "coordinator")
+        self.secret = new_secret()  # the simulated ranks get it in their environment
+        self.members = Membership(self.store, "coordinator", JobSeal(self.secret))
         self.liveness = SimLiveness()
         self.costs = CostLog()
         self.coord = Coordinator(
@@ -175,6 +177,7 @@ class Bench:
                     env={
                         **os.environ,
                         "OMP_NUM_THREADS": "1",
+                        SECRET_ENV: self.secret,
                         "DEADPOOL_SIM_NICE": str(self.args.sim_nice),
                     },
                 )

@@ -30,6 +30,7 @@ from ..hotswap.coordinator import Coordinator
 from ..hotswap.events import EventLog
 from ..hotswap.membership import BATCH_KEYS, Membership, host_store
 from ..hotswap.messages import HoldingsReport, Keys
+from ..hotswap.seal import JobSeal, new_secret
 from ..replication.placement import place_replicas
 from .control_plane_job import SPARES, CostLog, SimLiveness, layout_for, rss_mib
 
@@ -47,8 +48,9 @@ def coordinator_alone(ranks: int, args: argparse.Namespace, sweeps: int = 9) -> 
     store = host_store("127.0.0.1", 0, timeout_s=args.timeout)
     rss0 = rss_mib()
     liveness, costs, clock = SimLiveness(), CostLog(), ManualClock()
+    seal = JobSeal(new_secret())
     coord = Coordinator(
-        Membership(store, "coordinator"),
+        Membership(store, "coordinator", seal),
         ranks,
         placement,
         [f"s{i}" for i in range(SPARES)],
@@ -83,18 +85,22 @@ def coordinator_alone(ranks: int, args: argparse.Namespace, sweeps: int = 9) -> 
         t0, cpu0 = time.perf_counter(), time.thread_time()
         coord.tick()  # notices the exit, plans
         plan_s, plan_cpu = time.perf_counter() - t0, time.thread_time() - cpu0
-        g = Membership(writer, "bench").latest_plan()
+        g = Membership(writer, "bench", seal).latest_plan()
         its = (99, 100)
         survivors = [r for r in range(ranks) if r != dead]
+        keys = [Keys.HOLDINGS.format(g=g, rank=r) for r in survivors]
         reports = [
-            HoldingsReport(
-                member=f"a{r}",
-                last_completed=100,
-                holds={"local": its, **{str(o): its for o in placement.held_by[r]}},
-            ).encode()
-            for r in survivors
+            seal.seal(
+                key,
+                HoldingsReport(
+                    member=f"a{r}",
+                    last_completed=100,
+                    holds={"local": its, **{str(o): its for o in placement.held_by[r]}},
+                ).encode(),
+            )
+            for key, r in zip(keys, survivors)
         ]
-        _multi_set(writer, [Keys.HOLDINGS.format(g=g, rank=r) for r in survivors], reports)
+        _multi_set(writer, keys, reports)
         writer.add(Keys.HOLDINGS_COUNT.format(g=g), len(survivors))
         coord.tick()  # reads the reports, decides, publishes the roster
         if not costs.decisions or coord.roster.generation != g:

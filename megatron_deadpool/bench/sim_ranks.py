@@ -47,6 +47,7 @@ from typing import Any
 
 from ..hotswap.membership import Membership
 from ..hotswap.messages import HoldingsReport, Keys, Roster, Verdict
+from ..hotswap.seal import JobSeal, job_secret
 from ..replication.placement import Layout, place_replicas
 from .store_wire import FOREVER_S, Hub, WireStore
 
@@ -71,6 +72,7 @@ class SimProcess:
 
     def __init__(self, cfg: dict[str, Any]) -> None:
         self.cfg = cfg
+        self.seal = JobSeal(job_secret() or "")  # the bench's, in the environment
         self.hub = Hub()
         self.iteration = int(cfg["iteration"])
         layout = Layout(**cfg["layout"])
@@ -91,14 +93,18 @@ class SimProcess:
         names = [f"a{r}" for r in self.cfg["ranks"]] + list(self.cfg["spares"])
         for i in range(0, len(names), group):
             store = self._store()
-            self.hub.spawn(self._beat, [Membership(store, m) for m in names[i : i + group]])
+            self.hub.spawn(
+                self._beat, [Membership(store, m, self.seal) for m in names[i : i + group]]
+            )
 
         def announce(members: Membership) -> Membership:
             members.announce()
             self.connected.add(members.member)  # from now on it beats
             return members
 
-        for members in self.hub.each(announce, [Membership(self._store(), m) for m in names]):
+        for members in self.hub.each(
+            announce, [Membership(self._store(), m, self.seal) for m in names]
+        ):
             if members.member.startswith("a"):
                 self.ranks[int(members.member[1:])] = members
             else:

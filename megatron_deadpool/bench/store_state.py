@@ -38,6 +38,7 @@ from ..hotswap.messages import (
 )
 from ..hotswap.pruning import Pruner
 from ..hotswap.retention import RETAINED_ITERATIONS
+from ..hotswap.seal import JobSeal, new_secret
 from .control_plane_job import rss_mib
 from .report import publish, text_row
 
@@ -115,8 +116,9 @@ def run_one(args: argparse.Namespace, pruned: bool) -> dict[str, Any]:
         client = dist.TCPStore(
             "127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=60)
         )
-        coord = Membership(client, "coordinator")
-        ranks = [Membership(client, f"a{r}") for r in range(args.ranks)]
+        seal = JobSeal(new_secret())
+        coord = Membership(client, "coordinator", seal)
+        ranks = [Membership(client, f"a{r}", seal) for r in range(args.ranks)]
         coord.publish_roster(Roster(0, args.ranks, {r: f"a{r}" for r in range(args.ranks)}))
         pruner = Pruner(coord) if pruned else None
         per_generation = args.iterations // (args.generations + 1)

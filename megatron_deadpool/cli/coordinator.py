@@ -10,7 +10,9 @@ agreement (`hotswap/coordinator.py`), and writes the event log (`--deadpool-log-
 `--standby` this process is entry N (default 1) instead: it watches the coordinators before it
 and takes the job over when they are lost (`hotswap/standby.py`). Both take the job's own
 settings - its YAML's `deadpool:` section, then the same `--deadpool-*` flags the workers get -
-and workers must present the same job token (`--deadpool-job-token` or `DEADPOOL_JOB_TOKEN`).
+and workers must hold the same job secret: in the environment (`DEADPOOL_JOB_TOKEN`) or in a
+file only its owner can read (`DEADPOOL_JOB_TOKEN_FILE`, mode 0600), never on a command line;
+it seals every value of the store (`hotswap/seal.py`) and is never stored itself.
 
 Exit codes: 0 every rank finished (this coordinator ended the job); 3 out of redundancy (the
 survivors saved what they held); 4 a standby found no coordinator of the job to watch; 5 not the
@@ -24,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
 import secrets
 import time
 from collections.abc import Callable
@@ -42,6 +43,7 @@ from ..hotswap.events import EventLog
 from ..hotswap.liveness import HeartbeatOnly
 from ..hotswap.membership import Membership, host_store
 from ..hotswap.messages import CoordinatorIdentity, JobError
+from ..hotswap.seal import SECRET_ENV, SECRET_FILE_ENV, JobSeal, job_secret, new_secret
 from ..hotswap.standby import Standby, StandbyWatch
 from ..hotswap.store_files import reserve_files, store_files_needed
 from ..hotswap.supervisor import CoordinatorOnly, Supervisor
@@ -106,10 +108,13 @@ def run(args: argparse.Namespace) -> int:
             f"standby: entry {args.standby} of deadpool-coordinator does not exist (it lists "
             f"{len(addresses)}); a standby needs the primary's address before its own"
         )
-    token = cfg.job_token or os.environ.get("DEADPOOL_JOB_TOKEN")
-    if args.standby and not token:
-        raise ConfigError("deadpool-job-token: a standby needs the job's token (the primary's)")
-    token = token or secrets.token_hex(16)
+    secret = job_secret(cfg.job_token)
+    if args.standby and not secret:
+        raise ConfigError(
+            f"deadpool-job-token: a standby needs the job's secret (the primary's): set "
+            f"{SECRET_ENV} or {SECRET_FILE_ENV}"
+        )
+    seal = JobSeal(secret or new_secret())
     address = addresses[args.standby]
     host, port = parse_host_port(address, "deadpool-coordinator")
     if cfg.log_dir:
@@ -128,7 +133,7 @@ def run(args: argparse.Namespace) -> int:
     def say(text: str) -> None:
         print(f"deadpool {role}: {text}", flush=True)
 
-    membership = Membership(store, role)
+    membership = Membership(store, role, seal)
     log_dir = Path(cfg.log_dir) if cfg.log_dir else None
     if log_dir:
         log_dir.mkdir(parents=True, exist_ok=True)
@@ -161,7 +166,7 @@ def run(args: argparse.Namespace) -> int:
     )
     deadline = time.monotonic() + args.max_wait
     try:
-        return _run(args, cfg, coord, token, deadline, events, say)
+        return _run(args, cfg, coord, deadline, events, say)
     finally:
         coord.close()
 
@@ -170,7 +175,6 @@ def _run(
     args: argparse.Namespace,
     cfg: DeadpoolConfig,
     coord: Coordinator,
-    token: str,
     deadline: float,
     events: EventLog,
     say: Callable[[str], None],
@@ -178,7 +182,7 @@ def _run(
     """Serve as the primary, or as a standby once it took the job over; the exit code."""
     if args.standby:
         membership = coord.membership
-        standby = Standby(cfg, args.standby, token, args.world_size, membership, events, say)
+        standby = Standby(cfg, args.standby, args.world_size, membership, events, say)
         try:
             while True:
                 if not standby.wait_for_loss():
@@ -192,11 +196,11 @@ def _run(
         standby.hand_over(coord, state)
         return serve(coord, deadline, say, each_tick=lambda: standby.late_registrations(coord))
     coord.membership.set_identity(CoordinatorIdentity(0, secrets.token_hex(8)))
-    coord.membership.set_token(token)
+    coord.membership.set_token()
     coord.start()
     watch = None
     if len(cfg.coordinators) > 1:
-        watch = StandbyWatch(cfg, token, events, say)
+        watch = StandbyWatch(cfg, coord.membership.seal, events, say)
         watch.start()
     return serve(coord, deadline, say, watch=watch)
 

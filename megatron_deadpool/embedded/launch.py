@@ -10,14 +10,13 @@ watches a run (a benchmark) passes `LaunchHooks` and, to run another program in 
 from __future__ import annotations
 
 import os
-import secrets
 import signal
 import statistics
 import sys
 import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -29,6 +28,7 @@ from ..digest import final_digest
 from ..errors import ExitCode
 from ..hotswap.forkserver import Preload
 from ..hotswap.local_job import LocalJob
+from ..hotswap.seal import SECRET_ENV, SECRET_FILE_ENV, job_secret, new_secret
 from ..hotswap.supervisor import Supervisor
 from ..replication.placement import Layout, place_replicas
 from ..replication.save_dir import choose_resume
@@ -95,7 +95,8 @@ class LocalLauncher:
         self.run_dir = Path(run_dir or job.deadpool.log_dir or tempfile.mkdtemp(prefix="deadpool-"))
         self.timeout_s = timeout_s
         self.progress = Progress(job.train.iters, stream=stream, quiet=quiet)
-        self.token = job.deadpool.job_token or secrets.token_hex(8)
+        # The job's secret (`hotswap/seal.py`): to the processes in their environment only.
+        self.token = job_secret(job.deadpool.job_token) or new_secret()
         self._local: LocalJob | None = None
 
     @property
@@ -114,9 +115,11 @@ class LocalLauncher:
         return dict(os.environ) if self.worker_env is None else dict(self.worker_env)
 
     def _env(self) -> dict[str, str]:
-        """Every process's environment."""
+        """Every process's environment (the job's secret in it: never on a command line)."""
         env = self._worker_env()
         env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PYTHONWARNINGS="ignore")
+        env.pop(SECRET_FILE_ENV, None)
+        env[SECRET_ENV] = self.token
         return env
 
     def _command(self, member: str | None, address: str) -> list[str]:
@@ -129,8 +132,6 @@ class LocalLauncher:
             *(["--member", member] if member else []),
             "--deadpool-coordinator",
             address,
-            "--deadpool-job-token",
-            self.token,
         ]
 
     def _host(self, cfg: DeadpoolConfig, **kwargs: Any) -> LocalJob:
@@ -152,7 +153,8 @@ class LocalLauncher:
         job, cfg = self.job, self.job.deadpool
         layout = Layout(job.parallel.tp, job.parallel.pp, job.parallel.dp, job.ranks_per_node)
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        (self.run_dir / "job.yaml").write_text(yaml.safe_dump(job.to_dict(), sort_keys=False))
+        spec = replace(job, deadpool=replace(cfg, job_token=None))  # the secret: not in a file
+        (self.run_dir / "job.yaml").write_text(yaml.safe_dump(spec.to_dict(), sort_keys=False))
         self._local = local = self._host(
             cfg,
             world_size=layout.world_size,

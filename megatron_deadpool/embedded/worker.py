@@ -19,6 +19,7 @@ from ..config.job import JobConfig
 from ..config.job_args import add_job_flags, job_from_args
 from ..errors import ConfigError, CoordinatorUnreachableError, ExitCode
 from ..hotswap.messages import member_of
+from ..hotswap.seal import job_secret
 from ..logs import setup_logging
 
 
@@ -35,7 +36,7 @@ def main(argv: Sequence[str] | None = None, **hooks: Any) -> int:
     if not job.deadpool.coordinator:
         raise ConfigError("deadpool-coordinator: a worker needs the coordinator's HOST:PORT")
     member = args.member or _member_from_env(job)
-    token = job.deadpool.job_token or os.environ.get("DEADPOOL_JOB_TOKEN", "")
+    token = job_secret(job.deadpool.job_token) or ""  # the environment's (`hotswap/seal.py`)
     torch.set_num_threads(int(os.environ.get("DEADPOOL_THREADS", "1")))
     from .job import EmbeddedJob  # imports megatron-core: only once the input is valid
 

@@ -204,9 +204,10 @@ class BoundedStore:
 class Heartbeat(threading.Thread):
     """Publishes this process's heartbeat on its own store connection (`store`)."""
 
-    def __init__(self, store: Any, member: str, interval: float) -> None:
+    def __init__(self, membership: Membership, interval: float) -> None:
+        """`membership`: on a store connection of the heartbeat's own."""
         super().__init__(name="deadpool-heartbeat", daemon=True)
-        self.membership = Membership(store, member)
+        self.membership = membership
         self.interval = interval
         self.stopped = threading.Event()
         self.lost: str | None = None  # why the coordinator became unreachable, if it did

@@ -42,7 +42,7 @@ from .detector import FailureDetector, SweepObserver
 from .events import EventLog
 from .job_error import judge
 from .liveness import Liveness
-from .membership import Membership
+from .membership import Membership, ServingStore
 from .messages import (
     Decision,
     EndReport,
@@ -138,6 +138,7 @@ class Coordinator:
         self.say = say
         self.clock = clock or SystemClock()
         self.observer = observer
+        membership.on_rejected = lambda key, why: events("rejected_value", key=key, why=why)
         self.detector = FailureDetector(
             membership,
             liveness,
@@ -284,10 +285,13 @@ class Coordinator:
         return self._inbox.wait(timeout_s)
 
     def close(self) -> None:
-        """Stop the thread `wait` started (before the store goes away)."""
+        """Stop the thread `wait` started (before the store goes away), and name every value
+        left in the store that the job did not write (event `rejected_value`)."""
         if self._inbox is not None:
             self._inbox.stop()
             self._inbox = None
+        if isinstance(self.membership.store, ServingStore):
+            self.membership.audit()
 
     # ------------------------------------------------------------------ tick
     def tick(self) -> None:

@@ -65,6 +65,7 @@ from .membership import Membership
 from .messages import ErrorReport, LayoutRecord, Phase, Registration, Roster, member_of
 from .plan_watch import PlanWatch
 from .recovery import Recovery, abort_keeping_arrivals, release_groups
+from .seal import JobSeal
 from .wakeup import StoreWaiter, spare_wakeups
 from .weights import sync_params_from_main
 
@@ -113,7 +114,7 @@ class Driver:
         self.cfg = cfg
         self.device = device
         self.coordinator = coordinator
-        self.token = token
+        self.seal = JobSeal(token)  # the secret stays in this object: never stored, never shown
         self.member = member or ""
         self.task = task
         self.sigterm = threading.Event()
@@ -181,13 +182,14 @@ class Driver:
 
     # ------------------------------------------------------------------ start-up
     def connect(self, world_size: int | None = None) -> None:
-        """Reach the coordinator, show the job token, announce this process, start beating.
+        """Reach the coordinator, check that it serves this job (its token opens with this
+        process's secret), announce this process, start beating.
         Every connection fails over to a standby coordinator that takes over (`failover.py`).
         `world_size`: the job's own, which must be the coordinator's."""
         cfg = self.cfg
         self._link = link = CoordinatorLink(
             split_coordinators(self.coordinator),
-            self.token,
+            self.seal,
             connect_timeout=cfg.connect_timeout,
             op_timeout=min(cfg.heartbeat_timeout, cfg.connect_timeout),
             rebuild_timeout=2 * cfg.heartbeat_timeout + cfg.connect_timeout,
@@ -197,8 +199,8 @@ class Driver:
         )
         link.connect()
         store = FailoverStore(link)
-        membership = Membership(store, self.member or f"task{self.task}")
-        membership.check_token(self.token)
+        membership = Membership(store, self.member or f"task{self.task}", self.seal)
+        membership.check_token()
         # The coordinator's first roster is the authority on the world size.
         world = membership.wait_roster(0, self.cfg.pg_timeout).world_size
         if world_size is not None and world != world_size:
@@ -210,14 +212,15 @@ class Driver:
         if not self.member:
             assert self.task is not None
             self.member = member_of(self.task, world)
-            membership = Membership(store, self.member)
+            membership = membership.sibling(store, self.member)
         self._membership = membership
         self._faults = FaultInjector(cfg.fail, membership)
         if self.member.startswith("s"):
             set_context(spare=self.member)
         membership.announce()
         bound_aborts(cfg.abort_bound)  # a hung abort ends the process (exit code 7)
-        self._heartbeat = beat = Heartbeat(FailoverStore(link), self.member, cfg.heartbeat_interval)
+        beat = Heartbeat(membership.sibling(FailoverStore(link)), cfg.heartbeat_interval)
+        self._heartbeat = beat
         beat.after_beat = self._after_beat
         beat.start()
         atexit.register(self.stop_heartbeat)  # whatever way this process ends (`Heartbeat.stop`)

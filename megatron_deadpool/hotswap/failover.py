@@ -1,7 +1,8 @@
 """A process's link to the job's coordinator that survives the coordinator's loss.
 
 `--deadpool-coordinator` lists the primary coordinator first, then standbys
-(`deadpool coordinator --standby`). A store serves the job once it holds the job token; a
+(`deadpool coordinator --standby`). A store serves the job once it holds the job token (sealed
+with the job's secret, `seal.py`: no one without the secret can write it); a
 standby sets it only when it takes over, so before that no process can join it - a process
 whose connection to the primary merely blipped finds the primary again, never a second job.
 
@@ -34,6 +35,7 @@ from ..errors import CoordinatorUnreachableError, first_line
 from .connection import STORE_ERRORS, BoundedStore, open_client
 from .membership import Membership
 from .messages import CoordinatorIdentity, Registration
+from .seal import JobSeal
 
 log = logging.getLogger("megatron_deadpool.failover")
 
@@ -46,7 +48,7 @@ class CoordinatorLink:
     def __init__(
         self,
         addresses: list[str],
-        token: str,
+        seal: JobSeal,
         *,
         connect_timeout: float,
         op_timeout: float,
@@ -60,7 +62,7 @@ class CoordinatorLink:
         `beat_s` meanwhile); `member()` and `record()`: this process's member name (or
         `task{i}`) and its re-registration, when needed."""
         self.addresses = list(addresses)
-        self.token = token
+        self.seal = seal
         self.connect_timeout = connect_timeout
         self.op_timeout = op_timeout
         self.rebuild_timeout = rebuild_timeout
@@ -78,7 +80,7 @@ class CoordinatorLink:
     # ------------------------------------------------------------------ start-up
     def connect(self) -> None:
         """Find the coordinator serving the job (within the connect timeout); a store with
-        another job's token is refused (`JobTokenError`)."""
+        another job's token (one this secret cannot open) is refused (`JobTokenError`)."""
         deadline = time.monotonic() + self.connect_timeout
         while True:
             why = ""
@@ -87,11 +89,11 @@ class CoordinatorLink:
                 if isinstance(found, str):
                     why = found
                     continue
-                membership, token, identity = found
-                if token is None:
+                membership, serves, identity = found
+                if serves is None:
                     why = f"{address} serves no job yet (a standby that has not taken over)"
                     continue
-                membership.check_token(self.token)  # another job's coordinator: refused
+                membership.check_token()  # another job's coordinator: refused
                 taking_over = (
                     identity is not None and identity.epoch > 0 and not membership.rebuilt()
                 )
@@ -133,7 +135,7 @@ class CoordinatorLink:
         while time.monotonic() <= deadline:
             for address in self.addresses:
                 found = self._probe(address)
-                if isinstance(found, str) or found[1] != self.token:
+                if isinstance(found, str) or not found[1]:
                     continue  # unreachable, a standby that has not taken over, or another job
                 membership, _, identity = found
                 if identity == self.identity:
@@ -188,12 +190,13 @@ class CoordinatorLink:
 
     def _probe(
         self, address: str
-    ) -> tuple[Membership, str | None, CoordinatorIdentity | None] | str:
-        """(a client of the store at `address`, its job token, its identity), or why not."""
+    ) -> tuple[Membership, bool | None, CoordinatorIdentity | None] | str:
+        """(a client of the store at `address`, whether it serves this job - None: no job -,
+        its identity), or why not."""
         try:
             store = BoundedStore(open_client(address, self.attempt_s), self.op_timeout)
-            membership = Membership(store, self.member())
-            return membership, membership.job_token(), membership.identity()
+            membership = Membership(store, self.member(), self.seal)
+            return membership, membership.serves_job(), membership.identity()
         except STORE_ERRORS as exc:
             return f"{address}: {first_line(exc)}"
 

@@ -1,7 +1,8 @@
 """A job's processes on this machine, with its store and coordinator hosted in-process.
 
 What `deadpool train` and `deadpool megatron-lm` share, like torchrun but without restarting
-anyone when a rank dies: the store on loopback with the job token, the coordinator (DeadPool
+anyone when a rank dies: the store on loopback, sealed with the job's secret (`seal.py`; its
+processes get the secret in their environment, `DEADPOOL_JOB_TOKEN`), the coordinator (DeadPool
 on), one process per active rank and spare in its own session (so a process and its helpers can
 be killed as a group), its log (RUN_DIR/{member}.log) and the end of it shown when the job ends
 with that process's own error, the coordinator's ticks, exit codes, time limit, shutdown and the
@@ -28,6 +29,7 @@ from .forkserver import Preload
 from .liveness import HeartbeatOnly, ProcessLiveness, kill_groups
 from .membership import Membership, host_store
 from .messages import JobError, task_of
+from .seal import JobSeal
 from .store_files import reserve_files, store_files_needed
 from .warm_start import WarmStart
 
@@ -70,9 +72,11 @@ class LocalJob:
         host = self._store_host()
         store = host_store(host, 0)
         self.address = f"{host}:{store.port}"
-        self.membership = Membership(store, "launcher")
-        self.membership.set_token(token)
+        self.membership = Membership(store, "launcher", JobSeal(token))
+        self.membership.set_token()
         self.next_spare = self.spares
+        events = EventLog(run_dir / "events.jsonl")
+        events("store", address=self.address)  # where the job's store listens (for tools)
         self.coordinator = Coordinator(
             self.membership,
             world_size,
@@ -81,7 +85,7 @@ class LocalJob:
             heartbeat_timeout=cfg.heartbeat_timeout,
             agree_timeout=cfg.agreement_timeout,
             liveness=self._liveness(),
-            events=EventLog(run_dir / "events.jsonl"),
+            events=events,
             say=say,
         )
         self.coordinator.start()

@@ -7,8 +7,17 @@ key blocks on the server (a WAIT) and then reads it: two requests, where torch's
 wait would make three. A member is `a{r}` (the initial active of rank r) or `s{i}` (spare i);
 g is a generation (0 at start, +1 per planned recovery). The words: `docs/glossary.md`.
 
+Every value written here is sealed with the job's secret (`seal.py`: an HMAC-SHA256 of the key
+and the payload) and opened when read: a value that is not this job's - forged, altered, or
+copied from another key or generation - is treated as absent, reported once (a warning, and
+the coordinator's event `rejected_value`), and never acted on; a reader that waits for such a
+key polls until the job's own value replaces it. Counters (`add`) cannot carry a MAC: they are
+the heartbeats and counts below, which only ever wake or hurry a reader of sealed values.
+
 Keys (the message type of each structured value in CamelCase):
-  job/token                   the job's shared secret; a process presenting another is refused
+  job/token                   proof that the store serves this job: a value sealed with the
+                              job's secret (the secret itself is never stored); a process whose
+                              secret cannot open it is refused
   job/layout                  LayoutRecord: the parallel layout (rank 0 of generation 0)
   coordinator                 CoordinatorIdentity: who serves this store - epoch 0 the primary,
                               i the standby at entry i of --deadpool-coordinator once it took
@@ -94,10 +103,11 @@ roster. Everything else lives as long as the job.
 from __future__ import annotations
 
 import datetime
+import logging
 import os
 import socket
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any, Protocol, runtime_checkable
 
@@ -129,7 +139,11 @@ from .messages import (
     Roster,
     Sources,
     decode_holdings,
+    holds_sealed,
 )
+from .seal import ForgedValue, JobSeal
+
+log = logging.getLogger("megatron_deadpool.membership")
 
 ABSENT = "\0absent\0"
 """What `_peek` compares with: no value of ours (text, JSON, numbers) is ever equal to it."""
@@ -175,17 +189,94 @@ class ServingStore(StoreLike, Protocol):
     def list_keys(self) -> list[str]: ...
 
 
-class Membership:
-    """One member's (or the coordinator's) access to the job's store."""
+SERVES_JOB = "job"
+"""The payload of `job/token`: sealed, it proves the store serves the job of this secret."""
 
-    def __init__(self, store: StoreLike, member: str) -> None:
+FORGED_POLL_S = 0.05
+"""How often a reader waiting for a key polls while the key holds a rejected value."""
+
+FORGED_WAIT_S = 300.0
+"""How long a read that must return a value (`roster`, `sources`) waits for the job's own value
+to replace a rejected one before it gives up (`ForgedValue`)."""
+
+REJECTIONS_REMEMBERED = 4096
+"""Rejected (key, value) pairs remembered so that each is reported once."""
+
+
+class Membership:
+    """One member's (or the coordinator's) access to the job's store, sealed with `seal`."""
+
+    def __init__(self, store: StoreLike, member: str, seal: JobSeal) -> None:
         self.store = store
         self.member = member
+        self.seal = seal
         self.plan_seen = 0  # the newest planned generation this process read
+        self.on_rejected: Callable[[str, str], None] | None = None  # (key, why): e.g. an event
+        self._rejected: set[tuple[str, bytes]] = set()
+
+    def sibling(self, store: StoreLike, member: str | None = None) -> Membership:
+        """Another access to a store of the same job (another connection, or as `member`), which
+        reports its rejections the same way."""
+        other = Membership(store, self.member if member is None else member, self.seal)
+        other.on_rejected = self.on_rejected
+        return other
 
     # ------------------------------------------------------------------ plumbing
     def _set(self, key: str, value: str) -> None:
-        self.store.set(key, value)
+        self.store.set(key, self.seal.seal(key, value))
+
+    def _open(self, key: str, raw: bytes) -> bytes | None:
+        """The payload of `raw`, read from `key`; None (reported once) if it is not the job's."""
+        try:
+            return self.seal.open(key, raw)
+        except ForgedValue as exc:
+            self._reject(key, raw, str(exc))
+            return None
+
+    def _reject(self, key: str, raw: bytes, why: str) -> None:
+        if (key, raw) in self._rejected:
+            return
+        if len(self._rejected) >= REJECTIONS_REMEMBERED:
+            self._rejected.clear()
+        self._rejected.add((key, raw))
+        log.warning("%s: %s", self.member, why)
+        if self.on_rejected is not None:
+            self.on_rejected(key, why)
+
+    def _read(self, key: str) -> bytes | None:
+        """`key`'s payload, or None when it is missing or not the job's (one request)."""
+        raw = self._peek(key)
+        return None if raw is None else self._open(key, raw)
+
+    def _present(self, key: str) -> bool:
+        """Whether `key` holds a value of the job's (one request)."""
+        return self._read(key) is not None
+
+    def _get(self, key: str) -> bytes:
+        """`key`'s payload, blocking until the key exists (up to the store's timeout) and
+        holds a value of the job's (up to `FORGED_WAIT_S` more)."""
+        deadline = time.monotonic() + FORGED_WAIT_S
+        while True:
+            raw = self.store.get(key)
+            value = self._open(key, raw)
+            if value is not None:
+                return value
+            if time.monotonic() > deadline:
+                self.seal.open(key, raw)  # raises ForgedValue, naming key and value
+            time.sleep(FORGED_POLL_S)
+
+    def _claim(self, key: str, payload: str) -> bytes | None:
+        """Put `payload` in `key` unless it holds a value of the job's already (a rejected one
+        counts as none, and is replaced); the payload the key holds afterwards."""
+        expected: str | bytes = ""
+        desired = self.seal.seal(key, payload)
+        for _ in range(16):  # each round replaces a rejected value: a writer racing us loses
+            raw = self.store.compare_set(key, expected, desired)  # type: ignore[arg-type]
+            value = self._open(key, raw)
+            if value is not None:
+                return value
+            expected = raw
+        return None
 
     def _peek(self, key: str) -> bytes | None:
         """`key`'s value, or None if it does not exist, in one request that neither waits nor
@@ -196,24 +287,39 @@ class Membership:
         return None if value == ABSENT.encode() else value
 
     def _int(self, key: str) -> int | None:
-        value = self._peek(key)
+        value = self._read(key)
         return None if value is None else read_int(key, value)
 
     def _wait_read(self, key: str, timeout_s: float) -> bytes | None:
-        """Block until `key` exists, then its value (None on timeout): two requests."""
-        if not self._wait(key, timeout_s=timeout_s):
-            return None
-        value = self._peek(key)
-        if value is None:  # deleted in between: only `withdraw` deletes, and not these keys
-            raise dist.DistStoreError(f"{key} vanished from the store")
-        return value
+        """Block until `key` exists, then its payload (None on timeout): two requests. While
+        it holds a rejected value, poll until the job's own replaces it."""
+        deadline = time.monotonic() + timeout_s
+        while self._wait(key, timeout_s=deadline - time.monotonic()):
+            raw = self._peek(key)
+            if raw is None:  # deleted in between: only `withdraw` deletes, and not these keys
+                raise dist.DistStoreError(f"{key} vanished from the store")
+            value = self._open(key, raw)
+            if value is not None:
+                return value
+            if time.monotonic() >= deadline:
+                break
+            time.sleep(FORGED_POLL_S)
+        return None
 
     def _stamp(self, key: str) -> None:
-        self.store.set(key, repr(time.time()))
+        self._set(key, repr(time.time()))
 
     def _time(self, key: str) -> float | None:
-        value = self._peek(key)
+        value = self._read(key)
         return None if value is None else read_float(key, value)
+
+    def _payloads(self, keys: Sequence[str]) -> list[bytes | None]:
+        """The payloads of `keys` (which must all exist), in batches; None for a rejected one."""
+        return [self._open(k, raw) for k, raw in zip(keys, self._multi_get(keys))]
+
+    def _all_present(self, keys: Sequence[str]) -> bool:
+        """Whether every key of `keys` holds a value of the job's (batched requests)."""
+        return self._all_exist(keys) and all(v is not None for v in self._payloads(keys))
 
     def _multi_get(self, keys: Sequence[str]) -> list[bytes]:
         """Values of `keys` (which must all exist: a missing one blocks), in batches."""
@@ -257,20 +363,30 @@ class Membership:
         return self.store
 
     # ------------------------------------------------------------------ the job
-    def set_token(self, token: str) -> None:
-        self._set(Keys.TOKEN, token)
+    def set_token(self) -> None:
+        """This store serves the job now (`job/token`: the job's seal, not its secret)."""
+        self._set(Keys.TOKEN, SERVES_JOB)
 
-    def check_token(self, token: str) -> None:
-        """Refuse to join a job whose token differs (another job's coordinator)."""
-        if self.job_token() != token:
+    def check_token(self) -> None:
+        """Refuse to join a store that serves no job of this secret (another job's
+        coordinator, or a store whose token someone else wrote)."""
+        if not self.serves_job():
             raise JobTokenError(
-                f"deadpool-job-token: this process's token does not match the coordinator's "
-                f"job; pass the job's --deadpool-job-token (member {self.member})"
+                f"deadpool-job-token: this process's secret does not match the coordinator's "
+                f"job; give it the job's DEADPOOL_JOB_TOKEN or DEADPOOL_JOB_TOKEN_FILE "
+                f"(member {self.member})"
             )
 
-    def job_token(self) -> str | None:
-        value = self._peek(Keys.TOKEN)
-        return None if value is None else read_text(value)
+    def serves_job(self) -> bool | None:
+        """Whether this store serves the job of this secret: None when it serves no job (a
+        standby that has not taken over), False when its token is not this job's."""
+        raw = self._peek(Keys.TOKEN)
+        if raw is None:
+            return None
+        try:  # another job's token is no forgery to report: a probe finds it
+            return self.seal.open(Keys.TOKEN, raw) == SERVES_JOB.encode()
+        except ForgedValue:
+            return False
 
     def set_identity(self, identity: CoordinatorIdentity) -> None:
         """Say which coordinator serves this store (before `set_token`)."""
@@ -278,7 +394,7 @@ class Membership:
 
     def identity(self) -> CoordinatorIdentity | None:
         """The coordinator serving this store; None: none has taken it yet."""
-        value = self._peek(Keys.COORDINATOR)
+        value = self._read(Keys.COORDINATOR)
         return None if value is None else CoordinatorIdentity.decode(Keys.COORDINATOR, value)
 
     def withdraw(self, members: list[str]) -> None:
@@ -292,7 +408,7 @@ class Membership:
         self._set(Keys.LAYOUT, layout.encode())
 
     def layout(self) -> LayoutRecord | None:
-        value = self._peek(Keys.LAYOUT)
+        value = self._read(Keys.LAYOUT)
         return None if value is None else LayoutRecord.decode(Keys.LAYOUT, value)
 
     # ------------------------------------------------------------------ members
@@ -318,7 +434,7 @@ class Membership:
 
     def announced(self, member: str) -> bool:
         """Whether `member` announced itself to this store (`announce`)."""
-        return self.store.check([Keys.READY.format(member=member)])
+        return self._present(Keys.READY.format(member=member))
 
     def mark_done(self) -> None:
         self.restore_done(self.member)
@@ -330,14 +446,14 @@ class Membership:
         self.store.add(Keys.DONE_COUNT, 1)  # (`done_count` only screens: `all_done` decides)
 
     def is_done(self, member: str) -> bool:
-        return self.store.check([Keys.DONE.format(member=member)])
+        return self._present(Keys.DONE.format(member=member))
 
     def done_count(self) -> int:
         """How many members finished their work (one store round trip)."""
         return self._count(Keys.DONE_COUNT)
 
     def all_done(self, members: list[str]) -> bool:
-        return self._all_exist([Keys.DONE.format(member=m) for m in members])
+        return self._all_present([Keys.DONE.format(member=m) for m in members])
 
     # ------------------------------------------------------------------ generations
     def generation(self) -> int:
@@ -347,7 +463,7 @@ class Membership:
 
     def roster(self, generation: int) -> Roster:
         key = Keys.ROSTER.format(g=generation)
-        return Roster.decode(key, self.store.get(key))
+        return Roster.decode(key, self._get(key))
 
     def wait_roster(self, generation: int, timeout_s: float) -> Roster:
         key = Keys.ROSTER.format(g=generation)
@@ -392,12 +508,12 @@ class Membership:
         self._set(Keys.LATEST_PLAN, str(plan.generation))
 
     def planned(self, generation: int) -> bool:
-        """Whether generation g is planned (one round trip, nothing read)."""
-        return self.store.check([Keys.PLAN.format(g=generation)])
+        """Whether generation g is planned (one round trip)."""
+        return self._present(Keys.PLAN.format(g=generation))
 
     def plan(self, generation: int) -> Plan | None:
         key = Keys.PLAN.format(g=generation)
-        value = self._peek(key)
+        value = self._read(key)
         return None if value is None else Plan.decode(key, value)
 
     def decide(self, generation: int, decision: Decision) -> None:
@@ -420,7 +536,7 @@ class Membership:
         self._set(Keys.LATEST_PLAN, str(max(generations)))
 
     def out_of_redundancy(self) -> OutOfRedundancy | None:
-        value = self._peek(Keys.OUT_OF_REDUNDANCY)
+        value = self._read(Keys.OUT_OF_REDUNDANCY)
         return None if value is None else OutOfRedundancy.decode(Keys.OUT_OF_REDUNDANCY, value)
 
     def report_holdings(self, generation: int, rank: int, report: HoldingsReport) -> None:
@@ -447,28 +563,31 @@ class Membership:
 
     def holdings(self, generation: int, rank: int) -> HoldingsReport | None:
         key = Keys.HOLDINGS.format(g=generation, rank=rank)
-        value = self._peek(key)
+        value = self._read(key)
         return None if value is None else HoldingsReport.decode(key, value)
 
     def all_holdings(
         self, generation: int, ranks: Sequence[int]
     ) -> dict[int, HoldingsReport] | None:
-        """Every report of `ranks` for plan g, in batched requests; None while one is missing."""
+        """Every report of `ranks` for plan g, in batched requests; None while one is missing
+        (or rejected)."""
         keys = [Keys.HOLDINGS.format(g=generation, rank=r) for r in ranks]
         if not self._all_exist(keys):
             return None
-        return dict(zip(ranks, decode_holdings(keys, self._multi_get(keys))))
+        payloads = self._payloads(keys)
+        if any(p is None for p in payloads):
+            return None
+        return dict(zip(ranks, decode_holdings(keys, payloads)))  # type: ignore[arg-type]
 
     def claim_slot(self, generation: int, rank: int) -> bool:
         """A newcomer about to join generation g as `rank`: True, unless the coordinator gave
         the slot up first (it took this process for lost: `give_up_slot`)."""
-        key = Keys.CLAIM.format(g=generation, rank=rank)
-        return self.store.compare_set(key, "", CLAIMED) == CLAIMED.encode()
+        return self._claim(Keys.CLAIM.format(g=generation, rank=rank), CLAIMED) == CLAIMED.encode()
 
     def give_up_slot(self, generation: int, rank: int) -> None:
         """The coordinator: generation g's newcomer for `rank` was lost before it claimed its
         slot (a claim that came first stands)."""
-        self.store.compare_set(Keys.CLAIM.format(g=generation, rank=rank), "", GIVEN_UP)
+        self._claim(Keys.CLAIM.format(g=generation, rank=rank), GIVEN_UP)
 
     def wait_newcomers(
         self, generation: int, ranks: Sequence[int], timeout_s: float
@@ -476,12 +595,18 @@ class Membership:
         """Block until every newcomer of generation g (`ranks`) claimed its slot or was given
         up: True when all claimed, False when one was given up, None on timeout."""
         keys = [Keys.CLAIM.format(g=generation, rank=r) for r in ranks]
-        if not keys:
-            return True
-        if not self._wait(*keys, timeout_s=timeout_s):
-            return None
-        values = [self._peek(keys[0])] if len(keys) == 1 else self.store.multi_get(keys)
-        return all(value == CLAIMED.encode() for value in values)
+        if len(keys) == 1:
+            value = self._wait_read(keys[0], timeout_s)
+            return None if value is None else value == CLAIMED.encode()
+        deadline = time.monotonic() + timeout_s
+        while keys and self._wait(*keys, timeout_s=deadline - time.monotonic()):
+            values = [self._open(k, v) for k, v in zip(keys, self.store.multi_get(keys))]
+            if all(v is not None for v in values):
+                return all(v == CLAIMED.encode() for v in values)
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(FORGED_POLL_S)  # a rejected value: until the job's own replaces it
+        return None if keys else True
 
     def publish_sources(self, generation: int, sources: Sources) -> None:
         self._set(Keys.SOURCES.format(g=generation), sources.encode())
@@ -490,7 +615,7 @@ class Membership:
         """Needy rank -> holder, as the coordinator fixed them for `generation` (published
         before its roster: read it once the roster is known)."""
         key = Keys.SOURCES.format(g=generation)
-        return Sources.decode(key, self.store.get(key))
+        return Sources.decode(key, self._get(key))
 
     def stamp(self, generation: int, phase: str, rank: int) -> None:
         """`rank` reached `phase` of generation g now (its wall clock), and is counted."""
@@ -507,7 +632,8 @@ class Membership:
     def stamp_times(self, generation: int, phase: str, ranks: Sequence[int]) -> list[float]:
         """The stamps of `ranks` (which must all have stamped), in batched requests."""
         keys = [Keys.STAMP.format(g=generation, phase=phase, rank=r) for r in ranks]
-        return [read_float(k, v) for k, v in zip(keys, self._multi_get(keys))]
+        payloads = zip(keys, self._payloads(keys))
+        return [read_float(k, v) for k, v in payloads if v is not None]  # (a rejected one: none)
 
     def report_stale_refs(self, generation: int, count: int) -> None:
         """Add a rank's count of old-generation handles left after rebinding to g's total."""
@@ -527,7 +653,7 @@ class Membership:
         """The number of `member`'s latest failure report (0: none): reports are numbered in
         the order they reach the store."""
         key = Keys.FAILURE.format(member=member)
-        value = self._peek(key)
+        value = self._read(key)
         return 0 if value is None else FailureReport.decode(key, value).number
 
     def failure_count(self) -> int:
@@ -573,7 +699,7 @@ class Membership:
         self._set(Keys.END, report.encode())
 
     def end(self) -> EndReport | None:
-        value = self._peek(Keys.END)
+        value = self._read(Keys.END)
         return None if value is None else EndReport.decode(Keys.END, value)
 
     # ------------------------------------------------------------------ faults
@@ -608,7 +734,7 @@ class Membership:
 
     def metrics(self, generation: int, iteration: int) -> IterationRecord | None:
         key = Keys.METRICS.format(g=generation, iteration=iteration)
-        value = self._peek(key)
+        value = self._read(key)
         return None if value is None else IterationRecord.decode(key, value)
 
     # ------------------------------------------------------------------ pruning
@@ -623,18 +749,35 @@ class Membership:
         for key in keys:
             store.delete_key(key)
 
+    def audit(self) -> list[str]:
+        """The keys of the job that hold a value it did not write (each reported once, as any
+        rejected value is): what a stranger wrote that no reader came to reject (the
+        coordinator's store; batched requests)."""
+        keys = [k for k in self.serving().list_keys() if holds_sealed(k)]
+        rejected = []
+        for i in range(0, len(keys), BATCH_KEYS):
+            batch = keys[i : i + BATCH_KEYS]
+            if self.store.check(batch):  # (rank 0 may delete an old metrics record meanwhile)
+                raws: list[bytes | None] = list(self.store.multi_get(batch))
+            else:
+                raws = [self._peek(k) for k in batch]
+            rejected += [
+                k for k, r in zip(batch, raws) if r is not None and self._open(k, r) is None
+            ]
+        return rejected
+
     def publish_final_replication(self, committed: int | None) -> None:
         self._set(Keys.FINAL_REPLICATION, FinalReplication(committed).encode())
 
     def final_replication(self) -> FinalReplication | None:
-        value = self._peek(Keys.FINAL_REPLICATION)
+        value = self._read(Keys.FINAL_REPLICATION)
         return None if value is None else FinalReplication.decode(Keys.FINAL_REPLICATION, value)
 
     def publish_digest(self, rank: int, digest: str) -> None:
         self._set(Keys.DIGEST.format(rank=rank), digest)
 
     def digest(self, rank: int) -> str | None:
-        value = self._peek(Keys.DIGEST.format(rank=rank))
+        value = self._read(Keys.DIGEST.format(rank=rank))
         return None if value is None else read_text(value)
 
     def record_load_time(self, rank: int, seconds: float) -> None:
@@ -652,27 +795,27 @@ class Membership:
     def registration(self, name: str) -> Registration | None:
         """The re-registration published under `name` (a member, or `task{i}`)."""
         key = Keys.REJOIN.format(member=name)
-        value = self._peek(key)
+        value = self._read(key)
         return None if value is None else Registration.decode(key, value)
 
     def publish_rebuilt(self, epoch: int) -> None:
         self._set(Keys.REBUILT, str(epoch))
 
     def rebuilt(self) -> bool:
-        return self.store.check([Keys.REBUILT])
+        return self._present(Keys.REBUILT)
 
     # ------------------------------------------------------------------ stopping
     def request_preempt(self) -> None:
         self._set(Keys.PREEMPT, "1")
 
     def preempt_requested(self) -> bool:
-        return self.store.check([Keys.PREEMPT])
+        return self._present(Keys.PREEMPT)
 
     def publish_preempted(self, iteration: int, saved: bool) -> None:
         self._set(Keys.PREEMPTED, Preempted(iteration, saved).encode())
 
     def preempted(self) -> Preempted | None:
-        value = self._peek(Keys.PREEMPTED)
+        value = self._read(Keys.PREEMPTED)
         return None if value is None else Preempted.decode(Keys.PREEMPTED, value)
 
     def request_shutdown(self) -> None:
@@ -680,14 +823,14 @@ class Membership:
         self.wake_spares()
 
     def shutdown_requested(self) -> bool:
-        return self.store.check([Keys.SHUTDOWN])
+        return self._present(Keys.SHUTDOWN)
 
     # ------------------------------------------------------------------ out of redundancy
     def mark_salvaged(self, rank: int) -> None:
         self._set(Keys.SALVAGED.format(rank=rank), "1")
 
     def all_salvaged(self, ranks: list[int]) -> bool:
-        return self.store.check([Keys.SALVAGED.format(rank=r) for r in ranks])
+        return self._all_present([Keys.SALVAGED.format(rank=r) for r in ranks])
 
     def claim_manifest(self) -> bool:
         """True for the one survivor that writes the snapshot set's manifest."""

@@ -12,6 +12,7 @@ the store, and it does so with these types. The words are those of `docs/glossar
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
@@ -72,6 +73,48 @@ class Keys:
     SHUTDOWN = "shutdown"
     REJOIN = "rejoin/{member}"
     REBUILT = "rebuilt"
+
+    UNSEALED = (
+        INBOX,
+        HEARTBEAT,
+        SPARE_EPOCH,
+        HOLDINGS_COUNT,
+        STAMP_COUNT,
+        STALE_REFS,
+        FAILURES,
+        DONE_COUNT,
+        FAULT_FIRED,
+        SALVAGE_MANIFEST,
+        PROCESS_GROUPS,
+    )
+    """What holds no sealed value (`seal.py`): the counters (`add` cannot carry a MAC), the
+    coordinator's wake-up queue, and torch's rendezvous keys under `gen{g}/`."""
+
+
+_FIELD = {"member": r"[a-z]+\d+", "phase": r"[a-z_]+", "who": r"[^/]+"}
+"""What a template's field matches (any other field: a number)."""
+
+
+def _pattern(template: str) -> str:
+    parts = re.split(r"\{(\w+)\}", template)  # text, field, text, field, ..., text
+    return "".join(
+        re.escape(p) if i % 2 == 0 else _FIELD.get(p, r"\d+") for i, p in enumerate(parts)
+    )
+
+
+_SEALED = re.compile(
+    "|".join(
+        _pattern(t)
+        for name, t in vars(Keys).items()
+        if name.isupper() and isinstance(t, str) and t not in Keys.UNSEALED
+    )
+)
+
+
+def holds_sealed(key: str) -> bool:
+    """Whether `key` is one of the job's keys that hold a sealed value (a torch rendezvous key
+    that happens to look like one may match too)."""
+    return _SEALED.fullmatch(key) is not None
 
 
 CLAIMED = "ready"

@@ -2,9 +2,9 @@
 
 On a cluster the primary coordinator runs on the batch host, which also trains. A standby
 (`deadpool coordinator --standby`, on another node) hosts a store of its own but serves no job:
-it holds no job token, so no process can join it. It watches the coordinators listed before it
-in `--deadpool-coordinator` as a store client; once none of them has answered for the heartbeat
-timeout, it takes over:
+it holds no job token (a seal that only the job's secret makes: `seal.py`), so no process can
+join it. It watches the coordinators listed before it in `--deadpool-coordinator` as a store
+client; once none of them has answered for the heartbeat timeout, it takes over:
   1. it publishes its identity (epoch = its place in the list) and the job token: processes
      looking for a coordinator (`failover.py`) now find it;
   2. it collects their re-registrations, until every rank of the newest roster reported or the
@@ -35,13 +35,14 @@ from .events import EventLog
 from .membership import Membership
 from .messages import CoordinatorIdentity, Registration, member_of
 from .rebuild import Rebuilt, rebuild
+from .seal import JobSeal
 
 
 class PeerWatch:
     """Bounded store clients of the job's other coordinators."""
 
-    def __init__(self, token: str, op_timeout: float) -> None:
-        self.token = token
+    def __init__(self, seal: JobSeal, op_timeout: float) -> None:
+        self.seal = seal
         self.op_timeout = op_timeout
         self.clients: dict[str, Membership] = {}
 
@@ -51,9 +52,10 @@ class PeerWatch:
             membership = self.clients.get(address)
             if membership is None:
                 client = open_client(address, max(0.5, min(2.0, self.op_timeout)))
-                membership = Membership(BoundedStore(client, self.op_timeout), "coordinator")
+                store = BoundedStore(client, self.op_timeout)
+                membership = Membership(store, "coordinator", self.seal)
                 self.clients[address] = membership
-            return True, membership if membership.job_token() == self.token else None
+            return True, membership if membership.serves_job() else None
         except STORE_ERRORS:
             self.clients.pop(address, None)
             return False, None
@@ -89,22 +91,21 @@ class Standby:
         self,
         cfg: DeadpoolConfig,
         index: int,
-        token: str,
         world_size: int,
         membership: Membership,
         events: EventLog,
         say: Callable[[str], None],
     ) -> None:
-        """`membership`: this standby's own store (not serving until it takes over)."""
+        """`membership`: this standby's own store (not serving until it takes over), sealed
+        with the job's secret."""
         self.cfg = cfg
         self.index = index
         self.earlier = cfg.coordinators[:index]
-        self.token = token
         self.world_size = world_size
         self.membership = membership
         self.events = events
         self.say = say
-        self.watch = PeerWatch(token, max(0.5, min(2.0, cfg.heartbeat_timeout / 4)))
+        self.watch = PeerWatch(membership.seal, max(0.5, min(2.0, cfg.heartbeat_timeout / 4)))
         self.spares = [f"s{i}" for i in range(cfg.spares)]
         self.members = [f"a{r}" for r in range(world_size)] + self.spares
         # Where each process re-registers: under its member name, or its task index when it
@@ -144,7 +145,7 @@ class Standby:
                     raise CoordinatorUnreachableError(
                         f"standby: no coordinator of this job answered at "
                         f"{','.join(self.earlier)} within {cfg.connect_timeout:.0f}s (start the "
-                        "primary first; same --deadpool-job-token)"
+                        "primary first; the same job secret, DEADPOOL_JOB_TOKEN(_FILE))"
                     )
             elif now - last_seen > cfg.heartbeat_timeout:
                 silent = now - last_seen
@@ -165,9 +166,9 @@ class Standby:
         this standby withdrew (an earlier coordinator answers again before anyone came)."""
         cfg = self.cfg
         self.membership.set_identity(CoordinatorIdentity(self.index, secrets.token_hex(8)))
-        self.membership.set_token(self.token)
+        self.membership.set_token()
         self.events("taking_over", epoch=self.index)
-        answering = PeerWatch(self.token, self.watch.op_timeout).watch_in_background(
+        answering = PeerWatch(self.membership.seal, self.watch.op_timeout).watch_in_background(
             self.earlier, cfg.heartbeat_interval
         )
         first_active: float | None = None
@@ -282,14 +283,14 @@ class StandbyWatch(threading.Thread):
     def __init__(
         self,
         cfg: DeadpoolConfig,
-        token: str,
+        seal: JobSeal,
         events: EventLog,
         say: Callable[[str], None],
     ) -> None:
         super().__init__(name="deadpool-standby-watch", daemon=True)
         self.cfg = cfg
         self.standbys = cfg.coordinators[1:]
-        self.watch = PeerWatch(token, max(0.5, min(2.0, cfg.heartbeat_timeout / 4)))
+        self.watch = PeerWatch(seal, max(0.5, min(2.0, cfg.heartbeat_timeout / 4)))
         self.events = events
         self.say = say
         self.superseded: str | None = None

@@ -87,7 +87,7 @@ def _own_connection(membership: Membership) -> Membership:
         raise TypeError(f"{type(membership.store).__name__} cannot open a second connection")
     store = clone()
     store.set_timeout(datetime.timedelta(seconds=BLOCK_S))
-    return Membership(store, membership.member)
+    return membership.sibling(store)
 
 
 def coordinator_inbox(membership: Membership) -> StoreWaiter:

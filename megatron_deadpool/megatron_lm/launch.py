@@ -4,9 +4,9 @@ One process per rank plus `--deadpool-spares` spares, each running the script th
 zero-edit runner (`python -m megatron_deadpool.megatron_lm SCRIPT ARGS`, or the script itself
 with `--patched`), with torchrun's environment (RANK = task index, WORLD_SIZE = active ranks
 - tasks at or beyond it are the spares -, LOCAL_RANK, MASTER_ADDR/PORT). With `--deadpool` the
-launcher also hosts the job's store and the coordinator on loopback (address and job token
+launcher also hosts the job's store and the coordinator on loopback (address and job secret
 reach the processes through DEADPOOL_COORDINATOR / DEADPOOL_JOB_TOKEN, so they never land in
-Megatron's saved args).
+Megatron's saved args nor on a command line).
 Unlike torchrun it does not stop the job when a rank dies: the coordinator hands the dead
 rank's slot to a spare. Every process's output is forwarded as it comes (Megatron prints its
 iteration lines on the last rank) and kept in RUN_DIR/{a0,a1,...,s0}.log; coordinator events
@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import secrets
 import socket
 import subprocess
 import sys
@@ -39,6 +38,7 @@ from ..errors import ConfigError, ExitCode
 from ..hotswap.forkserver import Preload
 from ..hotswap.local_job import LocalJob
 from ..hotswap.messages import JobError, task_of
+from ..hotswap.seal import SECRET_ENV, SECRET_FILE_ENV, job_secret, new_secret
 from ..hotswap.supervisor import Supervisor
 from .runner import preparse
 
@@ -164,7 +164,7 @@ class MegatronLauncher:
             MASTER_PORT=str(_free_port()),
             CUDA_DEVICE_MAX_CONNECTIONS="1",
         )
-        token = self.cfg.job_token or secrets.token_hex(8)
+        token = job_secret(self.cfg.job_token) or new_secret()
         self._local = local = LocalJob(
             self.cfg,
             world_size=self.nproc,
@@ -173,7 +173,8 @@ class MegatronLauncher:
             say=lambda text: self._print(f"[deadpool] {text}"),
         )
         if self.cfg.enabled:
-            env.update(DEADPOOL_COORDINATOR=local.address, DEADPOOL_JOB_TOKEN=token)
+            env.pop(SECRET_FILE_ENV, None)
+            env.update({"DEADPOOL_COORDINATOR": local.address, SECRET_ENV: token})
         self._print(
             f"[deadpool] megatron-lm: {self.nproc} rank(s) + {self.spares} spare(s) of "
             f"{os.path.basename(self.script)}{' (patched)' if self.patched else ''}, DeadPool "

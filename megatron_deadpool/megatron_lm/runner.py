@@ -183,6 +183,7 @@ def _pretrain(pretrain: Callable[..., Any], bound: inspect.BoundArguments) -> An
     if not cfg.enabled:
         return pretrain(*bound.args, **bound.kwargs)
     from ..devices.base import prepare_communication
+    from ..hotswap.seal import job_secret
     from ..logs import setup_logging
     from . import cpu as megatron_lm_cpu
     from . import hooks as megatron_lm_hooks
@@ -191,7 +192,7 @@ def _pretrain(pretrain: Callable[..., Any], bound: inspect.BoundArguments) -> An
 
     setup_logging(megatron_logging_level(sys.argv[1:], os.environ))
     prepare_communication("cpu" if megatron_lm_cpu.needs_cpu() else "cuda")
-    token = cfg.job_token or os.environ.get("DEADPOOL_JOB_TOKEN", "")
+    token = job_secret(cfg.job_token) or ""  # the environment's (`hotswap/seal.py`)
     session = MegatronSession(cfg, task_from_env(), token)
     global _session_begun
     _session_begun = True

@@ -137,7 +137,10 @@ coord_port=${primary##*:}
 # Everything srun passes on to the tasks (srun exports the whole environment).
 export MASTER_ADDR=${MASTER_ADDR:-$coord_host}
 export MASTER_PORT WORLD_SIZE=$world LOCAL_WORLD_SIZE=$GPUS_PER_NODE
-export DEADPOOL_JOB_TOKEN=${DEADPOOL_JOB_TOKEN:-$(od -An -tx1 -N16 /dev/urandom | tr -d ' \n')}
+# The job's secret, new for every job: it seals every value of the coordinator's store
+# (megatron_deadpool/hotswap/seal.py). It reaches the coordinators and the tasks in their
+# environment only (srun exports it), never on a command line, and is never stored.
+export DEADPOOL_JOB_TOKEN=${DEADPOOL_JOB_TOKEN:-$(od -An -tx1 -N32 /dev/urandom | tr -d ' \n')}
 for name in $DEADPOOL_SITE_ENV; do
     [ -n "${!name+set}" ] || die "site variable $name is listed in DEADPOOL_SITE_ENV but unset"
     export "${name?}"
@@ -179,6 +182,10 @@ job_settings=("${deadpool_flags[@]}")
 read -r -a worker_args <<<"$MEGATRON_ARGS $DEADPOOL_EXTRA_ARGS"
 for ((i = 0; i < ${#worker_args[@]}; i++)); do
     case ${worker_args[i]} in
+    --deadpool-job-token*)
+        die "pass the job's secret in DEADPOOL_JOB_TOKEN, not --deadpool-job-token: ps shows" \
+            "command lines to everyone on the node"
+        ;;
     --deadpool-*=*) job_settings+=("${worker_args[i]}") ;;
     --deadpool-*)
         job_settings+=("${worker_args[i]}" "${worker_args[i + 1]:-}")

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 from procs import wait_until
-from stores import Recording
+from stores import SEAL, Recording
 
 from megatron_deadpool.bench import control_plane
 from megatron_deadpool.bench.sim_ranks import FOREVER_S, survivor_report
@@ -22,9 +22,9 @@ def _survivor_ops(survive) -> list[tuple[str, Any]]:
     """The store operations of rank 1's survivor side while the coordinator plans generation 1
     (rank 2 died) and decides it."""
     store = host_store("127.0.0.1", 0)
-    coordinator = Membership(store, "coordinator")
+    coordinator = Membership(store, "coordinator", SEAL)
     recording = Recording(store.clone())
-    survivor = threading.Thread(target=survive, args=(Membership(recording, "a1"),))
+    survivor = threading.Thread(target=survive, args=(Membership(recording, "a1", SEAL),))
     survivor.start()
 
     # The survivor reports, then blocks on the decision, before the plan exists.

@@ -12,6 +12,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+from stores import SEAL
 
 from megatron_deadpool.bench import interleaved, timed_launch
 from megatron_deadpool.errors import ConfigError
@@ -112,7 +113,7 @@ def _gone(pid: int, within_s: float = 10.0) -> bool:
 
 
 def test_launch_hooks_stamp_stop_everyone_and_read_the_store(tmp_path: Path) -> None:
-    members = Membership(MemoryStore(), "launcher")
+    members = Membership(MemoryStore(), "launcher", SEAL)
     sleeper = [sys.executable, "-c", "import time; time.sleep(60)"]
     leaves_helper = (  # a helper in its process group, as the checkpoint writer leaves one
         "import subprocess, sys, time\n"
@@ -130,7 +131,7 @@ def test_launch_hooks_stamp_stop_everyone_and_read_the_store(tmp_path: Path) -> 
         stamps = timed_launch._Stamps(stop_on_failure=True, world_size=2)
         t0 = time.time()
         stamps.started(local)  # type: ignore[arg-type]
-        Membership(members.store, "a1").record_fault()
+        Membership(members.store, "a1", SEAL).record_fault()
         members.record_load_time(0, 0.25)
         members.record_load_time(1, 0.5)
         stamps.failed(local, {"a1": 1})  # type: ignore[arg-type]

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from stores import SEAL
+
 from megatron_deadpool.hotswap.clock import ManualClock
 from megatron_deadpool.hotswap.coordinator import Coordinator
 from megatron_deadpool.hotswap.events import EventLog
@@ -76,7 +78,7 @@ class Job:
         self.events = EventLog(None, clock=self.clock.time)
         self.said: list[str] = []
         self.coord = Coordinator(
-            Membership(self.store, "coordinator"),
+            Membership(self.store, "coordinator", SEAL),
             world,
             self.placement,
             [f"s{i}" for i in range(spares)],
@@ -91,7 +93,7 @@ class Job:
         )
         self.world = world
         names = [f"a{r}" for r in range(world)] + [f"s{i}" for i in range(spares)]
-        self.members = {name: Membership(self.store.clone(), name) for name in names}
+        self.members = {name: Membership(self.store.clone(), name, SEAL) for name in names}
         self.silent: set[str] = set()
         if start:
             self.coord.start()
@@ -99,7 +101,7 @@ class Job:
             m.announce()
 
     def m(self, name: str = "a0") -> Membership:
-        return self.members.setdefault(name, Membership(self.store.clone(), name))
+        return self.members.setdefault(name, Membership(self.store.clone(), name, SEAL))
 
     def tick(self, seconds: float = 1.0) -> None:
         """Time passes, every member that is not silent beats, the coordinator ticks."""
@@ -400,7 +402,7 @@ def test_a_failure_before_replication_started_ends_at_once() -> None:
     the job with the reason instead of waiting for a layout it will never get."""
     job = Job(world=2, spares=1)
     job.coord = Coordinator(
-        Membership(job.store, "launcher"),
+        Membership(job.store, "launcher", SEAL),
         2,
         None,  # no layout published yet
         ["s0"],

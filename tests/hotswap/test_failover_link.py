@@ -22,9 +22,11 @@ from megatron_deadpool.hotswap.events import EventLog
 from megatron_deadpool.hotswap.failover import CoordinatorLink, FailoverStore
 from megatron_deadpool.hotswap.membership import Membership, host_store
 from megatron_deadpool.hotswap.messages import CoordinatorIdentity, Registration
+from megatron_deadpool.hotswap.seal import JobSeal
 from megatron_deadpool.hotswap.standby import Standby
 
 TOKEN = "job-A"
+SEAL = JobSeal(TOKEN)
 
 
 class Server:
@@ -34,7 +36,7 @@ class Server:
     def __init__(self) -> None:
         self.store = host_store("127.0.0.1", 0)
         backend = ("127.0.0.1", self.store.port)
-        self.membership = Membership(self.store, "coordinator")
+        self.membership = Membership(self.store, "coordinator", SEAL)
         self.relay = socket.create_server(("127.0.0.1", 0))
         self.address = f"127.0.0.1:{self.relay.getsockname()[1]}"
         self.sockets: list[socket.socket] = []
@@ -60,8 +62,10 @@ class Server:
             pass
 
     def serve(self, epoch: int, nonce: str, token: str = TOKEN) -> None:
-        self.membership.set_identity(CoordinatorIdentity(epoch, nonce))
-        self.membership.set_token(token)
+        """Serve the job of secret `token` (another job's: `token` other than `TOKEN`)."""
+        serving = Membership(self.store, "coordinator", JobSeal(token))
+        serving.set_identity(CoordinatorIdentity(epoch, nonce))
+        serving.set_token()
 
     def stop(self) -> None:
         self.relay.close()
@@ -81,7 +85,7 @@ def link(addresses: list[str], connect_timeout: float = 20.0, **kw: Any) -> Coor
     record = kw.pop("record", lambda: Registration(member="a2", rank=2, generation=0))
     return CoordinatorLink(
         addresses,
-        TOKEN,
+        SEAL,
         connect_timeout=connect_timeout,
         op_timeout=2.0,
         rebuild_timeout=10.0,
@@ -129,7 +133,7 @@ def test_a_process_re_registers_with_the_standby_that_took_over() -> None:
     records = [Registration(member="a2", rank=2, generation=0, last_completed=7)]
     lk = link([primary.address, standby.address], record=lambda: records[-1])
     lk.connect()
-    membership = Membership(FailoverStore(lk), "a2")
+    membership = Membership(FailoverStore(lk), "a2", SEAL)
     assert membership.progress() == 7 and lk.identity == CoordinatorIdentity(0, "primary")
 
     def take_over() -> None:  # what `Standby` does, by hand
@@ -155,7 +159,7 @@ def test_a_process_re_registers_with_the_standby_that_took_over() -> None:
     assert standby.membership.registration("a2") == records[-1]
     assert standby.membership.announced("a2")  # announced itself there
     # A second connection of the same process (its heartbeat's) follows without searching.
-    beat = Membership(FailoverStore(lk), "a2")
+    beat = Membership(FailoverStore(lk), "a2", SEAL)
     beat.heartbeat()
     assert lk.switches == 1
 
@@ -166,7 +170,7 @@ def test_a_blip_reconnects_to_the_same_coordinator_without_re_registering() -> N
     primary.serve(0, "primary")
     lk = link([primary.address, standby.address])
     lk.connect()
-    membership = Membership(FailoverStore(lk), "a2")
+    membership = Membership(FailoverStore(lk), "a2", SEAL)
     membership.set_progress(3)
     primary.cut()
     assert membership.progress() == 3  # answered by the same coordinator on a new connection
@@ -204,9 +208,9 @@ def test_standby_withdraws_when_the_primary_answers_before_anyone_came(tmp_path:
     )
     said: list[str] = []
     events = EventLog(tmp_path / "events.jsonl")
-    sb = Standby(cfg, 1, TOKEN, 4, standby.membership, events, said.append)
+    sb = Standby(cfg, 1, 4, standby.membership, events, said.append)
     assert sb.take_over() is None  # the primary still answers: it steps back at once
-    assert standby.membership.job_token() is None and standby.membership.identity() is None
+    assert standby.membership.serves_job() is None and standby.membership.identity() is None
     assert [e["event"] for e in events.events] == ["taking_over", "withdrew"]
     # While the primary serves and then ends the job, the standby is not needed.
     primary.membership.request_shutdown()

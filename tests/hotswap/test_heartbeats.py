@@ -19,10 +19,11 @@ from typing import Any
 
 import pytest
 from procs import wait_until
-from stores import Recording, keys_waited_on
+from stores import SEAL, TEST_SECRET, Recording, keys_waited_on
 
 from megatron_deadpool.hotswap.heartbeats import HeartbeatClock
 from megatron_deadpool.hotswap.messages import Decision, Plan, Roster
+from megatron_deadpool.hotswap.seal import SECRET_ENV
 
 
 def test_clock_judges_counters_by_when_they_change() -> None:
@@ -39,11 +40,13 @@ _WORKER = """
 import sys, time
 from megatron_deadpool.hotswap.connection import Heartbeat, open_client
 from megatron_deadpool.hotswap.membership import Membership
+from megatron_deadpool.hotswap.seal import JobSeal, job_secret
+SEAL = JobSeal(job_secret())
 skew = float(sys.argv[3])
 real = time.time
 time.time = lambda: real() + skew  # this host's wall clock is off by `skew` seconds
-Membership(open_client(sys.argv[1], 30), sys.argv[2]).announce()
-Heartbeat(open_client(sys.argv[1], 30), sys.argv[2], 0.2).start()
+Membership(open_client(sys.argv[1], 30), sys.argv[2], SEAL).announce()
+Heartbeat(Membership(open_client(sys.argv[1], 30), sys.argv[2], SEAL), 0.2).start()
 print("beating", flush=True)
 time.sleep(120)
 """
@@ -58,7 +61,7 @@ def test_skewed_worker_clocks_neither_hide_a_hang_nor_fake_one(tmp_path: Path) -
 
     store = host_store("127.0.0.1", 0)
     coord = Coordinator(
-        Membership(store, "coordinator"),
+        Membership(store, "coordinator", SEAL),
         2,
         None,
         [],
@@ -73,6 +76,7 @@ def test_skewed_worker_clocks_neither_hide_a_hang_nor_fake_one(tmp_path: Path) -
     procs = {
         member: subprocess.Popen(
             [sys.executable, "-c", _WORKER, f"127.0.0.1:{store.port}", member, str(skew)],
+            env={**os.environ, SECRET_ENV: TEST_SECRET},
             stdout=subprocess.PIPE,
             text=True,
             start_new_session=True,
@@ -164,9 +168,9 @@ def _survivor_reported_for_plan_1() -> tuple[Any, Plan, threading.Thread, dict, 
     from megatron_deadpool.hotswap.membership import Membership, host_store
 
     store = host_store("127.0.0.1", 0)
-    coord = Membership(store, "coordinator")
+    coord = Membership(store, "coordinator", SEAL)
     survivor = Recording(store.clone())
-    thread, out = _survivor_in_agreement(Membership(survivor, "a0"))
+    thread, out = _survivor_in_agreement(Membership(survivor, "a0", SEAL))
     plan = Plan(generation=1, base=0, world_size=3, dead=(2,), needy=(2,), replaced={2: "s0"})
     coord.publish_plan(plan)
     wait_until(lambda: coord.holdings_count(1) == 1, 10, "the report for plan 1")

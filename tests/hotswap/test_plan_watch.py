@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from stores import SEAL
 
 from megatron_deadpool.hotswap.connection import Heartbeat, open_client
 from megatron_deadpool.hotswap.membership import Membership, host_store
@@ -26,7 +27,7 @@ END = EndReport("lost", 8, (2,), (), SaveOrder(8, {2: 3}, True, ()))
 
 @pytest.fixture
 def membership() -> Iterator[Membership]:
-    yield Membership(host_store("127.0.0.1", 0), "a1")
+    yield Membership(host_store("127.0.0.1", 0), "a1", SEAL)
 
 
 def _watch() -> tuple[PlanWatch, list[int]]:
@@ -125,7 +126,7 @@ def stand_in_abort(monkeypatch: pytest.MonkeyPatch) -> Iterator[threading.Event]
 
 
 def _beating(store: Any, after_beat: Any) -> Heartbeat:
-    beat = Heartbeat(open_client(f"127.0.0.1:{store.port}", 30), "a1", 0.1)
+    beat = Heartbeat(Membership(open_client(f"127.0.0.1:{store.port}", 30), "a1", SEAL), 0.1)
     beat.after_beat = after_beat
     beat.start()
     return beat
@@ -143,7 +144,7 @@ def test_the_heartbeat_keeps_beating_while_the_plan_watch_aborts(
     from megatron_deadpool.devices import abort
 
     store = host_store("127.0.0.1", 0)
-    membership = Membership(store, "a1")
+    membership = Membership(store, "a1", SEAL)
     watch = PlanWatch(abort.start_abort)
     watch.joined(0)
     beat = _beating(store, watch)
@@ -174,7 +175,7 @@ def test_only_a_store_error_after_a_beat_means_the_coordinator_is_lost() -> None
     from megatron_deadpool.errors import CoordinatorUnreachableError
 
     store = host_store("127.0.0.1", 0)
-    membership = Membership(store, "a1")
+    membership = Membership(store, "a1", SEAL)
     raised: list[BaseException] = [DistBackendError("Future for ProcessGroup abort timed out")]
 
     def after_beat(_: Membership) -> None:

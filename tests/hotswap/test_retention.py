@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 
+from stores import SEAL
 from test_decisions import Job
 
 from megatron_deadpool.hotswap.membership import Membership
@@ -87,7 +88,7 @@ def test_keys_stay_bounded_over_iterations_and_generations() -> None:
         counts.append(job.store.num_keys())
         # What a process may still read stays: this generation's and the previous one's keys,
         # generation 0's roster (the job's world size), the display's current records.
-        seen = Membership(job.store.clone(), "reader")
+        seen = Membership(job.store.clone(), "reader", SEAL)
         assert seen.roster(0).world_size == job.world
         assert seen.metrics(g, it) is not None
         if g:

@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 import torch.distributed as dist
+from stores import SEAL
 
 from megatron_deadpool.hotswap.membership import ABSENT, Membership
 from megatron_deadpool.hotswap.memory_store import MemoryStore
@@ -129,7 +130,7 @@ def test_queues(store: Any) -> None:
 
 def test_membership_reads_the_same_on_both(store: Any) -> None:
     """`Membership`'s one-request read (a compare-and-set no value matches) and its counters."""
-    m = Membership(store, "a0")
+    m = Membership(store, "a0", SEAL)
     assert m._peek("nothing") is None and not store.check(["nothing"])
     store.set("k", "v")
     assert m._peek("k") == b"v"
