@@ -675,14 +675,14 @@ class Membership:
     def error_report(self, number: int) -> ErrorReport | None:
         """Report `number` (None: counted, not published yet)."""
         key = Keys.ERROR.format(number=number)
-        value = self._peek(key)
+        value = self._read(key)
         return None if value is None else ErrorReport.decode(key, value)
 
     def publish_job_error(self, verdict: JobError) -> None:
         self._set(Keys.JOB_ERROR, verdict.encode())
 
     def job_error(self) -> JobError | None:
-        value = self._peek(Keys.JOB_ERROR)
+        value = self._read(Keys.JOB_ERROR)
         return None if value is None else JobError.decode(Keys.JOB_ERROR, value)
 
     # ------------------------------------------------------------------ the end of training

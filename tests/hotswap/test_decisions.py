@@ -568,7 +568,8 @@ def test_a_report_counted_before_it_is_published_is_read_once_it_is() -> None:
     job.tick(0.1)
     assert job.coord.dead == {"s0"} and job.coord.spares == () and job.coord.job_error is None
     late = ErrorReport(1, "a1", 1, 0, Phase.START_UP, "AssertionError", "late", 0.0)
-    job.store.set(Keys.ERROR.format(number=1), late.encode())
+    key = Keys.ERROR.format(number=1)
+    job.store.set(key, SEAL.seal(key, late.encode()))  # as a1's Membership publishes it
     job.tick(0.1)
     verdict = job.coord.job_error
     assert verdict is not None and verdict.report.member == "a1"
