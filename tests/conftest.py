@@ -7,7 +7,8 @@ TCPStore); CLI tests run the installed `deadpool` command as a subprocess, the w
 against `failure_free(iters)` (`deadpool train`) and `megatron_lm_failure_free(iters)`. Other
 helpers: tests/procs.py (ports, waiting on conditions), tests/stores.py (a recording store),
 tests/optimizers.py (optimizer stand-ins), tests/mlm.py (Megatron-LM trees and runs),
-tests/standby_job.py (a job with a standby coordinator).
+tests/standby_job.py (a job with a standby coordinator), tests/coordinated_job.py (a
+cluster coordinator and its five workers).
 """
 
 from __future__ import annotations

@@ -14,16 +14,12 @@ and a spare), as a Slurm job would start them.
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from conftest import REPO_ROOT, TrainRun, deadpool_command
-from procs import free_port, spawn_logged
+from conftest import TrainRun
+from coordinated_job import coordinated_job
 
 ITERS = "6"
 TIMING = [
@@ -36,41 +32,10 @@ TIMING = [
 def test_frozen_rank_is_replaced_without_waiting_for_the_collective_timeout(
     tmp_path: Path, failure_free: Callable[[int], TrainRun]
 ) -> None:
-    port = free_port()
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "DEADPOOL_JOB_TOKEN": "frozen-test"}
-    config = str(REPO_ROOT / "configs" / "cpu-demo.yaml")
-    procs: list[subprocess.Popen] = []
     logs = tmp_path / "logs"
-    logs.mkdir()
-    try:
-        coordinator = spawn_logged(
-            [
-                *deadpool_command(), "coordinator", "--world-size", "4", "--config", config,
-                "--deadpool-coordinator", f"127.0.0.1:{port}", "--deadpool-log-dir", str(logs),
-                "--max-wait", "300", *TIMING,
-            ],
-            logs / "coordinator.out",
-            env,
-        )  # fmt: skip
-        procs.append(coordinator)
-        for task in range(5):
-            worker = [
-                sys.executable, "-m", "megatron_deadpool.embedded.worker", "--config", config,
-                "--iters", ITERS, "--deadpool-coordinator", f"127.0.0.1:{port}",
-                "--deadpool-fail", "1@4:hang", *TIMING,
-            ]  # fmt: skip
-            procs.append(
-                spawn_logged(worker, logs / f"task{task}.out", {**env, "SLURM_PROCID": str(task)})
-            )
-        assert coordinator.wait(timeout=330) == 0, (logs / "coordinator.out").read_text()[-3000:]
+    with coordinated_job(logs, "frozen-test", ITERS, "1@4:hang", TIMING, "300") as procs:
+        assert procs[0].wait(timeout=330) == 0, (logs / "coordinator.out").read_text()[-3000:]
         events = [json.loads(line) for line in (logs / "events.jsonl").read_text().splitlines()]
-    finally:
-        for proc in procs:
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            proc.wait()
     kinds = [e["event"] for e in events]
     assert "agree_timeout" not in kinds and "out_of_redundancy" not in kinds, kinds
     dead = [e for e in events if e["event"] == "process_dead"]

@@ -14,15 +14,10 @@ and a spare), as a Slurm job would start them.
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from conftest import REPO_ROOT, deadpool_command
-from procs import free_port, spawn_logged
+from coordinated_job import coordinated_job
 
 TIMING = [
     "--deadpool-heartbeat-interval", "0.5", "--deadpool-heartbeat-timeout", "30",
@@ -33,42 +28,11 @@ TIMING = [
 
 @pytest.mark.timeout(300)
 def test_a_start_up_error_ends_the_cluster_job_at_once_with_exit_code_9(tmp_path: Path) -> None:
-    port = free_port()
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "DEADPOOL_JOB_TOKEN": "job-error-test"}
-    config = str(REPO_ROOT / "configs" / "cpu-demo.yaml")
-    procs: list[subprocess.Popen] = []
     logs = tmp_path / "logs"
-    logs.mkdir()
-    try:
-        coordinator = spawn_logged(
-            [
-                *deadpool_command(), "coordinator", "--world-size", "4", "--config", config,
-                "--deadpool-coordinator", f"127.0.0.1:{port}", "--deadpool-log-dir", str(logs),
-                "--max-wait", "240", *TIMING,
-            ],
-            logs / "coordinator.out",
-            env,
-        )  # fmt: skip
-        procs.append(coordinator)
-        for task in range(5):
-            worker = [
-                sys.executable, "-m", "megatron_deadpool.embedded.worker", "--config", config,
-                "--iters", "4", "--deadpool-coordinator", f"127.0.0.1:{port}",
-                "--deadpool-fail", "0@1:raise", *TIMING,
-            ]  # fmt: skip
-            procs.append(
-                spawn_logged(worker, logs / f"task{task}.out", {**env, "SLURM_PROCID": str(task)})
-            )
-        out = logs / "coordinator.out"
-        assert coordinator.wait(timeout=240) == 9, out.read_text()[-3000:]
+    out = logs / "coordinator.out"
+    with coordinated_job(logs, "job-error-test", "4", "0@1:raise", TIMING, "240") as procs:
+        assert procs[0].wait(timeout=240) == 9, out.read_text()[-3000:]
         spare_left = procs[-1].wait(timeout=30)  # the shutdown lets the waiting spare go
-    finally:
-        for proc in procs:
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            proc.wait()
     text = out.read_text()
     message = "fault injection: rank 0 raises at iteration 1"
     assert f"JOB ERROR: rank 0 start-up: InjectedError: {message}\n" in text, text[-3000:]
