@@ -24,6 +24,7 @@ SECONDS = (
     "pg_timeout",
     "abort_timeout",
     "connect_timeout",
+    "respawn_window",
 )
 """`DeadpoolConfig`'s durations: each a finite number of seconds > 0 (the optional ones: or
 unset)."""
@@ -40,6 +41,16 @@ class DeadpoolConfig:
     spares: int = 0
     """Spare processes (on a cluster: spare nodes' ranks) that start with the job and replace
     failed ranks at runtime."""
+
+    respawn_limit: int = 0
+    """In-place respawns per node within deadpool-respawn-window seconds: a failed process
+    replaced by a new one on its own node (same slot, same GPU), which spends no spare. Past the
+    limit, or once the node itself is lost, its failed ranks take spares. 0 (the default): every
+    failure takes a spare. The local launchers (`deadpool train`, `deadpool megatron-lm`) only,
+    so far: a Slurm job has no node agent yet."""
+
+    respawn_window: float = 3600.0
+    """Seconds over which deadpool-respawn-limit counts a node's respawns (a sliding window)."""
 
     replicas: int = 1
     """Remote replicas k of each rank's optimizer shard, each on a peer in another failure
@@ -101,6 +112,7 @@ class DeadpoolConfig:
     def __post_init__(self) -> None:
         check_number(self.spares, "spares", integer=True, minimum=0)
         check_number(self.replicas, "replicas", integer=True, minimum=1)
+        check_number(self.respawn_limit, "deadpool-respawn-limit", integer=True, minimum=0)
         if self.replica_device not in ("auto", "cpu", "gpu"):
             raise ConfigError(
                 f"deadpool-replica-device: {self.replica_device!r} is not one of auto, cpu, gpu"

@@ -162,6 +162,7 @@ class LocalLauncher:
             run_dir=self.run_dir,
             placement=place_replicas(layout, cfg.replicas) if cfg.enabled else None,
             say=self.progress.event,
+            spawn=self._spawn,
         )
         self.progress.header(
             f"deadpool train: tp={job.parallel.tp} pp={job.parallel.pp} dp={job.parallel.dp} "
@@ -287,6 +288,7 @@ class LocalLauncher:
             "committed_iteration": final.committed_iteration if final else None,
             "deadpool": self.job.deadpool.enabled,
             "recoveries": coord.recoveries,
+            "spares_left": list(coord.spares),
             "out_of_redundancy": oor.to_dict() if oor else None,
             "job_error": coord.job_error.to_dict() if coord.job_error else None,
             "lost_after_training": ended.to_dict() if ended else None,

@@ -55,6 +55,7 @@ from .messages import (
     Sources,
 )
 from .pruning import Pruner
+from .respawn import NodeAgents, RespawnBudget
 from .restore_plan import RestorePlan, plan_restore, plan_salvage
 from .wakeup import StoreWaiter, coordinator_inbox
 
@@ -78,6 +79,8 @@ class PendingRecovery:
     prev_last_iteration: int = 0
     no_spare: str = ""
     """Why this recovery can only save what survives (no spare left), if so."""
+    respawned: dict[int, int] = field(default_factory=dict)
+    """rank -> node, for the dead ranks whose node respawned a process in place."""
     t_agreed: float | None = None
     restore_iteration: int | None = None
 
@@ -128,9 +131,13 @@ class Coordinator:
         suspect_after: float | None = None,
         clock: Clock | None = None,
         observer: CoordinatorObserver | None = None,
+        agents: NodeAgents | None = None,
+        respawn: RespawnBudget | None = None,
     ) -> None:
         """`placement` None: learnt from the layout rank 0 publishes. `sweep_interval`,
-        `suspect_after`: see `FailureDetector`. `say` prints a line for the user."""
+        `suspect_after`: see `FailureDetector`. `say` prints a line for the user. `agents`
+        and `respawn`: a failed rank's node starts its replacement while `respawn` allows
+        (`respawn.py`); without them every failed rank takes a spare."""
         self.membership = membership
         self.world_size = world_size
         self.agree_timeout = agree_timeout
@@ -160,6 +167,8 @@ class Coordinator:
         self._next_generation = 1
         self._inbox: StoreWaiter | None = None
         self._pruner = Pruner(membership)
+        self._agents = agents
+        self._respawn = respawn if agents is not None else None
 
     # ------------------------------------------------------------------ what launchers read
     @property
@@ -364,13 +373,20 @@ class Coordinator:
         slots = dict(base)
         needy = set(rec.needy) if rec else set()
         no_spare = rec.no_spare if rec else ""
+        respawned = dict(rec.respawned) if rec else {}
         for rank in sorted(dead):
             needy.add(rank)
-            if self._spares and not no_spare:
+            respawned.pop(rank, None)
+            member = None if no_spare else self._respawn_in_place(rank, base[rank])
+            if member is not None:
+                slots[rank] = member
+                respawned[rank] = self._node(rank)
+            elif self._spares and not no_spare:
                 slots[rank] = self._spares.pop(0)
-                self._replaced[slots[rank]] = base[rank]
             else:  # nothing can take the slot: agree anyway, to save what survives
                 no_spare = f"no spare left to replace rank(s) {sorted(all_dead)}"
+                continue
+            self._replaced[slots[rank]] = base[rank]
         generation = self._next_generation
         self._next_generation += 1
         if rec is not None:
@@ -390,6 +406,7 @@ class Coordinator:
             planned_at=self.clock.monotonic(),
             prev_last_iteration=self.membership.progress(),
             no_spare=no_spare,
+            respawned=respawned,
         )
         # What every survivor reads: the changes to the published roster, not all the slots
         # (16,384 survivors reading 200 KB each would keep the store busy for seconds).
@@ -409,10 +426,42 @@ class Coordinator:
             self.membership.decide(rec.generation, Decision.superseded(generation))
         self.events("plan", generation=generation, dead=plan.dead, needy=plan.needy, slots=slots)
         replaced = ", ".join(
-            f"rank {r} <- {slots[r]}" if slots[r] != base[r] else f"rank {r}: no spare"
+            (
+                f"rank {r} <- {slots[r]}"
+                + (f" (respawned on node {respawned[r]})" if r in respawned else "")
+                if slots[r] != base[r]
+                else f"rank {r}: no spare"
+            )
             for r in sorted(dead)
         )
         self.say(f"recovery: generation {generation}, dead ranks {sorted(all_dead)}; {replaced}")
+
+    def _node(self, rank: int) -> int:
+        placement = self.placement()
+        assert placement is not None
+        return placement.layout.domain(rank)
+
+    def _respawn_in_place(self, rank: int, dead: str) -> str | None:
+        """A new process on `rank`'s node in the place of `dead`, when that node's agent is
+        alive and its respawn budget allows one (its member name); None: take a spare."""
+        if self._agents is None or self._respawn is None or self.placement() is None:
+            return None
+        node, now = self._node(rank), self.clock.monotonic()
+        if not self._agents.alive(node):
+            self.events("respawn_refused", rank=rank, node=node, why="node lost")
+            return None
+        if not self._respawn.allows(node, now):
+            self.events("respawn_refused", rank=rank, node=node, why="respawn limit reached")
+            self.say(
+                f"node {node}: {self._respawn.used(node)} respawn(s) within "
+                f"{self._respawn.window:g}s (deadpool-respawn-limit): rank {rank} takes a spare"
+            )
+            return None
+        self._respawn.spend(node, now)
+        member = self._agents.respawn(rank, dead, node)
+        self.detector.watch([member])
+        self.events("respawned", rank=rank, node=node, member=member, replaces=dead)
+        return member
 
     def _try_agree(self) -> None:
         rec = self._recovery
@@ -596,6 +645,7 @@ class Coordinator:
             "generation": g,
             "dead_ranks": sorted(rec.dead),
             "replaced_by": {str(r): rec.slots[r] for r in sorted(rec.needy)},
+            "respawned": {str(r): node for r, node in sorted(rec.respawned.items())},
             "restore_iteration": rec.restore_iteration,
             "recomputed_iterations": max(0, rec.prev_last_iteration - rec.restore_iteration),
             "phases_s": {k: round(max(0.0, v), 4) for k, v in phases.items()},

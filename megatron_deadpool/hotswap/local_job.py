@@ -8,7 +8,11 @@ be killed as a group), its log (RUN_DIR/{member}.log) and the end of it shown wh
 with that process's own error, the coordinator's ticks, exit codes, time limit, shutdown and the
 final parameter digests. Each launcher decides what its job's progress and outcome look like,
 and what its processes import: given that (`Preload`), they are forked from one interpreter that
-imported it once (`hotswap.warm_start`) instead of starting fresh.
+imported it once (`hotswap.warm_start`) instead of starting fresh. Given the launcher's way to
+start a process (`spawn`), it is also every simulated node's agent (`respawn.NodeAgents`): with
+deadpool-respawn-limit > 0 a failed process is replaced by a new one on its own node, forked
+warm, and no spare is spent; a node is lost, and its ranks take spares, when a node fault
+(`node:N@ITER`) took it.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from .forkserver import Preload
 from .liveness import HeartbeatOnly, ProcessLiveness, kill_groups
 from .membership import Membership, host_store
 from .messages import JobError, task_of
+from .respawn import RespawnBudget
 from .seal import JobSeal
 from .store_files import reserve_files, store_files_needed
 from .warm_start import WarmStart
@@ -53,16 +58,20 @@ class LocalJob:
         run_dir: Path,
         placement: Placement | None = None,
         say: Callable[[str], None] = lambda text: None,
+        spawn: Callable[[str], None] | None = None,
     ) -> None:
         """`placement` None: the coordinator learns the layout from rank 0 once it exists.
-        Refuses (`ConfigError`) a node with fewer GPUs than actives + spares before anything
-        starts."""
+        `spawn(member)`: how the launcher starts a process (`spawn` below), for in-place
+        respawns (none without it). Refuses (`ConfigError`) a node with fewer GPUs than
+        actives + spares before anything starts."""
         self.cfg = cfg
         self.world_size = world_size
         self.run_dir = run_dir
         self.spares = cfg.spares if cfg.enabled else 0
         self.gpus = self._assign_gpus()
         self.procs: dict[str, subprocess.Popen] = {}
+        self._spawn = spawn
+        self._local_ranks: dict[str, int] = {}  # a respawned process: its predecessor's GPU
         reserve_files(
             store_files_needed(world_size, self.spares, per_process=LAUNCHER_FILES_PER_PROCESS),
             f"this launcher (the store and processes of {world_size} ranks and "
@@ -87,6 +96,8 @@ class LocalJob:
             liveness=self._liveness(),
             events=events,
             say=say,
+            agents=self if spawn is not None and cfg.respawn_limit > 0 else None,
+            respawn=RespawnBudget(cfg.respawn_limit, cfg.respawn_window),
         )
         self.coordinator.start()
 
@@ -109,6 +120,8 @@ class LocalJob:
     def local_rank(self, member: str) -> int:
         """The GPU (``LOCAL_RANK``) of process `member`: actives 0.., spares after them; a spare
         added later (`add_spare`) takes the GPUs round-robin."""
+        if member in self._local_ranks:
+            return self._local_ranks[member]
         task = task_of(member, self.world_size)
         if self.gpus is None:
             raise RuntimeError("this job's GPUs are each node's (Slurm's SLURM_LOCALID)")
@@ -141,6 +154,21 @@ class LocalJob:
         self.next_spare += 1
         spawn(member)
         self.coordinator.add_spare(member)
+        return member
+
+    # ------------------------------------------------------------------ the nodes' agent
+    def alive(self, node: int) -> bool:
+        """Whether simulated node `node` is still there (a node fault takes it whole)."""
+        return not self.membership.node_lost(node)
+
+    def respawn(self, rank: int, dead: str, node: int) -> str:
+        """A new process on `node` (this machine) with `dead`'s GPU, waiting for `rank`'s slot
+        in the coordinator's next plan, as a spare would; its member name."""
+        assert self._spawn is not None
+        member = f"s{self.next_spare}"
+        self.next_spare += 1
+        self._local_ranks[member] = self.local_rank(dead)
+        self._spawn(member)
         return member
 
     # ------------------------------------------------------------------ monitoring

@@ -171,6 +171,7 @@ class MegatronLauncher:
             token=token,
             run_dir=self.run_dir,
             say=lambda text: self._print(f"[deadpool] {text}"),
+            spawn=lambda member: self._spawn(member, env),  # env: complete before any spawn
         )
         if self.cfg.enabled:
             env.pop(SECRET_FILE_ENV, None)
@@ -246,6 +247,7 @@ class MegatronLauncher:
             "spares": self.spares,
             "deadpool": self.cfg.enabled,
             "recoveries": coord.recoveries if coord else [],
+            "spares_left": list(coord.spares) if coord else [],
             "out_of_redundancy": oor.to_dict() if oor else None,
             "job_error": job_error.to_dict() if job_error else None,
             "lost_after_training": ended.to_dict() if ended else None,

@@ -99,6 +99,7 @@ class SrunLauncher(LocalLauncher):
         self.allocation = allocation
 
     def _host(self, cfg: DeadpoolConfig, **kwargs: Any) -> SrunJob:
+        kwargs.pop("spawn")  # srun starts the tasks: no node agent here respawns one yet
         return SrunJob(cfg, **kwargs)
 
     def _start(self) -> None:

@@ -31,6 +31,7 @@ from megatron_deadpool.hotswap.messages import (
     Verdict,
 )
 from megatron_deadpool.hotswap.rebuild import rebuild
+from megatron_deadpool.hotswap.respawn import RespawnBudget
 from megatron_deadpool.replication.placement import Layout, place_replicas
 
 HEARTBEAT_TIMEOUT = 10.0
@@ -56,6 +57,25 @@ class Launcher:
         return True
 
 
+class Agents:
+    """The nodes' agents as a launcher is: each respawn starts `s{n}` (counted on from the
+    spares); a node in `lost` has no agent left."""
+
+    def __init__(self, spares: int) -> None:
+        self.next = spares
+        self.lost: set[int] = set()
+        self.started: list[tuple[int, str, int, str]] = []  # (rank, dead, node, new member)
+
+    def alive(self, node: int) -> bool:
+        return node not in self.lost
+
+    def respawn(self, rank: int, dead: str, node: int) -> str:
+        member = f"s{self.next}"
+        self.next += 1
+        self.started.append((rank, dead, node, member))
+        return member
+
+
 class Job:
     """A job of `world` ranks (`per_node` to a node, one replica each) and `spares` spares
     around a real coordinator; every member beats before each tick unless it is `silent`."""
@@ -69,6 +89,8 @@ class Job:
         liveness: Liveness | None = None,
         suspect_after: float | None = None,
         start: bool = True,
+        respawn_limit: int = 0,
+        respawn_window: float = 3600.0,
     ) -> None:
         self.store = MemoryStore()
         self.clock = ManualClock()
@@ -77,6 +99,7 @@ class Job:
         self.launcher = Launcher()
         self.events = EventLog(None, clock=self.clock.time)
         self.said: list[str] = []
+        self.agents = Agents(spares)
         self.coord = Coordinator(
             Membership(self.store, "coordinator", SEAL),
             world,
@@ -90,6 +113,8 @@ class Job:
             sweep_interval=0.0,
             suspect_after=suspect_after,
             clock=self.clock,
+            agents=self.agents if respawn_limit else None,
+            respawn=RespawnBudget(respawn_limit, respawn_window),
         )
         self.world = world
         names = [f"a{r}" for r in range(world)] + [f"s{i}" for i in range(spares)]
@@ -145,6 +170,15 @@ class Job:
             1, member, rank, generation, phase, "AssertionError", message, self.clock.time(), tail
         )
         self.m(member).report_error(report)
+
+    def complete(self, generation: int) -> None:
+        """Every rank of `generation` joined, restored and trained its first iteration: the
+        recovery is over at the next tick."""
+        for phase in ("joined", "restored", "first_iteration"):
+            for rank, member in self.coord.roster.slots.items():
+                self.m(member).stamp(generation, phase, rank)
+        self.tick()
+        assert not self.coord.recovering
 
     def decision(self, generation: int) -> Decision | None:
         return self.m().wait_decision(generation, 0.0)
@@ -573,3 +607,95 @@ def test_a_report_counted_before_it_is_published_is_read_once_it_is() -> None:
     job.tick(0.1)
     verdict = job.coord.job_error
     assert verdict is not None and verdict.report.member == "a1"
+
+
+# ---------------------------------------------------------------------- in-place respawn
+def test_a_crash_on_a_live_node_is_respawned_there_and_spends_no_spare() -> None:
+    job = Job(world=4, per_node=2, spares=1, respawn_limit=2)
+    job.die("a3")
+    job.tick()
+    assert job.agents.started == [(3, "a3", 1, "s1")]
+    plan = job.m().plan(1)
+    assert plan is not None and plan.dead == (3,) and plan.replaced == {3: "s1"}
+    assert job.coord.spares == ("s0",)
+    assert any("rank 3 <- s1 (respawned on node 1)" in line for line in job.said)
+    job.report(1, [0, 1, 2])
+    job.tick()
+    assert job.decision(1) == Decision.roster(4)
+    assert job.m().roster(1).slots[3] == "s1"
+
+
+def test_a_respawned_process_lost_before_its_claim_is_respawned_again() -> None:
+    job = Job(world=4, per_node=2, spares=1, respawn_limit=2)
+    job.die("a3")
+    job.tick()
+    job.report(1, [0, 1, 2])
+    job.tick()
+    job.die("s1")  # the new process dies before it claimed rank 3
+    job.tick()
+    plan = job.m().plan(2)
+    assert plan is not None and plan.replaced == {3: "s2"} and plan.dead == (3,)
+    assert [s[3] for s in job.agents.started] == ["s1", "s2"]
+    assert job.coord.spares == ("s0",)
+
+
+def test_past_the_respawn_limit_a_node_uses_spares_until_the_window_passes() -> None:
+    job = Job(world=4, per_node=2, spares=2, respawn_limit=1, respawn_window=100.0)
+    job.die("a2")
+    job.tick()
+    job.report(1, [0, 1, 3])
+    job.tick()
+    assert job.decision(1) == Decision.roster(4)
+    job.complete(1)
+    job.die("a3")  # node 1's second failure within the window: a spare
+    job.tick()
+    plan = job.m().plan(2)
+    assert plan is not None and plan.replaced == {3: "s0"}
+    assert any("deadpool-respawn-limit" in line for line in job.said)
+    assert job.events.of("respawn_refused")[-1]["why"] == "respawn limit reached"
+    job.report(2, [0, 1, 2])
+    job.tick()
+    assert job.decision(2) == Decision.roster(4)
+    job.complete(2)
+    job.clock.advance(100.0)
+    job.die("s0")  # the window has passed: node 1 may respawn again
+    job.tick()
+    plan = job.m().plan(3)
+    assert plan is not None and plan.replaced == {3: "s3"} and job.coord.spares == ("s1",)
+
+
+def test_a_lost_node_takes_spares_and_its_mates_elsewhere_still_respawn() -> None:
+    job = Job(world=4, per_node=2, spares=2, respawn_limit=2)
+    job.agents.lost.add(0)
+    job.die("a0", "a2")  # node 0 lost; a2 crashed on node 1, which is fine
+    job.tick()
+    plan = job.m().plan(1)
+    assert plan is not None and plan.replaced == {0: "s0", 2: "s2"}
+    assert job.events.of("respawn_refused")[0]["why"] == "node lost"
+    assert job.coord.spares == ("s1",)
+
+
+def test_more_crashes_than_spares_all_recovered_in_place() -> None:
+    job = Job(world=4, per_node=1, spares=0, respawn_limit=2)
+    for generation, member in enumerate(["a0", "a1", "a2"], start=1):
+        job.die(member)
+        job.tick()
+        rank = int(member[1:])
+        plan = job.m().plan(generation)
+        assert plan is not None and plan.dead == (rank,) and plan.replaced[rank].startswith("s")
+        job.report(generation, [r for r in range(4) if r != rank])
+        job.tick()
+        assert job.decision(generation) == Decision.roster(4)
+        job.complete(generation)
+    assert job.coord.out_of_redundancy is None and len(job.agents.started) == 3
+    assert [r["respawned"] for r in job.coord.recoveries] == [{"0": 0}, {"1": 1}, {"2": 2}]
+
+
+def test_respawn_budget_slides() -> None:
+    budget = RespawnBudget(2, 10.0)
+    assert budget.allows(0, 0.0)
+    budget.spend(0, 0.0)
+    budget.spend(0, 5.0)
+    assert not budget.allows(0, 9.9) and budget.allows(1, 9.9)
+    assert budget.allows(0, 10.0) and budget.used(0) == 1
+    assert not RespawnBudget(0, 10.0).allows(0, 0.0)

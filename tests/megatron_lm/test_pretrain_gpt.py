@@ -217,6 +217,28 @@ def test_hung_rank_is_hot_swapped_bitwise(shared_runs, tag: str, tmp_path: Path)
 
 
 @pytest.mark.timeout(3 * RUN_TIMEOUT)
+def test_a_killed_rank_is_respawned_on_its_node_and_spends_no_spare(
+    shared_runs, tmp_path: Path
+) -> None:
+    """With --deadpool-respawn-limit, rank 2 SIGKILLed is replaced by a new process on its own
+    node (the launcher is the nodes' agent) and spare s0 stays in the pool; the training is
+    the failure-free run's. The newest tag only: the respawn is DeadPool's launcher and
+    coordinator, the same code for both tags (the newcomer joins as a spare does, which the
+    killed-rank test runs on both)."""
+    tree = megatron_lm_tree(NEWEST)
+    baseline = shared_runs(NEWEST, "baseline")
+    args = [*MEGATRON_ARGS, "--use-distributed-optimizer", *DEADPOOL_ARGS,
+            "--deadpool-respawn-limit", "1", "--deadpool-fail", "2@4"]  # fmt: skip
+    run = launch(tmp_path, "respawn", tree / "pretrain_gpt.py", args)
+    _assert_same_training(run, baseline)
+    (rec,) = run.summary["recoveries"]
+    assert rec["dead_ranks"] == [2] and rec["respawned"] == {"2": 1}
+    assert rec["replaced_by"] == {"2": "s1"} and run.summary["spares_left"] == ["s0"]
+    assert "rank 2 <- s1 (respawned on node 1)" in run.text
+    assert "[deadpool r2 g1] INFO joined generation 1 as rank 2 of 4" in run.text
+
+
+@pytest.mark.timeout(3 * RUN_TIMEOUT)
 @BOTH
 def test_out_of_redundancy_saves_every_shard_and_load_resumes_bitwise(
     shared_runs, tag: str, tmp_path: Path

@@ -1,0 +1,71 @@
+"""In-place respawn end to end (`deadpool train`, real processes, real signals, gloo).
+
+With deadpool-respawn-limit > 0 the launcher is each simulated node's agent: a crashed or hung
+process is replaced by a new process on its own node, and no spare is spent - so a run with
+fewer spares than failures still completes, bit for bit the failure-free run. A node fault
+(`node:N@ITER`) takes the node's agent too: its ranks then take spares, as before.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import TrainRun, train_case
+
+ITERS = "6"
+
+
+@pytest.fixture(scope="module")
+def reference(failure_free: Callable[[int], TrainRun]) -> dict[str, Any]:
+    """The failure-free TP2 x DP2 run's summary (shared with the other modules)."""
+    return failure_free(int(ITERS))[2]
+
+
+def _recovered(out: Path, args: list[str], reference: dict[str, Any]) -> dict[str, Any]:
+    proc, records, summary = train_case(out, ["--tp", "2", "--dp", "2", *args], ITERS)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert summary["losses"] == reference["losses"]
+    assert [r["loss"] for r in records] == summary["losses"]
+    assert summary["final_param_digest"] == reference["final_param_digest"]
+    assert summary["dp_replicas_identical"]
+    for rec in summary["recoveries"]:
+        assert rec["recomputed_iterations"] <= 1 and rec["stale_group_refs"] == 0, rec
+    return summary
+
+
+@pytest.mark.timeout(600)
+def test_more_crashes_than_spares_are_all_respawned_in_place(
+    tmp_path: Path, reference: dict[str, Any]
+) -> None:
+    """Four failures on both nodes (three crashes and a hang), no spare at all: each process is
+    replaced on its own node and training completes exactly as the failure-free run."""
+    faults = ["--fail", "0@2", "--fail", "2@3", "--fail", "1@4:hang", "--fail", "3@5"]
+    args = ["--spares", "0", "--deadpool-respawn-limit", "2", *faults]
+    summary = _recovered(tmp_path, args, reference)
+    recoveries = summary["recoveries"]
+    assert [r["dead_ranks"] for r in recoveries] == [[0], [2], [1], [3]]
+    assert [r["respawned"] for r in recoveries] == [{"0": 0}, {"2": 1}, {"1": 0}, {"3": 1}]
+    newcomers = [m for r in recoveries for m in r["replaced_by"].values()]
+    assert newcomers == ["s0", "s1", "s2", "s3"] and summary["spares_left"] == []
+    events = [json.loads(x) for x in (tmp_path / "logs" / "events.jsonl").read_text().splitlines()]
+    dead = [e["why"] for e in events if e["event"] == "process_dead"]
+    assert dead[2].endswith("(hung); killed"), dead  # the hung process is killed, then replaced
+
+
+@pytest.mark.timeout(600)
+def test_a_crash_is_respawned_and_a_lost_node_takes_the_spares(
+    tmp_path: Path, reference: dict[str, Any]
+) -> None:
+    """A crash on node 0 costs no spare; node 1 lost whole (its agent with it) takes both."""
+    faults = ["--fail", "1@3", "--fail", "node:1@5"]
+    args = ["--spares", "2", "--deadpool-respawn-limit", "2", *faults]
+    summary = _recovered(tmp_path, args, reference)
+    crash, node = summary["recoveries"]
+    assert crash["dead_ranks"] == [1] and crash["respawned"] == {"1": 0}
+    assert crash["replaced_by"] == {"1": "s2"}  # a new process, not spare s0
+    assert node["dead_ranks"] == [2, 3] and node["respawned"] == {}
+    assert node["replaced_by"] == {"2": "s0", "3": "s1"} and summary["spares_left"] == []
