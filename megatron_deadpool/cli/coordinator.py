@@ -108,6 +108,12 @@ def run(args: argparse.Namespace) -> int:
             f"standby: entry {args.standby} of deadpool-coordinator does not exist (it lists "
             f"{len(addresses)}); a standby needs the primary's address before its own"
         )
+    if cfg.respawn_limit:
+        raise ConfigError(
+            "deadpool-respawn-limit: a cluster job has no node agent yet to respawn a process "
+            "in place (every failure takes a spare node); drop the flag, or use `deadpool "
+            "train` / `deadpool megatron-lm`, whose launcher respawns"
+        )
     secret = job_secret(cfg.job_token)
     if args.standby and not secret:
         raise ConfigError(
