@@ -49,9 +49,6 @@ ROWS: dict[str, tuple[list[str], str]] = {
     "train-replicas-zero": (["train", "--deadpool-replicas", "0"], "replicas"),
     "train-respawn-limit-negative": (["train", "--deadpool-respawn-limit", "-1"],
                                      "deadpool-respawn-limit"),
-    "coordinator-respawn-limit": (["coordinator", "--world-size", "4", "--deadpool-coordinator",
-                                   "127.0.0.1:1", "--deadpool-respawn-limit", "1"],
-                                  "deadpool-respawn-limit"),
     "train-respawn-window-nan": (["train", "--deadpool-respawn-window", "nan"],
                                  "deadpool-respawn-window"),
     "train-save-interval-negative": (["train", "--save", "{d}/ck", "--save-interval", "-1"],
@@ -74,6 +71,8 @@ ROWS: dict[str, tuple[list[str], str]] = {
     "train-load-tracker-without-folder": (["train", "--load", "{d}/nofolder"], "--load"),
     "train-load-bad-manifest": (["train", "--load", "{d}/badsnap"], "--load"),
     # -- deadpool coordinator
+    "coordinator-respawn-limit": ([*COORD, "--deadpool-respawn-limit", "1"],
+                                  "deadpool-respawn-limit"),
     "coordinator-max-wait-negative": ([*COORD, "--max-wait", "-1"], "--max-wait"),
     "coordinator-max-wait-nan": ([*COORD, "--max-wait", "nan"], "--max-wait"),
     "coordinator-world-size-zero": ([*COORD[:1], "--world-size", "0"], "--world-size"),
