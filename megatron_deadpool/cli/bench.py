@@ -28,6 +28,10 @@ BENCHES: dict[str, tuple[str, str]] = {
         "megatron_deadpool.bench.recovery",
         "hot swap vs restart from a persistent checkpoint: recovery time by phase",
     ),
+    "goodput": (
+        "megatron_deadpool.bench.goodput",
+        "a run through a failure trace: in-place respawn vs spares only vs checkpoint restarts",
+    ),
     "paper": ("megatron_deadpool.bench.paper", "the paper's figures and tables"),
     "start": (
         "megatron_deadpool.bench.start",
