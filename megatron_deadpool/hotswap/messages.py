@@ -173,8 +173,7 @@ class LayoutRecord(Message):
     @classmethod
     def of(cls, layout: Layout, replicas: int) -> LayoutRecord:
         """The record of `layout` with k = `replicas`."""
-        lay = layout
-        return cls(lay.tp, lay.pp, lay.dp, lay.ranks_per_node, replicas, lay.order)
+        return cls(layout.tp, layout.pp, layout.dp, layout.ranks_per_node, replicas, layout.order)
 
     def layout(self) -> Layout:
         return Layout(self.tp, self.pp, self.dp, self.ranks_per_node, self.order)
