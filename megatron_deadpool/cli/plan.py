@@ -2,7 +2,7 @@
 
     deadpool plan --model configs/models/gpt-65b.yaml --tp 4 --pp 8 --dp 16 \\
         --cluster configs/clusters/perlmutter.yaml --spares 4 --global-batch-size 1024 \\
-        [--replicas k] [--json plan.json]
+        [--replicas k] [--use-tp-pp-dp-mapping] [--json plan.json]
 
 Defaults come from the model/job file: its `parallel` section for --tp/--pp/--dp, its
 `deadpool` section for --replicas/--spares (no spares there: one spare node's worth), its
@@ -22,7 +22,7 @@ from ..config.job import ModelConfig, TrainConfig, load_job
 from ..config.numbers import number_arg
 from ..errors import ConfigError
 from ..planner.capacity import PlanReport, RecoveryModel, Workload, format_seconds, plan
-from ..replication.placement import Layout
+from ..replication.placement import Layout, RankOrder
 
 COUNT = number_arg(integer=True, minimum=1)
 """A count flag's type: an integer >= 1."""
@@ -49,6 +49,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "deadpool.ranks_per_node, else tp)",
     )
     parser.add_argument("--replicas", type=COUNT, metavar="K", help="replicas k per shard")
+    parser.add_argument(
+        "--use-tp-pp-dp-mapping",
+        action="store_true",
+        help="Megatron-LM's rank order tp-pp-dp (data-parallel peers tp*pp ranks apart) "
+        "instead of its default tp-dp-pp",
+    )
     parser.add_argument(
         "--spares",
         type=number_arg(integer=True, minimum=0),
@@ -109,7 +115,8 @@ def run(args: argparse.Namespace) -> int:
             f"--gpus-per-node {args.gpus_per_node} contradicts cluster {cluster.site} "
             f"({cluster.gpus_per_node} GPUs per node)"
         )
-    layout = Layout(tp=tp, pp=pp, dp=dp, ranks_per_node=gpus_per_node)
+    order = RankOrder.TP_PP_DP if args.use_tp_pp_dp_mapping else RankOrder.TP_DP_PP
+    layout = Layout(tp=tp, pp=pp, dp=dp, ranks_per_node=gpus_per_node, order=order)
     replicas = _given(args.replicas, job.deadpool.replicas)
     spares = args.spares if args.spares is not None else (job.deadpool.spares or gpus_per_node)
     mbs = _given(args.micro_batch_size, job.train.micro_batch_size)
@@ -178,6 +185,7 @@ def megatron_args(
     out += [
         f"--tensor-model-parallel-size={layout.tp}",
         f"--pipeline-model-parallel-size={layout.pp}",
+        *(["--use-tp-pp-dp-mapping"] if layout.order is RankOrder.TP_PP_DP else []),
         *(["--sequence-parallel"] if layout.tp > 1 else []),
         "--use-distributed-optimizer",
         "--bf16",
@@ -252,7 +260,7 @@ def format_report(report: PlanReport, *, title: str = "") -> str:
         "layout",
         f"tp {lay.tp} x pp {lay.pp} x dp {lay.dp} = {lay.world_size} GPUs on {r.nodes} nodes "
         f"+ {r.spares} spare ranks ({r.spare_nodes:g} node(s)); "
-        f"k = {r.replicas} replica(s) per shard",
+        f"k = {r.replicas} replica(s) per shard; rank order {lay.order}",
     )
     head(
         "model",

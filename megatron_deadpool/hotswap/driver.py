@@ -53,7 +53,7 @@ from ..errors import (
     first_line,
 )
 from ..logs import set_context
-from ..replication.placement import Layout, Placement, place_replicas
+from ..replication.placement import Layout, Placement, RankOrder, place_replicas
 from ..replication.replicator import Replicator
 from ..replication.snapshot import Snapshotter
 from . import orphaned, private_world, rebind
@@ -61,6 +61,7 @@ from .adapter import JobAdapter, RecoveryRecord
 from .connection import Heartbeat
 from .failover import CoordinatorLink, FailoverStore, host_id
 from .injection import FaultInjector
+from .layout_check import check_megatron_groups
 from .membership import Membership
 from .messages import ErrorReport, LayoutRecord, Phase, Registration, Roster, member_of
 from .plan_watch import PlanWatch
@@ -413,34 +414,41 @@ class Driver:
         self._record(roster, target, t0, {"join": t_joined - t0, "restore": time.time() - t_joined})
         return t_iter
 
-    def place_replicas(self, ranks_per_node: int | None = None) -> Layout:
-        """Megatron's groups exist: the first time, work out the layout from them and place the
-        replicas (rank 0 of generation 0 publishes the layout for the coordinator)."""
+    def place_replicas(
+        self, ranks_per_node: int | None = None, order: RankOrder = RankOrder.TP_DP_PP
+    ) -> Layout:
+        """Megatron's groups exist: the first time, work out the layout from them and `order`
+        (Megatron's rank order, which the job's adapter knows), check that it names the groups
+        Megatron made, and place the replicas (rank 0 of generation 0 publishes the layout for
+        the coordinator). Later calls (each generation's `join`) keep the first layout."""
         if self.layout is None:
             from megatron.core import parallel_state as ps
 
             tp = ps.get_tensor_model_parallel_world_size()
             per_node = ranks_per_node or self.cfg.ranks_per_node or _ranks_per_node_from_env(tp)
-            self.layout = Layout(
+            layout = Layout(
                 tp=tp,
                 pp=ps.get_pipeline_model_parallel_world_size(),
                 dp=ps.get_data_parallel_world_size(),
                 ranks_per_node=per_node,
+                order=order,
             )
+            check_megatron_groups(layout, dist.get_rank())
+            self.layout = layout
             if not self.cfg.enabled:
                 return self.layout
             self.placement = place_replicas(self.layout, self.cfg.replicas)
             record = self._layout_record()
             if self.generation == 0 and self.rank == 0 and record is not None:
                 self.membership.publish_layout(record)
+                log.info("replicas placed: %s", self.placement.describe())
         return self.layout
 
     def _layout_record(self) -> LayoutRecord | None:
         """The layout as the coordinator learns it (None before replicas are placed)."""
         if self.layout is None or self.placement is None:
             return None
-        lay = self.layout
-        return LayoutRecord(lay.tp, lay.pp, lay.dp, lay.ranks_per_node, self.cfg.replicas)
+        return LayoutRecord.of(self.layout, self.cfg.replicas)
 
     def new_replication_group(self) -> None:
         """Create this generation's replication group(s) (every rank, after Megatron's

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
-from ..replication.placement import Layout
+from ..replication.placement import Layout, RankOrder
 from .codec import Message, ProtocolError, require
 
 __all__ = ["Keys", "ProtocolError"]  # and the messages below
@@ -163,14 +163,21 @@ class LayoutRecord(Message):
     dp: int
     ranks_per_node: int
     replicas: int
+    order: RankOrder = RankOrder.TP_DP_PP
+    """Megatron's rank order (absent in a record of a release before it: the default)."""
 
     def validate(self) -> None:
         require(
             min(self.tp, self.pp, self.dp, self.ranks_per_node, self.replicas) >= 1, "sizes >= 1"
         )
 
+    @classmethod
+    def of(cls, layout: Layout, replicas: int) -> LayoutRecord:
+        """The record of `layout` with k = `replicas`."""
+        return cls(layout.tp, layout.pp, layout.dp, layout.ranks_per_node, replicas, layout.order)
+
     def layout(self) -> Layout:
-        return Layout(self.tp, self.pp, self.dp, self.ranks_per_node)
+        return Layout(self.tp, self.pp, self.dp, self.ranks_per_node, self.order)
 
 
 @dataclass(frozen=True)

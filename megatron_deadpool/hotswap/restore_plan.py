@@ -58,8 +58,11 @@ def plan_restore(placement: Placement, holdings: Holdings, needy: set[int]) -> R
         candidates = set(options) if candidates is None else candidates & set(options)
     lost = [r for r, opts in available.items() if not opts]
     if lost:
+        order = placement.layout.order
         shards = ", ".join(
-            f"rank {r} (holders {list(placement.holders[r])} dead or without a copy)" for r in lost
+            f"rank {r} (holders {list(placement.holders[r])}, its data-parallel peers under "
+            f"{order}, dead or without a copy)"
+            for r in lost
         )
         return RestorePlan(
             None, lost_ranks=lost, reason=f"no surviving copy of the shard of {shards}"

@@ -42,6 +42,7 @@ from ..devices import active_device
 from ..errors import ConfigError, DeadpoolRuntimeError, LostAfterTrainingError
 from ..hotswap.driver import Driver
 from ..hotswap.messages import Roster
+from ..replication.placement import RankOrder
 from ..replication.snapshot import RankState
 from . import report as mreport
 from . import timers
@@ -248,7 +249,7 @@ class MegatronSession:
             margs.deadpool_job_token = "<redacted>"
         d = self.driver
         d.device = active_device()
-        layout = d.place_replicas()
+        layout = d.place_replicas(order=rank_order(margs))
         check_faults(
             [parse_fault(spec) for spec in self.cfg.fail],
             layout.world_size,
@@ -281,8 +282,6 @@ class MegatronSession:
             or getattr(a, "expert_model_parallel_size", 1) > 1
         ):
             problems.append("context or expert parallelism: placement covers tp x pp x dp only")
-        if getattr(a, "use_tp_pp_dp_mapping", False):
-            problems.append("--use-tp-pp-dp-mapping: placement assumes Megatron's default order")
         problems += startup_bound_problems(a)  # state inside the start-up communicators
         timeout_s = getattr(a, "distributed_timeout_minutes", 10) * 60
         if self.cfg.heartbeat_timeout >= timeout_s:
@@ -549,6 +548,15 @@ class MegatronSession:
 
 
 # ---------------------------------------------------------------------- helpers
+def rank_order(margs: Any) -> RankOrder:
+    """The rank order Megatron-LM's `initialize_megatron` builds its groups in: tp-pp-dp with
+    `--use-tp-pp-dp-mapping` (order 'tp-cp-ep-pp-dp' in both supported tags), else the default
+    tp-dp-pp ('tp-cp-ep-dp-pp')."""
+    return (
+        RankOrder.TP_PP_DP if getattr(margs, "use_tp_pp_dp_mapping", False) else RankOrder.TP_DP_PP
+    )
+
+
 def _num_microbatches() -> int:
     from megatron.core.num_microbatches_calculator import get_num_microbatches
 

@@ -297,6 +297,7 @@ class PlanReport:
                 "tp": lay.tp,
                 "pp": lay.pp,
                 "dp": lay.dp,
+                "order": lay.order.short,
                 "world_size": lay.world_size,
                 "gpus_per_node": lay.ranks_per_node,
                 "nodes": self.nodes,

@@ -1,11 +1,15 @@
 """Pure planning over rank lists: Megatron's rank layout, failure domains, replica placement.
 
 Nothing here communicates, and nothing imports torch or Megatron. The layout is
-Megatron-Core's own (its `RankGenerator`'s default order tp-cp-ep-dp-pp, computed by
-`rank_groups`), so a rank's data-parallel peers here are exactly the ranks `parallel_state`
-puts in its data-parallel group. A replica of rank r's optimizer shard is
-held by a peer with the same (tp, pp) position - a data-parallel peer, which owns the same
-parameters' shards' neighbours and so has the same shapes - in another failure domain.
+Megatron-Core's own: its `RankGenerator`'s rank order (`RankOrder`: the default tp-cp-ep-dp-pp,
+or tp-cp-ep-pp-dp under Megatron-LM's `--use-tp-pp-dp-mapping`), computed by `rank_groups`, so
+a rank's data-parallel peers here are exactly the ranks `parallel_state` puts in its
+data-parallel group. A replica of rank r's optimizer shard is held by a peer with the same
+(tp, pp) position - a data-parallel peer, which owns the same parameters' shards' neighbours
+and so has the same shapes - in another failure domain. Failure domains are consecutive ranks
+whatever the order; the order decides which ranks are data-parallel peers, so it decides
+whether they span nodes (TP1 x PP2 x DP2 on nodes of 2: under tp-dp-pp a node holds a
+data-parallel group, under tp-pp-dp a pipeline, and the peers are on the other node).
 
 Placement is a set of k permutations of each data-parallel group, so every rank holds exactly
 k replicas (balanced) and no owner-holder pair shares a failure domain. Rings with a fixed
@@ -18,21 +22,51 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from enum import Enum
 from functools import cached_property
 
 from ..errors import PlacementError
 
 
+class RankOrder(Enum):
+    """Megatron's rank order: the `order` `initialize_model_parallel` builds its groups in, the
+    fastest-varying dimension first (a rank is the mixed-radix number of its coordinates)."""
+
+    TP_DP_PP = "tp-cp-ep-dp-pp"
+    """Megatron's default: data-parallel peers tp ranks apart, pipeline stages tp*dp apart."""
+    TP_PP_DP = "tp-cp-ep-pp-dp"
+    """Megatron-LM's `--use-tp-pp-dp-mapping`: pipeline stages tp ranks apart, data-parallel
+    peers tp*pp apart."""
+
+    @property
+    def dims(self) -> list[str]:
+        """The dimensions, fastest first."""
+        return self.value.split("-")
+
+    @property
+    def short(self) -> str:
+        """The order of tp, pp and dp alone, as Megatron's documentation names it
+        ("tp-dp-pp", "tp-pp-dp"): what messages say."""
+        return "-".join(d for d in self.dims if d in ("tp", "pp", "dp"))
+
+    def __str__(self) -> str:
+        return self.short
+
+
 @dataclass(frozen=True)
 class Layout:
-    """Megatron's rank layout for tp x pp x dp and its failure domains."""
+    """Megatron's rank layout for tp x pp x dp in `order`, and its failure domains."""
 
     tp: int
     pp: int
     dp: int
     ranks_per_node: int
+    order: RankOrder = RankOrder.TP_DP_PP
+    """The order Megatron numbers ranks in (`initialize_model_parallel(order=...)`)."""
 
     def __post_init__(self) -> None:
+        if not isinstance(self.order, RankOrder):
+            raise TypeError(f"order: expected a RankOrder, got {self.order!r}")
         if self.world_size % self.ranks_per_node:
             raise PlacementError(
                 f"ranks-per-node ({self.ranks_per_node}) must divide the world size "
@@ -52,14 +86,35 @@ class Layout:
         return list(range(node * self.ranks_per_node, (node + 1) * self.ranks_per_node))
 
     def groups(self, token: str) -> list[list[int]]:
-        """Megatron's rank groups for `token` ('tp', 'pp', 'dp', 'tp-pp', ...), in Megatron's
-        order (`parallel_state.RankGenerator.get_ranks` with context and expert size 1)."""
+        """Megatron's rank groups for `token` ('tp', 'pp', 'dp', 'tp-pp', ...), as Megatron
+        enumerates them (`parallel_state.RankGenerator(order=self.order.value).get_ranks` with
+        context and expert size 1)."""
         return rank_groups(self.sizes, token.split("-"))
 
     @property
     def sizes(self) -> dict[str, int]:
-        """Each parallel dimension's size, in Megatron's default order (fastest first)."""
-        return {"tp": self.tp, "cp": 1, "ep": 1, "dp": self.dp, "pp": self.pp}
+        """Each parallel dimension's size, in the layout's order (fastest first)."""
+        size = {"tp": self.tp, "cp": 1, "ep": 1, "dp": self.dp, "pp": self.pp}
+        return {d: size[d] for d in self.order.dims}
+
+    @property
+    def dp_span(self) -> tuple[str, int]:
+        """How many consecutive ranks a data-parallel group spans (as a product of sizes, and
+        its value): tp*dp under tp-dp-pp, tp*pp*dp under tp-pp-dp. With that many ranks per
+        node or more, the group lies in one node."""
+        dims = self.order.dims
+        names = [d for d in dims[: dims.index("dp") + 1] if d in ("tp", "pp", "dp")]
+        span = 1
+        for d in names:
+            span *= self.sizes[d]
+        return "*".join(names), span
+
+    def describe(self) -> str:
+        """tp x pp x dp, the order and the nodes, for messages."""
+        return (
+            f"tp {self.tp} x pp {self.pp} x dp {self.dp} in rank order {self.order}, "
+            f"{self.ranks_per_node} rank(s) per node"
+        )
 
     @cached_property
     def dp_groups(self) -> list[list[int]]:
@@ -122,6 +177,17 @@ class Placement:
         """True when every dead rank's shard survives in some holder's memory."""
         return not self.lost_owners(dead)
 
+    def describe(self, owners: int = 16) -> str:
+        """The layout and which ranks hold each rank's replicas (the first `owners` owners),
+        for the log."""
+        lay = self.layout
+        shown = ", ".join(f"{o}->{list(hs)}" for o, hs in enumerate(self.holders[:owners]))
+        more = ", ..." if lay.world_size > owners else ""
+        return (
+            f"{lay.describe()}; owner->holders (data-parallel peers under {lay.order} on other "
+            f"nodes): {shown}{more}"
+        )
+
 
 def place_replicas(layout: Layout, replicas: int) -> Placement:
     """Place `replicas` copies of every rank's shard; raise `PlacementError` when impossible."""
@@ -143,22 +209,30 @@ def _place_group(group: Sequence[int], layout: Layout, k: int) -> dict[int, tupl
     n = len(group)
     domains = [layout.domain(r) for r in group]
     distinct = len(set(domains))
+    named = _peers(group, layout)
     if distinct == 1:
+        names, span = layout.dp_span
+        other = (
+            " (or Megatron-LM's --use-tp-pp-dp-mapping, under which a data-parallel group "
+            f"spans tp*pp*dp={layout.world_size} ranks)"
+            if layout.order is RankOrder.TP_DP_PP and layout.ranks_per_node < layout.world_size
+            else ""
+        )
         raise PlacementError(
-            f"cannot place replicas: the data-parallel group {_short(group)} lies entirely in "
-            f"failure domain {domains[0]} (ranks-per-node={layout.ranks_per_node} >= "
-            f"tp*dp={layout.tp * layout.dp}); lower ranks-per-node or raise dp so that "
-            "data-parallel peers span nodes"
+            f"cannot place replicas: {named} lies entirely in failure domain {domains[0]} "
+            f"(ranks-per-node={layout.ranks_per_node} >= {names}={span}, the ranks a "
+            f"data-parallel group spans under {layout.order}); lower ranks-per-node or raise dp "
+            f"so that data-parallel peers span nodes{other}"
         )
     # Each holder must be in another domain than its owner: an owner in a domain of size m
     # has n - m candidates, so k <= n - max_m is necessary.
     largest = max(Counter(domains).values())
     if k > n - largest:
         raise PlacementError(
-            f"cannot place {k} replicas: data-parallel group {_short(group)} spans {distinct} "
-            f"failure domains with up to {largest} of its {n} ranks in one, so at most "
-            f"{n - largest} replica(s) fit outside an owner's domain; lower deadpool-replicas "
-            "to that or spread data-parallel peers over more nodes"
+            f"cannot place {k} replicas: {named} spans {distinct} failure domains with up to "
+            f"{largest} of its {n} ranks in one, so at most {n - largest} replica(s) fit "
+            "outside an owner's domain; lower deadpool-replicas to that or spread "
+            "data-parallel peers over more nodes"
         )
     perms: list[list[int]] = []
     used: set[tuple[int, int]] = set()
@@ -173,8 +247,8 @@ def _place_group(group: Sequence[int], layout: Layout, k: int) -> dict[int, tupl
         matched = _matching(domains, used)
         if matched is None:
             raise PlacementError(
-                f"cannot place {k} replicas in data-parallel group {_short(group)} with each "
-                f"rank holding exactly {k}; lower deadpool-replicas to {len(perms)}"
+                f"cannot place {k} replicas among {named} with each rank holding exactly "
+                f"{k}; lower deadpool-replicas to {len(perms)}"
             )
         perms.append(matched)
         used.update((i, matched[i]) for i in range(n))
@@ -205,6 +279,15 @@ def _matching(domains: list[int], used: set[tuple[int, int]]) -> list[int] | Non
     for j, i in enumerate(match_of_holder):
         perm[i] = j
     return perm
+
+
+def _peers(group: Sequence[int], layout: Layout) -> str:
+    """`group` in messages: "the data-parallel group [2, 3] (rank 2 and its data-parallel
+    peers under tp-pp-dp)"."""
+    return (
+        f"the data-parallel group {_short(group)} (rank {group[0]} and its data-parallel peers "
+        f"under {layout.order})"
+    )
 
 
 def _short(ranks: Sequence[int]) -> str:

@@ -79,6 +79,7 @@ def test_installed_command_plans_the_cpu_demo_from_its_file() -> None:
         "tp": 2,
         "pp": 1,
         "dp": 2,
+        "order": "tp-dp-pp",
         "world_size": 4,
         "gpus_per_node": 2,
         "nodes": 2,
@@ -156,3 +157,26 @@ def test_cli_prints_megatron_lm_arguments(capsys: pytest.CaptureFixture[str]) ->
     args = capsys.readouterr().out.split()
     assert "--swiglu" not in args and "--untie-embeddings-and-output-weights" not in args
     assert "--sequence-parallel" not in args and "--normalization=LayerNorm" in args
+    assert "--use-tp-pp-dp-mapping" not in args
+
+
+@pytest.mark.timeout(60)
+def test_cli_plans_megatrons_tp_pp_dp_order(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`--use-tp-pp-dp-mapping`: the plan places replicas among the data-parallel peers of that
+    order. 64 GPUs per node hold a whole tp 4 x dp 16 data-parallel group under Megatron's
+    default order (refused), while under tp-pp-dp a group spans all 512 ranks: 8 nodes."""
+    model = ["--model", str(CONFIGS / "models" / "gpt-65b.yaml")]
+    layout = ["--tp", "4", "--pp", "8", "--dp", "16", "--gpus-per-node", "64", "--spares", "64"]
+    assert call_deadpool("plan", *model, *layout) == 2
+    assert "lies entirely" in capsys.readouterr().err
+    out = tmp_path / "plan.json"
+    mapped = [*model, *layout, "--use-tp-pp-dp-mapping"]
+    assert call_deadpool("plan", *mapped, "--json", str(out)) == 0
+    assert "rank order tp-pp-dp" in capsys.readouterr().out
+    data = json.loads(out.read_text())
+    assert data["layout"]["order"] == "tp-pp-dp" and data["layout"]["nodes"] == 8
+    assert data["failures"]["survives_any_node"] is True
+    assert call_deadpool("plan", *mapped, "--megatron-args") == 0
+    assert "--use-tp-pp-dp-mapping" in capsys.readouterr().out.split()

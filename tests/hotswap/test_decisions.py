@@ -32,7 +32,7 @@ from megatron_deadpool.hotswap.messages import (
 )
 from megatron_deadpool.hotswap.rebuild import rebuild
 from megatron_deadpool.hotswap.respawn import RespawnBudget
-from megatron_deadpool.replication.placement import Layout, place_replicas
+from megatron_deadpool.replication.placement import Layout, RankOrder, place_replicas
 
 HEARTBEAT_TIMEOUT = 10.0
 AGREE_TIMEOUT = 20.0
@@ -91,10 +91,14 @@ class Job:
         start: bool = True,
         respawn_limit: int = 0,
         respawn_window: float = 3600.0,
+        layout: Layout | None = None,
+        learn_layout: bool = False,
     ) -> None:
+        """`layout`: tp 1 x pp 1 x dp `world` unless given; `learn_layout`: the coordinator is
+        given no placement and learns it from the layout rank 0 publishes (a cluster's)."""
         self.store = MemoryStore()
         self.clock = ManualClock()
-        self.layout = Layout(tp=1, pp=1, dp=world, ranks_per_node=per_node)
+        self.layout = layout or Layout(tp=1, pp=1, dp=world, ranks_per_node=per_node)
         self.placement = place_replicas(self.layout, 1)
         self.launcher = Launcher()
         self.events = EventLog(None, clock=self.clock.time)
@@ -103,7 +107,7 @@ class Job:
         self.coord = Coordinator(
             Membership(self.store, "coordinator", SEAL),
             world,
-            self.placement,
+            None if learn_layout else self.placement,
             [f"s{i}" for i in range(spares)],
             heartbeat_timeout=HEARTBEAT_TIMEOUT,
             agree_timeout=AGREE_TIMEOUT,
@@ -206,6 +210,26 @@ def test_one_death_takes_a_spare_and_agrees_on_the_newest_common_iteration() -> 
     roster = job.m().roster(1)
     assert roster.slots == {0: "a0", 1: "a1", 2: "s0", 3: "a3"} and roster.restore_iteration == 4
     assert job.coord.roster == roster and job.coord.out_of_redundancy is None
+
+
+def test_a_learnt_tp_pp_dp_layout_takes_the_shard_from_the_data_parallel_peer() -> None:
+    """TP1 x PP2 x DP2 on nodes of 2 in Megatron's tp-pp-dp order, learnt from rank 0's
+    record: rank 2's shard comes from rank 0, its data-parallel peer under that order on the
+    other node (under the default order ranks 2 and 3 would be peers, in one node)."""
+    layout = Layout(tp=1, pp=2, dp=2, ranks_per_node=2, order=RankOrder.TP_PP_DP)
+    job = Job(world=4, per_node=2, spares=2, layout=layout, learn_layout=True)
+    job.m("a0").publish_layout(LayoutRecord.of(layout, 1))
+    job.die("a2")
+    job.tick()
+    plan = job.m().plan(1)
+    assert plan is not None and plan.dead == (2,) and plan.replaced == {2: "s0"}
+    job.report(1, [0, 1, 3])
+    job.tick()
+    assert job.decision(1) == Decision.roster(4)
+    assert job.m().sources(1).holders == {2: 0}
+    learnt = job.coord.placement()
+    assert learnt is not None and learnt.layout == layout and learnt.holders[2] == (0,)
+    assert "shards from rank 0 -> rank 2" in " ".join(job.said)
 
 
 def test_a_hung_member_is_killed_after_the_heartbeat_timeout() -> None:

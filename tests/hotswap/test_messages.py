@@ -32,6 +32,7 @@ from megatron_deadpool.hotswap.messages import (
     decode_holdings,
     member_of,
 )
+from megatron_deadpool.replication.placement import Layout, RankOrder
 
 SAVE = SaveOrder(iteration=4, sources={2: 3}, complete=False, missing=(1,))
 EXAMPLES = [
@@ -163,3 +164,18 @@ def test_an_error_report_names_its_cause_in_one_line() -> None:
     assert ERROR.cause() == "rank 2 start-up: FileNotFoundError: no /data"
     assert EXAMPLES[-2].cause() == "spare s0 waiting: KeyError"
     assert ERROR.signature() == (Phase.START_UP, "FileNotFoundError", "no /data")
+
+
+def test_the_layout_record_carries_megatrons_rank_order() -> None:
+    """The coordinator and a standby place replicas from the record: the order travels with it;
+    a record without one (an older release's) means Megatron's default."""
+    layout = Layout(tp=1, pp=2, dp=2, ranks_per_node=2, order=RankOrder.TP_PP_DP)
+    record = LayoutRecord.of(layout, 1)
+    assert record.to_dict()["order"] == "tp-cp-ep-pp-dp"
+    read = LayoutRecord.decode("job/layout", record.encode())
+    assert read == record and read.layout() == layout
+    assert read.layout().dp_groups == [[0, 2], [1, 3]]
+    older = {k: v for k, v in record.to_dict().items() if k != "order"}
+    assert LayoutRecord.decode("job/layout", json.dumps(older)).order is RankOrder.TP_DP_PP
+    with pytest.raises(ProtocolError, match="field 'order': 'pp-dp-tp' is not one of"):
+        LayoutRecord.decode("job/layout", json.dumps({**older, "order": "pp-dp-tp"}))

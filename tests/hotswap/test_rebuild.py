@@ -8,6 +8,7 @@ import pytest
 
 from megatron_deadpool.hotswap.messages import LayoutRecord, ProtocolError, Registration
 from megatron_deadpool.hotswap.rebuild import rebuild
+from megatron_deadpool.replication.placement import Layout, RankOrder, place_replicas
 
 LAYOUT = LayoutRecord(tp=2, pp=1, dp=2, ranks_per_node=2, replicas=1)
 GEN0 = {0: "a0", 1: "a1", 2: "a2", 3: "a3"}
@@ -112,3 +113,21 @@ def test_rebuild_scales_to_thousands_of_ranks() -> None:
     }
     state = rebuild(records, world_size=world, spares=[])  # time: `deadpool bench planning`
     assert state is not None and sorted(state.missing) == list(range(24, 32))
+
+
+@pytest.mark.timeout(10)
+def test_a_standby_keeps_the_rank_order_and_places_as_the_job_did() -> None:
+    """A tp-pp-dp job's layout comes back from the registrations with its order, so the
+    standby's placement is the primary's: rank 2's replica on rank 0, its data-parallel peer
+    under tp-pp-dp on the other node."""
+    layout = Layout(tp=1, pp=2, dp=2, ranks_per_node=2, order=RankOrder.TP_PP_DP)
+    record = LayoutRecord.of(layout, 1)
+    sent = active("a2", 2, layout=record)
+    state = rebuild(
+        regs(Registration.decode("rejoin/a2", sent.encode()), active("a3", 3, layout=record)),
+        world_size=4,
+        spares=[],
+    )
+    assert state is not None and state.layout == record
+    placement = place_replicas(state.layout.layout(), state.layout.replicas)
+    assert placement.holders == place_replicas(layout, 1).holders == ((2,), (3,), (0,), (1,))

@@ -1,6 +1,6 @@
 """Megatron-LM's `pretrain_gpt.py` with models beyond test_pretrain_gpt.py's dense TP2 x DP2 GPT,
-hot-swapped bitwise: an MoE model whose router keeps state outside the optimizer, and an
-interleaved pipeline.
+hot-swapped bitwise: an MoE model whose router keeps state outside the optimizer, an
+interleaved pipeline, and a pipeline in Megatron's tp-pp-dp rank order.
 
 - MoE (4 experts, top 2, EP 1, DP4 + a spare) with ``--moe-router-enable-expert-bias``:
   the router's ``expert_bias`` is a module buffer Megatron updates every step outside the
@@ -10,6 +10,14 @@ interleaved pipeline.
   rank's final digest of parameters and buffers must be the failure-free run's.
 - Interleaved pipeline: PP2 x VPP2 x DP2 + a spare (4 layers, one per virtual stage), a killed
   rank and a hung rank, against the same failure-free run; newest tag only (`NEWEST_ONLY`).
+- Rank order tp-pp-dp (``--use-tp-pp-dp-mapping``): TP1 x PP2 x DP2 on nodes of 2 + a spare. A
+  node holds one pipeline (ranks 0 and 1 under tp-pp-dp; under the default order it would hold
+  a data-parallel group, which DeadPool refuses), so each rank's replica is on its
+  data-parallel peer under tp-pp-dp on the other node: rank 2's on rank 0. A killed and a hung
+  rank 2 are restored from rank 0. Newest tag only: DeadPool's path is the same on both tags
+  (each reads ``args.use_tp_pp_dp_mapping`` and builds its groups in order 'tp-cp-ep-pp-dp';
+  0.19's extra ``gtp_remat`` axis has size 1), and the driver checks at start-up that the
+  layout names the groups Megatron made.
 
 Each model's failure-free run is made once per module (`baselines`) and shared. Skips unless
 MEGATRON_LM_PATH lists a tree of the tag (tests/mlm.py).
@@ -53,6 +61,13 @@ MODELS: dict[str, list[str]] = {
         *megatron_args(ITERS), *SPARE, "--deadpool-ranks-per-node", "1",
         "--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "2",
         "--num-layers", "4", "--num-layers-per-virtual-pipeline-stage", "1",
+    ],
+    # TP 1, one layer per stage, Megatron's tp-pp-dp order, two ranks per node: pipelines
+    # [0, 1] and [2, 3] (one per node), data-parallel groups [0, 2] and [1, 3] (across nodes).
+    "tppdp": [
+        *megatron_args(ITERS), *SPARE, "--deadpool-ranks-per-node", "2",
+        "--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "2",
+        "--use-tp-pp-dp-mapping",
     ],
 }  # fmt: skip
 """The `pretrain_gpt.py` arguments of each model (argparse keeps an option's last value)."""
@@ -132,3 +147,49 @@ def test_interleaved_pipeline_hung_rank_is_hot_swapped_bitwise(
     assert rec["dead_ranks"] == [2] and rec["replaced_by"] == {"2": "s0"}
     assert rec["restore_iteration"] in (2, 3) and rec["recomputed_iterations"] <= 1
     assert re.search(r"process a2 silent for [\d.]+s \(hung\); killed", run.text), run.describe()
+
+
+TP_PP_DP_PLACEMENT = (
+    "tp 1 x pp 2 x dp 2 in rank order tp-pp-dp, 2 rank(s) per node; owner->holders "
+    "(data-parallel peers under tp-pp-dp on other nodes): 0->[2], 1->[3], 2->[0], 3->[1]"
+)
+"""Rank 0's log line of the placement: each rank's replica on its data-parallel peer under
+tp-pp-dp, on the other node (under the default order ranks 0 and 1 would be peers)."""
+
+
+def _from_data_parallel_peer(run: Run) -> None:
+    """The replicas were placed under tp-pp-dp and rank 2's shard came from rank 0; Megatron's
+    stages are those of tp-pp-dp too: ranks 0 and 2 (stage 0) end with the same parameters,
+    as do 1 and 3 (stage 1)."""
+    assert TP_PP_DP_PLACEMENT in run.text, run.describe()
+    digests = run.summary["param_digests"]
+    assert digests["0"] == digests["2"] != digests["1"] == digests["3"]
+    assert "agreed: restore iteration" in run.text and "shards from rank 0 -> rank 2" in run.text
+
+
+@pytest.mark.timeout(3 * RUN_TIMEOUT)
+@NEWEST_ONLY
+def test_tp_pp_dp_mapping_killed_rank_is_restored_from_its_data_parallel_peer_bitwise(
+    baselines, tag: str, tmp_path: Path
+) -> None:
+    baseline = baselines(tag, "tppdp")
+    assert TP_PP_DP_PLACEMENT in baseline.text, baseline.describe()
+    run = _killed(tag, "tppdp", tmp_path)
+    _assert_same_training(run, baseline)
+    _from_data_parallel_peer(run)
+
+
+@pytest.mark.timeout(3 * RUN_TIMEOUT)
+@NEWEST_ONLY
+def test_tp_pp_dp_mapping_hung_rank_is_restored_from_its_data_parallel_peer_bitwise(
+    baselines, tag: str, tmp_path: Path
+) -> None:
+    """Rank 2 stopped (SIGSTOP) as iteration 4 starts: only its silence names it."""
+    baseline = baselines(tag, "tppdp")
+    args = [*MODELS["tppdp"], *HANG_HEARTBEAT, "--deadpool-fail", "2@4:hang"]
+    run = launch(tmp_path, "hang", megatron_lm_tree(tag) / "pretrain_gpt.py", args)
+    _assert_same_training(run, baseline)
+    (rec,) = run.summary["recoveries"]
+    assert rec["dead_ranks"] == [2] and rec["replaced_by"] == {"2": "s0"}
+    assert rec["restore_iteration"] in (2, 3) and rec["recomputed_iterations"] <= 1
+    _from_data_parallel_peer(run)

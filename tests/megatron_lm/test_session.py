@@ -50,6 +50,21 @@ def test_session_refuses_what_it_cannot_protect() -> None:
             session._check_megatron_args(SimpleNamespace(**{**vars(ok), **change}))
 
 
+def test_the_tp_pp_dp_mapping_is_taken_from_megatrons_arguments_not_refused() -> None:
+    """`--use-tp-pp-dp-mapping` is protected: the session places replicas in Megatron's order
+    (`rank_order`; both tags build their groups in order 'tp-cp-ep-pp-dp' with it)."""
+    from megatron_deadpool.megatron_lm.session import MegatronSession, rank_order
+    from megatron_deadpool.replication.placement import RankOrder
+
+    session = MegatronSession(DeadpoolConfig(enabled=True), 0, "token")
+    mapped = SimpleNamespace(use_distributed_optimizer=True, data_parallel_size=2,
+                             distributed_timeout_minutes=10, use_tp_pp_dp_mapping=True)  # fmt: skip
+    session._check_megatron_args(mapped)
+    assert rank_order(mapped) is RankOrder.TP_PP_DP
+    assert rank_order(SimpleNamespace(use_tp_pp_dp_mapping=False)) is RankOrder.TP_DP_PP
+    assert rank_order(SimpleNamespace()) is RankOrder.TP_DP_PP
+
+
 @pytest.mark.parametrize(
     "change,flag,fix",
     [

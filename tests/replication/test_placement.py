@@ -1,5 +1,8 @@
 """Replica placement: never in the owner's failure domain, balanced, among data-parallel peers.
 
+Under both of Megatron's rank orders (`RankOrder`: the default tp-dp-pp and
+`--use-tp-pp-dp-mapping`'s tp-pp-dp), with the groups checked against Megatron's own
+`RankGenerator` and the coordinates of the closed-form layout of each order.
 Small layouts are checked exhaustively against an independent oracle: a placement with every
 rank holding exactly k replicas exists iff a max-flow (owners -> allowed holders -> sink,
 capacities k, 1, k) saturates; `place_replicas` must succeed exactly then and raise a
@@ -16,12 +19,18 @@ import pytest
 from megatron.core.parallel_state import RankGenerator
 
 from megatron_deadpool.errors import ConfigError, PlacementError
-from megatron_deadpool.replication.placement import Layout, Placement, place_replicas
+from megatron_deadpool.replication.placement import Layout, Placement, RankOrder, place_replicas
+
+ORDERS = pytest.mark.parametrize("order", list(RankOrder), ids=lambda o: o.short)
 
 
-def _coords(rank: int, tp: int, dp: int) -> tuple[int, int, int]:
-    """(tp, dp, pp) index of `rank` in Megatron's default order tp-cp-ep-dp-pp (cp=ep=1)."""
-    return rank % tp, (rank // tp) % dp, rank // (tp * dp)
+def _coords(rank: int, layout: Layout) -> tuple[int, int, int]:
+    """(tp, dp, pp) index of `rank`, written out for each order (cp=ep=1): tp-cp-ep-dp-pp
+    numbers ranks tp fastest, then dp, then pp; tp-cp-ep-pp-dp tp, then pp, then dp."""
+    tp, pp, dp = layout.tp, layout.pp, layout.dp
+    if layout.order is RankOrder.TP_DP_PP:
+        return rank % tp, (rank // tp) % dp, rank // (tp * dp)
+    return rank % tp, rank // (tp * pp), (rank // tp) % pp
 
 
 def _max_flow_feasible(group: list[int], domain: dict[int, int], k: int) -> bool:
@@ -80,9 +89,9 @@ def _check_placement(placement: Placement, k: int) -> None:
     assert len(placement.holders) == world
     for owner, holders in enumerate(placement.holders):
         assert len(holders) == k and len(set(holders)) == k, (owner, holders)
-        o_tp, o_dp, o_pp = _coords(owner, layout.tp, layout.dp)
+        o_tp, o_dp, o_pp = _coords(owner, layout)
         for h in holders:
-            h_tp, h_dp, h_pp = _coords(h, layout.tp, layout.dp)
+            h_tp, h_dp, h_pp = _coords(h, layout)
             assert (h_tp, h_pp) == (o_tp, o_pp) and h_dp != o_dp, (owner, h)
             assert layout.domain(h) != layout.domain(owner), (owner, h)
     held = placement.held_by
@@ -91,13 +100,14 @@ def _check_placement(placement: Placement, k: int) -> None:
 
 
 @pytest.mark.timeout(120)
-def test_small_layouts_exhaustively_against_a_max_flow_oracle() -> None:
+@ORDERS
+def test_small_layouts_exhaustively_against_a_max_flow_oracle(order: RankOrder) -> None:
     placed = refused = 0
     for tp, pp, dp, rpn, k in _small_cases():
-        layout = Layout(tp=tp, pp=pp, dp=dp, ranks_per_node=rpn)
+        layout = Layout(tp=tp, pp=pp, dp=dp, ranks_per_node=rpn, order=order)
         domain = {r: r // rpn for r in range(layout.world_size)}
         feasible = dp >= 2 and all(_max_flow_feasible(g, domain, k) for g in layout.dp_groups)
-        case = f"tp={tp} pp={pp} dp={dp} ranks_per_node={rpn} k={k}"
+        case = f"tp={tp} pp={pp} dp={dp} ranks_per_node={rpn} k={k} order={order}"
         if feasible:
             try:
                 placement = place_replicas(layout, k)
@@ -114,32 +124,82 @@ def test_small_layouts_exhaustively_against_a_max_flow_oracle() -> None:
 
 
 @pytest.mark.timeout(60)
+@ORDERS
 @pytest.mark.parametrize(
     "tp,pp,dp", [(1, 1, 8), (2, 1, 4), (2, 2, 2), (1, 4, 2), (4, 2, 3), (2, 3, 2)]
 )
-def test_dp_groups_are_megatrons(tp: int, pp: int, dp: int) -> None:
-    layout = Layout(tp=tp, pp=pp, dp=dp, ranks_per_node=tp)
+def test_dp_groups_are_megatrons(tp: int, pp: int, dp: int, order: RankOrder) -> None:
+    layout = Layout(tp=tp, pp=pp, dp=dp, ranks_per_node=tp, order=order)
     ours = sorted(sorted(g) for g in layout.dp_groups)
-    gen = RankGenerator(tp=tp, ep=1, dp=dp, pp=pp, cp=1, order="tp-cp-ep-dp-pp")
+    gen = RankGenerator(tp=tp, ep=1, dp=dp, pp=pp, cp=1, order=order.value)
     assert ours == sorted(sorted(g) for g in gen.get_ranks("dp"))
     # ... and equal to the groups of the closed-form rank layout.
     by_position: dict[tuple[int, int], list[int]] = {}
     for r in range(layout.world_size):
-        t, _, p = _coords(r, tp, dp)
+        t, _, p = _coords(r, layout)
         by_position.setdefault((t, p), []).append(r)
     assert ours == sorted(by_position.values())
 
 
 @pytest.mark.timeout(60)
-def test_rank_groups_are_megatrons_for_every_token_in_order() -> None:
+@ORDERS
+def test_rank_groups_are_megatrons_for_every_token_in_order(order: RankOrder) -> None:
     """`Layout.groups` computes what Megatron's `RankGenerator` does, order included, for
     every combination of dimensions (the coordinator and the planner never import Megatron)."""
     tokens = ["tp", "pp", "dp", "cp", "tp-pp", "tp-dp", "dp-pp", "tp-dp-pp", "tp-cp", "dp-cp"]
     for tp, pp, dp in itertools.product([1, 2, 3, 4], [1, 2, 3], [1, 2, 3, 5]):
-        layout = Layout(tp=tp, pp=pp, dp=dp, ranks_per_node=1)
-        gen = RankGenerator(tp=tp, ep=1, dp=dp, pp=pp, cp=1, order="tp-cp-ep-dp-pp")
+        layout = Layout(tp=tp, pp=pp, dp=dp, ranks_per_node=1, order=order)
+        gen = RankGenerator(tp=tp, ep=1, dp=dp, pp=pp, cp=1, order=order.value)
         for token in tokens:
             assert layout.groups(token) == gen.get_ranks(token), (tp, pp, dp, token)
+
+
+@pytest.mark.timeout(60)
+def test_the_order_decides_which_ranks_share_a_node_with_their_data_parallel_peers() -> None:
+    """TP1 x PP2 x DP2 on nodes of 2 ranks: under tp-dp-pp a node is a data-parallel group
+    (refused, naming the order and the way out); under tp-pp-dp a node is a pipeline, and
+    each rank's replica goes to its data-parallel peer on the other node."""
+    default = Layout(tp=1, pp=2, dp=2, ranks_per_node=2)
+    assert default.order is RankOrder.TP_DP_PP and default.dp_groups == [[0, 1], [2, 3]]
+    with pytest.raises(PlacementError) as info:
+        place_replicas(default, 1)
+    text = str(info.value)
+    assert "rank 0 and its data-parallel peers under tp-dp-pp" in text
+    assert "tp*dp=2" in text and "--use-tp-pp-dp-mapping" in text
+    mapped = Layout(tp=1, pp=2, dp=2, ranks_per_node=2, order=RankOrder.TP_PP_DP)
+    assert mapped.dp_groups == [[0, 2], [1, 3]] and mapped.groups("pp") == [[0, 1], [2, 3]]
+    placement = place_replicas(mapped, 1)
+    assert placement.holders == ((2,), (3,), (0,), (1,))
+    _check_placement(placement, 1)
+    assert placement.describe() == (
+        "tp 1 x pp 2 x dp 2 in rank order tp-pp-dp, 2 rank(s) per node; owner->holders "
+        "(data-parallel peers under tp-pp-dp on other nodes): 0->[2], 1->[3], 2->[0], 3->[1]"
+    )
+    # TP2 x PP2 x DP2 on nodes of 2: both orders place, each on its own data-parallel peers.
+    holders = {
+        order: place_replicas(Layout(tp=2, pp=2, dp=2, ranks_per_node=2, order=order), 1).holders
+        for order in RankOrder
+    }
+    assert holders[RankOrder.TP_DP_PP] == ((2,), (3,), (0,), (1,), (6,), (7,), (4,), (5,))
+    assert holders[RankOrder.TP_PP_DP] == ((4,), (5,), (6,), (7,), (0,), (1,), (2,), (3,))
+
+
+@pytest.mark.timeout(60)
+def test_placement_errors_name_the_rank_order_in_use() -> None:
+    """Every refusal names the data-parallel peers and the order they are peers under."""
+    mapped = RankOrder.TP_PP_DP
+    with pytest.raises(PlacementError) as info:
+        place_replicas(Layout(tp=2, pp=2, dp=2, ranks_per_node=8, order=mapped), 1)
+    text = str(info.value)
+    assert (
+        "the data-parallel group [0, 4] (rank 0 and its data-parallel peers under tp-pp-dp)" in text
+    )
+    assert "tp*pp*dp=8" in text and "--use-tp-pp-dp-mapping" not in text
+    with pytest.raises(PlacementError, match=r"\[0, 1, 2, 3\] \(rank 0 and its data-parallel peers "
+                       r"under tp-pp-dp\) spans 2 failure domains"):  # fmt: skip
+        place_replicas(Layout(tp=1, pp=1, dp=4, ranks_per_node=2, order=mapped), 3)
+    with pytest.raises(TypeError, match="RankOrder"):
+        Layout(tp=1, pp=1, dp=2, ranks_per_node=1, order="tp-pp-dp")  # type: ignore[arg-type]
 
 
 @pytest.mark.timeout(60)

@@ -1,0 +1,39 @@
+"""The layout DeadPool computed against the groups Megatron made.
+
+Placement, the coordinator, a standby's rebuild and the planner never import Megatron: they
+compute every rank's tensor-, pipeline- and data-parallel peers from the layout
+(`placement.Layout`: tp x pp x dp, ranks per node, Megatron's rank order). A layout whose order
+is not the one Megatron built its groups in (`initialize_model_parallel(order=...)`) would put
+replicas on ranks that are not data-parallel peers; `check_megatron_groups` compares, once per
+process after Megatron's groups exist, this rank's groups in both views. No communication.
+"""
+
+from __future__ import annotations
+
+import torch.distributed as dist
+
+from ..errors import ConfigError
+from ..replication.placement import Layout
+
+
+def check_megatron_groups(layout: Layout, rank: int) -> None:
+    """Raise `ConfigError` unless `layout` puts `rank` in the tensor-, pipeline- and
+    data-parallel groups Megatron gave it (`parallel_state`, ranks in Megatron's order)."""
+    from megatron.core import parallel_state as ps
+
+    made = {
+        "tp": ps.get_tensor_model_parallel_group(),
+        "pp": ps.get_pipeline_model_parallel_group(),
+        "dp": ps.get_data_parallel_group(),
+    }
+    for token, group in made.items():
+        megatron = dist.get_process_group_ranks(group)
+        ours = next(g for g in layout.groups(token) if rank in g)
+        if megatron != ours:
+            raise ConfigError(
+                f"Megatron's {token} group of rank {rank} is {megatron}, but {layout.describe()} "
+                f"puts rank {rank} in {token} group {ours}: DeadPool would place replicas among "
+                "the wrong peers. Megatron was set up in a rank order DeadPool was not told "
+                "(Megatron-LM: --use-tp-pp-dp-mapping is read from Megatron's arguments; "
+                "`initialize_model_parallel(order=...)` called otherwise is not supported)"
+            )
