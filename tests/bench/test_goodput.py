@@ -4,6 +4,7 @@ parameters."""
 
 from __future__ import annotations
 
+import itertools
 import json
 from pathlib import Path
 from typing import Any
@@ -32,13 +33,13 @@ def _iterations(trace: list[str]) -> list[int]:
 
 @pytest.mark.parametrize("seed", range(20))
 def test_a_trace_is_spread_over_the_run_and_seeded(seed: int) -> None:
-    kw: dict[str, Any] = dict(iters=60, failures=12, mix=LLAMA3_MIX, world_size=8,
-                              ranks_per_node=2, seed=seed)  # fmt: skip
+    kw: dict[str, Any] = {"iters": 60, "failures": 12, "mix": LLAMA3_MIX, "world_size": 8,
+                          "ranks_per_node": 2, "seed": seed}  # fmt: skip
     trace = failure_trace(**kw)
     assert trace == failure_trace(**kw) and len(trace) == 12
     its = _iterations(trace)
     assert its[0] >= FIRST and its[-1] <= 59
-    assert all(b - a >= MIN_GAP for a, b in zip(its, its[1:], strict=False))
+    assert all(b - a >= MIN_GAP for a, b in itertools.pairwise(its))
     for spec in trace:
         fault = parse_fault(spec)  # a spec `--fail` accepts
         assert (fault.node if fault.node is not None else fault.rank) in range(8)
@@ -95,9 +96,13 @@ def test_the_accounting_of_a_run_that_started_again() -> None:
         list(range(1, 10)),
         [
             {"replaced_by": {"1": "s0"}, "restore_iteration": 3, "recomputed_iterations": 1},
-            {"replaced_by": {"2": "s2"}, "respawned": {"2": 1}, "restore_iteration": 6,
-             "recomputed_iterations": 0},
-        ],  # fmt: skip
+            {
+                "replaced_by": {"2": "s2"},
+                "respawned": {"2": 1},
+                "restore_iteration": 6,
+                "recomputed_iterations": 0,
+            },
+        ],
         None,
     )
     second = _launch(list(range(9, 21)), [], "abc")
