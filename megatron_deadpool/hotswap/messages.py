@@ -83,6 +83,7 @@ class Keys:
         STAMP_COUNT,
         STALE_REFS,
         FAILURES,
+        ERRORS,
         DONE_COUNT,
         FAULT_FIRED,
         SALVAGE_MANIFEST,

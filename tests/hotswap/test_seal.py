@@ -25,6 +25,7 @@ from megatron_deadpool.hotswap.messages import (
     HoldingsReport,
     Keys,
     OutOfRedundancy,
+    Phase,
     Plan,
     Roster,
     holds_sealed,
@@ -231,3 +232,15 @@ def test_every_key_but_counters_and_rendezvous_holds_a_sealed_value() -> None:
         holds_sealed(k)
         for k in ["hb/a1", "gen3/holdings/count", "failures", "spares/epoch", "gen3/0//cpu//0/1"]
     )
+
+
+def test_a_reported_error_leaves_no_value_the_audit_rejects() -> None:
+    """The error reports' counter (`errors`, bumped by `add`) holds no MAC: the end-of-job
+    audit must not name it as a value the job did not write."""
+    job = Job(spares=1)
+    job.raised("a2", Phase.TRAINING, rank=2)
+    job.die("a2")
+    job.tick()
+    assert job.m().error_count() == 1
+    job.coord.close()
+    assert job.events.of("rejected_value") == []
