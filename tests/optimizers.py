@@ -4,7 +4,9 @@ their state, and the two Megatron interfaces a `RankState` uses, without Megatro
 - `GroupStepAdam`: AdamW as Transformer Engine's / apex's `FusedAdam` computes it, keeping
   ``step`` in ``param_groups[i]["step"]`` (an int) and optionally fp16 exp_avg behind TE's
   per-state scales (``optimizer._scales[p][name]``).
-- `Wrapped`: what `snapshot.inner_optimizers` expects of a Megatron optimizer (`.optimizer`).
+- `Wrapped`: what `snapshot.inner_optimizers` expects of a Megatron optimizer (`.optimizer`,
+  `.grad_scaler`); `Chained`: Megatron's `ChainedOptimizer` (`.chained_optimizers`);
+  `dynamic_grad_scaler()`: Megatron's own `DynamicGradScaler`, built on the CPU.
 - `Scheduler`: the scheduler interface `RankState` uses (Megatron's `OptimizerParamScheduler`).
 - `make_optimizer(kind, seed)` and `set_grads(params, step)`: reproducible parameters,
   optimizers ("torch-adam", "fused", "fused-fp16") and gradients.
@@ -12,6 +14,8 @@ their state, and the two Megatron interfaces a `RankState` uses, without Megatro
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -68,11 +72,47 @@ class GroupStepAdam(torch.optim.Optimizer):
 
 
 class Wrapped:
-    """What `snapshot.inner_optimizers` expects of a Megatron optimizer: `.optimizer`."""
+    """What `snapshot.inner_optimizers` expects of a Megatron optimizer: `.optimizer`, and
+    Megatron's loss scaler (`grad_scaler`, None without one)."""
 
-    def __init__(self, opt: torch.optim.Optimizer) -> None:
+    def __init__(self, opt: torch.optim.Optimizer, grad_scaler: Any = None) -> None:
         self.optimizer = opt
         self.param_groups = opt.param_groups
+        self.grad_scaler = grad_scaler
+
+
+class Chained:
+    """Megatron's `ChainedOptimizer` as a snapshot sees it: `chained_optimizers`."""
+
+    def __init__(self, *optimizers: Wrapped) -> None:
+        self.chained_optimizers = list(optimizers)
+
+
+def dynamic_grad_scaler(initial_scale: float = 2.0**20, window: int = 2) -> Any:
+    """Megatron's own `DynamicGradScaler` (hysteresis 2, growth and backoff 2), built on the CPU
+    (it places its tensors with ``device='cuda'``: the CPU mode's redirection, for its
+    construction only). Its module is loaded from its file: it imports only torch, while
+    importing it by name imports all of `megatron.core.optimizer` (~20 s on 2 busy cores)."""
+    import importlib.util
+
+    from megatron_deadpool.devices.cpu import _CudaToCpu
+
+    spec = importlib.util.find_spec("megatron.core")
+    assert spec is not None and spec.submodule_search_locations
+    path = Path(spec.submodule_search_locations[0]) / "optimizer" / "grad_scaler.py"
+    module_spec = importlib.util.spec_from_file_location("megatron_grad_scaler", path)
+    assert module_spec is not None and module_spec.loader is not None
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
+    with _CudaToCpu():
+        return module.DynamicGradScaler(
+            initial_scale=initial_scale,
+            min_scale=1.0,
+            growth_factor=2.0,
+            backoff_factor=0.5,
+            growth_interval=window,
+            hysteresis=2,
+        )
 
 
 class Scheduler:
@@ -96,7 +136,7 @@ def make_params(seed: int) -> list[torch.nn.Parameter]:
     ]
 
 
-def set_grads(params: list[torch.Tensor], step: int) -> None:
+def set_grads(params: Sequence[torch.Tensor], step: int) -> None:
     gen = torch.Generator().manual_seed(100 + step)
     for p in params:
         p.grad = torch.randn(p.shape, generator=gen)

@@ -2,12 +2,11 @@
 
 A snapshot holds what a training step changes: the distributed-optimizer shard, every buffer
 of the model chunks (the MoE router's ``expert_bias`` and token counters among them), RNG
-states, the LR scheduler and the data position (`replication/snapshot.py`, `replay.py`).
-Some options keep state a step changes elsewhere, where a rollback or a newcomer would not
-find it (read in Megatron-LM core_v0.16.1 and core_v0.19.0):
+states, the LR scheduler, the loss scalers of ``--fp16`` and ``--loss-scale`` and the data
+position (`replication/snapshot.py`, `replay.py`). Some options keep state a step changes
+elsewhere, where a rollback or a newcomer would not find it (read in Megatron-LM core_v0.16.1
+and core_v0.19.0):
 
-- ``--fp16``: the dynamic loss scaler's ``_scale``, ``_growth_tracker`` and
-  ``_hysteresis_tracker`` (`megatron/core/optimizer/grad_scaler.py`), changed by every step.
 - ``--fp8-format`` and ``--fp4-format``: Transformer Engine keeps its scaling state (amax
   history and scales of delayed scaling) in each module's ``fp8_meta``, which is neither a
   buffer nor optimizer state (it is saved only as a module's ``_extra_state``).
@@ -20,7 +19,6 @@ from __future__ import annotations
 from typing import Any
 
 REFUSALS: dict[str, str] = {
-    "fp16": "--fp16: the loss scaler's state is not replicated; use --bf16",
     "fp8": (
         "--fp8-format: Transformer Engine's FP8 scaling state (amax history, scales) lives "
         "outside the optimizer and the model's buffers and is not replicated; train without "

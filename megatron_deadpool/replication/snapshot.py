@@ -3,10 +3,10 @@
 A rank's state is its distributed-optimizer shard - for every inner optimizer of Megatron's
 (chained) optimizer, every parameter the inner torch optimizer updates (the fp32 main-param
 shard) and every tensor of its optimizer state - plus every buffer of its model chunks, plus
-small per-rank state: the iteration, RNG states, the LR scheduler's state and per-group
-optimizer values (JSON, never pickle). Model weights are not part of it: they are identical
-across data-parallel peers and are re-derived from the main-param shards by Megatron's param
-all-gather.
+small per-rank state: the iteration, RNG states, the LR scheduler's state, per-group
+optimizer values and Megatron's loss scalers (JSON, never pickle). Model weights are not part
+of it: they are identical across data-parallel peers and are re-derived from the main-param
+shards by Megatron's param all-gather.
 
 Buffers are state a training step may change outside the optimizer (e.g. the MoE router's
 ``expert_bias``, updated every step, and its ``local_tokens_per_expert`` counter, filled by the
@@ -23,6 +23,18 @@ Where optimizers keep their step (checked against their sources):
   ``optimizer._scales[p][name]`` (`transformer_engine/pytorch/optimizers/fused_adam.py`,
   `FusedAdam.step` and `_initialize_state`).
 All of them are captured: tensors in the packed region, int steps in the metadata.
+An optimizer whose first steps were skipped (FP16 overflow) has no state when the layout is
+fixed: it gets it up front, as its first step would create it (`lazy_state.py`).
+
+Megatron's loss scaler (``--fp16``, or ``--loss-scale``): each inner optimizer of a
+(chained) Megatron optimizer holds its own ``grad_scaler`` (`megatron/core/optimizer/
+grad_scaler.py`, the same in core_v0.16.1 and core_v0.19.0). `DynamicGradScaler.update`
+changes it after every step, overflowing or not: ``_scale`` (a one-element float32 tensor,
+replaced by a new one on every change), ``_growth_tracker`` and ``_hysteresis_tracker`` (ints).
+It is small and replaced rather than updated in place, so it travels in the metadata like the
+LR scheduler: the scale as the exact hex of its float32 value. Reading it syncs the host with
+the device, which Megatron's `train_step` has already done by then (it reads `found_inf` and
+reduces `update_successful` and the grad norm on the host).
 
 Flat layout (see `pack.py` for the packed region and its checksum):
     [packed region: device tensors..., host blob] [header: 8 x int64]
@@ -51,6 +63,7 @@ import torch
 from ..devices.cpu import plain_torch
 from ..errors import ConfigError, DeadpoolRuntimeError
 from . import pack
+from .lazy_state import LazyStateWatch, create_lazy_state
 
 MAGIC = 0x4445414450304F4C
 HEADER_WORDS = 8
@@ -153,8 +166,54 @@ def verify(flat: torch.Tensor, *, owner: int | None = None, iteration: int | Non
 
 def inner_optimizers(optimizer: Any) -> list[torch.optim.Optimizer]:
     """The torch optimizers inside Megatron's (chained) optimizer, in a fixed order."""
-    chained = getattr(optimizer, "chained_optimizers", None) or [optimizer]
-    return [opt.optimizer for opt in chained]
+    return [opt.optimizer for opt in _chained(optimizer)]
+
+
+def _chained(optimizer: Any) -> list[Any]:
+    """Megatron's optimizers inside its (chained) optimizer, in `inner_optimizers`' order."""
+    return getattr(optimizer, "chained_optimizers", None) or [optimizer]
+
+
+_TRACKERS = ("_growth_tracker", "_hysteresis_tracker")
+"""A `DynamicGradScaler`'s int state besides its scale (a `ConstantGradScaler` has none)."""
+
+
+def loss_scaler_state(optimizer: Any) -> list[dict[str, Any]]:
+    """Each inner Megatron optimizer's loss scaler (``grad_scaler``; None under bf16 without
+    ``--loss-scale``) as JSON: its index, the scale's float32 value as exact hex, the trackers."""
+    out = []
+    for oi, opt in enumerate(_chained(optimizer)):
+        scaler = getattr(opt, "grad_scaler", None)
+        if scaler is None:
+            continue
+        entry: dict[str, Any] = {"opt": oi, "scale": float(scaler._scale.item()).hex()}
+        for name in _TRACKERS:
+            if hasattr(scaler, name):
+                entry[name] = int(getattr(scaler, name))
+        out.append(entry)
+    return out
+
+
+def load_loss_scaler_state(optimizer: Any, entries: list[dict[str, Any]]) -> None:
+    """Inverse of `loss_scaler_state` (a new scale tensor on the old one's device, as
+    `DynamicGradScaler.update` and `load_state_dict` do)."""
+    chained = _chained(optimizer)
+    for entry in entries:
+        oi, scaler = entry.get("opt"), None
+        if isinstance(oi, int) and 0 <= oi < len(chained):
+            scaler = getattr(chained[oi], "grad_scaler", None)
+        if scaler is None:
+            raise CorruptReplicaError(
+                f"the snapshot holds a loss scaler for optimizer {oi}, this rank has none: "
+                "the runs differ (--fp16, --loss-scale)"
+            )
+        scale = float.fromhex(entry["scale"])
+        if not 0.0 < scale < float("inf"):
+            raise CorruptReplicaError(f"loss scale {scale} in the snapshot is not positive finite")
+        scaler._scale = torch.tensor([scale], dtype=torch.float32, device=scaler._scale.device)
+        for name in _TRACKERS:
+            if name in entry:
+                setattr(scaler, name, int(entry[name]))
 
 
 _SCALES = "_scales/"
@@ -263,6 +322,9 @@ class RankState:
         }
         if steps:
             out["group_steps"] = steps
+        scalers = loss_scaler_state(self.optimizer)
+        if scalers:
+            out["loss_scalers"] = scalers
         return out
 
     def load_small_state(self, meta: dict[str, Any]) -> None:
@@ -273,6 +335,15 @@ class RankState:
         opts = inner_optimizers(self.optimizer)
         for oi, gi, value in meta.get("group_steps", []):
             opts[oi].param_groups[gi]["step"] = value
+        load_loss_scaler_state(self.optimizer, meta.get("loss_scalers", []))
+
+    def create_lazy_state(self) -> LazyStateWatch:
+        """Optimizer state that skipped first steps have not created yet, created as they
+        would (`lazy_state.py`); the returned watch notices any that still appears later."""
+        opts = inner_optimizers(self.optimizer)
+        for opt in opts:
+            create_lazy_state(opt)
+        return LazyStateWatch(opts)
 
 
 def _ensure_buffer(buffers: dict[tuple[int, str], torch.Tensor], entry: list[Any]) -> None:
@@ -439,9 +510,11 @@ class Snapshotter:
     """Captures `RankState` into flat buffers and restores it from them."""
 
     def __init__(self, state: RankState, owner: int) -> None:
-        """`state` must hold optimizer state already (after the first step, or restored)."""
+        """`state` must hold optimizer state already (after the first step, or restored);
+        what skipped first steps have not created is created here (`lazy_state.py`)."""
         self.state = state
         self.owner = owner
+        self._lazy = state.create_lazy_state()
         # The optimizer updates its tensors in place: their list, manifest and packed layout
         # are fixed from here on (a restore builds a new Snapshotter), so work them out once,
         # off the hot path.
@@ -489,6 +562,7 @@ class Snapshotter:
         capture is only enqueued on the current stream (header included) and the caller
         records an event after this call; `out` is complete once that event has passed.
         """
+        self._lazy.check()
         self._fill_blob(iteration)
         nbytes = self.plan.nbytes
         header = Header(

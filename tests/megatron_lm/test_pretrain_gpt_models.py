@@ -1,6 +1,7 @@
 """Megatron-LM's `pretrain_gpt.py` with models beyond test_pretrain_gpt.py's dense TP2 x DP2 GPT,
 hot-swapped bitwise: an MoE model whose router keeps state outside the optimizer, an
-interleaved pipeline, and a pipeline in Megatron's tp-pp-dp rank order.
+interleaved pipeline, a pipeline in Megatron's tp-pp-dp rank order, and FP16 training with
+Megatron's loss scalers.
 
 - MoE (4 experts, top 2, EP 1, DP4 + a spare) with ``--moe-router-enable-expert-bias``:
   the router's ``expert_bias`` is a module buffer Megatron updates every step outside the
@@ -18,6 +19,17 @@ interleaved pipeline, and a pipeline in Megatron's tp-pp-dp rank order.
   (each reads ``args.use_tp_pp_dp_mapping`` and builds its groups in order 'tp-cp-ep-pp-dp';
   0.19's extra ``gtp_remat`` axis has size 1), and the driver checks at start-up that the
   layout names the groups Megatron made.
+- FP16 (TP2 x DP2 + a spare) with the dynamic loss scaler from an initial scale of 2^20: the
+  first three iterations overflow and are skipped (the scale backs off after two, hysteresis
+  2), iterations 4 and 5 step. Rank 2 killed as iteration 4 starts (the round in flight
+  dropped: the restore iteration 2 and the recomputed iteration 3 are both skipped ones), and
+  rank 2 hung as iteration 5 starts (restored at 3 or 4: Adam's state, which the skipped first
+  steps had not created, must be rolled back or handed to the spare). Every logged line (loss
+  scale, skipped and nan iteration counts, lr, lm loss, grad norm) and every rank's final
+  parameters and buffers must be the failure-free run's. With a constant ``--loss-scale``, a
+  killed rank. Newest tag only: the loss scalers (`megatron/core/optimizer/grad_scaler.py`),
+  `MixedPrecisionOptimizer.prepare_grads` and `train_step`'s handling of a skipped step are the
+  same code in core_v0.16.1 (where the killed-rank case, run by hand, was bitwise too).
 
 Each model's failure-free run is made once per module (`baselines`) and shared. Skips unless
 MEGATRON_LM_PATH lists a tree of the tag (tests/mlm.py).
@@ -55,6 +67,15 @@ MODELS: dict[str, list[str]] = {
         "sigmoid", "--moe-router-enable-expert-bias", "--moe-router-bias-update-rate", "1e-2",
         "--disable-bias-linear",  # core_v0.19.0's local experts add their bias in place: error
     ],
+    # TP 2 x DP 2; the first 3 iterations overflow (scale 2^20, 2^20, 2^19), 4 and 5 step.
+    "fp16": [
+        *megatron_args(ITERS), *SPARE, "--deadpool-ranks-per-node", "2",
+        "--fp16", "--initial-loss-scale", "1048576", "--loss-scale-window", "3",
+    ],
+    "fp16-constant": [
+        *megatron_args(ITERS), *SPARE, "--deadpool-ranks-per-node", "2",
+        "--fp16", "--loss-scale", "4096",
+    ],
     # TP 1, 4 layers: two pipeline stages of two virtual stages of one layer; every rank its
     # own failure domain (a rank's data-parallel peer is the other rank of its stage).
     "vpp": [
@@ -84,7 +105,8 @@ def baselines(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str, str], 
             tmp = tmp_path_factory.mktemp(f"mlm-{model}-{tag}")
             run = launch(tmp, "baseline", megatron_lm_tree(tag) / "pretrain_gpt.py", MODELS[model])
             assert run.returncode == 0, run.describe()
-            assert sorted(run.iterations()) == list(range(1, ITERS + 1)), run.describe()
+            seen = logged(run) if model.startswith("fp16") else run.iterations()
+            assert sorted(seen) == list(range(1, ITERS + 1)), run.describe()
             done[tag, model] = run
         return done[tag, model]
 
@@ -97,6 +119,30 @@ def _assert_same_training(run: Run, baseline: Run) -> None:
     assert run.returncode == 0, run.describe()
     assert run.iterations() == baseline.iterations(), run.describe()
     assert sorted(run.iterations()) == list(range(1, ITERS + 1))
+    assert run.summary["param_digests"] == baseline.summary["param_digests"]
+
+
+_LOG_LINE = re.compile(r"\] iteration\s+(\d+)/\s*\d+ \|(.*loss scale: .*)$", re.MULTILINE)
+
+
+def logged(run: Run) -> dict[int, list[str]]:
+    """iteration -> the fields of Megatron's log line but its timing (skipped iterations log no
+    lm loss or grad norm: `Run.iterations` does not see them), each logged exactly once."""
+    found: dict[int, list[str]] = {}
+    for m in _LOG_LINE.finditer(run.text):
+        it = int(m.group(1))
+        assert it not in found, f"iteration {it} logged twice"
+        fields = [f.strip() for f in m.group(2).split("|")]
+        found[it] = [f for f in fields if f and not f.startswith("elapsed time")]
+    return found
+
+
+def _assert_same_fp16_training(run: Run, baseline: Run) -> None:
+    """Every field of every logged line and every rank's final parameters and buffers equal
+    the failure-free run's."""
+    assert run.returncode == 0, run.describe()
+    assert logged(run) == logged(baseline), run.describe()
+    assert sorted(logged(run)) == list(range(1, ITERS + 1))
     assert run.summary["param_digests"] == baseline.summary["param_digests"]
 
 
@@ -167,6 +213,11 @@ def _from_data_parallel_peer(run: Run) -> None:
     assert "agreed: restore iteration" in run.text and "shards from rank 0 -> rank 2" in run.text
 
 
+def _skipped(line: list[str]) -> int:
+    (field,) = [f for f in line if f.startswith("number of skipped iterations:")]
+    return int(field.split(":")[1])
+
+
 @pytest.mark.timeout(3 * RUN_TIMEOUT)
 @NEWEST_ONLY
 def test_tp_pp_dp_mapping_killed_rank_is_restored_from_its_data_parallel_peer_bitwise(
@@ -177,6 +228,24 @@ def test_tp_pp_dp_mapping_killed_rank_is_restored_from_its_data_parallel_peer_bi
     run = _killed(tag, "tppdp", tmp_path)
     _assert_same_training(run, baseline)
     _from_data_parallel_peer(run)
+
+
+def test_fp16_killed_rank_while_steps_are_skipped_is_hot_swapped_bitwise(
+    baselines, tag: str, tmp_path: Path
+) -> None:
+    """Rank 2 killed as iteration 4 starts: the restore iteration (2) and the recomputed one (3)
+    are skipped for overflow; the scaler's backed-off scale and hysteresis come from the
+    snapshot (the spare's own scaler is at its initial state)."""
+    baseline = baselines(tag, "fp16")
+    lines = logged(baseline)
+    assert [_skipped(lines[it]) > 0 for it in range(1, ITERS + 1)] == [True] * 3 + [False] * 2
+    assert all(not any(f.startswith("lm loss") for f in lines[it]) for it in (1, 2, 3))
+    scales = [f for it in sorted(lines) for f in lines[it] if f.startswith("loss scale")]
+    assert (
+        scales == ["loss scale: 1048576.0", "loss scale: 524288.0"] + ["loss scale: 262144.0"] * 3
+    )
+    run = _killed(tag, "fp16", tmp_path)
+    _assert_same_fp16_training(run, baseline)
 
 
 @pytest.mark.timeout(3 * RUN_TIMEOUT)
@@ -193,3 +262,29 @@ def test_tp_pp_dp_mapping_hung_rank_is_restored_from_its_data_parallel_peer_bitw
     assert rec["dead_ranks"] == [2] and rec["replaced_by"] == {"2": "s0"}
     assert rec["restore_iteration"] in (2, 3) and rec["recomputed_iterations"] <= 1
     _from_data_parallel_peer(run)
+
+
+def test_fp16_hung_rank_after_the_first_real_step_is_hot_swapped_bitwise(
+    baselines, tag: str, tmp_path: Path
+) -> None:
+    """Rank 2 stopped as iteration 5 starts, after the first step that updated (4): Adam's
+    state, created up front when the snapshot layout was fixed at the skipped iteration 1, is
+    rolled back or handed to the spare with the scaler's growth tracker."""
+    baseline = baselines(tag, "fp16")
+    args = [*MODELS["fp16"], *HANG_HEARTBEAT, "--deadpool-fail", "2@5:hang"]
+    run = launch(tmp_path, "hang", megatron_lm_tree(tag) / "pretrain_gpt.py", args)
+    _assert_same_fp16_training(run, baseline)
+    (rec,) = run.summary["recoveries"]
+    assert rec["dead_ranks"] == [2] and rec["replaced_by"] == {"2": "s0"}
+    assert rec["restore_iteration"] in (3, 4) and rec["recomputed_iterations"] <= 1
+
+
+@pytest.mark.timeout(3 * RUN_TIMEOUT)
+@NEWEST_ONLY
+def test_fp16_constant_loss_scale_killed_rank_is_hot_swapped_bitwise(
+    baselines, tag: str, tmp_path: Path
+) -> None:
+    baseline = baselines(tag, "fp16-constant")
+    assert all(_skipped(line) == 0 for line in logged(baseline).values())
+    run = _killed(tag, "fp16-constant", tmp_path)
+    _assert_same_fp16_training(run, baseline)

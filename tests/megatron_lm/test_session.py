@@ -36,9 +36,10 @@ def test_session_refuses_what_it_cannot_protect() -> None:
     ok = SimpleNamespace(use_distributed_optimizer=True, data_parallel_size=2,
                          distributed_timeout_minutes=10)  # fmt: skip
     session._check_megatron_args(ok)
+    # FP16's loss scaler travels in the snapshot (replication/snapshot.py): not refused.
+    session._check_megatron_args(SimpleNamespace(**vars(ok), fp16=True, loss_scale=None))
     bad = [
         ({"use_distributed_optimizer": False, "data_parallel_size": 1}, "data-parallel size is 1"),
-        ({"fp16": True}, "--fp16"),
         ({"fp8": "hybrid"}, "--fp8-format: Transformer Engine's FP8 scaling state"),
         ({"fp4": "e2m1"}, "--fp4-format: "),
         ({"rampup_batch_size": [4, 4, 100]}, "rampup"),
