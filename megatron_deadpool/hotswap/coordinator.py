@@ -377,10 +377,9 @@ class Coordinator:
         for rank in sorted(dead):
             needy.add(rank)
             respawned.pop(rank, None)
-            member = None if no_spare else self._respawn_in_place(rank, base[rank])
-            if member is not None:
-                slots[rank] = member
-                respawned[rank] = self._node(rank)
+            respawn = None if no_spare else self._respawn_in_place(rank, base[rank])
+            if respawn is not None:
+                slots[rank], respawned[rank] = respawn
             elif self._spares and not no_spare:
                 slots[rank] = self._spares.pop(0)
             else:  # nothing can take the slot: agree anyway, to save what survives
@@ -436,17 +435,13 @@ class Coordinator:
         )
         self.say(f"recovery: generation {generation}, dead ranks {sorted(all_dead)}; {replaced}")
 
-    def _node(self, rank: int) -> int:
-        placement = self.placement()
-        assert placement is not None
-        return placement.layout.domain(rank)
-
-    def _respawn_in_place(self, rank: int, dead: str) -> str | None:
-        """A new process on `rank`'s node in the place of `dead`, when that node's agent is
-        alive and its respawn budget allows one (its member name); None: take a spare."""
+    def _respawn_in_place(self, rank: int, dead: str) -> tuple[str, int] | None:
+        """A new process in the place of `dead` (which held `rank`) on its node, when that
+        node's agent is alive and its respawn budget allows one: its member name and the node;
+        None: take a spare."""
         if self._agents is None or self._respawn is None or self.placement() is None:
             return None
-        node, now = self._node(rank), self.clock.monotonic()
+        node, now = self._agents.node_of(dead), self.clock.monotonic()
         if not self._agents.alive(node):
             self.events("respawn_refused", rank=rank, node=node, why="node lost")
             return None
@@ -461,7 +456,7 @@ class Coordinator:
         member = self._agents.respawn(rank, dead, node)
         self.detector.watch([member])
         self.events("respawned", rank=rank, node=node, member=member, replaces=dead)
-        return member
+        return member, node
 
     def _try_agree(self) -> None:
         rec = self._recovery

@@ -77,9 +77,8 @@ class FaultInjector:
         if hit is not None and hit[1] == "raise":  # deterministic: every time, whoever holds it
             raise InjectedError(f"fault injection: rank {rank} raises at iteration {n}")
         if hit is not None and self.membership.fire_once(hit[0], rank):
-            node = parse_fault(self.specs[hit[0]]).node
-            if node is not None:  # the node goes whole: no agent is left to respawn there
-                self.membership.record_node_lost(node)
+            if parse_fault(self.specs[hit[0]]).node is not None:
+                self.membership.record_node_lost()  # the node goes whole, its agent with it
             self._strike(hit[1], f"at iteration {n}", replicator)
 
     def in_recovery(self, rank: int, replicator: Replicator | None) -> None:

@@ -72,6 +72,7 @@ class LocalJob:
         self.procs: dict[str, subprocess.Popen] = {}
         self._spawn = spawn
         self._local_ranks: dict[str, int] = {}  # a respawned process: its predecessor's GPU
+        self._nodes: dict[str, int] = {}  # ... and its node
         reserve_files(
             store_files_needed(world_size, self.spares, per_process=LAUNCHER_FILES_PER_PROCESS),
             f"this launcher (the store and processes of {world_size} ranks and "
@@ -157,9 +158,21 @@ class LocalJob:
         return member
 
     # ------------------------------------------------------------------ the nodes' agent
+    def node_of(self, member: str) -> int:
+        """The simulated node of `member`: rank r's first process on node r // R (R ranks per
+        node), spare i on spare node (W + i) // R, a respawned process on its predecessor's."""
+        if member in self._nodes:
+            return self._nodes[member]
+        placement = self.coordinator.placement()
+        assert placement is not None  # the coordinator asks only once it knows the layout
+        return task_of(member, self.world_size) // placement.layout.ranks_per_node
+
     def alive(self, node: int) -> bool:
-        """Whether simulated node `node` is still there (a node fault takes it whole)."""
-        return not self.membership.node_lost(node)
+        """Whether simulated node `node` is still there: no node fault took one of its
+        processes (a node fault takes the node whole)."""
+        return not any(
+            self.membership.node_lost(m) for m in list(self.procs) if self.node_of(m) == node
+        )
 
     def respawn(self, rank: int, dead: str, node: int) -> str:
         """A new process on `node` (this machine) with `dead`'s GPU, waiting for `rank`'s slot
@@ -168,6 +181,7 @@ class LocalJob:
         member = f"s{self.next_spare}"
         self.next_spare += 1
         self._local_ranks[member] = self.local_rank(dead)
+        self._nodes[member] = node
         self._spawn(member)
         return member
 

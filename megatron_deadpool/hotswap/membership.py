@@ -710,12 +710,13 @@ class Membership:
     def fault_time(self, member: str) -> float | None:
         return self._time(Keys.FAULT.format(member=member))
 
-    def record_node_lost(self, node: int) -> None:
-        """A node fault takes node `node` whole, its agent included (local launchers)."""
-        self._stamp(Keys.NODE_LOST.format(node=node))
+    def record_node_lost(self) -> None:
+        """A node fault takes this member's node whole, its agent included (local launchers)."""
+        self._stamp(Keys.NODE_LOST.format(member=self.member))
 
-    def node_lost(self, node: int) -> bool:
-        return self._time(Keys.NODE_LOST.format(node=node)) is not None
+    def node_lost(self, member: str) -> bool:
+        """Whether a node fault took the node `member` ran on."""
+        return self._time(Keys.NODE_LOST.format(member=member)) is not None
 
     def fire_once(self, index: int, who: int | str) -> bool:
         """True the first time fault spec `index` fires for `who` in the whole job."""

@@ -59,7 +59,7 @@ class Keys:
     END = "end"
     FAULT = "fault/{member}"
     FAULT_FIRED = "fault/fired/{index}/{who}"
-    NODE_LOST = "node/{node}/lost"
+    NODE_LOST = "node_lost/{member}"
     PROGRESS = "progress/last"
     METRICS = "metrics/g{g}/{iteration}"
     FINAL_REPLICATION = "replication/final"

@@ -27,6 +27,10 @@ from typing import Protocol
 class NodeAgents(Protocol):
     """The agents of a job's nodes, as the coordinator sees them."""
 
+    def node_of(self, member: str) -> int:
+        """The node `member` runs (or ran) on: where a rank's process is, not the rank's place
+        in the layout (a spare that took rank r runs on a spare node)."""
+
     def alive(self, node: int) -> bool:
         """Whether node `node`'s agent can start a process there now."""
 

@@ -43,7 +43,8 @@ def test_more_crashes_than_spares_are_all_respawned_in_place(
 ) -> None:
     """Four failures on both nodes (three crashes and a hang), no spare at all: each process is
     replaced on its own node and training completes exactly as the failure-free run."""
-    faults = ["--fail", "0@2", "--fail", "2@3", "--fail", "1@4:hang", "--fail", "3@5"]
+    # From iteration 3 on: iteration 1's round is committed by then (at 2 it may be in flight).
+    faults = ["--fail", "0@3", "--fail", "2@4", "--fail", "1@5:hang", "--fail", "3@6"]
     args = ["--spares", "0", "--deadpool-respawn-limit", "2", *faults]
     summary = _recovered(tmp_path, args, reference)
     recoveries = summary["recoveries"]
@@ -60,12 +61,15 @@ def test_more_crashes_than_spares_are_all_respawned_in_place(
 def test_a_crash_is_respawned_and_a_lost_node_takes_the_spares(
     tmp_path: Path, reference: dict[str, Any]
 ) -> None:
-    """A crash on node 0 costs no spare; node 1 lost whole (its agent with it) takes both."""
-    faults = ["--fail", "1@3", "--fail", "node:1@5"]
+    """A crash on node 0 costs no spare; node 1 lost whole (its agent with it) takes both
+    spares, which run on spare node 2; rank 3 crashing there next is respawned on node 2."""
+    faults = ["--fail", "1@3", "--fail", "node:1@5", "--fail", "3@6"]
     args = ["--spares", "2", "--deadpool-respawn-limit", "2", *faults]
     summary = _recovered(tmp_path, args, reference)
-    crash, node = summary["recoveries"]
+    crash, node, moved = summary["recoveries"]
     assert crash["dead_ranks"] == [1] and crash["respawned"] == {"1": 0}
     assert crash["replaced_by"] == {"1": "s2"}  # a new process, not spare s0
     assert node["dead_ranks"] == [2, 3] and node["respawned"] == {}
     assert node["replaced_by"] == {"2": "s0", "3": "s1"} and summary["spares_left"] == []
+    assert moved["dead_ranks"] == [3] and moved["respawned"] == {"3": 2}
+    assert moved["replaced_by"] == {"3": "s3"}

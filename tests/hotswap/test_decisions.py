@@ -61,10 +61,16 @@ class Agents:
     """The nodes' agents as a launcher is: each respawn starts `s{n}` (counted on from the
     spares); a node in `lost` has no agent left."""
 
-    def __init__(self, spares: int) -> None:
-        self.next = spares
+    def __init__(self, world: int, per_node: int, spares: int) -> None:
+        self.world, self.per_node, self.next = world, per_node, spares
         self.lost: set[int] = set()
+        self.nodes: dict[str, int] = {}
         self.started: list[tuple[int, str, int, str]] = []  # (rank, dead, node, new member)
+
+    def node_of(self, member: str) -> int:
+        """a{r} on node r // per_node, the spares on the nodes after the actives'."""
+        task = int(member[1:]) + (self.world if member[0] == "s" else 0)
+        return self.nodes.get(member, task // self.per_node)
 
     def alive(self, node: int) -> bool:
         return node not in self.lost
@@ -72,6 +78,7 @@ class Agents:
     def respawn(self, rank: int, dead: str, node: int) -> str:
         member = f"s{self.next}"
         self.next += 1
+        self.nodes[member] = node
         self.started.append((rank, dead, node, member))
         return member
 
@@ -103,7 +110,7 @@ class Job:
         self.launcher = Launcher()
         self.events = EventLog(None, clock=self.clock.time)
         self.said: list[str] = []
-        self.agents = Agents(spares)
+        self.agents = Agents(world, per_node, spares)
         self.coord = Coordinator(
             Membership(self.store, "coordinator", SEAL),
             world,
@@ -697,6 +704,26 @@ def test_a_lost_node_takes_spares_and_its_mates_elsewhere_still_respawn() -> Non
     assert plan is not None and plan.replaced == {0: "s0", 2: "s2"}
     assert job.events.of("respawn_refused")[0]["why"] == "node lost"
     assert job.coord.spares == ("s1",)
+
+
+def test_a_rank_moved_to_a_spare_node_is_respawned_there_after_its_node_was_lost() -> None:
+    """Node 0 lost: spares s0 and s1 (spare node 2) take ranks 0 and 1. When s0 crashes
+    later, its node is node 2, whose agent lives: respawned there, no spare needed."""
+    job = Job(world=4, per_node=2, spares=2, respawn_limit=2)
+    job.agents.lost.add(0)
+    job.die("a0", "a1")
+    job.tick()
+    plan = job.m().plan(1)
+    assert plan is not None and plan.replaced == {0: "s0", 1: "s1"}
+    job.report(1, [2, 3])
+    job.tick()
+    assert job.decision(1) == Decision.roster(4)
+    job.complete(1)
+    job.die("s0")
+    job.tick()
+    plan = job.m().plan(2)
+    assert plan is not None and plan.replaced == {0: "s2"}
+    assert job.agents.started == [(0, "s0", 2, "s2")]
 
 
 def test_more_crashes_than_spares_all_recovered_in_place() -> None:
