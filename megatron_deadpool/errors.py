@@ -49,6 +49,12 @@ class CheckpointError(DeadpoolRuntimeError):
     """A checkpoint is missing, incomplete, or does not fit this job."""
 
 
+class CheckpointSaveError(CheckpointError):
+    """A persistent checkpoint could not be written (a full disk, a read-only folder), raised on
+    every rank alike: nothing of it is left on disk and the marker still names the newest
+    complete one. The message is the one line that says so."""
+
+
 def first_line(exc: BaseException) -> str:
     """An error's first line (its type when it says nothing), at most 160 characters: how
     DeadPool quotes an error in a log line or a report."""
@@ -97,4 +103,5 @@ class ExitCode(IntEnum):
     INTERRUPTED = 130
     """Ctrl-C (128 + SIGINT)."""
     PREEMPTED = 143
-    """Stopped on purpose after SIGTERM (128 + SIGTERM), a checkpoint saved with `--save`."""
+    """Stopped on purpose after SIGTERM (128 + SIGTERM), a checkpoint saved with `--save` (or, if
+    that save failed, a line saying so: `--load` resumes from the newest complete one)."""

@@ -23,6 +23,7 @@ from megatron.core import parallel_state as ps
 from ..config.job import JobConfig
 from ..devices import select_device
 from ..errors import (
+    CheckpointSaveError,
     CoordinatorUnreachableError,
     DeadpoolRuntimeError,
     ExitCode,
@@ -76,6 +77,8 @@ class EmbeddedJob:
         )
         self._objs: gpt.TrainingObjects | None = None
         self.preempted_at: int | None = None
+        self.preempt_unsaved = ""
+        """Why the preemption's checkpoint is not saved (a full disk): the one line ("" saved)."""
 
     @property
     def objs(self) -> gpt.TrainingObjects:
@@ -182,15 +185,17 @@ class EmbeddedJob:
             self._report(it, step, time.perf_counter() - t0, compute_s, committed)
             d.step_completed(it)
             interval = spec.train.save_interval
+            unsaved = ""
             if (interval and it % interval == 0) or (step.stop and spec.train.save):
-                self._save(it)
+                unsaved = self._save(it, go_on=not step.stop)
             if step.stop:
                 self.preempted_at = it
-                log.warning(
-                    "preempted: stopping after iteration %d%s",
-                    it,
-                    " (checkpoint saved)" if spec.train.save else "",
+                saved = " (checkpoint saved)" if spec.train.save else ""
+                said = f"preempted: stopping after iteration {it}" + (
+                    f"; {unsaved}" if unsaved else saved
                 )
+                self.preempt_unsaved = said if unsaved else ""
+                log.warning("%s", said)
                 break
         return it
 
@@ -243,7 +248,8 @@ class EmbeddedJob:
             if d.replicator is not None:
                 d.membership.publish_final_replication(d.committed)
             if self.preempted_at is not None:
-                d.membership.publish_preempted(self.preempted_at, bool(self.spec.train.save))
+                saved = bool(self.spec.train.save) and not self.preempt_unsaved
+                d.membership.publish_preempted(self.preempted_at, saved, self.preempt_unsaved)
         self.on_finish()
         try:
             dist.barrier()
@@ -257,10 +263,25 @@ class EmbeddedJob:
         log.info("done: parameter digest %s", (digest or "")[:16])
 
     # ------------------------------------------------------------------ persistent checkpoints
-    def _save(self, iteration: int) -> None:
+    def _save(self, iteration: int, *, go_on: bool) -> str:
+        """Save `iteration`'s checkpoint: "" when saved, else the line saying what was not
+        (every rank alike: `CheckpointSaveError`). A periodic checkpoint that cannot be written
+        (`go_on`: a full disk, a read-only folder) does not stop training, which DeadPool
+        protects in memory: each failed one is a warning (rank 0 also tells the launcher), and
+        the next interval tries again. Stopping (preemption), the line goes with the stop."""
         t0 = time.perf_counter()
-        path = self.saver(self, iteration)
+        try:
+            path = self.saver(self, iteration)
+        except CheckpointSaveError as exc:
+            if not go_on:
+                return str(exc)
+            line = f"{exc}; training goes on (its state is protected in memory)"
+            log.warning("%s", line)
+            if self.driver.rank == 0:
+                self.driver.membership.publish_checkpoint_failure(iteration, line)
+            return line
         log.info("saved checkpoint %s in %.2fs", path, time.perf_counter() - t0)
+        return ""
 
     def _load(self, root: str) -> int:
         from . import checkpoint

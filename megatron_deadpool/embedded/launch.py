@@ -98,6 +98,8 @@ class LocalLauncher:
         # The job's secret (`hotswap/seal.py`): to the processes in their environment only.
         self.token = job_secret(job.deadpool.job_token) or new_secret()
         self._local: LocalJob | None = None
+        self._unsaved: dict[int, str] = {}
+        """The periodic checkpoints that could not be written, each one's line (shown once)."""
 
     @property
     def local(self) -> LocalJob:
@@ -219,6 +221,7 @@ class LocalLauncher:
                 return False
             log.append(rec.to_dict())
             self.progress.iteration(log.records[-1], deadpool)
+            self._show_unsaved()
             return True
 
         def failed(members: dict[str, int]) -> int:
@@ -229,7 +232,11 @@ class LocalLauncher:
             return ExitCode.FAILED
 
         def finished() -> int:
-            if membership.preempted() is not None:
+            self._show_unsaved()
+            preempted = membership.preempted()
+            if preempted is not None:
+                if preempted.unsaved:
+                    self.progress.event(preempted.unsaved)
                 return ExitCode.PREEMPTED  # stopped on purpose, resumable with --load
             return ExitCode.OK if log.next_iteration > self.job.train.iters else ExitCode.FAILED
 
@@ -251,6 +258,17 @@ class LocalLauncher:
             interval_s=0.02,
             preempt=preempt,
         ).run()
+
+    def _show_unsaved(self) -> None:
+        """Say each periodic checkpoint that could not be written, once (rank 0 publishes it
+        before the next iteration's record)."""
+        if not (self.job.train.save and self.job.train.save_interval):
+            return
+        failures = self.local.membership.checkpoint_failures()
+        for iteration, line in sorted(failures.lines.items()) if failures else ():
+            if iteration not in self._unsaved:
+                self._unsaved[iteration] = line
+                self.progress.event(line)
 
     def _first_iteration(self) -> int:
         """1, or the iteration after the checkpoint `--load` resumes from."""
@@ -293,6 +311,7 @@ class LocalLauncher:
             "job_error": coord.job_error.to_dict() if coord.job_error else None,
             "lost_after_training": ended.to_dict() if ended else None,
             "preempted": asdict(preempted) if preempted else None,
+            "checkpoints_not_saved": {str(t): line for t, line in sorted(self._unsaved.items())},
             "wall_s": wall_s,
             "median_iter_time_s": (
                 statistics.median(r["iter_time_s"] for r in records) if records else None

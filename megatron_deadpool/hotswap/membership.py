@@ -84,6 +84,8 @@ Keys (the message type of each structured value in CamelCase):
   done/{member}               wall time the member finished its work (done/count: how many)
   preempt                     set by a launcher: stop after the current iteration
   preempted                   Preempted: where training stopped on purpose
+  checkpoint/failures         CheckpointFailures: the embedded job's periodic checkpoints that
+                              could not be written (a full disk), each one's line
   load/{rank}                 seconds the rank took to load a persistent checkpoint
   salvaged/{rank}             the rank wrote its part of the out-of-redundancy snapshot set
   salvage/manifest            counter: the first survivor to add 1 writes the manifest
@@ -121,6 +123,7 @@ from .messages import (
     GIVEN_UP,
     WAKE,
     Announcement,
+    CheckpointFailures,
     CoordinatorIdentity,
     Decision,
     EndReport,
@@ -745,6 +748,17 @@ class Membership:
         value = self._read(key)
         return None if value is None else IterationRecord.decode(key, value)
 
+    def publish_checkpoint_failure(self, iteration: int, line: str) -> None:
+        """Rank 0: the periodic checkpoint of `iteration` was not written (`line` says why)."""
+        known = self.checkpoint_failures()
+        lines = {**(known.lines if known else {}), iteration: line}
+        self._set(Keys.CHECKPOINT_FAILURES, CheckpointFailures(lines).encode())
+
+    def checkpoint_failures(self) -> CheckpointFailures | None:
+        value = self._read(Keys.CHECKPOINT_FAILURES)
+        key = Keys.CHECKPOINT_FAILURES
+        return None if value is None else CheckpointFailures.decode(key, value)
+
     # ------------------------------------------------------------------ pruning
     def generation_keys(self, first: int, below: int) -> list[str]:
         """The keys of generations `first` .. `below - 1` that may be deleted (`retention.py`),
@@ -819,8 +833,8 @@ class Membership:
     def preempt_requested(self) -> bool:
         return self._present(Keys.PREEMPT)
 
-    def publish_preempted(self, iteration: int, saved: bool) -> None:
-        self._set(Keys.PREEMPTED, Preempted(iteration, saved).encode())
+    def publish_preempted(self, iteration: int, saved: bool, unsaved: str = "") -> None:
+        self._set(Keys.PREEMPTED, Preempted(iteration, saved, unsaved).encode())
 
     def preempted(self) -> Preempted | None:
         value = self._read(Keys.PREEMPTED)

@@ -68,6 +68,7 @@ class Keys:
     DONE_COUNT = "done/count"
     PREEMPT = "preempt"
     PREEMPTED = "preempted"
+    CHECKPOINT_FAILURES = "checkpoint/failures"
     LOAD_TIME = "load/{rank}"
     SALVAGED = "salvaged/{rank}"
     SALVAGE_MANIFEST = "salvage/manifest"
@@ -496,6 +497,16 @@ class Preempted(Message):
 
     iteration: int
     saved: bool
+    unsaved: str = ""
+    """Why a checkpoint was to be saved there and was not (a full disk): the one line."""
+
+
+@dataclass(frozen=True)
+class CheckpointFailures(Message):
+    """`checkpoint/failures`: the periodic checkpoints of the embedded job that could not be
+    written (a full disk, a read-only folder), each iteration's one line; training went on."""
+
+    lines: dict[int, str]
 
 
 # ---------------------------------------------------------------------- a standby takes over

@@ -11,6 +11,7 @@ import pytest
 from megatron_deadpool.hotswap.codec import ProtocolError, read_float, read_int
 from megatron_deadpool.hotswap.messages import (
     Announcement,
+    CheckpointFailures,
     CoordinatorIdentity,
     Decision,
     EndReport,
@@ -71,6 +72,8 @@ EXAMPLES = [
 ]
 ERROR = ErrorReport(3, "a2", 2, 0, Phase.START_UP, "FileNotFoundError", "no /data", 1.7e9, ("x",))
 EXAMPLES += [
+    Preempted(iteration=9, saved=False, unsaved="checkpoint of iteration 9 not saved to D"),
+    CheckpointFailures({4: "checkpoint of iteration 4 not saved to D (rank 2: [Errno 28] ...)"}),
     ERROR,
     ErrorReport(1, "s0", None, -1, Phase.WAITING, "KeyError", "", 1.7e9),
     JobError("rank 2 failed in its start-up", ERROR, (0, 2)),
