@@ -223,7 +223,8 @@ def plot(result: dict[str, Any], path: str | Path) -> Path:
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(7, 3.2))
     for mode in ("respawn", "spares"):
-        points = result["modes"][mode]["spare_pool"]
+        points = [*result["modes"][mode]["spare_pool"]]
+        points.append((result["config"]["iters"], points[-1][1]))  # on to the run's end
         ax.step([p[0] for p in points], [p[1] for p in points], where="post", label=LABELS[mode])
     for spec in result["trace"]:
         ax.axvline(int(spec.split("@")[1].split(":")[0]), color="grey", lw=0.5, ls=":")
