@@ -213,11 +213,6 @@ def _from_data_parallel_peer(run: Run) -> None:
     assert "agreed: restore iteration" in run.text and "shards from rank 0 -> rank 2" in run.text
 
 
-def _skipped(line: list[str]) -> int:
-    (field,) = [f for f in line if f.startswith("number of skipped iterations:")]
-    return int(field.split(":")[1])
-
-
 @pytest.mark.timeout(3 * RUN_TIMEOUT)
 @NEWEST_ONLY
 def test_tp_pp_dp_mapping_killed_rank_is_restored_from_its_data_parallel_peer_bitwise(
@@ -230,6 +225,29 @@ def test_tp_pp_dp_mapping_killed_rank_is_restored_from_its_data_parallel_peer_bi
     _from_data_parallel_peer(run)
 
 
+@pytest.mark.timeout(3 * RUN_TIMEOUT)
+@NEWEST_ONLY
+def test_tp_pp_dp_mapping_hung_rank_is_restored_from_its_data_parallel_peer_bitwise(
+    baselines, tag: str, tmp_path: Path
+) -> None:
+    """Rank 2 stopped (SIGSTOP) as iteration 4 starts: only its silence names it."""
+    baseline = baselines(tag, "tppdp")
+    args = [*MODELS["tppdp"], *HANG_HEARTBEAT, "--deadpool-fail", "2@4:hang"]
+    run = launch(tmp_path, "hang", megatron_lm_tree(tag) / "pretrain_gpt.py", args)
+    _assert_same_training(run, baseline)
+    (rec,) = run.summary["recoveries"]
+    assert rec["dead_ranks"] == [2] and rec["replaced_by"] == {"2": "s0"}
+    assert rec["restore_iteration"] in (2, 3) and rec["recomputed_iterations"] <= 1
+    _from_data_parallel_peer(run)
+
+
+def _skipped(line: list[str]) -> int:
+    (field,) = [f for f in line if f.startswith("number of skipped iterations:")]
+    return int(field.split(":")[1])
+
+
+@pytest.mark.timeout(3 * RUN_TIMEOUT)
+@NEWEST_ONLY
 def test_fp16_killed_rank_while_steps_are_skipped_is_hot_swapped_bitwise(
     baselines, tag: str, tmp_path: Path
 ) -> None:
@@ -250,20 +268,6 @@ def test_fp16_killed_rank_while_steps_are_skipped_is_hot_swapped_bitwise(
 
 @pytest.mark.timeout(3 * RUN_TIMEOUT)
 @NEWEST_ONLY
-def test_tp_pp_dp_mapping_hung_rank_is_restored_from_its_data_parallel_peer_bitwise(
-    baselines, tag: str, tmp_path: Path
-) -> None:
-    """Rank 2 stopped (SIGSTOP) as iteration 4 starts: only its silence names it."""
-    baseline = baselines(tag, "tppdp")
-    args = [*MODELS["tppdp"], *HANG_HEARTBEAT, "--deadpool-fail", "2@4:hang"]
-    run = launch(tmp_path, "hang", megatron_lm_tree(tag) / "pretrain_gpt.py", args)
-    _assert_same_training(run, baseline)
-    (rec,) = run.summary["recoveries"]
-    assert rec["dead_ranks"] == [2] and rec["replaced_by"] == {"2": "s0"}
-    assert rec["restore_iteration"] in (2, 3) and rec["recomputed_iterations"] <= 1
-    _from_data_parallel_peer(run)
-
-
 def test_fp16_hung_rank_after_the_first_real_step_is_hot_swapped_bitwise(
     baselines, tag: str, tmp_path: Path
 ) -> None:
