@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 
 from ..config.faults import parse_fault
 from ..errors import ConfigError
@@ -93,11 +93,3 @@ def kind_of(spec: str) -> str:
     """The trace kind of a `--fail` spec of a trace."""
     fault = parse_fault(spec)
     return "node" if fault.node is not None else "hang" if fault.kind == "hang" else "crash"
-
-
-def after(specs: Sequence[str], reached: int) -> list[str]:
-    """The specs of `specs` that a run stopped by a failure, its last iteration logged
-    `reached`, has not met. The failure struck as iteration reached + 1 started, or reached + 2
-    when that iteration's record was still on its way; the next one is MIN_GAP iterations
-    later, so those at iterations > reached + 2."""
-    return [s for s in specs if parse_fault(s).iteration > reached + 2]

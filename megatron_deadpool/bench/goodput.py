@@ -40,9 +40,9 @@ from typing import Any
 from ..config.job import JobConfig
 from ..config.numbers import check_number, number_arg
 from ..errors import ConfigError, ExitCode
-from .failure_trace import LLAMA3_MIX, after, failure_trace, kind_of, parse_mix
+from .failure_trace import LLAMA3_MIX, failure_trace, kind_of, parse_mix
 from .overhead import base_job
-from .plots import _pyplot, _save
+from .plots import spare_pool
 from .report import job_shape, publish, text_row, yes_no
 from .timed_launch import Launch, launch
 
@@ -126,9 +126,10 @@ Launcher = Callable[[JobConfig, Path, bool], Launch]
 def run_through(
     job: JobConfig, trace: list[str], stop_on_failure: bool, runner: Launcher, work_dir: Path
 ) -> tuple[list[Launch], float]:
-    """`job` through `trace`: launched, and launched again with `--load` and the failures not
-    met yet each time it stops resumably (out of redundancy, or any failure with DeadPool
-    off), until it completes; its launches and the wall time of all of them."""
+    """`job` through `trace`: launched, and launched again with `--load` and the failures that
+    have not struck yet each time a failure of the trace stops it - out of redundancy (exit 3),
+    or with DeadPool off any failure (exit 1) - until it completes; its launches and the wall
+    time of all of them. Any other end is an error."""
     launches: list[Launch] = []
     faults, load = list(trace), None
     t0 = time.monotonic()
@@ -139,14 +140,14 @@ def run_through(
         launches.append(run)
         if run.returncode == 0:
             return launches, time.monotonic() - t0
-        deadpool_off = not job.deadpool.enabled
-        if not (deadpool_off or run.returncode == ExitCode.OUT_OF_REDUNDANCY):
+        stopped_by = ExitCode.FAILED if not job.deadpool.enabled else ExitCode.OUT_OF_REDUNDANCY
+        if run.returncode != stopped_by or not run.fired:
             raise RuntimeError(
-                f"launch {len(launches)} ended with exit code {run.returncode}; logs in "
-                f"{run.run_dir}"
+                f"launch {len(launches)} ended with exit code {run.returncode}, not stopped by a "
+                f"failure of the trace; logs in {run.run_dir}"
             )
-        reached = max((r["iteration"] for r in run.records), default=0)
-        faults, load = after(faults, reached), job.train.save
+        faults = [f for i, f in enumerate(faults) if i not in run.fired]
+        load = job.train.save
     raise RuntimeError(f"still not done after {MAX_LAUNCHES} launches; logs in {work_dir}")
 
 
@@ -160,8 +161,8 @@ def account(
     spares: int,
     reference_digest: str | None,
 ) -> dict[str, Any]:
-    """What one way's launches came to: effective training time ratio, failures survived in
-    place, restarts, iterations computed again, spares used, the spare pool after each event
+    """What one way's launches came to: effective training time ratio, failures survived
+    without a restart, restarts, iterations computed again, spares used, the spare pool after each event
     (iteration, spares waiting) and whether the parameters are the failure-free run's."""
     recoveries = [rec for run in launches for rec in run.summary.get("recoveries") or []]
     recomputed = sum(int(rec["recomputed_iterations"]) for rec in recoveries)
@@ -178,12 +179,12 @@ def account(
             resumed = min((r["iteration"] for r in launches[i + 1].records), default=1) - 1
             recomputed += max(0, reached - resumed)
     respawned = sum(len(rec.get("respawned") or {}) for rec in recoveries)
-    used = sum(len(rec["replaced_by"]) for rec in recoveries) - respawned
+    used = sum(spares - len(run.summary.get("spares_left") or []) for run in launches)
     final = launches[-1].summary.get("final_param_digest")
     return {
         "wall_s": round(wall_s, 3),
         "ettr": round(iters * iter_s / wall_s, 4),
-        "survived_in_place": len(recoveries),
+        "survived_without_restart": len(recoveries),
         "respawned": respawned,
         "restarts": len(launches) - 1,
         "recomputed_iterations": recomputed,
@@ -203,7 +204,7 @@ def table(result: dict[str, Any]) -> list[str]:
             LABELS[mode],
             f"{r['wall_s']:.1f}",
             f"{r['ettr']:.2f}",
-            str(r["survived_in_place"]),
+            str(r["survived_without_restart"]),
             str(r["restarts"]),
             str(r["recomputed_iterations"]),
             str(r["spares_used"]),
@@ -216,26 +217,6 @@ def table(result: dict[str, Any]) -> list[str]:
         "over the wall time through the trace; survived: failures recovered without a restart"
     )
     return lines
-
-
-def plot(result: dict[str, Any], path: str | Path) -> Path:
-    """The spare pool along each DeadPool way's run (it refills when a run starts again)."""
-    plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(7, 3.2))
-    for mode in ("respawn", "spares"):
-        points = [*result["modes"][mode]["spare_pool"]]
-        points.append((result["config"]["iters"], points[-1][1]))  # on to the run's end
-        ax.step([p[0] for p in points], [p[1] for p in points], where="post", label=LABELS[mode])
-    for spec in result["trace"]:
-        ax.axvline(int(spec.split("@")[1].split(":")[0]), color="grey", lw=0.5, ls=":")
-    ax.set_xlabel("iteration (dotted: a failure of the trace)")
-    ax.set_ylabel("spares waiting")
-    ax.set_xlim(0, result["config"]["iters"])
-    ax.set_ylim(bottom=-0.2)
-    ax.legend(loc="lower left", fontsize="small")
-    ax.set_title("deadpool bench goodput: the spare pool")
-    fig.tight_layout()
-    return _save(fig, plt, path)
 
 
 # ---------------------------------------------------------------------- the command
@@ -315,7 +296,7 @@ def run(args: argparse.Namespace, runner: Launcher | None = None) -> int:
         "modes": modes,
     }
     if args.plot:
-        result["plot"] = str(plot(result, args.plot))
+        result["plot"] = str(spare_pool(result, args.plot, LABELS))
     publish(table(result), result, args.json_path)
     if not args.keep:
         shutil.rmtree(work_dir, ignore_errors=True)

@@ -20,6 +20,7 @@ import textwrap
 from pathlib import Path
 from typing import Any
 
+from ..config.faults import parse_fault
 from .recovery import phase_rows
 from .report import markdown_table, yes_no
 from .stats import ratio_text
@@ -371,6 +372,27 @@ def draw(result: dict[str, Any], out: Path) -> None:
         except RuntimeError as exc:
             errors.append(f"{name}: {exc}")
     result["figures"], result["figure_errors"] = figures, errors
+
+
+def spare_pool(result: dict[str, Any], path: str | Path, labels: dict[str, str]) -> Path:
+    """`deadpool bench goodput`: the spare pool along each DeadPool way's run (it refills when
+    a run starts again), the trace's failures dotted."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7, 3.2))
+    for mode in ("respawn", "spares"):
+        points = [*result["modes"][mode]["spare_pool"]]
+        points.append((result["config"]["iters"], points[-1][1]))  # on to the run's end
+        ax.step([p[0] for p in points], [p[1] for p in points], where="post", label=labels[mode])
+    for spec in result["trace"]:
+        ax.axvline(parse_fault(spec).iteration, color="grey", lw=0.5, ls=":")
+    ax.set_xlabel("iteration (dotted: a failure of the trace)")
+    ax.set_ylabel("spares waiting")
+    ax.set_xlim(0, result["config"]["iters"])
+    ax.set_ylim(bottom=-0.2)
+    ax.legend(loc="lower left", fontsize="small")
+    ax.set_title("deadpool bench goodput: the spare pool")
+    fig.tight_layout()
+    return _save(fig, plt, path)
 
 
 def _save(fig: Any, plt: Any, path: str | Path) -> Path:

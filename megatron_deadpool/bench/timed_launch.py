@@ -16,6 +16,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ..config.faults import parse_fault
 from ..config.job import JobConfig
 from ..hotswap.liveness import kill_groups
 
@@ -41,6 +42,8 @@ class Launch:
     """When the launcher saw the failure (restart baseline only)."""
     load_s: float | None = None
     """Slowest rank's `checkpoint.load` (`load/{rank}` in the store), if the run loaded one."""
+    fired: tuple[int, ...] = ()
+    """The indices of the job's `--fail` specs that struck (`fault/fired/...` in the store)."""
 
 
 Runner = Callable[[JobConfig, Path, bool], Launch]
@@ -53,6 +56,9 @@ class _Stamps:
 
     stop_on_failure: bool
     world_size: int
+    specs: Sequence[str] = ()
+    ranks_per_node: int = 1
+    fired: tuple[int, ...] = ()
     spawned_at: float = 0.0
     detected_at: float | None = None
     stopped_at: float | None = None
@@ -77,6 +83,11 @@ class _Stamps:
         loads = [t for t in map(m.load_time, range(self.world_size)) if t is not None]
         self.failed_at = min(faults) if faults else None
         self.load_s = max(loads) if loads else None
+        self.fired = tuple(
+            i
+            for i, spec in enumerate(self.specs)
+            if any(m.fired(i, r) for r in parse_fault(spec).ranks(self.ranks_per_node))
+        )
 
 
 def launch(
@@ -92,7 +103,9 @@ def launch(
     recording the times the bench needs."""
     from ..embedded.launch import LaunchHooks, LocalLauncher
 
-    stamps = _Stamps(stop_on_failure, job.parallel.world_size)
+    stamps = _Stamps(
+        stop_on_failure, job.parallel.world_size, job.deadpool.fail, job.ranks_per_node
+    )
     hooks = LaunchHooks(started=stamps.started, failed=stamps.failed, ended=stamps.ended)
     result = LocalLauncher(
         job,
@@ -113,4 +126,5 @@ def launch(
         stopped_at=stamps.stopped_at,
         detected_at=stamps.detected_at,
         load_s=stamps.load_s,
+        fired=stamps.fired,
     )

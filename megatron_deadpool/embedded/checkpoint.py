@@ -223,7 +223,8 @@ def save(objs: TrainingObjects, iteration: int, root: str | os.PathLike[str]) ->
     t0 = time.perf_counter()
     path = iteration_dir(root, iteration)
     kept = latest_iteration(root)
-    if kept == iteration and (path / "metadata.json").is_file():
+    saved = kept == iteration and (path / "metadata.json").is_file()
+    if _agreed(None if saved else f"rank {dist.get_rank()}") is None:  # every rank sees it
         # A recovery recomputed the iteration saved last: its state is bitwise the one saved.
         # Writing it again could only damage the checkpoint the marker names.
         log.debug("checkpoint of iteration %d already saved to %s", iteration, path)
@@ -299,7 +300,9 @@ def _not_saved(root: str | os.PathLike[str], iteration: int, kept: int | None, e
     `save` does not write into one), and say in one line what was and was not saved."""
     path = iteration_dir(root, iteration)
     removed = "its partial files were removed"
-    if dist.get_rank() == 0:
+    if latest_iteration(root) == iteration:  # the marker was written (its folder's fsync failed)
+        removed = "its files stay: the marker names them"
+    elif dist.get_rank() == 0:
         shutil.rmtree(path, ignore_errors=True)
         if path.exists():
             removed = f"its partial files could not all be removed: delete {path}"

@@ -275,7 +275,12 @@ class EmbeddedJob:
         except CheckpointSaveError as exc:
             if not go_on:
                 return str(exc)
-            line = f"{exc}; training goes on (its state is protected in memory)"
+            kept = (
+                "its state is protected in memory"
+                if self.driver.cfg.enabled
+                else ("nothing protects its state until a checkpoint is saved: DeadPool is off")
+            )
+            line = f"{exc}; training goes on ({kept})"
             log.warning("%s", line)
             if self.driver.rank == 0:
                 self.driver.membership.publish_checkpoint_failure(iteration, line)

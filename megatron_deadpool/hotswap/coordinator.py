@@ -1,4 +1,4 @@
-"""The coordinator's decisions: which spare takes which slot, the restore iteration, the end.
+"""The coordinator's decisions: who takes which slot, the restore iteration, the end.
 
 It runs inside the local launchers (`local_job.py`, where it can also see process exits and
 kill a hung process) or on its own on a cluster's batch host (`deadpool coordinator`), where
@@ -7,8 +7,10 @@ detector's part (`detector.py`); each `tick()` then:
   1. for members that died since the last tick: when a death is the job's own error - a rank
      that reported an exception before replication started, a newcomer that failed as the
      member it replaced did (`job_error.judge`) - the verdict that ends the job (`JobError`, no
-     spare spent); otherwise a plan for a new generation - the dead set and the spares taking
-     their slots (`Plan`) - or, once training completed, the end report of what was lost
+     spare spent); otherwise a plan for a new generation - the dead set and who takes their
+     slots: a process the failed one's node respawns in its place, while that node's agent is
+     alive and its respawn budget allows (`respawn.py`), else a spare (`Plan`) - or, once
+     training completed, the end report of what was lost
      afterwards (`EndReport`: nothing to recompute);
   2. once every planned survivor reported its holdings, the restore iteration
      (`restore_plan.plan_restore`) and the new roster - or, when memory cannot recover the
@@ -169,6 +171,7 @@ class Coordinator:
         self._pruner = Pruner(membership)
         self._agents = agents
         self._respawn = respawn if agents is not None else None
+        self._respawned: set[str] = set()  # members a node's agent started in a failed one's place
 
     # ------------------------------------------------------------------ what launchers read
     @property
@@ -352,7 +355,10 @@ class Coordinator:
         self._handled.update(fresh | {slots[r] for r in dead})
         if not dead or self._ended():
             return
-        verdict = judge({r: slots[r] for r in dead}, self.detector.error_reports(), self._replaced)
+        # A respawn runs on the same node and GPU: the same error again there proves nothing
+        # about the job (a bad GPU repeats too); only a spare elsewhere repeating it does.
+        chain = {new: old for new, old in self._replaced.items() if new not in self._respawned}
+        verdict = judge({r: slots[r] for r in dead}, self.detector.error_reports(), chain)
         if verdict is not None:
             self._end_job_error(verdict)
             return
@@ -449,11 +455,16 @@ class Coordinator:
             self.events("respawn_refused", rank=rank, node=node, why="respawn limit reached")
             self.say(
                 f"node {node}: {self._respawn.used(node)} respawn(s) within "
-                f"{self._respawn.window:g}s (deadpool-respawn-limit): rank {rank} takes a spare"
+                f"{self._respawn.window:g}s (deadpool-respawn-limit): no respawn for rank {rank}"
             )
             return None
+        try:
+            member = self._agents.respawn(rank, dead, node)
+        except OSError as exc:  # the node cannot start a process (fork server, limits): a spare
+            self.events("respawn_refused", rank=rank, node=node, why=f"cannot start one: {exc}")
+            return None
         self._respawn.spend(node, now)
-        member = self._agents.respawn(rank, dead, node)
+        self._respawned.add(member)
         self.detector.watch([member])
         self.events("respawned", rank=rank, node=node, member=member, replaces=dead)
         return member, node

@@ -77,6 +77,7 @@ Keys (the message type of each structured value in CamelCase):
                               their final state
   fault/{member}              wall time an injected fault struck the member
   fault/fired/{index}/{who}   counter: fault spec `index` fired for rank or member `who`
+  node_lost/{member}          a node fault took the node `member` ran on (local launchers)
   progress/last               the newest iteration rank 0 completed
   metrics/g{g}/{it}           IterationRecord: rank 0's record of iteration `it` in generation g
   replication/final           FinalReplication: the committed iteration at the end of training
@@ -724,6 +725,10 @@ class Membership:
     def fire_once(self, index: int, who: int | str) -> bool:
         """True the first time fault spec `index` fires for `who` in the whole job."""
         return self.store.add(Keys.FAULT_FIRED.format(index=index, who=who), 1) == 1
+
+    def fired(self, index: int, who: int | str) -> bool:
+        """Whether fault spec `index` fired for `who` (a benchmark reads it at the end)."""
+        return self.store.add(Keys.FAULT_FIRED.format(index=index, who=who), 0) > 0
 
     # ------------------------------------------------------------------ progress and results
     def set_progress(self, iteration: int) -> None:

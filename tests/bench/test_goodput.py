@@ -16,7 +16,6 @@ from megatron_deadpool.bench.failure_trace import (
     FIRST,
     LLAMA3_MIX,
     MIN_GAP,
-    after,
     failure_trace,
     kind_of,
     parse_mix,
@@ -71,19 +70,17 @@ def test_too_many_failures_for_the_run_are_refused() -> None:
                       seed=0)  # fmt: skip
 
 
-def test_after_a_stop_the_failures_met_are_dropped() -> None:
-    trace = ["1@5", "node:0@9", "3@12:hang"]
-    assert after(trace, 3) == ["node:0@9", "3@12:hang"]  # struck at 5, record 4 on its way
-    assert after(trace, 4) == ["node:0@9", "3@12:hang"]
-    assert after(trace, 7) == ["3@12:hang"]
-    assert after(trace, 12) == []
-
-
-def _launch(records: list[int], recoveries: list[dict[str, Any]], digest: str | None) -> Launch:
+def _launch(
+    records: list[int], recoveries: list[dict[str, Any]], digest: str | None, spares_left: int
+) -> Launch:
     return Launch(
         returncode=0 if digest else 3,
         records=[{"iteration": i} for i in records],
-        summary={"recoveries": recoveries, "final_param_digest": digest},
+        summary={
+            "recoveries": recoveries,
+            "final_param_digest": digest,
+            "spares_left": [f"s{i}" for i in range(spares_left)],
+        },
         run_dir=Path("/nonexistent"),
         spawned_at=0.0,
     )
@@ -104,10 +101,11 @@ def test_the_accounting_of_a_run_that_started_again() -> None:
             },
         ],
         None,
+        0,
     )
-    second = _launch(list(range(9, 21)), [], "abc")
+    second = _launch(list(range(9, 21)), [], "abc", 1)
     out = account([first, second], 40.0, iters=20, iter_s=1.0, spares=1, reference_digest="abc")
-    assert out["ettr"] == 0.5 and out["restarts"] == 1 and out["survived_in_place"] == 2
+    assert out["ettr"] == 0.5 and out["restarts"] == 1 and out["survived_without_restart"] == 2
     assert out["respawned"] == 1 and out["spares_used"] == 1
     assert out["recomputed_iterations"] == 1 + 0 + 1
     assert out["spare_pool"] == [(1, 1), (4, 0), (7, 0), (9, 1)]
@@ -134,10 +132,18 @@ def test_goodput_runs_the_three_ways_through_one_trace(tmp_path: Path) -> None:
     modes = result["modes"]
     assert all(m["matches_failure_free"] for m in modes.values())
     respawn, spares, restart = modes["respawn"], modes["spares"], modes["restart"]
-    assert (respawn["survived_in_place"], respawn["respawned"], respawn["restarts"]) == (2, 2, 0)
+    assert (respawn["survived_without_restart"], respawn["respawned"], respawn["restarts"]) == (
+        2,
+        2,
+        0,
+    )
     assert respawn["spares_used"] == 0
-    assert (spares["survived_in_place"], spares["spares_used"], spares["restarts"]) == (1, 1, 1)
-    assert (restart["survived_in_place"], restart["restarts"]) == (0, 2)
+    assert (spares["survived_without_restart"], spares["spares_used"], spares["restarts"]) == (
+        1,
+        1,
+        1,
+    )
+    assert (restart["survived_without_restart"], restart["restarts"]) == (0, 2)
     assert all(0 < m["ettr"] < 1 for m in modes.values())
     assert png.stat().st_size > 0
     assert "DeadPool, in-place respawn" in proc.stdout and "ETTR" in proc.stdout

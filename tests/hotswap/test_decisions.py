@@ -750,3 +750,47 @@ def test_respawn_budget_slides() -> None:
     assert not budget.allows(0, 9.9) and budget.allows(1, 9.9)
     assert budget.allows(0, 10.0) and budget.used(0) == 1
     assert not RespawnBudget(0, 10.0).allows(0, 0.0)
+
+
+def test_an_error_repeated_after_a_respawn_is_no_job_error_until_a_spare_repeats_it() -> None:
+    """Rank 2 raises in training; its node respawns it, and the new process raises the same:
+    on the same node and GPU that proves nothing about the job (a bad GPU repeats too), so the
+    slot goes on - to a spare once the node's budget is spent; the spare, elsewhere, raising it
+    too ends the job."""
+    job = Job(world=4, per_node=2, spares=1, respawn_limit=1)
+    message = "fault injection: rank 2 raises at iteration 4"
+    job.raised("a2", Phase.TRAINING, rank=2, message=message)
+    job.die("a2")
+    job.tick()
+    assert job.m().plan(1).replaced == {2: "s1"}  # type: ignore[union-attr]
+    job.report(1, [0, 1, 3])
+    job.tick()
+    job.complete(1)
+    job.raised("s1", Phase.TRAINING, rank=2, generation=1, message=message)
+    job.die("s1")
+    job.tick()
+    assert job.coord.job_error is None
+    plan = job.m().plan(2)
+    assert plan is not None and plan.replaced == {2: "s0"}  # the budget is spent: a spare
+    job.report(2, [0, 1, 3])
+    job.tick()
+    job.complete(2)
+    job.raised("s0", Phase.TRAINING, rank=2, generation=2, message=message)
+    job.die("s0")
+    job.tick()
+    verdict = job.coord.job_error
+    assert verdict is not None and "spare s0 failed as s1 did" in verdict.reason
+
+
+def test_a_node_that_cannot_start_a_process_hands_the_slot_to_a_spare() -> None:
+    job = Job(world=4, per_node=2, spares=1, respawn_limit=1)
+
+    def cannot(rank: int, dead: str, node: int) -> str:
+        raise OSError(24, "Too many open files")
+
+    job.agents.respawn = cannot  # type: ignore[method-assign]
+    job.die("a2")
+    job.tick()
+    plan = job.m().plan(1)
+    assert plan is not None and plan.replaced == {2: "s0"}
+    assert "Too many open files" in job.events.of("respawn_refused")[0]["why"]
