@@ -153,6 +153,7 @@ class LocalJob:
         """Grow the pool by one spare (as a cluster's scheduler would add a node)."""
         member = f"s{self.next_spare}"
         self.next_spare += 1
+        self._nodes[member] = self._new_node()
         spawn(member)
         self.coordinator.add_spare(member)
         return member
@@ -166,6 +167,13 @@ class LocalJob:
         placement = self.coordinator.placement()
         assert placement is not None  # the coordinator asks only once it knows the layout
         return task_of(member, self.world_size) // placement.layout.ranks_per_node
+
+    def _new_node(self) -> int:
+        """A simulated node of its own, after every node so far (a spare added later)."""
+        placement = self.coordinator.placement()
+        per_node = placement.layout.ranks_per_node if placement is not None else 1
+        first = -(-(self.world_size + self.spares) // per_node)  # after the initial spares'
+        return max([first - 1, *self._nodes.values()]) + 1
 
     def alive(self, node: int) -> bool:
         """Whether simulated node `node` is still there: no node fault took one of its

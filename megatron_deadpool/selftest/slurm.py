@@ -100,6 +100,11 @@ class SrunLauncher(LocalLauncher):
 
     def _host(self, cfg: DeadpoolConfig, **kwargs: Any) -> SrunJob:
         kwargs.pop("spawn")  # srun starts the tasks: no node agent here respawns one yet
+        if cfg.respawn_limit:
+            raise ConfigError(
+                "deadpool-respawn-limit: a Slurm job has no node agent yet to respawn a process "
+                "in place; drop it from the selftest's settings"
+            )
         return SrunJob(cfg, **kwargs)
 
     def _start(self) -> None:
