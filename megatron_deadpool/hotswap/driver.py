@@ -432,6 +432,8 @@ class Driver:
                 dp=ps.get_data_parallel_world_size(),
                 ranks_per_node=per_node,
                 order=order,
+                ep=ps.get_expert_model_parallel_world_size(),
+                etp=_expert_tp(tp),
             )
             check_megatron_groups(layout, dist.get_rank())
             self.layout = layout
@@ -460,7 +462,7 @@ class Driver:
         self.repl_group = dist.new_group(backend=backend, timeout=self.pg_timeout)
         self.host_repl_group = None
         if host_transfer_group(self.device, self.cfg.replica_device):
-            peers = self._layout().dp_group_of[self._rank()]
+            peers = self._layout().peer_group_of[self._rank()]
             self.host_repl_group = new_host_group(peers, self.pg_timeout)
         nccl.warm_groups()
 
@@ -765,6 +767,14 @@ class Driver:
             previous=self.replicator,
             host_group=self.host_repl_group,
         )
+
+
+def _expert_tp(tp: int) -> int | None:
+    """Megatron's expert-tensor-parallel size; None when it is `tp` (its default)."""
+    from megatron.core import parallel_state as ps
+
+    etp = ps.get_expert_tensor_parallel_world_size()
+    return None if etp == tp else etp
 
 
 def _ranks_per_node_from_env(default: int) -> int:
