@@ -9,6 +9,14 @@ Megatron's loss scalers.
   as iteration 4 starts with the replication round in flight dropped: the survivors roll back
   to iteration 2 and the spare takes rank 2's buffers from its holder. Every lm loss and every
   rank's final digest of parameters and buffers must be the failure-free run's.
+- MoE with expert parallelism (the same model at EP 2 over DP 4, two ranks per node + a
+  spare): experts 0-1 live on ranks 0 and 2, experts 2-3 on ranks 1 and 3 (Megatron's expert
+  data-parallel groups [0, 2] and [1, 3], on different nodes); the expert optimizer is a second
+  distributed optimizer over those groups. Each rank's replica (dense and expert shard) is held
+  by the rank with the same experts on the other node: rank 2's by rank 0. A killed rank 2
+  (both tags) and a hung rank 2 (newest tag) are restored from rank 0: every lm loss and every
+  rank's final digest equal the failure-free run's, and data-parallel peers of the dense part
+  end with different digests (different experts) while ranks holding the same experts agree.
 - Interleaved pipeline: PP2 x VPP2 x DP2 + a spare (4 layers, one per virtual stage), a killed
   rank and a hung rank, against the same failure-free run; newest tag only (`NEWEST_ONLY`).
 - Rank order tp-pp-dp (``--use-tp-pp-dp-mapping``): TP1 x PP2 x DP2 on nodes of 2 + a spare. A
@@ -66,6 +74,13 @@ MODELS: dict[str, list[str]] = {
         "--num-experts", "4", "--moe-router-topk", "2", "--moe-router-score-function",
         "sigmoid", "--moe-router-enable-expert-bias", "--moe-router-bias-update-rate", "1e-2",
         "--disable-bias-linear",  # core_v0.19.0's local experts add their bias in place: error
+    ],
+    "moe-ep": [
+        *megatron_args(ITERS), *SPARE, "--deadpool-ranks-per-node", "2",
+        "--tensor-model-parallel-size", "1", "--expert-model-parallel-size", "2",
+        "--num-experts", "4", "--moe-router-topk", "2", "--moe-router-score-function",
+        "sigmoid", "--moe-router-enable-expert-bias", "--moe-router-bias-update-rate", "1e-2",
+        "--disable-bias-linear",
     ],
     # TP 2 x DP 2; the first 3 iterations overflow (scale 2^20, 2^20, 2^19), 4 and 5 step.
     "fp16": [
@@ -167,6 +182,52 @@ def test_moe_expert_bias_is_restored_bitwise_after_a_killed_rank(
     baseline = baselines(tag, "moe")
     run = _killed(tag, "moe", tmp_path)
     _assert_same_training(run, baseline)
+
+
+EP_PLACEMENT = (
+    "tp 1 x pp 1 x dp 4 (experts: etp 1 x ep 2 x expert dp 2) in rank order tp-dp-pp, 2 rank(s) "
+    "per node; owner->holders (data-parallel peers of dense and expert layers under tp-dp-pp on "
+    "other nodes): 0->[2], 1->[3], 2->[0], 3->[1]"
+)
+"""Rank 0's log line of the placement with EP 2: each rank's replica on the rank holding the
+same experts on the other node."""
+
+
+def _from_the_rank_with_the_same_experts(run: Run) -> None:
+    """Replicas placed among ranks holding the same experts, rank 2's shards came from rank 0;
+    ranks 0 and 2 (experts 0-1) end equal, as do 1 and 3 (experts 2-3), and the two differ."""
+    assert EP_PLACEMENT in run.text, run.describe()
+    digests = run.summary["param_digests"]
+    assert digests["0"] == digests["2"] != digests["1"] == digests["3"]
+    assert "shards from rank 0 -> rank 2" in run.text, run.describe()
+
+
+@pytest.mark.timeout(3 * RUN_TIMEOUT)
+@pytest.mark.parametrize("tag", TAGS)
+def test_moe_expert_parallel_killed_rank_is_restored_from_the_rank_with_its_experts_bitwise(
+    baselines, tag: str, tmp_path: Path
+) -> None:
+    baseline = baselines(tag, "moe-ep")
+    assert EP_PLACEMENT in baseline.text, baseline.describe()
+    run = _killed(tag, "moe-ep", tmp_path)
+    _assert_same_training(run, baseline)
+    _from_the_rank_with_the_same_experts(run)
+
+
+@pytest.mark.timeout(3 * RUN_TIMEOUT)
+@NEWEST_ONLY
+def test_moe_expert_parallel_hung_rank_is_restored_from_the_rank_with_its_experts_bitwise(
+    baselines, tag: str, tmp_path: Path
+) -> None:
+    """Rank 2 stopped (SIGSTOP) as iteration 4 starts: only its silence names it."""
+    baseline = baselines(tag, "moe-ep")
+    args = [*MODELS["moe-ep"], *HANG_HEARTBEAT, "--deadpool-fail", "2@4:hang"]
+    run = launch(tmp_path, "hang", megatron_lm_tree(tag) / "pretrain_gpt.py", args)
+    _assert_same_training(run, baseline)
+    (rec,) = run.summary["recoveries"]
+    assert rec["dead_ranks"] == [2] and rec["replaced_by"] == {"2": "s0"}
+    assert rec["restore_iteration"] in (2, 3) and rec["recomputed_iterations"] <= 1
+    _from_the_rank_with_the_same_experts(run)
 
 
 @pytest.mark.timeout(3 * RUN_TIMEOUT)
