@@ -17,6 +17,10 @@ Megatron's loss scalers.
   (both tags) and a hung rank 2 (newest tag) are restored from rank 0: every lm loss and every
   rank's final digest equal the failure-free run's, and data-parallel peers of the dense part
   end with different digests (different experts) while ranks holding the same experts agree.
+  Expert-tensor parallelism (TP 1, expert TP 2, EP 1: each expert split over ranks [0, 1] and
+  [2, 3], expert data-parallel groups [0, 2] and [1, 3]): a killed rank 2, restored from rank 0,
+  newest tag only (MoE with TP > 1 needs sequence parallelism, which torch's LayerNorm of the
+  CPU mode refuses, so TP 1 with expert TP 2 is the expert-tensor layout that runs here).
 - Interleaved pipeline: PP2 x VPP2 x DP2 + a spare (4 layers, one per virtual stage), a killed
   rank and a hung rank, against the same failure-free run; newest tag only (`NEWEST_ONLY`).
 - Rank order tp-pp-dp (``--use-tp-pp-dp-mapping``): TP1 x PP2 x DP2 on nodes of 2 + a spare. A
@@ -78,6 +82,13 @@ MODELS: dict[str, list[str]] = {
     "moe-ep": [
         *megatron_args(ITERS), *SPARE, "--deadpool-ranks-per-node", "2",
         "--tensor-model-parallel-size", "1", "--expert-model-parallel-size", "2",
+        "--num-experts", "4", "--moe-router-topk", "2", "--moe-router-score-function",
+        "sigmoid", "--moe-router-enable-expert-bias", "--moe-router-bias-update-rate", "1e-2",
+        "--disable-bias-linear",
+    ],
+    "moe-etp": [
+        *megatron_args(ITERS), *SPARE, "--deadpool-ranks-per-node", "2",
+        "--tensor-model-parallel-size", "1", "--expert-tensor-parallel-size", "2",
         "--num-experts", "4", "--moe-router-topk", "2", "--moe-router-score-function",
         "sigmoid", "--moe-router-enable-expert-bias", "--moe-router-bias-update-rate", "1e-2",
         "--disable-bias-linear",
@@ -193,10 +204,11 @@ EP_PLACEMENT = (
 same experts on the other node."""
 
 
-def _from_the_rank_with_the_same_experts(run: Run) -> None:
+def _from_the_rank_with_the_same_experts(run: Run, placement: str = EP_PLACEMENT) -> None:
     """Replicas placed among ranks holding the same experts, rank 2's shards came from rank 0;
-    ranks 0 and 2 (experts 0-1) end equal, as do 1 and 3 (experts 2-3), and the two differ."""
-    assert EP_PLACEMENT in run.text, run.describe()
+    ranks 0 and 2 (experts 0-1, or the first halves of every expert) end equal, as do 1 and 3,
+    and the two differ."""
+    assert placement in run.text, run.describe()
     digests = run.summary["param_digests"]
     assert digests["0"] == digests["2"] != digests["1"] == digests["3"]
     assert "shards from rank 0 -> rank 2" in run.text, run.describe()
@@ -228,6 +240,24 @@ def test_moe_expert_parallel_hung_rank_is_restored_from_the_rank_with_its_expert
     assert rec["dead_ranks"] == [2] and rec["replaced_by"] == {"2": "s0"}
     assert rec["restore_iteration"] in (2, 3) and rec["recomputed_iterations"] <= 1
     _from_the_rank_with_the_same_experts(run)
+
+
+ETP_PLACEMENT = (
+    "tp 1 x pp 1 x dp 4 (experts: etp 2 x ep 1 x expert dp 2) in rank order tp-dp-pp, 2 rank(s) "
+    "per node; owner->holders (data-parallel peers of dense and expert layers under tp-dp-pp on "
+    "other nodes): 0->[2], 1->[3], 2->[0], 3->[1]"
+)
+
+
+@pytest.mark.timeout(3 * RUN_TIMEOUT)
+@NEWEST_ONLY
+def test_moe_expert_tensor_parallel_killed_rank_is_restored_from_the_rank_with_its_slices_bitwise(
+    baselines, tag: str, tmp_path: Path
+) -> None:
+    baseline = baselines(tag, "moe-etp")
+    run = _killed(tag, "moe-etp", tmp_path)
+    _assert_same_training(run, baseline)
+    _from_the_rank_with_the_same_experts(run, ETP_PLACEMENT)
 
 
 @pytest.mark.timeout(3 * RUN_TIMEOUT)
