@@ -587,6 +587,18 @@ class Driver:
         assert roster.restore_iteration is not None
         return roster.restore_iteration
 
+    def check_rebindable(self) -> None:
+        """Once the job's objects exist (`bind`): refuse, in one line, a process group they hold
+        that a recovery could not rebind (not one of Megatron's `parallel_state` groups)."""
+        extra = {REPLICATION: self.repl_group, HOST_REPLICATION: self.host_repl_group}
+        unnamed = rebind.unnamed_groups(self._roots(), extra)
+        if unnamed:
+            raise ConfigError(
+                f"--deadpool cannot protect this run: the job's objects hold {len(unnamed)} "
+                f"process group(s) that are none of Megatron's parallel_state groups "
+                f"({', '.join(unnamed[:3])}), which a hot swap could not rebuild and rebind"
+            )
+
     def attach(self) -> None:
         """Put the new generation's groups in every released handle; none may stay stale."""
         stale: list[str] = []

@@ -418,6 +418,7 @@ class MegatronSession:
         self.recorders = install_recorder(data_iterator)
         self.next_step = n
         self.driver.bind(self)
+        self.driver.check_rebindable()  # e.g. a group some module made outside parallel_state
 
     def _note_counters(self, n: int) -> None:
         """Megatron's counters after step n-1 (train() updates them after each step)."""

@@ -212,6 +212,8 @@ def _from_the_rank_with_the_same_experts(run: Run, placement: str = EP_PLACEMENT
     digests = run.summary["param_digests"]
     assert digests["0"] == digests["2"] != digests["1"] == digests["3"]
     assert "shards from rank 0 -> rank 2" in run.text, run.describe()
+    (rec,) = run.summary["recoveries"]
+    assert rec["stale_group_refs"] == 0, rec
 
 
 @pytest.mark.timeout(3 * RUN_TIMEOUT)
