@@ -172,10 +172,11 @@ def _assert_same_fp16_training(run: Run, baseline: Run) -> None:
     assert run.summary["param_digests"] == baseline.summary["param_digests"]
 
 
-def _killed(tag: str, model: str, tmp: Path) -> Run:
+def _killed(tag: str, model: str, tmp: Path, extra: tuple[str, ...] = ()) -> Run:
     """Rank 2 SIGKILLed as iteration 4 starts, the round in flight dropped: the survivors roll
-    back to iteration 2 and recompute iteration 3, the spare restores from rank 2's holder."""
-    args = [*MODELS[model], "--deadpool-fail", "2@4"]
+    back to iteration 2 and recompute iteration 3, the spare restores from rank 2's holder.
+    `extra`: more arguments (argparse keeps an option's last value)."""
+    args = [*MODELS[model], *extra, "--deadpool-fail", "2@4"]
     run = launch(tmp, "swap", megatron_lm_tree(tag) / "pretrain_gpt.py", args,
                  env=drop_in_flight_env())  # fmt: skip
     (rec,) = run.summary["recoveries"] or [None]
@@ -226,6 +227,21 @@ def test_moe_expert_parallel_killed_rank_is_restored_from_the_rank_with_its_expe
     run = _killed(tag, "moe-ep", tmp_path)
     _assert_same_training(run, baseline)
     _from_the_rank_with_the_same_experts(run)
+
+
+@pytest.mark.timeout(3 * RUN_TIMEOUT)
+@NEWEST_ONLY
+def test_moe_expert_parallel_replicas_skip_the_data_parallel_peer_with_other_experts(
+    baselines, tag: str, tmp_path: Path
+) -> None:
+    """Every rank its own node: the nearest data-parallel peer of rank 2 is rank 3, which holds
+    the other experts (a dense placement's ring would put rank 2's replica there); it goes to
+    rank 0, the rank with the same experts, and the coordinator, which learns the expert layout
+    from rank 0, names rank 0 as the newcomer's source."""
+    baseline = baselines(tag, "moe-ep")
+    run = _killed(tag, "moe-ep", tmp_path, ("--deadpool-ranks-per-node", "1"))
+    _assert_same_training(run, baseline)
+    _from_the_rank_with_the_same_experts(run, EP_PLACEMENT.replace("2 rank(s)", "1 rank(s)"))
 
 
 @pytest.mark.timeout(3 * RUN_TIMEOUT)
