@@ -4,8 +4,8 @@
 bytes) in `named_parameters()` / `named_buffers()` order, for every model chunk: every buffer,
 persistent or not - state a step changes outside the optimizer (the MoE router's
 ``expert_bias``) as well as constants (rotary ``inv_freq``), which are equal anyway.
-`job_digest` combines the digests of the data-parallel-rank-0 ranks in rank order - one per
-model-parallel position, which together hold every parameter of the model exactly once.
+`job_digest` combines the digests of one rank per group of ranks holding the same weights, in
+rank order - together they hold every parameter of the model exactly once.
 """
 
 from __future__ import annotations
@@ -41,17 +41,19 @@ def job_digest(per_rank: Mapping[int, str]) -> str:
 
 
 def final_digest(
-    dp_groups: Iterable[Sequence[int]], per_rank: Mapping[int, str]
+    groups: Iterable[Sequence[int]], per_rank: Mapping[int, str]
 ) -> tuple[str | None, bool]:
-    """The job's digest from the ranks' digests, and whether data-parallel peers agree.
+    """The job's digest from the ranks' digests, and whether the ranks of each group agree.
 
-    Data-parallel peers hold the same weights, so each group's digest is any member's that is
-    known (a rank lost after training completed published none); `job_digest` of one per group,
-    keyed by the group's first rank. None when a whole group is missing.
+    `groups`: the groups of ranks that hold the same weights - data-parallel peers, or with
+    expert parallelism `placement.Layout.peer_groups` (data-parallel peers of the dense part
+    may hold different experts) - so each group's digest is any member's that is known (a rank
+    lost after training completed published none); `job_digest` of one per group, keyed by the
+    group's first rank. None when a whole group is missing.
     """
-    groups = [[per_rank[r] for r in g if r in per_rank] for g in dp_groups]
-    starts = [g[0] for g in dp_groups]
-    if not all(groups):
+    groups = [list(g) for g in groups]
+    known = [[per_rank[r] for r in g if r in per_rank] for g in groups]
+    if not all(known):
         return None, False
-    digest = job_digest({start: known[0] for start, known in zip(starts, groups)})
-    return digest, all(len(set(known)) == 1 for known in groups)
+    digest = job_digest({g[0]: k[0] for g, k in zip(groups, known)})
+    return digest, all(len(set(k)) == 1 for k in known)

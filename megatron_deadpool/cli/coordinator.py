@@ -257,12 +257,12 @@ def serve(
 
 
 def _digests(membership: Membership, world_size: int) -> tuple[str | None, dict[str, str]]:
-    """The job's parameter digest as `deadpool train` reports it (any data-parallel member's
-    digest stands for its group: a rank lost after training completed costs none), and each
-    rank's."""
+    """The job's parameter digest as `deadpool train` reports it (any member's digest stands for
+    its group of ranks holding the same weights, `Layout.peer_groups`: a rank lost after
+    training completed costs none), and each rank's."""
     ranks = {r: d for r in range(world_size) if (d := membership.digest(r)) is not None}
     record = membership.layout()
     if record is None:
         return None, {str(r): d for r, d in ranks.items()}
-    groups = record.layout().dp_groups
+    groups = record.layout().peer_groups  # with experts: the ranks holding the same ones
     return final_digest(groups, ranks)[0], {str(r): d for r, d in ranks.items()}

@@ -293,7 +293,7 @@ class LocalLauncher:
         final, preempted = membership.final_replication(), membership.preempted()
         oor, ended = coord.out_of_redundancy, coord.ended
         digests = local.digests()
-        digest, identical = final_digest(layout.dp_groups, digests)
+        digest, identical = final_digest(layout.peer_groups, digests)
         complete = rc == 0 and digest is not None
         summary = {
             "event": "summary",

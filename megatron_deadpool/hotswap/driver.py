@@ -432,6 +432,8 @@ class Driver:
                 dp=ps.get_data_parallel_world_size(),
                 ranks_per_node=per_node,
                 order=order,
+                ep=ps.get_expert_model_parallel_world_size(),
+                etp=_expert_tp(tp),
             )
             check_megatron_groups(layout, dist.get_rank())
             self.layout = layout
@@ -460,7 +462,7 @@ class Driver:
         self.repl_group = dist.new_group(backend=backend, timeout=self.pg_timeout)
         self.host_repl_group = None
         if host_transfer_group(self.device, self.cfg.replica_device):
-            peers = self._layout().dp_group_of[self._rank()]
+            peers = self._layout().peer_group_of[self._rank()]
             self.host_repl_group = new_host_group(peers, self.pg_timeout)
         nccl.warm_groups()
 
@@ -584,6 +586,18 @@ class Driver:
         )
         assert roster.restore_iteration is not None
         return roster.restore_iteration
+
+    def check_rebindable(self) -> None:
+        """Once the job's objects exist (`bind`): refuse, in one line, a process group they hold
+        that a recovery could not rebind (not one of Megatron's `parallel_state` groups)."""
+        extra = {REPLICATION: self.repl_group, HOST_REPLICATION: self.host_repl_group}
+        unnamed = rebind.unnamed_groups(self._roots(), extra)
+        if unnamed:
+            raise ConfigError(
+                f"--deadpool cannot protect this run: the job's objects hold {len(unnamed)} "
+                f"process group(s) that are none of Megatron's parallel_state groups "
+                f"({', '.join(unnamed[:3])}), which a hot swap could not rebuild and rebind"
+            )
 
     def attach(self) -> None:
         """Put the new generation's groups in every released handle; none may stay stale."""
@@ -765,6 +779,14 @@ class Driver:
             previous=self.replicator,
             host_group=self.host_repl_group,
         )
+
+
+def _expert_tp(tp: int) -> int | None:
+    """Megatron's expert-tensor-parallel size; None when it is `tp` (its default)."""
+    from megatron.core import parallel_state as ps
+
+    etp = ps.get_expert_tensor_parallel_world_size()
+    return None if etp == tp else etp
 
 
 def _ranks_per_node_from_env(default: int) -> int:

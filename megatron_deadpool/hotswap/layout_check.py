@@ -5,7 +5,10 @@ compute every rank's tensor-, pipeline- and data-parallel peers from the layout
 (`placement.Layout`: tp x pp x dp, ranks per node, Megatron's rank order). A layout whose order
 is not the one Megatron built its groups in (`initialize_model_parallel(order=...)`) would put
 replicas on ranks that are not data-parallel peers; `check_megatron_groups` compares, once per
-process after Megatron's groups exist, this rank's groups in both views. No communication.
+process after Megatron's groups exist, this rank's groups in both views - with expert
+parallelism also its expert-model-, expert-tensor- and expert-data-parallel groups (Megatron's
+second, expert `RankGenerator`), among which the replicas of the expert optimizer's shard are
+placed. No communication.
 """
 
 from __future__ import annotations
@@ -21,14 +24,20 @@ def check_megatron_groups(layout: Layout, rank: int) -> None:
     data-parallel groups Megatron gave it (`parallel_state`, ranks in Megatron's order)."""
     from megatron.core import parallel_state as ps
 
-    made = {
-        "tp": ps.get_tensor_model_parallel_group(),
-        "pp": ps.get_pipeline_model_parallel_group(),
-        "dp": ps.get_data_parallel_group(),
-    }
-    for token, group in made.items():
+    made = [
+        ("tp", ps.get_tensor_model_parallel_group(), layout.groups("tp")),
+        ("pp", ps.get_pipeline_model_parallel_group(), layout.groups("pp")),
+        ("dp", ps.get_data_parallel_group(), layout.groups("dp")),
+    ]
+    if layout.has_experts:
+        made += [
+            ("expert ep", ps.get_expert_model_parallel_group(), layout.expert_groups("ep")),
+            ("expert tp", ps.get_expert_tensor_parallel_group(), layout.expert_groups("tp")),
+            ("expert dp", ps.get_expert_data_parallel_group(), layout.expert_groups("dp")),
+        ]
+    for token, group, groups in made:
         megatron = dist.get_process_group_ranks(group)
-        ours = next(g for g in layout.groups(token) if rank in g)
+        ours = next(g for g in groups if rank in g)
         if megatron != ours:
             raise ConfigError(
                 f"Megatron's {token} group of rank {rank} is {megatron}, but {layout.describe()} "

@@ -167,19 +167,34 @@ class LayoutRecord(Message):
     replicas: int
     order: RankOrder = RankOrder.TP_DP_PP
     """Megatron's rank order (absent in a record of a release before it: the default)."""
+    ep: int = 1
+    """Expert-model-parallel size (absent before expert parallelism was supported: 1)."""
+    etp: int | None = None
+    """Expert-tensor-parallel size; None: tp."""
 
     def validate(self) -> None:
         require(
-            min(self.tp, self.pp, self.dp, self.ranks_per_node, self.replicas) >= 1, "sizes >= 1"
+            min(self.tp, self.pp, self.dp, self.ranks_per_node, self.replicas, self.ep) >= 1,
+            "sizes >= 1",
         )
+        require(self.etp is None or self.etp >= 1, "etp >= 1")
 
     @classmethod
     def of(cls, layout: Layout, replicas: int) -> LayoutRecord:
         """The record of `layout` with k = `replicas`."""
-        return cls(layout.tp, layout.pp, layout.dp, layout.ranks_per_node, replicas, layout.order)
+        return cls(
+            layout.tp,
+            layout.pp,
+            layout.dp,
+            layout.ranks_per_node,
+            replicas,
+            layout.order,
+            layout.ep,
+            layout.etp,
+        )
 
     def layout(self) -> Layout:
-        return Layout(self.tp, self.pp, self.dp, self.ranks_per_node, self.order)
+        return Layout(self.tp, self.pp, self.dp, self.ranks_per_node, self.order, self.ep, self.etp)
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,9 @@ generation's default group exists and Megatron's groups are re-created in their 
 `attach` puts the new group of the same name in every slot, so no object keeps a handle to an
 aborted group.
 `stale_group_refs` is the check: every group reachable from the objects must belong to the
-current world.
+current world. `unnamed_groups` is the check before the first failure: a group the objects hold
+that is none of `parallel_state`'s (a module or library that made a group of its own) has no
+name to be rebound by, so the job is refused at start-up rather than failing in a recovery.
 """
 
 from __future__ import annotations
@@ -282,3 +284,24 @@ def stale_group_refs(roots: Iterable[Any]) -> list[str]:
     for root in roots:
         _walk(root, visit)
     return stale
+
+
+def unnamed_groups(roots: Iterable[Any], extra: dict[str, Any] | None = None) -> list[str]:
+    """Groups reachable from `roots` that `release` could not name - neither WORLD nor a
+    `parallel_state` global nor in `extra` - so that `attach` would find no group to put back:
+    each as its ranks (one entry per group)."""
+    names = group_names(extra)
+    found: dict[int, str] = {}
+
+    def visit(value: Any) -> Any | None:
+        if isinstance(value, dist.ProcessGroup) and id(value) not in names:
+            try:
+                ranks = dist.get_process_group_ranks(value)
+            except (RuntimeError, ValueError):  # not a group of this world
+                ranks = []
+            found.setdefault(id(value), f"a group of ranks {ranks}")
+        return None
+
+    for root in roots:
+        _walk(root, visit)
+    return list(found.values())

@@ -48,7 +48,7 @@ from . import report as mreport
 from . import timers
 from .replay import BatchRecorder, install_recorder, reset_rerun_iterators
 from .startup_bound import startup_bound_problems
-from .trackers import clear_logging_trackers
+from .trackers import clear_logging_trackers, tracker_roots
 from .unsnapshotted import unsnapshotted_problems
 from .versions import forget_cached_collectives
 
@@ -277,11 +277,10 @@ class MegatronSession:
         problems += unsnapshotted_problems(a)  # state a step changes outside the snapshot
         if getattr(a, "rampup_batch_size", None):
             problems.append("--rampup-batch-size: replaying steps needs a constant batch size")
-        if (
-            getattr(a, "context_parallel_size", 1) > 1
-            or getattr(a, "expert_model_parallel_size", 1) > 1
-        ):
-            problems.append("context or expert parallelism: placement covers tp x pp x dp only")
+        if getattr(a, "context_parallel_size", 1) > 1:
+            problems.append(
+                "context parallelism: placement covers tp x pp x dp and the expert layout only"
+            )
         problems += startup_bound_problems(a)  # state inside the start-up communicators
         timeout_s = getattr(a, "distributed_timeout_minutes", 10) * 60
         if self.cfg.heartbeat_timeout >= timeout_s:
@@ -304,8 +303,8 @@ class MegatronSession:
     def roots(self) -> list[Any]:
         """Everything that holds process-group handles DeadPool must rebind: model chunks, DDP,
         optimizer, scheduler, config, Megatron's checkpointing context (its save strategy
-        keeps the data-parallel group)."""
-        return [*(self._objs or ()), *self.extra_roots]
+        keeps the data-parallel group), the MoE logging tracker (`trackers.tracker_roots`)."""
+        return [*(self._objs or ()), *self.extra_roots, *tracker_roots()]
 
     def rank_state(self) -> RankState:
         model, optimizer, scheduler, _ = self.objs
@@ -419,6 +418,7 @@ class MegatronSession:
         self.recorders = install_recorder(data_iterator)
         self.next_step = n
         self.driver.bind(self)
+        self.driver.check_rebindable()  # e.g. a group some module made outside parallel_state
 
     def _note_counters(self, n: int) -> None:
         """Megatron's counters after step n-1 (train() updates them after each step)."""

@@ -7,6 +7,11 @@ read them), but what `training_log` prints must be the failure-free run's: a ste
 a failure leaves its partial values in them, and the steps a recovery recomputes are never
 logged. So they are emptied after a restore and after each recomputed step, and the step that
 is logged next reports only its own values.
+
+The MoE tracker also keeps process-group handles outside `parallel_state` (each entry's
+`reduce_group` and `avg_group`, set by the router in every forward pass): `tracker_roots`
+names it, so that a recovery rebinds those handles with every other (`hotswap/rebind.py`)
+instead of leaving a released group referenced until the next forward pass.
 """
 
 from __future__ import annotations
@@ -46,3 +51,26 @@ def clear_logging_trackers() -> None:
             if callable(clean):
                 clean()
                 break
+
+
+_HOLDERS: tuple[tuple[str, str], ...] = (
+    # (module, global): the MoE tracker in core_v0.16.1 (a dict of dicts) and core_v0.19.0
+    ("megatron.core.transformer.moe.moe_utils", "_MOE_LAYER_WISE_LOGGING_TRACKER"),
+    ("megatron.core.transformer.moe.moe_logging", "_MOE_METRICS_TRACKER"),
+)
+
+
+def tracker_roots() -> list[Any]:
+    """The logging trackers of this Megatron release that exist now and may hold process-group
+    handles: roots for `hotswap/rebind.py` (the trackers are module globals no model, DDP or
+    optimizer object leads to)."""
+    out = []
+    for module_name, name in _HOLDERS:
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError:  # a release without it
+            continue
+        value = getattr(module, name, None)
+        if value is not None:
+            out.append(value)
+    return out

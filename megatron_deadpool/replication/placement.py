@@ -15,6 +15,16 @@ Placement is a set of k permutations of each data-parallel group, so every rank 
 k replicas (balanced) and no owner-holder pair shares a failure domain. Rings with a fixed
 shift are tried first (O(n) each); layouts where no shift works fall back to bipartite
 matching. A layout that cannot be placed raises `PlacementError` saying what to change.
+
+Mixture-of-experts with expert parallelism (`ep` > 1, and expert tensor parallelism `etp`):
+Megatron lays the expert layers out with a second `RankGenerator` (expert tp x ep x expert dp x
+pp in the same order, expert dp = world / (etp * ep * pp)) and builds a second distributed
+optimizer over the expert data-parallel group (a `ChainedOptimizer`). A rank's snapshot holds
+both shards, so one placement serves both if a holder is a data-parallel peer of the dense
+part *and* of the expert part: the ranks that share both are `Layout.peer_groups` (the
+intersection of the two data-parallel groups, i.e. the ranks that hold the same weights; with
+expert tp = tp the expert data-parallel group itself). Replicas are placed within those; two
+separate placements would need two holders (and twice the replica memory) for nothing.
 """
 
 from __future__ import annotations
@@ -55,7 +65,8 @@ class RankOrder(Enum):
 
 @dataclass(frozen=True)
 class Layout:
-    """Megatron's rank layout for tp x pp x dp in `order`, and its failure domains."""
+    """Megatron's rank layout for tp x pp x dp in `order` (with `ep` x `etp` for the expert
+    layers), and its failure domains."""
 
     tp: int
     pp: int
@@ -63,10 +74,22 @@ class Layout:
     ranks_per_node: int
     order: RankOrder = RankOrder.TP_DP_PP
     """The order Megatron numbers ranks in (`initialize_model_parallel(order=...)`)."""
+    ep: int = 1
+    """Expert-model-parallel size (MoE layers; 1 without expert parallelism)."""
+    etp: int | None = None
+    """Expert-tensor-parallel size; None: the same as `tp` (Megatron's default)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.order, RankOrder):
             raise TypeError(f"order: expected a RankOrder, got {self.order!r}")
+        if self.ep < 1 or (self.etp is not None and self.etp < 1):
+            raise PlacementError(f"expert sizes must be >= 1 (ep {self.ep}, etp {self.etp})")
+        expert_mp = self.expert_tp * self.ep * self.pp
+        if self.world_size % expert_mp:
+            raise PlacementError(
+                f"expert-tensor x expert-model x pipeline parallel size ({self.expert_tp} x "
+                f"{self.ep} x {self.pp}) must divide the world size tp*pp*dp = {self.world_size}"
+            )
         if self.world_size % self.ranks_per_node:
             raise PlacementError(
                 f"ranks-per-node ({self.ranks_per_node}) must divide the world size "
@@ -92,6 +115,57 @@ class Layout:
         return rank_groups(self.sizes, token.split("-"))
 
     @property
+    def expert_tp(self) -> int:
+        """The expert layers' tensor-parallel size."""
+        return self.tp if self.etp is None else self.etp
+
+    @property
+    def expert_dp(self) -> int:
+        """The expert layers' data-parallel size: world / (expert tp * ep * pp)."""
+        return self.world_size // (self.expert_tp * self.ep * self.pp)
+
+    @property
+    def has_experts(self) -> bool:
+        """Whether the expert layers are laid out differently from the dense ones."""
+        return self.ep > 1 or self.expert_tp != self.tp
+
+    @property
+    def expert_sizes(self) -> dict[str, int]:
+        """Each dimension's size in Megatron's expert rank generator, fastest first."""
+        size = {"tp": self.expert_tp, "cp": 1, "ep": self.ep, "dp": self.expert_dp, "pp": self.pp}
+        return {d: size[d] for d in self.order.dims}
+
+    def expert_groups(self, token: str) -> list[list[int]]:
+        """Megatron's expert rank groups for `token` ('ep', 'dp' - the expert data-parallel
+        groups -, 'tp' - expert tensor-parallel -, 'tp-ep', ...), as its expert
+        `RankGenerator` (context size 1) enumerates them."""
+        return rank_groups(self.expert_sizes, token.split("-"))
+
+    @cached_property
+    def peer_groups(self) -> list[list[int]]:
+        """The groups of ranks holding the same weights: data-parallel peers in both the dense
+        and the expert layout (each rank's dense data-parallel group intersected with its expert
+        data-parallel group, in dense data-parallel order). Without experts laid out apart,
+        the data-parallel groups. Replicas are placed, and digests compared, within these."""
+        if not self.has_experts:
+            return self.dp_groups
+        expert_of = {r: set(g) for g in self.expert_groups("dp") for r in g}
+        out: list[list[int]] = []
+        seen: set[int] = set()
+        for group in self.dp_groups:
+            for r in group:
+                if r not in seen:
+                    peers = [q for q in group if q in expert_of[r]]
+                    seen.update(peers)
+                    out.append(peers)
+        return out
+
+    @cached_property
+    def peer_group_of(self) -> dict[int, list[int]]:
+        """Each rank's `peer_groups` entry."""
+        return {r: g for g in self.peer_groups for r in g}
+
+    @property
     def sizes(self) -> dict[str, int]:
         """Each parallel dimension's size, in the layout's order (fastest first)."""
         size = {"tp": self.tp, "cp": 1, "ep": 1, "dp": self.dp, "pp": self.pp}
@@ -110,9 +184,14 @@ class Layout:
         return "*".join(names), span
 
     def describe(self) -> str:
-        """tp x pp x dp, the order and the nodes, for messages."""
+        """tp x pp x dp (and the expert layout), the order and the nodes, for messages."""
+        experts = (
+            f" (experts: etp {self.expert_tp} x ep {self.ep} x expert dp {self.expert_dp})"
+            if self.has_experts
+            else ""
+        )
         return (
-            f"tp {self.tp} x pp {self.pp} x dp {self.dp} in rank order {self.order}, "
+            f"tp {self.tp} x pp {self.pp} x dp {self.dp}{experts} in rank order {self.order}, "
             f"{self.ranks_per_node} rank(s) per node"
         )
 
@@ -183,9 +262,12 @@ class Placement:
         lay = self.layout
         shown = ", ".join(f"{o}->{list(hs)}" for o, hs in enumerate(self.holders[:owners]))
         more = ", ..." if lay.world_size > owners else ""
+        peers = "data-parallel peers"
+        if lay.has_experts:
+            peers += " of dense and expert layers"
         return (
-            f"{lay.describe()}; owner->holders (data-parallel peers under {lay.order} on other "
-            f"nodes): {shown}{more}"
+            f"{lay.describe()}; owner->holders ({peers} under {lay.order} on other nodes): "
+            f"{shown}{more}"
         )
 
 
@@ -198,8 +280,16 @@ def place_replicas(layout: Layout, replicas: int) -> Placement:
             "cannot place replicas: data-parallel size is 1, so no rank shares a (tp, pp) "
             "position with another; run with dp >= 2 (e.g. halve tp or pp)"
         )
+    if len(layout.peer_groups[0]) == 1:
+        raise PlacementError(
+            f"cannot place replicas: with {layout.describe()} no rank holds the same experts "
+            f"and dense shard position as another (expert data-parallel size "
+            f"{layout.expert_dp}), so no holder could restore a rank's expert-optimizer "
+            "shard; lower --expert-model-parallel-size or raise the number of ranks so that "
+            "expert data-parallel size is >= 2"
+        )
     holders: list[tuple[int, ...]] = [()] * layout.world_size
-    for group in layout.dp_groups:
+    for group in layout.peer_groups:
         for owner, hs in _place_group(group, layout, replicas).items():
             holders[owner] = hs
     return Placement(layout=layout, replicas=replicas, holders=tuple(holders))
@@ -210,6 +300,13 @@ def _place_group(group: Sequence[int], layout: Layout, k: int) -> dict[int, tupl
     domains = [layout.domain(r) for r in group]
     distinct = len(set(domains))
     named = _peers(group, layout)
+    if distinct == 1 and layout.has_experts:
+        raise PlacementError(
+            f"cannot place replicas: {named} lies entirely in failure domain {domains[0]}; "
+            "a rank's replica (its dense and its expert-optimizer shard) must be held on "
+            "another node by a rank holding the same experts: lower ranks-per-node, raise dp or "
+            "lower --expert-model-parallel-size so that expert data-parallel peers span nodes"
+        )
     if distinct == 1:
         names, span = layout.dp_span
         other = (
@@ -283,7 +380,13 @@ def _matching(domains: list[int], used: set[tuple[int, int]]) -> list[int] | Non
 
 def _peers(group: Sequence[int], layout: Layout) -> str:
     """`group` in messages: "the data-parallel group [2, 3] (rank 2 and its data-parallel
-    peers under tp-pp-dp)"."""
+    peers under tp-pp-dp)"; with experts "the peer group [0, 2] (rank 0 and its data-parallel
+    peers in both the dense and the expert layers under tp-dp-pp)"."""
+    if layout.has_experts:
+        return (
+            f"the peer group {_short(group)} (rank {group[0]} and its data-parallel peers in "
+            f"both the dense and the expert layers under {layout.order})"
+        )
     return (
         f"the data-parallel group {_short(group)} (rank {group[0]} and its data-parallel peers "
         f"under {layout.order})"

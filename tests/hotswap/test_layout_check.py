@@ -34,3 +34,32 @@ def test_a_layout_in_another_rank_order_than_megatrons_is_refused() -> None:
         "refused: Megatron's pp group of rank 2 is [2, 3], but tp 1 x pp 2 x dp 2 in rank order "
         "tp-dp-pp, 2 rank(s) per node puts rank 2 in pp group [0, 2]" in proc.stdout
     ), proc.stdout
+
+
+@pytest.mark.timeout(120)
+def test_a_layout_with_other_expert_groups_than_megatrons_is_refused() -> None:
+    """Megatron's expert groups (EP 2 over 4 ranks: ep [2, 3], expert dp [0, 2]) are checked
+    too: a layout with another expert-model-parallel size is refused."""
+    proc = run_python("""
+        import torch.distributed as dist
+        from megatron.core import parallel_state as ps
+        from megatron_deadpool.errors import ConfigError
+        from megatron_deadpool.hotswap import private_world
+        from megatron_deadpool.hotswap.layout_check import check_megatron_groups
+        from megatron_deadpool.replication.placement import Layout
+
+        private_world.enter(2, 4)
+        dist.init_process_group()
+        ps.initialize_model_parallel(1, 1, expert_model_parallel_size=2)
+        check_megatron_groups(Layout(1, 1, 4, 2, ep=2), 2)
+        try:
+            check_megatron_groups(Layout(1, 1, 4, 2, ep=4), 2)
+        except ConfigError as exc:
+            print("refused:", exc)
+        """)
+    assert proc.returncode == 0, proc.stderr
+    assert (
+        "refused: Megatron's expert ep group of rank 2 is [2, 3], but tp 1 x pp 1 x dp 4 "
+        "(experts: etp 1 x ep 4 x expert dp 1) in rank order tp-dp-pp, 2 rank(s) per node puts "
+        "rank 2 in expert ep group [0, 1, 2, 3]" in proc.stdout
+    ), proc.stdout

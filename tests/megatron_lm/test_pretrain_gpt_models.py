@@ -9,6 +9,21 @@ Megatron's loss scalers.
   as iteration 4 starts with the replication round in flight dropped: the survivors roll back
   to iteration 2 and the spare takes rank 2's buffers from its holder. Every lm loss and every
   rank's final digest of parameters and buffers must be the failure-free run's.
+- MoE with expert parallelism (the same model at EP 2 over DP 4, two ranks per node + a
+  spare): experts 0-1 live on ranks 0 and 2, experts 2-3 on ranks 1 and 3 (Megatron's expert
+  data-parallel groups [0, 2] and [1, 3], on different nodes); the expert optimizer is a second
+  distributed optimizer over those groups. Each rank's replica (dense and expert shard) is held
+  by the rank with the same experts on the other node: rank 2's by rank 0. A killed rank 2
+  (both tags) and a hung rank 2 (newest tag) are restored from rank 0: every lm loss and every
+  rank's final digest equal the failure-free run's, and data-parallel peers of the dense part
+  end with different digests (different experts) while ranks holding the same experts agree.
+  Expert-tensor parallelism (TP 1, expert TP 2, EP 1: each expert split over ranks [0, 1] and
+  [2, 3], expert data-parallel groups [0, 2] and [1, 3]): a killed rank 2, restored from rank 0,
+  newest tag only (MoE with TP > 1 needs sequence parallelism, which torch's LayerNorm of the
+  CPU mode refuses, so TP 1 with expert TP 2 is the expert-tensor layout that runs here). In
+  core_v0.16.1 the local experts are not split over expert TP (all four ranks end with the same
+  weights, so the digest pattern asserted here does not hold there); a killed rank there, run
+  by hand, was bitwise too.
 - Interleaved pipeline: PP2 x VPP2 x DP2 + a spare (4 layers, one per virtual stage), a killed
   rank and a hung rank, against the same failure-free run; newest tag only (`NEWEST_ONLY`).
 - Rank order tp-pp-dp (``--use-tp-pp-dp-mapping``): TP1 x PP2 x DP2 on nodes of 2 + a spare. A
@@ -66,6 +81,20 @@ MODELS: dict[str, list[str]] = {
         "--num-experts", "4", "--moe-router-topk", "2", "--moe-router-score-function",
         "sigmoid", "--moe-router-enable-expert-bias", "--moe-router-bias-update-rate", "1e-2",
         "--disable-bias-linear",  # core_v0.19.0's local experts add their bias in place: error
+    ],
+    "moe-ep": [
+        *megatron_args(ITERS), *SPARE, "--deadpool-ranks-per-node", "2",
+        "--tensor-model-parallel-size", "1", "--expert-model-parallel-size", "2",
+        "--num-experts", "4", "--moe-router-topk", "2", "--moe-router-score-function",
+        "sigmoid", "--moe-router-enable-expert-bias", "--moe-router-bias-update-rate", "1e-2",
+        "--disable-bias-linear",
+    ],
+    "moe-etp": [
+        *megatron_args(ITERS), *SPARE, "--deadpool-ranks-per-node", "2",
+        "--tensor-model-parallel-size", "1", "--expert-tensor-parallel-size", "2",
+        "--num-experts", "4", "--moe-router-topk", "2", "--moe-router-score-function",
+        "sigmoid", "--moe-router-enable-expert-bias", "--moe-router-bias-update-rate", "1e-2",
+        "--disable-bias-linear",
     ],
     # TP 2 x DP 2; the first 3 iterations overflow (scale 2^20, 2^20, 2^19), 4 and 5 step.
     "fp16": [
@@ -146,10 +175,11 @@ def _assert_same_fp16_training(run: Run, baseline: Run) -> None:
     assert run.summary["param_digests"] == baseline.summary["param_digests"]
 
 
-def _killed(tag: str, model: str, tmp: Path) -> Run:
+def _killed(tag: str, model: str, tmp: Path, extra: tuple[str, ...] = ()) -> Run:
     """Rank 2 SIGKILLed as iteration 4 starts, the round in flight dropped: the survivors roll
-    back to iteration 2 and recompute iteration 3, the spare restores from rank 2's holder."""
-    args = [*MODELS[model], "--deadpool-fail", "2@4"]
+    back to iteration 2 and recompute iteration 3, the spare restores from rank 2's holder.
+    `extra`: more arguments (argparse keeps an option's last value)."""
+    args = [*MODELS[model], *extra, "--deadpool-fail", "2@4"]
     run = launch(tmp, "swap", megatron_lm_tree(tag) / "pretrain_gpt.py", args,
                  env=drop_in_flight_env())  # fmt: skip
     (rec,) = run.summary["recoveries"] or [None]
@@ -167,6 +197,88 @@ def test_moe_expert_bias_is_restored_bitwise_after_a_killed_rank(
     baseline = baselines(tag, "moe")
     run = _killed(tag, "moe", tmp_path)
     _assert_same_training(run, baseline)
+
+
+EP_PLACEMENT = (
+    "tp 1 x pp 1 x dp 4 (experts: etp 1 x ep 2 x expert dp 2) in rank order tp-dp-pp, 2 rank(s) "
+    "per node; owner->holders (data-parallel peers of dense and expert layers under tp-dp-pp on "
+    "other nodes): 0->[2], 1->[3], 2->[0], 3->[1]"
+)
+"""Rank 0's log line of the placement with EP 2: each rank's replica on the rank holding the
+same experts on the other node."""
+
+
+def _from_the_rank_with_the_same_experts(run: Run, placement: str = EP_PLACEMENT) -> None:
+    """Replicas placed among ranks holding the same experts, rank 2's shards came from rank 0;
+    ranks 0 and 2 (experts 0-1, or the first halves of every expert) end equal, as do 1 and 3,
+    and the two differ."""
+    assert placement in run.text, run.describe()
+    digests = run.summary["param_digests"]
+    assert digests["0"] == digests["2"] != digests["1"] == digests["3"]
+    assert "shards from rank 0 -> rank 2" in run.text, run.describe()
+    (rec,) = run.summary["recoveries"]
+    assert rec["stale_group_refs"] == 0, rec
+
+
+@pytest.mark.timeout(3 * RUN_TIMEOUT)
+@pytest.mark.parametrize("tag", TAGS)
+def test_moe_expert_parallel_killed_rank_is_restored_from_the_rank_with_its_experts_bitwise(
+    baselines, tag: str, tmp_path: Path
+) -> None:
+    baseline = baselines(tag, "moe-ep")
+    assert EP_PLACEMENT in baseline.text, baseline.describe()
+    run = _killed(tag, "moe-ep", tmp_path)
+    _assert_same_training(run, baseline)
+    _from_the_rank_with_the_same_experts(run)
+
+
+@pytest.mark.timeout(3 * RUN_TIMEOUT)
+@NEWEST_ONLY
+def test_moe_expert_parallel_replicas_skip_the_data_parallel_peer_with_other_experts(
+    baselines, tag: str, tmp_path: Path
+) -> None:
+    """Every rank its own node: the nearest data-parallel peer of rank 2 is rank 3, which holds
+    the other experts (a dense placement's ring would put rank 2's replica there); it goes to
+    rank 0, the rank with the same experts, and the coordinator, which learns the expert layout
+    from rank 0, names rank 0 as the newcomer's source."""
+    baseline = baselines(tag, "moe-ep")
+    run = _killed(tag, "moe-ep", tmp_path, ("--deadpool-ranks-per-node", "1"))
+    _assert_same_training(run, baseline)
+    _from_the_rank_with_the_same_experts(run, EP_PLACEMENT.replace("2 rank(s)", "1 rank(s)"))
+
+
+@pytest.mark.timeout(3 * RUN_TIMEOUT)
+@NEWEST_ONLY
+def test_moe_expert_parallel_hung_rank_is_restored_from_the_rank_with_its_experts_bitwise(
+    baselines, tag: str, tmp_path: Path
+) -> None:
+    """Rank 2 stopped (SIGSTOP) as iteration 4 starts: only its silence names it."""
+    baseline = baselines(tag, "moe-ep")
+    args = [*MODELS["moe-ep"], *HANG_HEARTBEAT, "--deadpool-fail", "2@4:hang"]
+    run = launch(tmp_path, "hang", megatron_lm_tree(tag) / "pretrain_gpt.py", args)
+    _assert_same_training(run, baseline)
+    (rec,) = run.summary["recoveries"]
+    assert rec["dead_ranks"] == [2] and rec["replaced_by"] == {"2": "s0"}
+    assert rec["restore_iteration"] in (2, 3) and rec["recomputed_iterations"] <= 1
+    _from_the_rank_with_the_same_experts(run)
+
+
+ETP_PLACEMENT = (
+    "tp 1 x pp 1 x dp 4 (experts: etp 2 x ep 1 x expert dp 2) in rank order tp-dp-pp, 2 rank(s) "
+    "per node; owner->holders (data-parallel peers of dense and expert layers under tp-dp-pp on "
+    "other nodes): 0->[2], 1->[3], 2->[0], 3->[1]"
+)
+
+
+@pytest.mark.timeout(3 * RUN_TIMEOUT)
+@NEWEST_ONLY
+def test_moe_expert_tensor_parallel_killed_rank_is_restored_from_the_rank_with_its_slices_bitwise(
+    baselines, tag: str, tmp_path: Path
+) -> None:
+    baseline = baselines(tag, "moe-etp")
+    run = _killed(tag, "moe-etp", tmp_path)
+    _assert_same_training(run, baseline)
+    _from_the_rank_with_the_same_experts(run, ETP_PLACEMENT)
 
 
 @pytest.mark.timeout(3 * RUN_TIMEOUT)

@@ -36,6 +36,8 @@ def test_session_refuses_what_it_cannot_protect() -> None:
     ok = SimpleNamespace(use_distributed_optimizer=True, data_parallel_size=2,
                          distributed_timeout_minutes=10)  # fmt: skip
     session._check_megatron_args(ok)
+    # Expert parallelism: replicas placed among ranks holding the same experts (placement.py).
+    session._check_megatron_args(SimpleNamespace(**vars(ok), expert_model_parallel_size=2))
     # FP16's loss scaler travels in the snapshot (replication/snapshot.py): not refused.
     session._check_megatron_args(SimpleNamespace(**vars(ok), fp16=True, loss_scale=None))
     bad = [
@@ -43,7 +45,7 @@ def test_session_refuses_what_it_cannot_protect() -> None:
         ({"fp8": "hybrid"}, "--fp8-format: Transformer Engine's FP8 scaling state"),
         ({"fp4": "e2m1"}, "--fp4-format: "),
         ({"rampup_batch_size": [4, 4, 100]}, "rampup"),
-        ({"context_parallel_size": 2}, "context or expert"),
+        ({"context_parallel_size": 2}, "context parallelism: placement covers"),
         ({"distributed_timeout_minutes": 0.1}, "below --distributed-timeout-minutes"),
     ]
     for change, message in bad:
