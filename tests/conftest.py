@@ -31,15 +31,17 @@ if str(TESTS_DIR) not in sys.path:
 
 
 LONGEST_FIRST = (
-    "megatron_lm/test_pretrain_gpt.py",
     "megatron_lm/test_pretrain_gpt_models.py",
+    "megatron_lm/test_pretrain_gpt.py",
     "cluster/test_slurm_lab.py",
     "hotswap/test_failover.py",
-    "megatron_lm/test_pretrain_gpt_models.py",
-    "hotswap/test_faults.py",
+    "bench/test_goodput.py",
     "embedded/test_hotswap.py",
+    "hotswap/test_faults.py",
     "megatron_lm/test_megatron_lm_failover.py",
+    "embedded/test_respawn.py",
     "selftest/test_selftest.py",
+    "embedded/test_full_disk.py",
 )
 """The modules that take longest (a minute or more each on 2 cores), longest first."""
 
