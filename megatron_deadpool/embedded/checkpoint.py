@@ -244,7 +244,7 @@ def save(objs: TrainingObjects, iteration: int, root: str | os.PathLike[str]) ->
                 content_metadata=_serialisable(metadata),
             )
         except CheckpointException as exc:  # raised on every rank when any rank's write failed
-            error = _write_failure(exc)
+            error = _write_failure(exc, path)
         error = _agreed(error)  # every rank's files are complete, or the save failed
     if error is None and dist.get_rank() == 0:
         error = _attempt(lambda: write_tracker(root, iteration))
@@ -273,16 +273,31 @@ def _probe(path: Path) -> None:
     probe.unlink()
 
 
-def _write_failure(exc: CheckpointException) -> str:
+def _write_failure(exc: CheckpointException, path: Path) -> str:
     """megatron-core's report of failed writes, in one line: a failed rank's error, the system's
     own words (`[Errno 28] ...`) preferred (only its coordinator, rank 0, knows the details; the
-    others say that another rank's write failed)."""
+    others say that another rank's write failed). Torch's file writer may hide the system's
+    words ("unexpected pos ..."): when `path`'s file system has less than `PROBE_BYTES` left,
+    the line says so."""
     said = []
     for rank, failure in sorted(exc.failures.items()):
         error = failure[0] if isinstance(failure, tuple) else failure
         said.append(f"rank {rank}: {first_line(error).removeprefix('Worker failure: ')}")
     system = [s for s in said if "[Errno" in s]
-    return (system or said or [f"rank {dist.get_rank()}: another rank's write failed"])[0]
+    line = (system or said or [f"rank {dist.get_rank()}: another rank's write failed"])[0]
+    free = _free_bytes(path)
+    if "[Errno 28]" not in line and free is not None and free < PROBE_BYTES:
+        line += f" - no space left on its file system ({free} bytes free)"
+    return line
+
+
+def _free_bytes(path: Path) -> int | None:
+    """The bytes an unprivileged writer may still use on `path`'s file system (None: unknown)."""
+    try:
+        st = os.statvfs(path if path.exists() else path.parent)
+    except OSError:
+        return None
+    return st.f_bavail * st.f_frsize
 
 
 def _agreed(error: str | None) -> str | None:

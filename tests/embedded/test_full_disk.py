@@ -107,7 +107,9 @@ def test_a_periodic_checkpoint_that_does_not_fit_warns_and_training_goes_on(
     for t in (4, 6):
         line = next(x for x in out.splitlines() if _not_saved(t, save) in x)
         assert line.startswith("  !! checkpoint of iteration "), line
-        assert "[Errno 28] No space left on device); its partial files were removed; " in line
+        # The system's words, or - where torch's file writer hides them - the full disk's.
+        assert "No space left on device" in line or "no space left on its file system" in line
+        assert "); its partial files were removed; " in line
         assert line.endswith(
             f"--load {save} resumes from the newest complete checkpoint, iteration 2 "
             f"({save}/iter_0000002); training goes on (its state is protected in memory)"

@@ -220,7 +220,12 @@ def test_a_child_holds_no_descriptor_and_no_handler_of_the_server(server, starte
               sorted(signal.pthread_sigmask(signal.SIG_BLOCK, [])))
         """)
     warm = _run(server, [PY, "-c", code], started)
-    assert warm == (0, "[0, 1, 2]\nTrue True True []\n")
+    # What a fresh interpreter started from here has: SIGINT raises KeyboardInterrupt, unless
+    # this process ignores it (as a shell's background job does), which a child inherits.
+    fresh = subprocess.run([PY, "-c", code], capture_output=True, text=True, env=ENV, timeout=60)
+    sigint = "True" if signal.getsignal(signal.SIGINT) is not signal.SIG_IGN else "False"
+    assert (fresh.returncode, fresh.stdout) == (0, f"[0, 1, 2]\n{sigint} True True []\n")
+    assert warm == (0, fresh.stdout)
 
 
 def test_a_server_with_a_second_thread_refuses_to_fork(started) -> None:
