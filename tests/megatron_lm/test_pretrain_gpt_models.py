@@ -175,6 +175,19 @@ def _assert_same_fp16_training(run: Run, baseline: Run) -> None:
     assert run.summary["param_digests"] == baseline.summary["param_digests"]
 
 
+def _hung(tag: str, model: str, tmp: Path, at: int = 4) -> Run:
+    """Rank 2 stopped (SIGSTOP) as iteration `at` starts: only its silence names it, the spare
+    takes its slot, and the survivors restore iteration `at` - 2 or `at` - 1 (whether that
+    round was committed), recomputing at most one."""
+    args = [*MODELS[model], *HANG_HEARTBEAT, "--deadpool-fail", f"2@{at}:hang"]
+    run = launch(tmp, "hang", megatron_lm_tree(tag) / "pretrain_gpt.py", args)
+    assert run.returncode == 0, run.describe()
+    (rec,) = run.summary["recoveries"]
+    assert rec["dead_ranks"] == [2] and rec["replaced_by"] == {"2": "s0"}
+    assert rec["restore_iteration"] in (at - 2, at - 1) and rec["recomputed_iterations"] <= 1
+    return run
+
+
 def _killed(tag: str, model: str, tmp: Path, extra: tuple[str, ...] = ()) -> Run:
     """Rank 2 SIGKILLed as iteration 4 starts, the round in flight dropped: the survivors roll
     back to iteration 2 and recompute iteration 3, the spare restores from rank 2's holder.
@@ -252,14 +265,8 @@ def test_moe_expert_parallel_replicas_skip_the_data_parallel_peer_with_other_exp
 def test_moe_expert_parallel_hung_rank_is_restored_from_the_rank_with_its_experts_bitwise(
     baselines, tag: str, tmp_path: Path
 ) -> None:
-    """Rank 2 stopped (SIGSTOP) as iteration 4 starts: only its silence names it."""
-    baseline = baselines(tag, "moe-ep")
-    args = [*MODELS["moe-ep"], *HANG_HEARTBEAT, "--deadpool-fail", "2@4:hang"]
-    run = launch(tmp_path, "hang", megatron_lm_tree(tag) / "pretrain_gpt.py", args)
-    _assert_same_training(run, baseline)
-    (rec,) = run.summary["recoveries"]
-    assert rec["dead_ranks"] == [2] and rec["replaced_by"] == {"2": "s0"}
-    assert rec["restore_iteration"] in (2, 3) and rec["recomputed_iterations"] <= 1
+    run = _hung(tag, "moe-ep", tmp_path)
+    _assert_same_training(run, baselines(tag, "moe-ep"))
     _from_the_rank_with_the_same_experts(run)
 
 
@@ -296,14 +303,8 @@ def test_interleaved_pipeline_killed_rank_is_hot_swapped_bitwise(
 def test_interleaved_pipeline_hung_rank_is_hot_swapped_bitwise(
     baselines, tag: str, tmp_path: Path
 ) -> None:
-    """Rank 2 stopped (SIGSTOP) as iteration 4 starts: only its silence names it."""
-    baseline = baselines(tag, "vpp")
-    args = [*MODELS["vpp"], *HANG_HEARTBEAT, "--deadpool-fail", "2@4:hang"]
-    run = launch(tmp_path, "hang", megatron_lm_tree(tag) / "pretrain_gpt.py", args)
-    _assert_same_training(run, baseline)
-    (rec,) = run.summary["recoveries"]
-    assert rec["dead_ranks"] == [2] and rec["replaced_by"] == {"2": "s0"}
-    assert rec["restore_iteration"] in (2, 3) and rec["recomputed_iterations"] <= 1
+    run = _hung(tag, "vpp", tmp_path)
+    _assert_same_training(run, baselines(tag, "vpp"))
     assert re.search(r"process a2 silent for [\d.]+s \(hung\); killed", run.text), run.describe()
 
 
@@ -342,14 +343,8 @@ def test_tp_pp_dp_mapping_killed_rank_is_restored_from_its_data_parallel_peer_bi
 def test_tp_pp_dp_mapping_hung_rank_is_restored_from_its_data_parallel_peer_bitwise(
     baselines, tag: str, tmp_path: Path
 ) -> None:
-    """Rank 2 stopped (SIGSTOP) as iteration 4 starts: only its silence names it."""
-    baseline = baselines(tag, "tppdp")
-    args = [*MODELS["tppdp"], *HANG_HEARTBEAT, "--deadpool-fail", "2@4:hang"]
-    run = launch(tmp_path, "hang", megatron_lm_tree(tag) / "pretrain_gpt.py", args)
-    _assert_same_training(run, baseline)
-    (rec,) = run.summary["recoveries"]
-    assert rec["dead_ranks"] == [2] and rec["replaced_by"] == {"2": "s0"}
-    assert rec["restore_iteration"] in (2, 3) and rec["recomputed_iterations"] <= 1
+    run = _hung(tag, "tppdp", tmp_path)
+    _assert_same_training(run, baselines(tag, "tppdp"))
     _from_data_parallel_peer(run)
 
 
@@ -386,13 +381,8 @@ def test_fp16_hung_rank_after_the_first_real_step_is_hot_swapped_bitwise(
     """Rank 2 stopped as iteration 5 starts, after the first step that updated (4): Adam's
     state, created up front when the snapshot layout was fixed at the skipped iteration 1, is
     rolled back or handed to the spare with the scaler's growth tracker."""
-    baseline = baselines(tag, "fp16")
-    args = [*MODELS["fp16"], *HANG_HEARTBEAT, "--deadpool-fail", "2@5:hang"]
-    run = launch(tmp_path, "hang", megatron_lm_tree(tag) / "pretrain_gpt.py", args)
-    _assert_same_fp16_training(run, baseline)
-    (rec,) = run.summary["recoveries"]
-    assert rec["dead_ranks"] == [2] and rec["replaced_by"] == {"2": "s0"}
-    assert rec["restore_iteration"] in (3, 4) and rec["recomputed_iterations"] <= 1
+    run = _hung(tag, "fp16", tmp_path, at=5)
+    _assert_same_fp16_training(run, baselines(tag, "fp16"))
 
 
 @pytest.mark.timeout(3 * RUN_TIMEOUT)
