@@ -8,7 +8,8 @@ that finds a problem says FAIL, one that cannot run here says skip and why, one 
 reports says info. Without CUDA every row is skipped and the exit code is 0; otherwise 0 when
 no row failed, 1 when one did. `--json` writes every row's figures. Rows:
 
-  versions        torch, CUDA, NCCL, the device; `Backend.get_error` and its error types present
+  versions        torch, CUDA, NCCL, the device; `ProcessGroupNCCL.get_error` and its error
+                  types present
   kernel          the fused pack kernel: built (for this device's architecture only, e.g. sm_90,
                   unless installed already), the architectures in its binary, one pack checked
   pack            pack kernel vs a plain copy at 1 MiB and 1 GiB (GB/s), checksums against the
@@ -113,7 +114,9 @@ def _world_of_one(groups: int = 0) -> Any:
 def check_versions() -> dict[str, Any]:
     torch = _cuda()
     c10d = torch._C._distributed_c10d
-    has = hasattr(c10d, "Backend") and hasattr(c10d.Backend, "get_error")
+    # `get_error` is bound on ProcessGroupNCCL (the backend `nccl.nccl_backend` returns), not on
+    # the generic Backend.
+    has = hasattr(getattr(c10d, "ProcessGroupNCCL", None), "get_error")
     kinds = getattr(c10d, "ErrorType", None)
     figures = {
         "torch": torch.__version__,
@@ -129,7 +132,7 @@ def check_versions() -> dict[str, Any]:
         "python": sys.version.split()[0],
     }
     status = "pass" if has else "FAIL"
-    note = "" if has else "no Backend.get_error: NCCL errors are not polled"
+    note = "" if has else "no ProcessGroupNCCL.get_error: NCCL errors are not polled"
     return {"status": status, "figures": figures, "note": note}
 
 
@@ -413,10 +416,13 @@ def _adam_state(numel: int, seed: int) -> Any:
 
     from megatron_deadpool.replication.snapshot import RankState
 
-    class Wrapped:
+    class Wrapped:  # Megatron's optimizer as the replicator sees it (it guards `step`)
         def __init__(self, opt: Any) -> None:
             self.optimizer = opt
             self.param_groups = opt.param_groups
+
+        def step(self) -> Any:
+            return self.optimizer.step()
 
     class Scheduler:
         num_steps = 0
@@ -452,7 +458,13 @@ def check_pinned_replicator() -> dict[str, Any]:
             "import gpu_first_contact as g; g._pinned_child(int(sys.argv[1]), "
             f"{port}, {numel}, sys.argv[2])"
         )
-        procs = [subprocess.Popen([sys.executable, "-c", code, str(r), paths[r]]) for r in range(2)]
+        logs = [os.path.join(tmp, f"r{r}.log") for r in range(2)]
+        procs = []
+        for r in range(2):
+            with open(logs[r], "w") as err:
+                procs.append(
+                    subprocess.Popen([sys.executable, "-c", code, str(r), paths[r]], stderr=err)
+                )
         try:
             codes = [p.wait(timeout=220) for p in procs]
         finally:
@@ -461,7 +473,8 @@ def check_pinned_replicator() -> dict[str, Any]:
                     p.kill()
                     p.wait()
         if any(codes):
-            return {"status": "FAIL", "figures": {"exit_codes": codes}}
+            tails = [Path(log).read_text()[-1500:] for log in logs]
+            return {"status": "FAIL", "figures": {"exit_codes": codes, "stderr_tails": tails}}
         results = [json.loads(Path(p).read_text()) for p in paths]
     ok = all(r["pinned"] and [x["committed"] for x in r["rounds"]] == [1, 2, 3] for r in results)
     return {"status": "pass" if ok else "FAIL", "figures": {"ranks": results}}
@@ -481,7 +494,11 @@ def check_auto_rebuilt() -> dict[str, Any]:
     _world_of_one()
     group = dist.new_group(backend="nccl")
     free, total = torch.cuda.mem_get_info()
-    numel = int(free * 0.12) // 12  # own ~12 % of free: 4 buffers (self-held) ~ 50 %
+    # Own ~12 % of free, so that 4 buffers (self-held) take ~50 %; at most 8 GiB (a shard's
+    # checksum covers 16 GiB), the rest of a large card taken by ballast.
+    own_bytes = min(int(free * 0.12), 8 * GIB)
+    ballast = torch.empty(max(0, free - int(own_bytes / 0.12)), dtype=torch.uint8, device="cuda")
+    numel = own_bytes // 12
     state = _adam_state(numel, seed=0)
     placement = Placement(Layout(tp=1, pp=1, dp=1, ranks_per_node=1), 1, ((0,),))
     memory = ReplicaMemory("auto", Device("cuda", "nccl", torch.cuda.current_device()))
@@ -503,6 +520,7 @@ def check_auto_rebuilt() -> dict[str, Any]:
         "first": first.choice,
         "rebuilt": second.choice,
         "committed": committed,
+        "ballast_gib": round(ballast.numel() / GIB, 1),
     }
     ok = first.choice == second.choice == "gpu" and committed == 2
     return {"status": "pass" if ok else "FAIL", "figures": figures}

@@ -55,7 +55,7 @@ second abort of an aborted communicator is a no-op: ``NCCLComm::abort`` has set 
 A graceful `destroy_process_group` is never used with a dead peer: it calls
 `ProcessGroupNCCL::shutdown()`, which waits for the failed kernels (pytorch#150690).
 
-Errors (`backend_errors`): each NCCL backend's `get_error()` (torch 2.13 `Backend.get_error`,
+Errors (`backend_errors`): each NCCL backend's `get_error()` (`ProcessGroupNCCL.get_error`,
 `ErrorType` SUCCESS / TIMEOUT / COMM_ERROR / REMOTE_ERROR), which ProcessGroupNCCL's watchdog
 sets when a collective of the group timed out (host time since it was enqueued, against the
 group's timeout) or NCCL reported an asynchronous error; REMOTE_ERROR comes from a peer's
