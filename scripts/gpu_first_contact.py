@@ -397,6 +397,11 @@ def _pinned_child(rank: int, port: int, numel: int, out_path: str) -> None:
                 "settle_s": round(time.perf_counter() - t0, 3),
                 "wait_s": round(repl.timings.get("wait", -1), 3),
                 "verify_s": round(repl.timings.get("verify", -1), 3),
+                **{
+                    f"{k}_s": round(v, 3)
+                    for k, v in repl.timings.items()
+                    if k.startswith("thread_")
+                },
                 "committed": committed,
             }
         )

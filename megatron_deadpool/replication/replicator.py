@@ -279,6 +279,7 @@ class Replicator:
                 for owner in self.owners
             ]
             self.timings.update(wait=t1 - t0, verify=time.perf_counter() - t1)
+            self.timings.update({f"thread_{k}": v for k, v in findings.seconds.items()})
             return all(verdicts)
         works = self._round_works()
         with self._on_side_stream():  # GPU replicas: only the side stream waits for NCCL

@@ -18,6 +18,7 @@ their replicas checked, so that after an abort the receives that did arrive can 
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -38,6 +39,9 @@ class Findings:
     """Owners whose receive completed."""
     corrupt: dict[int, str] = field(default_factory=dict)
     """Owners whose received replica failed `verify`, and why."""
+    seconds: dict[str, float] = field(default_factory=dict)
+    """Where the thread's time went: "posted" (until `works()` returned: the GPU capture's
+    copy landed and the transfers were posted), "transfers" (their waits), "checksums"."""
 
     def verified(self, owner: int) -> bool:
         return owner in self.arrived and owner not in self.corrupt
@@ -69,7 +73,9 @@ def _check(
     iteration: int,
 ) -> Findings:
     found = Findings()
+    t0 = time.perf_counter()
     listed = works()
+    t1 = time.perf_counter()
     failed: set[int] = set()
     for work in {id(w): w for w in listed}.values():
         try:
@@ -77,6 +83,7 @@ def _check(
         except Exception as exc:  # noqa: BLE001 - the peer failed or the group was aborted
             found.errors.append(exc)
             failed.add(id(work))
+    t2 = time.perf_counter()
     for owner, (index, flat) in receives.items():
         if id(listed[index]) in failed:
             continue
@@ -85,4 +92,9 @@ def _check(
             verify(flat, owner=owner, iteration=iteration)
         except CorruptReplicaError as exc:
             found.corrupt[owner] = str(exc)
+    found.seconds = {
+        "posted": t1 - t0,
+        "transfers": t2 - t1,
+        "checksums": time.perf_counter() - t2,
+    }
     return found
