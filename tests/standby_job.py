@@ -35,12 +35,16 @@ class StandbyJob:
         spares: int,
         settings: list[str],
         timeout_s: float,
+        joining: int = 0,
     ) -> None:
         """`settings`: the job's --deadpool-* flags (and --config), given to both
-        coordinators (the workers get their own from `Worker`)."""
+        coordinators (the workers get their own from `Worker`). `joining`: the last of the
+        `spares` are not the job's own but join it (`--deadpool-join`, the `Worker`'s part),
+        so the coordinators start with the others only."""
         self.folder = folder
         self.world_size = world_size
         self.spares = spares
+        self.joining = joining
         self.settings = settings
         self.timeout_s = timeout_s
         self.addresses = [f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"]
@@ -51,6 +55,11 @@ class StandbyJob:
     @property
     def members(self) -> list[str]:
         return [f"a{r}" for r in range(self.world_size)] + [f"s{i}" for i in range(self.spares)]
+
+    @property
+    def joiners(self) -> list[str]:
+        """The spares that join the running job, with the names they will get."""
+        return [f"s{i}" for i in range(self.spares - self.joining, self.spares)]
 
     def _spawn(self, name: str, cmd: list[str], env: dict[str, str]) -> None:
         with open(self.folder / f"{name}.log", "w") as out:
@@ -78,7 +87,7 @@ class StandbyJob:
                 "--deadpool-coordinator",
                 coordinators,
                 "--deadpool-spares",
-                str(self.spares),
+                str(self.spares - self.joining),
                 "--deadpool-log-dir",
                 str(self.folder / name),
                 *self.settings,

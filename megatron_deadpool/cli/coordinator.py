@@ -114,6 +114,11 @@ def run(args: argparse.Namespace) -> int:
             "in place (every failure takes a spare node); drop the flag, or use `deadpool "
             "train` / `deadpool megatron-lm`, whose launcher respawns"
         )
+    if cfg.join:
+        raise ConfigError(
+            "deadpool-join: is for a worker joining a running job, not its coordinator; drop "
+            "the flag here"
+        )
     secret = job_secret(cfg.job_token)
     if args.standby and not secret:
         raise ConfigError(

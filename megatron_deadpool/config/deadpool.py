@@ -52,6 +52,12 @@ class DeadpoolConfig:
     respawn_window: float = 3600.0
     """Seconds over which deadpool-respawn-limit counts a node's respawns (a sliding window)."""
 
+    join: bool = False
+    """Join a running job as a spare (a repaired node, or a node of another allocation): this
+    process takes the next spare name from the job's coordinator (--deadpool-coordinator
+    HOST:PORT, the job's secret in DEADPOOL_JOB_TOKEN or DEADPOOL_JOB_TOKEN_FILE) instead of one
+    from RANK/SLURM_PROCID, and waits for a slot like the spares that started with the job."""
+
     replicas: int = 1
     """Remote replicas k of each rank's optimizer shard, each on a peer in another failure
     domain (node)."""

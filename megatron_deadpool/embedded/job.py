@@ -57,7 +57,7 @@ class EmbeddedJob:
         self,
         spec: JobConfig,
         *,
-        member: str,
+        member: str | None,
         coordinator: str,
         token: str,
         saver: Saver = save_checkpoint,

@@ -35,7 +35,11 @@ def main(argv: Sequence[str] | None = None, **hooks: Any) -> int:
     job = job_from_args(args)
     if not job.deadpool.coordinator:
         raise ConfigError("deadpool-coordinator: a worker needs the coordinator's HOST:PORT")
-    member = args.member or _member_from_env(job)
+    if job.deadpool.join and args.member:
+        raise ConfigError(
+            "deadpool-join: a joining process takes its name from the coordinator; " "drop --member"
+        )
+    member = None if job.deadpool.join else args.member or _member_from_env(job)
     token = job_secret(job.deadpool.job_token) or ""  # the environment's (`hotswap/seal.py`)
     torch.set_num_threads(int(os.environ.get("DEADPOOL_THREADS", "1")))
     from .job import EmbeddedJob  # imports megatron-core: only once the input is valid

@@ -43,6 +43,7 @@ from .clock import Clock, SystemClock
 from .detector import FailureDetector, SweepObserver
 from .events import EventLog
 from .job_error import judge
+from .joining import Joiners, next_spare_number
 from .liveness import Liveness
 from .membership import Membership, ServingStore
 from .messages import (
@@ -172,6 +173,7 @@ class Coordinator:
         self._agents = agents
         self._respawn = respawn if agents is not None else None
         self._respawned: set[str] = set()  # members a node's agent started in a failed one's place
+        self._joiners = Joiners(next_spare_number(self._spares))
 
     # ------------------------------------------------------------------ what launchers read
     @property
@@ -221,6 +223,7 @@ class Coordinator:
     # ------------------------------------------------------------------ life
     def start(self) -> None:
         """Publish generation 0's roster (ranks 0..W-1 are a0..a{W-1})."""
+        self.membership.number_spares_from(self._joiners.seen)
         self.membership.publish_roster(self._roster)
         self.detector.watch(self._live())
         self.events("roster", generation=0, slots=self._roster.slots)
@@ -244,6 +247,9 @@ class Coordinator:
         self._spares = list(spares)
         self._next_generation = next_generation
         self._pruner = Pruner(self.membership, first=roster.generation)  # nothing older here
+        known = [*spares, *roster.slots.values(), *dead]
+        self._joiners = Joiners(next_spare_number(known))
+        self.membership.number_spares_from(self._joiners.seen)
         self.membership.publish_roster(roster)
         self.events("roster", generation=roster.generation, slots=roster.slots, adopted=True)
         self.detector.expect(self._live())  # they re-registered: judged by their beats from now
@@ -262,7 +268,11 @@ class Coordinator:
     def knows(self, member: str) -> bool:
         """Whether `member` is in the job: waiting, in a slot, or dead."""
         return (
-            member in self._spares or member in self.dead or member in self._roster.slots.values()
+            member in self._spares
+            or member in self.dead
+            or member in self._respawned
+            or member in self._roster.slots.values()
+            or member in self._slots().values()
         )
 
     def training_done(self) -> bool:
@@ -309,6 +319,7 @@ class Coordinator:
     def tick(self) -> None:
         """One look at the job, and whatever decision it calls for."""
         self.detector.look(self._live(), self._slots())
+        self._look_for_joiners()
         fresh = self.detector.dead - self._handled
         if fresh:  # something died since the last tick: look at the slots (O(world) once)
             self._lost(fresh)
@@ -327,6 +338,15 @@ class Coordinator:
                 self._track_phases()
         if self._recovery is None:
             self._pruner.step()
+
+    def _look_for_joiners(self) -> None:
+        """Spares that joined the running job (`joining.py`) enter the pool."""
+        found = self._joiners.look(self.membership, self.clock.monotonic(), self.knows)
+        for member in found.joined:
+            self.add_spare(member, event="spare_joined")
+            self.say(f"{member} joined the spare pool ({len(self._spares)} spare(s) waiting)")
+        for member, why in found.abandoned.items():
+            self.events("join_abandoned", member=member, why=why)
 
     def _ended(self) -> bool:
         """The job ended by a decision: out of redundancy, or the job's own error."""

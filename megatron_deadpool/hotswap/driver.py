@@ -109,8 +109,12 @@ class Driver:
         task: int | None = None,
     ) -> None:
         """`member` (a{r} / s{i}) or `task` (a task index: actives first, then spares; the
-        member name follows once the coordinator's world size is known)."""
-        if (member is None) == (task is None):
+        member name follows once the coordinator's world size is known), or neither with
+        `cfg.join` (a spare joining a running job: its name comes from the coordinator)."""
+        if cfg.join:
+            if member is not None or task is not None:
+                raise ValueError("a joining process takes its name from the coordinator")
+        elif (member is None) == (task is None):
             raise ValueError("give exactly one of member and task")
         self.cfg = cfg
         self.device = device
@@ -195,12 +199,12 @@ class Driver:
             op_timeout=min(cfg.heartbeat_timeout, cfg.connect_timeout),
             rebuild_timeout=2 * cfg.heartbeat_timeout + cfg.connect_timeout,
             beat_s=cfg.heartbeat_interval,
-            member=lambda: self.member or f"task{self.task}",
+            member=lambda: self.member or self._unnamed(),
             record=self.rejoin_record,
         )
         link.connect()
         store = FailoverStore(link)
-        membership = Membership(store, self.member or f"task{self.task}", self.seal)
+        membership = Membership(store, self.member or self._unnamed(), self.seal)
         membership.check_token()
         # The coordinator's first roster is the authority on the world size.
         world = membership.wait_roster(0, self.cfg.pg_timeout).world_size
@@ -211,8 +215,12 @@ class Driver:
                 f"`deadpool coordinator --world-size {world_size}`"
             )
         if not self.member:
-            assert self.task is not None
-            self.member = member_of(self.task, world)
+            if self.cfg.join:
+                self.member = membership.claim_spare_name()
+                log.info("joined the running job as spare %s", self.member)
+            else:
+                assert self.task is not None
+                self.member = member_of(self.task, world)
             membership = membership.sibling(store, self.member)
         self._membership = membership
         self._faults = FaultInjector(cfg.fail, membership)
@@ -225,6 +233,10 @@ class Driver:
         beat.after_beat = self._after_beat
         beat.start()
         atexit.register(self.stop_heartbeat)  # whatever way this process ends (`Heartbeat.stop`)
+
+    def _unnamed(self) -> str:
+        """What this process is called before it has a member name."""
+        return "joining" if self.task is None else f"task{self.task}"
 
     def _after_beat(self, membership: Membership) -> None:
         """After each heartbeat (heartbeat thread): the plan watch, then (CUDA) whether this GPU
@@ -280,7 +292,7 @@ class Driver:
         its threads first notices the loss)."""
         roster = self._roster
         return Registration(
-            member=self.member or f"task{self.task}",
+            member=self.member or self._unnamed(),
             host=host_id(),
             rank=self.rank,
             generation=roster.generation if roster else -1,

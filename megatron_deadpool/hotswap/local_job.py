@@ -25,7 +25,7 @@ from typing import IO, Any
 
 from ..config.deadpool import DeadpoolConfig
 from ..devices.gpus import GpuAssignment, assign_gpus, local_gpu_count
-from ..errors import ExitCode
+from ..errors import ConfigError, ExitCode
 from ..replication.placement import Placement
 from .coordinator import Coordinator
 from .events import EventLog
@@ -64,6 +64,13 @@ class LocalJob:
         `spawn(member)`: how the launcher starts a process (`spawn` below), for in-place
         respawns (none without it). Refuses (`ConfigError`) a node with fewer GPUs than
         actives + spares before anything starts."""
+        if cfg.join:
+            raise ConfigError(
+                "deadpool-join: this launcher starts its own job; a process joins a running job "
+                "started elsewhere (`python -m megatron_deadpool.embedded.worker --deadpool-join "
+                "--deadpool-coordinator HOST:PORT`, or Megatron-LM's pretrain_gpt.py with "
+                "--deadpool --deadpool-join)"
+            )
         self.cfg = cfg
         self.world_size = world_size
         self.run_dir = run_dir
@@ -84,7 +91,6 @@ class LocalJob:
         self.address = f"{host}:{store.port}"
         self.membership = Membership(store, "launcher", JobSeal(token))
         self.membership.set_token()
-        self.next_spare = self.spares
         events = EventLog(run_dir / "events.jsonl")
         events("store", address=self.address)  # where the job's store listens (for tools)
         self.coordinator = Coordinator(
@@ -151,8 +157,7 @@ class LocalJob:
 
     def add_spare(self, spawn: Callable[[str], None]) -> str:
         """Grow the pool by one spare (as a cluster's scheduler would add a node)."""
-        member = f"s{self.next_spare}"
-        self.next_spare += 1
+        member = self.coordinator.membership.claim_spare_name()
         self._nodes[member] = self._new_node()
         spawn(member)
         self.coordinator.add_spare(member)
@@ -186,8 +191,7 @@ class LocalJob:
         """A new process on `node` (this machine) with `dead`'s GPU, waiting for `rank`'s slot
         in the coordinator's next plan, as a spare would; its member name."""
         assert self._spawn is not None
-        member = f"s{self.next_spare}"
-        self.next_spare += 1
+        member = self.coordinator.membership.claim_spare_name()
         self._local_ranks[member] = self.local_rank(dead)
         self._nodes[member] = node
         self._spawn(member)

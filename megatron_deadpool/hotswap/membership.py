@@ -33,6 +33,11 @@ Keys (the message type of each structured value in CamelCase):
   spares/epoch                counter of events waiting spares must look at (a roster, the
                               shutdown); spares/epoch/{n} appears with event n: spares block on
                               the next one instead of polling
+  spares/next                 counter: the number of the next spare member s{i}, set to the
+                              job's initial spares by the coordinator; a process that joins a
+                              running job (`--deadpool-join`) takes its name from it. A joined
+                              spare counts once its sealed announcement (proc/{member}/ready)
+                              is there, so bumping the counter gives a stranger nothing
   gen                         the newest generation with a published roster
   gen{g}/roster               Roster: which member fills which rank, the restore iteration
   plan/latest                 the newest planned generation (a recovery, or the end out of
@@ -489,6 +494,21 @@ class Membership:
         n = self.store.add(Keys.SPARE_EPOCH, 1)
         self._set(Keys.SPARE_EPOCH_N.format(n=n), "1")
 
+    def number_spares_from(self, first: int) -> None:
+        """The coordinator: spare names handed to joining processes start at s{first} (or
+        after every name handed out already, when a standby takes over a job)."""
+        current = self._count(Keys.SPARES_NEXT)
+        if current < first:
+            self.store.add(Keys.SPARES_NEXT, first - current)
+
+    def claim_spare_name(self) -> str:
+        """A process joining a running job: its spare member name, unique in the job."""
+        return f"s{self.store.add(Keys.SPARES_NEXT, 1) - 1}"
+
+    def spare_names_claimed(self) -> int:
+        """How many spare names were handed out (s0 .. s{n-1}), the initial spares' included."""
+        return self._count(Keys.SPARES_NEXT)
+
     def wait_spare_epoch(self, n: int, timeout_s: float) -> bool:
         """Block until wake-up `n` happened; False on timeout."""
         return self._wait(Keys.SPARE_EPOCH_N.format(n=n), timeout_s=timeout_s)
@@ -818,6 +838,12 @@ class Membership:
         """This member's re-registration with a standby coordinator that took over (under its
         own name, or `task{i}` before it knows it)."""
         self._set(Keys.REJOIN.format(member=self.member), record.encode())
+
+    def registered_names(self) -> list[str]:
+        """Every name a re-registration is published under (one listing of the store's keys:
+        a standby finds spares that joined the job after it started this way)."""
+        prefix = Keys.REJOIN.format(member="")
+        return [k[len(prefix) :] for k in self.serving().list_keys() if k.startswith(prefix)]
 
     def registration(self, name: str) -> Registration | None:
         """The re-registration published under `name` (a member, or `task{i}`)."""

@@ -35,6 +35,7 @@ class Keys:
     INBOX = "coord/inbox"
     SPARE_EPOCH = "spares/epoch"
     SPARE_EPOCH_N = "spares/epoch/{n}"
+    SPARES_NEXT = "spares/next"
     GENERATION = "gen"
     ROSTER = "gen{g}/roster"
     LATEST_PLAN = "plan/latest"
@@ -80,6 +81,7 @@ class Keys:
         INBOX,
         HEARTBEAT,
         SPARE_EPOCH,
+        SPARES_NEXT,
         HOLDINGS_COUNT,
         STAMP_COUNT,
         STALE_REFS,

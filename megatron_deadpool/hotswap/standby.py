@@ -37,6 +37,9 @@ from .messages import CoordinatorIdentity, Registration, member_of
 from .rebuild import Rebuilt, rebuild
 from .seal import JobSeal
 
+JOINED_SCAN_S = 1.0
+"""Seconds between two looks for re-registrations of spares that joined after the start."""
+
 
 class PeerWatch:
     """Bounded store clients of the job's other coordinators."""
@@ -116,6 +119,7 @@ class Standby:
         self.registrations: dict[str, Registration] = {}
         self.primary_last_seen: float | None = None  # wall time the earlier one last answered
         self._next_late_read = 0.0
+        self._next_scan = 0.0
 
     # ------------------------------------------------------------------ watching
     def wait_for_loss(self) -> bool:
@@ -256,9 +260,24 @@ class Standby:
             if record.rank is None and not record.done:
                 coord.add_spare(member, "spare_rejoined")
 
+    def _find_joined_spares(self) -> None:
+        """Spares that joined the job after it started (`joining.py`) re-register under names
+        this standby could not know in advance: look for them among the store's keys (every
+        `JOINED_SCAN_S` at most: a listing of every key)."""
+        now = time.monotonic()
+        if now < self._next_scan:
+            return
+        self._next_scan = now + JOINED_SCAN_S
+        for name in self.membership.registered_names():
+            if name not in self.keys and name[:1] == "s" and name[1:].isdigit():
+                self.keys[name] = name
+                self.spares.append(name)
+                self.members.append(name)
+
     def _read_registrations(self) -> list[str]:
         """Read the re-registrations not read yet; their members."""
         new = []
+        self._find_joined_spares()
         for key, member in self.keys.items():
             if member in self.registrations:
                 continue

@@ -193,7 +193,7 @@ def _pretrain(pretrain: Callable[..., Any], bound: inspect.BoundArguments) -> An
     setup_logging(megatron_logging_level(sys.argv[1:], os.environ))
     prepare_communication("cpu" if megatron_lm_cpu.needs_cpu() else "cuda")
     token = job_secret(cfg.job_token) or ""  # the environment's (`hotswap/seal.py`)
-    session = MegatronSession(cfg, task_from_env(), token)
+    session = MegatronSession(cfg, None if cfg.join else task_from_env(), token)
     global _session_begun
     _session_begun = True
     if not session.begin():
@@ -282,7 +282,7 @@ def _report_before_pretrain(exc: Exception) -> None:
 
     try:
         cfg = preparse(sys.argv[1:])
-        if cfg.enabled:
+        if cfg.enabled and not cfg.join:  # a joining process held no slot: nothing to report
             token = cfg.job_token or os.environ.get("DEADPOOL_JOB_TOKEN", "")
             MegatronSession(cfg, task_from_env(), token).report_early_error(exc)
     except (ValueError, RuntimeError, OSError) as failed:

@@ -109,7 +109,9 @@ class NewcomerPlan:
 class MegatronSession:
     """DeadPool's state in one Megatron-LM process, and its `JobAdapter` for the driver."""
 
-    def __init__(self, cfg: DeadpoolConfig, task: int, token: str) -> None:
+    def __init__(self, cfg: DeadpoolConfig, task: int | None, token: str) -> None:
+        """`task`: this process's task index (`task_from_env`); None for a process joining a
+        running job (`--deadpool-join`: its name comes from the coordinator)."""
         self.cfg = cfg
         self.task = task
         self.token = token

@@ -10,10 +10,11 @@ second.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from stores import SEAL
 
+from megatron_deadpool.hotswap import joining
 from megatron_deadpool.hotswap.clock import ManualClock
 from megatron_deadpool.hotswap.coordinator import Coordinator
 from megatron_deadpool.hotswap.events import EventLog
@@ -58,11 +59,13 @@ class Launcher:
 
 
 class Agents:
-    """The nodes' agents as a launcher is: each respawn starts `s{n}` (counted on from the
-    spares); a node in `lost` has no agent left."""
+    """The nodes' agents as a launcher is: each respawn starts a member named, as a joining
+    spare is, from the store's counter (`claim`: set once the store exists); a node in `lost`
+    has no agent left."""
 
-    def __init__(self, world: int, per_node: int, spares: int) -> None:
-        self.world, self.per_node, self.next = world, per_node, spares
+    def __init__(self, world: int, per_node: int) -> None:
+        self.world, self.per_node = world, per_node
+        self.claim: Callable[[], str] | None = None
         self.lost: set[int] = set()
         self.nodes: dict[str, int] = {}
         self.started: list[tuple[int, str, int, str]] = []  # (rank, dead, node, new member)
@@ -76,8 +79,8 @@ class Agents:
         return node not in self.lost
 
     def respawn(self, rank: int, dead: str, node: int) -> str:
-        member = f"s{self.next}"
-        self.next += 1
+        assert self.claim is not None
+        member = self.claim()
         self.nodes[member] = node
         self.started.append((rank, dead, node, member))
         return member
@@ -110,7 +113,8 @@ class Job:
         self.launcher = Launcher()
         self.events = EventLog(None, clock=self.clock.time)
         self.said: list[str] = []
-        self.agents = Agents(world, per_node, spares)
+        self.agents = Agents(world, per_node)
+        self.agents.claim = Membership(self.store.clone(), "agent", SEAL).claim_spare_name
         self.coord = Coordinator(
             Membership(self.store, "coordinator", SEAL),
             world,
@@ -459,6 +463,65 @@ def test_a_spare_added_later_takes_the_next_slot() -> None:
     plan = job.m().plan(1)
     assert plan is not None and plan.replaced == {0: "s7"}
     assert [e["member"] for e in job.events.of("spare_added")] == ["s7"]
+
+
+def test_a_process_that_joins_the_running_job_takes_the_next_name_then_a_slot() -> None:
+    """`--deadpool-join` (`joining.py`): the joiner's name comes from the store's counter,
+    after the job's own spares; it counts once its sealed announcement is there."""
+    job = Job(spares=1)
+    joiner = Membership(job.store.clone(), "joining", SEAL)
+    name = joiner.claim_spare_name()
+    assert name == "s1"  # s0 started with the job
+    job.tick()  # claimed, not announced yet: not in the pool
+    assert job.coord.spares == ("s0",)
+    job.m(name).announce()
+    job.tick()
+    assert job.coord.spares == ("s0", "s1")
+    assert [e["member"] for e in job.events.of("spare_joined")] == ["s1"]
+    assert any("s1 joined the spare pool" in line for line in job.said)
+    job.die("a0")
+    job.tick()
+    assert job.m().plan(1).replaced == {0: "s0"}  # type: ignore[union-attr]
+    job.report(1, range(1, 4))
+    job.tick()
+    job.die("a2")
+    job.tick()
+    assert job.m().plan(2).replaced == {2: "s1"}  # type: ignore[union-attr]
+
+
+def test_a_joining_name_that_never_announces_is_given_up_and_costs_nothing() -> None:
+    """The counter is not sealed: a stranger who bumps it makes names that never announce."""
+    job = Job(spares=0)
+    job.store.add(Keys.SPARES_NEXT, 3)
+    job.tick()
+    job.tick(joining.WAIT_S + 1)
+    assert job.coord.spares == ()
+    gone = job.events.of("join_abandoned")
+    assert sorted(e["member"] for e in gone) == ["s0", "s1", "s2"], gone
+    assert Membership(job.store.clone(), "joining", SEAL).claim_spare_name() == "s3"
+
+
+def test_the_joining_pool_waits_for_a_bounded_number_of_names() -> None:
+    job = Job(spares=0)
+    job.store.add(Keys.SPARES_NEXT, joining.MAX_PENDING + 5)
+    job.tick()
+    assert len(job.events.of("join_abandoned")) == 5
+    assert len(job.coord._joiners.pending) == joining.MAX_PENDING
+
+
+def test_a_respawned_process_is_not_taken_for_a_joining_spare() -> None:
+    """In-place respawns take their names from the same counter; the coordinator knows them
+    as the replacement it planned, never as a spare of the pool."""
+    job = Job(spares=1, respawn_limit=2)
+    job.die("a1")
+    job.tick()
+    plan = job.m().plan(1)
+    assert plan is not None
+    (member,) = plan.replaced.values()
+    job.m(member).announce()
+    job.tick()
+    job.tick(joining.WAIT_S + 1)
+    assert job.coord.spares == ("s0",) and not job.events.of("spare_joined")
 
 
 def test_a_failure_before_replication_started_ends_at_once() -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import pytest
 
@@ -131,3 +132,27 @@ def test_a_standby_keeps_the_rank_order_and_places_as_the_job_did() -> None:
     assert state is not None and state.layout == record
     placement = place_replicas(state.layout.layout(), state.layout.replicas)
     assert placement.holders == place_replicas(layout, 1).holders == ((2,), (3,), (0,), (1,))
+
+
+def test_a_standby_finds_the_spares_that_joined_after_the_start(tmp_path: Any) -> None:
+    """A spare that joined the running job (`--deadpool-join`, s2 here, after the job's own
+    s0 and s1) re-registers under a name the standby cannot know in advance: it finds it
+    among the store's keys, and the rebuilt state counts it as a waiting spare."""
+    from stores import SEAL
+
+    from megatron_deadpool.config.deadpool import DeadpoolConfig
+    from megatron_deadpool.hotswap.events import EventLog
+    from megatron_deadpool.hotswap.membership import Membership
+    from megatron_deadpool.hotswap.memory_store import MemoryStore
+    from megatron_deadpool.hotswap.standby import Standby
+
+    store = MemoryStore()
+    cfg = DeadpoolConfig(coordinator="127.0.0.1:1,127.0.0.1:2", spares=2)
+    sb = Standby(cfg, 1, 4, Membership(store, "coordinator", SEAL), EventLog(None), print)
+    for r in range(4):
+        Membership(store.clone(), f"a{r}", SEAL).register(active(f"a{r}", r))
+    Membership(store.clone(), "s2", SEAL).register(spare("s2"))
+    sb._read_registrations()
+    assert "s2" in sb.registrations and sb.spares == ["s0", "s1", "s2"]
+    state = rebuild(sb.registrations, 4, sb.spares)
+    assert state is not None and state.spares == ["s2"]  # s0 and s1 never re-registered

@@ -1,6 +1,7 @@
 """Megatron-LM's pretrain_gpt.py under a primary and a standby coordinator: the primary's node
 (the coordinator, ranks 0 and 1) dies, the standby takes over, spares replace the lost ranks, and
-the final parameters equal those of a failure-free `deadpool megatron-lm` run.
+the final parameters equal those of a failure-free `deadpool megatron-lm` run. One of the two
+spares is not the job's own: it joins the running job (`--deadpool-join`).
 
 Runs on the oldest supported tag MEGATRON_LM_PATH lists (skipped without one, as the other
 Megatron-LM tests: README, "Tested combinations").
@@ -37,7 +38,11 @@ def job(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[StandbyJob]:
     """The job; parametrized indirectly with more worker arguments ({tmp}: the test's folder)."""
     tree = megatron_lm_tree()
     more = [a.format(tmp=tmp_path) for a in getattr(request, "param", [])]
-    job = StandbyJob(tmp_path, world_size=4, spares=2, settings=HEARTBEAT, timeout_s=JOB_TIMEOUT)
+    # s1 is not the job's own: it joins the running job (`--deadpool-join`), as a repaired
+    # node would, and has no task index; the standby must find it when it re-registers.
+    job = StandbyJob(
+        tmp_path, world_size=4, spares=2, joining=1, settings=HEARTBEAT, timeout_s=JOB_TIMEOUT
+    )
     master_port = str(free_port())
 
     def worker(member: str, task: int, coordinators: str) -> tuple[list[str], dict[str, str]]:
@@ -48,6 +53,9 @@ def job(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[StandbyJob]:
         env = {"RANK": str(task), "LOCAL_RANK": str(task), "WORLD_SIZE": "4",
                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": master_port,
                "CUDA_DEVICE_MAX_CONNECTIONS": "1", "PYTHONUNBUFFERED": "1"}  # fmt: skip
+        if member in job.joiners:
+            cmd.append("--deadpool-join")
+            del env["RANK"], env["LOCAL_RANK"]
         return cmd, env
 
     try:
@@ -65,6 +73,8 @@ def test_primary_node_lost_in_megatron_lm(job: StandbyJob, reference: dict[str, 
     assert set(codes.values()) == {0}, job.describe()
     rebuilt = job.event("standby", "rebuilt")
     assert rebuilt is not None and rebuilt["missing"] == [0, 1], job.describe()
+    joined = job.event("primary", "spare_joined")
+    assert joined is not None and joined["member"] == "s1", job.describe()
     recovered = job.event("standby", "recovered")
     assert recovered is not None and recovered["replaced_by"] == {"0": "s0", "1": "s1"}
     finished = job.event("standby", "finished")

@@ -1,0 +1,82 @@
+"""Processes that join a running job as spares (`--deadpool-join`): how the coordinator finds them.
+
+A joining process - on a repaired node, or a node of another allocation - connects to the
+coordinator's store with the job's secret, takes the next spare name from the counter
+`spares/next` (`Membership.claim_spare_name`) and announces itself as that member, sealed; then
+it waits like any spare. The coordinator looks at the counter at most every `LOOK_S` seconds
+(one round trip while nobody joins) and adds a claimed name to the spare pool once its sealed
+announcement is there. The counter cannot be sealed (it is a counter): a stranger who bumps it
+only makes names that never announce, which are given up after `WAIT_S` seconds; at most
+`MAX_PENDING` names are waited for at once, the oldest given up first.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from .membership import Membership
+
+LOOK_S = 1.0
+"""Seconds between two looks at the counter."""
+
+WAIT_S = 120.0
+"""How long a claimed name may take to announce itself (a joining process claims its name
+and announces it right after connecting: seconds, unless it died in between)."""
+
+MAX_PENDING = 256
+"""Claimed names waited for at once."""
+
+
+@dataclass
+class JoinOutcome:
+    """What one look found: members to add to the pool, names given up (and why)."""
+
+    joined: list[str] = field(default_factory=list)
+    abandoned: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class Joiners:
+    """The coordinator's view of the names handed out through `spares/next`."""
+
+    seen: int
+    """Names s0 .. s{seen-1} are accounted for (the initial spares, or looked at already)."""
+    pending: dict[str, float] = field(default_factory=dict)
+    """Claimed names not announced yet -> when they were first seen (monotonic seconds)."""
+    last_look: float | None = None
+
+    def look(self, membership: Membership, now: float, known: Callable[[str], bool]) -> JoinOutcome:
+        """At most every `LOOK_S`: the names claimed since the last look, and which of the
+        pending ones announced themselves (`known`: members the coordinator has already, e.g.
+        a spare a local launcher added itself)."""
+        out = JoinOutcome()
+        if self.last_look is not None and now - self.last_look < LOOK_S:
+            return out
+        self.last_look = now
+        claimed = membership.spare_names_claimed()
+        for i in range(self.seen, claimed):
+            self.pending[f"s{i}"] = now
+        self.seen = max(self.seen, claimed)
+        while len(self.pending) > MAX_PENDING:
+            oldest = next(iter(self.pending))
+            del self.pending[oldest]
+            out.abandoned[oldest] = f"more than {MAX_PENDING} names claimed and not announced"
+        for member, since in list(self.pending.items()):
+            if known(member):
+                del self.pending[member]
+            elif membership.announced(member):
+                del self.pending[member]
+                out.joined.append(member)
+            elif now - since > WAIT_S:
+                del self.pending[member]
+                out.abandoned[member] = (
+                    f"claimed its name but did not announce itself in {WAIT_S:g}s"
+                )
+        return out
+
+
+def next_spare_number(members: list[str]) -> int:
+    """The first spare number after every spare name in `members` (s{i}; 0 with none)."""
+    numbers = [int(m[1:]) for m in members if m.startswith("s") and m[1:].isdigit()]
+    return max(numbers, default=-1) + 1
