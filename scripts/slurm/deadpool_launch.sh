@@ -38,6 +38,11 @@
 #   DEADPOOL_PORT       coordinator port                                             (29400)
 #   DEADPOOL_COORDINATOR HOST:PORT of a coordinator started elsewhere (then none here); a
 #                       list HOST:PORT,HOST:PORT names its standbys too
+#   DEADPOOL_JOIN       HOST:PORT[,HOST:PORT] of a running job's coordinators: instead of
+#                       starting a job, every task of this allocation joins that job as a
+#                       spare (--deadpool-join; a repaired node, or nodes of another
+#                       allocation). Needs the job's secret: DEADPOOL_JOB_TOKEN_FILE=<the
+#                       job's DEADPOOL_LOG_DIR>/job.token (the job prints the whole command)
 #   DEADPOOL_STANDBY    HOST:PORT of the standby coordinator, "none" for none
 #                       (the allocation's last node, DEADPOOL_PORT; none on one node)
 #   DEADPOOL_END_GRACE  seconds the tasks get to end on their own once the coordinator
@@ -85,6 +90,7 @@ show() { # show WHAT CMD...: the command line, shell-quoted, as one line
 : "${DEADPOOL_PORT:=29400}"
 : "${DEADPOOL_COORDINATOR:=}"
 : "${DEADPOOL_STANDBY:=}"
+: "${DEADPOOL_JOIN:=}"
 : "${DEADPOOL_END_GRACE:=60}"
 : "${DEADPOOL_NODE_DOWN_WAIT:=600}"
 export DEADPOOL_END_GRACE DEADPOOL_NODE_DOWN_WAIT # the tasks read them too
@@ -105,6 +111,18 @@ for name in nnodes SPARE_NODES GPUS_PER_NODE DEADPOOL_REPLICAS DEADPOOL_PORT MAS
     DEADPOOL_END_GRACE DEADPOOL_NODE_DOWN_WAIT; do
     [[ ${!name} =~ ^[0-9]+$ ]] || die "$name must be a non-negative integer, got '${!name}'"
 done
+if [ -n "$DEADPOOL_JOIN" ]; then
+    [ -z "$DEADPOOL_COORDINATOR" ] || die "DEADPOOL_JOIN and DEADPOOL_COORDINATOR: give one"
+    [ -z "$DEADPOOL_INJECT" ] || die "DEADPOOL_INJECT: a joining allocation injects nothing"
+    case $DEADPOOL_MODE in embedded | megatron-lm) ;; *)
+        die "DEADPOOL_JOIN: DEADPOOL_MODE must be embedded or megatron-lm, got '$DEADPOOL_MODE'"
+        ;;
+    esac
+    [ -n "${DEADPOOL_JOB_TOKEN:-}${DEADPOOL_JOB_TOKEN_FILE:-}" ] ||
+        die "DEADPOOL_JOIN needs the running job's secret: DEADPOOL_JOB_TOKEN_FILE=<its" \
+            "DEADPOOL_LOG_DIR>/job.token"
+    SPARE_NODES=0 # every node of this allocation joins as spares
+fi
 active_nodes=$((nnodes - SPARE_NODES))
 ((active_nodes >= 1)) || die "$nnodes node(s) leave no active node after SPARE_NODES=$SPARE_NODES"
 ((GPUS_PER_NODE >= 1)) || die "GPUS_PER_NODE must be >= 1"
@@ -112,8 +130,8 @@ world=$((active_nodes * GPUS_PER_NODE))
 spares=$((SPARE_NODES * GPUS_PER_NODE))
 ntasks=$((nnodes * GPUS_PER_NODE))
 
-if [ -n "$DEADPOOL_COORDINATOR" ]; then
-    coordinator=$DEADPOOL_COORDINATOR
+if [ -n "$DEADPOOL_COORDINATOR$DEADPOOL_JOIN" ]; then
+    coordinator=${DEADPOOL_COORDINATOR:-$DEADPOOL_JOIN}
     start_coordinator=0
 else
     coordinator="$(hostname):$DEADPOOL_PORT"
@@ -139,8 +157,12 @@ export MASTER_ADDR=${MASTER_ADDR:-$coord_host}
 export MASTER_PORT WORLD_SIZE=$world LOCAL_WORLD_SIZE=$GPUS_PER_NODE
 # The job's secret, new for every job: it seals every value of the coordinator's store
 # (megatron_deadpool/hotswap/seal.py). It reaches the coordinators and the tasks in their
-# environment only (srun exports it), never on a command line, and is never stored.
-export DEADPOOL_JOB_TOKEN=${DEADPOOL_JOB_TOKEN:-$(od -An -tx1 -N32 /dev/urandom | tr -d ' \n')}
+# environment only (srun exports it), never on a command line; the one copy on disk is
+# $DEADPOOL_LOG_DIR/job.token, readable by its owner only, for nodes that join the job later.
+# A joining allocation uses the running job's (DEADPOOL_JOB_TOKEN_FILE, read by the tasks).
+if [ -z "$DEADPOOL_JOIN" ]; then
+    export DEADPOOL_JOB_TOKEN=${DEADPOOL_JOB_TOKEN:-$(od -An -tx1 -N32 /dev/urandom | tr -d ' \n')}
+fi
 for name in $DEADPOOL_SITE_ENV; do
     [ -n "${!name+set}" ] || die "site variable $name is listed in DEADPOOL_SITE_ENV but unset"
     export "${name?}"
@@ -168,7 +190,10 @@ fi
 read -r -a extra_args <<<"$DEADPOOL_EXTRA_ARGS"
 read -r -a srun_extra <<<"$SRUN_EXTRA_ARGS"
 megatron_args=()
+join_flag=()
+[ -z "$DEADPOOL_JOIN" ] || join_flag=(--deadpool-join)
 deadpool_flags=(
+    "${join_flag[@]}"
     --deadpool-coordinator "$coordinator"
     --deadpool-spares "$spares"
     --deadpool-replicas "$DEADPOOL_REPLICAS"
@@ -286,6 +311,12 @@ if dry_run; then
 fi
 
 mkdir -p "$DEADPOOL_LOG_DIR"
+if ((start_coordinator)); then
+    (umask 077 && printf '%s\n' "$DEADPOOL_JOB_TOKEN" >"$DEADPOOL_LOG_DIR/job.token")
+    echo "deadpool_launch: to add nodes to this job as spares (a repaired node, another" \
+        "allocation): DEADPOOL_JOIN=$coordinator" \
+        "DEADPOOL_JOB_TOKEN_FILE=$DEADPOOL_LOG_DIR/job.token sbatch --nodes=N <this sbatch file>"
+fi
 coordinator_pid=
 standby_pid=
 inject_pid=

@@ -19,7 +19,7 @@ import shutil
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -174,9 +174,16 @@ class Job:
         return dict(re.findall(r"(\w+)=(\S+)", record))
 
 
-def submit(lab: Any, folder: Path, site: str, config: Path | None, **env: str) -> Job:
+def submit(
+    lab: Any,
+    folder: Path,
+    site: str,
+    config: Path | None,
+    nodes: Sequence[str] = (),
+    **env: str,
+) -> Job:
     """sbatch scripts/slurm/SITE.sbatch from the repository root, as a user does (the embedded
-    job with `config`, else as `env` says)."""
+    job with `config`, else as `env` says), on 3 nodes, or on `nodes` (-w)."""
     folder.mkdir(parents=True, exist_ok=True)
     base = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
     base.update(lab.env())
@@ -194,7 +201,8 @@ def submit(lab: Any, folder: Path, site: str, config: Path | None, **env: str) -
     base.update(env)
     site_args = ["-A", "lab"] if site == "perlmutter" else []  # Perlmutter wants an account
     proc = subprocess.run(
-        ["sbatch", "--parsable", *site_args, "--nodes=3", "--ntasks-per-node=2",
+        ["sbatch", "--parsable", *site_args, f"--nodes={len(nodes) or 3}",
+         *([f"--nodelist={','.join(nodes)}"] if nodes else []), "--ntasks-per-node=2",
          f"--output={folder}/batch.out", f"scripts/slurm/{site}.sbatch"],
         cwd=ROOT, env=base, capture_output=True, text=True, timeout=60, check=False,
     )  # fmt: skip
@@ -513,6 +521,61 @@ def test_batch_host_crash_loses_no_training_state_and_ends_the_job(
     recovered = job.event("recovered")
     assert recovered is not None and recovered["dead_ranks"] == [0, 1], job.describe()
     assert_trained_like(job, reference)
+
+
+@pytest.mark.timeout(2 * JOB_TIMEOUT + 300)
+def test_a_node_of_another_allocation_joins_as_spares_and_takes_over(
+    lab_host: None, reference: dict[str, Any], tmp_path: Path
+) -> None:
+    """A 4-node lab. The job runs on n1-n3 (n3 its spare node); a second sbatch of
+    vista.sbatch, unchanged, on n4 with DEADPOOL_JOIN and the job's token file (the command
+    the job prints) adds n4's two tasks to the running job as spares s2 and s3. Then n2
+    crashes (the spare node n3 takes its ranks) and n3 crashes (n4's tasks take them): more
+    node losses than the job had spare nodes. Training ends like the failure-free run, and
+    the joining allocation ends with the job."""
+    lab = labmod.Lab.fresh()
+    try:
+        lab.up(nodes=4, gpus_per_node=4)
+        job = submit(lab, tmp_path / "logs", "vista", write_job(tmp_path), ["n1", "n2", "n3"])
+        deadline = time.time() + JOB_TIMEOUT
+        while not (join := re.search(JOIN_LINE, job.text("batch.out"))):
+            assert time.time() < deadline and job.state() is not None, job.describe()
+            time.sleep(0.2)
+        joining = submit(
+            lab,
+            tmp_path / "join-logs",
+            "vista",
+            write_job(tmp_path / "join"),
+            ["n4"],
+            DEADPOOL_JOIN=join[1],
+            DEADPOOL_JOB_TOKEN_FILE=join[2],
+        )
+        while len([e for e in job.events() if e["event"] == "spare_joined"]) < 2:
+            assert time.time() < deadline, f"{joining.describe()}\n{job.describe()}"
+            time.sleep(0.2)
+        joined = sorted(e["member"] for e in job.events() if e["event"] == "spare_joined")
+        assert joined == ["s2", "s3"], job.describe()  # after the job's own s0 and s1
+        job.wait_for_iteration(FAIL_AT, JOB_TIMEOUT)
+        lab.crash("n2")
+        while job.event("recovered") is None:
+            assert time.time() < deadline and job.state() is not None, job.describe()
+            time.sleep(0.1)
+        assert job.event("finished") is None, "training ended before n3 crashed"
+        lab.crash("n3")
+        record = job.wait_end()
+        recoveries = [e for e in job.events() if e["event"] == "recovered"]
+        assert [r["dead_ranks"] for r in recoveries] == [[2, 3], [2, 3]], job.describe()
+        assert sorted(recoveries[0]["replaced_by"].values()) == ["s0", "s1"]
+        assert sorted(recoveries[1]["replaced_by"].values()) == joined
+        assert_trained_like(job, reference)
+        assert record["JobState"] == "COMPLETED" and record["ExitCode"] == "0:0", job.describe()
+        assert joining.wait_end()["JobState"] == "COMPLETED", joining.describe()
+    finally:
+        lab.down()
+
+
+JOIN_LINE = r"DEADPOOL_JOIN=(\S+) DEADPOOL_JOB_TOKEN_FILE=(\S+)"
+"""The job's line that says how to add nodes to it."""
 
 
 @pytest.mark.timeout(2 * JOB_TIMEOUT + 300)
