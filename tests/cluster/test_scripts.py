@@ -207,6 +207,38 @@ def test_megatron_lm_mode_and_external_coordinator() -> None:
 
 
 @pytest.mark.timeout(30)
+def test_a_joining_allocation_starts_only_spares_that_join_the_running_job() -> None:
+    """DEADPOOL_JOIN: no coordinator, no standby; every task of the allocation (3 nodes x 4
+    GPUs here, none of them kept as spare nodes) runs with --deadpool-join."""
+    status, cmds, _, err = render(
+        "scripts/slurm/perlmutter.sbatch",
+        DEADPOOL_JOIN="nid000100:29400,nid000199:29400",
+        DEADPOOL_JOB_TOKEN_FILE="/home/u/logs/deadpool-17/job.token",
+    )
+    assert status == 0, err
+    assert "coordinator" not in cmds and "standby" not in cmds
+    srun = cmds["workers"]
+    assert flag(srun, "--ntasks") == "12"
+    worker = srun[srun.index("-m") - 1 :]
+    assert "--deadpool-join" in worker
+    assert flag(worker, "--deadpool-coordinator") == "nid000100:29400,nid000199:29400"
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize(
+    ("env", "message"),
+    [
+        ({}, "needs the running job's secret"),
+        ({"DEADPOOL_JOB_TOKEN_FILE": "t", "DEADPOOL_COORDINATOR": "h:1"}, "give one"),
+        ({"DEADPOOL_JOB_TOKEN_FILE": "t", "DEADPOOL_MODE": "selftest"}, "DEADPOOL_MODE"),
+    ],
+)
+def test_a_joining_allocation_refuses_what_cannot_join(env: dict[str, str], message: str) -> None:
+    status, _, _, err = render("scripts/slurm/perlmutter.sbatch", DEADPOOL_JOIN="h:1", **env)
+    assert status == 2 and message in err, err
+
+
+@pytest.mark.timeout(30)
 def test_baseline_mode_runs_plain_megatron_lm_on_the_active_nodes() -> None:
     status, cmds, env, err = render(
         "scripts/slurm/perlmutter.sbatch",
