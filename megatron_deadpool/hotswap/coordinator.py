@@ -373,6 +373,7 @@ class Coordinator:
                 dead, slots, lambda r: node.domain_ranks(node.domain(r)), self._handled
             )
         self._handled.update(fresh | {slots[r] for r in dead})
+        self._pruner.died(self._next_generation, sorted(fresh))
         if not dead or self._ended():
             return
         # A respawn runs on the same node and GPU: the same error again there proves nothing

@@ -105,7 +105,8 @@ What is deleted, and when (`retention.py`): rank 0 keeps the last `RETAINED_ITER
 `metrics/g{g}/{it}` records (publishing one deletes the one that many iterations back), and once
 generation g is complete the coordinator deletes every key of the generations before g - 1 -
 `gen{h}/...` (torch's rendezvous keys included) and `metrics/g{h}/...` - but generation 0's
-roster. Everything else lives as long as the job.
+roster - and the keys of the members whose death was planned for in those generations (hb/,
+proc/.../ready, failure/, done/). Everything else lives as long as the job.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""The coordinator's deletes of finished generations' keys (and old wake-ups), a batch per tick.
+"""The coordinator's deletes of finished generations' keys (old wake-ups and dead members' keys
+too), a batch per tick.
 
 What may go and when is `retention.py`'s; this keeps the list of keys still to delete, so that no
 tick of the coordinator makes more than `BATCH_KEYS` delete requests: at 16,384 ranks a
@@ -9,7 +10,7 @@ alone are one per rank and group).
 from __future__ import annotations
 
 from .membership import BATCH_KEYS, Membership
-from .retention import prunable_below, prunable_wake_ups, wake_up_keys
+from .retention import member_keys, prunable_below, prunable_wake_ups, wake_up_keys
 
 
 class Pruner:
@@ -21,6 +22,11 @@ class Pruner:
         self.first = first
         self.first_wake_up = 1
         self.backlog: list[str] = []
+        self.dead: list[tuple[int, str]] = []  # (generation planned for its death, member)
+
+    def died(self, generation: int, members: list[str]) -> None:
+        """`members` died; the plan for `generation` (the next one) accounts for them."""
+        self.dead += [(generation, m) for m in members]
 
     def completed(self, generation: int) -> None:
         """Generation `generation` is complete: the keys of the generations it makes prunable
@@ -29,6 +35,10 @@ class Pruner:
         if below > self.first:
             self.backlog += self.membership.generation_keys(self.first, below)
             self.first = below
+        gone = [m for g, m in self.dead if g < below]
+        if gone:
+            self.dead = [(g, m) for g, m in self.dead if g >= below]
+            self.backlog += [key for m in gone for key in member_keys(m)]
         wake_ups = prunable_wake_ups(self.membership.spare_epoch())
         if wake_ups > self.first_wake_up:
             self.backlog += wake_up_keys(self.first_wake_up, wake_ups)

@@ -25,8 +25,13 @@ Without it two kinds of keys grow for the life of a job (the coordinator's memor
     the previous roster's (`prunable_wake_ups`). A spare's waiter walks through them in order; one
     a whole recovery behind would wait on a deleted key, and its spare still looks at the store
     every second.
-Per-member keys (`hb/{member}`, `proc/{member}/ready`, ...) stay: they grow only with the members
-a job ever started.
+  - a dead member's own keys (`member_keys`: its heartbeat counter, announcement, failure report
+    and done stamp), which would grow with every failure a long run meets (each respawn and
+    each joined spare is a new member): at the same time as the generation keys, those of the
+    members whose death was planned for in a generation before g - 1. Nothing reads them by
+    then: the failure detector reads live members' keys only, a standby rebuilds from
+    re-registrations, and the coordinator keeps who died in its own memory.
+    The fault-injection keys (`fault/...`, `node_lost/...`) and the numbered error reports stay.
 """
 
 from __future__ import annotations
@@ -70,6 +75,16 @@ def prunable_wake_ups(epoch: int) -> int:
 def wake_up_keys(first: int, below: int) -> list[str]:
     """The spares' wake-up keys `first` .. `below - 1`."""
     return [Keys.SPARE_EPOCH_N.format(n=n) for n in range(first, below)]
+
+
+def member_keys(member: str) -> list[str]:
+    """The keys only `member` writes and only while it lives is anything read from them."""
+    return [
+        Keys.HEARTBEAT.format(member=member),
+        Keys.READY.format(member=member),
+        Keys.FAILURE.format(member=member),
+        Keys.DONE.format(member=member),
+    ]
 
 
 def key_generation(key: str) -> int | None:

@@ -19,6 +19,7 @@ from megatron_deadpool.hotswap.retention import (
     RETAINED_ITERATIONS,
     generation_keys,
     key_generation,
+    member_keys,
     wake_up_keys,
 )
 
@@ -146,3 +147,26 @@ def test_which_keys_belong_to_a_generation() -> None:
         Keys.METRICS.format(g=2, iteration=40),
     ]  # generation 0's roster is kept for good
     assert generation_keys(keys, 3, 5) == [Keys.HOLDINGS.format(g=3, rank=7)]
+
+
+def test_a_dead_members_keys_go_with_its_generations_keys() -> None:
+    """Every failure of a long run is a new member (a spare, a respawn, a joined spare): the
+    keys only a member writes go once the generation planned for its death is two behind, as
+    that generation's own keys do."""
+    job = Job(world=4, spares=3)
+    for member in ("a0", "a1", "s0"):
+        job.m(member).report_failure("a peer died")  # a survivor's report: failure/{member}
+    dead = []
+    for g in (1, 2, 3):
+        dead.append(job.coord.roster.slots[g % job.world])
+        recover(job, g)
+        for _ in range(5):
+            job.tick()  # the deletes: a batch per tick
+    first, second, third = dead  # a1 (generation 1), a2 (2), a3 (3)
+    keys = set(job.store.list_keys())
+    assert not keys & set(member_keys(first)), sorted(keys & set(member_keys(first)))
+    assert {Keys.HEARTBEAT.format(member=m) for m in (second, third)} <= keys
+    assert {Keys.READY.format(member=m) for m in (second, third)} <= keys
+    # The living keep theirs.
+    assert {Keys.FAILURE.format(member=m) for m in ("a0", "s0")} <= keys
+    assert Keys.HEARTBEAT.format(member="a0") in keys
