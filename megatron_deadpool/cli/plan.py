@@ -23,7 +23,13 @@ import shlex
 from pathlib import Path
 
 from ..config.cluster import GB, GIB, ClusterConfig, load_cluster
-from ..config.job import ModelConfig, ParallelConfig, TrainConfig, load_job
+from ..config.job import (
+    ModelConfig,
+    ParallelConfig,
+    TrainConfig,
+    check_expert_sizes,
+    load_job,
+)
 from ..config.numbers import number_arg
 from ..errors import ConfigError
 from ..planner.capacity import PlanReport, RecoveryModel, Workload, format_seconds, plan
@@ -145,13 +151,10 @@ def run(args: argparse.Namespace) -> int:
     tp = _given(args.tp, job.parallel.tp)
     pp = _given(args.pp, job.parallel.pp)
     dp = _given(args.dp, job.parallel.dp)
-    parallel = ParallelConfig(  # refuses an expert layout Megatron would refuse, naming flags
-        tp=tp,
-        pp=pp,
-        dp=dp,
-        ep=_given(args.ep, job.parallel.ep),
-        etp=job.parallel.etp if args.etp is None else args.etp,
-    )
+    ep = _given(args.ep, job.parallel.ep)
+    etp = job.parallel.etp if args.etp is None else args.etp
+    check_expert_sizes(model, tp=tp, ep=ep, etp=etp)
+    parallel = ParallelConfig(tp=tp, pp=pp, dp=dp, ep=ep, etp=etp)  # Megatron's world rule
     gpus_per_node = _given(
         args.gpus_per_node,
         cluster.gpus_per_node if cluster is not None else _given(job.deadpool.ranks_per_node, tp),
@@ -213,7 +216,13 @@ def _model(model: ModelConfig, args: argparse.Namespace) -> ModelConfig:
     """The file's model with the MoE flags given on the command line (validated again)."""
     names = ("num_experts", "moe_router_topk", "moe_ffn_hidden_size", "moe_layer_freq")
     given = {n: getattr(args, n) for n in names if getattr(args, n) is not None}
-    return dataclasses.replace(model, **given) if given else model
+    model = dataclasses.replace(model, **given) if given else model
+    if args.moe_router_topk is not None and model.num_experts is None:
+        raise ConfigError(
+            "--moe-router-topk applies to MoE models only: give --num-experts (or the model "
+            "file's model.num_experts) as well, or drop it"
+        )
+    return model
 
 
 def _given(value: int | None, default: int) -> int:

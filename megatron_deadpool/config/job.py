@@ -321,28 +321,8 @@ class JobConfig:
             )
 
     def _check_experts(self) -> None:
-        m, p = self.model, self.parallel
-        if m.num_experts is None:
-            if p.ep != 1 or p.etp is not None:
-                raise ConfigError(
-                    "parallel.ep / parallel.etp (--expert-model-parallel-size, "
-                    "--expert-tensor-parallel-size) apply to MoE models only: set "
-                    "model.num_experts (--num-experts) as well, or drop them"
-                )
-            return
-        if m.num_experts % p.ep:
-            fits = [e for e in range(1, m.num_experts + 1) if m.num_experts % e == 0]
-            raise ConfigError(
-                f"parallel.ep (--expert-model-parallel-size {p.ep}) must divide model.num_experts "
-                f"({m.num_experts}): use one of {', '.join(map(str, fits))}"
-            )
-        if m.moe_ffn % p.expert_tp:
-            raise ConfigError(
-                f"parallel.etp (--expert-tensor-parallel-size {p.expert_tp}"
-                f"{'' if p.etp is not None else ', = tp by default'}) must divide the expert MLP "
-                f"hidden size model.moe_ffn_hidden_size ({m.moe_ffn}): choose an etp that "
-                "divides it"
-            )
+        p = self.parallel
+        check_expert_sizes(self.model, tp=p.tp, ep=p.ep, etp=p.etp)
 
     @property
     def ranks_per_node(self) -> int:
@@ -355,6 +335,36 @@ class JobConfig:
     def to_dict(self) -> dict[str, Any]:
         """Plain data, for YAML and JSON."""
         return dataclasses.asdict(self)
+
+
+def check_expert_sizes(model: ModelConfig, *, tp: int, ep: int, etp: int | None) -> None:
+    """The expert-parallel sizes `model` admits, as Megatron-LM's `validate_args` and
+    Megatron-Core's layers require: ep and etp only with experts, ep dividing the experts
+    (`MoELayer`'s `num_local_experts`), etp (default tp) the expert MLP size (its column split).
+    `JobConfig` calls it; `deadpool plan` too, before the world-size rule of `ParallelConfig`,
+    so that a wrong ep is named for what it must divide first."""
+    if model.num_experts is None:
+        if ep != 1 or etp is not None:
+            raise ConfigError(
+                "parallel.ep / parallel.etp (--expert-model-parallel-size, "
+                "--expert-tensor-parallel-size) apply to MoE models only: set "
+                "model.num_experts (--num-experts) as well, or drop them"
+            )
+        return
+    if model.num_experts % ep:
+        fits = [e for e in range(1, model.num_experts + 1) if model.num_experts % e == 0]
+        raise ConfigError(
+            f"parallel.ep (--expert-model-parallel-size {ep}) must divide model.num_experts "
+            f"({model.num_experts}): use one of {', '.join(map(str, fits))}"
+        )
+    expert_tp = tp if etp is None else etp
+    if model.moe_ffn % expert_tp:
+        raise ConfigError(
+            f"parallel.etp (--expert-tensor-parallel-size {expert_tp}"
+            f"{'' if etp is not None else ', = tp by default'}) must divide the expert MLP "
+            f"hidden size model.moe_ffn_hidden_size ({model.moe_ffn}): choose an etp that "
+            "divides it"
+        )
 
 
 SECTIONS = {

@@ -79,9 +79,11 @@ def test_moe_fields_in_the_model_file(tmp_path: Path, capsys: pytest.CaptureFixt
 @pytest.mark.parametrize(
     ("extra", "message"),
     [
-        (["--num-experts", "8", "--ep", "3"], "(--expert-model-parallel-size 3 x"),
+        (["--num-experts", "8", "--ep", "3"], "--expert-model-parallel-size 3) must divide"),
+        (["--num-experts", "8", "--ep", "4", "--dp", "6"], "(--expert-model-parallel-size 4 x"),
         (["--num-experts", "6", "--ep", "4"], "must divide model.num_experts (6)"),
         (["--ep", "2"], "set model.num_experts (--num-experts)"),
+        (["--moe-router-topk", "1"], "--moe-router-topk applies to MoE models only"),
         (["--num-experts", "8", "--moe-router-topk", "9"], "--moe-router-topk 9"),
         (["--num-experts", "8", "--ep", "8", "--dp", "4"], "must divide tp x dp = 2 x 4"),
         (["--num-experts", "8", "--ep", "4", "--pp", "2", "--use-tp-pp-dp-mapping"], "ep x etp"),

@@ -148,6 +148,7 @@ def test_moe_counts_and_buffers_match_megatron(tmp_path: Path) -> None:
         (TINY_MOE, (1, 2, 1)),  # ep 2: expert buffer, expert dp 1, dense dp 2
         (llama_moe, (2, 2, 1)),  # tp 2 x dp 1, experts whole on 2 ranks, every 2nd layer
         (llama_moe, (2, 1, 2)),  # tp 2, ep 1: experts split over etp 2, dense buffer
+        (TINY_MOE, (2, 1, 1)),  # ep 1, etp 1 < tp 2: experts whole, still the dense buffer
     ]
     arg = json.dumps([(dataclasses.asdict(m), sizes) for m, sizes in cases])
     store = str(tmp_path / "store")
