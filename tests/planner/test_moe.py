@@ -291,3 +291,17 @@ def test_parallel_config_expert_sizes() -> None:
     assert ParallelConfig(tp=4, dp=2, ep=8, etp=1).expert_dp == 1
     job = JobConfig(model=TINY_MOE, parallel=ParallelConfig(tp=2, dp=4, ep=2, etp=1))
     assert job.parallel.expert_dp == 4
+
+
+@pytest.mark.timeout(10)
+def test_the_stage_with_the_experts_is_planned() -> None:
+    """One MoE layer (freq 4 of 4 layers) of 4 experts of ffn 512 on pp 2, ep 2: stage 0 holds
+    2 experts (2 x 66,112 parameters), more than stage 1's extra dense MLP layer (33,088), and
+    its expert shard splits over expert dp 2 instead of dp 4: its GPUs are the ones planned."""
+    model = dataclasses.replace(TINY_MOE, num_layers=4, moe_layer_freq=4, moe_ffn_hidden_size=512)
+    assert model.moe_layers == (True, False, False, False)
+    counts = count_params(model, pp=2, ep=2)
+    assert counts.per_stage_expert == (2 * (64 * 512 + 512 + 512 * 64 + 64), 0) == (132_224, 0)
+    r = _plan(model, Layout(tp=1, pp=2, dp=4, ranks_per_node=2, ep=2))
+    assert r.per_gpu.stage.startswith("first of 2") and r.per_gpu.expert_params == 132_224
+    assert r.per_gpu.params == counts.per_stage[0] > counts.per_stage[1]
