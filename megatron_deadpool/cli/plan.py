@@ -4,6 +4,10 @@
         --cluster configs/clusters/perlmutter.yaml --spares 4 --global-batch-size 1024 \\
         [--replicas k] [--use-tp-pp-dp-mapping] [--json plan.json]
 
+Mixture of experts: --num-experts E [--moe-router-topk K] [--moe-ffn-hidden-size F]
+[--moe-layer-freq N] with --expert-model-parallel-size EP [--expert-tensor-parallel-size ETP]
+(Megatron-LM's flags; the file's model.num_experts, ... and parallel.ep / parallel.etp).
+
 Defaults come from the model/job file: its `parallel` section for --tp/--pp/--dp, its
 `deadpool` section for --replicas/--spares (no spares there: one spare node's worth), its
 `train` section for the batch, its `cluster` section for --cluster (else generic figures).
@@ -13,12 +17,19 @@ With --megatron-args it prints the matching Megatron-LM arguments instead of the
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import shlex
 from pathlib import Path
 
 from ..config.cluster import GB, GIB, ClusterConfig, load_cluster
-from ..config.job import ModelConfig, TrainConfig, load_job
+from ..config.job import (
+    ModelConfig,
+    ParallelConfig,
+    TrainConfig,
+    check_expert_sizes,
+    load_job,
+)
 from ..config.numbers import number_arg
 from ..errors import ConfigError
 from ..planner.capacity import PlanReport, RecoveryModel, Workload, format_seconds, plan
@@ -41,6 +52,41 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tp", type=COUNT, help="tensor-parallel size (default: the file's)")
     parser.add_argument("--pp", type=COUNT, help="pipeline-parallel size (default: the file's)")
     parser.add_argument("--dp", type=COUNT, help="data-parallel size (default: the file's)")
+    moe = parser.add_argument_group(
+        "mixture of experts (Megatron-LM's flags; default: the file's model/parallel sections)"
+    )
+    moe.add_argument("--num-experts", type=COUNT, metavar="E", help="experts per MoE layer")
+    moe.add_argument(
+        "--moe-router-topk", type=COUNT, metavar="K", help="experts per token (default 2)"
+    )
+    moe.add_argument(
+        "--moe-ffn-hidden-size",
+        type=COUNT,
+        metavar="F",
+        help="each expert's MLP hidden size (default: the MLP hidden size)",
+    )
+    moe.add_argument(
+        "--moe-layer-freq",
+        type=COUNT,
+        metavar="N",
+        help="one MoE layer every N layers, from the first (default 1: every layer)",
+    )
+    moe.add_argument(
+        "--expert-model-parallel-size",
+        "--ep",
+        dest="ep",
+        type=COUNT,
+        metavar="EP",
+        help="expert-parallel size: ranks an MoE layer's experts are split over (default 1)",
+    )
+    moe.add_argument(
+        "--expert-tensor-parallel-size",
+        "--etp",
+        dest="etp",
+        type=COUNT,
+        metavar="ETP",
+        help="tensor-parallel size of each expert (default: tp)",
+    )
     parser.add_argument(
         "--gpus-per-node",
         type=COUNT,
@@ -100,10 +146,15 @@ def configure(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     """Plan and print; bad input raises `ConfigError` (one line, exit 2 via the CLI)."""
     job = load_job(args.model)
+    model = _model(job.model, args)
     cluster = load_cluster(args.cluster) if args.cluster else job.cluster
     tp = _given(args.tp, job.parallel.tp)
     pp = _given(args.pp, job.parallel.pp)
     dp = _given(args.dp, job.parallel.dp)
+    ep = _given(args.ep, job.parallel.ep)
+    etp = job.parallel.etp if args.etp is None else args.etp
+    check_expert_sizes(model, tp=tp, ep=ep, etp=etp)
+    parallel = ParallelConfig(tp=tp, pp=pp, dp=dp, ep=ep, etp=etp)  # Megatron's world rule
     gpus_per_node = _given(
         args.gpus_per_node,
         cluster.gpus_per_node if cluster is not None else _given(job.deadpool.ranks_per_node, tp),
@@ -116,7 +167,15 @@ def run(args: argparse.Namespace) -> int:
             f"({cluster.gpus_per_node} GPUs per node)"
         )
     order = RankOrder.TP_PP_DP if args.use_tp_pp_dp_mapping else RankOrder.TP_DP_PP
-    layout = Layout(tp=tp, pp=pp, dp=dp, ranks_per_node=gpus_per_node, order=order)
+    layout = Layout(
+        tp=tp,
+        pp=pp,
+        dp=dp,
+        ranks_per_node=gpus_per_node,
+        order=order,
+        ep=parallel.ep,
+        etp=parallel.etp,
+    )
     replicas = _given(args.replicas, job.deadpool.replicas)
     spares = args.spares if args.spares is not None else (job.deadpool.spares or gpus_per_node)
     mbs = _given(args.micro_batch_size, job.train.micro_batch_size)
@@ -127,7 +186,7 @@ def run(args: argparse.Namespace) -> int:
         global_batch_size=gbs, micro_batch_size=mbs, mfu=args.mfu, recompute=args.recompute
     )
     report = plan(
-        job.model,
+        model,
         layout,
         replicas=replicas,
         spares=spares,
@@ -137,7 +196,7 @@ def run(args: argparse.Namespace) -> int:
         constants=RecoveryModel(),
     )
     if args.megatron_args:
-        print(shlex.join(megatron_args(job.model, layout, workload, job.train)))
+        print(shlex.join(megatron_args(model, layout, workload, job.train)))
         return 0
     text = format_report(report, title=Path(args.model).name)
     data = json.dumps(report.to_dict(), indent=2, sort_keys=True)
@@ -151,6 +210,19 @@ def run(args: argparse.Namespace) -> int:
         except OSError as exc:
             raise ConfigError(f"--json: cannot write {args.json}: {exc.strerror}") from None
     return 0
+
+
+def _model(model: ModelConfig, args: argparse.Namespace) -> ModelConfig:
+    """The file's model with the MoE flags given on the command line (validated again)."""
+    names = ("num_experts", "moe_router_topk", "moe_ffn_hidden_size", "moe_layer_freq")
+    given = {n: getattr(args, n) for n in names if getattr(args, n) is not None}
+    model = dataclasses.replace(model, **given) if given else model
+    if args.moe_router_topk is not None and model.num_experts is None:
+        raise ConfigError(
+            "--moe-router-topk applies to MoE models only: give --num-experts (or the model "
+            "file's model.num_experts) as well, or drop it"
+        )
+    return model
 
 
 def _given(value: int | None, default: int) -> int:
@@ -182,6 +254,17 @@ def megatron_args(
         out.append("--disable-bias-linear")
     if not model.tie_embeddings:
         out.append("--untie-embeddings-and-output-weights")
+    if model.num_experts is not None:
+        out += [
+            f"--num-experts={model.num_experts}",
+            f"--moe-router-topk={model.moe_router_topk}",
+            f"--moe-ffn-hidden-size={model.moe_ffn}",
+            f"--moe-layer-freq={model.moe_layer_freq}",
+            f"--expert-model-parallel-size={layout.ep}",
+            f"--expert-tensor-parallel-size={layout.expert_tp}",
+        ]
+        if model.moe_router_topk == 1:  # TransformerConfig refuses top-1 without it
+            out.append("--moe-router-pre-softmax")
     out += [
         f"--tensor-model-parallel-size={layout.tp}",
         f"--pipeline-model-parallel-size={layout.pp}",
@@ -244,6 +327,17 @@ def format_report(report: PlanReport, *, title: str = "") -> str:
     ]
     if m.num_query_groups:
         kinds.append(f"{m.num_query_groups} KV groups")
+    if m.num_experts is not None:
+        every = "every layer" if m.moe_layer_freq == 1 else f"every {m.moe_layer_freq} layers"
+        kinds.append(
+            f"MoE: {m.num_experts} experts of ffn {m.moe_ffn}, top-{m.moe_router_topk}, "
+            f"{every}; {_count(r.active_params)} active per token"
+        )
+    experts = (
+        f"; experts: etp {lay.expert_tp} x ep {lay.ep} x expert dp {lay.expert_dp}"
+        if m.num_experts is not None
+        else ""
+    )
     site = f"{c.site} ({c.gpus_per_node}x {c.gpu_model} per node)"
     if c.site == "generic":
         site += " - no cluster given: generic figures, pass --cluster"
@@ -260,7 +354,7 @@ def format_report(report: PlanReport, *, title: str = "") -> str:
         "layout",
         f"tp {lay.tp} x pp {lay.pp} x dp {lay.dp} = {lay.world_size} GPUs on {r.nodes} nodes "
         f"+ {r.spares} spare ranks ({r.spare_nodes:g} node(s)); "
-        f"k = {r.replicas} replica(s) per shard; rank order {lay.order}",
+        f"k = {r.replicas} replica(s) per shard; rank order {lay.order}{experts}",
     )
     head(
         "model",
@@ -268,13 +362,22 @@ def format_report(report: PlanReport, *, title: str = "") -> str:
         f"{m.num_attention_heads} heads, ffn {m.ffn}, vocab {m.vocab_size}, seq {m.seq_length}; "
         + ", ".join(kinds),
     )
-    head("per GPU", f"{_count(g.params)} parameters ({g.stage})")
+    held = f", {_count(g.expert_params)} of them experts" if g.expert_params else ""
+    head("per GPU", f"{_count(g.params)} parameters{held} ({g.stage})")
     row("weights (bf16, 2 B/param)", _bytes(g.weights_bytes))
     row("main grads (fp32, 4 B/param)", _bytes(g.grads_bytes))
-    row(f"optimizer shard (12 B/param / dp {lay.dp})", _bytes(g.optimizer_shard_bytes))
+    if g.expert_buffer_elements:
+        row("optimizer shard (12 B/param, dense + expert)", _bytes(g.optimizer_shard_bytes))
+        row(f"  dense: / dp {lay.dp}", _bytes(g.dense_optimizer_shard_bytes))
+        row(f"  experts: / expert dp {lay.expert_dp}", _bytes(g.expert_optimizer_shard_bytes))
+    else:
+        row(f"optimizer shard (12 B/param / dp {lay.dp})", _bytes(g.optimizer_shard_bytes))
     row(f"activations ({w.recompute} recompute, estimate)", _bytes(g.activation_bytes))
     row("= training", _bytes(g.training_bytes))
-    row("+ local snapshot (= shard)", _bytes(g.snapshot_bytes))
+    row(
+        "+ local snapshot (= shard" + (", both parts)" if g.expert_buffer_elements else ")"),
+        _bytes(g.snapshot_bytes),
+    )
     row(f"+ replicas held ({r.replicas} x shard, double-buffered)", _bytes(g.replica_buffer_bytes))
     fits = "fits" if g.fits_gpu else "DOES NOT FIT"
     row(
@@ -301,6 +404,8 @@ def format_report(report: PlanReport, *, title: str = "") -> str:
         f"in {format_seconds(it.replication_s)} at {c.inter_node_gb_s_per_gpu:g} GB/s per GPU; "
         f"{_traffic(it.cluster_replication_bytes)} in all",
     )
+    if it.expert_replication_bytes:
+        row("  of which the expert shard", _traffic(it.expert_replication_bytes))
     row("overlap headroom (compute / replication)", f"{it.overlap_headroom:.1f}x")
     row(
         "data-parallel traffic per GPU",
@@ -315,6 +420,11 @@ def format_report(report: PlanReport, *, title: str = "") -> str:
             f"{rec.restore_s:.2f} (training resumes after {rec.resume_s:.1f} s) + first "
             f"iteration {rec.first_iteration_s:.1f} (estimate)",
         )
+    head(
+        "",
+        f"restore: a newcomer receives {_traffic(r.recovery.restore_bytes)} (bf16 weights + "
+        "optimizer shard" + (", dense and expert parts)" if g.expert_buffer_elements else ")"),
+    )
     fatal = len(cov.fatal_pairs)
     detail = (
         "state kept for every pair"

@@ -9,6 +9,7 @@ naming the key and the fix.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -70,6 +71,24 @@ class ModelConfig:
     """Learned absolute position embeddings (a seq_length x hidden table) or rotary (no
     parameters)."""
 
+    num_experts: int | None = None
+    """Mixture of experts: experts per MoE layer (Megatron-LM's `--num-experts`, Megatron-Core's
+    `num_moe_experts`); None: a dense model. Planned by `deadpool plan` only: the embedded job
+    (`deadpool train`) builds dense models."""
+
+    moe_router_topk: int = 2
+    """Experts each token is routed to (Megatron-LM's `--moe-router-topk`, default 2): sizes the
+    FLOPs an iteration computes, not the parameters."""
+
+    moe_ffn_hidden_size: int | None = None
+    """Hidden size of each expert's MLP (Megatron-LM's `--moe-ffn-hidden-size`; default the MLP
+    hidden size in effect, as Megatron-LM's `validate_args` sets it)."""
+
+    moe_layer_freq: int = 1
+    """One MoE layer every this many layers, starting with the first (Megatron-LM's integer
+    `--moe-layer-freq`: layer i is MoE when i % freq == 0, `get_gpt_decoder_block_spec`); 1: every
+    layer. Megatron's list patterns are not supported here."""
+
     def __post_init__(self) -> None:
         for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length"):
             _positive(getattr(self, name), f"model.{name}")
@@ -100,6 +119,48 @@ class ModelConfig:
                 f"model.position_embedding_type: {self.position_embedding_type!r} is not one "
                 "of learned_absolute, rope"
             )
+        self._check_experts()
+
+    def _check_experts(self) -> None:
+        _positive(self.moe_router_topk, "model.moe_router_topk")
+        _positive(self.moe_layer_freq, "model.moe_layer_freq")
+        if self.moe_ffn_hidden_size is not None:
+            _positive(self.moe_ffn_hidden_size, "model.moe_ffn_hidden_size")
+        if self.num_experts is None:
+            if self.moe_ffn_hidden_size is not None or self.moe_layer_freq != 1:
+                raise ConfigError(
+                    "model.moe_ffn_hidden_size / model.moe_layer_freq (--moe-ffn-hidden-size, "
+                    "--moe-layer-freq) apply to MoE models only: set model.num_experts "
+                    "(--num-experts) as well, or drop them"
+                )
+            return
+        _positive(self.num_experts, "model.num_experts")
+        if self.moe_router_topk > self.num_experts:
+            raise ConfigError(
+                f"model.moe_router_topk (--moe-router-topk {self.moe_router_topk}) exceeds "
+                f"model.num_experts ({self.num_experts}): route each token to at most "
+                f"{self.num_experts} experts"
+            )
+        if self.moe_layer_freq > self.num_layers:
+            raise ConfigError(
+                f"model.moe_layer_freq (--moe-layer-freq {self.moe_layer_freq}) exceeds "
+                f"model.num_layers ({self.num_layers}): use 1 (every layer) to "
+                f"{self.num_layers}"
+            )
+
+    @property
+    def moe_ffn(self) -> int:
+        """Each expert's MLP hidden size in effect (0 for a dense model)."""
+        if self.num_experts is None:
+            return 0
+        return self.moe_ffn_hidden_size or self.ffn
+
+    @property
+    def moe_layers(self) -> tuple[bool, ...]:
+        """moe_layers[i]: whether layer i is an MoE layer (Megatron-Core's
+        `get_gpt_decoder_block_spec`: i % moe_layer_freq == 0 for an integer frequency)."""
+        moe = self.num_experts is not None
+        return tuple(moe and i % self.moe_layer_freq == 0 for i in range(self.num_layers))
 
     @property
     def ffn(self) -> int:
@@ -125,9 +186,43 @@ class ParallelConfig:
     dp: int = 2
     """Data-parallel size."""
 
+    ep: int = 1
+    """Expert-model-parallel size (Megatron-LM's `--expert-model-parallel-size`): an MoE layer's
+    experts are split over this many ranks. Planned by `deadpool plan` only."""
+
+    etp: int | None = None
+    """Expert-tensor-parallel size (Megatron-LM's `--expert-tensor-parallel-size`); None: tp, as
+    Megatron-LM's `validate_args` sets it."""
+
     def __post_init__(self) -> None:
-        for name in ("tp", "pp", "dp"):
+        for name in ("tp", "pp", "dp", "ep"):
             _positive(getattr(self, name), f"parallel.{name}")
+        if self.etp is not None:
+            _positive(self.etp, "parallel.etp")
+        # Megatron-Core's `parallel_state.initialize_model_parallel` builds the expert layout
+        # as etp x ep x expert-dp x pp and raises unless etp * ep * pp divides the world size
+        # tp * pp * dp (context parallelism 1), i.e. unless etp * ep divides tp * dp.
+        expert_mp, dense = self.expert_tp * self.ep, self.tp * self.dp
+        if dense % expert_mp:
+            step = expert_mp // math.gcd(self.tp, expert_mp)
+            raise ConfigError(
+                f"parallel.ep x parallel.etp (--expert-model-parallel-size {self.ep} x "
+                f"--expert-tensor-parallel-size {self.expert_tp} = {expert_mp}) must divide "
+                f"tp x dp = {self.tp} x {self.dp} = {dense} (Megatron's expert layout is "
+                f"etp x ep x expert-dp x pp over the same world): lower ep or etp, or use a dp "
+                f"that is a multiple of {step}"
+            )
+
+    @property
+    def expert_tp(self) -> int:
+        """The expert layers' tensor-parallel size in effect."""
+        return self.tp if self.etp is None else self.etp
+
+    @property
+    def expert_dp(self) -> int:
+        """The expert layers' data-parallel size: world / (etp x ep x pp) (Megatron-Core's
+        `expert_data_parallel_size` in `initialize_model_parallel`)."""
+        return self.tp * self.dp // (self.expert_tp * self.ep)
 
     @property
     def world_size(self) -> int:
@@ -204,6 +299,7 @@ class JobConfig:
                 f"parallel.tp ({self.parallel.tp}) must divide the MLP hidden size "
                 f"({self.model.ffn})"
             )
+        self._check_experts()
         if (
             self.cluster is not None
             and self.deadpool.ranks_per_node is not None
@@ -224,6 +320,10 @@ class JobConfig:
                 f"({self.parallel.pp}) for the pipeline schedule"
             )
 
+    def _check_experts(self) -> None:
+        p = self.parallel
+        check_expert_sizes(self.model, tp=p.tp, ep=p.ep, etp=p.etp)
+
     @property
     def ranks_per_node(self) -> int:
         """The failure-domain size in effect (default: the cluster's GPUs per node, else one
@@ -235,6 +335,36 @@ class JobConfig:
     def to_dict(self) -> dict[str, Any]:
         """Plain data, for YAML and JSON."""
         return dataclasses.asdict(self)
+
+
+def check_expert_sizes(model: ModelConfig, *, tp: int, ep: int, etp: int | None) -> None:
+    """The expert-parallel sizes `model` admits, as Megatron-LM's `validate_args` and
+    Megatron-Core's layers require: ep and etp only with experts, ep dividing the experts
+    (`MoELayer`'s `num_local_experts`), etp (default tp) the expert MLP size (its column split).
+    `JobConfig` calls it; `deadpool plan` too, before the world-size rule of `ParallelConfig`,
+    so that a wrong ep is named for what it must divide first."""
+    if model.num_experts is None:
+        if ep != 1 or etp is not None:
+            raise ConfigError(
+                "parallel.ep / parallel.etp (--expert-model-parallel-size, "
+                "--expert-tensor-parallel-size) apply to MoE models only: set "
+                "model.num_experts (--num-experts) as well, or drop them"
+            )
+        return
+    if model.num_experts % ep:
+        fits = [e for e in range(1, model.num_experts + 1) if model.num_experts % e == 0]
+        raise ConfigError(
+            f"parallel.ep (--expert-model-parallel-size {ep}) must divide model.num_experts "
+            f"({model.num_experts}): use one of {', '.join(map(str, fits))}"
+        )
+    expert_tp = tp if etp is None else etp
+    if model.moe_ffn % expert_tp:
+        raise ConfigError(
+            f"parallel.etp (--expert-tensor-parallel-size {expert_tp}"
+            f"{'' if etp is not None else ', = tp by default'}) must divide the expert MLP "
+            f"hidden size model.moe_ffn_hidden_size ({model.moe_ffn}): choose an etp that "
+            "divides it"
+        )
 
 
 SECTIONS = {

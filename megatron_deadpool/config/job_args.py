@@ -10,6 +10,7 @@ import argparse
 import dataclasses
 from typing import Any
 
+from ..errors import ConfigError
 from .deadpool import DeadpoolConfig
 from .flags import add_flags, dest_name
 from .job import JobConfig, ModelConfig, ParallelConfig, TrainConfig, load_job
@@ -73,9 +74,16 @@ def job_from_args(args: argparse.Namespace) -> JobConfig:
             sections["deadpool"][f.name] = value
     if not sections["deadpool"]["enabled"]:
         sections["deadpool"]["spares"] = 0
-    return JobConfig(
+    job = JobConfig(
         model=ModelConfig(**sections["model"]),
         parallel=ParallelConfig(**sections["parallel"]),
         train=TrainConfig(**sections["train"]),
         deadpool=DeadpoolConfig(**sections["deadpool"]),
     )
+    if job.model.num_experts is not None:
+        raise ConfigError(
+            f"model.num_experts ({job.model.num_experts}): the embedded job builds dense GPT "
+            "models only; drop the MoE fields to train here, or plan the MoE model with "
+            "`deadpool plan` and train it with Megatron-LM"
+        )
+    return job

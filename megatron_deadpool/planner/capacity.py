@@ -21,6 +21,21 @@ for the paper's models):
   LR scheduler, data position, not counted), and replicas held = k x shard, allocated
   double-buffered (2 k x shard: the last committed copy stays intact while the next arrives).
 
+Mixture of experts with expert parallelism (ep > 1): Megatron-Core keeps the experts in a
+buffer of their own (`paramcount`) and builds two distributed optimizers, chained
+(`megatron/core/optimizer/__init__.py`, `get_megatron_optimizer`: the dense one over the
+data-parallel group - dp = world / (tp x pp), `parallel_state.initialize_model_parallel`'s
+`data_parallel_size`, whatever ep is - and the expert one over `intra_expt_dp_group`, the
+expert data-parallel group of size world / (etp x ep x pp), its `expert_data_parallel_size`).
+So with P_d' and P_e' the two buffers: weights 2 (P_d' + P_e'), grads 4 (P_d' + P_e'), optimizer
+shard 12 P_d' / dp + 12 P_e' / expert-dp; the snapshot and every replica hold both shards (one
+placement among the ranks holding the same dense and expert weights, `Layout.peer_groups`),
+so a rank sends k x (dense + expert shard) per iteration and a newcomer receives its bf16
+weights (both parts) and both shards. The data-parallel traffic is the dense buffer's over dp
+plus the expert buffer's over expert-dp. FLOPs count the parameters a token is computed with
+(`ParamCount.active`: top-k of the experts); the activation estimate is the dense one (an MoE
+layer's dispatched tokens, k copies per token, are not added).
+
 Time model: an iteration computes 6 x params x tokens FLOPs (8 with full recompute) at
 `mfu` of the GPUs' peak; the replication of k shards per GPU runs over the GPU's share of its
 node's NICs; the data-parallel gradient reduce-scatter (fp32) and parameter all-gather (bf16)
@@ -44,10 +59,10 @@ from ..config.cluster import GB, GIB, ClusterConfig
 from ..config.deadpool import DeadpoolConfig
 from ..config.job import JobConfig, ModelConfig, ParallelConfig, TrainConfig
 from ..errors import ConfigError
-from ..replication.placement import Layout, place_replicas
+from ..replication.placement import Layout, RankOrder, place_replicas
 from . import measured
 from .coverage import NodeCoverage, node_coverage
-from .paramcount import count_params
+from .paramcount import ParamCount, count_params
 
 WEIGHT_BYTES = 2
 GRAD_BYTES = 4
@@ -108,10 +123,16 @@ class PerGpu:
     """Memory of one GPU of the largest pipeline stage, in bytes."""
 
     params: int
-    """Parameters this GPU holds."""
+    """Parameters this GPU holds (dense and expert)."""
+
+    expert_params: int
+    """Of which in the expert buffer (experts with ep > 1; 0 otherwise)."""
 
     buffer_elements: int
-    """Elements of its param/grad buffer: the parameters with Megatron's alignment padding."""
+    """Elements of its param/grad buffers: the parameters with Megatron's alignment padding."""
+
+    expert_buffer_elements: int
+    """Of which in the expert buffer (sharded over the expert data-parallel group)."""
 
     stage: str
     """Which pipeline stage these figures are for (the one with the most parameters)."""
@@ -123,7 +144,14 @@ class PerGpu:
     """fp32 main-gradient buffer."""
 
     optimizer_shard_bytes: int
-    """This rank's distributed-optimizer shard: fp32 main params, exp_avg, exp_avg_sq."""
+    """This rank's distributed-optimizer shard: fp32 main params, exp_avg, exp_avg_sq (dense
+    and expert)."""
+
+    dense_optimizer_shard_bytes: int
+    """Its dense part: 12 B x the dense buffer / dp."""
+
+    expert_optimizer_shard_bytes: int
+    """Its expert part: 12 B x the expert buffer / expert dp (0 without ep > 1)."""
 
     activation_bytes: int
     """Activation memory estimate."""
@@ -173,7 +201,10 @@ class PerIteration:
     """Compute time of an iteration at the given MFU."""
 
     replication_bytes: int
-    """Bytes each GPU sends to its k holders (on other nodes)."""
+    """Bytes each GPU sends to its k holders (on other nodes): k x both shards."""
+
+    expert_replication_bytes: int
+    """Of which the expert shard's (k x expert shard)."""
 
     cluster_replication_bytes: int
     """Replication bytes of all GPUs together."""
@@ -182,7 +213,8 @@ class PerIteration:
     """Time to send them over the GPU's share of its node's NICs."""
 
     dp_comm_bytes: int
-    """Data-parallel gradient reduce-scatter + parameter all-gather bytes per GPU."""
+    """Data-parallel gradient reduce-scatter + parameter all-gather bytes per GPU (dense over
+    dp, experts over expert dp)."""
 
     dp_comm_s: float
     """Their time at the same bandwidth (upper bound: all counted as inter-node)."""
@@ -209,6 +241,9 @@ class RecoveryPhases:
 
     restore_s: float
     """Newcomers receive weights and shards; survivors roll back."""
+
+    restore_bytes: int
+    """What one newcomer receives: its bf16 weights and its optimizer shard (both parts)."""
 
     first_iteration_s: float
     """The recomputed iteration plus warm-up."""
@@ -248,6 +283,9 @@ class PlanReport:
 
     params: int
     """Distinct model parameters."""
+
+    active_params: int
+    """Parameters one token is computed with (= params for a dense model)."""
 
     per_gpu: PerGpu
     """Per-GPU memory."""
@@ -292,11 +330,15 @@ class PlanReport:
         lay = self.layout
         return {
             "params": self.params,
+            "active_params": self.active_params,
             "model": dataclasses.asdict(self.model),
             "layout": {
                 "tp": lay.tp,
                 "pp": lay.pp,
                 "dp": lay.dp,
+                "ep": lay.ep,
+                "etp": lay.expert_tp,
+                "expert_dp": lay.expert_dp,
                 "order": lay.order.short,
                 "world_size": lay.world_size,
                 "gpus_per_node": lay.ranks_per_node,
@@ -377,18 +419,27 @@ def plan(
     microbatches = workload.global_batch_size // per_step
     JobConfig(  # the job schema's own checks: divisibility by tp/pp, microbatches >= pp
         model=model,
-        parallel=ParallelConfig(tp=layout.tp, pp=layout.pp, dp=layout.dp),
+        parallel=ParallelConfig(
+            tp=layout.tp, pp=layout.pp, dp=layout.dp, ep=layout.ep, etp=layout.etp
+        ),
         train=TrainConfig(
             micro_batch_size=workload.micro_batch_size, num_microbatches=microbatches
         ),
         deadpool=deadpool,
     )
+    _check_expert_order(layout)
     placement = place_replicas(layout, replicas)
-    counts = count_params(model, tp=layout.tp, pp=layout.pp)
+    counts = count_params(model, tp=layout.tp, pp=layout.pp, ep=layout.ep, etp=layout.etp)
     k = replicas
-    p_gpu = counts.per_gpu
-    numel = counts.buffer_numel(counts.max_stage, layout.dp)
-    shard = OPTIMIZER_BYTES * numel // layout.dp
+    stage = max(
+        range(layout.pp), key=lambda s: (_state_bytes(counts, s, layout), counts.per_stage[s], -s)
+    )
+    dense_numel = counts.buffer_numel(stage, layout.dp)
+    expert_numel = counts.expert_buffer_numel(stage, layout.expert_dp)
+    numel = dense_numel + expert_numel
+    dense_shard = OPTIMIZER_BYTES * dense_numel // layout.dp
+    expert_shard = OPTIMIZER_BYTES * expert_numel // layout.expert_dp
+    shard = dense_shard + expert_shard
 
     weights, grads = WEIGHT_BYTES * numel, GRAD_BYTES * numel
     acts = activation_bytes(model, layout, workload, microbatches)
@@ -396,12 +447,16 @@ def plan(
     extra = shard + 2 * k * shard
     host_node = layout.ranks_per_node * extra
     per_gpu = PerGpu(
-        params=p_gpu,
+        params=counts.per_stage[stage],
+        expert_params=counts.per_stage_expert[stage],
         buffer_elements=numel,
-        stage=_stage_name(counts.max_stage, layout.pp),
+        expert_buffer_elements=expert_numel,
+        stage=_stage_name(stage, layout.pp),
         weights_bytes=weights,
         grads_bytes=grads,
         optimizer_shard_bytes=shard,
+        dense_optimizer_shard_bytes=dense_shard,
+        expert_optimizer_shard_bytes=expert_shard,
         activation_bytes=acts,
         training_bytes=training,
         snapshot_bytes=shard,
@@ -418,14 +473,19 @@ def plan(
 
     net = cluster.inter_node_gb_s_per_gpu * GB * constants.network_efficiency
     tokens = workload.global_batch_size * model.seq_length
-    flops = (8 if workload.recompute == "full" else 6) * counts.total * tokens
+    flops = (8 if workload.recompute == "full" else 6) * counts.active * tokens
     compute_s = flops / (layout.world_size * cluster.gpu_tflops * 1e12 * workload.mfu)
-    dp_bytes = (GRAD_BYTES + WEIGHT_BYTES) * p_gpu * (layout.dp - 1) // layout.dp
+    dense_p = per_gpu.params - per_gpu.expert_params
+    dp_bytes = (GRAD_BYTES + WEIGHT_BYTES) * (
+        dense_p * (layout.dp - 1) // layout.dp
+        + per_gpu.expert_params * (layout.expert_dp - 1) // layout.expert_dp
+    )
     replication_s = k * shard / net
     per_iteration = PerIteration(
         tokens=tokens,
         compute_s=compute_s,
         replication_bytes=k * shard,
+        expert_replication_bytes=k * expert_shard,
         cluster_replication_bytes=k * shard * layout.world_size,
         replication_s=replication_s,
         dp_comm_bytes=dp_bytes,
@@ -437,7 +497,7 @@ def plan(
     reconstruct = constants.reconstruct_base_s + constants.reconstruct_per_doubling_s * math.log2(
         layout.world_size + spares
     )
-    restore = (weights + shard) / net
+    restore = (weights + shard) / net  # a newcomer's bf16 weights and both optimizer shards
     if not per_gpu.fits_gpu:  # snapshots in host memory: survivors copy theirs back
         restore = max(restore, per_iteration.snapshot_copy_s)
     first = compute_s + constants.first_iteration_overhead_s
@@ -447,6 +507,7 @@ def plan(
         agree_s=measured.agree_s(world) if constants.agree_s is None else constants.agree_s,
         reconstruct_s=reconstruct,
         restore_s=restore,
+        restore_bytes=weights + shard,
         first_iteration_s=first,
     )
     hang = dataclasses.replace(crash, detect_s=deadpool.heartbeat_timeout)
@@ -458,6 +519,7 @@ def plan(
         replicas=k,
         spares=spares,
         params=counts.total,
+        active_params=counts.active,
         per_gpu=per_gpu,
         per_iteration=per_iteration,
         recovery=crash,
@@ -466,6 +528,30 @@ def plan(
     )
     report.warnings.extend(_warnings(report))
     return report
+
+
+def _state_bytes(counts: ParamCount, stage: int, layout: Layout) -> int:
+    """Weights, grads and optimizer shard of one rank of `stage`: what picks the stage planned
+    for (the dense and the expert buffer shard over groups of different sizes)."""
+    dense = counts.buffer_numel(stage, layout.dp)
+    expert = counts.expert_buffer_numel(stage, layout.expert_dp)
+    state = (WEIGHT_BYTES + GRAD_BYTES) * (dense + expert)
+    return state + OPTIMIZER_BYTES * (dense // layout.dp + expert // layout.expert_dp)
+
+
+def _check_expert_order(layout: Layout) -> None:
+    """Megatron-Core's `initialize_model_parallel` asserts that, unless the rank order ends in
+    pp (the default tp-dp-pp) or pp is 1, the expert data-parallel size equals the dense one;
+    under tp-pp-dp that means etp x ep = tp."""
+    if layout.order is RankOrder.TP_DP_PP or layout.pp == 1 or layout.expert_dp == layout.dp:
+        return
+    raise ConfigError(
+        f"--use-tp-pp-dp-mapping with pp {layout.pp} > 1 needs the expert layers' data-parallel "
+        f"size to equal dp ({layout.dp}), i.e. --expert-model-parallel-size x "
+        f"--expert-tensor-parallel-size = tp ({layout.ep} x {layout.expert_tp} != {layout.tp}) "
+        "(Megatron's initialize_model_parallel): drop --use-tp-pp-dp-mapping or choose ep x etp "
+        f"= {layout.tp}"
+    )
 
 
 def _stage_name(stage: int, pp: int) -> str:
@@ -482,10 +568,11 @@ def _warnings(report: PlanReport) -> list[str]:
     g, it, lay = report.per_gpu, report.per_iteration, report.layout
     out: list[str] = []
     usable = _gib(g.usable_gpu_bytes)
+    more = " (or --expert-model-parallel-size)" if report.model.num_experts else ""
     if g.training_bytes > g.usable_gpu_bytes:
         out.append(
             f"training alone needs {_gib(g.training_bytes)} per GPU, more than the "
-            f"{usable} usable: raise tp or pp, or use --recompute full"
+            f"{usable} usable: raise tp or pp{more}, or use --recompute full"
         )
     elif not g.fits_gpu and g.fits_host:
         out.append(
