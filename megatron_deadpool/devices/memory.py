@@ -19,6 +19,7 @@ reads free memory, counting what it could reuse as free (``reusable``).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Literal
 
 import torch
@@ -75,6 +76,8 @@ class ReplicaMemory:
 
     setting: Literal["auto", "cpu", "gpu"]
     device: Device
+    segments: Path | None = None
+    """Where host buffers live as files that outlive the process (`replication.segments`)."""
 
     def __post_init__(self) -> None:
         if self.setting not in ("auto", "cpu", "gpu"):

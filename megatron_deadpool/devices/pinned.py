@@ -22,7 +22,9 @@ from __future__ import annotations
 
 import logging
 import mmap
+import os
 import weakref
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -43,17 +45,27 @@ def mapped_length(nbytes: int) -> int:
 
 
 def buffer(
-    nbytes: int, device: torch.device, *, pinned: bool, runtime: Any | None = None
+    nbytes: int,
+    device: torch.device,
+    *,
+    pinned: bool,
+    runtime: Any | None = None,
+    path: Path | None = None,
 ) -> torch.Tensor:
     """A zero-filled 1-D uint8 tensor of exactly `nbytes` on `device`: GPU memory, plain host
     memory, or (`pinned`) page-locked host memory of `nbytes` rounded up to whole pages.
-    `runtime`: the CUDA runtime's Python binding (default `torch.cuda.cudart()`)."""
+    `runtime`: the CUDA runtime's Python binding (default `torch.cuda.cudart()`). `path`
+    (host memory): a shared mapping of that file instead (created at the size, zero-filled,
+    or mapped as it is when it has the size already): memory that outlives this process
+    when the file is in a memory file system (`replication.segments`)."""
     if device.type != "cpu":
         return torch.zeros(nbytes, dtype=torch.uint8, device=device)
-    if not pinned:
+    if not pinned and path is None:
         return torch.zeros(nbytes, dtype=torch.uint8)
     length = mapped_length(nbytes)
-    array = np.frombuffer(mmap.mmap(-1, length), dtype=np.uint8)
+    array = np.frombuffer(_mapping(length, path), dtype=np.uint8)
+    if not pinned:
+        return torch.from_numpy(array)[:nbytes]
     pointer = int(array.ctypes.data)
     cudart = runtime if runtime is not None else torch.cuda.cudart()
     code = int(cudart.cudaHostRegister(pointer, length, PORTABLE))
@@ -66,6 +78,21 @@ def buffer(
     finalizer = weakref.finalize(array, _unregister, cudart, pointer, length)
     finalizer.atexit = False  # at exit the process's memory goes anyway; no CUDA call then
     return torch.from_numpy(array)[:nbytes]
+
+
+def _mapping(length: int, path: Path | None) -> mmap.mmap:
+    """`length` bytes of anonymous memory, or of the file `path` (made that long if it is not;
+    its contents kept if it is)."""
+    if path is None:
+        return mmap.mmap(-1, length)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        if os.fstat(fd).st_size != length:
+            os.ftruncate(fd, 0)  # another size: another shard; start from zeros
+            os.ftruncate(fd, length)
+        return mmap.mmap(fd, length)
+    finally:
+        os.close(fd)  # the mapping keeps the file
 
 
 def _unregister(cudart: Any, pointer: int, length: int) -> None:

@@ -447,7 +447,8 @@ class Coordinator:
         )
         self.membership.publish_plan(plan)
         # Survivors report without waiting for the plan: some reports may be in already.
-        self.membership.expect_reports(generation, self.world_size - len(needy))
+        # ... and the processes respawned in place, from their segment files (they report too).
+        self.membership.expect_reports(generation, self.world_size - len(needy) + len(respawned))
         if rec is not None:  # survivors waiting on the old plan move on to this one
             self.membership.decide(rec.generation, Decision.superseded(generation))
         self.events("plan", generation=generation, dead=plan.dead, needy=plan.needy, slots=slots)
@@ -495,12 +496,13 @@ class Coordinator:
         assert rec is not None
         g = rec.generation
         survivors = [r for r in range(self.world_size) if r not in rec.needy]
+        reporters = survivors + sorted(rec.respawned)
         holdings = None  # read in full once the store counted enough reports
         if self.membership.reports_missing(g) <= 0:
-            holdings = self.membership.all_holdings(g, survivors)
+            holdings = self.membership.all_holdings(g, reporters)
         if holdings is None:
             if self.clock.monotonic() - rec.planned_at > self.agree_timeout:
-                missing = [r for r in survivors if self.membership.holdings(g, r) is None]
+                missing = [r for r in reporters if self.membership.holdings(g, r) is None]
                 self.events("agree_timeout", generation=g, missing=missing)
                 for r in missing:
                     self.detector.mark_dead(
@@ -527,13 +529,14 @@ class Coordinator:
                 lost_ranks=sorted(rec.dead),
             )
             return
-        plan = plan_restore(placement, holds, rec.needy)
+        plan = plan_restore(placement, holds, rec.needy, rec.respawned)
         if rec.no_spare or not plan.ok:
+            survivors = {r: h for r, h in holds.items() if r not in rec.needy}  # they save
             self._end_out_of_redundancy(
                 rec.no_spare or plan.reason,
                 lost_ranks=plan.lost_ranks,
                 dead=sorted(rec.dead),
-                save=self._save_order(placement, plan, holds, rec.needy),
+                save=self._save_order(placement, plan, survivors, rec.needy),
             )
             return
         assert plan.iteration is not None

@@ -27,6 +27,7 @@ import threading
 import time
 import traceback
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, TypeVar
 
 import torch.distributed as dist
@@ -53,6 +54,7 @@ from ..errors import (
     first_line,
 )
 from ..logs import set_context
+from ..replication import segments
 from ..replication.placement import Layout, Placement, RankOrder, place_replicas
 from ..replication.replicator import Replicator
 from ..replication.snapshot import Snapshotter
@@ -63,7 +65,15 @@ from .failover import CoordinatorLink, FailoverStore, host_id
 from .injection import FaultInjector
 from .layout_check import check_megatron_groups
 from .membership import Membership
-from .messages import ErrorReport, LayoutRecord, Phase, Registration, Roster, member_of
+from .messages import (
+    ErrorReport,
+    HoldingsReport,
+    LayoutRecord,
+    Phase,
+    Registration,
+    Roster,
+    member_of,
+)
 from .plan_watch import PlanWatch
 from .recovery import Recovery, abort_keeping_arrivals, release_groups
 from .seal import JobSeal
@@ -137,6 +147,8 @@ class Driver:
         self.last_completed = 0
         self.resumed_at: int | None = None
         self.recoveries: list[RecoveryRecord] = []
+        self._segment_holdings: segments.SegmentHoldings | None = None  # a respawn's
+        self._segments_reported = 0  # the newest plan they were reported for
         # a peer frozen in a collective with us, or (NCCL) a collective that failed silently
         self.plan_watch = PlanWatch(start_abort, errors=self._collective_errors)
         self._device_watch: DeviceWatch | None = None  # CUDA: this GPU still completes work
@@ -329,12 +341,15 @@ class Driver:
     def _wait_for_slot(self) -> Roster | None:
         m, faults = self.membership, self.faults
         may_fail = faults.waiting_faults(self.member)
+        where = segments.folder()
         while True:
             if m.shutdown_requested() or self.sigterm.is_set():
                 self.stop_heartbeat()
                 log.info("released: the job ended without needing this spare")
                 return None
             faults.while_waiting(self.member)  # `spare:I@ITER`: a waiting spare fails
+            if where is not None:
+                self._report_segments(where)
             g = m.generation()
             if g >= 0:
                 roster = m.roster(g)
@@ -352,7 +367,29 @@ class Driver:
             if self._slot_waiter is None:  # from now on every roster and the shutdown wake us
                 self._slot_waiter = spare_wakeups(m)
                 continue  # look again: what happened before the waiter started is visible now
-            self._slot_waiter.wait(0.2 if may_fail else 1.0)  # the timeout: SIGTERM, faults
+            # The timeout: SIGTERM, faults, and the plan that names a respawned process.
+            self._slot_waiter.wait(0.2 if may_fail or where is not None else 1.0)
+
+    def _report_segments(self, where: Path) -> None:
+        """A process its node's agent started in a dead one's place: once the plan that names
+        it is out, report what its predecessor's segment files hold (`replication.segments`),
+        as a survivor reports, so that they count in the coordinator's decision. Again for a
+        plan that supersedes it."""
+        m = self.membership
+        g = m.latest_plan()
+        if g <= self._segments_reported:
+            return
+        plan = m.plan(g)
+        rank = next((r for r, member in (plan.replaced if plan else {}).items()
+                     if member == self.member), None)  # fmt: skip
+        if rank is None:
+            return
+        if self._segment_holdings is None or self._segment_holdings.rank != rank:
+            self._segment_holdings = segments.SegmentHoldings(where, rank)
+        holds = {k: tuple(v) for k, v in self._segment_holdings.holdings().items()}
+        m.report_holdings(g, rank, HoldingsReport(self.member, 0, holds))
+        self._segments_reported = g
+        log.info("reported the segments of rank %d for generation %d: %s", rank, g, holds)
 
     def _take(self, roster: Roster) -> None:
         """Become the rank `roster` gives this process (before any group exists)."""
@@ -422,7 +459,13 @@ class Driver:
         self.join(roster, self.job.init_model_parallel)
         self.attach()
         t_joined = time.time()
-        t_iter = self.restore(roster, needy=True)
+        # A respawned process the plan names no source for restores from its segment files.
+        held = self._segment_holdings
+        local = (
+            held is not None
+            and self._rank() not in self.membership.sources(roster.generation).holders
+        )
+        t_iter = self.restore(roster, needy=not local, held=held if local else None)
         self._record(roster, target, t0, {"join": t_joined - t0, "restore": time.time() - t_joined})
         return t_iter
 
@@ -627,7 +670,9 @@ class Driver:
         """Release every group handle the job's objects hold (a newcomer's private world)."""
         return rebind.release(self._roots())
 
-    def restore(self, roster: Roster, *, needy: bool) -> int:
+    def restore(
+        self, roster: Roster, *, needy: bool, held: segments.SegmentHoldings | None = None
+    ) -> int:
         """Bring this rank to the restore iteration T; returns T.
 
         Holders send the needy ranks their shard of T (verified by its checksum on arrival);
@@ -638,7 +683,7 @@ class Driver:
         t_iter = roster.restore_iteration
         assert t_iter is not None
         state = self.job.rank_state()
-        steps = Recovery(self.membership, self.member, self.rank, roster, self.replicator)
+        steps = Recovery(self.membership, self.member, self.rank, roster, held or self.replicator)
         from_holder = steps.exchange_shards(
             state, self.repl_group, needy=needy, host_group=self.host_repl_group
         )
@@ -776,7 +821,7 @@ class Driver:
         return extra
 
     def _replica_memory(self) -> ReplicaMemory:
-        return ReplicaMemory(self.cfg.replica_device, self.device)
+        return ReplicaMemory(self.cfg.replica_device, self.device, segments.folder())
 
     def _make_replicator(self) -> Replicator:
         """A new replicator (after a restore: it takes over its predecessor's buffers)."""

@@ -17,7 +17,9 @@ warm, and no spare is spent; a node is lost, and its ranks take spares, when a n
 
 from __future__ import annotations
 
+import shutil
 import subprocess
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -26,6 +28,7 @@ from typing import IO, Any
 from ..config.deadpool import DeadpoolConfig
 from ..devices.gpus import GpuAssignment, assign_gpus, local_gpu_count
 from ..errors import ConfigError, ExitCode
+from ..replication import segments
 from ..replication.placement import Placement
 from .coordinator import Coordinator
 from .events import EventLog
@@ -42,7 +45,7 @@ LAUNCHER_FILES_PER_PROCESS = 2
 """Files the launcher holds of each process besides its store connections: its output file
 and its process handle (a pidfd, or the fork server's report of its exit)."""
 
-PER_PROCESS_ENV = ("RANK", "LOCAL_RANK")
+PER_PROCESS_ENV = ("RANK", "LOCAL_RANK", segments.ENV)
 """Variables that differ between a job's processes: not given to their fork server."""
 
 
@@ -86,6 +89,16 @@ class LocalJob:
             f"{self.spares} spare(s))",
         )
         self.starter = WarmStart(log=say, log_dir=run_dir)
+        # With respawns, each simulated node keeps its processes' snapshots and replicas in
+        # memory that outlives them (`replication.segments`): a folder per process, which a
+        # process respawned in its place inherits; gone with the node or at the end.
+        self.segments_root: Path | None = None
+        if spawn is not None and cfg.respawn_limit > 0 and cfg.enabled:
+            shm = Path("/dev/shm")
+            self.segments_root = Path(
+                tempfile.mkdtemp(prefix="deadpool-segments-", dir=shm if shm.is_dir() else None)
+            )
+        self._segments: dict[str, Path] = {}
         host = self._store_host()
         store = host_store(host, 0)
         self.address = f"{host}:{store.port}"
@@ -147,9 +160,14 @@ class LocalJob:
         (what the command imports), fork it from the job's warm interpreter (started on first
         use)."""
         common = {k: v for k, v in env.items() if k not in PER_PROCESS_ENV}
+        own = {"LOCAL_RANK": str(self.local_rank(member))}
+        if self.segments_root is not None:  # its node's memory that outlives it
+            folder = self._segments.setdefault(member, self.segments_root / f"m-{member}")
+            folder.mkdir(exist_ok=True)
+            own[segments.ENV] = str(folder)
         self.procs[member] = self.starter.start(  # type: ignore[assignment]  # Popen-like
             cmd,
-            {**env, "LOCAL_RANK": str(self.local_rank(member))},
+            {**env, **own},
             output,
             preload=preload,
             server_env=common,
@@ -183,9 +201,13 @@ class LocalJob:
     def alive(self, node: int) -> bool:
         """Whether simulated node `node` is still there: no node fault took one of its
         processes (a node fault takes the node whole)."""
-        return not any(
-            self.membership.node_lost(m) for m in list(self.procs) if self.node_of(m) == node
-        )
+        members = [m for m in list(self.procs) if self.node_of(m) == node]
+        if not any(self.membership.node_lost(m) for m in members):
+            return True
+        for m in members:  # the node's memory is gone with it
+            if m in self._segments:
+                shutil.rmtree(self._segments.pop(m), ignore_errors=True)
+        return False
 
     def respawn(self, rank: int, dead: str, node: int) -> str:
         """A new process on `node` (this machine) with `dead`'s GPU, waiting for `rank`'s slot
@@ -194,6 +216,8 @@ class LocalJob:
         member = self.coordinator.membership.claim_spare_name()
         self._local_ranks[member] = self.local_rank(dead)
         self._nodes[member] = node
+        if dead in self._segments:  # the dead process's segment files: the same node's memory
+            self._segments[member] = self._segments[dead]
         self._spawn(member)
         return member
 
@@ -294,4 +318,6 @@ class LocalJob:
         self.wait_exit(list(self.procs), 1.0)
         kill_groups(self.procs.values())
         self.starter.close()  # after the processes it forked: it reports their exits
+        if self.segments_root is not None:
+            shutil.rmtree(self.segments_root, ignore_errors=True)
         self.coordinator.close()

@@ -35,6 +35,7 @@ from ..devices.abort import abort_groups
 from ..errors import DeadpoolRuntimeError, OutOfRedundancyError
 from ..replication import snapshot_set
 from ..replication.replicator import Replicator
+from ..replication.segments import SegmentHoldings
 from ..replication.shard_exchange import start_shard_exchange
 from ..replication.snapshot import RankState, Snapshotter
 from . import rebind
@@ -91,7 +92,9 @@ class Recovery:
     """Its rank (None: a spare that holds none)."""
     roster: Roster
     """The roster it is in (before agreement), or joins (after)."""
-    replicator: Replicator | None
+    replicator: Replicator | SegmentHoldings | None
+    """What it holds: its replicator's slots, or (a respawned process) its predecessor's
+    segment files."""
 
     def agree(
         self,

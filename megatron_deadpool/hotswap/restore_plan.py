@@ -3,8 +3,9 @@
 Inputs are what the surviving processes reported ("holdings": the verified iterations of
 their own local snapshot and of every replica they hold). A rank whose process has no local
 snapshot (a spare taking a dead rank's slot, or a newcomer that had not finished restoring)
-is "needy": its shard must come from a holder. T is the newest iteration that every
-non-needy rank has locally and that some live holder has for every needy rank.
+is "needy": its shard must come from a holder - or, for a process respawned in place, from its
+predecessor's snapshot in the node's segment files, which it reports. T is the newest iteration
+that every non-needy rank has locally and that some live holder has for every needy rank.
 
 When memory cannot recover (no spare left, or a shard without a surviving copy), the survivors
 save what survives instead: `plan_salvage` picks the iteration and who writes which dead
@@ -13,7 +14,7 @@ rank's shard.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from ..replication.placement import Placement
@@ -37,8 +38,17 @@ class RestorePlan:
         return self.iteration is not None
 
 
-def plan_restore(placement: Placement, holdings: Holdings, needy: set[int]) -> RestorePlan:
-    """Choose T and sources; `holdings` maps each live, reporting rank to what it holds."""
+def plan_restore(
+    placement: Placement,
+    holdings: Holdings,
+    needy: set[int],
+    respawned: Collection[int] = (),
+) -> RestorePlan:
+    """Choose T and sources; `holdings` maps each live, reporting rank to what it holds.
+
+    `respawned`: needy ranks whose new process reported what its predecessor's segment files
+    hold (`replication.segments`): its own snapshot of T restores it (no source), else a
+    holder's; and the replicas it reports count like a survivor's."""
     world = placement.layout.world_size
     candidates: set[int] | None = None
     for rank in range(world):
@@ -49,8 +59,10 @@ def plan_restore(placement: Placement, holdings: Holdings, needy: set[int]) -> R
     available: dict[int, dict[int, int]] = {}  # needy -> iteration -> first holder
     for rank in sorted(needy):
         options: dict[int, int] = {}
+        if rank in respawned:
+            options = dict.fromkeys(holdings.get(rank, {}).get("local", []), rank)
         for holder in placement.holders[rank]:
-            if holder in needy:
+            if holder in needy and holder not in respawned:
                 continue
             for it in holdings.get(holder, {}).get(str(rank), []):
                 options.setdefault(it, holder)
@@ -75,7 +87,8 @@ def plan_restore(placement: Placement, holdings: Holdings, needy: set[int]) -> R
             "yet, or copies from different iterations)",
         )
     t = max(candidates)
-    return RestorePlan(t, sources={r: available[r][t] for r in sorted(needy)})
+    sources = {r: available[r][t] for r in sorted(needy)}
+    return RestorePlan(t, sources={r: h for r, h in sources.items() if h != r})
 
 
 @dataclass(frozen=True)

@@ -43,6 +43,7 @@ import logging
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -53,6 +54,7 @@ from ..devices.groups import check_takes, tensor_device
 from ..devices.memory import Choice, ReplicaMemory
 from ..devices.p2p import Transfer, arrived, post
 from .placement import Placement
+from .segments import slot_paths
 from .slots import Pool, SlotPair, gpu_bytes
 from .snapshot import CorruptReplicaError, Snapshotter, read_header, verify
 from .verdict import AheadVerdict
@@ -143,8 +145,14 @@ class Replicator:
             previous.retire()  # its other buffers are freed before anything new is allocated
         pool = Pool(kept, self.device, self.pinned)
         del kept
-        self.local = pool.pair(self.sizes[rank])
-        self.held = {o: pool.pair(self.sizes[o]) for o in self.owners}
+        where = memory.segments if on_host else None  # GPU replicas die with the process
+        self.segments = where
+
+        def files(owner: int) -> tuple[Path, Path] | None:
+            return None if where is None else slot_paths(where, rank, owner, self.sizes[owner])
+
+        self.local = pool.pair(self.sizes[rank], files(rank))
+        self.held = {o: pool.pair(self.sizes[o], files(o)) for o in self.owners}
         del pool
         on_gpu = snapshotter.device.type == "cuda"
         self._stream = torch.cuda.Stream(snapshotter.device) if on_gpu else None

@@ -5,13 +5,14 @@ iteration each holds verified. A round overwrites one slot and never the other, 
 mid-round always leaves a complete, verified copy (`Replicator`). A replicator built after a
 recovery takes over its predecessor's buffers (`Pool`) instead of allocating a second set next
 to them; new buffers come from `devices.pinned` (host buffers of exactly the size asked for,
-page-locked when a GPU copies into them).
+page-locked when a GPU copies into them), or map the node's segment files (`segments.py`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -60,14 +61,21 @@ class Pool:
         self.pin = pin
         self.free = [b for b in reusable if b.device == device and b.is_pinned() == pin]
 
-    def take(self, nbytes: int) -> torch.Tensor:
+    def take(self, nbytes: int, path: Path | None = None) -> torch.Tensor:
+        """A buffer of `nbytes`; with `path` (host memory), a mapping of that file (`buffer`),
+        which its predecessor's buffer of the same slot maps too: the same memory."""
+        if path is not None:
+            return buffer(nbytes, self.device, pinned=self.pin, path=path)
         for i, buf in enumerate(self.free):
             if buf.numel() == nbytes:
                 return self.free.pop(i)
         return buffer(nbytes, self.device, pinned=self.pin)
 
-    def pair(self, nbytes: int) -> SlotPair:
-        return SlotPair((self.take(nbytes), self.take(nbytes)))
+    def pair(self, nbytes: int, paths: tuple[Path, Path] | None = None) -> SlotPair:
+        """Two buffers of `nbytes`: `paths`, the files of the two slots (`segments`)."""
+        if paths is None:
+            return SlotPair((self.take(nbytes), self.take(nbytes)))
+        return SlotPair((self.take(nbytes, paths[0]), self.take(nbytes, paths[1])))
 
 
 def gpu_bytes(buffers: Iterable[torch.Tensor]) -> int:

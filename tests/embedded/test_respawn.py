@@ -73,3 +73,24 @@ def test_a_crash_is_respawned_and_a_lost_node_takes_the_spares(
     assert node["replaced_by"] == {"2": "s0", "3": "s1"} and summary["spares_left"] == []
     assert moved["dead_ranks"] == [3] and moved["respawned"] == {"3": 2}
     assert moved["replaced_by"] == {"3": "s3"}
+
+
+@pytest.mark.timeout(600)
+def test_a_rank_and_the_holder_of_its_replica_crashing_together_lose_nothing(
+    tmp_path: Path, reference: dict[str, Any]
+) -> None:
+    """Ranks 1 and 3 - on two nodes, each holding the other's replica (TP2 x DP2, two ranks
+    per node) - are SIGKILLed at the same iteration. Their snapshots and replicas were in their
+    nodes' segment files, which outlive them: each respawned process reports what its
+    predecessor's hold and restores from its own, no shard travels, no spare is spent. (With
+    the replicas in the processes' own memory this was out of redundancy.)"""
+    args = ["--spares", "0", "--deadpool-respawn-limit", "1", "--fail", "1@4", "--fail", "3@4"]
+    summary = _recovered(tmp_path, args, reference)
+    assert [sorted(map(int, r["respawned"])) for r in summary["recoveries"]] in (
+        [[1, 3]],
+        [[1], [3]],
+    )
+    events = [json.loads(x) for x in (tmp_path / "logs" / "events.jsonl").read_text().splitlines()]
+    agreed = [e for e in events if e["event"] == "agreed"]
+    assert agreed and all(e["sources"] == {} for e in agreed), agreed
+    assert "out_of_redundancy" not in {e["event"] for e in events}

@@ -162,12 +162,27 @@ class Job:
         owners = [o for o in range(self.world) if rank in self.placement.holders[o]]
         return {"local": its, **{str(o): its for o in owners}}
 
-    def report(self, generation: int, ranks: Iterable[int], last_completed: int = 5) -> None:
+    def report(
+        self,
+        generation: int,
+        ranks: Iterable[int],
+        last_completed: int = 5,
+        segments: bool = True,
+    ) -> None:
+        """The survivors `ranks` report for plan g, and so do the processes respawned in place
+        that the plan names: what their predecessors' segment files hold (`segments`: what the
+        survivor would have held; False: nothing, e.g. replicas in GPU memory)."""
         roster = self.coord.roster
         for rank in ranks:
             member = roster.slots[rank]
             report = HoldingsReport(member, last_completed, self.holds(rank))
             self.m(member).report_holdings(generation, rank, report)
+        plan = self.m().plan(generation)
+        respawned = {started[-1] for started in self.agents.started}
+        for rank, member in (plan.replaced if plan else {}).items():
+            if member in respawned:
+                holds = self.holds(rank) if segments else {"local": ()}
+                self.m(member).report_holdings(generation, rank, HoldingsReport(member, 0, holds))
 
     def raised(
         self,
@@ -857,3 +872,25 @@ def test_a_node_that_cannot_start_a_process_hands_the_slot_to_a_spare() -> None:
     plan = job.m().plan(1)
     assert plan is not None and plan.replaced == {2: "s0"}
     assert "Too many open files" in job.events.of("respawn_refused")[0]["why"]
+
+
+def test_a_rank_and_its_holder_crashing_together_on_live_nodes_lose_nothing() -> None:
+    """Both processes are respawned on their nodes and report their predecessors' segment
+    files: each restores from its own, no spare is spent, nothing is out of redundancy. With
+    replicas that died with their processes (GPU memory) the same crash ends out of
+    redundancy: rank 1's only copies were in the two dead processes."""
+    for segments in (True, False):
+        job = Job(world=4, per_node=1, spares=0, respawn_limit=1)
+        holder = job.holder(1)
+        job.die("a1", f"a{holder}")
+        job.tick()
+        plan = job.m().plan(1)
+        assert plan is not None and sorted(plan.needy) == sorted([1, holder])
+        job.report(1, [r for r in range(4) if r not in (1, holder)], segments=segments)
+        job.tick()
+        if segments:
+            assert job.decision(1) == Decision.roster(4)
+            assert job.m().sources(1).holders == {}  # both restore from their own files
+        else:
+            assert job.coord.out_of_redundancy is not None
+            assert 1 in job.coord.out_of_redundancy.lost_ranks

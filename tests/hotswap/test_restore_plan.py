@@ -77,3 +77,34 @@ def test_an_incomplete_salvage_keeps_the_survivors_newest_iteration(placement) -
 def test_no_salvage_without_a_common_iteration(placement) -> None:
     holdings = {0: _holds([4]), 1: _holds([5]), 3: _holds([])}
     assert plan_salvage(placement, holdings, {2}) is None
+
+
+def test_a_rank_and_its_holder_respawned_in_place_restore_from_their_segments(placement) -> None:
+    """Ranks 0 and 2 (each the other's holder) die together; each node's agent respawns its
+    process, which reports what its predecessor's segment files hold: no shard is lost, and
+    neither needs a transfer. Without those reports the shards of 0 and 2 are gone."""
+    holdings = {
+        1: _holds([2, 3], r3=[2, 3]),
+        3: _holds([2, 3], r1=[2, 3]),
+    }
+    lost = plan_restore(placement, holdings, needy={0, 2})
+    assert not lost.ok and lost.lost_ranks == [0, 2]
+    holdings[0] = _holds([2, 3], r2=[2, 3])
+    holdings[2] = _holds([2, 3], r0=[2, 3])
+    plan = plan_restore(placement, holdings, needy={0, 2}, respawned={0, 2})
+    assert plan.ok and plan.iteration == 3 and plan.sources == {}
+
+
+def test_a_respawned_rank_without_its_own_copy_takes_the_holders(placement) -> None:
+    """Its predecessor died before its own snapshot of T was complete (or kept replicas in
+    GPU memory): the holder's copy restores it; what the respawned process holds for others
+    still counts."""
+    holdings = _rank_2_dead_after_round_3()
+    holdings[2] = _holds([2], r0=[2, 3])  # its own round 3 was being written when it died
+    plan = plan_restore(placement, holdings, needy={2}, respawned={2})
+    assert plan.ok and plan.iteration == 3 and plan.sources == {2: 0}
+    # Rank 0 dies too and takes a spare (needy, no segments): its shard comes from rank 2's
+    # segments, the respawned process; rank 2's own copy of 3 is not there, so both go to 2.
+    del holdings[0]
+    plan = plan_restore(placement, holdings, needy={0, 2}, respawned={2})
+    assert plan.ok and plan.iteration == 2 and plan.sources == {0: 2}
