@@ -18,6 +18,13 @@ Read in Megatron-LM core_v0.19.0 (and core_v0.16.1 where it has them):
   checked on `--load`. Combines: it concerns Megatron's persistent checkpoints only (a
   checkpoint written after a hot swap or by the resume from DeadPool's snapshot set gets its
   manifest); DeadPool's in-memory replicas and snapshot sets carry their own checksums.
+- Asynchronous checkpoint saves (`--async-save`, torch_dist): a background writer writes the
+  files while training goes on; a later step's `maybe_finalize_async_save` (inside `train`, in
+  no hooked function) collects every rank's result with collectives on the world and raises
+  torch's `CheckpointException` on every rank when a write failed (a full disk): every rank
+  dies, which the coordinator can only take for failed ranks. A save still in flight during a
+  hot swap also holds the generation's groups that the swap replaces. Refused: DeadPool guards
+  Megatron's synchronous save (`save.py`: a failed save is one line and training goes on).
 - Megatron's fault injector (`--fault-injector-*`, 0.18+, needs nvidia-resiliency-ext): a
   fault it injects (a crash, a hang, an exception) is a failure like any other to DeadPool.
 """
@@ -34,6 +41,12 @@ REFUSED = {
         "Megatron's in-process restart restarts every rank after a failure and DeadPool "
         "replaces the failed rank by a spare: one job can use only one of them; drop "
         "--inprocess-restart (or --deadpool)"
+    ),
+    "--async-save": (
+        "an asynchronous save's failure (a full disk) is raised on every rank at a later step, "
+        "outside any step DeadPool can recover, and a save in flight spans a hot swap; drop "
+        "--async-save: DeadPool guards Megatron's synchronous save (a save that fails is one "
+        "warning and training goes on)"
     ),
 }
 """Megatron-LM flags that cannot be combined with `--deadpool`, and why."""
