@@ -27,7 +27,8 @@ failed save together, as the embedded job's save does (`replication/failed_save.
 
 Only Megatron's default format, `torch_dist`, is guarded (`GUARDED_FORMAT`); other formats,
 `release` checkpoints and non-persistent local ones are saved as Megatron saves them.
-`--async-save` is refused with `--deadpool` (`interplay.py` says why).
+An asynchronous save (`--async-save` with `--use-persistent-ckpt-worker`) is refused with
+`--deadpool` (`interplay.py` says why); `--async-save` alone Megatron turns off itself.
 """
 
 from __future__ import annotations

@@ -53,10 +53,11 @@ def _guarded_saves(rank: int, world_size: int, store: Any, tmp: str) -> dict[str
 
     import torch.distributed as dist
 
-    from megatron_deadpool.replication.failed_save import save_agreeing
+    from megatron_deadpool.replication.failed_save import prepare, save_agreeing
 
     real_barrier = dist.barrier
-    out: dict[str, Any] = {}
+    (Path(tmp) / "a-file").touch()
+    out: dict[str, Any] = {"unwritable": prepare(Path(tmp) / "a-file" / "iter_0000001")}
     for name, stand_in in _cases(tmp).items():
         out[name] = save_agreeing(stand_in, Path(tmp) / "iter_0000001")
         assert dist.barrier is real_barrier  # put back
@@ -70,6 +71,7 @@ def test_every_rank_leaves_a_failed_save_together_with_the_same_error(tmp_path) 
     )
     assert results[0] == results[1], results
     said = results[0]
+    assert said["unwritable"] == "rank 0: [Errno 20] Not a directory"  # --save not a folder
     assert said["marker"] == "rank 0: [Errno 28] No space left on device"
     assert (
         said["common.pt"].startswith("rank 0: Parent directory ") and "missing" in said["common.pt"]
