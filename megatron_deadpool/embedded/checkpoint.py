@@ -30,9 +30,7 @@ import importlib.util
 import logging
 import os
 import random
-import shutil
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -48,10 +46,9 @@ from megatron.core.dist_checkpointing.serialization import (
 )
 from megatron.core.tensor_parallel import get_cuda_rng_tracker
 from megatron.core.utils import unwrap_model
-from torch.distributed.checkpoint.api import CheckpointException
 
-from ..durable import write_durably
-from ..errors import CheckpointError, CheckpointSaveError, first_line
+from ..errors import CheckpointError, CheckpointSaveError
+from ..replication.failed_save import agreed, attempt, not_saved, prepare, save_agreeing
 from ..replication.save_dir import TRACKER, iteration_dir, latest_iteration, write_tracker
 from ..replication.snapshot import inner_optimizers
 
@@ -200,11 +197,6 @@ def _state_dict(
     return state
 
 
-PROBE_BYTES = 1 << 20
-"""What rank 0 writes (and removes) before a save: a disk already full fails here, where every
-rank learns it, and not in megatron-core's first file, which rank 0 writes alone."""
-
-
 def save(objs: TrainingObjects, iteration: int, root: str | os.PathLike[str]) -> Path:
     """Write iteration `iteration` of every rank under `root`; collective over the world.
 
@@ -214,8 +206,9 @@ def save(objs: TrainingObjects, iteration: int, root: str | os.PathLike[str]) ->
     A save that cannot be written (a full disk, a read-only folder) raises `CheckpointSaveError`
     on every rank, with the same one line: which rank failed and why, what the marker still
     names. Its partial files are removed first. What fails is agreed on by every rank at each
-    step (`_agreed`): the folder, a probe write, megatron-core's save (which reports a failed
-    write on every rank itself) and the marker.
+    step (`failed_save.agreed`): the folder and a probe write (`failed_save.prepare`),
+    megatron-core's save (`failed_save.save_agreeing`: its writes on rank 0 alone too) and the
+    marker.
     """
     if importlib.util.find_spec("psutil") is None:
         # Megatron's torch_dist writer processes need it; without it they die and the save hangs.
@@ -224,111 +217,33 @@ def save(objs: TrainingObjects, iteration: int, root: str | os.PathLike[str]) ->
     path = iteration_dir(root, iteration)
     kept = latest_iteration(root)
     saved = kept == iteration and (path / "metadata.json").is_file()
-    if _agreed(None if saved else f"rank {dist.get_rank()}") is None:  # every rank sees it
+    if agreed(None if saved else f"rank {dist.get_rank()}") is None:  # every rank sees it
         # A recovery recomputed the iteration saved last: its state is bitwise the one saved.
         # Writing it again could only damage the checkpoint the marker names.
         log.debug("checkpoint of iteration %d already saved to %s", iteration, path)
         return path
-    error = _agreed(_attempt(lambda: path.mkdir(parents=True, exist_ok=True)))
-    if error is None and dist.get_rank() == 0:
-        error = _attempt(lambda: _probe(path))
-    error = _agreed(error)
+    error = prepare(path)
     if error is None:  # the directory exists for everyone before anyone writes into it
         metadata = _metadata()
         state = _state_dict(objs, metadata=metadata, is_loading=False, iteration=iteration)
-        try:
-            dist_checkpointing.save(
+        error = save_agreeing(  # every rank's files are complete, or the save failed
+            lambda: dist_checkpointing.save(
                 state,
                 str(path),
                 get_default_save_sharded_strategy(CKPT_FORMAT),
                 content_metadata=_serialisable(metadata),
-            )
-        except CheckpointException as exc:  # raised on every rank when any rank's write failed
-            error = _write_failure(exc, path)
-        error = _agreed(error)  # every rank's files are complete, or the save failed
+            ),
+            path,
+        )
     if error is None and dist.get_rank() == 0:
-        error = _attempt(lambda: write_tracker(root, iteration))
-    error = _agreed(error)
+        error = attempt(lambda: write_tracker(root, iteration))
+    error = agreed(error)
     if error is not None:
-        raise CheckpointSaveError(_not_saved(root, iteration, kept, error))
+        raise CheckpointSaveError(not_saved(root, iteration, kept, error))
     log.debug(
         "saved checkpoint of iteration %d to %s in %.2fs", iteration, path, time.perf_counter() - t0
     )
     return path
-
-
-def _attempt(write: Callable[[], object]) -> str | None:
-    """Run a local write: None, or why it failed (this rank's words for it)."""
-    try:
-        write()
-    except OSError as exc:
-        said = f"[Errno {exc.errno}] {exc.strerror}" if exc.strerror else first_line(exc)
-        return f"rank {dist.get_rank()}: {said}"
-    return None
-
-
-def _probe(path: Path) -> None:
-    """Write `PROBE_BYTES` into `path` durably, then remove them."""
-    probe = write_durably(path / ".deadpool-probe", bytes(PROBE_BYTES))
-    probe.unlink()
-
-
-def _write_failure(exc: CheckpointException, path: Path) -> str:
-    """megatron-core's report of failed writes, in one line: a failed rank's error, the system's
-    own words (`[Errno 28] ...`) preferred (only its coordinator, rank 0, knows the details; the
-    others say that another rank's write failed). Torch's file writer may hide the system's
-    words ("unexpected pos ..."): when `path`'s file system has less than `PROBE_BYTES` left,
-    the line says so."""
-    said = []
-    for rank, failure in sorted(exc.failures.items()):
-        error = failure[0] if isinstance(failure, tuple) else failure
-        said.append(f"rank {rank}: {first_line(error).removeprefix('Worker failure: ')}")
-    system = [s for s in said if "[Errno" in s]
-    line = (system or said or [f"rank {dist.get_rank()}: another rank's write failed"])[0]
-    free = _free_bytes(path)
-    if "[Errno 28]" not in line and free is not None and free < PROBE_BYTES:
-        line += f" - no space left on its file system ({free} bytes free)"
-    return line
-
-
-def _free_bytes(path: Path) -> int | None:
-    """The bytes an unprivileged writer may still use on `path`'s file system (None: unknown)."""
-    try:
-        st = os.statvfs(path if path.exists() else path.parent)
-    except OSError:
-        return None
-    return st.f_bavail * st.f_frsize
-
-
-def _agreed(error: str | None) -> str | None:
-    """Every rank's `error` gathered (one collective): the first rank's, rank 0's detail
-    preferred over another's 'another rank failed'; None when no rank failed."""
-    errors: list[str | None] = [None] * dist.get_world_size()
-    dist.all_gather_object(errors, error)
-    said = [e for e in errors if e is not None]
-    specific = [e for e in said if "another rank" not in e]
-    return (specific or said)[0] if said else None
-
-
-def _not_saved(root: str | os.PathLike[str], iteration: int, kept: int | None, error: str) -> str:
-    """Remove what the failed save of `iteration` left (rank 0; never a folder the marker names:
-    `save` does not write into one), and say in one line what was and was not saved."""
-    path = iteration_dir(root, iteration)
-    removed = "its partial files were removed"
-    if latest_iteration(root) == iteration:  # the marker was written (its folder's fsync failed)
-        removed = "its files stay: the marker names them"
-    elif dist.get_rank() == 0:
-        shutil.rmtree(path, ignore_errors=True)
-        if path.exists():
-            removed = f"its partial files could not all be removed: delete {path}"
-    removed = _agreed(removed) or removed  # rank 0's words, on every rank
-    newest = (
-        f"--load {root} resumes from the newest complete checkpoint, iteration {kept} "
-        f"({iteration_dir(root, kept)})"
-        if kept is not None
-        else f"no complete checkpoint is saved in {root}: --load {root} starts from iteration 1"
-    )
-    return f"checkpoint of iteration {iteration} not saved to {path} ({error}); {removed}; {newest}"
 
 
 def close_writers() -> None:

@@ -775,7 +775,7 @@ class Membership:
         return None if value is None else IterationRecord.decode(key, value)
 
     def publish_checkpoint_failure(self, iteration: int, line: str) -> None:
-        """Rank 0: the periodic checkpoint of `iteration` was not written (`line` says why)."""
+        """Rank 0: the checkpoint of `iteration` was not written (`line` says why)."""
         known = self.checkpoint_failures()
         lines = {**(known.lines if known else {}), iteration: line}
         self._set(Keys.CHECKPOINT_FAILURES, CheckpointFailures(lines).encode())

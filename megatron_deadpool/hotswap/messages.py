@@ -520,8 +520,8 @@ class Preempted(Message):
 
 @dataclass(frozen=True)
 class CheckpointFailures(Message):
-    """`checkpoint/failures`: the periodic checkpoints of the embedded job that could not be
-    written (a full disk, a read-only folder), each iteration's one line; training went on."""
+    """`checkpoint/failures`: the periodic checkpoints of the embedded job or of Megatron-LM that
+    could not be written (a full disk, a read-only folder), each iteration's one line."""
 
     lines: dict[int, str]
 

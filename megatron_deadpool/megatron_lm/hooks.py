@@ -18,6 +18,10 @@ replacing the module attributes is enough (no source edit). Each hook and why:
   not take the exits for failures.
 - `train_step`: replication after every optimizer step; recovery and recomputation in place
   (`MegatronSession.train_step`).
+- `save_checkpoint`: a save that cannot be written (a full disk, an unwritable folder) is
+  agreed on by every rank, leaves no partial folder and is one warning line; training goes on
+  (`save.py`). Around `checkpoint_and_decide_exit` that line waits for its decision, so that it
+  says whether Megatron stops there (an exit signal, interval or duration).
 - `training_log`, `evaluate_and_print_results`, `post_training_step_callbacks`,
   `checkpoint_and_decide_exit`: a collective that fails in them (a peer died between steps)
   is deferred to the next step, so that all survivors resume at the same step; after
@@ -33,6 +37,7 @@ from typing import Any
 
 from . import timers
 from .resume import build_without_loading
+from .save import wrap_save_checkpoint
 from .session import MegatronSession
 
 _ORIGINALS: dict[tuple[Any, str], Any] = {}
@@ -209,6 +214,20 @@ def wrap_between_steps(
     return guarded
 
 
+def wrap_exit_check(real: Any, session: Any) -> Any:
+    """`checkpoint_and_decide_exit`: a checkpoint it fails to save is said with what Megatron
+    decided (`MegatronSession.exit_check`): training goes on, or it stops there."""
+
+    @functools.wraps(real)
+    def checkpoint_and_decide_exit(*args: Any, **kwargs: Any) -> Any:
+        with session.exit_check() as decided:
+            stop = real(*args, **kwargs)
+            decided(stop)
+        return stop
+
+    return checkpoint_and_decide_exit
+
+
 def install(session: MegatronSession) -> None:
     """Hook `session` into megatron.training (idempotent per process)."""
     import torch.distributed as dist
@@ -241,6 +260,7 @@ def install(session: MegatronSession) -> None:
     )
     _patch(tr, "train", lambda real: wrap_train(real, session))
     _patch(tr, "train_step", lambda real: wrap_train_step(real, session))
+    _patch(tr, "save_checkpoint", lambda real: wrap_save_checkpoint(real, session))
     _patch(tr, "training_log", lambda real: wrap_training_log(real, session))
     _patch(
         tr,
@@ -260,5 +280,7 @@ def install(session: MegatronSession) -> None:
     _patch(
         tr,
         "checkpoint_and_decide_exit",
-        lambda real: wrap_between_steps(real, session, "checkpoint/exit check", lambda b: False),
+        lambda real: wrap_exit_check(
+            wrap_between_steps(real, session, "checkpoint/exit check", lambda b: False), session
+        ),
     )

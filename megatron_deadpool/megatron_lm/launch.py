@@ -10,7 +10,8 @@ Megatron's saved args nor on a command line).
 Unlike torchrun it does not stop the job when a rank dies: the coordinator hands the dead
 rank's slot to a spare. Every process's output is forwarded as it comes (Megatron prints its
 iteration lines on the last rank) and kept in RUN_DIR/{a0,a1,...,s0}.log; coordinator events
-print as `[deadpool] ...` lines; RUN_DIR/summary.json records the outcome and each recovery.
+print as `[deadpool] ...` lines, and so does each of Megatron's checkpoints that could not be
+written (`save.py`); RUN_DIR/summary.json records the outcome, each recovery and those lines.
 Out of redundancy it waits for the survivors to save what survives and exits with code 3. When
 the coordinator finds the job's own error (every rank failing in Megatron's start-up, a spare
 failing as the rank it replaced did: `hotswap/job_error.py`) it prints `JOB ERROR: ...` and the
@@ -20,6 +21,7 @@ end of that rank's log, stops every process and exits with code 9.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import socket
@@ -107,6 +109,8 @@ class MegatronLauncher:
         self.lock = threading.Lock()
         self._local: LocalJob | None = None
         self.ended = False  # every active rank finished its work (`LocalJob.finished`)
+        self.unsaved: dict[int, str] = {}  # Megatron's checkpoints not saved, each one's line
+        self._next_look = 0.0  # when `_show_unsaved` next reads the store
 
     @property
     def local(self) -> LocalJob:
@@ -188,6 +192,8 @@ class MegatronLauncher:
                 self._spawn(member, env)
             rc = self._monitor(t0)
         finally:
+            with contextlib.suppress(RuntimeError, OSError, ValueError):  # the store is gone
+                self._show_unsaved()
             local.close(grace_s=10 if self.ended else 0)
             self._write_summary(rc, time.monotonic() - t0)
         return rc
@@ -224,6 +230,12 @@ class MegatronLauncher:
             ends = {c for c in local.exit_codes(local.actives()).values() if c is not None}
             return ends.pop() if len(ends) == 1 and min(ends) > 0 else ExitCode.OK
 
+        def look_for_unsaved() -> bool:
+            if time.monotonic() >= self._next_look:
+                self._next_look = time.monotonic() + 0.5
+                self._show_unsaved()
+            return False
+
         return Supervisor(
             local,
             limit_s=self.timeout_s - (time.monotonic() - t0),
@@ -231,8 +243,20 @@ class MegatronLauncher:
             finished=finished,
             on_failed=failed,
             on_job_error=job_error,
+            on_tick=look_for_unsaved,
             checks=[config_error],
         ).run()
+
+    def _show_unsaved(self) -> None:
+        """Print each of Megatron's checkpoints that could not be written, once (rank 0
+        publishes its line: `megatron_lm/save.py`)."""
+        if not self.cfg.enabled:
+            return
+        failures = self.local.membership.checkpoint_failures()
+        for iteration, line in sorted(failures.lines.items()) if failures else ():
+            if iteration not in self.unsaved:
+                self.unsaved[iteration] = line
+                self._print(f"[deadpool] {line}")
 
     def _write_summary(self, rc: int, wall_s: float) -> None:
         local = self.local
@@ -251,6 +275,7 @@ class MegatronLauncher:
             "out_of_redundancy": oor.to_dict() if oor else None,
             "job_error": job_error.to_dict() if job_error else None,
             "lost_after_training": ended.to_dict() if ended else None,
+            "checkpoints_not_saved": {str(t): line for t, line in sorted(self.unsaved.items())},
             "exit_codes": {member: p.poll() for member, p in local.procs.items()},
             # each rank's digest of its final parameters and buffers (`digest.rank_digest`)
             "param_digests": {str(r): d for r, d in local.digests().items()},

@@ -28,11 +28,13 @@ launch of the same command with `--load` (`resume.py`), where a full world exist
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import logging
 import os
 import time
 import traceback
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -131,6 +133,7 @@ class MegatronSession:
         self.reported = 0  # recoveries already printed
         self.total_loss_dict: dict[str, Any] | None = None  # Megatron's training_log sums
         self._log_state_to_load: dict[str, Any] | None = None
+        self._held: list[tuple[int, str]] | None = None  # checkpoints not saved, not yet said
 
     # ------------------------------------------------------------------ start-up
     def begin(self) -> bool:
@@ -507,6 +510,50 @@ class MegatronSession:
         )
         traceback.clear_frames(exc.__traceback__)
         self.pending = exc
+
+    def checkpoint_not_saved(self, iteration: int, line: str) -> None:
+        """Megatron's checkpoint of `iteration` was not written (`save.py`; every rank alike,
+        `line` says what was and was not saved): a warning in every rank's log, and rank 0 tells
+        the launcher, with what happens next: training goes on (DeadPool protects its state in
+        memory), unless it is complete or Megatron stops (a save of its exit check: held until
+        the check decided, `exit_check`)."""
+        if self._held is not None:
+            self._held.append((iteration, line))
+            return
+        d = self.driver
+        if d.completed is not None:
+            line += (
+                f"; training is complete: its final state (iteration {d.completed}) is not saved"
+            )
+        else:
+            line += "; training goes on (its state is protected in memory)"
+        self._say_not_saved(iteration, line)
+
+    @contextlib.contextmanager
+    def exit_check(self) -> Iterator[Callable[[bool], None]]:
+        """Around Megatron's `checkpoint_and_decide_exit`: a checkpoint it fails to save is
+        said once it decided (call the yielded function with its answer: True, Megatron stops)."""
+        self._held = []
+        stops = False
+
+        def decided(stop: bool) -> None:
+            nonlocal stops
+            stops = bool(stop)
+
+        try:
+            yield decided
+        finally:
+            held, self._held = self._held, None
+            for iteration, line in held:
+                if stops:
+                    self._say_not_saved(iteration, f"{line}; Megatron stops after this iteration")
+                else:
+                    self.checkpoint_not_saved(iteration, line)
+
+    def _say_not_saved(self, iteration: int, line: str) -> None:
+        log.warning("%s", line)
+        if self.driver.rank == 0:
+            self.driver.membership.publish_checkpoint_failure(iteration, line)
 
     def before_log(self, total_loss_dict: dict[str, Any]) -> None:
         """Before Megatron's `training_log`: keep a handle on its running sums (a train()

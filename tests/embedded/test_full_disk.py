@@ -21,14 +21,7 @@ from pathlib import Path
 
 import pytest
 from conftest import FAILURE_FREE_ARGS, FAST_HEARTBEAT, TrainRun, deadpool_command, train_case
-
-SMALL_DISK = (
-    'size=$1 save=$2 keep=$3 pidfile=$4; shift 4; mount -t tmpfs -o "size=$size" tmpfs "$save" '
-    '|| exit 90; "$@" & pid=$!; echo $pid > "$pidfile"; wait $pid; rc=$?; '
-    'find "$save" > "$keep.listing"; cp -a "$save/." "$keep/"; exit $rc'
-)
-"""Run a command with `save` a small tmpfs of its own (gone when it ends); the files it holds
-then are listed and copied to `keep`, and the command's PID is in `pidfile` meanwhile."""
+from small_disk import left_files, on_small_disk
 
 ROOM_FOR_ONE = "4m"
 """A CPU demo checkpoint (TP 2 x DP 2) takes 2.6 MB: the first fits, the next does not."""
@@ -37,8 +30,6 @@ ROOM_FOR_ONE = "4m"
 def _small_disk(tmp_path: Path, args: list[str]) -> tuple[subprocess.Popen, Path, Path]:
     """`deadpool train ARGS --save SAVE` with SAVE on a small filesystem: the process, the
     folder its files are copied to when it ends, and the file of its PID."""
-    if os.geteuid() != 0 or shutil.which("unshare") is None:
-        pytest.skip("needs root and unshare to mount a small filesystem privately")
     save, keep, pidfile = tmp_path / "save", tmp_path / "keep", tmp_path / "pid"
     save.mkdir()
     keep.mkdir()
@@ -48,8 +39,7 @@ def _small_disk(tmp_path: Path, args: list[str]) -> tuple[subprocess.Popen, Path
     env = dict(os.environ, OMP_NUM_THREADS="1")
     env.pop("PYTHONWARNINGS", None)
     proc = subprocess.Popen(
-        ["unshare", "-m", "--propagation", "private", "sh", "-c", SMALL_DISK, "sh", ROOM_FOR_ONE,
-         str(save), str(keep), str(pidfile), *cmd],
+        on_small_disk(ROOM_FOR_ONE, save, keep, pidfile, cmd),
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
     )  # fmt: skip
     return proc, keep, pidfile
@@ -58,7 +48,7 @@ def _small_disk(tmp_path: Path, args: list[str]) -> tuple[subprocess.Popen, Path
 def _assert_left_clean(tmp_path: Path, keep: Path) -> None:
     """Nothing but the complete checkpoint of iteration 2 and the marker naming it: no
     temporary file, no partial checkpoint, nothing written outside the private mount."""
-    files = (keep.parent / "keep.listing").read_text().split()
+    files = left_files(keep)
     assert not [f for f in files if f.endswith(".tmp") or "probe" in f], files
     assert sorted(p.name for p in keep.iterdir()) == ["iter_0000002", TRACKER]
     assert (keep / TRACKER).read_text() == "2\n"

@@ -16,10 +16,17 @@ from megatron_deadpool.megatron_lm.interplay import check_megatron_flags
 ON, OFF = DeadpoolConfig(enabled=True), DeadpoolConfig()
 
 
-def test_in_process_restart_is_refused_with_deadpool_only() -> None:
+def test_in_process_restart_and_async_save_are_refused_with_deadpool_only() -> None:
     with pytest.raises(ConfigError, match=r"^--inprocess-restart: .*drop --inprocess-restart"):
         check_megatron_flags(["--num-layers", "2", "--inprocess-restart"], ON)
     check_megatron_flags(["--inprocess-restart"], OFF)  # Megatron's own, DeadPool is off
+    really_async = ["--async-save", "--use-persistent-ckpt-worker"]
+    with pytest.raises(
+        ConfigError, match=r"^--async-save with --use-persistent-ckpt-worker: .*drop --async-save"
+    ):
+        check_megatron_flags([*really_async, "--ckpt-format", "torch_dist"], ON)
+    check_megatron_flags(really_async, OFF)
+    check_megatron_flags(["--async-save"], ON)  # Megatron turns it off: a synchronous save
     for combinable in (
         ["--verify-integrity"],
         ["--rerun-mode", "validate_results", "--error-injection-rate", "1"],

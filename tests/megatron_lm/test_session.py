@@ -108,3 +108,36 @@ def test_every_start_up_bound_option_is_named_when_several_are_given() -> None:
     ]  # fmt: skip
     assert startup_bound_problems(SimpleNamespace()) == []  # a release without these options
     assert startup_bound_problems(SimpleNamespace(cuda_graph_impl=None)) == []
+
+
+def test_a_checkpoint_not_saved_says_what_happens_next() -> None:
+    """Megatron's save that failed (save.py): rank 0 hands the line to the launcher, ending
+    with what follows - training goes on, it is complete, or Megatron's exit check stops it
+    (the line waits for that check's decision)."""
+    from megatron_deadpool.megatron_lm.session import MegatronSession
+
+    published: dict[int, str] = {}
+    driver = SimpleNamespace(
+        completed=None,
+        rank=0,
+        membership=SimpleNamespace(publish_checkpoint_failure=published.__setitem__),
+    )
+    session = MegatronSession(DeadpoolConfig(enabled=True), 0, "")
+    session._active = driver  # type: ignore[assignment]
+    session.checkpoint_not_saved(2, "L2")
+    with session.exit_check() as decided:
+        session.checkpoint_not_saved(3, "L3")
+        assert 3 not in published
+        decided(True)
+    with session.exit_check() as decided:
+        session.checkpoint_not_saved(4, "L4")
+        decided(False)
+    driver.completed = 5
+    session.checkpoint_not_saved(5, "L5")
+    goes_on = "; training goes on (its state is protected in memory)"
+    assert published == {
+        2: "L2" + goes_on,
+        3: "L3; Megatron stops after this iteration",
+        4: "L4" + goes_on,
+        5: "L5; training is complete: its final state (iteration 5) is not saved",
+    }
