@@ -131,6 +131,8 @@ def test_killed_rank_is_hot_swapped_bitwise(shared_runs, tag: str, tmp_path: Pat
     assert re.search(r"deadpool \| recovered \| generation: 1 \| dead ranks: \[2\] \| "
                      r"restored iteration: 2 \| recomputed iterations: 1", run.text)  # fmt: skip
     assert "[deadpool r2 g1] INFO joined generation 1 as rank 2 of 4" in run.text
+    # Its predecessor's snapshot, in the node's segment files, restored it: no transfer.
+    assert re.search(r"\[deadpool r2 g1\] INFO restored iteration \d+ \(from local", run.text)
     # Megatron's own checkpoint after the swap holds the failure-free run's state.
     ours, theirs = _common_state(
         tree, tmp_path / "ckpt", baseline.run_dir.parent / "ckpt", iteration=6
@@ -221,8 +223,9 @@ def test_a_killed_rank_is_respawned_on_its_node_and_spends_no_spare(
     shared_runs, tmp_path: Path
 ) -> None:
     """With --deadpool-respawn-limit, rank 2 SIGKILLed is replaced by a new process on its own
-    node (the launcher is the nodes' agent) and spare s0 stays in the pool; the training is
-    the failure-free run's. The newest tag only: the respawn is DeadPool's launcher and
+    node (the launcher is the nodes' agent), which restores from its predecessor's snapshot in
+    the node's segment files, and spare s0 stays in the pool; the training is the failure-free
+    run's. The newest tag only: the respawn is DeadPool's launcher and
     coordinator, the same code for both tags (the newcomer joins as a spare does, which the
     killed-rank test runs on both)."""
     tree = megatron_lm_tree(NEWEST)
@@ -236,6 +239,29 @@ def test_a_killed_rank_is_respawned_on_its_node_and_spends_no_spare(
     assert rec["replaced_by"] == {"2": "s1"} and run.summary["spares_left"] == ["s0"]
     assert "rank 2 <- s1 (respawned on node 1)" in run.text
     assert "[deadpool r2 g1] INFO joined generation 1 as rank 2 of 4" in run.text
+
+
+@pytest.mark.timeout(3 * RUN_TIMEOUT)
+def test_a_rank_and_its_holder_killed_together_are_respawned_from_their_nodes_memory(
+    shared_runs, tmp_path: Path
+) -> None:
+    """Ranks 1 and 3 (on two nodes, each holding the other's replica) SIGKILLed at the same
+    iteration: without memory that outlives a process this is out of redundancy. Each is
+    respawned on its node, restores from its predecessor's segment files, no spare is spent,
+    and the training is the failure-free run's."""
+    tree = megatron_lm_tree(NEWEST)
+    baseline = shared_runs(NEWEST, "baseline")
+    args = [*MEGATRON_ARGS, "--use-distributed-optimizer", *DEADPOOL_ARGS,
+            "--deadpool-respawn-limit", "1", "--deadpool-fail", "1@4",
+            "--deadpool-fail", "3@4"]  # fmt: skip
+    run = launch(tmp_path, "together", tree / "pretrain_gpt.py", args)
+    _assert_same_training(run, baseline)
+    respawned = {r for rec in run.summary["recoveries"] for r in rec["respawned"]}
+    assert respawned == {"1", "3"} and run.summary["spares_left"] == ["s0"], run.summary
+    for rank in (1, 3):
+        assert re.search(
+            rf"\[deadpool r{rank} g\d\] INFO restored iteration \d+ \(from local", run.text
+        )
 
 
 @pytest.mark.timeout(3 * RUN_TIMEOUT)
