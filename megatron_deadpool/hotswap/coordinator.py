@@ -446,6 +446,8 @@ class Coordinator:
             replaced={r: m for r, m in slots.items() if published[r] != m},
         )
         self.membership.publish_plan(plan)
+        if respawned:  # a respawned process waits as spares do: it reports once it sees the plan
+            self.membership.wake_spares()
         # Survivors report without waiting for the plan: some reports may be in already.
         # ... and the processes respawned in place, from their segment files (they report too).
         self.membership.expect_reports(generation, self.world_size - len(needy) + len(respawned))
@@ -555,8 +557,12 @@ class Coordinator:
             last_completed=last,
         )
         self.say(
-            f"agreed: restore iteration {plan.iteration}, shards from "
-            + ", ".join(f"rank {h} -> rank {n}" for n, h in plan.sources.items())
+            f"agreed: restore iteration {plan.iteration}, "
+            + (
+                "shards from " + ", ".join(f"rank {h} -> rank {n}" for n, h in plan.sources.items())
+                if plan.sources
+                else "every rank from its own snapshot"
+            )
         )
 
     def _save_order(
