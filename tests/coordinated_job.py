@@ -9,7 +9,6 @@ Used by the cluster-coordinator tests that need no standby (`hotswap/test_frozen
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -17,7 +16,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from conftest import REPO_ROOT, deadpool_command
-from procs import free_port, spawn_logged
+from procs import free_port, kill_sessions, spawn_logged
 
 CONFIG = str(REPO_ROOT / "configs" / "cpu-demo.yaml")
 
@@ -56,9 +55,4 @@ def coordinated_job(
             )
         yield procs
     finally:
-        for proc in procs:
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            proc.wait()
+        kill_sessions(procs)

@@ -5,6 +5,8 @@ sleeping "long enough"), and a process's state.
 
 from __future__ import annotations
 
+import os
+import signal
 import socket
 import subprocess
 import time
@@ -49,3 +51,13 @@ def process_state(pid: int) -> str | None:
 def wait_stopped(pid: int, timeout_s: float = 30.0) -> None:
     """Until process `pid` is stopped (SIGSTOP took effect)."""
     wait_until(lambda: process_state(pid) == "T", timeout_s, f"process {pid} to be stopped")
+
+
+def kill_sessions(procs: list[subprocess.Popen]) -> None:
+    """SIGKILL each process's session (`spawn_logged` starts one per process) and reap it."""
+    for proc in procs:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait()

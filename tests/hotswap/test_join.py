@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -23,7 +22,7 @@ from typing import Any
 
 import pytest
 from conftest import REPO_ROOT, TrainRun, deadpool_command
-from procs import free_port, spawn_logged
+from procs import free_port, kill_sessions, spawn_logged
 
 CONFIG = str(REPO_ROOT / "configs" / "cpu-demo.yaml")
 ITERS = "6"
@@ -76,12 +75,7 @@ def test_a_joined_spare_takes_a_failed_ranks_slot_bitwise(
             )
         assert procs[0].wait(timeout=330) == 0, (logs / "coordinator.out").read_text()[-3000:]
     finally:
-        for proc in procs:
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            proc.wait()
+        kill_sessions(procs)
     events = _events(logs)
     (joined,) = [e for e in events if e["event"] == "spare_joined"]
     assert joined["member"] == "s0"  # the job had no spare: the joiner is the first
