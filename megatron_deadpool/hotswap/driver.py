@@ -367,8 +367,9 @@ class Driver:
             if self._slot_waiter is None:  # from now on every roster and the shutdown wake us
                 self._slot_waiter = spare_wakeups(m)
                 continue  # look again: what happened before the waiter started is visible now
-            # The timeout: SIGTERM, faults, and the plan that names a respawned process.
-            self._slot_waiter.wait(0.2 if may_fail or where is not None else 1.0)
+            # Rosters, the shutdown and a plan naming a respawned process wake it; the
+            # timeout is for SIGTERM and faults.
+            self._slot_waiter.wait(0.2 if may_fail else 1.0)
 
     def _report_segments(self, where: Path) -> None:
         """A process its node's agent started in a dead one's place: once the plan that names
@@ -466,6 +467,7 @@ class Driver:
             and self._rank() not in self.membership.sources(roster.generation).holders
         )
         t_iter = self.restore(roster, needy=not local, held=held if local else None)
+        self._segment_holdings = None  # its files are the new replicator's slots now
         self._record(roster, target, t0, {"join": t_joined - t0, "restore": time.time() - t_joined})
         return t_iter
 
@@ -691,7 +693,7 @@ class Driver:
         self.replicator = self._make_replicator()
         self.replicator.start_round(t_iter)
         self.committed = self.replicator.finish_round()
-        self.job.after_restore(t_iter, needy=needy)
+        self.job.after_restore(t_iter, needy=needy or held is not None)  # a newcomer either way
         self.membership.stamp(self.generation, "restored", self._rank())
         self.resumed_at = t_iter + 1
         self.last_completed = t_iter

@@ -70,7 +70,12 @@ def test_a_crash_is_respawned_and_a_lost_node_takes_the_spares(
     assert crash["dead_ranks"] == [1] and crash["respawned"] == {"1": 0}
     assert crash["replaced_by"] == {"1": "s2"}  # a new process, not spare s0
     assert node["dead_ranks"] == [2, 3] and node["respawned"] == {}
-    assert node["replaced_by"] == {"2": "s0", "3": "s1"} and summary["spares_left"] == []
+    # Which spare takes which rank follows the order the two deaths were seen in.
+    assert sorted(node["replaced_by"].items()) in (
+        [("2", "s0"), ("3", "s1")],
+        [("2", "s1"), ("3", "s0")],
+    )
+    assert summary["spares_left"] == []
     assert moved["dead_ranks"] == [3] and moved["respawned"] == {"3": 2}
     assert moved["replaced_by"] == {"3": "s3"}
 
