@@ -141,19 +141,24 @@ class Replicator:
         on_host = self.device.type == "cpu"
         self.transfer_group = host_group if on_host and host_group is not None else group
         check_takes(self.transfer_group, self.device)
+        mapped = dict(previous.files) if previous is not None else {}
         if previous is not None:
             previous.retire()  # its other buffers are freed before anything new is allocated
-        pool = Pool(kept, self.device, self.pinned)
-        del kept
+        pool = Pool(kept, self.device, self.pinned, mapped)
+        del kept, mapped
         where = memory.segments if on_host else None  # GPU replicas die with the process
-        self.segments = where
 
-        def files(owner: int) -> tuple[Path, Path] | None:
+        def paths(owner: int) -> tuple[Path, Path] | None:
             return None if where is None else slot_paths(where, rank, owner, self.sizes[owner])
 
-        self.local = pool.pair(self.sizes[rank], files(rank))
-        self.held = {o: pool.pair(self.sizes[o], files(o)) for o in self.owners}
+        self.local = pool.pair(self.sizes[rank], paths(rank))
+        self.held = {o: pool.pair(self.sizes[o], paths(o)) for o in self.owners}
         del pool
+        self.files: dict[Path, torch.Tensor] = {}
+        """The buffers that map segment files (`segments.py`), by file: a successor keeps them."""
+        for owner, pair in [(rank, self.local), *self.held.items()]:
+            for path, buf in zip(paths(owner) or (), pair.buffers):
+                self.files[path] = buf
         on_gpu = snapshotter.device.type == "cuda"
         self._stream = torch.cuda.Stream(snapshotter.device) if on_gpu else None
         # Host replicas of GPU state are sent after the capture's copy lands: a thread waits.
@@ -447,6 +452,7 @@ class Replicator:
         self._findings = None
         self.local = SlotPair((torch.empty(0, dtype=torch.uint8),) * 2)
         self.held = {}
+        self.files = {}
         self._works = []
 
     # ------------------------------------------------------------------ recovery support

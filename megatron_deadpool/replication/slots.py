@@ -56,15 +56,28 @@ class Pool:
     """Buffers to hand out: `reusable` ones (a predecessor's), taken when size and place match,
     else new ones of exactly the size asked for."""
 
-    def __init__(self, reusable: Iterable[torch.Tensor], device: torch.device, pin: bool) -> None:
+    def __init__(
+        self,
+        reusable: Iterable[torch.Tensor],
+        device: torch.device,
+        pin: bool,
+        mapped: dict[Path, torch.Tensor] | None = None,
+    ) -> None:
+        """`mapped`: a predecessor's buffers that map segment files, by file."""
         self.device = device
         self.pin = pin
         self.free = [b for b in reusable if b.device == device and b.is_pinned() == pin]
+        self.mapped = {
+            p: b for p, b in (mapped or {}).items() if b.device == device and b.is_pinned() == pin
+        }
 
     def take(self, nbytes: int, path: Path | None = None) -> torch.Tensor:
-        """A buffer of `nbytes`; with `path` (host memory), a mapping of that file (`buffer`),
-        which its predecessor's buffer of the same slot maps too: the same memory."""
+        """A buffer of `nbytes`; with `path` (host memory), the mapping of that file - the
+        predecessor's (no second mapping, no second page-locking), or a new one (`buffer`)."""
         if path is not None:
+            kept = self.mapped.pop(path, None)
+            if kept is not None and kept.numel() == nbytes:
+                return kept
             return buffer(nbytes, self.device, pinned=self.pin, path=path)
         for i, buf in enumerate(self.free):
             if buf.numel() == nbytes:

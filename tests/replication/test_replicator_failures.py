@@ -25,7 +25,9 @@ from procs import wait_stopped, wait_until
 PG_TIMEOUT = datetime.timedelta(seconds=60)
 
 
-def _replicator(rank: int, world_size: int, replicas: int, seed: int, previous: Any = None):
+def _replicator(
+    rank: int, world_size: int, replicas: int, seed: int, previous: Any = None, segments: Any = None
+):
     import torch.distributed as dist
     from optimizers import Scheduler, Wrapped, make_optimizer, set_grads
 
@@ -41,7 +43,7 @@ def _replicator(rank: int, world_size: int, replicas: int, seed: int, previous: 
     state = RankState(Wrapped(opt), Scheduler())
     layout = Layout(tp=1, pp=1, dp=world_size, ranks_per_node=1)
     group = dist.new_group(backend="gloo", timeout=PG_TIMEOUT)
-    memory = ReplicaMemory("cpu", Device("cpu", "gloo"))
+    memory = ReplicaMemory("cpu", Device("cpu", "gloo"), segments)
     placement = place_replicas(layout, replicas)
     return Replicator(Snapshotter(state, rank), placement, rank, group, memory, previous), opt
 
@@ -120,6 +122,53 @@ def _reuse_rank(*, rank: int, world_size: int, store: Any) -> dict[str, Any]:
 def test_a_new_replicator_takes_over_its_predecessors_buffers() -> None:
     for r in run_world("test_replicator_failures:_reuse_rank", 2, timeout=120):
         assert r == {"reused": True, "first_emptied": True, "committed": 2}, r
+
+
+def _segments_rank(*, rank: int, world_size: int, store: Any) -> dict[str, Any]:
+    import shutil
+    import tempfile
+    from pathlib import Path
+
+    import torch
+
+    from megatron_deadpool.replication.segments import SegmentHoldings
+
+    where = Path(tempfile.mkdtemp(prefix="deadpool-segments-test-"))
+    try:
+        first, _ = _replicator(rank, world_size, replicas=1, seed=rank, segments=where)
+        first.start_round(1)
+        first.finish_round()
+        before = {p: b.data_ptr() for p, b in first.files.items()}
+        second, _ = _replicator(rank, world_size, 1, rank, previous=first, segments=where)
+        second.start_round(2)
+        second.finish_round()
+        after = {p: b.data_ptr() for p, b in second.files.items()}
+        # What a process respawned in this one's place would find in the files.
+        found = SegmentHoldings(where, rank)
+        own = found.verified_copy(rank, 2)
+        mine = second.verified_copy(rank, 2)
+        return {
+            "files": sorted(p.name for p in where.iterdir()),
+            "same_mappings": before == after and len(after) == 4,
+            "holdings": found.holdings(),
+            "own_copy_equal": own is not None and mine is not None and torch.equal(own, mine),
+        }
+    finally:
+        shutil.rmtree(where)
+
+
+@pytest.mark.timeout(150)
+def test_slots_in_segment_files_outlive_the_replicator_and_are_kept_by_its_successor() -> None:
+    """With a node's segment folder (`replication/segments.py`) the slots are files: a
+    successor keeps its predecessor's mappings (no second mapping, nor on a GPU a second
+    page-locking), and what a respawned process would read there is every verified copy."""
+    results = run_world("test_replicator_failures:_segments_rank", 2, timeout=120)
+    for rank, r in enumerate(results):
+        peer = 1 - rank
+        assert r["same_mappings"] and r["own_copy_equal"], r
+        # The successor knows nothing verified at first: its round 2 overwrote round 1's slot.
+        assert r["holdings"] == {"local": [2], str(peer): [2]}, r
+        assert len(r["files"]) == 4 and all(f.startswith(f"r{rank}-o") for f in r["files"]), r
 
 
 def _exchange_rank(*, rank: int, world_size: int, store: Any) -> dict[str, Any]:
