@@ -20,8 +20,10 @@ detector's part (`detector.py`); each `tick()` then:
   3. each phase's wall time, from the stamps ranks publish; the recovery is then complete, and
      the keys of the generations before the previous one are deleted over the next ticks, a
      batch each (`pruning.py`; what may go: `retention.py`).
-Every observation and decision goes to the event log (`events.py`). State changes only through
-these methods (`add_spare` for a spare that joins later); what launchers read is read-only.
+Each tick also adds to the spare pool the processes that joined the running job
+(`joining.py`). Every observation and decision goes to the event log (`events.py`). State
+changes only through these methods (`add_spare` for a spare a launcher adds later); what
+launchers read is read-only.
 
 The cost of a tick does not grow with the job while nothing happens: heartbeats are read in one
 batched sweep every `sweep_interval`, reports and phase stamps are counted by the store (one
