@@ -42,6 +42,7 @@ LONGEST_FIRST = (
     "embedded/test_respawn.py",
     "selftest/test_selftest.py",
     "embedded/test_full_disk.py",
+    "megatron_lm/test_megatron_lm_full_disk.py",
 )
 """The modules that take longest (a minute or more each on 2 cores), longest first."""
 

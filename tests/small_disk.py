@@ -1,7 +1,7 @@
 """A `--save` folder on a small filesystem of a command's own: a tmpfs mounted in a private
 mount namespace (`unshare`, needs root), so that a checkpoint fills it up for real. Shared by the
 embedded job's and Megatron-LM's full-disk tests (tests/embedded/test_full_disk.py,
-tests/megatron_lm/test_full_disk.py)."""
+tests/megatron_lm/test_megatron_lm_full_disk.py)."""
 
 from __future__ import annotations
 

@@ -27,7 +27,6 @@ import threading
 import time
 import traceback
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any, TypeVar
 
 import torch.distributed as dist
@@ -57,23 +56,18 @@ from ..logs import set_context
 from ..replication import segments
 from ..replication.placement import Layout, Placement, RankOrder, place_replicas
 from ..replication.replicator import Replicator
+from ..replication.segments import SegmentHoldings
 from ..replication.snapshot import Snapshotter
 from . import orphaned, private_world, rebind
 from .adapter import JobAdapter, RecoveryRecord
 from .connection import Heartbeat
 from .failover import CoordinatorLink, FailoverStore, host_id
+from .inheritance import Inheritance
 from .injection import FaultInjector
+from .joining import member_name, unnamed
 from .layout_check import check_megatron_groups
 from .membership import Membership
-from .messages import (
-    ErrorReport,
-    HoldingsReport,
-    LayoutRecord,
-    Phase,
-    Registration,
-    Roster,
-    member_of,
-)
+from .messages import ErrorReport, LayoutRecord, Phase, Registration, Roster
 from .plan_watch import PlanWatch
 from .recovery import Recovery, abort_keeping_arrivals, release_groups
 from .seal import JobSeal
@@ -121,11 +115,8 @@ class Driver:
         """`member` (a{r} / s{i}) or `task` (a task index: actives first, then spares; the
         member name follows once the coordinator's world size is known), or neither with
         `cfg.join` (a spare joining a running job: its name comes from the coordinator)."""
-        if cfg.join:
-            if member is not None or task is not None:
-                raise ValueError("a joining process takes its name from the coordinator")
-        elif (member is None) == (task is None):
-            raise ValueError("give exactly one of member and task")
+        if (member is not None) + (task is not None) != (0 if cfg.join else 1):
+            raise ValueError("give one of member and task (none when joining: see cfg.join)")
         self.cfg = cfg
         self.device = device
         self.coordinator = coordinator
@@ -147,8 +138,7 @@ class Driver:
         self.last_completed = 0
         self.resumed_at: int | None = None
         self.recoveries: list[RecoveryRecord] = []
-        self._segment_holdings: segments.SegmentHoldings | None = None  # a respawn's
-        self._segments_reported = 0  # the newest plan they were reported for
+        self._inherited = Inheritance(segments.folder())  # a respawned process's
         # a peer frozen in a collective with us, or (NCCL) a collective that failed silently
         self.plan_watch = PlanWatch(start_abort, errors=self._collective_errors)
         self._device_watch: DeviceWatch | None = None  # CUDA: this GPU still completes work
@@ -211,12 +201,12 @@ class Driver:
             op_timeout=min(cfg.heartbeat_timeout, cfg.connect_timeout),
             rebuild_timeout=2 * cfg.heartbeat_timeout + cfg.connect_timeout,
             beat_s=cfg.heartbeat_interval,
-            member=lambda: self.member or self._unnamed(),
+            member=lambda: self.member or unnamed(self.task),
             record=self.rejoin_record,
         )
         link.connect()
         store = FailoverStore(link)
-        membership = Membership(store, self.member or self._unnamed(), self.seal)
+        membership = Membership(store, self.member or unnamed(self.task), self.seal)
         membership.check_token()
         # The coordinator's first roster is the authority on the world size.
         world = membership.wait_roster(0, self.cfg.pg_timeout).world_size
@@ -227,12 +217,7 @@ class Driver:
                 f"`deadpool coordinator --world-size {world_size}`"
             )
         if not self.member:
-            if self.cfg.join:
-                self.member = membership.claim_spare_name()
-                log.info("joined the running job as spare %s", self.member)
-            else:
-                assert self.task is not None
-                self.member = member_of(self.task, world)
+            self.member = member_name(membership, self.task, world)
             membership = membership.sibling(store, self.member)
         self._membership = membership
         self._faults = FaultInjector(cfg.fail, membership)
@@ -245,10 +230,6 @@ class Driver:
         beat.after_beat = self._after_beat
         beat.start()
         atexit.register(self.stop_heartbeat)  # whatever way this process ends (`Heartbeat.stop`)
-
-    def _unnamed(self) -> str:
-        """What this process is called before it has a member name."""
-        return "joining" if self.task is None else f"task{self.task}"
 
     def _after_beat(self, membership: Membership) -> None:
         """After each heartbeat (heartbeat thread): the plan watch, then (CUDA) whether this GPU
@@ -304,7 +285,7 @@ class Driver:
         its threads first notices the loss)."""
         roster = self._roster
         return Registration(
-            member=self.member or self._unnamed(),
+            member=self.member or unnamed(self.task),
             host=host_id(),
             rank=self.rank,
             generation=roster.generation if roster else -1,
@@ -341,15 +322,13 @@ class Driver:
     def _wait_for_slot(self) -> Roster | None:
         m, faults = self.membership, self.faults
         may_fail = faults.waiting_faults(self.member)
-        where = segments.folder()
         while True:
             if m.shutdown_requested() or self.sigterm.is_set():
                 self.stop_heartbeat()
                 log.info("released: the job ended without needing this spare")
                 return None
             faults.while_waiting(self.member)  # `spare:I@ITER`: a waiting spare fails
-            if where is not None:
-                self._report_segments(where)
+            self._inherited.report(m, self.member)
             g = m.generation()
             if g >= 0:
                 roster = m.roster(g)
@@ -370,27 +349,6 @@ class Driver:
             # Rosters, the shutdown and a plan naming a respawned process wake it; the
             # timeout is for SIGTERM and faults.
             self._slot_waiter.wait(0.2 if may_fail else 1.0)
-
-    def _report_segments(self, where: Path) -> None:
-        """A process its node's agent started in a dead one's place: once the plan that names
-        it is out, report what its predecessor's segment files hold (`replication.segments`),
-        as a survivor reports, so that they count in the coordinator's decision. Again for a
-        plan that supersedes it."""
-        m = self.membership
-        g = m.latest_plan()
-        if g <= self._segments_reported:
-            return
-        plan = m.plan(g)
-        rank = next((r for r, member in (plan.replaced if plan else {}).items()
-                     if member == self.member), None)  # fmt: skip
-        if rank is None:
-            return
-        if self._segment_holdings is None or self._segment_holdings.rank != rank:
-            self._segment_holdings = segments.SegmentHoldings(where, rank)
-        holds = {k: tuple(v) for k, v in self._segment_holdings.holdings().items()}
-        m.report_holdings(g, rank, HoldingsReport(self.member, 0, holds))
-        self._segments_reported = g
-        log.info("reported the segments of rank %d for generation %d: %s", rank, g, holds)
 
     def _take(self, roster: Roster) -> None:
         """Become the rank `roster` gives this process (before any group exists)."""
@@ -460,14 +418,9 @@ class Driver:
         self.join(roster, self.job.init_model_parallel)
         self.attach()
         t_joined = time.time()
-        # A respawned process the plan names no source for restores from its segment files.
-        held = self._segment_holdings
-        local = (
-            held is not None
-            and self._rank() not in self.membership.sources(roster.generation).holders
-        )
-        t_iter = self.restore(roster, needy=not local, held=held if local else None)
-        self._segment_holdings = None  # its files are the new replicator's slots now
+        sources = self.membership.sources(roster.generation).holders
+        held = self._inherited.take(self._rank(), sources)  # a respawn's own snapshot
+        t_iter = self.restore(roster, needy=held is None, held=held)
         self._record(roster, target, t0, {"join": t_joined - t0, "restore": time.time() - t_joined})
         return t_iter
 
@@ -672,9 +625,7 @@ class Driver:
         """Release every group handle the job's objects hold (a newcomer's private world)."""
         return rebind.release(self._roots())
 
-    def restore(
-        self, roster: Roster, *, needy: bool, held: segments.SegmentHoldings | None = None
-    ) -> int:
+    def restore(self, roster: Roster, *, needy: bool, held: SegmentHoldings | None = None) -> int:
         """Bring this rank to the restore iteration T; returns T.
 
         Holders send the needy ranks their shard of T (verified by its checksum on arrival);

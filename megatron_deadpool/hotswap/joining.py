@@ -1,4 +1,5 @@
-"""Processes that join a running job as spares (`--deadpool-join`): how the coordinator finds them.
+"""Processes that join a running job as spares (`--deadpool-join`): how they are named, and how the
+coordinator finds them.
 
 A joining process - on a repaired node, or a node of another allocation - connects to the
 coordinator's store with the job's secret, takes the next spare name from the counter
@@ -12,10 +13,14 @@ only makes names that never announce, which are given up after `WAIT_S` seconds;
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from .membership import Membership
+from .messages import member_of
+
+log = logging.getLogger("megatron_deadpool.driver")
 
 LOOK_S = 1.0
 """Seconds between two looks at the counter."""
@@ -74,6 +79,22 @@ class Joiners:
                     f"claimed its name but did not announce itself in {WAIT_S:g}s"
                 )
         return out
+
+
+def member_name(membership: Membership, task: int | None, world: int) -> str:
+    """A process's member name once it knows the job's world size: from its task index
+    (actives first, then spares), or, for a process joining the running job (no task), the
+    next spare name from the job's store."""
+    if task is not None:
+        return member_of(task, world)
+    name = membership.claim_spare_name()
+    log.info("joined the running job as spare %s", name)
+    return name
+
+
+def unnamed(task: int | None) -> str:
+    """What a process is called before it has a member name."""
+    return "joining" if task is None else f"task{task}"
 
 
 def next_spare_number(members: list[str]) -> int:

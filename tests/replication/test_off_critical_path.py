@@ -139,6 +139,8 @@ def _rebuilt_rank(*, rank: int, world_size: int, store: Any) -> dict[str, Any]:
     from megatron_deadpool.replication.snapshot import Snapshotter
 
     class Memory:  # records the vote's inputs; host memory on the CPU
+        segments = None  # no segment files (`replication/segments.py`)
+
         def __init__(self) -> None:
             self.asked: list[dict[str, Any]] = []
 
