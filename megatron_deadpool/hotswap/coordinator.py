@@ -272,9 +272,8 @@ class Coordinator:
         return (
             member in self._spares
             or member in self.dead
-            or member in self._respawned
             or member in self._roster.slots.values()
-            or member in self._slots().values()
+            or member in self._slots().values()  # a planned newcomer (a respawn: `joining.py`)
         )
 
     def training_done(self) -> bool:

@@ -147,18 +147,20 @@ class Replicator:
         pool = Pool(kept, self.device, self.pinned, mapped)
         del kept, mapped
         where = memory.segments if on_host else None  # GPU replicas die with the process
-
-        def paths(owner: int) -> tuple[Path, Path] | None:
-            return None if where is None else slot_paths(where, rank, owner, self.sizes[owner])
-
-        self.local = pool.pair(self.sizes[rank], paths(rank))
-        self.held = {o: pool.pair(self.sizes[o], paths(o)) for o in self.owners}
+        paths = {
+            o: slot_paths(where, rank, o, self.sizes[o])
+            for o in (rank, *self.owners)
+            if where is not None
+        }
+        self.local = pool.pair(self.sizes[rank], paths.get(rank))
+        self.held = {o: pool.pair(self.sizes[o], paths.get(o)) for o in self.owners}
         del pool
-        self.files: dict[Path, torch.Tensor] = {}
+        self.files: dict[Path, torch.Tensor] = {
+            path: buf
+            for owner, pair in [(rank, self.local), *self.held.items()]
+            for path, buf in zip(paths.get(owner, ()), pair.buffers)
+        }
         """The buffers that map segment files (`segments.py`), by file: a successor keeps them."""
-        for owner, pair in [(rank, self.local), *self.held.items()]:
-            for path, buf in zip(paths(owner) or (), pair.buffers):
-                self.files[path] = buf
         on_gpu = snapshotter.device.type == "cuda"
         self._stream = torch.cuda.Stream(snapshotter.device) if on_gpu else None
         # Host replicas of GPU state are sent after the capture's copy lands: a thread waits.

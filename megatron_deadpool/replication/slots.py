@@ -86,9 +86,8 @@ class Pool:
 
     def pair(self, nbytes: int, paths: tuple[Path, Path] | None = None) -> SlotPair:
         """Two buffers of `nbytes`: `paths`, the files of the two slots (`segments`)."""
-        if paths is None:
-            return SlotPair((self.take(nbytes), self.take(nbytes)))
-        return SlotPair((self.take(nbytes, paths[0]), self.take(nbytes, paths[1])))
+        first, second = paths or (None, None)
+        return SlotPair((self.take(nbytes, first), self.take(nbytes, second)))
 
 
 def gpu_bytes(buffers: Iterable[torch.Tensor]) -> int:
