@@ -89,6 +89,10 @@ def _abort_rank(*, rank: int, world_size: int, store: Any, use_deadpool: bool) -
     )
     still_blocked = all(t.is_alive() for t, _ in threads)
     connections = len(tracked())
+    # Neither survivor aborts before the other has seen its own threads block: an abort shuts
+    # the connection between the two survivors as well, which ends the other's collectives.
+    store.set(f"blocked{rank}", "1")
+    store.wait([f"blocked{peer}" for peer in (0, 1)])
     t0 = time.monotonic()
     if use_deadpool:
         report = abort_groups()
@@ -134,7 +138,7 @@ def test_abort_groups_unblocks_collectives_with_a_stopped_peer() -> None:
     )
     for rank in (0, 1):
         r = results[rank]
-        assert r["blocked_before_abort"], r
+        assert r["blocked_before_abort"], (r["errors"], r)
         assert r["tracked_connections"] >= 2, r  # WORLD and the sub-groups' gloo connections
         assert r["aborted"] and r["all_returned"], r
         assert r["returned_s"] < 5.0, r  # not the 60 s group timeout
