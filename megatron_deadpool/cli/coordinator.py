@@ -137,7 +137,7 @@ def run(args: argparse.Namespace) -> int:
     )
     setup_logging()
     try:
-        store = host_store(host, port)  # listens on that host only
+        store = host_store(host, port, keepalive_s=cfg.store_keepalive)  # on that host only
     except (RuntimeError, OSError) as exc:
         raise ConfigError(f"deadpool-coordinator: cannot listen on {address} ({exc})") from None
 

@@ -187,6 +187,14 @@ class DeadpoolConfig:
         return self.heartbeat_timeout
 
     @property
+    def store_keepalive(self) -> float:
+        """Seconds after which the store drops a connection whose host stopped answering (a node
+        lost without closing its sockets): the process-group timeout, by which every collective
+        with that host has timed out and the heartbeat monitor has long named it dead. A live
+        host's connections are never dropped (its kernel answers the probes)."""
+        return self.pg_timeout
+
+    @property
     def suspect_after(self) -> float:
         """Silence that names a rank dead once a survivor reported a failed collective: half
         the heartbeat timeout, at least 3 heartbeat intervals."""

@@ -100,7 +100,7 @@ class LocalJob:
             )
         self._segments: dict[str, Path] = {}
         host = self._store_host()
-        store = host_store(host, 0)
+        store = host_store(host, 0, keepalive_s=cfg.store_keepalive)
         self.address = f"{host}:{store.port}"
         self.membership = Membership(store, "launcher", JobSeal(token))
         self.membership.set_token()

@@ -152,6 +152,7 @@ from .messages import (
     holds_sealed,
 )
 from .seal import ForgedValue, JobSeal
+from .store_files import keep_alive
 
 log = logging.getLogger("megatron_deadpool.membership")
 
@@ -891,10 +892,14 @@ class Membership:
         return self.store.add(Keys.SALVAGE_MANIFEST, 1) == 1
 
 
-def host_store(host: str, port: int, timeout_s: float = 300.0) -> dist.TCPStore:
+def host_store(
+    host: str, port: int, timeout_s: float = 300.0, keepalive_s: float | None = None
+) -> dist.TCPStore:
     """Host the job's store listening on `host` only (torch's own server binds every interface).
 
-    Port 0 picks a free port (`store.port`). The listening socket is handed to torch, which
+    Port 0 picks a free port (`store.port`). `keepalive_s`: a connection whose host has not
+    answered for that long is dropped (`store_files.keep_alive`; None: never). The listening
+    socket is handed to torch, which
     closes it when the store goes: Python's socket object is detached, so that its own close
     cannot hit the same descriptor number a second time - by then possibly another socket's (a
     race seen as EBADF on an unrelated socket's close).
@@ -903,6 +908,8 @@ def host_store(host: str, port: int, timeout_s: float = 300.0) -> dist.TCPStore:
     sock = socket.socket(family, socket.SOCK_STREAM)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if keepalive_s is not None:
+            keep_alive(sock, keepalive_s)
         sock.bind((host, port))
         sock.listen(1024)
         store = dist.TCPStore(

@@ -10,17 +10,29 @@ hard limit allows (`reserve_files`), and refuses to start (`OpenFilesError`, exi
 even the hard limit cannot hold the job, naming `ulimit -n` and the number it needs.
 
 How many (`store_files_needed`): the connections of every process the job may have at once - its
-actives, its spares, and the spares' number again for the processes they replace. A process that
-dies on a live host has its connections closed by the kernel, but one on a host that vanished
-(power lost, cut off) leaves them half-open, and torch's server offers no way to drop an idle or
-half-open connection (no keep-alive or idle timeout in its Python API): it holds their
-descriptors for as long as it runs. Plus `RESERVE` for the host process's own files (its own
-clients of the store, its logs, a standby's probes of the other coordinators).
+actives, its spares, and the spares' number again for the processes they replace. Plus `RESERVE`
+for the host process's own files (its own clients of the store, its logs, a standby's probes of
+the other coordinators).
+
+Half-open connections (`keep_alive`). A process that dies on a live host has its connections
+closed by the kernel, but one on a host that vanished (power lost, cut off) leaves them
+half-open: nothing ever arrives on them, and torch's server (libuv) would hold their descriptors
+for as long as it runs. torch has no keep-alive setting, but the job's store listens on a socket
+DeadPool makes (`membership.host_store`), and on Linux a connection accepted from a listening
+socket inherits its keep-alive options (`SO_KEEPALIVE`, `TCP_KEEPIDLE`, `TCP_KEEPINTVL`,
+`TCP_KEEPCNT`) and `TCP_USER_TIMEOUT`. So the kernel probes a connection that has been silent
+for half the keep-alive time, and when its host has not answered for the whole of it (or has left
+data unacknowledged that long) the connection fails with ETIMEDOUT; torch's server then closes
+it (its read callback closes a connection on any error), and the descriptor is free again. A
+live host's kernel answers the probes whatever its process does (stopped, blocked in a wait), so
+only connections to hosts that are gone are dropped.
 """
 
 from __future__ import annotations
 
+import math
 import resource
+import socket
 
 from ..errors import OpenFilesError
 
@@ -54,3 +66,17 @@ def reserve_files(need: int, what: str) -> int:
         resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
         soft = target
     return soft
+
+
+def keep_alive(sock: socket.socket, seconds: float) -> None:
+    """Make the connections `sock` (a listening socket) accepts fail once their host has not
+    answered for `seconds`: keep-alive probes after `seconds / 2` of silence, every `seconds / 12`,
+    and `TCP_USER_TIMEOUT` of `seconds` (which, with keep-alive on, decides when the connection
+    is given up). Whole seconds for the probes, at least 1."""
+    if not (math.isfinite(seconds) and seconds > 0):
+        raise ValueError(f"keep-alive: a finite number of seconds > 0, got {seconds!r}")
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, max(1, int(seconds / 2)))
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, max(1, int(seconds / 12)))
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, 6)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, max(1000, int(seconds * 1000)))
