@@ -899,10 +899,9 @@ def host_store(
 
     Port 0 picks a free port (`store.port`). `keepalive_s`: a connection whose host has not
     answered for that long is dropped (`store_files.keep_alive`; None: never). The listening
-    socket is handed to torch, which
-    closes it when the store goes: Python's socket object is detached, so that its own close
-    cannot hit the same descriptor number a second time - by then possibly another socket's (a
-    race seen as EBADF on an unrelated socket's close).
+    socket is handed to torch, which closes it when the store goes: Python's socket object is
+    detached, so that its own close cannot hit the same descriptor number a second time - by then
+    possibly another socket's (a race seen as EBADF on an unrelated socket's close).
     """
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
