@@ -63,6 +63,15 @@ class PeerWatch:
             self.clients.pop(address, None)
             return False, None
 
+    def ended(self, address: str, membership: Membership) -> bool | None:
+        """Whether the job ended at the coordinator at `address` (`membership`: its client);
+        None when it stopped answering since its probe (frozen or lost in between)."""
+        try:
+            return membership.shutdown_requested()
+        except STORE_ERRORS:
+            self.clients.pop(address, None)
+            return None
+
     def serving(self, addresses: list[str]) -> tuple[str, Membership] | None:
         """The first of `addresses` that serves this job, with a client of it."""
         for address in addresses:
@@ -131,8 +140,9 @@ class Standby:
         while True:
             found = self.watch.serving(self.earlier)
             now = time.monotonic()
-            if found is not None:
-                address, primary = found
+            ended = None if found is None else self.watch.ended(*found)
+            if found is not None and ended is not None:
+                address = found[0]
                 if last_seen is None:
                     self.events("standby_watching", coordinator=address, epoch=self.index)
                     self.say(
@@ -140,7 +150,7 @@ class Standby:
                         f"{cfg.heartbeat_timeout:g}s"
                     )
                 last_seen = now
-                if primary.shutdown_requested():
+                if ended:
                     self.events("standby_not_needed", coordinator=address)
                     self.say(f"the job ended at {address}: standby not needed")
                     return False

@@ -23,7 +23,7 @@ from megatron_deadpool.hotswap.failover import CoordinatorLink, FailoverStore
 from megatron_deadpool.hotswap.membership import Membership, host_store
 from megatron_deadpool.hotswap.messages import CoordinatorIdentity, Registration
 from megatron_deadpool.hotswap.seal import JobSeal
-from megatron_deadpool.hotswap.standby import Standby
+from megatron_deadpool.hotswap.standby import PeerWatch, Standby
 
 TOKEN = "job-A"
 SEAL = JobSeal(TOKEN)
@@ -40,6 +40,7 @@ class Server:
         self.relay = socket.create_server(("127.0.0.1", 0))
         self.address = f"127.0.0.1:{self.relay.getsockname()[1]}"
         self.sockets: list[socket.socket] = []
+        self.frozen = threading.Event()  # set: connections stay open, nothing is answered
         threading.Thread(target=self._accept, args=(backend,), daemon=True).start()
 
     def _accept(self, backend: tuple[str, int]) -> None:
@@ -53,11 +54,11 @@ class Server:
             for a, b in ((client, server), (server, client)):
                 threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
 
-    @staticmethod
-    def _pump(src: socket.socket, dst: socket.socket) -> None:
+    def _pump(self, src: socket.socket, dst: socket.socket) -> None:
         try:
             while data := src.recv(65536):
-                dst.sendall(data)
+                if not self.frozen.is_set():
+                    dst.sendall(data)
         except OSError:
             pass
 
@@ -66,6 +67,10 @@ class Server:
         serving = Membership(self.store, "coordinator", JobSeal(token))
         serving.set_identity(CoordinatorIdentity(epoch, nonce))
         serving.set_token()
+
+    def freeze(self) -> None:
+        """Stop answering and keep every connection open (SIGSTOP, a hung node)."""
+        self.frozen.set()
 
     def stop(self) -> None:
         self.relay.close()
@@ -216,3 +221,18 @@ def test_standby_withdraws_when_the_primary_answers_before_anyone_came(tmp_path:
     primary.membership.request_shutdown()
     assert sb.wait_for_loss() is False
     assert isinstance(primary.store, dist.TCPStore)
+
+
+@pytest.mark.timeout(60)
+def test_a_primary_that_freezes_between_the_probe_and_the_next_read_is_silence() -> None:
+    """CI: the primary froze after the standby's probe and before its read of the shutdown
+    request; the read's timeout ended the standby (exit 1) instead of counting as silence."""
+    primary = Server()
+    primary.serve(0, "primary")
+    watch = PeerWatch(SEAL, 0.5)
+    found = watch.serving([primary.address])
+    assert found is not None and watch.ended(*found) is False
+    primary.freeze()
+    assert watch.ended(*found) is None  # not an error: it did not answer this time
+    assert primary.address not in watch.clients  # the next probe opens a fresh client
+    assert watch.serving([primary.address]) is None
