@@ -14,7 +14,9 @@ megatron-core 0.16.1, see shared/CPU_MODE.md):
   compares against ('torch.cuda.FloatTensor').
 - The CUDA RNG functions Megatron's RNG tracker calls act on the CPU generator.
 - With `pretend_cuda=True` (Megatron-LM's training scripts assert CUDA), `is_available()`,
-  device counts/properties, memory statistics and NVTX get CPU answers too.
+  device counts/properties, memory statistics and NVTX get CPU answers too, and
+  `torch.accelerator` answers "none" as in a CPU-only build of torch (on a CUDA build without a
+  GPU, e.g. PyPI's torch for Python 3.12, the DataLoader would otherwise pin memory).
 """
 
 from __future__ import annotations
@@ -230,6 +232,13 @@ def _pretend_cuda() -> None:
     }
     for name, value in answers.items():
         _set(cuda, name, value)
+    # torch's device-generic layer asks `torch.cuda.is_available()` (answered True above) when
+    # torch is a CUDA build (PyPI's for Python 3.12 is one, even on a machine without a GPU):
+    # the DataLoader would then pin memory, initialising CUDA ("driver version is
+    # insufficient"). It answers as a CPU-only build of torch does: no accelerator.
+    _set(torch.accelerator, "is_available", lambda: False)
+    _set(torch.accelerator, "current_accelerator", lambda *a, **k: None)
+    _set(torch.accelerator, "device_count", zero)
     _set(cuda.nvtx, "range_push", _noop_fn())
     _set(cuda.nvtx, "range_pop", _noop_fn())
 
