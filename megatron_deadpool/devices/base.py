@@ -30,13 +30,19 @@ class Device:
         return torch.device("cpu") if self.kind == "cpu" else torch.device("cuda", self.index)
 
 
+def real_cuda() -> bool:
+    """Whether CUDA is really present: a CUDA build of torch, a device, and not the CPU mode's
+    stand-in (which answers CUDA's questions with "yes", also on a CUDA build without a GPU)."""
+    from .cpu import is_active
+
+    return not is_active() and bool(torch.version.cuda) and torch.cuda.device_count() > 0
+
+
 def active_device() -> Device:
     """The device this process already trains on (chosen by its job, e.g. Megatron-LM's
     start-up): the CPU development mode when it is active, else CUDA's current device when
-    CUDA is really present (not the CPU mode's stand-in), else the CPU."""
-    from .cpu import is_active
-
-    if not is_active() and torch.version.cuda and torch.cuda.device_count():
+    CUDA is really present, else the CPU."""
+    if real_cuda():
         return Device(kind="cuda", backend="nccl", index=torch.cuda.current_device())
     return Device(kind="cpu", backend="gloo")
 

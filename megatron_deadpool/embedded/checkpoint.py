@@ -47,6 +47,7 @@ from megatron.core.dist_checkpointing.serialization import (
 from megatron.core.tensor_parallel import get_cuda_rng_tracker
 from megatron.core.utils import unwrap_model
 
+from ..devices.base import real_cuda
 from ..errors import CheckpointError, CheckpointSaveError
 from ..replication.failed_save import agreed, attempt, not_saved, prepare, save_agreeing
 from ..replication.save_dir import TRACKER, iteration_dir, latest_iteration, write_tracker
@@ -89,14 +90,9 @@ def _rng_state() -> dict[str, Any]:
         "torch_rng_state": torch.get_rng_state(),
         "rng_tracker_states": get_cuda_rng_tracker().get_states(),
     }
-    if _real_cuda():
+    if real_cuda():
         state["cuda_rng_state"] = torch.cuda.get_rng_state()
     return state
-
-
-def _real_cuda() -> bool:
-    """A real GPU (not the CPU development mode's stand-in)."""
-    return bool(torch.version.cuda) and torch.cuda.is_available() and torch.cuda.device_count() > 0
 
 
 def _sharded_rng(state: dict[str, Any]) -> ShardedObject:
@@ -122,7 +118,7 @@ def _set_rng_state(state: dict[str, Any]) -> None:
     random.setstate(state["random_rng_state"])
     np.random.set_state(state["np_rng_state"])
     torch.set_rng_state(state["torch_rng_state"])
-    if "cuda_rng_state" in state and _real_cuda():
+    if "cuda_rng_state" in state and real_cuda():
         torch.cuda.set_rng_state(state["cuda_rng_state"])
     tracker_states = state["rng_tracker_states"]
     if not tracker_states:

@@ -60,6 +60,7 @@ from typing import Any
 
 import torch
 
+from ..devices.base import real_cuda
 from ..devices.cpu import plain_torch
 from ..errors import ConfigError, DeadpoolRuntimeError
 from . import pack
@@ -410,7 +411,7 @@ def rng_tensors() -> list[torch.Tensor]:
     from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
     states = [torch.get_rng_state()]
-    if torch.cuda.is_available() and torch.cuda.device_count() and torch.version.cuda:
+    if real_cuda():
         states.append(torch.cuda.get_rng_state())
     tracker = get_cuda_rng_tracker().get_states()
     for name in sorted(tracker):
@@ -425,7 +426,7 @@ def set_rng_tensors(states: list[torch.Tensor]) -> None:
 
     states = list(states)
     torch.set_rng_state(states.pop(0))
-    if torch.cuda.is_available() and torch.cuda.device_count() and torch.version.cuda:
+    if real_cuda():
         torch.cuda.set_rng_state(states.pop(0))
     tracker = get_cuda_rng_tracker()
     current = tracker.get_states()
