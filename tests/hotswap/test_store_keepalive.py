@@ -25,6 +25,7 @@ import pytest
 import torch.distributed as dist
 from procs import kill_sessions, spawn_logged, wait_until
 
+from megatron_deadpool.devices.gloo import socket_fds
 from megatron_deadpool.hotswap.membership import host_store
 
 KEEPALIVE_S = 4.0
@@ -74,14 +75,7 @@ def namespace() -> Iterator[tuple[str, str, str, str]]:
 
 def _connections(port: int, peer: str) -> int:
     """Descriptors this process holds that are TCP connections to its `port` from `peer`."""
-    inodes = set()
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            link = os.readlink(f"/proc/self/fd/{fd}")
-        except OSError:
-            continue
-        if link.startswith("socket:["):
-            inodes.add(link[len("socket:[") : -1])
+    inodes = {str(inode) for inode in socket_fds().values()}
     want = socket.inet_aton(peer)[::-1].hex().upper()  # /proc/net/tcp: little-endian
     count = 0
     for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
