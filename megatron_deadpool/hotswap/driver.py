@@ -72,7 +72,7 @@ from .plan_watch import PlanWatch
 from .recovery import Recovery, abort_keeping_arrivals, release_groups
 from .seal import JobSeal
 from .wakeup import StoreWaiter, spare_wakeups
-from .weights import sync_params_from_main
+from .weights import forget_cached_collectives, sync_params_from_main
 
 log = logging.getLogger("megatron_deadpool.driver")
 
@@ -641,6 +641,7 @@ class Driver:
             state, self.repl_group, needy=needy, host_group=self.host_repl_group
         )
         sync_params_from_main(self.job.model(), state.optimizer)
+        forget_cached_collectives(state.optimizer)
         self.replicator = self._make_replicator()
         self.replicator.start_round(t_iter)
         self.committed = self.replicator.finish_round()

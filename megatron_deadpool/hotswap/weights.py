@@ -4,7 +4,10 @@ A snapshot holds the fp32 main params, not the model's weights: after a rank res
 shard (from its own snapshot or a holder's copy), the weights are copied from the main params
 and, with the distributed optimizer, all-gathered over the data-parallel group, exactly as
 megatron-core does after every optimizer step. A step that failed midway may have left
-in-flight communication handles in DDP's bucket groups; they are dropped first.
+in-flight communication handles in DDP's bucket groups; they are dropped first. Answers the
+optimizer computed once by a world collective and cached are dropped on every rank
+(`forget_cached_collectives`): a newcomer's optimizer has none, and all ranks must issue the
+same collectives at the next step.
 """
 
 from __future__ import annotations
@@ -38,3 +41,13 @@ def sync_params_from_main(model: list[Any], optimizer: Any) -> None:
         ddp_config = getattr(chunk, "ddp_config", None)
         if ddp_config is not None and ddp_config.use_distributed_optimizer:
             chunk.start_param_sync(force_sync=True)
+
+
+def forget_cached_collectives(optimizer: Any) -> None:
+    """Drop answers the optimizer computed once by a world collective and cached, so that every
+    rank computes them again at the next step (a newcomer's objects have none yet, and ranks
+    must issue the same collectives). megatron-core 0.19: `has_grad_norm_group` (an all-reduce
+    on the first step); 0.16's optimizers cache nothing."""
+    for opt in [optimizer, *(getattr(optimizer, "chained_optimizers", None) or [])]:
+        if getattr(opt, "_has_grad_norm_group_cache", None) is not None:
+            opt._has_grad_norm_group_cache = None

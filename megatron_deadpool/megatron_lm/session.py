@@ -52,7 +52,6 @@ from .replay import BatchRecorder, install_recorder, reset_rerun_iterators
 from .startup_bound import startup_bound_problems
 from .trackers import clear_logging_trackers, tracker_roots
 from .unsnapshotted import unsnapshotted_problems
-from .versions import forget_cached_collectives
 
 log = logging.getLogger("megatron_deadpool.megatron_lm")
 
@@ -282,11 +281,11 @@ class MegatronSession:
         problems += unsnapshotted_problems(a)  # state a step changes outside the snapshot
         if getattr(a, "rampup_batch_size", None):
             problems.append("--rampup-batch-size: replaying steps needs a constant batch size")
+        problems += startup_bound_problems(a)  # state inside the start-up communicators
         if getattr(a, "context_parallel_size", 1) > 1:
             problems.append(
                 "context parallelism: placement covers tp x pp x dp and the expert layout only"
             )
-        problems += startup_bound_problems(a)  # state inside the start-up communicators
         timeout_s = getattr(a, "distributed_timeout_minutes", 10) * 60
         if self.cfg.heartbeat_timeout >= timeout_s:
             problems.append(
@@ -328,14 +327,12 @@ class MegatronSession:
 
     def after_restore(self, iteration: int, *, needy: bool) -> None:
         """Megatron's rerun state machine and data iterators back at `iteration`; the
-        optimizer's cached answers of collectives dropped on every rank (`versions.py`); the
         logging trackers emptied (`trackers.py`)."""
         from megatron.core.rerun_state_machine import RerunState, get_rerun_state_machine
 
         rsm = get_rerun_state_machine()
         rsm.state = RerunState.NOT_RUNNING_YET
         rsm.current_iteration = iteration
-        forget_cached_collectives(self.objs[1])
         clear_logging_trackers()
         reset_rerun_iterators(self.data_iterator)
         if not needy:

@@ -22,7 +22,8 @@ What differs, core_v0.16.1 -> core_v0.19.0:
   what they do not know through).
 - 0.19's optimizer answers `has_grad_norm_group` with a world all-reduce on its first step and
   caches the answer; a newcomer's optimizer has no answer yet, so after a swap every rank
-  drops it and computes it again, together (`forget_cached_collectives`).
+  drops it and computes it again, together (`hotswap.weights.forget_cached_collectives`, for
+  every job: the embedded job's optimizer is megatron-core's too).
 - 0.19 writes Megatron's common checkpoint state inside the `torch_dist` files instead of
   `common.pt` (nothing DeadPool reads; the tests do).
 """
@@ -34,7 +35,6 @@ import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from ..errors import ConfigError
 
@@ -122,13 +122,3 @@ def prepare_python(release: Release) -> None:
             from typing_extensions import override
 
             typing.override = override  # type: ignore[attr-defined]
-
-
-def forget_cached_collectives(optimizer: Any) -> None:
-    """Drop answers the optimizer computed once by a world collective and cached, so that every
-    rank computes them again at the next step (a newcomer's objects have none yet, and ranks
-    must issue the same collectives). core_v0.19.0: `has_grad_norm_group` (an all-reduce on
-    the first step)."""
-    for opt in [optimizer, *(getattr(optimizer, "chained_optimizers", None) or [])]:
-        if getattr(opt, "_has_grad_norm_group_cache", None) is not None:
-            opt._has_grad_norm_group_cache = None

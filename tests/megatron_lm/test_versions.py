@@ -6,7 +6,6 @@ import json
 import subprocess
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 from mlm import fake_megatron_tree, run_python
@@ -83,14 +82,3 @@ def test_python_311_gets_typing_override_for_the_newest_tag() -> None:
     assert called == "1" and marked == "True"
     if sys.version_info < (3, 12):
         assert (before, after_16) == ("False", "False")  # only where a release needs it
-
-
-def test_cached_collective_answers_are_dropped_on_every_chained_optimizer() -> None:
-    inner = [SimpleNamespace(_has_grad_norm_group_cache={"g": True}) for _ in range(2)]
-    chained = SimpleNamespace(_has_grad_norm_group_cache={"g": True}, chained_optimizers=inner)
-    versions.forget_cached_collectives(chained)
-    assert chained._has_grad_norm_group_cache is None
-    assert [o._has_grad_norm_group_cache for o in inner] == [None, None]
-    plain = SimpleNamespace()  # core_v0.16.1's optimizers cache nothing
-    versions.forget_cached_collectives(plain)
-    assert not hasattr(plain, "_has_grad_norm_group_cache")
