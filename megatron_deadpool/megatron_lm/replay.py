@@ -45,10 +45,12 @@ class BatchRecorder(Iterator):
 
     def __next__(self) -> Any:
         if self.replay:
-            _, batch = self.replay.popleft()
+            _, kept = self.replay.popleft()
+            batch = _own(kept)
         else:
             batch = next(self.source)
-        self.kept.setdefault(self.step, []).append(batch)
+            kept = _own(batch)
+        self.kept.setdefault(self.step, []).append(kept)
         return batch
 
     def rewind_to(self, iteration: int) -> int:
@@ -68,6 +70,15 @@ class BatchRecorder(Iterator):
             del self.kept[s]
         self.step = iteration
         return len(self.replay)
+
+
+def _own(batch: Any) -> Any:
+    """A batch the consumer's edits do not reach: a mapping is copied (shallow). Megatron's
+    `get_batch` (core_v0.19.0) replaces the entries of the dict the iterator returned - moved to
+    the device, then cut to this rank's share of the sequence with context parallelism - so a
+    kept dict would be served cut already, and cut again, after a rollback. Tensors are not
+    copied: they are replaced, never changed in place."""
+    return dict(batch) if isinstance(batch, dict) else batch
 
 
 def install_recorder(data_iterator: Any) -> list[BatchRecorder]:

@@ -23,6 +23,28 @@ def test_batch_recorder_replays_the_steps_after_the_restore_iteration() -> None:
         rec.rewind_to(0)  # step 1's batches are no longer kept
 
 
+def test_a_batch_the_consumer_edits_is_replayed_as_it_was_read() -> None:
+    """core_v0.19.0's `get_batch` replaces the entries of the dict it is given (moved to the
+    device, cut to this rank's share of the sequence with context parallelism): a replayed
+    batch is the one the source gave, however often it was replayed and edited."""
+    source = iter([{"tokens": [0, 1, 2, 3]}, {"tokens": [4, 5, 6, 7]}])
+    rec = BatchRecorder(source)
+
+    def consume() -> list[int]:
+        batch = next(rec)
+        batch["tokens"] = batch["tokens"][:2]  # as get_batch_on_this_cp_rank does
+        return batch["tokens"]
+
+    rec.begin_step(1)
+    assert consume() == [0, 1]
+    for _ in range(2):  # rolled back twice to iteration 0: the same batch each time
+        assert rec.rewind_to(0) == 1
+        rec.begin_step(1)
+        batch = next(rec)
+        assert batch == {"tokens": [0, 1, 2, 3]}
+        batch["tokens"] = batch["tokens"][:2]
+
+
 def test_recorder_goes_under_megatrons_rerun_iterator() -> None:
     from megatron.core.rerun_state_machine import RerunDataIterator
 
