@@ -88,17 +88,24 @@ class Run:
 
 
 def launch(tmp: Path, name: str, script: Path, args: list[str], *, patched: bool = False,
-           env: dict[str, str] | None = None) -> Run:  # fmt: skip
-    """`script ARGS` on 4 ranks (+ spares, as ARGS say) through `deadpool megatron-lm`'s
+           env: dict[str, str] | None = None, nproc: int = 4) -> Run:  # fmt: skip
+    """`script ARGS` on `nproc` ranks (+ spares, as ARGS say) through `deadpool megatron-lm`'s
     launcher, in this process; its logs under tmp/NAME, its output in tmp/NAME.out."""
     from megatron_deadpool.megatron_lm.launch import MegatronLauncher
 
     out = tmp / f"{name}.out"
     with open(out, "w") as stream:
-        rc = MegatronLauncher(str(script), args, 4, patched=patched, run_dir=str(tmp / name),
+        rc = MegatronLauncher(str(script), args, nproc, patched=patched, run_dir=str(tmp / name),
                               timeout_s=RUN_TIMEOUT, stream=stream, env=env).run()  # fmt: skip
     summary = json.loads((tmp / name / "summary.json").read_text())
     return Run(rc, out.read_text(errors="replace"), summary, tmp / name)
+
+
+def no_attention_env() -> dict[str, str]:
+    """Children can build `pretrain_gpt.py --spec no_attention_gpt layer`: a GPT layer without
+    attention (tests/hooks/no_attention), the model context parallelism trains on CPU."""
+    hook = REPO / "tests" / "hooks" / "no_attention"
+    return {"PYTHONPATH": os.pathsep.join([str(hook), os.environ.get("PYTHONPATH", "")])}
 
 
 def run_python(code: str, timeout: float = 90.0) -> subprocess.CompletedProcess:

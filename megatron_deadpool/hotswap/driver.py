@@ -444,6 +444,7 @@ class Driver:
                 order=order,
                 ep=ps.get_expert_model_parallel_world_size(),
                 etp=_expert_tp(tp),
+                cp=ps.get_context_parallel_world_size(),
             )
             check_megatron_groups(layout, dist.get_rank())
             self.layout = layout

@@ -1,14 +1,15 @@
 """The layout DeadPool computed against the groups Megatron made.
 
 Placement, the coordinator, a standby's rebuild and the planner never import Megatron: they
-compute every rank's tensor-, pipeline- and data-parallel peers from the layout
-(`placement.Layout`: tp x pp x dp, ranks per node, Megatron's rank order). A layout whose order
+compute every rank's tensor-, context-, pipeline- and data-parallel peers from the layout
+(`placement.Layout`: tp x cp x pp x dp, ranks per node, Megatron's rank order). A layout whose order
 is not the one Megatron built its groups in (`initialize_model_parallel(order=...)`) would put
 replicas on ranks that are not data-parallel peers; `check_megatron_groups` compares, once per
 process after Megatron's groups exist, this rank's groups in both views - with expert
 parallelism also its expert-model-, expert-tensor- and expert-data-parallel groups (Megatron's
 second, expert `RankGenerator`), among which the replicas of the expert optimizer's shard are
-placed. No communication.
+placed; with context parallelism its context-parallel and 'dp-cp' groups (among which the
+distributed optimizer is sharded and the replicas are placed). No communication.
 """
 
 from __future__ import annotations
@@ -29,6 +30,11 @@ def check_megatron_groups(layout: Layout, rank: int) -> None:
         ("pp", ps.get_pipeline_model_parallel_group(), layout.groups("pp")),
         ("dp", ps.get_data_parallel_group(), layout.groups("dp")),
     ]
+    if layout.cp > 1:
+        made += [
+            ("cp", ps.get_context_parallel_group(), layout.groups("cp")),
+            ("dp-cp", ps.get_data_parallel_group(with_context_parallel=True), layout.dp_cp_groups),
+        ]
     if layout.has_experts:
         made += [
             ("expert ep", ps.get_expert_model_parallel_group(), layout.expert_groups("ep")),

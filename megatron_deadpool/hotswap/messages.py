@@ -173,10 +173,13 @@ class LayoutRecord(Message):
     """Expert-model-parallel size (absent before expert parallelism was supported: 1)."""
     etp: int | None = None
     """Expert-tensor-parallel size; None: tp."""
+    cp: int = 1
+    """Context-parallel size (absent before context parallelism was supported: 1)."""
 
     def validate(self) -> None:
         require(
-            min(self.tp, self.pp, self.dp, self.ranks_per_node, self.replicas, self.ep) >= 1,
+            min(self.tp, self.pp, self.dp, self.ranks_per_node, self.replicas, self.ep, self.cp)
+            >= 1,
             "sizes >= 1",
         )
         require(self.etp is None or self.etp >= 1, "etp >= 1")
@@ -193,10 +196,13 @@ class LayoutRecord(Message):
             layout.order,
             layout.ep,
             layout.etp,
+            layout.cp,
         )
 
     def layout(self) -> Layout:
-        return Layout(self.tp, self.pp, self.dp, self.ranks_per_node, self.order, self.ep, self.etp)
+        return Layout(
+            self.tp, self.pp, self.dp, self.ranks_per_node, self.order, self.ep, self.etp, self.cp
+        )
 
 
 @dataclass(frozen=True)

@@ -272,7 +272,8 @@ class MegatronSession:
 
     def _check_megatron_args(self, a: Any) -> None:
         problems = []
-        if not getattr(a, "use_distributed_optimizer", False) and a.data_parallel_size < 2:
+        peers = a.data_parallel_size * getattr(a, "context_parallel_size", 1)
+        if not getattr(a, "use_distributed_optimizer", False) and peers < 2:
             problems.append(
                 "without --use-distributed-optimizer every data-parallel peer holds the same "
                 "optimizer state, but data-parallel size is 1: no peer can stand in for a "
@@ -282,10 +283,6 @@ class MegatronSession:
         if getattr(a, "rampup_batch_size", None):
             problems.append("--rampup-batch-size: replaying steps needs a constant batch size")
         problems += startup_bound_problems(a)  # state inside the start-up communicators
-        if getattr(a, "context_parallel_size", 1) > 1:
-            problems.append(
-                "context parallelism: placement covers tp x pp x dp and the expert layout only"
-            )
         timeout_s = getattr(a, "distributed_timeout_minutes", 10) * 60
         if self.cfg.heartbeat_timeout >= timeout_s:
             problems.append(

@@ -25,6 +25,14 @@ part *and* of the expert part: the ranks that share both are `Layout.peer_groups
 intersection of the two data-parallel groups, i.e. the ranks that hold the same weights; with
 expert tp = tp the expert data-parallel group itself). Replicas are placed within those; two
 separate placements would need two holders (and twice the replica memory) for nothing.
+
+Context parallelism (`cp` > 1): the ranks of a tensor- and pipeline-parallel position split
+each sequence cp ways and hold the same weights; Megatron's distributed optimizer shards them
+over the data-parallel group *with* context parallelism (its 'dp-cp' group, cp x dp ranks), so
+each of those ranks owns a different shard. Replicas are placed within the 'dp-cp' groups
+(`Layout.dp_cp_groups`): a context-parallel peer on another node is as good a holder as a
+data-parallel one. The expert layout has no context dimension (Megatron's expert
+`RankGenerator` folds it into expert data parallelism: expert dp = world / (etp * ep * pp)).
 """
 
 from __future__ import annotations
@@ -65,8 +73,8 @@ class RankOrder(Enum):
 
 @dataclass(frozen=True)
 class Layout:
-    """Megatron's rank layout for tp x pp x dp in `order` (with `ep` x `etp` for the expert
-    layers), and its failure domains."""
+    """Megatron's rank layout for tp x cp x pp x dp in `order` (with `ep` x `etp` for the
+    expert layers), and its failure domains."""
 
     tp: int
     pp: int
@@ -78,27 +86,34 @@ class Layout:
     """Expert-model-parallel size (MoE layers; 1 without expert parallelism)."""
     etp: int | None = None
     """Expert-tensor-parallel size; None: the same as `tp` (Megatron's default)."""
+    cp: int = 1
+    """Context-parallel size (1 without context parallelism)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.order, RankOrder):
             raise TypeError(f"order: expected a RankOrder, got {self.order!r}")
-        if self.ep < 1 or (self.etp is not None and self.etp < 1):
-            raise PlacementError(f"expert sizes must be >= 1 (ep {self.ep}, etp {self.etp})")
+        if self.ep < 1 or (self.etp is not None and self.etp < 1) or self.cp < 1:
+            raise PlacementError(f"sizes must be >= 1 (ep {self.ep}, etp {self.etp}, cp {self.cp})")
         expert_mp = self.expert_tp * self.ep * self.pp
         if self.world_size % expert_mp:
             raise PlacementError(
                 f"expert-tensor x expert-model x pipeline parallel size ({self.expert_tp} x "
-                f"{self.ep} x {self.pp}) must divide the world size tp*pp*dp = {self.world_size}"
+                f"{self.ep} x {self.pp}) must divide the world size {self._product} = "
+                f"{self.world_size}"
             )
         if self.world_size % self.ranks_per_node:
             raise PlacementError(
                 f"ranks-per-node ({self.ranks_per_node}) must divide the world size "
-                f"tp*pp*dp = {self.world_size}"
+                f"{self._product} = {self.world_size}"
             )
 
     @property
     def world_size(self) -> int:
-        return self.tp * self.pp * self.dp
+        return self.tp * self.cp * self.pp * self.dp
+
+    @property
+    def _product(self) -> str:
+        return "tp*cp*pp*dp" if self.cp > 1 else "tp*pp*dp"
 
     def domain(self, rank: int) -> int:
         """The failure domain (node index) of `rank`."""
@@ -109,9 +124,9 @@ class Layout:
         return list(range(node * self.ranks_per_node, (node + 1) * self.ranks_per_node))
 
     def groups(self, token: str) -> list[list[int]]:
-        """Megatron's rank groups for `token` ('tp', 'pp', 'dp', 'tp-pp', ...), as Megatron
-        enumerates them (`parallel_state.RankGenerator(order=self.order.value).get_ranks` with
-        context and expert size 1)."""
+        """Megatron's rank groups for `token` ('tp', 'pp', 'dp', 'cp', 'dp-cp', 'tp-pp', ...), as
+        Megatron enumerates them (`parallel_state.RankGenerator(order=self.order.value).get_ranks`
+        with expert size 1)."""
         return rank_groups(self.sizes, token.split("-"))
 
     @property
@@ -142,17 +157,26 @@ class Layout:
         return rank_groups(self.expert_sizes, token.split("-"))
 
     @cached_property
+    def dp_cp_groups(self) -> list[list[int]]:
+        """The data-parallel groups with context parallelism (Megatron's 'dp-cp' groups): the
+        ranks with the same tensor- and pipeline-parallel position, which hold the same dense
+        weights and among which the distributed optimizer shards them. Without context
+        parallelism, the data-parallel groups."""
+        return self.groups("dp-cp") if self.cp > 1 else self.dp_groups
+
+    @cached_property
     def peer_groups(self) -> list[list[int]]:
-        """The groups of ranks holding the same weights: data-parallel peers in both the dense
-        and the expert layout (each rank's dense data-parallel group intersected with its expert
-        data-parallel group, in dense data-parallel order). Without experts laid out apart,
-        the data-parallel groups. Replicas are placed, and digests compared, within these."""
+        """The groups of ranks holding the same weights: data-parallel peers (with context
+        parallelism: the 'dp-cp' groups) in both the dense and the expert layout (each rank's
+        dense group intersected with its expert data-parallel group, in dense order). Without
+        experts laid out apart, `dp_cp_groups`. Replicas are placed, and digests compared,
+        within these."""
         if not self.has_experts:
-            return self.dp_groups
+            return self.dp_cp_groups
         expert_of = {r: set(g) for g in self.expert_groups("dp") for r in g}
         out: list[list[int]] = []
         seen: set[int] = set()
-        for group in self.dp_groups:
+        for group in self.dp_cp_groups:
             for r in group:
                 if r not in seen:
                     peers = [q for q in group if q in expert_of[r]]
@@ -168,16 +192,18 @@ class Layout:
     @property
     def sizes(self) -> dict[str, int]:
         """Each parallel dimension's size, in the layout's order (fastest first)."""
-        size = {"tp": self.tp, "cp": 1, "ep": 1, "dp": self.dp, "pp": self.pp}
+        size = {"tp": self.tp, "cp": self.cp, "ep": 1, "dp": self.dp, "pp": self.pp}
         return {d: size[d] for d in self.order.dims}
 
     @property
     def dp_span(self) -> tuple[str, int]:
-        """How many consecutive ranks a data-parallel group spans (as a product of sizes, and
-        its value): tp*dp under tp-dp-pp, tp*pp*dp under tp-pp-dp. With that many ranks per
-        node or more, the group lies in one node."""
+        """How many consecutive ranks a data-parallel group (with context parallelism: a
+        'dp-cp' group) spans (as a product of sizes, and its value): tp*dp under tp-dp-pp,
+        tp*pp*dp under tp-pp-dp (tp*cp*dp, tp*cp*pp*dp with context parallelism). With that
+        many ranks per node or more, the group lies in one node."""
         dims = self.order.dims
-        names = [d for d in dims[: dims.index("dp") + 1] if d in ("tp", "pp", "dp")]
+        shown = ("tp", "cp", "pp", "dp") if self.cp > 1 else ("tp", "pp", "dp")
+        names = [d for d in dims[: dims.index("dp") + 1] if d in shown]
         span = 1
         for d in names:
             span *= self.sizes[d]
@@ -190,9 +216,10 @@ class Layout:
             if self.has_experts
             else ""
         )
+        context = f" x cp {self.cp}" if self.cp > 1 else ""
         return (
-            f"tp {self.tp} x pp {self.pp} x dp {self.dp}{experts} in rank order {self.order}, "
-            f"{self.ranks_per_node} rank(s) per node"
+            f"tp {self.tp}{context} x pp {self.pp} x dp {self.dp}{experts} in rank order "
+            f"{self.order}, {self.ranks_per_node} rank(s) per node"
         )
 
     @cached_property
@@ -262,7 +289,7 @@ class Placement:
         lay = self.layout
         shown = ", ".join(f"{o}->{list(hs)}" for o, hs in enumerate(self.holders[:owners]))
         more = ", ..." if lay.world_size > owners else ""
-        peers = "data-parallel peers"
+        peers = "data- and context-parallel peers" if lay.cp > 1 else "data-parallel peers"
         if lay.has_experts:
             peers += " of dense and expert layers"
         return (
@@ -275,7 +302,7 @@ def place_replicas(layout: Layout, replicas: int) -> Placement:
     """Place `replicas` copies of every rank's shard; raise `PlacementError` when impossible."""
     if replicas < 1:
         raise PlacementError("deadpool-replicas: must be >= 1")
-    if layout.dp == 1:
+    if layout.dp * layout.cp == 1:
         raise PlacementError(
             "cannot place replicas: data-parallel size is 1, so no rank shares a (tp, pp) "
             "position with another; run with dp >= 2 (e.g. halve tp or pp)"
@@ -386,6 +413,11 @@ def _peers(group: Sequence[int], layout: Layout) -> str:
         return (
             f"the peer group {_short(group)} (rank {group[0]} and its data-parallel peers in "
             f"both the dense and the expert layers under {layout.order})"
+        )
+    if layout.cp > 1:
+        return (
+            f"the data- and context-parallel group {_short(group)} (rank {group[0]} and its "
+            f"data- and context-parallel peers under {layout.order})"
         )
     return (
         f"the data-parallel group {_short(group)} (rank {group[0]} and its data-parallel peers "

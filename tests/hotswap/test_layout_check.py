@@ -63,3 +63,32 @@ def test_a_layout_with_other_expert_groups_than_megatrons_is_refused() -> None:
         "(experts: etp 1 x ep 4 x expert dp 1) in rank order tp-dp-pp, 2 rank(s) per node puts "
         "rank 2 in expert ep group [0, 1, 2, 3]" in proc.stdout
     ), proc.stdout
+
+
+@pytest.mark.timeout(120)
+def test_a_layout_with_other_context_parallel_groups_than_megatrons_is_refused() -> None:
+    """Megatron's context-parallel and 'dp-cp' groups (TP 1 x CP 2 x DP 2: cp [2, 3], dp-cp
+    [0, 1, 2, 3]) are checked too: the layout with CP 2 names them, one without context
+    parallelism (DP 4) is refused."""
+    proc = run_python("""
+        import torch.distributed as dist
+        from megatron.core import parallel_state as ps
+        from megatron_deadpool.errors import ConfigError
+        from megatron_deadpool.hotswap import private_world
+        from megatron_deadpool.hotswap.layout_check import check_megatron_groups
+        from megatron_deadpool.replication.placement import Layout
+
+        private_world.enter(2, 4)
+        dist.init_process_group()
+        ps.initialize_model_parallel(1, 1, context_parallel_size=2)
+        check_megatron_groups(Layout(1, 1, 2, 1, cp=2), 2)
+        try:
+            check_megatron_groups(Layout(1, 1, 4, 1), 2)
+        except ConfigError as exc:
+            print("refused:", exc)
+        """)
+    assert proc.returncode == 0, proc.stderr
+    assert (
+        "refused: Megatron's dp group of rank 2 is [0, 2], but tp 1 x pp 1 x dp 4 in rank order "
+        "tp-dp-pp, 1 rank(s) per node puts rank 2 in dp group [0, 1, 2, 3]" in proc.stdout
+    ), proc.stdout

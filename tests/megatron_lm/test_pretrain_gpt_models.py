@@ -1,7 +1,7 @@
 """Megatron-LM's `pretrain_gpt.py` with models beyond test_pretrain_gpt.py's dense TP2 x DP2 GPT,
 hot-swapped bitwise: an MoE model whose router keeps state outside the optimizer, an
-interleaved pipeline, a pipeline in Megatron's tp-pp-dp rank order, and FP16 training with
-Megatron's loss scalers.
+interleaved pipeline, a pipeline in Megatron's tp-pp-dp rank order, FP16 training with
+Megatron's loss scalers, and context parallelism.
 
 - MoE (4 experts, top 2, EP 1, DP4 + a spare) with ``--moe-router-enable-expert-bias``:
   the router's ``expert_bias`` is a module buffer Megatron updates every step outside the
@@ -45,6 +45,13 @@ Megatron's loss scalers.
   killed rank. Newest tag only: the loss scalers (`megatron/core/optimizer/grad_scaler.py`),
   `MixedPrecisionOptimizer.prepare_grads` and `train_step`'s handling of a skipped step are the
   same code in core_v0.16.1 (where the killed-rank case, run by hand, was bitwise too).
+- Context parallelism: TP 1 x CP 2 x DP 2 + a spare, every rank its own node, a GPT whose
+  layers have no attention (``--spec no_attention_gpt layer``, tests/hooks/no_attention:
+  Megatron-Core runs context parallelism only in Transformer Engine's attention; the sequence
+  split of every batch, the gradients and the distributed optimizer over the 'dp-cp' group are
+  Megatron's own). The replicas are placed over the 'dp-cp' group [0, 1, 2, 3], so rank 2's is
+  on rank 3, its context-parallel peer. A killed rank 2 (both tags) and a hung rank 2 (newest
+  tag) are restored from rank 3, bitwise. With attention: tests/gpu/test_context_parallel.py.
 
 Each model's failure-free run is made once per module (`baselines`) and shared. Skips unless
 MEGATRON_LM_PATH lists a tree of the tag (tests/mlm.py).
@@ -52,6 +59,7 @@ MEGATRON_LM_PATH lists a tree of the tag (tests/mlm.py).
 
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import Callable
 from pathlib import Path
@@ -67,6 +75,7 @@ from mlm import (
     launch,
     megatron_args,
     megatron_lm_tree,
+    no_attention_env,
 )
 
 ITERS = 5
@@ -119,8 +128,28 @@ MODELS: dict[str, list[str]] = {
         "--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "2",
         "--use-tp-pp-dp-mapping",
     ],
+    # TP 1 x CP 2 x DP 2, every rank its own node, layers without attention (the only model
+    # context parallelism trains without Transformer Engine): context-parallel pairs [0, 1]
+    # and [2, 3], data-parallel groups [0, 2] and [1, 3], one 'dp-cp' group of all four.
+    "cp": [
+        *megatron_args(ITERS), *SPARE, "--deadpool-ranks-per-node", "1",
+        "--tensor-model-parallel-size", "1", "--context-parallel-size", "2",
+        "--spec", "no_attention_gpt", "layer",
+    ],
 }  # fmt: skip
 """The `pretrain_gpt.py` arguments of each model (argparse keeps an option's last value)."""
+MODEL_ENV: dict[str, dict[str, str]] = {"cp": no_attention_env()}
+"""The environment a model's processes need beyond the test's own."""
+
+
+def _env(model: str, *more: dict[str, str]) -> dict[str, str]:
+    """`model`'s environment with `more` (each PYTHONPATH kept: joined)."""
+    env: dict[str, str] = {}
+    for part in (MODEL_ENV.get(model, {}), *more):
+        for key, value in part.items():
+            joined = key == "PYTHONPATH" and key in env
+            env[key] = os.pathsep.join([env[key], value]) if joined else value
+    return env
 
 
 @pytest.fixture(scope="module")
@@ -132,7 +161,8 @@ def baselines(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str, str], 
     def get(tag: str, model: str) -> Run:
         if (tag, model) not in done:
             tmp = tmp_path_factory.mktemp(f"mlm-{model}-{tag}")
-            run = launch(tmp, "baseline", megatron_lm_tree(tag) / "pretrain_gpt.py", MODELS[model])
+            run = launch(tmp, "baseline", megatron_lm_tree(tag) / "pretrain_gpt.py",
+                         MODELS[model], env=_env(model))  # fmt: skip
             assert run.returncode == 0, run.describe()
             seen = logged(run) if model.startswith("fp16") else run.iterations()
             assert sorted(seen) == list(range(1, ITERS + 1)), run.describe()
@@ -180,7 +210,7 @@ def _hung(tag: str, model: str, tmp: Path, at: int = 4) -> Run:
     takes its slot, and the survivors restore iteration `at` - 2 or `at` - 1 (whether that
     round was committed), recomputing at most one."""
     args = [*MODELS[model], *HANG_HEARTBEAT, "--deadpool-fail", f"2@{at}:hang"]
-    run = launch(tmp, "hang", megatron_lm_tree(tag) / "pretrain_gpt.py", args)
+    run = launch(tmp, "hang", megatron_lm_tree(tag) / "pretrain_gpt.py", args, env=_env(model))
     assert run.returncode == 0, run.describe()
     (rec,) = run.summary["recoveries"]
     assert rec["dead_ranks"] == [2] and rec["replaced_by"] == {"2": "s0"}
@@ -194,7 +224,7 @@ def _killed(tag: str, model: str, tmp: Path, extra: tuple[str, ...] = ()) -> Run
     `extra`: more arguments (argparse keeps an option's last value)."""
     args = [*MODELS[model], *extra, "--deadpool-fail", "2@4"]
     run = launch(tmp, "swap", megatron_lm_tree(tag) / "pretrain_gpt.py", args,
-                 env=drop_in_flight_env())  # fmt: skip
+                 env=_env(model, drop_in_flight_env()))  # fmt: skip
     (rec,) = run.summary["recoveries"] or [None]
     assert rec is not None, run.describe()
     assert rec["dead_ranks"] == [2] and rec["replaced_by"] == {"2": "s0"}
@@ -394,3 +424,45 @@ def test_fp16_constant_loss_scale_killed_rank_is_hot_swapped_bitwise(
     assert all(_skipped(line) == 0 for line in logged(baseline).values())
     run = _killed(tag, "fp16-constant", tmp_path)
     _assert_same_fp16_training(run, baseline)
+
+
+CP_PLACEMENT = (
+    "tp 1 x cp 2 x pp 1 x dp 2 in rank order tp-dp-pp, 1 rank(s) per node; owner->holders "
+    "(data- and context-parallel peers under tp-dp-pp on other nodes): 0->[1], 1->[2], 2->[3], "
+    "3->[0]"
+)
+"""Rank 0's log line of the placement with CP 2: the distributed optimizer is sharded over the
+'dp-cp' group [0, 1, 2, 3], and rank 2's replica is on rank 3, its context-parallel peer (its
+data-parallel peer is rank 0)."""
+
+
+def _from_the_context_parallel_peer(run: Run) -> None:
+    """Replicas placed over the 'dp-cp' group, rank 2's shard restored from rank 3 (its
+    context-parallel peer); all four ranks hold the same weights and end equal."""
+    assert CP_PLACEMENT in run.text, run.describe()
+    assert "shards from rank 3 -> rank 2" in run.text, run.describe()
+    assert len(set(run.summary["param_digests"].values())) == 1
+    (rec,) = run.summary["recoveries"]
+    assert rec["stale_group_refs"] == 0, rec
+
+
+@pytest.mark.timeout(3 * RUN_TIMEOUT)
+@pytest.mark.parametrize("tag", TAGS)
+def test_context_parallel_killed_rank_is_restored_from_its_context_parallel_peer_bitwise(
+    baselines, tag: str, tmp_path: Path
+) -> None:
+    baseline = baselines(tag, "cp")
+    assert CP_PLACEMENT in baseline.text, baseline.describe()
+    run = _killed(tag, "cp", tmp_path)
+    _assert_same_training(run, baseline)
+    _from_the_context_parallel_peer(run)
+
+
+@pytest.mark.timeout(3 * RUN_TIMEOUT)
+@NEWEST_ONLY
+def test_context_parallel_hung_rank_is_restored_from_its_context_parallel_peer_bitwise(
+    baselines, tag: str, tmp_path: Path
+) -> None:
+    run = _hung(tag, "cp", tmp_path)
+    _assert_same_training(run, baselines(tag, "cp"))
+    _from_the_context_parallel_peer(run)

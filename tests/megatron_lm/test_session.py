@@ -40,12 +40,18 @@ def test_session_refuses_what_it_cannot_protect() -> None:
     session._check_megatron_args(SimpleNamespace(**vars(ok), expert_model_parallel_size=2))
     # FP16's loss scaler travels in the snapshot (replication/snapshot.py): not refused.
     session._check_megatron_args(SimpleNamespace(**vars(ok), fp16=True, loss_scale=None))
+    # Context parallelism: replicas placed among the 'dp-cp' peers (placement.py); at DP 1
+    # without the distributed optimizer the context-parallel peer holds the same state.
+    session._check_megatron_args(SimpleNamespace(**vars(ok), context_parallel_size=2))
+    no_distributed_optimizer = {"use_distributed_optimizer": False, "data_parallel_size": 1}
+    session._check_megatron_args(
+        SimpleNamespace(**{**vars(ok), **no_distributed_optimizer, "context_parallel_size": 2})
+    )
     bad = [
         ({"use_distributed_optimizer": False, "data_parallel_size": 1}, "data-parallel size is 1"),
         ({"fp8": "hybrid"}, "--fp8-format: Transformer Engine's FP8 scaling state"),
         ({"fp4": "e2m1"}, "--fp4-format: "),
         ({"rampup_batch_size": [4, 4, 100]}, "rampup"),
-        ({"context_parallel_size": 2}, "context parallelism: placement covers"),
         ({"distributed_timeout_minutes": 0.1}, "below --distributed-timeout-minutes"),
     ]
     for change, message in bad:

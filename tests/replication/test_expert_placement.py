@@ -3,13 +3,15 @@ the groups of ranks holding the same weights, and replicas of the expert optimiz
 placed on a rank that holds the same experts on another node.
 
 Megatron builds the expert layers' groups with a second `RankGenerator` (expert tp x ep x
-expert dp x pp, context size 1, in the same order); `Layout.expert_groups` must name the same
-groups without importing Megatron, and `Layout.peer_groups` - dense data-parallel peers that
-are expert data-parallel peers too - are where a rank's dense *and* expert shards may go.
+expert dp x pp, context size 1, in the same order: context parallelism folds into expert data
+parallelism); `Layout.expert_groups` must name the same groups without importing Megatron, and
+`Layout.peer_groups` - dense data-parallel peers (with context parallelism: 'dp-cp' peers)
+that are expert data-parallel peers too - are where a rank's dense *and* expert shards may go.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import pytest
@@ -27,11 +29,12 @@ def _expert_layouts(order: RankOrder) -> list[Layout]:
     """Every small layout Megatron accepts: expert tp x ep x pp divides the world, and (its
     assertion) a rank order that does not end in pp has pp 1 or equal dense and expert dp."""
     out = []
-    for tp, pp, dp, ep, etp in itertools.product([1, 2], [1, 2], [1, 2, 4], [1, 2, 4], [1, 2]):
-        world = tp * pp * dp
+    sizes = itertools.product([1, 2], [1, 2], [1, 2], [1, 2, 4], [1, 2, 4], [1, 2])
+    for tp, cp, pp, dp, ep, etp in sizes:
+        world = tp * cp * pp * dp
         if world % (etp * ep * pp):
             continue
-        layout = Layout(tp, pp, dp, 1, order, ep=ep, etp=etp)
+        layout = Layout(tp, pp, dp, 1, order, ep=ep, etp=etp, cp=cp)
         if order is RankOrder.TP_PP_DP and pp > 1 and layout.expert_dp != dp:
             continue
         out.append(layout)
@@ -58,14 +61,14 @@ def test_expert_groups_are_megatrons_expert_rank_generators(order: RankOrder) ->
 @ORDERS
 def test_peer_groups_are_the_ranks_that_share_both_data_parallel_groups(order: RankOrder) -> None:
     for layout in _expert_layouts(order):
-        dense = {r: set(g) for g in layout.dp_groups for r in g}
+        dense = {r: set(g) for g in layout.dp_cp_groups for r in g}
         expert = {r: set(g) for g in layout.expert_groups("dp") for r in g}
         groups = layout.peer_groups
         assert sorted(r for g in groups for r in g) == list(range(layout.world_size))
         for g in groups:
             assert set(g) == dense[g[0]] & expert[g[0]], (layout, g)
         if not layout.has_experts:
-            assert groups == layout.dp_groups
+            assert groups == layout.dp_cp_groups
 
 
 @pytest.mark.timeout(60)
@@ -88,10 +91,9 @@ def test_placement_with_experts_keeps_every_rank_within_its_peer_group_on_other_
     for order in RankOrder:
         for layout in _expert_layouts(order):
             for per_node in (1, 2, 4):
-                lay = Layout(layout.tp, layout.pp, layout.dp, per_node, order, layout.ep,
-                             layout.etp) if layout.world_size % per_node == 0 else None  # fmt: skip
-                if lay is None:
+                if layout.world_size % per_node:
                     continue
+                lay = dataclasses.replace(layout, ranks_per_node=per_node)
                 try:
                     placement = place_replicas(lay, 1)
                 except PlacementError:
@@ -125,9 +127,9 @@ def test_expert_sizes_must_divide_the_world() -> None:
 
 @pytest.mark.timeout(60)
 def test_the_layout_record_carries_the_expert_sizes_and_reads_an_older_record() -> None:
-    layout = Layout(2, 1, 4, 2, ep=2, etp=1)
-    record = LayoutRecord.of(layout, 1)
-    assert LayoutRecord.decode("job/layout", record.encode()).layout() == layout
+    for layout in (Layout(2, 1, 4, 2, ep=2, etp=1), Layout(1, 1, 2, 2, ep=2, cp=2)):
+        record = LayoutRecord.of(layout, 1)
+        assert LayoutRecord.decode("job/layout", record.encode()).layout() == layout
     old = '{"tp": 2, "pp": 1, "dp": 2, "ranks_per_node": 2, "replicas": 1}'
     assert LayoutRecord.decode("job/layout", old).layout() == Layout(2, 1, 2, 2)
 

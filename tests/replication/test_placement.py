@@ -83,16 +83,23 @@ def _small_cases() -> list[tuple[int, int, int, int, int]]:
     return cases
 
 
-def _check_placement(placement: Placement, k: int) -> None:
+def _check_placement(placement: Placement, k: int, groups: list[list[int]] | None = None) -> None:
+    """Every rank gives and holds k replicas, each on another node, held by a data-parallel
+    peer (the closed-form coordinates) or, given `groups` (Megatron's), by a rank of the
+    owner's group."""
     layout = placement.layout
     world = layout.world_size
     assert len(placement.holders) == world
+    group_of = {r: g for g in groups or [] for r in g}
     for owner, holders in enumerate(placement.holders):
         assert len(holders) == k and len(set(holders)) == k, (owner, holders)
-        o_tp, o_dp, o_pp = _coords(owner, layout)
         for h in holders:
-            h_tp, h_dp, h_pp = _coords(h, layout)
-            assert (h_tp, h_pp) == (o_tp, o_pp) and h_dp != o_dp, (owner, h)
+            if groups is None:
+                o_tp, o_dp, o_pp = _coords(owner, layout)
+                h_tp, h_dp, h_pp = _coords(h, layout)
+                assert (h_tp, h_pp) == (o_tp, o_pp) and h_dp != o_dp, (owner, h)
+            else:
+                assert h in group_of[owner] and h != owner, (owner, h)
             assert layout.domain(h) != layout.domain(owner), (owner, h)
     held = placement.held_by
     assert all(len(x) == k for x in held), "every rank must hold exactly k replicas"
@@ -147,11 +154,65 @@ def test_rank_groups_are_megatrons_for_every_token_in_order(order: RankOrder) ->
     """`Layout.groups` computes what Megatron's `RankGenerator` does, order included, for
     every combination of dimensions (the coordinator and the planner never import Megatron)."""
     tokens = ["tp", "pp", "dp", "cp", "tp-pp", "tp-dp", "dp-pp", "tp-dp-pp", "tp-cp", "dp-cp"]
-    for tp, pp, dp in itertools.product([1, 2, 3, 4], [1, 2, 3], [1, 2, 3, 5]):
-        layout = Layout(tp=tp, pp=pp, dp=dp, ranks_per_node=1, order=order)
-        gen = RankGenerator(tp=tp, ep=1, dp=dp, pp=pp, cp=1, order=order.value)
+    for tp, cp, pp, dp in itertools.product([1, 2, 3, 4], [1, 2, 3], [1, 2, 3], [1, 2, 3, 5]):
+        layout = Layout(tp=tp, pp=pp, dp=dp, ranks_per_node=1, order=order, cp=cp)
+        gen = RankGenerator(tp=tp, ep=1, dp=dp, pp=pp, cp=cp, order=order.value)
         for token in tokens:
-            assert layout.groups(token) == gen.get_ranks(token), (tp, pp, dp, token)
+            assert layout.groups(token) == gen.get_ranks(token), (tp, cp, pp, dp, token)
+        assert layout.dp_cp_groups == gen.get_ranks("dp-cp"), (tp, cp, pp, dp)
+
+
+@pytest.mark.timeout(120)
+@ORDERS
+def test_context_parallel_layouts_are_placed_among_the_data_and_context_parallel_peers(
+    order: RankOrder,
+) -> None:
+    """With context parallelism the distributed optimizer is sharded over Megatron's 'dp-cp'
+    group (cp x dp ranks of one tensor- and pipeline-parallel position, holding the same
+    weights): replicas are placed there, checked against the max-flow oracle over those
+    groups for every small layout."""
+    placed = refused = 0
+    for tp, cp, pp, dp, rpn, k in itertools.product(
+        [1, 2], [2, 3], [1, 2], [1, 2, 3], [1, 2, 4], [1, 2]
+    ):
+        if (tp * cp * pp * dp) % rpn:
+            continue
+        layout = Layout(tp=tp, pp=pp, dp=dp, ranks_per_node=rpn, order=order, cp=cp)
+        assert layout.world_size == tp * cp * pp * dp
+        assert layout.peer_groups == layout.dp_cp_groups != layout.dp_groups
+        domain = {r: r // rpn for r in range(layout.world_size)}
+        if all(_max_flow_feasible(g, domain, k) for g in layout.dp_cp_groups):
+            placement = place_replicas(layout, k)
+            _check_placement(placement, k, layout.dp_cp_groups)
+            placed += 1
+        else:
+            with pytest.raises(PlacementError, match="lower"):
+                place_replicas(layout, k)
+            refused += 1
+    assert placed > 20 and refused > 20
+
+
+@pytest.mark.timeout(60)
+def test_a_context_parallel_peer_holds_the_replica_when_data_parallel_size_is_one() -> None:
+    """CP 2 x DP 1, a rank per node: no data-parallel peer exists, but the two
+    context-parallel ranks hold the same weights and different optimizer shards, so each holds
+    the other's (refused before context parallelism was placed)."""
+    layout = Layout(tp=1, pp=1, dp=1, ranks_per_node=1, cp=2)
+    placement = place_replicas(layout, 1)
+    assert placement.holders == ((1,), (0,))
+    assert placement.describe() == (
+        "tp 1 x cp 2 x pp 1 x dp 1 in rank order tp-dp-pp, 1 rank(s) per node; owner->holders "
+        "(data- and context-parallel peers under tp-dp-pp on other nodes): 0->[1], 1->[0]"
+    )
+    # TP 1 x CP 2 x DP 2 on nodes of 2: a node holds one context-parallel pair.
+    paired = Layout(tp=1, pp=1, dp=2, ranks_per_node=2, cp=2)
+    assert paired.groups("cp") == [[0, 1], [2, 3]] and paired.dp_groups == [[0, 2], [1, 3]]
+    assert place_replicas(paired, 1).holders == ((2,), (3,), (0,), (1,))
+    with pytest.raises(PlacementError) as info:
+        place_replicas(Layout(tp=1, pp=1, dp=2, ranks_per_node=4, cp=2), 1)
+    text = str(info.value)
+    assert "the data- and context-parallel group [0, 1, 2, 3]" in text
+    assert "tp*cp*dp=4" in text
 
 
 @pytest.mark.timeout(60)
