@@ -77,18 +77,30 @@ def deadpool_command() -> list[str]:
 def run_deadpool(
     *args: str, timeout: float = 120.0, cwd: Path | None = None
 ) -> subprocess.CompletedProcess:
-    """Run `deadpool ARGS...` to completion; stdout and stderr captured as text."""
+    """Run `deadpool ARGS...` to completion; stdout and stderr captured as text. When it runs
+    past `timeout`, it is killed with every process it started (a launcher's fork server and
+    workers sit in sessions of their own, and a rank stopped by a hang fault would wait
+    forever), then `subprocess.TimeoutExpired` is raised."""
     env = dict(os.environ, OMP_NUM_THREADS="1")
     env.pop("PYTHONWARNINGS", None)  # what a user sees, warnings included
-    return subprocess.run(
-        [*deadpool_command(), *args],
-        check=False,
-        capture_output=True,
+    cmd = [*deadpool_command(), *args]
+    with subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
-        timeout=timeout,
         cwd=str(cwd or REPO_ROOT),
         env=env,
-    )
+    ) as proc:
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            from procs import kill_tree
+
+            kill_tree(proc.pid)
+            out, err = proc.communicate()
+            raise subprocess.TimeoutExpired(cmd, timeout, out, err) from None
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
 def call_deadpool(*args: str) -> int:
