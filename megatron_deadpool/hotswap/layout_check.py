@@ -2,9 +2,9 @@
 
 Placement, the coordinator, a standby's rebuild and the planner never import Megatron: they
 compute every rank's tensor-, context-, pipeline- and data-parallel peers from the layout
-(`placement.Layout`: tp x cp x pp x dp, ranks per node, Megatron's rank order). A layout whose order
-is not the one Megatron built its groups in (`initialize_model_parallel(order=...)`) would put
-replicas on ranks that are not data-parallel peers; `check_megatron_groups` compares, once per
+(`placement.Layout`: tp x cp x pp x dp, ranks per node, Megatron's rank order). A layout whose
+order is not the one Megatron built its groups in (`initialize_model_parallel(order=...)`) would
+put replicas on ranks that are not data-parallel peers; `check_megatron_groups` compares, once per
 process after Megatron's groups exist, this rank's groups in both views - with expert
 parallelism also its expert-model-, expert-tensor- and expert-data-parallel groups (Megatron's
 second, expert `RankGenerator`), among which the replicas of the expert optimizer's shard are
