@@ -73,8 +73,8 @@ class ModelConfig:
 
     num_experts: int | None = None
     """Mixture of experts: experts per MoE layer (Megatron-LM's `--num-experts`, Megatron-Core's
-    `num_moe_experts`); None: a dense model. Planned by `deadpool plan` only: the embedded job
-    (`deadpool train`) builds dense models."""
+    `num_moe_experts`); None: a dense model. The embedded job (`deadpool train`) builds it with
+    Megatron-Core's local MoE layers (all-to-all token dispatch) at tp 1."""
 
     moe_router_topk: int = 2
     """Experts each token is routed to (Megatron-LM's `--moe-router-topk`, default 2): sizes the
@@ -188,7 +188,7 @@ class ParallelConfig:
 
     ep: int = 1
     """Expert-model-parallel size (Megatron-LM's `--expert-model-parallel-size`): an MoE layer's
-    experts are split over this many ranks. Planned by `deadpool plan` only."""
+    experts are split over this many ranks."""
 
     etp: int | None = None
     """Expert-tensor-parallel size (Megatron-LM's `--expert-tensor-parallel-size`); None: tp, as

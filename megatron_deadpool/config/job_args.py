@@ -31,6 +31,10 @@ _TRAIN_FLAGS = {  # flag dest -> (section, field)
     "hidden_size": ("model", "hidden_size"),
     "num_attention_heads": ("model", "num_attention_heads"),
     "seq_length": ("model", "seq_length"),
+    "num_experts": ("model", "num_experts"),
+    "moe_router_topk": ("model", "moe_router_topk"),
+    "ep": ("parallel", "ep"),
+    "etp": ("parallel", "etp"),
 }
 
 
@@ -80,10 +84,11 @@ def job_from_args(args: argparse.Namespace) -> JobConfig:
         train=TrainConfig(**sections["train"]),
         deadpool=DeadpoolConfig(**sections["deadpool"]),
     )
-    if job.model.num_experts is not None:
+    if job.model.num_experts is not None and job.parallel.tp > 1:
         raise ConfigError(
-            f"model.num_experts ({job.model.num_experts}): the embedded job builds dense GPT "
-            "models only; drop the MoE fields to train here, or plan the MoE model with "
-            "`deadpool plan` and train it with Megatron-LM"
+            f"model.num_experts ({job.model.num_experts}) with parallel.tp {job.parallel.tp}: "
+            "Megatron-Core's MoE layers with tensor parallelism need sequence parallelism, "
+            "which the embedded job does not use; train the MoE model at tp 1 (--tp 1, with "
+            "--etp to split the experts)"
         )
     return job

@@ -13,6 +13,7 @@ megatron-core 0.16.1, see shared/CPU_MODE.md):
 - `Tensor.type()` without arguments reports the CUDA type names that `distrib_optimizer.py`
   compares against ('torch.cuda.FloatTensor').
 - The CUDA RNG functions Megatron's RNG tracker calls act on the CPU generator.
+- megatron-core's MoE layers work on tensors in host memory (`_mend_moe`).
 - With `pretend_cuda=True` (Megatron-LM's training scripts assert CUDA), `is_available()`,
   device counts/properties, memory statistics and NVTX get CPU answers too, and
   `torch.accelerator` answers "none" as in a CPU-only build of torch (on a CUDA build without a
@@ -180,12 +181,45 @@ def activate(pretend_cuda: bool = False) -> None:
         _set(cuda.random, "get_rng_state", lambda device=None: torch.get_rng_state())
         _set(cuda.random, "set_rng_state", lambda state, device=None: torch.set_rng_state(state))
         _redirect_megatron_rng()
+        _mend_moe()
         mode = _CudaToCpu()
         mode.__enter__()
         _ACTIVE["mode"] = mode
     if pretend_cuda and "pretend" not in _ACTIVE:
         _pretend_cuda()
         _ACTIVE["pretend"] = True
+
+
+def _mend_moe() -> None:
+    """megatron-core's MoE layers on CPU (shared/CPU_MODE.md, "MoE, FP16, VPP and CP on CPU"):
+
+    - core_v0.16.1's `moe_utils` names `te_general_gemm` in the router's gating without
+      defining it when Transformer Engine is absent (NameError; core_v0.19.0 sets it to None):
+      it is defined as None, which takes the torch path.
+    - `maybe_move_tensor_to_cpu(..., as_numpy=True)` turns split sizes into numpy only for
+      CUDA tensors, so the all-to-all dispatcher would hand CPU tensors to
+      `all_to_all_single` as split sizes (TypeError): CPU tensors become numpy too.
+    """
+    try:
+        from megatron.core.transformer.moe import moe_utils, token_dispatcher
+    except ImportError:  # not a Megatron tree with MoE
+        return
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+    real = moe_utils.maybe_move_tensor_to_cpu
+    if getattr(real, "_deadpool", False):
+        return
+
+    def maybe_move_tensor_to_cpu(tensor: Any, as_numpy: bool = False, **kwargs: Any) -> Any:
+        out = real(tensor, as_numpy=as_numpy, **kwargs)
+        if as_numpy and torch.is_tensor(out) and out.device.type == "cpu":
+            return out.numpy()
+        return out
+
+    maybe_move_tensor_to_cpu._deadpool = True  # type: ignore[attr-defined]
+    for module in (moe_utils, token_dispatcher):
+        if getattr(module, "maybe_move_tensor_to_cpu", None) is real:
+            module.maybe_move_tensor_to_cpu = maybe_move_tensor_to_cpu
 
 
 def _redirect_megatron_rng() -> None:

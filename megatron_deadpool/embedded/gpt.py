@@ -1,7 +1,9 @@
 """Builds the embedded job's Megatron-Core objects: GPTModel, DDP, DistributedOptimizer, LR.
 
-The same calls a Megatron-LM user's training makes (local layer spec, distributed optimizer,
-`OptimizerParamScheduler`), sized by `JobConfig`. Also the one training step, through
+The same calls a Megatron-LM user's training makes (local layer spec - with experts the
+decoder block spec of local MoE layers -, distributed optimizer - with experts a second one
+over the expert data-parallel group, chained -, `OptimizerParamScheduler`), sized by
+`JobConfig`. Also the one training step, through
 Megatron's `get_forward_backward_func()`, so tensor and pipeline parallelism run for real.
 """
 
@@ -21,7 +23,10 @@ from megatron.core.distributed import (
     finalize_model_grads,
 )
 from megatron.core.models.gpt import GPTModel
-from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.models.gpt.gpt_layer_specs import (
+    get_gpt_decoder_block_spec,
+    get_gpt_layer_local_spec,
+)
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -44,7 +49,20 @@ class TrainingObjects:
 
 def transformer_config(job: JobConfig) -> TransformerConfig:
     m, p = job.model, job.parallel
+    moe: dict[str, Any] = {}
+    if m.num_experts is not None:  # Megatron-Core's local MoE layers, tokens sent all-to-all
+        moe = {
+            "num_moe_experts": m.num_experts,
+            "moe_router_topk": m.moe_router_topk,
+            "moe_ffn_hidden_size": m.moe_ffn,
+            "moe_layer_freq": m.moe_layer_freq,
+            "moe_token_dispatcher_type": "alltoall",
+            "expert_model_parallel_size": p.ep,
+            "expert_tensor_parallel_size": p.expert_tp,
+            "add_bias_linear": False,  # core_v0.19.0's local experts add their bias in place
+        }
     return TransformerConfig(
+        **moe,
         num_layers=m.num_layers,
         hidden_size=m.hidden_size,
         num_attention_heads=m.num_attention_heads,
@@ -79,9 +97,14 @@ def build(job: JobConfig) -> TrainingObjects:
     """
     cfg = transformer_config(job)
     seed_rng(job.train.seed)
+    spec = (
+        get_gpt_decoder_block_spec(cfg, use_transformer_engine=False)
+        if cfg.num_moe_experts
+        else get_gpt_layer_local_spec()
+    )
     model = GPTModel(
         config=cfg,
-        transformer_layer_spec=get_gpt_layer_local_spec(),
+        transformer_layer_spec=spec,
         vocab_size=job.model.vocab_size,
         max_sequence_length=job.model.seq_length,
         pre_process=ps.is_pipeline_first_stage(),

@@ -99,9 +99,12 @@ class EmbeddedJob:
         return self.objs.model
 
     def init_model_parallel(self) -> None:
+        p = self.spec.parallel
         ps.initialize_model_parallel(
-            tensor_model_parallel_size=self.spec.parallel.tp,
-            pipeline_model_parallel_size=self.spec.parallel.pp,
+            tensor_model_parallel_size=p.tp,
+            pipeline_model_parallel_size=p.pp,
+            expert_model_parallel_size=p.ep,
+            expert_tensor_parallel_size=p.etp,
         )
 
     def after_rejoin(self, roster: Roster) -> None:

@@ -153,7 +153,7 @@ class LocalLauncher:
     # ------------------------------------------------------------------ run
     def run(self) -> RunResult:
         job, cfg = self.job, self.job.deadpool
-        layout = Layout(job.parallel.tp, job.parallel.pp, job.parallel.dp, job.ranks_per_node)
+        layout = self._layout()
         self.run_dir.mkdir(parents=True, exist_ok=True)
         spec = replace(job, deadpool=replace(cfg, job_token=None))  # the secret: not in a file
         (self.run_dir / "job.yaml").write_text(yaml.safe_dump(spec.to_dict(), sort_keys=False))
@@ -168,7 +168,8 @@ class LocalLauncher:
         )
         self.progress.header(
             f"deadpool train: tp={job.parallel.tp} pp={job.parallel.pp} dp={job.parallel.dp} "
-            f"({layout.world_size} ranks, {job.ranks_per_node} per node) + {local.spares} "
+            + (f"ep={layout.ep} etp={layout.expert_tp} " if layout.has_experts else "")
+            + f"({layout.world_size} ranks, {job.ranks_per_node} per node) + {local.spares} "
             f"spare(s), {job.train.iters} iterations, DeadPool {'on' if cfg.enabled else 'off'}"
             + (f", k={cfg.replicas}" if cfg.enabled else "")
             + f"; logs in {self.run_dir}"
@@ -281,13 +282,13 @@ class LocalLauncher:
             self.progress.event(fallback)
         return resume.iteration + 1
 
+    def _layout(self) -> Layout:
+        """The job's rank layout (Megatron's default order), experts included."""
+        p = self.job.parallel
+        return Layout(p.tp, p.pp, p.dp, self.job.ranks_per_node, ep=p.ep, etp=p.etp)
+
     def _summary(self, records: list, rc: int, wall_s: float) -> dict[str, Any]:
-        layout = Layout(
-            self.job.parallel.tp,
-            self.job.parallel.pp,
-            self.job.parallel.dp,
-            self.job.ranks_per_node,
-        )
+        layout = self._layout()
         local = self.local
         coord, membership = local.coordinator, local.membership
         final, preempted = membership.final_replication(), membership.preempted()

@@ -2,8 +2,8 @@
 
 `needs_cpu()` decides (no CUDA device, or `DEADPOOL_DEVICE=cpu`); `activate()` installs the
 redirections of `devices.cpu` with `pretend_cuda=True` (Megatron-LM asserts CUDA), skips the
-fused-kernel build (it probes nvcc), turns torch.compile off and mends megatron-core's MoE for
-tensors in host memory (`_mend_moe`); `with_cpu_flags(argv)` adds
+fused-kernel build (it probes nvcc) and turns torch.compile off (megatron-core's MoE is mended
+for tensors in host memory by `devices.cpu` itself); `with_cpu_flags(argv)` adds
 the Megatron flags a CPU run needs unless the user already gave them (see shared/CPU_MODE.md:
 gloo, the local transformer implementation, CPU initialisation, no fusions).
 """
@@ -123,40 +123,6 @@ def _load_before_the_first_step() -> None:
     dopt.DistributedOptimizer.state_dict = state_dict
 
 
-def _mend_moe() -> None:
-    """megatron-core's MoE layers on CPU (shared/CPU_MODE.md, "MoE, FP16, VPP and CP on CPU"):
-
-    - core_v0.16.1's `moe_utils` names `te_general_gemm` in the router's gating without
-      defining it when Transformer Engine is absent (NameError; core_v0.19.0 sets it to None):
-      it is defined as None, which takes the torch path.
-    - `maybe_move_tensor_to_cpu(..., as_numpy=True)` turns split sizes into numpy only for
-      CUDA tensors, so the all-to-all dispatcher would hand CPU tensors to
-      `all_to_all_single` as split sizes (TypeError): CPU tensors become numpy too.
-    """
-    import torch
-
-    try:
-        from megatron.core.transformer.moe import moe_utils, token_dispatcher
-    except ImportError:  # not a Megatron tree with MoE
-        return
-    if not hasattr(moe_utils, "te_general_gemm"):
-        moe_utils.te_general_gemm = None
-    real = moe_utils.maybe_move_tensor_to_cpu
-    if getattr(real, "_deadpool", False):
-        return
-
-    def maybe_move_tensor_to_cpu(tensor: Any, as_numpy: bool = False, **kwargs: Any) -> Any:
-        out = real(tensor, as_numpy=as_numpy, **kwargs)
-        if as_numpy and torch.is_tensor(out) and out.device.type == "cpu":
-            return out.numpy()
-        return out
-
-    maybe_move_tensor_to_cpu._deadpool = True  # type: ignore[attr-defined]
-    for module in (moe_utils, token_dispatcher):
-        if getattr(module, "maybe_move_tensor_to_cpu", None) is real:
-            module.maybe_move_tensor_to_cpu = maybe_move_tensor_to_cpu
-
-
 class _DropMessage(logging.Filter):
     """Drops the records of one exact message."""
 
@@ -191,7 +157,6 @@ def activate() -> None:
 
     activate_cpu(pretend_cuda=True)
     _load_before_the_first_step()
-    _mend_moe()
     _quiet_rng_fork_check()
     try:
         from megatron.legacy import fused_kernels

@@ -120,8 +120,14 @@ def test_moe_megatron_lm_arguments(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 @pytest.mark.timeout(10)
-def test_the_embedded_job_refuses_an_moe_model() -> None:
+def test_the_embedded_job_takes_an_moe_model_at_tp_1_only() -> None:
+    """The embedded job trains MoE models (tests/embedded/test_moe.py) with Megatron-Core's
+    local MoE layers, which need sequence parallelism with tensor parallelism: a model file's
+    experts are taken at tp 1, refused naming the way out at tp 2."""
     parser = argparse.ArgumentParser()
     add_job_flags(parser)
-    with pytest.raises(ConfigError, match="builds dense GPT models only"):
-        job_from_args(parser.parse_args(["--config", str(MIXTRAL)]))
+    job = job_from_args(parser.parse_args(["--config", str(MIXTRAL), "--tp", "1", "--dp", "8",
+                                           "--ep", "8"]))  # fmt: skip
+    assert (job.model.num_experts, job.parallel.ep) == (8, 8)
+    with pytest.raises(ConfigError, match="train the MoE model at tp 1"):
+        job_from_args(parser.parse_args(["--config", str(MIXTRAL), "--tp", "2"]))
