@@ -3,8 +3,8 @@
 The same calls a Megatron-LM user's training makes (local layer spec - with experts the
 decoder block spec of local MoE layers -, distributed optimizer - with experts a second one
 over the expert data-parallel group, chained -, `OptimizerParamScheduler`), sized by
-`JobConfig`. Also the one training step, through
-Megatron's `get_forward_backward_func()`, so tensor and pipeline parallelism run for real.
+`JobConfig`. Also the one training step, through Megatron's `get_forward_backward_func()`, so
+tensor, pipeline and expert parallelism run for real.
 """
 
 from __future__ import annotations
