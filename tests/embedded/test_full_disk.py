@@ -146,7 +146,10 @@ def test_a_preemption_checkpoint_that_does_not_fit_ends_with_143_and_says_what_i
         x for x in out.splitlines() if f"preempted: stopping after iteration {stopped};" in x
     )
     assert line == "  !! " + summary["preempted"]["unsaved"], line
-    assert _not_saved(stopped, save) in line and "[Errno 28] No space left on device" in line
+    assert _not_saved(stopped, save) in line
+    # The system's words, or - where torch's file writer hides them ("unexpected pos ...",
+    # depending on which write met the full disk) - the full disk's (failed_save.py).
+    assert "No space left on device" in line or "no space left on its file system" in line
     assert line.endswith(
         f"--load {save} resumes from the newest complete checkpoint, iteration 2 "
         f"({save}/iter_0000002)"
