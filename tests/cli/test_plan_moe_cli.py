@@ -121,7 +121,7 @@ def test_moe_megatron_lm_arguments(capsys: pytest.CaptureFixture[str]) -> None:
 
 @pytest.mark.timeout(10)
 def test_the_embedded_job_takes_an_moe_model_at_tp_1_only() -> None:
-    """The embedded job trains MoE models (tests/embedded/test_moe.py) with Megatron-Core's
+    """The embedded job trains MoE models (tests/embedded/test_embedded_moe.py) with Megatron-Core's
     local MoE layers, which need sequence parallelism with tensor parallelism: a model file's
     experts are taken at tp 1, refused naming the way out at tp 2."""
     parser = argparse.ArgumentParser()
