@@ -20,6 +20,7 @@ with a stand-in runtime.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import mmap
 import os
@@ -70,9 +71,18 @@ def buffer(
     cudart = runtime if runtime is not None else torch.cuda.cudart()
     code = int(cudart.cudaHostRegister(pointer, length, PORTABLE))
     if code != 0:
+        _forget_error(cudart)
+        if path is None:
+            raise DeadpoolRuntimeError(
+                f"cudaHostRegister of {length} B of host memory for a replica failed (cudaError "
+                f"{code}); free host memory, or keep replicas on the GPU "
+                "(--deadpool-replica-device gpu)"
+            )
         raise DeadpoolRuntimeError(
-            f"cudaHostRegister of {length} B of host memory for a replica failed (cudaError "
-            f"{code}); free host memory, or keep replicas on the GPU "
+            f"cudaHostRegister of {length} B of the segment file {path} failed (cudaError "
+            f"{code}): Linux page-locks shared mappings of files only on a memory file system "
+            f"(tmpfs, e.g. /dev/shm); put the node's segment folder (DEADPOOL_SEGMENTS) there, "
+            "or keep replicas on the GPU "
             "(--deadpool-replica-device gpu)"
         )
     finalizer = weakref.finalize(array, _unregister, cudart, pointer, length)
@@ -93,6 +103,31 @@ def _mapping(length: int, path: Path | None) -> mmap.mmap:
         return mmap.mmap(fd, length)
     finally:
         os.close(fd)  # the mapping keeps the file
+
+
+def _forget_error(cudart: Any) -> None:
+    """Read away the error of a failed registration: it stays the thread's last CUDA error,
+    which torch's next kernel launch check reports as that kernel's own ("CUDA error: invalid
+    argument" from an unrelated op, seen on an H100). torch's binding of the runtime has no
+    ``cudaGetLastError``; the process's libcudart has."""
+    get = getattr(cudart, "cudaGetLastError", None) or _process_cudart("cudaGetLastError")
+    if get is None:
+        log.warning("no cudaGetLastError found: the failed registration's error stays pending")
+        return
+    get()
+
+
+def _process_cudart(name: str) -> Any:
+    """Function `name` of the libcudart this process has loaded (torch's), or None."""
+    try:
+        maps = Path("/proc/self/maps").read_text()
+    except OSError:
+        return None
+    for line in maps.splitlines():
+        where = line.split()[-1]
+        if os.path.basename(where).startswith("libcudart.so"):
+            return getattr(ctypes.CDLL(where), name, None)
+    return None
 
 
 def _unregister(cudart: Any, pointer: int, length: int) -> None:

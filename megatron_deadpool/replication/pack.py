@@ -59,7 +59,8 @@ right after it is copied, while it is still in cache:
 * ``cuda``: when the optional extension ``deadpool_cuda_kernels`` (``cuda_kernels/README.md``)
   imports and the tensors are on a CUDA device, one fused kernel copies, zero-fills and
   checksums (uint64 arithmetic, whose wraparound is exactly mod ``2**64``).
-* ``numpy`` (host buffers up to ``_NUMPY_MAX_BYTES``, where it is the faster): each chunk's
+* ``numpy`` (host buffers up to ``_NUMPY_MAX_BYTES``, where it is the faster, and host
+  buffers of any size checked on one core: `checksum`'s ``one_core``): each chunk's
   words are sign-extended to uint64 and multiplied by their weights ``1..n`` and summed in one
   numpy call - uint64 wraparound again, so ``sum_k (start + k + 1) w_k = sum_k (k + 1) w_k +
   start * sum_k w_k`` (mod ``2**64``) combines the chunks.
@@ -223,16 +224,17 @@ def _forced_torch() -> bool:
     return os.environ.get("DEADPOOL_PACK_BACKEND", "").lower() == "torch"
 
 
-def backend_for(tensor: torch.Tensor) -> str:
-    """The backend (module docstring) that handles a buffer like `tensor` (device and size)."""
-    return _backend(tensor.device, tensor.numel() * tensor.element_size())
+def backend_for(tensor: torch.Tensor, *, one_core: bool = False) -> str:
+    """The backend (module docstring) that handles a buffer like `tensor` (device and size;
+    `one_core`: a host checksum that must not start an OpenMP team, see `checksum`)."""
+    return _backend(tensor.device, tensor.numel() * tensor.element_size(), one_core)
 
 
-def _backend(device: torch.device, nbytes: int) -> str:
+def _backend(device: torch.device, nbytes: int, one_core: bool = False) -> str:
     if device.type == "cuda" and _extension() is not None:
         return "cuda"
-    host = device.type == "cpu" and nbytes <= _NUMPY_MAX_BYTES and not _forced_torch()
-    return "numpy" if host else "torch"
+    small = nbytes <= _NUMPY_MAX_BYTES or one_core
+    return "numpy" if device.type == "cpu" and small and not _forced_torch() else "torch"
 
 
 def _stream(device: torch.device) -> int:
@@ -380,13 +382,20 @@ def unpack(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> int:
 
 
 @plain_torch
-def checksum(buf: torch.Tensor) -> int:
-    """The checksum (module docstring) of a 1-D uint8 buffer whose length is a multiple of 4."""
+def checksum(buf: torch.Tensor, *, one_core: bool = False) -> int:
+    """The checksum (module docstring) of a 1-D uint8 buffer whose length is a multiple of 4.
+
+    `one_core`: a host buffer is checksummed by the numpy backend on the calling thread alone,
+    whatever its size - for checks that run beside the training or beside each other. The
+    torch backend's thousands of small intra-op parallel regions start an OpenMP team of all
+    cores, whose threads spin between regions: two processes' teams checking a 2 GiB replica
+    each at once took 27 s and 220 s of CPU each on a 16-core GPU node (0.5 s with
+    OMP_WAIT_POLICY=passive, 0.9-1.05 s with numpy on one core)."""
     _check_flat(buf, "checksum")
     if buf.numel() % WORD_BYTES:
         raise PackError(f"checksum buffer length {buf.numel()} B is not a multiple of 4")
     _check_size(buf.numel())
-    backend = backend_for(buf)
+    backend = backend_for(buf, one_core=one_core)
     if backend == "cuda":
         ext = _extension()
         assert ext is not None

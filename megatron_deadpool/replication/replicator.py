@@ -489,17 +489,18 @@ class Replicator:
 
     def _verify_copies(self, copies: list[tuple[int, SlotPair, int, int]]) -> list[str | None]:
         """Why each copy fails `verify` (None: it verifies). Copies in host memory are checked
-        concurrently, one thread each (the host checksum releases the interpreter lock)."""
+        concurrently, one thread each, each on one core (`pack.checksum`'s ``one_core``)."""
+        threads = self.device.type == "cpu" and len(copies) > 1
 
         def one(copy: tuple[int, SlotPair, int, int]) -> str | None:
             owner, pair, slot, it = copy
             try:
-                verify(pair.buffers[slot], owner=owner, iteration=it)
+                verify(pair.buffers[slot], owner=owner, iteration=it, one_core=threads)
             except CorruptReplicaError as exc:
                 return str(exc)
             return None
 
-        if self.device.type != "cpu" or len(copies) < 2:
+        if not threads:
             return [one(c) for c in copies]
         with ThreadPoolExecutor(min(len(copies), 8), "deadpool-holdings") as pool:
             return list(pool.map(one, copies))

@@ -141,8 +141,15 @@ def size_problem(header: Header, total: int) -> str | None:
 
 
 @plain_torch
-def verify(flat: torch.Tensor, *, owner: int | None = None, iteration: int | None = None) -> Header:
-    """Check magic, identity and checksum; raise `CorruptReplicaError` naming what failed."""
+def verify(
+    flat: torch.Tensor,
+    *,
+    owner: int | None = None,
+    iteration: int | None = None,
+    one_core: bool = False,
+) -> Header:
+    """Check magic, identity and checksum; raise `CorruptReplicaError` naming what failed.
+    `one_core`: off the main thread (`pack.checksum`)."""
     header = read_header(flat)
     if header is None:
         raise CorruptReplicaError("snapshot header missing or damaged (bad magic or check word)")
@@ -156,7 +163,7 @@ def verify(flat: torch.Tensor, *, owner: int | None = None, iteration: int | Non
             f"replica of rank {header.owner} is of iteration {header.iteration}, "
             f"expected {iteration}"
         )
-    actual = pack.checksum(flat[: header.nbytes])
+    actual = pack.checksum(flat[: header.nbytes], one_core=one_core)
     if actual != header.checksum:
         raise CorruptReplicaError(
             f"checksum mismatch in replica of rank {header.owner} iteration {header.iteration}: "

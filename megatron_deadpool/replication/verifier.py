@@ -89,7 +89,7 @@ def _check(
             continue
         found.arrived.add(owner)
         try:
-            verify(flat, owner=owner, iteration=iteration)
+            verify(flat, owner=owner, iteration=iteration, one_core=True)
         except CorruptReplicaError as exc:
             found.corrupt[owner] = str(exc)
     found.seconds = {

@@ -162,6 +162,7 @@ def test_sbatch_renders_two_active_nodes_and_one_spare(site: str) -> None:
     assert flag(standby, "--export").startswith("ALL,DEADPOOL_JOB_LOG=")  # its end lines
     assert env["WORLD_SIZE"] == str(2 * gpus)
     assert env["LOCAL_WORLD_SIZE"] == str(gpus)
+    assert env["OMP_NUM_THREADS"] == "1"  # as torchrun sets it (not set by the test's caller)
 
 
 @pytest.mark.timeout(30)

@@ -6,6 +6,7 @@ unregisters it when the last tensor viewing it is freed. (The CUDA calls themsel
 from __future__ import annotations
 
 import gc
+from pathlib import Path
 
 import pytest
 import torch
@@ -30,6 +31,10 @@ class _Runtime:
     def cudaHostUnregister(self, pointer: int) -> int:
         self.calls.append(("unregister", pointer))
         return 0
+
+    def cudaGetLastError(self) -> int:
+        self.calls.append(("get last error",))
+        return self.code
 
 
 @pytest.mark.parametrize("nbytes", [1, 4096, 9 * (1 << 20) + 17])
@@ -73,7 +78,20 @@ def test_a_failed_registration_is_one_clear_error_and_nothing_is_left_registered
     with pytest.raises(DeadpoolRuntimeError, match=r"cudaHostRegister of \d+ B .*\(cudaError 2\)"):
         pinned.buffer(1 << 20, torch.device("cpu"), pinned=True, runtime=runtime)
     gc.collect()
-    assert [c[0] for c in runtime.calls] == ["register"]
+    assert [c[0] for c in runtime.calls] == ["register", "get last error"]
+
+
+def test_a_segment_file_that_cannot_be_page_locked_names_its_folder_and_the_fix(
+    tmp_path: Path,
+) -> None:
+    runtime = _Runtime(code=1)  # cudaErrorInvalidValue: a file system Linux does not pin
+    path = tmp_path / "r0-o0-s0.4096"
+    with pytest.raises(DeadpoolRuntimeError) as failed:
+        pinned.buffer(4096, torch.device("cpu"), pinned=True, runtime=runtime, path=path)
+    said = str(failed.value)
+    assert str(path) in said and "memory file system (tmpfs, e.g. /dev/shm)" in said
+    assert "DEADPOOL_SEGMENTS" in said and "--deadpool-replica-device gpu" in said
+    assert runtime.calls[-1] == ("get last error",)
 
 
 def test_unpinned_host_buffers_need_no_runtime() -> None:

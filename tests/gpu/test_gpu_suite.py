@@ -27,7 +27,11 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import shutil
+import tempfile
 import time
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -153,16 +157,24 @@ def _gpu_state(numel: int, seed: int = 0) -> Any:
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("where", ["gpu", "pinned"])
-def test_capture_is_complete_once_its_event_passed(where: str) -> None:
+@pytest.mark.parametrize("where", ["gpu", "pinned", "segment"])
+def test_capture_is_complete_once_its_event_passed(where: str, shm_path: Path) -> None:
+    """`segment`: pinned host memory that is a node's segment file (`replication.segments`),
+    page-locked with cudaHostRegister; once unregistered and unmapped, the file holds the
+    capture, as the process respawned in its place reads it."""
+    from megatron_deadpool.devices.pinned import buffer
     from megatron_deadpool.replication.snapshot import Snapshotter, verify
 
     state = _gpu_state(64 << 20)  # 3 x 256 MiB
     snap = Snapshotter(state, owner=0)
+    segment = shm_path / "r0-o0-s0"
     if where == "gpu":
         out = torch.zeros(snap.flat_nbytes(), dtype=torch.uint8, device="cuda")
-    else:
+    elif where == "pinned":
         out = torch.zeros(snap.flat_nbytes(), dtype=torch.uint8, pin_memory=True)
+    else:
+        out = buffer(snap.flat_nbytes(), torch.device("cpu"), pinned=True, path=segment)
+        assert out.is_pinned()
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -173,10 +185,43 @@ def test_capture_is_complete_once_its_event_passed(where: str) -> None:
     verified = verify(out, owner=0, iteration=5)
     if header is not None:  # without the fused kernel the checksum came back synchronously
         assert verified == header
+    if where == "segment":
+        del out  # unregistered and unmapped: what the file keeps when its process dies
+        out = buffer(snap.flat_nbytes(), torch.device("cpu"), pinned=False, path=segment)
+        assert verify(out, owner=0, iteration=5) == verified
+        segment.unlink()
     fresh = _gpu_state(64 << 20, seed=1)
     Snapshotter.restore_into(fresh, out, owner=0, iteration=5)
     for a, b in zip(state.state_tensors(), fresh.state_tensors()):
         assert torch.equal(a.cpu(), b.cpu())
+
+
+@pytest.fixture
+def shm_path() -> Iterator[Path]:
+    """A folder in the node's memory file system, as the launcher gives a node's processes."""
+    where = Path(tempfile.mkdtemp(prefix="deadpool-gpu-", dir="/dev/shm"))
+    yield where
+    shutil.rmtree(where, ignore_errors=True)
+
+
+@pytest.mark.timeout(120)
+def test_a_segment_file_that_cannot_be_page_locked_is_one_clear_error_and_cuda_goes_on(
+    tmp_path: Path,
+) -> None:
+    """Linux page-locks shared file mappings only on a memory file system: a segment folder
+    elsewhere is refused naming the fix, and the registration's error does not surface as
+    the next kernel's ('CUDA error: invalid argument' from torch.randn, seen on an H100)."""
+    from megatron_deadpool.devices.pinned import buffer
+    from megatron_deadpool.errors import DeadpoolRuntimeError
+
+    try:
+        out = buffer(1 << 20, torch.device("cpu"), pinned=True, path=tmp_path / "r0-o0-s0")
+    except DeadpoolRuntimeError as exc:
+        assert "memory file system" in str(exc) and str(tmp_path) in str(exc)
+    else:
+        del out
+        pytest.skip(f"{tmp_path} is on a file system this kernel page-locks")
+    assert float(torch.ones(4, device="cuda").sum()) == 4.0  # a kernel launch and its check
 
 
 @pytest.mark.timeout(300)

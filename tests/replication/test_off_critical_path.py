@@ -64,11 +64,11 @@ def _paths_rank(*, rank: int, world_size: int, store: Any) -> dict[str, Any]:
     from megatron_deadpool.replication.replicator import Replicator
     from megatron_deadpool.replication.snapshot import Snapshotter
 
-    verified_on: list[str] = []
+    verified_on: list[tuple[str, bool]] = []
     real_verify = verifier.verify
 
     def recording_verify(*args: Any, **kwargs: Any) -> Any:
-        verified_on.append(threading.current_thread().name)
+        verified_on.append((threading.current_thread().name, kwargs.get("one_core", False)))
         return real_verify(*args, **kwargs)
 
     verifier.verify = recording_verify  # type: ignore[assignment]
@@ -121,9 +121,10 @@ def test_verified_off_the_main_thread_and_verdicts_posted_ahead_commit_the_same(
             run = result[name]
             assert run["committed"] == expected, (rank, name, run)
             assert run["corrupt"] == ([[0, FLIP_ROUND]] if rank == 1 else []), (rank, name)
-            # Every round's replica was checked on the worker thread, none on the main one;
-            # the damaged one again on the main thread (the injection happens there).
-            assert run["verify_threads"] == ["deadpool-verify_0"], (rank, name, run)
+            # Every round's replica was checked on the worker thread, none on the main one, on
+            # one core (no OpenMP team beside the training's); the damaged one again on the
+            # main thread (the injection happens there).
+            assert run["verify_threads"] == [["deadpool-verify_0", True]], (rank, name, run)
             assert run["holdings"]["local"] == [4, 5] and len(run["holdings"]) == 2
         assert result["host-group"]["transfer_group_is_host"]
         assert result["host-group"]["posted_on_host_group"]

@@ -257,6 +257,20 @@ def test_backend_on_cpu_is_numpy_for_small_buffers_unless_torch_is_forced(
 
 
 @pytest.mark.timeout(30)
+def test_a_checksum_on_one_core_is_numpys_at_any_size_and_the_same_value(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Checks beside the training (`verifier`) must not start an OpenMP team (`checksum`)."""
+    monkeypatch.delenv("DEADPOOL_PACK_BACKEND", raising=False)
+    big = torch.randint(-128, 128, (3 * pack._NUMPY_MAX_BYTES + 12,), dtype=torch.int8)
+    buf = big.view(torch.uint8)
+    assert pack.backend_for(buf) == "torch"
+    assert pack.backend_for(buf, one_core=True) == "numpy"
+    assert pack.backend_for(torch.empty(1, device="meta"), one_core=True) == "torch"
+    assert pack.checksum(buf, one_core=True) == pack.checksum(buf)
+
+
+@pytest.mark.timeout(30)
 def test_chunk_geometry_respects_the_int64_bounds() -> None:
     for device in ("cpu", "cuda"):  # only reads the constants; no GPU needed
         rows = pack._chunk_rows(torch.device(device))
