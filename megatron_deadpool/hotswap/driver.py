@@ -307,9 +307,9 @@ class Driver:
 
     def wait_for_slot(self) -> Roster | None:
         """Block until a roster names this process; None when the job ends (or SIGTERM)
-        before it needs this spare. A newcomer (a spare taking a slot after the start) has
-        claimed its slot when this returns: it builds its objects in a private world
-        (`build_privately`), then joins (`take_slot`)."""
+        before it needs this spare. A newcomer (a spare taking a slot after the start) then
+        builds its objects in a private world (`build_privately`) and claims its slot as it
+        joins (`take_slot`)."""
         previous = self.catch_sigterm()
         try:
             return self._wait_for_slot()
@@ -334,13 +334,6 @@ class Driver:
                 roster = m.roster(g)
                 rank = roster.rank_of(self.member)
                 if rank is not None:
-                    if g > 0:  # a recovery's newcomer: claim the slot before anyone waits on it
-                        faults.on_assignment(self.member, rank, g)
-                        if not m.claim_slot(g, rank):
-                            raise DeadpoolRuntimeError(
-                                f"the coordinator gave up rank {rank} of generation {g} before "
-                                "this spare claimed it (it took this process for lost)"
-                            )
                     self._take(roster)
                     return roster
             if self._slot_waiter is None:  # from now on every roster and the shutdown wake us
@@ -413,6 +406,7 @@ class Driver:
         survivors recompute more)."""
         t0 = time.time()
         roster = self.roster
+        self._claim(roster)
         self.release()
         private_world.leave()
         self.join(roster, self.job.init_model_parallel)
@@ -423,6 +417,22 @@ class Driver:
         t_iter = self.restore(roster, needy=held is None, held=held)
         self._record(roster, target, t0, {"join": t_joined - t0, "restore": time.time() - t_joined})
         return t_iter
+
+    def _claim(self, roster: Roster) -> None:
+        """A recovery's newcomer claims its slot only now, its objects built: the survivors
+        wait for the claim where the coordinator can release them (`give_up_slot`, when the
+        newcomer is lost first), not inside the generation's rendezvous, which nothing but the
+        process-group timeout ends (a newcomer lost while building its objects would hold
+        them there past the next plan's agreement timeout: out of redundancy)."""
+        g, rank = roster.generation, self._rank()
+        if g == 0:
+            return
+        self.faults.on_assignment(self.member, rank, g)  # `spare:I@recovery`
+        if not self.membership.claim_slot(g, rank):
+            raise DeadpoolRuntimeError(
+                f"the coordinator gave up rank {rank} of generation {g} before this spare "
+                "claimed it (it took this process for lost)"
+            )
 
     def place_replicas(
         self, ranks_per_node: int | None = None, order: RankOrder = RankOrder.TP_DP_PP

@@ -62,7 +62,7 @@ class FaultInjector:
                 self._strike(kind, f"while waiting (training at iteration {progress})")
 
     def on_assignment(self, member: str, rank: int, generation: int) -> None:
-        """A spare given `rank` of `generation`, before it claims the slot."""
+        """A spare given `rank` of `generation`, its objects built, before it claims the slot."""
         for index, _, kind in spare_faults(self.specs, member, assigned=True):
             if self.membership.fire_once(index, member):
                 self._strike(

@@ -54,8 +54,8 @@ Keys (the message type of each structured value in CamelCase):
                               its restore iteration), out of redundancy, or superseded by a
                               newer plan
   gen{g}/sources              Sources: needy rank -> holder, for the restore iteration
-  gen{g}/ready/{rank}         "ready": the newcomer of a needy rank claimed its slot, before it
-                              joins; "lost": the coordinator gave the slot up first (the
+  gen{g}/ready/{rank}         "ready": the newcomer of a needy rank claimed its slot, its
+                              objects built, as it joins; "lost": the coordinator gave the slot up first (the
                               newcomer died before claiming it). Survivors wait for these before
                               joining, so that none waits in a rendezvous for a newcomer that
                               will never come

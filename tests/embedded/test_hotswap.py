@@ -400,9 +400,11 @@ def test_a_spare_raising_what_the_rank_it_replaced_raised_ends_the_job(root: str
     assert proc.returncode == 9, out[-3000:]
     message = "fault injection: rank 2 raises at iteration 4"
     assert f"JOB ERROR: rank 2 training: InjectedError: {message}\n" in proc.stdout, out[-3000:]
-    assert "rank 2's spare s0 failed as a2 did before it" in proc.stdout
+    events = _events("same_error_again", root)
+    said = [e for e in events if e["event"] in ("error_reported", "process_dead", "plan")]
+    assert "rank 2's spare s0 failed as a2 did before it" in proc.stdout, (said, out[-3000:])
     assert re.search(rf"s0\| .*InjectedError: {message}", proc.stdout), proc.stdout
-    plans = [e for e in _events("same_error_again", root) if e["event"] == "plan"]
+    plans = [e for e in events if e["event"] == "plan"]
     assert [p["slots"]["2"] for p in plans] == ["s0"]  # s1 never got a slot
     assert summary["job_error"]["report"]["member"] == "s0"
     assert summary["out_of_redundancy"] is None

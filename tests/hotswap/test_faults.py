@@ -76,8 +76,10 @@ CASES: dict[str, list[str]] = {
         "--fail",
         "1@recovery",
     ],
-    # The spare a recovery picks dies before it claims the slot: the survivors must not wait
-    # for it in a rendezvous; the coordinator gives the slot up and the next spare takes it.
+    # The spare a recovery picks dies once it built its objects, before it claims the slot:
+    # the survivors must not wait for it in a rendezvous (they did, from the spare's pick on,
+    # until the claim moved after the build); the coordinator gives the slot up and the next
+    # spare takes it.
     "newcomer_lost": [
         "--tp",
         "2",
