@@ -81,9 +81,8 @@ def buffer(
         raise DeadpoolRuntimeError(
             f"cudaHostRegister of {length} B of the segment file {path} failed (cudaError "
             f"{code}): Linux page-locks shared mappings of files only on a memory file system "
-            f"(tmpfs, e.g. /dev/shm); put the node's segment folder (DEADPOOL_SEGMENTS) there, "
-            "or keep replicas on the GPU "
-            "(--deadpool-replica-device gpu)"
+            "(tmpfs, e.g. /dev/shm); put the node's segment folder (DEADPOOL_SEGMENTS) there, "
+            "or keep replicas on the GPU (--deadpool-replica-device gpu)"
         )
     finalizer = weakref.finalize(array, _unregister, cudart, pointer, length)
     finalizer.atexit = False  # at exit the process's memory goes anyway; no CUDA call then

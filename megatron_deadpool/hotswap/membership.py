@@ -55,10 +55,10 @@ Keys (the message type of each structured value in CamelCase):
                               newer plan
   gen{g}/sources              Sources: needy rank -> holder, for the restore iteration
   gen{g}/ready/{rank}         "ready": the newcomer of a needy rank claimed its slot, its
-                              objects built, as it joins; "lost": the coordinator gave the slot up first (the
-                              newcomer died before claiming it). Survivors wait for these before
-                              joining, so that none waits in a rendezvous for a newcomer that
-                              will never come
+                              objects built, as it joins; "lost": the coordinator gave the slot
+                              up first (the newcomer died before claiming it). Survivors wait
+                              for these before joining, so that none waits in a rendezvous for
+                              a newcomer that will never come
   gen{g}/{phase}/{rank}       wall time a rank reached a phase: joined, restored,
                               first_iteration (rank 0 only); gen{g}/{phase}/count counts them
   gen{g}/stale_refs           counter: old-generation group handles ranks found left after

@@ -4,7 +4,8 @@ A holder verifies every replica it receives by its checksum before it counts (`s
 For replicas in GPU memory that runs on the GPU. For replicas in host memory - pinned host
 memory next to a GPU, or the CPU mode - it is the host checksum over the whole shard: GiBs per
 step, which on the main thread would sit on the training's critical path. A `RoundCheck` does it
-on a worker thread instead, started as soon as the round's transfers are posted: the thread
+on a worker thread instead, and on one core (`pack.checksum`'s ``one_core``: no OpenMP team
+beside the training's threads), started as soon as the round's transfers are posted: the thread
 waits for them (overlapping the next iteration's forward and backward), checks every received
 replica, and the main thread only reads the outcome when it settles the round. What counts as
 verified does not change: the same `verify`, and the main thread alone marks slots verified
