@@ -46,7 +46,7 @@ import traceback
 from typing import Any
 
 from ..hotswap.membership import Membership
-from ..hotswap.messages import HoldingsReport, Keys, Roster, Verdict
+from ..hotswap.messages import CLAIMED, HoldingsReport, Keys, Roster, Verdict
 from ..hotswap.seal import JobSeal, job_secret
 from ..replication.placement import Layout, place_replicas
 from .store_wire import FOREVER_S, Hub, WireStore
@@ -192,7 +192,7 @@ class SimProcess:
                 break
             if members.wait_spare_epoch(seen + 1, FOREVER_S):
                 seen += 1
-        if not members.claim_slot(roster.generation, rank):
+        if members.claim_slot(roster.generation, rank) != CLAIMED:
             raise RuntimeError(f"{members.member}: its slot was given up before it claimed it")
         self.roster = roster
         self._join(roster, rank, members)

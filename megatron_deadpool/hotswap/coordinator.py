@@ -394,8 +394,14 @@ class Coordinator:
     def _plan(self, dead: set[int]) -> None:
         rec, now = self._recovery, self.clock.time()
         if rec is not None and rec.t_agreed is not None:  # decided; not everyone joined yet
-            for rank in sorted(dead & rec.needy):  # a newcomer lost: nobody may wait for it
-                self.membership.give_up_slot(rec.generation, rank)
+            # Its survivors wait for every newcomer's claim (`wait_newcomers`); it will not be
+            # joined now: settle every slot not claimed yet, so that they move on to this plan
+            # - a newcomer lost is given up, a live one takes its slot in this plan instead.
+            for rank in sorted(rec.needy):
+                if rank in dead:
+                    self.membership.give_up_slot(rec.generation, rank)
+                else:
+                    self.membership.move_slot_on(rec.generation, rank)
         base = rec.slots if rec else self._roster.slots
         all_dead = (rec.dead if rec else set()) | dead
         slots = dict(base)

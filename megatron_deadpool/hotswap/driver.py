@@ -48,6 +48,7 @@ from ..errors import (
     ConfigError,
     CoordinatorUnreachableError,
     DeadpoolRuntimeError,
+    ExitCode,
     LostAfterTrainingError,
     OutOfRedundancyError,
     first_line,
@@ -67,7 +68,7 @@ from .injection import FaultInjector
 from .joining import member_name, unnamed
 from .layout_check import check_megatron_groups
 from .membership import Membership
-from .messages import ErrorReport, LayoutRecord, Phase, Registration, Roster
+from .messages import CLAIMED, MOVED_ON, ErrorReport, LayoutRecord, Phase, Registration, Roster
 from .plan_watch import PlanWatch
 from .recovery import Recovery, abort_keeping_arrivals, release_groups
 from .seal import JobSeal
@@ -305,21 +306,21 @@ class Driver:
         ending the process; returns the previous handler."""
         return signal.signal(signal.SIGTERM, lambda *_: self.sigterm.set())
 
-    def wait_for_slot(self) -> Roster | None:
+    def wait_for_slot(self, after: int = -1) -> Roster | None:
         """Block until a roster names this process; None when the job ends (or SIGTERM)
         before it needs this spare. A newcomer (a spare taking a slot after the start) then
         builds its objects in a private world (`build_privately`) and claims its slot as it
-        joins (`take_slot`)."""
+        joins (`take_slot`). `after`: only a roster of a later generation counts."""
         previous = self.catch_sigterm()
         try:
-            return self._wait_for_slot()
+            return self._wait_for_slot(after)
         finally:
             signal.signal(signal.SIGTERM, previous)
             if self._slot_waiter is not None:
                 self._slot_waiter.stop()
                 self._slot_waiter = None
 
-    def _wait_for_slot(self) -> Roster | None:
+    def _wait_for_slot(self, after: int) -> Roster | None:
         m, faults = self.membership, self.faults
         may_fail = faults.waiting_faults(self.member)
         while True:
@@ -330,7 +331,7 @@ class Driver:
             faults.while_waiting(self.member)  # `spare:I@ITER`: a waiting spare fails
             self._inherited.report(m, self.member)
             g = m.generation()
-            if g >= 0:
+            if g > after:
                 roster = m.roster(g)
                 rank = roster.rank_of(self.member)
                 if rank is not None:
@@ -405,8 +406,7 @@ class Driver:
         the restore iteration T. `target`: the step the job goes on at (T+1 unless the
         survivors recompute more)."""
         t0 = time.time()
-        roster = self.roster
-        self._claim(roster)
+        roster = self._claim(self.roster)
         self.release()
         private_world.leave()
         self.join(roster, self.job.init_model_parallel)
@@ -418,21 +418,42 @@ class Driver:
         self._record(roster, target, t0, {"join": t_joined - t0, "restore": time.time() - t_joined})
         return t_iter
 
-    def _claim(self, roster: Roster) -> None:
+    def _claim(self, roster: Roster) -> Roster:
         """A recovery's newcomer claims its slot only now, its objects built: the survivors
         wait for the claim where the coordinator can release them (`give_up_slot`, when the
         newcomer is lost first), not inside the generation's rendezvous, which nothing but the
         process-group timeout ends (a newcomer lost while building its objects would hold
-        them there past the next plan's agreement timeout: out of redundancy)."""
+        them there past the next plan's agreement timeout: out of redundancy). When the
+        coordinator planned again first (`move_slot_on`), the slot is this process's in the
+        next generation: it waits for that roster and claims there. Returns the roster it
+        joins; exits (code 0) when the job ended before it needed this process."""
         g, rank = roster.generation, self._rank()
         if g == 0:
-            return
+            return roster
         self.faults.on_assignment(self.member, rank, g)  # `spare:I@recovery`
-        if not self.membership.claim_slot(g, rank):
+        held = self.membership.claim_slot(g, rank)
+        if held == CLAIMED:
+            return roster
+        if held != MOVED_ON:
             raise DeadpoolRuntimeError(
                 f"the coordinator gave up rank {rank} of generation {g} before this spare "
                 "claimed it (it took this process for lost)"
             )
+        log.info("generation %d will not be joined: waiting for the next one's roster", g)
+        later = self.wait_for_slot(after=g)
+        if later is None:
+            log.info("released: the job ended before this newcomer joined")
+            raise SystemExit(ExitCode.OK)
+        if (
+            later.rank_of(self.member) != rank
+            or later.restore_iteration != roster.restore_iteration
+        ):
+            raise DeadpoolRuntimeError(
+                f"generation {later.generation} gives this newcomer rank "
+                f"{later.rank_of(self.member)} at iteration {later.restore_iteration}, not rank "
+                f"{rank} at {roster.restore_iteration} as it built its objects for"
+            )
+        return self._claim(later)
 
     def place_replicas(
         self, ranks_per_node: int | None = None, order: RankOrder = RankOrder.TP_DP_PP

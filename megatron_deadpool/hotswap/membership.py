@@ -56,7 +56,9 @@ Keys (the message type of each structured value in CamelCase):
   gen{g}/sources              Sources: needy rank -> holder, for the restore iteration
   gen{g}/ready/{rank}         "ready": the newcomer of a needy rank claimed its slot, its
                               objects built, as it joins; "lost": the coordinator gave the slot
-                              up first (the newcomer died before claiming it). Survivors wait
+                              up first (the newcomer died before claiming it); "moved on": the
+                              generation will not be joined (a newer plan, the job's end) and
+                              the live newcomer takes its slot in the next one. Survivors wait
                               for these before joining, so that none waits in a rendezvous for
                               a newcomer that will never come
   gen{g}/{phase}/{rank}       wall time a rank reached a phase: joined, restored,
@@ -128,6 +130,7 @@ from .codec import read_float, read_int, read_text
 from .messages import (
     CLAIMED,
     GIVEN_UP,
+    MOVED_ON,
     WAKE,
     Announcement,
     CheckpointFailures,
@@ -605,15 +608,23 @@ class Membership:
             return None
         return dict(zip(ranks, decode_holdings(keys, payloads)))  # type: ignore[arg-type]
 
-    def claim_slot(self, generation: int, rank: int) -> bool:
-        """A newcomer about to join generation g as `rank`: True, unless the coordinator gave
-        the slot up first (it took this process for lost: `give_up_slot`)."""
-        return self._claim(Keys.CLAIM.format(g=generation, rank=rank), CLAIMED) == CLAIMED.encode()
+    def claim_slot(self, generation: int, rank: int) -> str:
+        """A newcomer about to join generation g as `rank`: `CLAIMED`, unless the coordinator
+        settled the slot first - `GIVEN_UP` (it took this process for lost: `give_up_slot`) or
+        `MOVED_ON` (the generation will not be joined: `move_slot_on`)."""
+        held = self._claim(Keys.CLAIM.format(g=generation, rank=rank), CLAIMED)
+        return held.decode() if held is not None else GIVEN_UP
 
     def give_up_slot(self, generation: int, rank: int) -> None:
         """The coordinator: generation g's newcomer for `rank` was lost before it claimed its
         slot (a claim that came first stands)."""
         self._claim(Keys.CLAIM.format(g=generation, rank=rank), GIVEN_UP)
+
+    def move_slot_on(self, generation: int, rank: int) -> None:
+        """The coordinator: generation g will not be joined (a newer plan, or the job's end);
+        its live newcomer for `rank` has not claimed the slot yet (a claim that came first
+        stands)."""
+        self._claim(Keys.CLAIM.format(g=generation, rank=rank), MOVED_ON)
 
     def wait_newcomers(
         self, generation: int, ranks: Sequence[int], timeout_s: float

@@ -175,8 +175,8 @@ class Recovery:
                 ready = m.wait_newcomers(g, plan.needy, DECISION_WAIT_S)
             if ready:
                 return new
-            log.warning("a newcomer of generation %d was lost before joining", g)
-            g += 1  # the coordinator gave its slot up as it planned the next generation
+            log.warning("generation %d will not be joined (a newcomer was lost first)", g)
+            g += 1  # the coordinator settled the unclaimed slots as it planned the next one
 
     def _out_of_redundancy(self, salvage_target: SalvageTarget) -> None:
         report = self.membership.out_of_redundancy()

@@ -22,6 +22,9 @@ from megatron_deadpool.hotswap.liveness import HeartbeatOnly, Liveness
 from megatron_deadpool.hotswap.membership import Membership
 from megatron_deadpool.hotswap.memory_store import MemoryStore
 from megatron_deadpool.hotswap.messages import (
+    CLAIMED,
+    GIVEN_UP,
+    MOVED_ON,
     Decision,
     ErrorReport,
     HoldingsReport,
@@ -360,10 +363,35 @@ def test_a_newcomer_lost_before_its_claim_gives_its_slot_up() -> None:
     job.die("s0")  # given rank 2, dead before it claimed the slot
     job.tick()
     assert job.m().wait_newcomers(1, [2], 0.0) is False  # survivors do not wait for it
-    assert job.m("s0").claim_slot(1, 2) is False
+    assert job.m("s0").claim_slot(1, 2) == GIVEN_UP
     plan = job.m().plan(2)
     assert plan is not None and plan.dead == (2,) and plan.replaced == {2: "s1"}
     assert plan.base == 1
+
+
+def test_a_newcomer_lost_beside_one_alive_moves_the_live_ones_slot_on() -> None:
+    """Plan 1 is decided (rank 1 <- s0, rank 3 <- s1); s1 dies before its claim, and no spare
+    is left. The survivors, waiting for both claims, must not wait for s0's, which would never
+    come (as in CI: they waited forever after the job ended out of redundancy): s1's slot is
+    given up, s0's moved on - s0 takes its slot in the next plan, or is released with the job."""
+    job = Job(spares=2)
+    job.die("a1", "a3")
+    job.tick()
+    job.report(1, [0, 2])
+    job.tick()
+    assert job.decision(1) == Decision.roster(4)
+    job.die("s1")
+    job.tick()
+    assert job.m().wait_newcomers(1, [1, 3], 0.0) is False  # the survivors move on
+    assert job.m("s0").claim_slot(1, 1) == MOVED_ON
+    assert job.m("s1").claim_slot(1, 3) == GIVEN_UP
+    plan = job.m().plan(2)
+    assert plan is not None and plan.needy == (1, 3) and plan.base == 1
+    assert 1 not in plan.replaced  # rank 1 stays s0's, as in generation 1's roster
+    job.report(2, [0, 2])
+    job.tick()
+    decision = job.decision(2)
+    assert decision is not None and decision.verdict is Verdict.OUT_OF_REDUNDANCY  # no spare
 
 
 def test_a_newcomer_lost_after_its_claim_keeps_the_claim_and_is_replaced() -> None:
@@ -372,7 +400,7 @@ def test_a_newcomer_lost_after_its_claim_keeps_the_claim_and_is_replaced() -> No
     job.tick()
     job.report(1, [0, 1, 3])
     job.tick()
-    assert job.m("s0").claim_slot(1, 2) is True
+    assert job.m("s0").claim_slot(1, 2) == CLAIMED
     job.die("s0")
     job.tick()
     assert job.m().wait_newcomers(1, [2], 0.0) is True  # the claim stands

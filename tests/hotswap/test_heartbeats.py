@@ -22,7 +22,7 @@ from procs import wait_until
 from stores import SEAL, TEST_SECRET, Recording, keys_waited_on
 
 from megatron_deadpool.hotswap.heartbeats import HeartbeatClock
-from megatron_deadpool.hotswap.messages import Decision, Plan, Roster
+from megatron_deadpool.hotswap.messages import CLAIMED, GIVEN_UP, Decision, Plan, Roster
 from megatron_deadpool.hotswap.seal import SECRET_ENV
 
 
@@ -148,13 +148,13 @@ def test_a_newcomer_lost_before_its_claim_sends_the_survivor_to_the_next_plan() 
     coord.decide(1, Decision.roster(7))
     _wait_blocked_on_claim(survivor, coord, thread, 1, 2)  # waiting for s0's claim
     coord.give_up_slot(1, 2)
-    assert not coord.claim_slot(1, 2)  # s0, had it lived: too late
+    assert coord.claim_slot(1, 2) == GIVEN_UP  # s0, had it lived: too late
     coord.publish_plan(replace(plan, generation=2, base=1, replaced={2: "s1"}))
     coord.decide(1, Decision.superseded(2))
     wait_until(lambda: coord.holdings_count(2) == 1, 10, "the report for plan 2")
     coord.publish_roster(Roster(2, 3, {0: "a0", 1: "a1", 2: "s1"}, restore_iteration=7))
     coord.decide(2, Decision.roster(7))
-    assert coord.claim_slot(2, 2)
+    assert coord.claim_slot(2, 2) == CLAIMED
     coord.give_up_slot(2, 2)  # after the claim: no effect
     thread.join(10)
     assert "error" not in out, out

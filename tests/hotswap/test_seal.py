@@ -21,6 +21,7 @@ from megatron_deadpool.hotswap import membership
 from megatron_deadpool.hotswap.membership import Membership
 from megatron_deadpool.hotswap.memory_store import MemoryStore
 from megatron_deadpool.hotswap.messages import (
+    CLAIMED,
     Decision,
     HoldingsReport,
     Keys,
@@ -167,7 +168,7 @@ def test_forged_claims_and_reports_count_as_absent(members: Any) -> None:
     claim = Keys.CLAIM.format(g=1, rank=2)
     _forge(store, claim, "lost")  # a stranger gives the newcomer's slot up
     assert m.wait_newcomers(1, [2], 0.2) is None
-    assert m.claim_slot(1, 2) is True  # the forged value is replaced
+    assert m.claim_slot(1, 2) == CLAIMED  # the forged value is replaced
     assert m.wait_newcomers(1, [2], 0.2) is True
     _forge(store, Keys.CLAIM.format(g=1, rank=3), _raw(store, claim))  # replayed "ready"
     assert m.wait_newcomers(1, [2, 3], 0.2) is None

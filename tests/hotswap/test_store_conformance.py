@@ -19,6 +19,7 @@ from stores import SEAL
 
 from megatron_deadpool.hotswap.membership import ABSENT, Membership
 from megatron_deadpool.hotswap.memory_store import MemoryStore
+from megatron_deadpool.hotswap.messages import CLAIMED, GIVEN_UP
 
 TIMEOUT = datetime.timedelta(seconds=0.5)
 
@@ -135,11 +136,11 @@ def test_membership_reads_the_same_on_both(store: Any) -> None:
     store.set("k", "v")
     assert m._peek("k") == b"v"
     assert store.compare_set("k", ABSENT, ABSENT) == b"v"
-    assert m.claim_slot(1, 2) is True
+    assert m.claim_slot(1, 2) == CLAIMED
     m.give_up_slot(1, 2)  # a claim that came first stands
     assert m.wait_newcomers(1, [2], 1.0) is True
     m.give_up_slot(1, 3)
-    assert m.claim_slot(1, 3) is False
+    assert m.claim_slot(1, 3) == GIVEN_UP
     assert m.wait_newcomers(1, [2, 3], 1.0) is False
     assert m.wait_newcomers(1, [4], 0.1) is None
     m.expect_reports(1, 2)
