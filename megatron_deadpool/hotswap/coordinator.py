@@ -254,7 +254,12 @@ class Coordinator:
         self.membership.number_spares_from(self._joiners.seen)
         self.membership.publish_roster(roster)
         self.events("roster", generation=roster.generation, slots=roster.slots, adopted=True)
-        self.detector.expect(self._live())  # they re-registered: judged by their beats from now
+        # They re-registered: judged by their beats, from one heartbeat timeout on. A process's
+        # other connection (its heartbeat's, or its main thread's) may still be waiting on the
+        # lost coordinator for up to its bound on a store operation, which is at most the
+        # heartbeat timeout (`Driver.connect`), before it fails over here and beats again
+        # (CI: ranks named hung 4.2 s after a takeover while their beats were on their way).
+        self.detector.expect(self._live(), grace=self.detector.heartbeat_timeout)
         for member, why in dead.items():
             self.detector.mark_dead(member, why)
 

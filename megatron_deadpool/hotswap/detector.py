@@ -140,12 +140,12 @@ class FailureDetector:
             self.membership.watch_heartbeats(new)
             self._watched.update(new)
 
-    def expect(self, members: Sequence[str]) -> None:
-        """Judge `members` by their beats from now on, even if their counters never move (they
-        re-registered with a standby taking the job over)."""
-        now = self.clock.monotonic()
+    def expect(self, members: Sequence[str], grace: float = 0.0) -> None:
+        """Judge `members` by their beats from `grace` seconds from now on, even if their
+        counters never move (they re-registered with a standby taking the job over)."""
+        start = self.clock.monotonic() + grace
         for member in members:
-            self.beats.expect(member, now)
+            self.beats.expect(member, start)
         self.watch(members)
 
     def lost_at(self, members: Sequence[str], when: float) -> None:

@@ -30,8 +30,10 @@ class HeartbeatClock:
 
     def expect(self, member: str, now: float) -> None:
         """Judge `member` from `now` on even if its counter never moves (a process known to be
-        alive, e.g. one that re-registered with a standby coordinator taking the job over)."""
-        self._seen.setdefault(member, (0, now))
+        alive, e.g. one that re-registered with a standby coordinator taking the job over); a
+        beat seen before counts from `now` too."""
+        count, since = self._seen.get(member, (0, now))
+        self._seen[member] = (count, max(since, now))
 
     def sweep(
         self, members: Sequence[str], counts: Sequence[int], now: float, timeout: float
@@ -43,8 +45,8 @@ class HeartbeatClock:
         for member, count in zip(members, counts):
             last = seen.get(member)
             if last is None or last[0] != count:
-                if count:
-                    seen[member] = (count, now)
+                if count:  # (a member expected from a later time keeps that time: `expect`)
+                    seen[member] = (count, now if last is None else max(now, last[1]))
             elif now - last[1] > timeout:
                 late.append((member, now - last[1]))
         return late

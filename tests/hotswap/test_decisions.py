@@ -476,6 +476,39 @@ def test_a_standby_adopts_the_job_and_recovers_who_never_came_back() -> None:
     assert standby.decision(state.next_generation) == Decision.roster(4)
 
 
+def test_after_a_takeover_re_registered_members_get_one_heartbeat_timeout_to_beat_again() -> None:
+    """A process's heartbeat may still be waiting on the lost primary for up to its bound on a
+    store operation (at most the heartbeat timeout) after it re-registered: the standby judges
+    its beats from one heartbeat timeout after the takeover on (CI: ranks named hung 4.2 s
+    after a takeover, with a 4 s timeout, while their beats were on their way)."""
+    old = Job(spares=1)
+    roster = old.coord.roster
+    layout = LayoutRecord(1, 1, 4, 1, 1)
+    registrations = {
+        f"a{r}": Registration(
+            member=f"a{r}",
+            rank=r,
+            generation=0,
+            world_size=4,
+            slots=dict(roster.slots),
+            restore_iteration=None,
+            last_completed=7,
+            layout=layout,
+        )
+        for r in range(4)
+    }
+    state = rebuild(registrations, 4, [])
+    assert state is not None
+    standby = Job(spares=0, start=False)
+    standby.silent.add("a2")  # its beats have not reached the standby yet
+    standby.coord.adopt(state.roster, state.spares, state.next_generation, {})
+    standby.tick(1.0)
+    standby.tick(HEARTBEAT_TIMEOUT + 7)
+    assert standby.events.of("process_dead") == []  # silent 1.8 x the timeout since
+    standby.tick(3.0)
+    assert [e["member"] for e in standby.events.of("process_dead")] == ["a2"]
+
+
 def test_a_loss_after_training_completed_costs_no_recovery() -> None:
     job = Job(spares=1)
     for r in range(4):
