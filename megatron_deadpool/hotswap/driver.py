@@ -48,7 +48,6 @@ from ..errors import (
     ConfigError,
     CoordinatorUnreachableError,
     DeadpoolRuntimeError,
-    ExitCode,
     LostAfterTrainingError,
     OutOfRedundancyError,
     first_line,
@@ -68,7 +67,8 @@ from .injection import FaultInjector
 from .joining import member_name, unnamed
 from .layout_check import check_megatron_groups
 from .membership import Membership
-from .messages import CLAIMED, MOVED_ON, ErrorReport, LayoutRecord, Phase, Registration, Roster
+from .messages import ErrorReport, LayoutRecord, Phase, Registration, Roster
+from .newcomer_claim import claim
 from .plan_watch import PlanWatch
 from .recovery import Recovery, abort_keeping_arrivals, release_groups
 from .seal import JobSeal
@@ -419,41 +419,11 @@ class Driver:
         return t_iter
 
     def _claim(self, roster: Roster) -> Roster:
-        """A recovery's newcomer claims its slot only now, its objects built: the survivors
-        wait for the claim where the coordinator can release them (`give_up_slot`, when the
-        newcomer is lost first), not inside the generation's rendezvous, which nothing but the
-        process-group timeout ends (a newcomer lost while building its objects would hold
-        them there past the next plan's agreement timeout: out of redundancy). When the
-        coordinator planned again first (`move_slot_on`), the slot is this process's in the
-        next generation: it waits for that roster and claims there. Returns the roster it
-        joins; exits (code 0) when the job ended before it needed this process."""
-        g, rank = roster.generation, self._rank()
-        if g == 0:
+        """Claim this newcomer's slot, its objects built (`newcomer_claim.claim`); the roster it
+        joins."""
+        if roster.generation == 0:
             return roster
-        self.faults.on_assignment(self.member, rank, g)  # `spare:I@recovery`
-        held = self.membership.claim_slot(g, rank)
-        if held == CLAIMED:
-            return roster
-        if held != MOVED_ON:
-            raise DeadpoolRuntimeError(
-                f"the coordinator gave up rank {rank} of generation {g} before this spare "
-                "claimed it (it took this process for lost)"
-            )
-        log.info("generation %d will not be joined: waiting for the next one's roster", g)
-        later = self.wait_for_slot(after=g)
-        if later is None:
-            log.info("released: the job ended before this newcomer joined")
-            raise SystemExit(ExitCode.OK)
-        if (
-            later.rank_of(self.member) != rank
-            or later.restore_iteration != roster.restore_iteration
-        ):
-            raise DeadpoolRuntimeError(
-                f"generation {later.generation} gives this newcomer rank "
-                f"{later.rank_of(self.member)} at iteration {later.restore_iteration}, not rank "
-                f"{rank} at {roster.restore_iteration} as it built its objects for"
-            )
-        return self._claim(later)
+        return claim(self.membership, self.faults, self.member, roster, self.wait_for_slot)
 
     def place_replicas(
         self, ranks_per_node: int | None = None, order: RankOrder = RankOrder.TP_DP_PP

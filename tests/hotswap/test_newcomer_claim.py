@@ -1,8 +1,8 @@
-"""A newcomer's claim of its slot (`Driver.take_slot`'s first step, once its objects are built),
-against an in-memory store: claimed; given up first by the coordinator (an error: it took this
-process for lost); moved on - the generation will not be joined, a newer plan came first - it
-waits for the next generation's roster and claims its slot there, or leaves with exit code 0
-when the job ended meanwhile. (The survivors' side: `test_decisions.py`.)"""
+"""A newcomer's claim of its slot (`newcomer_claim.claim`, `Driver.take_slot`'s first step once
+its objects are built), against an in-memory store: claimed; given up first by the coordinator
+(an error: it took this process for lost); moved on - the generation will not be joined, a newer
+plan came first - it waits for the next generation's roster and claims its slot there, or leaves
+with exit code 0 when the job ended meanwhile. (The survivors' side: `test_decisions.py`.)"""
 
 from __future__ import annotations
 
