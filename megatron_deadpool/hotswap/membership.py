@@ -57,7 +57,7 @@ Keys (the message type of each structured value in CamelCase):
   gen{g}/ready/{rank}         "ready": the newcomer of a needy rank claimed its slot, its
                               objects built, as it joins; "lost": the coordinator gave the slot
                               up first (the newcomer died before claiming it); "moved on": the
-                              generation will not be joined (a newer plan, the job's end) and
+                              generation will not be joined (a newer plan came first) and
                               the live newcomer takes its slot in the next one. Survivors wait
                               for these before joining, so that none waits in a rendezvous for
                               a newcomer that will never come
@@ -621,7 +621,7 @@ class Membership:
         self._claim(Keys.CLAIM.format(g=generation, rank=rank), GIVEN_UP)
 
     def move_slot_on(self, generation: int, rank: int) -> None:
-        """The coordinator: generation g will not be joined (a newer plan, or the job's end);
+        """The coordinator: generation g will not be joined (a newer plan came first);
         its live newcomer for `rank` has not claimed the slot yet (a claim that came first
         stands)."""
         self._claim(Keys.CLAIM.format(g=generation, rank=rank), MOVED_ON)

@@ -127,7 +127,7 @@ CLAIMED = "ready"
 GIVEN_UP = "lost"
 """`gen{g}/ready/{rank}`: the coordinator gave the slot up (the newcomer was lost first)."""
 MOVED_ON = "moved on"
-"""`gen{g}/ready/{rank}`: generation g will not be joined (a newer plan, or the job's end)
+"""`gen{g}/ready/{rank}`: generation g will not be joined (a newer plan came first)
 before this live newcomer claimed its slot: it takes its slot in the next generation instead."""
 WAKE = "wake"
 """What a process pushes into the coordinator's inbox (the content is never read)."""
