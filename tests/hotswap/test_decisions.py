@@ -442,13 +442,12 @@ def test_an_owner_and_its_holder_lost_together_lose_the_shard() -> None:
     assert report.save.sources == {holder: job.holder(holder)}  # the holder's own shard lives
 
 
-def test_a_standby_adopts_the_job_and_recovers_who_never_came_back() -> None:
-    """The primary is gone; the standby rebuilds the job from the members' re-registrations
-    (`rebuild`), and the rank that never re-registered is recovered like any dead rank."""
-    old = Job(spares=1)
-    roster = old.coord.roster
+def _re_registrations(ranks: Iterable[int]) -> dict[str, Registration]:
+    """What the active members of ranks `ranks` tell a standby taking the job over: generation
+    0 of a job of 4 ranks, at iteration 7."""
+    roster = Job(spares=1).coord.roster
     layout = LayoutRecord(1, 1, 4, 1, 1)
-    registrations = {
+    return {
         f"a{r}": Registration(
             member=f"a{r}",
             rank=r,
@@ -459,8 +458,14 @@ def test_a_standby_adopts_the_job_and_recovers_who_never_came_back() -> None:
             last_completed=7,
             layout=layout,
         )
-        for r in (0, 2, 3)
+        for r in ranks
     }
+
+
+def test_a_standby_adopts_the_job_and_recovers_who_never_came_back() -> None:
+    """The primary is gone; the standby rebuilds the job from the members' re-registrations
+    (`rebuild`), and the rank that never re-registered is recovered like any dead rank."""
+    registrations = _re_registrations((0, 2, 3))
     registrations["s0"] = Registration(member="s0")
     state = rebuild(registrations, 4, ["s0"])
     assert state is not None and state.missing == {1: "a1"} and state.spares == ["s0"]
@@ -481,22 +486,7 @@ def test_after_a_takeover_re_registered_members_get_one_heartbeat_timeout_to_bea
     store operation (at most the heartbeat timeout) after it re-registered: the standby judges
     its beats from one heartbeat timeout after the takeover on (CI: ranks named hung 4.2 s
     after a takeover, with a 4 s timeout, while their beats were on their way)."""
-    old = Job(spares=1)
-    roster = old.coord.roster
-    layout = LayoutRecord(1, 1, 4, 1, 1)
-    registrations = {
-        f"a{r}": Registration(
-            member=f"a{r}",
-            rank=r,
-            generation=0,
-            world_size=4,
-            slots=dict(roster.slots),
-            restore_iteration=None,
-            last_completed=7,
-            layout=layout,
-        )
-        for r in range(4)
-    }
+    registrations = _re_registrations(range(4))
     state = rebuild(registrations, 4, [])
     assert state is not None
     standby = Job(spares=0, start=False)
