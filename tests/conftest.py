@@ -103,6 +103,21 @@ def run_deadpool(
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
+def run_logs(run_dir: Path, lines: int = 8) -> str:
+    """What a failed run left in `run_dir` and its folders, to read in CI's output (its
+    temporary folders are gone by then): the coordinator's events after the last recovery, and
+    the last `lines` lines of every process's log."""
+    out = []
+    for path in sorted(run_dir.rglob("events.jsonl")):
+        events = path.read_text(errors="replace").splitlines()
+        last = max([i for i, e in enumerate(events) if '"recovered"' in e], default=0)
+        out += [f"== {path.relative_to(run_dir)} (from line {last + 1})", *events[last:][-40:]]
+    for path in sorted(run_dir.rglob("*.log")):
+        tail = path.read_text(errors="replace").splitlines()[-lines:]
+        out += [f"== {path.relative_to(run_dir)}", *(line[:300] for line in tail)]
+    return "\n".join(out)
+
+
 def call_deadpool(*args: str) -> int:
     """`deadpool ARGS...` in this process, through the real entry point (`cli.main.main`): its
     exit code, argparse's own exits included. Output goes to pytest's capture (`capsys`)."""

@@ -7,9 +7,9 @@ Forms (each fault fires once per job, but `raise`):
   spare:I@ITER[:kill|hang]     waiting spare s{I}, once training has reached iteration ITER
   spare:I@recovery[:kill|hang] spare s{I}, as soon as a recovery gives it a slot, before it
                                claims the slot and joins (a spare lost while being swapped in)
-  RANK@recovery[:kill|hang|flip]  rank RANK fails when it enters the next recovery (a
-                               second failure during recovery; `flip`: its replicas rot
-                               just before agreement would use them)
+  RANK@recovery[:kill|hang|flip]  rank RANK fails in the next recovery, once the
+                               coordinator planned it (a second failure during recovery;
+                               `flip`: its replicas rot just before agreement would use them)
   RANK@end[:kill|hang]         rank RANK fails right after training completed (its last step
                                done and replicated), before the job's final work (final save,
                                final report)

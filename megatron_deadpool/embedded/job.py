@@ -110,7 +110,7 @@ class EmbeddedJob:
     def after_rejoin(self, roster: Roster) -> None:
         pass  # the RNG states come back with the snapshot (`after_restore`'s iteration)
 
-    def after_restore(self, iteration: int, *, needy: bool) -> None:
+    def after_restore(self, iteration: int, *, newcomer: bool) -> None:
         pass  # the data of iteration t is a function of t (`data.iteration_batches`)
 
     def recovery_report(self) -> dict[str, Any]:
@@ -155,13 +155,18 @@ class EmbeddedJob:
             d.join(roster, self.init_model_parallel)
         self._objs = gpt.build(self.spec)
         d.bind(self)
-        if newcomer:
-            start = d.take_slot() + 1
-        elif self.spec.train.load:
+        start = 1
+        if not newcomer and self.spec.train.load:
             start = self._load(self.spec.train.load) + 1
-        else:
-            start = 1
-        d.recovering(lambda t: self._train_to_end(start if t is None else t + 1))
+
+        def attempt(restored: int | None) -> None:
+            nonlocal newcomer
+            if newcomer:  # a failure from here on is recovered like a survivor's
+                newcomer = False
+                restored = d.take_slot()
+            self._train_to_end(start if restored is None else restored + 1)
+
+        d.recovering(attempt)
         d.training_over()
         self._finish()
         return ExitCode.OK

@@ -34,9 +34,10 @@ class JobAdapter(Protocol):
     def after_rejoin(self, roster: Roster) -> None:
         """A survivor joined a new generation and rebound its objects (before the restore)."""
 
-    def after_restore(self, iteration: int, *, needy: bool) -> None:
+    def after_restore(self, iteration: int, *, newcomer: bool) -> None:
         """This rank holds the state of `iteration` again: reposition what the job keeps
-        beside it (data, schedulers, counters)."""
+        beside it (data, schedulers, counters); `newcomer`: what its start-up built, not what
+        it trained."""
 
     def recovery_report(self) -> dict[str, Any]:
         """Job fields survivors publish with their holdings (others read them back)."""

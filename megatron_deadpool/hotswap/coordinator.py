@@ -398,21 +398,27 @@ class Coordinator:
     # ------------------------------------------------------------------ deciding
     def _plan(self, dead: set[int]) -> None:
         rec, now = self._recovery, self.clock.time()
-        if rec is not None and rec.t_agreed is not None:  # decided; not everyone joined yet
-            # Its survivors wait for every newcomer's claim (`wait_newcomers`); it will not be
-            # joined now: settle every slot not claimed yet, so that they move on to this plan
-            # - a newcomer lost is given up, a live one takes its slot in this plan instead.
-            for rank in sorted(rec.needy):
-                if rank in dead:
-                    self.membership.give_up_slot(rec.generation, rank)
-                else:
-                    self.membership.move_slot_on(rec.generation, rank)
         base = rec.slots if rec else self._roster.slots
         all_dead = (rec.dead if rec else set()) | dead
         slots = dict(base)
         needy = set(rec.needy) if rec else set()
         no_spare = rec.no_spare if rec else ""
         respawned = dict(rec.respawned) if rec else {}
+        if rec is not None and rec.t_agreed is not None:  # decided; not everyone joined yet
+            # Its survivors wait for every newcomer's claim (`wait_newcomers`); it will not be
+            # joined now: settle every slot not claimed yet, so that they move on to this plan
+            # - a newcomer lost is given up, a live one takes its slot in this plan instead.
+            # A newcomer that restored already holds its state and its owners' replicas: it
+            # survives into this plan and reports (one restoring after this read stays needy:
+            # it claims its slot again as it agrees, `Recovery.agree`).
+            for rank in sorted(rec.needy):
+                if rank in dead:
+                    self.membership.give_up_slot(rec.generation, rank)
+                elif self.membership.stamp_time(rec.generation, "restored", rank) is not None:
+                    needy.discard(rank)
+                    respawned.pop(rank, None)
+                else:
+                    self.membership.move_slot_on(rec.generation, rank)
         for rank in sorted(dead):
             needy.add(rank)
             respawned.pop(rank, None)

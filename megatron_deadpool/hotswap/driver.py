@@ -21,7 +21,6 @@ from __future__ import annotations
 import atexit
 import datetime
 import logging
-import os
 import signal
 import threading
 import time
@@ -65,7 +64,7 @@ from .failover import CoordinatorLink, FailoverStore, host_id
 from .inheritance import Inheritance
 from .injection import FaultInjector
 from .joining import member_name, unnamed
-from .layout_check import check_megatron_groups
+from .layout_check import check_megatron_groups, megatron_layout
 from .membership import Membership
 from .messages import ErrorReport, LayoutRecord, Phase, Registration, Roster
 from .newcomer_claim import claim
@@ -414,7 +413,7 @@ class Driver:
         t_joined = time.time()
         sources = self.membership.sources(roster.generation).holders
         held = self._inherited.take(self._rank(), sources)  # a respawn's own snapshot
-        t_iter = self.restore(roster, needy=held is None, held=held)
+        t_iter = self.restore(roster, needy=held is None, newcomer=True, held=held)
         self._record(roster, target, t0, {"join": t_joined - t0, "restore": time.time() - t_joined})
         return t_iter
 
@@ -433,20 +432,7 @@ class Driver:
         Megatron made, and place the replicas (rank 0 of generation 0 publishes the layout for
         the coordinator). Later calls (each generation's `join`) keep the first layout."""
         if self.layout is None:
-            from megatron.core import parallel_state as ps
-
-            tp = ps.get_tensor_model_parallel_world_size()
-            per_node = ranks_per_node or self.cfg.ranks_per_node or _ranks_per_node_from_env(tp)
-            layout = Layout(
-                tp=tp,
-                pp=ps.get_pipeline_model_parallel_world_size(),
-                dp=ps.get_data_parallel_world_size(),
-                ranks_per_node=per_node,
-                order=order,
-                ep=ps.get_expert_model_parallel_world_size(),
-                etp=_expert_tp(tp),
-                cp=ps.get_context_parallel_world_size(),
-            )
+            layout = megatron_layout(ranks_per_node or self.cfg.ranks_per_node, order)
             check_megatron_groups(layout, dist.get_rank())
             self.layout = layout
             if not self.cfg.enabled:
@@ -562,14 +548,15 @@ class Driver:
         # The group is handed over in a dict the release empties: no reference may outlive it.
         extra = self._hand_over_groups()
         held = abort_keeping_arrivals(self.replicator)
-        self.faults.in_recovery(self._rank(), self.replicator)
+        self.faults.in_recovery(self._rank(), self.replicator, self.generation + 1)
         t_released = time.time()
         released: list[int] = []
 
         def release() -> None:  # while the coordinator decides, after this rank's report
             released.append(rebind.release(self._roots(), extra, held))
 
-        roster = self._recovery().agree(
+        steps = self._recovery()
+        roster = steps.agree(
             self.job.recovery_report(),
             last_completed=self.last_completed,
             deadline=t0 + self.cfg.heartbeat_timeout + self.cfg.agreement_timeout,
@@ -583,7 +570,7 @@ class Driver:
         log.info("released %d group handles, re-attached the new generation's", released[0])
         self.job.after_rejoin(roster)
         t_joined = time.time()
-        self.restore(roster, needy=False)
+        self.restore(roster, needy=steps.needy, newcomer=False)
         self.recovering_now = False
         self._record(
             roster,
@@ -627,13 +614,21 @@ class Driver:
         """Release every group handle the job's objects hold (a newcomer's private world)."""
         return rebind.release(self._roots())
 
-    def restore(self, roster: Roster, *, needy: bool, held: SegmentHoldings | None = None) -> int:
+    def restore(
+        self,
+        roster: Roster,
+        *,
+        needy: bool,
+        newcomer: bool,
+        held: SegmentHoldings | None = None,
+    ) -> int:
         """Bring this rank to the restore iteration T; returns T.
 
         Holders send the needy ranks their shard of T (verified by its checksum on arrival);
         the others roll back to their local snapshot of T. Then weights are re-derived from
         the main params, replication restarts with a round of T (which also re-sends the
-        replicas the dead ranks held), and the job repositions itself.
+        replicas the dead ranks held), and the job repositions itself (`newcomer`: from what a
+        newcomer's start-up built, not from what this process trained).
         """
         t_iter = roster.restore_iteration
         assert t_iter is not None
@@ -647,7 +642,7 @@ class Driver:
         self.replicator = self._make_replicator()
         self.replicator.start_round(t_iter)
         self.committed = self.replicator.finish_round()
-        self.job.after_restore(t_iter, needy=needy or held is not None)  # a newcomer either way
+        self.job.after_restore(t_iter, newcomer=newcomer)
         self.membership.stamp(self.generation, "restored", self._rank())
         self.resumed_at = t_iter + 1
         self.last_completed = t_iter
@@ -792,16 +787,3 @@ class Driver:
             previous=self.replicator,
             host_group=self.host_repl_group,
         )
-
-
-def _expert_tp(tp: int) -> int | None:
-    """Megatron's expert-tensor-parallel size; None when it is `tp` (its default)."""
-    from megatron.core import parallel_state as ps
-
-    etp = ps.get_expert_tensor_parallel_world_size()
-    return None if etp == tp else etp
-
-
-def _ranks_per_node_from_env(default: int) -> int:
-    text = os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("SLURM_NTASKS_PER_NODE")
-    return int(text) if text else default

@@ -5,7 +5,7 @@ The driver calls one method at each point of a process's life where a fault can 
                       (`spare:I@ITER`);
   - `on_assignment`   a spare a recovery gave a slot, before it claims it (`spare:I@recovery`);
   - `at_iteration`    a rank as it starts an iteration (`RANK@ITER`, `node:N@ITER`);
-  - `in_recovery`     a rank as it enters a recovery (`RANK@recovery`);
+  - `in_recovery`     a rank in a recovery, once the coordinator planned it (`RANK@recovery`);
   - `after_training`  a rank right after training completed (`RANK@end`).
 Which specs hit whom is `config.faults` (pure); each spec fires once per job, whoever holds the
 slot - not again for the process that takes it over, nor when a step is recomputed - which the
@@ -36,6 +36,9 @@ from ..replication.replicator import Replicator
 from .membership import Membership
 
 log = logging.getLogger("megatron_deadpool.injection")
+
+PLAN_WAIT_S = 60.0
+"""Longest wait of a `RANK@recovery` fault for the plan of the recovery it strikes in."""
 
 
 class InjectedError(RuntimeError):
@@ -81,10 +84,13 @@ class FaultInjector:
                 self.membership.record_node_lost()  # the node goes whole, its agent with it
             self._strike(hit[1], f"at iteration {n}", replicator)
 
-    def in_recovery(self, rank: int, replicator: Replicator | None) -> None:
-        """`rank` enters a recovery."""
+    def in_recovery(self, rank: int, replicator: Replicator | None, generation: int) -> None:
+        """`rank` enters the recovery that plans `generation`: a fault strikes once the plan
+        is out (or `PLAN_WAIT_S` passed), so that it always is a second failure, which the
+        next plan supersedes - not one the coordinator may see with the first."""
         for index, kind in recovery_faults(self.specs, rank):
             if self.membership.fire_once(index, rank):
+                self.membership.wait_plan(generation, PLAN_WAIT_S)
                 self._strike(kind, "while in recovery", replicator)
 
     def after_training(self, rank: int) -> None:

@@ -10,14 +10,40 @@ parallelism also its expert-model-, expert-tensor- and expert-data-parallel grou
 second, expert `RankGenerator`), among which the replicas of the expert optimizer's shard are
 placed; with context parallelism its context-parallel and 'dp-cp' groups (among which the
 distributed optimizer is sharded and the replicas are placed). No communication.
+`megatron_layout` reads the layout of the groups Megatron made.
 """
 
 from __future__ import annotations
 
+import os
+
 import torch.distributed as dist
 
 from ..errors import ConfigError
-from ..replication.placement import Layout
+from ..replication.placement import Layout, RankOrder
+
+
+def megatron_layout(ranks_per_node: int | None, order: RankOrder) -> Layout:
+    """The layout of the groups Megatron made (`parallel_state`), in Megatron's rank `order`;
+    `ranks_per_node` unless None: the launcher's (LOCAL_WORLD_SIZE, SLURM_NTASKS_PER_NODE),
+    else tp."""
+    from megatron.core import parallel_state as ps
+
+    tp = ps.get_tensor_model_parallel_world_size()
+    etp = ps.get_expert_tensor_parallel_world_size()
+    if ranks_per_node is None:
+        text = os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("SLURM_NTASKS_PER_NODE")
+        ranks_per_node = int(text) if text else tp
+    return Layout(
+        tp=tp,
+        pp=ps.get_pipeline_model_parallel_world_size(),
+        dp=ps.get_data_parallel_world_size(),
+        ranks_per_node=ranks_per_node,
+        order=order,
+        ep=ps.get_expert_model_parallel_world_size(),
+        etp=None if etp == tp else etp,  # None: Megatron's default, tp
+        cp=ps.get_context_parallel_world_size(),
+    )
 
 
 def check_megatron_groups(layout: Layout, rank: int) -> None:

@@ -540,6 +540,10 @@ class Membership:
         """Whether generation g is planned (one round trip)."""
         return self._present(Keys.PLAN.format(g=generation))
 
+    def wait_plan(self, generation: int, timeout_s: float) -> bool:
+        """Block until generation g is planned (True), or `timeout_s` passed."""
+        return self._wait_read(Keys.PLAN.format(g=generation), timeout_s) is not None
+
     def plan(self, generation: int) -> Plan | None:
         key = Keys.PLAN.format(g=generation)
         value = self._read(key)

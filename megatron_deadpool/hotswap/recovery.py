@@ -40,7 +40,15 @@ from ..replication.shard_exchange import start_shard_exchange
 from ..replication.snapshot import RankState, Snapshotter
 from . import rebind
 from .membership import Membership
-from .messages import EndReport, HoldingsReport, OutOfRedundancy, Roster, Verdict
+from .messages import (
+    CLAIMED,
+    GIVEN_UP,
+    EndReport,
+    HoldingsReport,
+    OutOfRedundancy,
+    Roster,
+    Verdict,
+)
 
 log = logging.getLogger(__name__)
 
@@ -95,6 +103,8 @@ class Recovery:
     replicator: Replicator | SegmentHoldings | None
     """What it holds: its replicator's slots, or (a respawned process) its predecessor's
     segment files."""
+    needy: bool = False
+    """Set by `agree`: the roster agreed lists this process's rank as needy (`_claim`)."""
 
     def agree(
         self,
@@ -120,7 +130,8 @@ class Recovery:
         the old one with the plan's replacements (read in full only if the plan has another
         base). It is returned once every newcomer claimed its slot: a newcomer that died before
         that (its slot given up by the coordinator) leads to the next plan instead of a
-        rendezvous that would wait for it until the process groups' timeout.
+        rendezvous that would wait for it until the process groups' timeout. A process the
+        plan counts as a newcomer claims its slot too (`needy`, `_claim`).
 
         `job_report` is published with the holdings (e.g. Megatron's counters): what the
         replicator holds, or nothing for a process without a slot (the coordinator reads only
@@ -165,11 +176,16 @@ class Recovery:
             if plan is None:
                 raise DeadpoolRuntimeError(f"generation {g} was decided without a plan")
             new = self.roster.successor(plan, decision.restore_iteration) or m.roster(g)
-            if new.rank_of(self.member) is None:
+            rank = new.rank_of(self.member)
+            if rank is None:
                 raise DeadpoolRuntimeError(
                     f"the coordinator's roster of generation {g} leaves this process "
                     f"({self.member}) out: it was presumed dead"
                 )
+            self.needy = rank in plan.needy
+            if self.needy and not self._claim(g, rank):
+                g += 1  # the coordinator planned again before this claim
+                continue
             ready = None
             while ready is None:  # a newcomer claims its slot, or is given up when it dies
                 ready = m.wait_newcomers(g, plan.needy, DECISION_WAIT_S)
@@ -177,6 +193,22 @@ class Recovery:
                 return new
             log.warning("generation %d will not be joined (a newcomer was lost first)", g)
             g += 1  # the coordinator settled the unclaimed slots as it planned the next one
+
+    def _claim(self, g: int, rank: int) -> bool:
+        """This process is needy in plan g although it survived: it had restored as a
+        newcomer of the previous generation, after the coordinator planned g (which counts only
+        restores it saw, `Coordinator._plan`). It claims its slot as a newcomer would, and
+        restores its shard from a holder; False: the slot was moved on to the next plan."""
+        held = self.membership.claim_slot(g, rank)
+        if held == GIVEN_UP:
+            raise DeadpoolRuntimeError(
+                f"the coordinator gave up rank {rank} of generation {g} before this process "
+                "claimed it (it took this process for lost)"
+            )
+        if held != CLAIMED:
+            return False
+        log.info("generation %d restores rank %d from a holder (planned as a newcomer)", g, rank)
+        return True
 
     def _out_of_redundancy(self, salvage_target: SalvageTarget) -> None:
         report = self.membership.out_of_redundancy()

@@ -322,7 +322,7 @@ class MegatronSession:
                 "together (a failure between the commit and the end of a step)"
             )
 
-    def after_restore(self, iteration: int, *, needy: bool) -> None:
+    def after_restore(self, iteration: int, *, newcomer: bool) -> None:
         """Megatron's rerun state machine and data iterators back at `iteration`; the
         logging trackers emptied (`trackers.py`)."""
         from megatron.core.rerun_state_machine import RerunState, get_rerun_state_machine
@@ -332,7 +332,7 @@ class MegatronSession:
         rsm.current_iteration = iteration
         clear_logging_trackers()
         reset_rerun_iterators(self.data_iterator)
-        if not needy:
+        if not newcomer:
             for rec in self.recorders:
                 rec.rewind_to(iteration)
         self.next_step = iteration + 1

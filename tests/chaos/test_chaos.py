@@ -14,7 +14,7 @@ import statistics
 from pathlib import Path
 
 import pytest
-from conftest import run_deadpool
+from conftest import run_deadpool, run_logs
 
 from megatron_deadpool.chaos.schedule import (
     FIRST_ITERATION,
@@ -174,7 +174,9 @@ def test_short_soak_recovers_every_failure_bitwise(tmp_path: Path) -> None:
         str(out),
         timeout=540,
     )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.returncode == 0, (
+        proc.stdout[-3000:] + proc.stderr[-3000:] + run_logs(tmp_path / "runs" / "ep001")
+    )
     report = json.loads(out.read_text())
     assert report["episodes"] == 1 and report["runs"] == 2
     assert report["digest_equal"] is True

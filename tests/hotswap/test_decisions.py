@@ -408,6 +408,46 @@ def test_a_newcomer_lost_after_its_claim_keeps_the_claim_and_is_replaced() -> No
     assert plan is not None and plan.needy == (2,) and plan.replaced == {2: "s1"}
 
 
+def test_a_newcomer_that_restored_before_the_next_death_survives_into_the_next_plan() -> None:
+    """A death after generation 1's newcomer restored, before rank 0's first iteration ended
+    the recovery: the newcomer holds its state now; the next plan must not count it needy (as
+    in CI, the survivors waited for its claim for ever, while it reported as a survivor)."""
+    job = Job(spares=2)
+    job.die("a2")
+    job.tick()
+    job.report(1, [0, 1, 3])
+    job.tick()
+    assert job.m("s0").claim_slot(1, 2) == CLAIMED
+    for rank, member in job.coord.roster.slots.items():
+        job.m(member).stamp(1, "joined", rank)
+        job.m(member).stamp(1, "restored", rank)
+    job.die("a1")
+    job.tick()
+    plan = job.m().plan(2)
+    assert plan is not None and plan.needy == (1,) and plan.replaced == {1: "s1"}
+    job.report(2, [0, 2, 3])  # s0 among them, as rank 2
+    job.tick()
+    assert job.decision(2) == Decision.roster(4)
+    assert job.m().sources(2).holders == {1: 2}  # s0 holds rank 1's replica: nothing lost
+
+
+def test_a_newcomer_that_claimed_but_did_not_restore_stays_needy_in_the_next_plan() -> None:
+    job = Job(spares=2)
+    job.die("a2")
+    job.tick()
+    job.report(1, [0, 1, 3])
+    job.tick()
+    assert job.m("s0").claim_slot(1, 2) == CLAIMED
+    job.die("a0")
+    job.tick()
+    plan = job.m().plan(2)
+    assert plan is not None and plan.needy == (0, 2) and plan.replaced == {0: "s1"}
+    job.report(2, [1, 3])
+    job.tick()
+    assert job.decision(2) == Decision.roster(4)
+    assert job.m().sources(2).holders == {0: job.holder(0), 2: job.holder(2)}
+
+
 def test_no_spare_left_saves_a_complete_set_and_ends_out_of_redundancy() -> None:
     job = Job(spares=0)
     job.die("a2")

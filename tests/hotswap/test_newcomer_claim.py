@@ -2,11 +2,14 @@
 its objects are built), against an in-memory store: claimed; given up first by the coordinator
 (an error: it took this process for lost); moved on - the generation will not be joined, a newer
 plan came first - it waits for the next generation's roster and claims its slot there, or leaves
-with exit code 0 when the job ended meanwhile. (The survivors' side: `test_decisions.py`.)"""
+with exit code 0 when the job ended meanwhile. And a survivor that the plan counts as a newcomer
+(it restored as one too late for the plan to see) claims its slot as it agrees
+(`Recovery.agree`). (The coordinator's side: `test_decisions.py`.)"""
 
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 
 import pytest
@@ -19,7 +22,8 @@ from megatron_deadpool.hotswap.driver import Driver
 from megatron_deadpool.hotswap.injection import FaultInjector
 from megatron_deadpool.hotswap.membership import Membership
 from megatron_deadpool.hotswap.memory_store import MemoryStore
-from megatron_deadpool.hotswap.messages import Roster
+from megatron_deadpool.hotswap.messages import Decision, Plan, Roster
+from megatron_deadpool.hotswap.recovery import Recovery
 
 FIRST = Roster(1, 4, {0: "a0", 1: "s0", 2: "a2", 3: "s1"}, restore_iteration=4)
 
@@ -90,3 +94,55 @@ def test_a_next_generation_at_another_iteration_is_an_error() -> None:
     _soon(lambda: coordinator.publish_roster(second))
     with pytest.raises(DeadpoolRuntimeError, match="rank 1 at iteration 3, not rank 1 at 4"):
         driver._claim(FIRST)
+
+
+def _survivor_counted_as_newcomer(coordinator: Membership) -> tuple[Recovery, Plan]:
+    """s0 restored as generation 1's newcomer for rank 1 just after the coordinator read the
+    stamps for plan 2 (a3 died): plan 2 still counts rank 1 as a newcomer; s0 met the failure
+    in training, as a survivor."""
+    steps = Recovery(Membership(coordinator.store.clone(), "s0", SEAL), "s0", 1, FIRST, None)
+    plan = Plan(generation=2, base=1, world_size=4, dead=(3,), needy=(1, 3), replaced={3: "s2"})
+    coordinator.publish_plan(plan)
+    return steps, plan
+
+
+def _agree(steps: Recovery) -> Roster:
+    return steps.agree(
+        {},
+        last_completed=4,
+        deadline=time.time() + 20,
+        cause=RuntimeError("peer died"),
+        salvage_target=lambda t: (None, None),
+    )
+
+
+@pytest.mark.timeout(30)
+def test_a_survivor_the_plan_counts_as_a_newcomer_claims_its_slot_and_restores_from_a_holder() -> (
+    None
+):
+    """Without its claim the other survivors would wait for it in `wait_newcomers` for ever
+    (as in CI: a death right after a recovery's newcomer restored)."""
+    coordinator = Membership(MemoryStore(), "coordinator", SEAL)
+    steps, plan = _survivor_counted_as_newcomer(coordinator)
+    coordinator.decide(2, Decision.roster(4))
+    Membership(coordinator.store.clone(), "s2", SEAL).claim_slot(2, 3)
+    roster = _agree(steps)
+    assert roster.generation == 2 and roster.rank_of("s0") == 1
+    assert steps.needy  # `Driver.recover` restores its shard from the holder
+    assert coordinator.wait_newcomers(2, plan.needy, 0.0) is True
+
+
+@pytest.mark.timeout(30)
+def test_a_survivor_counted_as_a_newcomer_whose_slot_moved_on_claims_it_in_the_next_plan() -> None:
+    coordinator = Membership(MemoryStore(), "coordinator", SEAL)
+    steps, _ = _survivor_counted_as_newcomer(coordinator)
+    coordinator.decide(2, Decision.roster(4))
+    coordinator.move_slot_on(2, 1)  # s2 lost before its claim: plan 3 replaces it with s3
+    coordinator.give_up_slot(2, 3)
+    third = Plan(generation=3, base=1, world_size=4, dead=(3,), needy=(1, 3), replaced={3: "s3"})
+    coordinator.publish_plan(third)
+    coordinator.decide(3, Decision.roster(4))
+    Membership(coordinator.store.clone(), "s3", SEAL).claim_slot(3, 3)
+    roster = _agree(steps)
+    assert roster.generation == 3 and roster.slots == {0: "a0", 1: "s0", 2: "a2", 3: "s3"}
+    assert steps.needy and coordinator.wait_newcomers(3, [1, 3], 0.0) is True
