@@ -426,7 +426,7 @@ class Coordinator:
             if respawn is not None:
                 slots[rank], respawned[rank] = respawn
             elif self._spares and not no_spare:
-                slots[rank] = self._spares.pop(0)
+                slots[rank] = self._take_spare()
             else:  # nothing can take the slot: agree anyway, to save what survives
                 no_spare = f"no spare left to replace rank(s) {sorted(all_dead)}"
                 continue
@@ -482,6 +482,14 @@ class Coordinator:
             for r in sorted(dead)
         )
         self.say(f"recovery: generation {generation}, dead ranks {sorted(all_dead)}; {replaced}")
+
+    def _take_spare(self) -> str:
+        """The first spare whose heartbeat was seen, else the first: a spare still starting up
+        (a refill, a joining one) would make the survivors wait for its start-up - and for
+        ever if it never ends, as no heartbeat judges a process that never beat."""
+        member = next((s for s in self._spares if self.detector.has_beaten(s)), self._spares[0])
+        self._spares.remove(member)
+        return member
 
     def _respawn_in_place(self, rank: int, dead: str) -> tuple[str, int] | None:
         """A new process in the place of `dead` (which held `rank`) on its node, when that

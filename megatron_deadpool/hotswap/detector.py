@@ -122,6 +122,10 @@ class FailureDetector:
             self._next_sweep = now + self.sweep_interval
             self._sweep(live, now)
 
+    def has_beaten(self, member: str) -> bool:
+        """Whether `member`'s heartbeat was seen (a process past its start-up)."""
+        return self.beats.last_change(member) is not None
+
     def mark_dead(self, member: str, why: str) -> None:
         """Name `member` dead (the coordinator's own verdicts: a survivor that never reported
         for a recovery, a member that never re-registered with a standby)."""

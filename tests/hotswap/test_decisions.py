@@ -571,6 +571,24 @@ def test_a_spare_added_later_takes_the_next_slot() -> None:
     assert [e["member"] for e in job.events.of("spare_added")] == ["s7"]
 
 
+def test_a_spare_still_starting_up_is_taken_only_after_those_that_beat() -> None:
+    job = Job(spares=0)
+    job.coord.add_spare("s7")  # never beat: still importing, or stuck in its start-up
+    job.silent.add("s7")
+    job.coord.add_spare("s8")
+    job.m("s8").announce()
+    job.tick()
+    job.die("a1")
+    job.tick()
+    plan = job.m().plan(1)
+    assert plan is not None and plan.replaced == {1: "s8"}
+    assert job.coord.spares == ("s7",)
+    job.die("a2")  # the only spare left: taken anyway
+    job.tick()
+    plan = job.m().plan(2)
+    assert plan is not None and plan.replaced == {1: "s8", 2: "s7"}
+
+
 def test_a_process_that_joins_the_running_job_takes_the_next_name_then_a_slot() -> None:
     """`--deadpool-join` (`joining.py`): the joiner's name comes from the store's counter,
     after the job's own spares; it counts once its sealed announcement is there."""
