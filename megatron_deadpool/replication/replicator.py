@@ -50,6 +50,7 @@ import torch
 import torch.distributed as dist
 
 from ..devices import p2p
+from ..devices.failures import is_peer_failure
 from ..devices.groups import check_takes, tensor_device
 from ..devices.memory import Choice, ReplicaMemory
 from ..devices.p2p import Transfer, arrived, post
@@ -209,7 +210,7 @@ class Replicator:
             self.snap.capture(iteration, buf)
             self.local.verified[slot] = iteration
             self.timings["capture"] = time.perf_counter() - t0
-            self._works = post(transfers, self.transfer_group)
+            self._works = self._post_now(transfers)
         else:  # GPU: capture on a side stream ordered after the step; the host does not wait
             self._stream.wait_stream(torch.cuda.current_stream(self.snap.device))
             with torch.cuda.stream(self._stream):
@@ -218,7 +219,7 @@ class Replicator:
                 event.record()
                 self._capture = (event, slot)
                 if self._poster is None:  # GPU replicas: NCCL's stream waits for the capture
-                    self._works = post(transfers, self.transfer_group)
+                    self._works = self._post_now(transfers)
                 else:
                     self._works = self._poster.submit(self._post_after, event, transfers)
         self._round = iteration
@@ -231,6 +232,20 @@ class Replicator:
                 iteration,
             )
         self.timings["capture_post"] = time.perf_counter() - t0
+
+    def _post_now(self, transfers: list[Transfer]) -> list[dist.Work] | Future[list[dist.Work]]:
+        """Post the round's transfers on this thread. A peer seen lost already makes gloo
+        raise as it posts: that failure is kept for where the round is waited for (`settle`,
+        `abandon`), like any transfer's, so that this rank fails where its peers do, not one
+        step before them (Megatron-LM's survivors must agree on the step they resume at)."""
+        try:
+            return post(transfers, self.transfer_group)
+        except Exception as exc:
+            if not is_peer_failure(exc):
+                raise
+            failed: Future[list[dist.Work]] = Future()
+            failed.set_exception(exc)
+            return failed
 
     def _post_after(self, event: torch.cuda.Event, transfers: list[Transfer]) -> list[dist.Work]:
         event.synchronize()  # the device-to-host copy into pinned memory has landed

@@ -5,6 +5,8 @@
   until each other's bytes arrived, call `abort_groups()` and `abandon()`: the replica that
   arrived is kept (verified), the stopped owner's is not, the previous round's stays, and
   nothing waits on the stopped rank (the group timeout is 60 s).
+- A peer seen lost as a round is posted fails the round where it is waited for, not as it is
+  posted.
 - A replicator built after a recovery takes over its predecessor's buffers: no second set.
 - A recovery's shard exchange (one table all-reduce, one batched round): needy ranks receive
   exactly the bytes their holders send, of different sizes.
@@ -101,6 +103,48 @@ def test_abandon_after_abort_keeps_only_completed_receives() -> None:
         assert r["salvaged"] == [peer], r
         assert r["seconds"] < 5.0, r  # never waited on the stopped owner
         assert r["holdings"] == {"local": [1, 2], str(peer): [1, 2], "2": [1]}, r
+
+
+def _lost_peer_rank(*, rank: int, world_size: int, store: Any) -> dict[str, Any]:
+    import torch
+
+    from megatron_deadpool.devices.abort import abort_groups
+    from megatron_deadpool.devices.failures import is_peer_failure
+
+    repl, _ = _replicator(rank, world_size, replicas=1, seed=rank)
+    repl.start_round(1)
+    committed = repl.finish_round()
+    if rank == 1:
+        os._exit(0)  # its connections close
+    group = repl.transfer_group
+
+    def send_raises() -> bool:  # a probe: once gloo saw the connection closed, sends raise
+        try:
+            group.send([torch.zeros(1)], 1, 99)
+        except RuntimeError:
+            return True
+        return False
+
+    wait_until(send_raises, 60, "gloo to see rank 1's connection closed")
+    repl.start_round(2)  # posts to the lost peer: must not raise here
+    raised = None
+    try:
+        repl.finish_round()
+    except Exception as exc:  # noqa: BLE001 - what the test checks
+        raised = is_peer_failure(exc)
+    abort_groups()  # the world has lost a rank: no final barrier
+    return {"committed": committed, "raised": raised}
+
+
+@pytest.mark.timeout(150)
+def test_a_peer_seen_lost_as_a_round_is_posted_fails_the_round_where_it_is_waited_for() -> None:
+    """gloo raises as it posts a send to a peer whose connection it saw closed: that failure
+    comes out of `finish_round` (or the step's `settle`), where a failure of the transfers
+    does, not out of `start_round` - or a Megatron-LM survivor failed one step before those
+    that had not seen the loss yet, and the survivors resumed at different steps (Slurm lab,
+    CI)."""
+    result, _ = run_world("test_replicator_failures:_lost_peer_rank", 2, timeout=120, optional=(1,))
+    assert result == {"committed": 1, "raised": True}, result
 
 
 def _reuse_rank(*, rank: int, world_size: int, store: Any) -> dict[str, Any]:
