@@ -156,6 +156,7 @@ def run(args: argparse.Namespace) -> int:
         heartbeat_interval=cfg.heartbeat_interval,
         heartbeat_timeout=cfg.heartbeat_timeout,
         agree_timeout=cfg.agreement_timeout,
+        join_timeout=cfg.join_timeout,
         pg_timeout=cfg.pg_timeout,
     )
     coord = Coordinator(
@@ -165,6 +166,7 @@ def run(args: argparse.Namespace) -> int:
         [f"s{i}" for i in range(cfg.spares)],
         heartbeat_timeout=cfg.heartbeat_timeout,
         agree_timeout=cfg.agreement_timeout,
+        join_timeout=cfg.join_timeout,
         suspect_after=cfg.suspect_after,
         liveness=HeartbeatOnly(),
         events=events,

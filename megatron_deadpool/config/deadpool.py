@@ -24,6 +24,7 @@ SECONDS = (
     "pg_timeout",
     "abort_timeout",
     "connect_timeout",
+    "join_timeout",
     "respawn_window",
 )
 """`DeadpoolConfig`'s durations: each a finite number of seconds > 0 (the optional ones: or
@@ -86,6 +87,12 @@ class DeadpoolConfig:
     """Timeout in seconds of every collective DeadPool creates (and of the rebuilt groups);
     the bound on how long a survivor can block on a dead peer. Above the agreement timeout."""
 
+    join_timeout: float = 600.0
+    """Seconds a recovery's newcomer may take, once the coordinator decided, to build its
+    objects and claim its slot; the survivors wait for it meanwhile. Past it the newcomer is
+    taken for lost (killed where the launcher can) and the next spare takes the slot. Above
+    the heartbeat timeout; keep it above a spare's model, optimizer and data-loader build."""
+
     abort_timeout: float | None = None
     """Seconds a survivor's abort of its process groups may take (it runs on a thread of its own
     while the heartbeat goes on); past it the process ends with exit code 7, so that the
@@ -140,6 +147,12 @@ class DeadpoolConfig:
                 f"deadpool-pg-timeout ({self.pg_timeout}s) must exceed deadpool-heartbeat-timeout "
                 f"({self.heartbeat_timeout}s), or a hung peer times collectives out before the "
                 "heartbeat monitor names it"
+            )
+        if self.join_timeout <= self.heartbeat_timeout:
+            raise ConfigError(
+                f"deadpool-join-timeout ({self.join_timeout}s) must exceed "
+                f"deadpool-heartbeat-timeout ({self.heartbeat_timeout}s): a newcomer builds its "
+                "objects after it was picked, which takes longer than a heartbeat"
             )
         if self.agree_timeout is not None and not (
             self.heartbeat_timeout < self.agree_timeout < self.pg_timeout

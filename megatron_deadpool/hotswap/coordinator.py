@@ -87,6 +87,8 @@ class PendingRecovery:
     respawned: dict[int, int] = field(default_factory=dict)
     """rank -> node, for the dead ranks whose node respawned a process in place."""
     t_agreed: float | None = None
+    agreed_at: float | None = None
+    """When it was decided, on the monotonic clock (the join timeout runs from here)."""
     restore_iteration: int | None = None
 
 
@@ -129,6 +131,7 @@ class Coordinator:
         *,
         heartbeat_timeout: float,
         agree_timeout: float,
+        join_timeout: float = 600.0,
         liveness: Liveness,
         events: EventLog,
         say: Callable[[str], None] = lambda text: None,
@@ -139,13 +142,15 @@ class Coordinator:
         agents: NodeAgents | None = None,
         respawn: RespawnBudget | None = None,
     ) -> None:
-        """`placement` None: learnt from the layout rank 0 publishes. `sweep_interval`,
-        `suspect_after`: see `FailureDetector`. `say` prints a line for the user. `agents`
-        and `respawn`: a failed rank's node starts its replacement while `respawn` allows
-        (`respawn.py`); without them every failed rank takes a spare."""
+        """`placement` None: learnt from the layout rank 0 publishes. `join_timeout`: how
+        long a newcomer may take to claim its slot once decided (`_late_newcomers`).
+        `sweep_interval`, `suspect_after`: see `FailureDetector`. `say` prints a line for the
+        user. `agents` and `respawn`: a failed rank's node starts its replacement while
+        `respawn` allows (`respawn.py`); without them every failed rank takes a spare."""
         self.membership = membership
         self.world_size = world_size
         self.agree_timeout = agree_timeout
+        self.join_timeout = join_timeout
         self.events = events
         self.say = say
         self.clock = clock or SystemClock()
@@ -341,6 +346,7 @@ class Coordinator:
                 finally:
                     gc.enable()
             if self._recovery is not None and self._recovery.t_agreed is not None:
+                self._late_newcomers()
                 self._track_phases()
         if self._recovery is None:
             self._pruner.step()
@@ -568,7 +574,7 @@ class Coordinator:
             )
             return
         assert plan.iteration is not None
-        rec.t_agreed = self.clock.time()
+        rec.t_agreed, rec.agreed_at = self.clock.time(), self.clock.monotonic()
         rec.restore_iteration = plan.iteration
         roster = Roster(g, self.world_size, rec.slots, restore_iteration=plan.iteration)
         self.membership.publish_sources(g, Sources(plan.sources))
@@ -684,6 +690,26 @@ class Coordinator:
                 return None
             self._placement = place_replicas(record.layout(), record.replicas)
         return self._placement
+
+    def _late_newcomers(self) -> None:
+        """A newcomer that has not claimed its slot a join timeout after the decision is taken
+        for lost (killed where the launcher can): the survivors wait for every claim, so one
+        stuck in its build - alive, beating - would hold them for ever. The next plan gives
+        its slot to another spare."""
+        rec = self._recovery
+        assert rec is not None and rec.agreed_at is not None
+        if self.clock.monotonic() - rec.agreed_at <= self.join_timeout:
+            return
+        for rank in sorted(rec.needy):
+            member = rec.slots[rank]
+            if not self.detector.is_dead(member) and not self.membership.claimed(
+                rec.generation, rank
+            ):
+                self.detector.condemn(
+                    member,
+                    f"did not take rank {rank}'s slot within {self.join_timeout:g}s of the "
+                    "decision (deadpool-join-timeout)",
+                )
 
     def _track_phases(self) -> None:
         rec = self._recovery

@@ -126,6 +126,12 @@ class FailureDetector:
         """Whether `member`'s heartbeat was seen (a process past its start-up)."""
         return self.beats.last_change(member) is not None
 
+    def condemn(self, member: str, why: str) -> None:
+        """Name a live `member` dead, killed where the launcher can (the coordinator's verdict
+        on a process that is no use alive: hung, or too late)."""
+        killed = self.liveness.kill(member)
+        self.mark_dead(member, why + ("; killed" if killed else ""))
+
     def mark_dead(self, member: str, why: str) -> None:
         """Name `member` dead (the coordinator's own verdicts: a survivor that never reported
         for a recovery, a member that never re-registered with a standby)."""
@@ -236,8 +242,7 @@ class FailureDetector:
         if self.membership.is_done(member):  # finished; its heartbeat stopped on purpose
             self._finished.add(member)
             return False
-        killed = self.liveness.kill(member)
-        self.mark_dead(member, why + ("; killed" if killed else ""))
+        self.condemn(member, why)
         return True
 
     def _watch_failure_reports(self, now: float, slots: Mapping[int, str]) -> None:

@@ -113,6 +113,7 @@ class LocalJob:
             [f"s{i}" for i in range(self.spares)],
             heartbeat_timeout=cfg.heartbeat_timeout,
             agree_timeout=cfg.agreement_timeout,
+            join_timeout=cfg.join_timeout,
             liveness=self._liveness(),
             events=events,
             say=say,

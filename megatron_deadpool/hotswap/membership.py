@@ -619,6 +619,10 @@ class Membership:
         held = self._claim(Keys.CLAIM.format(g=generation, rank=rank), CLAIMED)
         return held.decode() if held is not None else GIVEN_UP
 
+    def claimed(self, generation: int, rank: int) -> bool:
+        """Whether generation g's newcomer for `rank` claimed its slot (one request)."""
+        return self._read(Keys.CLAIM.format(g=generation, rank=rank)) == CLAIMED.encode()
+
     def give_up_slot(self, generation: int, rank: int) -> None:
         """The coordinator: generation g's newcomer for `rank` was lost before it claimed its
         slot (a claim that came first stands)."""

@@ -54,6 +54,8 @@ pytestmark = pytest.mark.timeout(60)
         ({"pg_timeout": True}, "deadpool-pg-timeout"),
         ({"heartbeat_interval": 5.0, "heartbeat_timeout": 10.0}, "deadpool-heartbeat-timeout"),
         ({"heartbeat_timeout": 10.0, "pg_timeout": 10.0}, "deadpool-pg-timeout"),
+        ({"join_timeout": float("nan")}, "deadpool-join-timeout"),
+        ({"heartbeat_timeout": 10.0, "join_timeout": 10.0}, "deadpool-join-timeout"),
         ({"coordinator": "nohost"}, "deadpool-coordinator"),
         ({"coordinator": "host:0"}, "deadpool-coordinator"),
         ({"coordinator": "host:65536"}, "deadpool-coordinator"),

@@ -106,6 +106,7 @@ class Job:
         respawn_window: float = 3600.0,
         layout: Layout | None = None,
         learn_layout: bool = False,
+        join_timeout: float = 600.0,
     ) -> None:
         """`layout`: tp 1 x pp 1 x dp `world` unless given; `learn_layout`: the coordinator is
         given no placement and learns it from the layout rank 0 publishes (a cluster's)."""
@@ -125,6 +126,7 @@ class Job:
             [f"s{i}" for i in range(spares)],
             heartbeat_timeout=HEARTBEAT_TIMEOUT,
             agree_timeout=AGREE_TIMEOUT,
+            join_timeout=join_timeout,
             liveness=liveness if liveness is not None else self.launcher,
             events=self.events,
             say=self.said.append,
@@ -446,6 +448,30 @@ def test_a_newcomer_that_claimed_but_did_not_restore_stays_needy_in_the_next_pla
     job.tick()
     assert job.decision(2) == Decision.roster(4)
     assert job.m().sources(2).holders == {0: job.holder(0), 2: job.holder(2)}
+
+
+def test_a_newcomer_that_does_not_claim_within_the_join_timeout_is_killed_and_replaced() -> None:
+    """Alive and beating but stuck in its build: the survivors wait for every claim, and waited
+    for ever. A newcomer that claimed in time is not touched, however long it takes after."""
+    job = Job(spares=3, join_timeout=60.0)
+    job.die("a1", "a3")
+    job.tick()
+    job.report(1, [0, 2])
+    job.tick()
+    assert job.decision(1) == Decision.roster(4)
+    assert job.m("s0").claim_slot(1, 1) == CLAIMED
+    job.tick(59.0)  # s1 beats, but has not claimed rank 3's slot
+    assert job.m().plan(2) is None and job.launcher.killed == []
+    job.tick(2.0)
+    assert job.launcher.killed == ["s1"]
+    job.tick()
+    assert job.m().wait_newcomers(1, [1, 3], 0.0) is False  # the survivors move on
+    plan = job.m().plan(2)
+    assert plan is not None and plan.needy == (1, 3)
+    assert plan.replaced == {3: "s2"}  # s0 keeps rank 1: it claims it again in plan 2
+    said = [e["why"] for e in job.events.of("process_dead") if e["member"] == "s1"]
+    why = "did not take rank 3's slot within 60s of the decision (deadpool-join-timeout)"
+    assert said == [f"{why}; killed"]
 
 
 def test_no_spare_left_saves_a_complete_set_and_ends_out_of_redundancy() -> None:
