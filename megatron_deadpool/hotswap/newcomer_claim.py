@@ -8,7 +8,8 @@ slot first when it plans again before the newcomer claimed it (`Coordinator._pla
 newcomer's slot is given up - the newcomer, had it lived, stops with an error -, a live one's
 is moved on: the slot is this process's in the next generation, whose roster it waits for and
 claims there (it must keep the rank and restore iteration its objects were built for), or the
-job ended meanwhile and it leaves with exit code 0.
+job ended meanwhile and it leaves with exit code 0. `claim_slot` is the claim itself, which a
+survivor the plan counts as a newcomer makes too (`Recovery.agree`).
 """
 
 from __future__ import annotations
@@ -22,6 +23,18 @@ from .membership import Membership
 from .messages import CLAIMED, MOVED_ON, Roster
 
 log = logging.getLogger(__name__)
+
+
+def claim_slot(membership: Membership, g: int, rank: int) -> bool:
+    """Claim `rank`'s slot of generation g: True, claimed; False, moved on (the next plan holds
+    it); given up (the coordinator took this process for lost): an error."""
+    held = membership.claim_slot(g, rank)
+    if held not in (CLAIMED, MOVED_ON):
+        raise DeadpoolRuntimeError(
+            f"the coordinator gave up rank {rank} of generation {g} before this process claimed "
+            "it (it took this process for lost)"
+        )
+    return held == CLAIMED
 
 
 def claim(
@@ -38,14 +51,8 @@ def claim(
     if rank is None:
         raise DeadpoolRuntimeError(f"generation {g}'s roster names no slot of {member}")
     faults.on_assignment(member, rank, g)  # `spare:I@recovery`
-    held = membership.claim_slot(g, rank)
-    if held == CLAIMED:
+    if claim_slot(membership, g, rank):
         return roster
-    if held != MOVED_ON:
-        raise DeadpoolRuntimeError(
-            f"the coordinator gave up rank {rank} of generation {g} before this spare claimed "
-            "it (it took this process for lost)"
-        )
     log.info("generation %d will not be joined: waiting for the next one's roster", g)
     later = wait_for_slot(g)
     if later is None:

@@ -40,15 +40,8 @@ from ..replication.shard_exchange import start_shard_exchange
 from ..replication.snapshot import RankState, Snapshotter
 from . import rebind
 from .membership import Membership
-from .messages import (
-    CLAIMED,
-    GIVEN_UP,
-    EndReport,
-    HoldingsReport,
-    OutOfRedundancy,
-    Roster,
-    Verdict,
-)
+from .messages import EndReport, HoldingsReport, OutOfRedundancy, Roster, Verdict
+from .newcomer_claim import claim_slot
 
 log = logging.getLogger(__name__)
 
@@ -104,7 +97,7 @@ class Recovery:
     """What it holds: its replicator's slots, or (a respawned process) its predecessor's
     segment files."""
     needy: bool = False
-    """Set by `agree`: the roster agreed lists this process's rank as needy (`_claim`)."""
+    """Set by `agree`: the roster agreed lists this process's rank as needy."""
 
     def agree(
         self,
@@ -131,7 +124,7 @@ class Recovery:
         base). It is returned once every newcomer claimed its slot: a newcomer that died before
         that (its slot given up by the coordinator) leads to the next plan instead of a
         rendezvous that would wait for it until the process groups' timeout. A process the
-        plan counts as a newcomer claims its slot too (`needy`, `_claim`).
+        plan counts as a newcomer claims its slot too (`needy`).
 
         `job_report` is published with the holdings (e.g. Megatron's counters): what the
         replicator holds, or nothing for a process without a slot (the coordinator reads only
@@ -183,7 +176,10 @@ class Recovery:
                     f"({self.member}) out: it was presumed dead"
                 )
             self.needy = rank in plan.needy
-            if self.needy and not self._claim(g, rank):
+            # Needy although it survived: it restored as the previous generation's newcomer
+            # after the coordinator planned g (`Coordinator._plan` counts the restores it saw);
+            # it claims its slot as a newcomer would, and restores from a holder.
+            if self.needy and not claim_slot(m, g, rank):
                 g += 1  # the coordinator planned again before this claim
                 continue
             ready = None
@@ -193,22 +189,6 @@ class Recovery:
                 return new
             log.warning("generation %d will not be joined (a newcomer was lost first)", g)
             g += 1  # the coordinator settled the unclaimed slots as it planned the next one
-
-    def _claim(self, g: int, rank: int) -> bool:
-        """This process is needy in plan g although it survived: it had restored as a
-        newcomer of the previous generation, after the coordinator planned g (which counts only
-        restores it saw, `Coordinator._plan`). It claims its slot as a newcomer would, and
-        restores its shard from a holder; False: the slot was moved on to the next plan."""
-        held = self.membership.claim_slot(g, rank)
-        if held == GIVEN_UP:
-            raise DeadpoolRuntimeError(
-                f"the coordinator gave up rank {rank} of generation {g} before this process "
-                "claimed it (it took this process for lost)"
-            )
-        if held != CLAIMED:
-            return False
-        log.info("generation %d restores rank %d from a holder (planned as a newcomer)", g, rank)
-        return True
 
     def _out_of_redundancy(self, salvage_target: SalvageTarget) -> None:
         report = self.membership.out_of_redundancy()

@@ -215,6 +215,16 @@ class Job:
         self.tick()
         assert not self.coord.recovering
 
+    def decided(self, *members: str) -> None:
+        """Ranks `members` (a{r}) crash, the survivors report for plan 1, and the coordinator
+        decides it: a roster."""
+        self.die(*members)
+        self.tick()
+        dead = {int(member[1:]) for member in members}
+        self.report(1, [r for r in range(self.world) if r not in dead])
+        self.tick()
+        assert self.decision(1) == Decision.roster(self.world)
+
     def decision(self, generation: int) -> Decision | None:
         return self.m().wait_decision(generation, 0.0)
 
@@ -357,11 +367,7 @@ def test_a_survivor_that_never_reports_is_presumed_dead() -> None:
 
 def test_a_newcomer_lost_before_its_claim_gives_its_slot_up() -> None:
     job = Job(spares=2)
-    job.die("a2")
-    job.tick()
-    job.report(1, [0, 1, 3])
-    job.tick()
-    assert job.decision(1) == Decision.roster(4)
+    job.decided("a2")
     job.die("s0")  # given rank 2, dead before it claimed the slot
     job.tick()
     assert job.m().wait_newcomers(1, [2], 0.0) is False  # survivors do not wait for it
@@ -377,11 +383,7 @@ def test_a_newcomer_lost_beside_one_alive_moves_the_live_ones_slot_on() -> None:
     come (as in CI: they waited forever after the job ended out of redundancy): s1's slot is
     given up, s0's moved on - s0 takes its slot in the next plan, or is released with the job."""
     job = Job(spares=2)
-    job.die("a1", "a3")
-    job.tick()
-    job.report(1, [0, 2])
-    job.tick()
-    assert job.decision(1) == Decision.roster(4)
+    job.decided("a1", "a3")
     job.die("s1")
     job.tick()
     assert job.m().wait_newcomers(1, [1, 3], 0.0) is False  # the survivors move on
@@ -398,10 +400,7 @@ def test_a_newcomer_lost_beside_one_alive_moves_the_live_ones_slot_on() -> None:
 
 def test_a_newcomer_lost_after_its_claim_keeps_the_claim_and_is_replaced() -> None:
     job = Job(spares=2)
-    job.die("a2")
-    job.tick()
-    job.report(1, [0, 1, 3])
-    job.tick()
+    job.decided("a2")
     assert job.m("s0").claim_slot(1, 2) == CLAIMED
     job.die("s0")
     job.tick()
@@ -415,10 +414,7 @@ def test_a_newcomer_that_restored_before_the_next_death_survives_into_the_next_p
     the recovery: the newcomer holds its state now; the next plan must not count it needy (as
     in CI, the survivors waited for its claim for ever, while it reported as a survivor)."""
     job = Job(spares=2)
-    job.die("a2")
-    job.tick()
-    job.report(1, [0, 1, 3])
-    job.tick()
+    job.decided("a2")
     assert job.m("s0").claim_slot(1, 2) == CLAIMED
     for rank, member in job.coord.roster.slots.items():
         job.m(member).stamp(1, "joined", rank)
@@ -435,10 +431,7 @@ def test_a_newcomer_that_restored_before_the_next_death_survives_into_the_next_p
 
 def test_a_newcomer_that_claimed_but_did_not_restore_stays_needy_in_the_next_plan() -> None:
     job = Job(spares=2)
-    job.die("a2")
-    job.tick()
-    job.report(1, [0, 1, 3])
-    job.tick()
+    job.decided("a2")
     assert job.m("s0").claim_slot(1, 2) == CLAIMED
     job.die("a0")
     job.tick()
@@ -454,11 +447,7 @@ def test_a_newcomer_that_does_not_claim_within_the_join_timeout_is_killed_and_re
     """Alive and beating but stuck in its build: the survivors wait for every claim, and waited
     for ever. A newcomer that claimed in time is not touched, however long it takes after."""
     job = Job(spares=3, join_timeout=60.0)
-    job.die("a1", "a3")
-    job.tick()
-    job.report(1, [0, 2])
-    job.tick()
-    assert job.decision(1) == Decision.roster(4)
+    job.decided("a1", "a3")
     assert job.m("s0").claim_slot(1, 1) == CLAIMED
     job.tick(59.0)  # s1 beats, but has not claimed rank 3's slot
     assert job.m().plan(2) is None and job.launcher.killed == []
