@@ -18,6 +18,7 @@ import os
 import subprocess
 import sys
 from collections.abc import Callable
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -140,6 +141,18 @@ FAST_HEARTBEAT = ["--deadpool-heartbeat-timeout", "3", "--deadpool-heartbeat-int
 
 
 TrainRun = tuple[subprocess.CompletedProcess, list[dict], dict]
+
+
+@dataclass(frozen=True)
+class MegatronLMReference:
+    """A failure-free Megatron-LM run (`megatron_lm_failure_free`)."""
+
+    digests: dict[str, str]
+    """rank -> the digest of its final parameters."""
+    iterations: dict[int, tuple[str, str, str]]
+    """iteration -> (learning rate, lm loss, grad norm) as Megatron logged them."""
+
+
 """A finished `deadpool train`: the process, the per-iteration records, the summary."""
 
 
@@ -219,27 +232,32 @@ def failure_free(tmp_path_factory: pytest.TempPathFactory) -> Callable[[int], Tr
 @pytest.fixture(scope="session")
 def megatron_lm_failure_free(
     tmp_path_factory: pytest.TempPathFactory,
-) -> Callable[[int], dict[str, str]]:
-    """`megatron_lm_failure_free(iters)`: each rank's final parameter digest of a failure-free
-    `deadpool megatron-lm` run of the oldest supported Megatron-LM tag MEGATRON_LM_PATH lists
-    (`mlm.megatron_args(iters)`, TP 2 x DP 2, distributed optimizer, DeadPool on, no spare),
-    run once per session and length: test_megatron_lm_failover and the Slurm lab's Megatron-LM
-    job (16 iterations) compare against it. Skips without a tree."""
+) -> Callable[[int], MegatronLMReference]:
+    """`megatron_lm_failure_free(iters)`: a failure-free `deadpool megatron-lm` run of the
+    oldest supported Megatron-LM tag MEGATRON_LM_PATH lists (`mlm.megatron_args(iters)`, TP 2 x
+    DP 2, distributed optimizer, DeadPool on, no spare): each rank's final parameter digest and
+    every logged iteration (learning rate, lm loss, grad norm), run once per session and
+    length: test_megatron_lm_failover and the Slurm lab's Megatron-LM job (16 iterations)
+    compare against it. Skips without a tree."""
     from mlm import launch, megatron_args, megatron_lm_tree
 
-    def make(iters: int, tree: Path, tmp: Path) -> dict[str, str]:
+    def make(iters: int, tree: Path, tmp: Path) -> dict[str, Any]:
         args = [*megatron_args(iters), "--use-distributed-optimizer", "--deadpool",
                 "--deadpool-spares", "0", "--deadpool-ranks-per-node", "2"]  # fmt: skip
         run = launch(tmp, "reference", tree / "pretrain_gpt.py", args)
         assert run.returncode == 0, run.describe()
-        assert sorted(run.iterations()) == list(range(1, iters + 1)), run.describe()
-        return run.summary["param_digests"]
+        iterations = run.iterations()
+        assert sorted(iterations) == list(range(1, iters + 1)), run.describe()
+        return {"digests": run.summary["param_digests"],
+                "iterations": {str(k): list(v) for k, v in iterations.items()}}  # fmt: skip
 
-    def get(iters: int) -> dict[str, str]:
+    def get(iters: int) -> MegatronLMReference:
         tree = megatron_lm_tree()  # skips without one
-        return once_per_run(
+        run = once_per_run(
             tmp_path_factory, f"mlm-failure-free-{iters}", partial(make, iters, tree)
         )
+        iterations = {int(k): (v[0], v[1], v[2]) for k, v in run["iterations"].items()}
+        return MegatronLMReference(run["digests"], iterations)
 
     return get
 

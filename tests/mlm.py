@@ -76,15 +76,21 @@ class Run:
 
     def iterations(self) -> dict[int, tuple[str, str, str]]:
         """iteration -> (learning rate, lm loss, grad norm), each logged exactly once."""
-        found: dict[int, tuple[str, str, str]] = {}
-        for m in _LINE.finditer(self.text):
-            it = int(m.group(1))
-            assert it not in found, f"iteration {it} logged twice"
-            found[it] = m.group(2, 3, 4)
-        return found
+        return logged_iterations(self.text)
 
     def describe(self) -> str:
         return self.text[-6000:]
+
+
+def logged_iterations(text: str) -> dict[int, tuple[str, str, str]]:
+    """iteration -> (learning rate, lm loss, grad norm) of Megatron's lines in `text`, each
+    logged exactly once."""
+    found: dict[int, tuple[str, str, str]] = {}
+    for m in _LINE.finditer(text):
+        it = int(m.group(1))
+        assert it not in found, f"iteration {it} logged twice"
+        found[it] = m.group(2, 3, 4)
+    return found
 
 
 def launch(tmp: Path, name: str, script: Path, args: list[str], *, patched: bool = False,

@@ -24,7 +24,8 @@ replacing the module attributes is enough (no source edit). Each hook and why:
   says whether Megatron stops there (an exit signal, interval or duration).
 - `training_log`, `evaluate_and_print_results`, `post_training_step_callbacks`,
   `checkpoint_and_decide_exit`: a collective that fails in them (a peer died between steps)
-  is deferred to the next step, so that all survivors resume at the same step; after
+  is deferred to the next step, so that all survivors resume at the same step; a survivor
+  that resumed one step behind the others skips them once (`survivors.py`); after
   `training_log`, DeadPool's own log line and TensorBoard/W&B scalars.
 """
 
@@ -178,6 +179,8 @@ def wrap_training_log(real: Any, session: Any) -> Any:
     @functools.wraps(real)
     def training_log(*args: Any, **kwargs: Any) -> Any:
         bound = sig.bind(*args, **kwargs)
+        if session.skips_between_steps(bound.arguments["iteration"]):
+            return bound.arguments["report_memory_flag"]
         session.before_log(bound.arguments["total_loss_dict"])
         if session.joined_late:
             # Megatron logs a process's first iteration unconditionally (with a world
@@ -185,6 +188,8 @@ def wrap_training_log(real: Any, session: Any) -> Any:
             bound.arguments["is_first_iteration"] = False
         out = guarded(*bound.args, **bound.kwargs)
         if out is failed:
+            first = bound.arguments.get("is_first_iteration", False)
+            session.log_failed(bound.arguments["iteration"], first)
             return bound.arguments["report_memory_flag"]
         session.after_log(bound.arguments["iteration"])
         return out
@@ -196,11 +201,15 @@ def wrap_between_steps(
     real: Any, session: Any, where: str, fallback: Callable[[inspect.BoundArguments], Any]
 ) -> Any:
     """`real` with a peer failure deferred to the next step (returning `fallback(args)`),
-    Megatron's timers left as they were before the call (`timers.restore`)."""
+    Megatron's timers left as they were before the call (`timers.restore`); not called at all
+    after a step the other survivors had passed (`MegatronSession.skips_between_steps`)."""
     sig = inspect.signature(real)
 
     @functools.wraps(real)
     def guarded(*args: Any, **kwargs: Any) -> Any:
+        bound = sig.bind(*args, **kwargs)
+        if session.skips_between_steps(bound.arguments["iteration"]):
+            return fallback(bound)
         running = timers.running(timers.megatron())
         try:
             return real(*args, **kwargs)
@@ -209,7 +218,7 @@ def wrap_between_steps(
                 raise
             timers.restore(timers.megatron(), running)
             session.defer(exc, where)
-            return fallback(sig.bind(*args, **kwargs))
+            return fallback(bound)
 
     return guarded
 

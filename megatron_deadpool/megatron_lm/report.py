@@ -101,3 +101,20 @@ def load_log_state(total_loss_dict: dict[str, Any], state: dict[str, Any]) -> No
             total_loss_dict[key] = torch.tensor(value["tensor"], dtype=dtype, device="cuda")
         else:
             total_loss_dict[key] = value
+
+
+ITERATION_COUNTS = ("advanced iterations", "skipped iterations", "nan iterations")
+"""`training_log`'s counters among its running sums (its other keys are loss sums)."""
+
+
+def reset_log_sums(total_loss_dict: dict[str, Any]) -> None:
+    """What Megatron's `training_log` does to its running sums once it logged an interval
+    (every supported tag): each loss sum back to a zero float32 tensor of one element (on the
+    sum's own device), each count to 0."""
+    import torch
+
+    for key, value in total_loss_dict.items():
+        if key in ITERATION_COUNTS:
+            total_loss_dict[key] = 0
+        else:
+            total_loss_dict[key] = torch.zeros(1, dtype=torch.float, device=value.device)

@@ -15,7 +15,8 @@ embedded job's is `embedded.job`), driven by Megatron's own training loop throug
   never notices: survivors never re-run `pretrain()`. A newcomer takes its slot at its first
   step (`Driver.take_slot`) and restores from the holder of its shard.
 - Failures seen between steps (in `training_log`, evaluation) are deferred to the next step,
-  so that every survivor resumes at the same step.
+  so that every survivor resumes at the same step; survivors left one step apart by a step's
+  partly completed last collective go on at the later one (`survivors.py`).
 
 Out of redundancy (no spare left, or a shard with no surviving copy) the survivors write
 DeadPool's snapshot set of one common iteration under Megatron's `--save` (with Megatron's
@@ -35,7 +36,7 @@ import os
 import time
 import traceback
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
 from ..config.deadpool import DeadpoolConfig
@@ -50,6 +51,7 @@ from . import report as mreport
 from . import timers
 from .replay import BatchRecorder, install_recorder, reset_rerun_iterators
 from .startup_bound import startup_bound_problems
+from .survivors import SurvivorReport, peer_ahead, resume_step
 from .trackers import clear_logging_trackers, tracker_roots
 from .unsnapshotted import unsnapshotted_problems
 
@@ -63,37 +65,6 @@ def task_from_env() -> int:
     if not text.isdigit():
         raise ConfigError(f"RANK: expected a task index (0, 1, ...), got {text!r}")
     return int(text)
-
-
-@dataclass(frozen=True)
-class SurvivorReport:
-    """What a Megatron-LM survivor adds to its holdings report in a recovery
-    (`JobAdapter.recovery_report`): what a newcomer's start-up needs to stand where it does."""
-
-    target: int | None
-    """The step every survivor is about to return to Megatron."""
-    counters: dict[str, dict[str, float]]
-    """step -> Megatron's sample/FLOP counters after it."""
-    flags: tuple[bool, bool, bool]
-    """Megatron's args.do_train, do_valid, do_test."""
-    log_state: dict[str, Any] | None
-    """Its `training_log` running sums."""
-
-    def to_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "flags": list(self.flags)}
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> SurvivorReport:
-        try:
-            flags = tuple(bool(f) for f in d["flags"])
-            return cls(
-                target=None if d["target"] is None else int(d["target"]),
-                counters={str(k): dict(v) for k, v in d["counters"].items()},
-                flags=(flags[0], flags[1], flags[2]),
-                log_state=d["log_state"],
-            )
-        except (KeyError, TypeError, ValueError, IndexError, AttributeError) as exc:
-            raise DeadpoolRuntimeError(f"a survivor's report is not Megatron-LM's: {exc}") from None
 
 
 @dataclass
@@ -133,6 +104,7 @@ class MegatronSession:
         self.total_loss_dict: dict[str, Any] | None = None  # Megatron's training_log sums
         self._log_state_to_load: dict[str, Any] | None = None
         self._held: list[tuple[int, str]] | None = None  # checkpoints not saved, not yet said
+        self._behind: int | None = None  # the step whose between-step work this rank skips
 
     # ------------------------------------------------------------------ start-up
     def begin(self) -> bool:
@@ -190,22 +162,17 @@ class MegatronSession:
 
     def _newcomer_plan(self, roster: Roster) -> NewcomerPlan:
         reports = self._survivor_reports(roster)
-        targets = {r.target for r in reports.values()}
-        if len(targets) != 1:
-            raise DeadpoolRuntimeError(f"survivors report different steps to resume: {targets}")
-        first = reports[min(reports)]
-        sources = self.driver.membership.sources(roster.generation).holders
-        holder = sources.get(self.driver.rank) if self.driver.rank is not None else None
-        peer = reports.get(holder, first) if holder is not None else first  # same position
-        target = targets.pop()
-        if target is None:
-            raise DeadpoolRuntimeError("survivors report no step to resume")
+        target = resume_step(reports)
+        rank = self.driver.rank
+        assert rank is not None
+        holder = self.driver.membership.sources(roster.generation).holders.get(rank)
+        ahead = peer_ahead(reports, target, () if holder is None else (holder,))
         return NewcomerPlan(
             roster=roster,
             target=target,
-            counters=first.counters,
-            flags=first.flags,
-            log_state=peer.log_state,
+            counters=ahead.counters,
+            flags=ahead.flags,
+            log_state=ahead.log_state,
         )
 
     def _survivor_reports(self, roster: Roster) -> dict[int, SurvivorReport]:
@@ -315,12 +282,28 @@ class MegatronSession:
         return self.objs[0]
 
     def after_rejoin(self, roster: Roster) -> None:
-        targets = {r.target for r in self._survivor_reports(roster).values()}
-        if targets != {self.target}:
-            raise DeadpoolRuntimeError(
-                f"survivors stopped at different steps {sorted(map(str, targets))}: they cannot resume "
-                "together (a failure between the commit and the end of a step)"
+        """A survivor one step behind the others (`survivors.py`) runs its step and skips the
+        between-step work after it, with the `training_log` sums of a survivor ahead."""
+        reports = self._survivor_reports(roster)
+        step = resume_step(reports)
+        self._behind = None
+        if self.target is not None and self.target < step:
+            d = self.driver
+            peers = d.placement.holders[d.rank] if d.placement and d.rank is not None else ()
+            self._behind = self.target
+            self._log_state_to_load = peer_ahead(reports, step, peers).log_state
+            log.info(
+                "the other survivors resume at step %d: this rank runs step %d and skips the "
+                "work between the two steps (logging, evaluation, checkpoint), which they met "
+                "the failure in",
+                step,
+                self.target,
             )
+
+    def skips_between_steps(self, iteration: int) -> bool:
+        """Whether Megatron's work after step `iteration` (logging, evaluation, callbacks,
+        checkpoint and exit check) is skipped: this rank resumed one step behind the others."""
+        return self._behind == iteration
 
     def after_restore(self, iteration: int, *, newcomer: bool) -> None:
         """Megatron's rerun state machine and data iterators back at `iteration`; the
@@ -557,6 +540,18 @@ class MegatronSession:
         if self._log_state_to_load is not None:
             mreport.load_log_state(total_loss_dict, self._log_state_to_load)
             self._log_state_to_load = None
+
+    def log_failed(self, iteration: int, first: bool) -> None:
+        """Megatron's `training_log` of `iteration` met a peer failure (deferred): its running
+        sums as a completed call leaves them. Its world barrier fails after the step was added
+        and before a logged interval's sums are reset; left so, the next interval's averages
+        would count this step too (and every newcomer would copy them)."""
+        from megatron.training import get_args
+
+        sums = self.total_loss_dict
+        # Megatron keeps a process's first iteration's sums.
+        if sums is not None and iteration % get_args().log_interval == 0 and not first:
+            mreport.reset_log_sums(sums)
 
     def after_log(self, iteration: int) -> None:
         """After Megatron's `training_log`: DeadPool's line and scalars (last rank)."""

@@ -26,8 +26,8 @@ from typing import Any
 
 import pytest
 import yaml
-from conftest import TrainRun, run_deadpool
-from mlm import megatron_args, megatron_lm_tree
+from conftest import MegatronLMReference, TrainRun, run_deadpool
+from mlm import logged_iterations, megatron_args, megatron_lm_tree
 
 ROOT = Path(__file__).resolve().parents[2]
 ITERS = 30
@@ -102,6 +102,14 @@ def reference(lab_host: None, failure_free: Callable[[int], TrainRun]) -> dict[s
     return failure_free(ITERS)[2]
 
 
+def _torch_noise(line: str) -> bool:
+    """torch's C++ warnings and stack frames, which bury a log's own lines."""
+    text = line.strip()
+    return text.startswith(("frame #", "Exception raised from", "<omitting python frames>")) or (
+        text.startswith("[W") and "c10d]" in text
+    )
+
+
 @dataclass
 class Job:
     """One submitted sbatch job and its log folder."""
@@ -129,6 +137,9 @@ class Job:
         return found[-1] if found else None
 
     def describe(self) -> str:
+        """What a failed test shows: the launcher's and coordinators' logs without torch's C++
+        stack frames, the coordinator's events, and each task's DeadPool and Slurm lines and
+        the end of its last Python traceback (CI's temporary folders are gone afterwards)."""
         parts = [f"job {self.id} in {self.dir}"]
         for name in (
             "batch.out",
@@ -137,10 +148,16 @@ class Job:
             "standby-step.log",
             "inject.log",
         ):
-            parts.append(f"--- {name}\n{self.text(name)[-2500:]}")
-        for rank, text in self.task_logs().items():  # DeadPool's and Slurm's lines
-            lines = [x for x in text.splitlines() if "[deadpool " in x or "slurmstepd" in x]
-            parts.append(f"--- task {rank}\n" + "\n".join(lines[-8:]))
+            lines = [x for x in self.text(name).splitlines() if not _torch_noise(x)]
+            parts.append(f"--- {name}\n" + "\n".join(lines[-40:]))
+        events = [line[:300] for line in self.text("events.jsonl").splitlines()]
+        parts.append("--- events.jsonl\n" + "\n".join(events[-30:]))
+        for rank, text in self.task_logs().items():
+            lines = text.splitlines()
+            ours = [x for x in lines if "[deadpool " in x or "slurmstepd" in x]
+            starts = [i for i, x in enumerate(lines) if x.startswith("Traceback (most recent")]
+            traceback = lines[starts[-1] :][-12:] if starts else []
+            parts.append(f"--- task {rank}\n" + "\n".join(ours[-12:] + traceback))
         return "\n".join(parts)
 
     def wait_for_iteration(self, iteration: int, timeout: float) -> None:
@@ -632,11 +649,13 @@ MLM_FLAGS = (
 
 @pytest.mark.timeout(3 * JOB_TIMEOUT + 600)
 def test_megatron_lm_node_killed_mid_run_the_spare_node_takes_over(
-    lab: Any, tmp_path: Path, megatron_lm_failure_free: Callable[[int], dict[str, str]]
+    lab: Any, tmp_path: Path, megatron_lm_failure_free: Callable[[int], MegatronLMReference]
 ) -> None:
     """DEADPOOL_MODE=megatron-lm through vista.sbatch: pretrain_gpt.py unmodified, node 1's
-    tasks killed at an iteration from Megatron's own log line; the final weights are those of
-    `deadpool megatron-lm` on one machine without a failure."""
+    tasks killed at an iteration from Megatron's own log line; the final weights and every
+    logged iteration are those of `deadpool megatron-lm` on one machine without a failure.
+    (Under load the kill can leave the survivors one step apart - the last collective of a step
+    completed on some of them only: megatron_lm/survivors.py.)"""
     tree = megatron_lm_tree()  # the oldest supported tag MEGATRON_LM_PATH lists
     expected = megatron_lm_failure_free(MLM_ITERS)  # conftest: the same run on one machine
     job = submit(
@@ -655,8 +674,13 @@ def test_megatron_lm_node_killed_mid_run_the_spare_node_takes_over(
     recovered = job.event("recovered")
     assert recovered is not None and recovered["dead_ranks"] == [2, 3], job.describe()
     finished = job.event("finished")
-    assert finished is not None and finished["rank_digests"] == expected, job.describe()
+    assert finished is not None and finished["rank_digests"] == expected.digests, job.describe()
     assert record["JobState"] == "COMPLETED" and record["ExitCode"] == "0:0"
+    logged = logged_iterations("\n".join(job.task_logs().values()))
+    assert logged == {it: expected.iterations.get(it) for it in logged}, job.describe()
+    # Only the line of a step whose log met the failure may be missing.
+    missing = set(expected.iterations) - set(logged)
+    assert missing <= {recovered["restore_iteration"] + 1}, (missing, job.describe())
 
 
 # ---------------------------------------------------------------------- deadpool selftest

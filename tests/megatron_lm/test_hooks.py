@@ -13,9 +13,16 @@ class _FakeSession:
         self.deferred: list[str] = []
         self.logged: list[int] = []
         self.extra_roots: list[object] = []
+        self.behind: int | None = None  # the step whose between-step work is skipped
+
+    def skips_between_steps(self, iteration: int) -> bool:
+        return self.behind == iteration
 
     def defer(self, exc: BaseException, where: str) -> None:
         self.deferred.append(where)
+
+    def log_failed(self, iteration: int, first: bool) -> None:
+        self.failed_log = (iteration, first)
 
     def is_peer_failure(self, exc: BaseException) -> bool:  # as the driver's, before any abort
         from megatron_deadpool.devices.failures import is_peer_failure
@@ -54,6 +61,7 @@ def test_training_log_hook_defers_peer_failures_and_hides_a_newcomers_first_iter
     assert session.logged == [7]
     assert log("fail", *args[1:]) is True  # report_memory_flag back, failure deferred
     assert session.deferred == ["training_log"]
+    assert session.failed_log == (7, False)  # its sums made what a completed log leaves
     with pytest.raises(DeadpoolRuntimeError):
         log("bug", *args[1:])
     survivor = _FakeSession()
@@ -77,6 +85,33 @@ def test_between_steps_guard_returns_megatrons_neutral_value() -> None:
     )
     assert guarded(1, 2, 3, 4, None, 12.5) == 12.5
     assert session.deferred == ["post-step callbacks"]
+
+
+def test_a_rank_one_step_behind_skips_that_steps_work_between_steps_only() -> None:
+    """survivors.py: the step's `training_log` and the guarded hooks are not called at all (the
+    fakes raise a job's error if they are), the next step's are."""
+    from megatron_deadpool.megatron_lm.hooks import wrap_between_steps, wrap_training_log
+
+    session = _FakeSession()
+    session.behind = 7
+    log = wrap_training_log(_megatron_training_log, session)
+    total: dict = {}
+    args = (total, 1e-3, 7, 1.0, "flag", 0, 1.0, None, None, 0)
+    assert log("bug", *args) == "flag"
+    assert total == {} and session.logged == []  # no sums loaded, no DeadPool line
+    assert log(None, total, 1e-3, 8, *args[3:])[0] == "logged"
+    assert session.logged == [8]
+
+    def checkpoint_and_decide_exit(model, optimizer, opt_param_scheduler, iteration,
+                                   num_floating_point_operations_so_far, checkpointing_context,
+                                   train_data_iterator):  # fmt: skip
+        raise DeadpoolRuntimeError("called")
+
+    guarded = wrap_between_steps(checkpoint_and_decide_exit, session, "exit check", lambda b: False)
+    assert guarded(None, None, None, 7, 0.0, {}, None) is False
+    with pytest.raises(DeadpoolRuntimeError, match="called"):
+        guarded(None, None, None, 8, 0.0, {}, None)
+    assert session.deferred == []
 
 
 def test_train_hook_keeps_the_checkpointing_context_for_rebinding() -> None:

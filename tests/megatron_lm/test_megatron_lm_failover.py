@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from conftest import MegatronLMReference
 from mlm import RUN_TIMEOUT, launch, megatron_args, megatron_lm_tree
 from procs import free_port
 from standby_job import StandbyJob
@@ -27,10 +28,10 @@ JOB_TIMEOUT = 2 * RUN_TIMEOUT
 
 
 @pytest.fixture(scope="module")
-def reference(megatron_lm_failure_free: Callable[[int], dict[str, str]]) -> dict[str, str]:
+def reference(megatron_lm_failure_free: Callable[[int], MegatronLMReference]) -> dict[str, str]:
     """Each rank's final parameter digest of a failure-free run (the local launcher; conftest:
     shared with the Slurm lab's Megatron-LM job)."""
-    return megatron_lm_failure_free(ITERS)
+    return megatron_lm_failure_free(ITERS).digests
 
 
 @pytest.fixture

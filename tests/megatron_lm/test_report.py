@@ -15,3 +15,17 @@ def test_report_lines_have_megatrons_shape() -> None:
         r"\(ms\): 2\.1 \|",
         line,
     )
+
+
+def test_a_logged_intervals_sums_are_reset_as_megatron_resets_them() -> None:
+    """A `training_log` deferred at a log interval (its barrier failed) leaves the sums that
+    the completed call leaves: Megatron's reset (losses to a zero float32 tensor, counts 0)."""
+    import torch
+
+    from megatron_deadpool.megatron_lm.report import reset_log_sums
+
+    sums = {"lm loss": torch.tensor([2.5], dtype=torch.float), "advanced iterations": 2,
+            "skipped iterations": 1, "nan iterations": 0}  # fmt: skip
+    reset_log_sums(sums)
+    assert sums["lm loss"].dtype == torch.float and sums["lm loss"].tolist() == [0.0]
+    assert [sums[k] for k in ("advanced iterations", "skipped iterations")] == [0, 0]

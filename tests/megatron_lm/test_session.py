@@ -147,3 +147,42 @@ def test_a_checkpoint_not_saved_says_what_happens_next() -> None:
         4: "L4" + goes_on,
         5: "L5; training is complete: its final state (iteration 5) is not saved",
     }
+
+
+def test_survivors_one_step_apart_are_brought_to_the_later_step() -> None:
+    """What the survivors of the Slurm lab's Megatron-LM job reported under load: ranks 0 and 2
+    completed step 10 and deferred its logging's failure (target 11), rank 1 failed inside step
+    10 (target 10); rank 3 is the newcomer. Rank 1 runs step 10 and skips its between-step work
+    with a peer's running sums; the newcomer starts at step 11 with a rank-at-11's counters."""
+    from megatron_deadpool.hotswap.messages import Roster
+    from megatron_deadpool.megatron_lm.session import MegatronSession
+    from megatron_deadpool.megatron_lm.survivors import SurvivorReport
+
+    def report(target: int, sums: float) -> SurvivorReport:
+        counters = {str(s): {"consumed_train": 8.0 * s} for s in range(8, target)}
+        return SurvivorReport(target, counters, (True, False, False), {"lm loss": sums})
+
+    reports = {0: report(11, 0.0), 1: report(10, 5.0), 2: report(11, 0.0)}
+    membership = SimpleNamespace(
+        plan=lambda g: SimpleNamespace(needy=[3]),
+        holdings=lambda g, r: SimpleNamespace(job=reports[r].to_dict()) if r in reports else None,
+        sources=lambda g: SimpleNamespace(holders={3: 1}),  # rank 1, behind, holds 3's shard
+    )
+    roster = Roster(1, 4, {0: "a0", 1: "a1", 2: "a2", 3: "s0"}, restore_iteration=9)
+
+    def session(rank: int, target: int | None) -> MegatronSession:
+        s = MegatronSession(DeadpoolConfig(enabled=True), rank, "token")
+        placement = SimpleNamespace(holders=((2,), (3,), (0,), (1,)))
+        s._active = SimpleNamespace(membership=membership, placement=placement, rank=rank)
+        s.target = target
+        return s
+
+    behind = session(1, 10)
+    behind.after_rejoin(roster)
+    assert behind.skips_between_steps(10) and not behind.skips_between_steps(11)
+    assert behind._log_state_to_load == {"lm loss": 0.0}  # a rank at step 11's, not its own
+    ahead = session(0, 11)
+    ahead.after_rejoin(roster)
+    assert not ahead.skips_between_steps(10) and ahead._log_state_to_load is None
+    plan = session(3, None)._newcomer_plan(roster)
+    assert plan.target == 11 and "10" in plan.counters  # counters after step 10: from rank 0
