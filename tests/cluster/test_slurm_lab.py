@@ -678,9 +678,11 @@ def test_megatron_lm_node_killed_mid_run_the_spare_node_takes_over(
     assert record["JobState"] == "COMPLETED" and record["ExitCode"] == "0:0"
     logged = logged_iterations("\n".join(job.task_logs().values()))
     assert logged == {it: expected.iterations.get(it) for it in logged}, job.describe()
-    # Only the line of a step whose log met the failure may be missing.
+    # Only the line of the step whose log met the failure may be missing (rank 3 prints it, and
+    # died in its barrier): the last step completed, the restore iteration or the one after.
     missing = set(expected.iterations) - set(logged)
-    assert missing <= {recovered["restore_iteration"] + 1}, (missing, job.describe())
+    restored = recovered["restore_iteration"]
+    assert len(missing) <= 1 and missing <= {restored, restored + 1}, (missing, job.describe())
 
 
 # ---------------------------------------------------------------------- deadpool selftest
