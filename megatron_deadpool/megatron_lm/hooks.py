@@ -180,6 +180,7 @@ def wrap_training_log(real: Any, session: Any) -> Any:
     def training_log(*args: Any, **kwargs: Any) -> Any:
         bound = sig.bind(*args, **kwargs)
         if session.skips_between_steps(bound.arguments["iteration"]):
+            session.skip_evaluation()
             return bound.arguments["report_memory_flag"]
         session.before_log(bound.arguments["total_loss_dict"])
         if session.joined_late:

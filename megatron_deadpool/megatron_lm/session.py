@@ -105,6 +105,7 @@ class MegatronSession:
         self._log_state_to_load: dict[str, Any] | None = None
         self._held: list[tuple[int, str]] | None = None  # checkpoints not saved, not yet said
         self._behind: int | None = None  # the step whose between-step work this rank skips
+        self._do_valid: bool | None = None  # Megatron's args.do_valid while that step skips it
 
     # ------------------------------------------------------------------ start-up
     def begin(self) -> bool:
@@ -305,6 +306,23 @@ class MegatronSession:
         checkpoint and exit check) is skipped: this rank resumed one step behind the others."""
         return self._behind == iteration
 
+    def skip_evaluation(self) -> None:
+        """`training_log` of the step behind was skipped: so is the evaluation Megatron's loop
+        decides right after it from `args.do_valid` (with barriers of its own, outside the
+        hooked `evaluate_and_print_results`), until the next step puts the flag back."""
+        from megatron.training import get_args
+
+        a = get_args()
+        if self._do_valid is None:
+            self._do_valid, a.do_valid = a.do_valid, False
+
+    def _evaluation_back(self) -> None:
+        """The next step, or the end of `train()`: Megatron's `args.do_valid` as it was."""
+        from megatron.training import get_args
+
+        if self._do_valid is not None:
+            get_args().do_valid, self._do_valid = self._do_valid, None
+
     def after_restore(self, iteration: int, *, newcomer: bool) -> None:
         """Megatron's rerun state machine and data iterators back at `iteration`; the
         logging trackers emptied (`trackers.py`)."""
@@ -360,6 +378,7 @@ class MegatronSession:
         in-place recovery; returns step n's result."""
         n = iteration + 1
         d = self.driver
+        self._evaluation_back()
         if self._objs is None:
             self._bind(model, optimizer, scheduler, config, data_iterator, n)
         self._note_counters(n)
@@ -457,6 +476,7 @@ class MegatronSession:
     def training_returned(self, iteration: int) -> None:
         """Megatron's `train()` returned after `iteration` (its last step, or an exit
         condition: --exit-interval, --exit-duration-in-mins, a signal)."""
+        self._evaluation_back()  # the final evaluation is every rank's
         if self._objs is None:
             return
         if self.driver.completed is None:

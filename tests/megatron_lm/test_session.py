@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import sys
 from types import SimpleNamespace
 
 import pytest
@@ -149,7 +150,9 @@ def test_a_checkpoint_not_saved_says_what_happens_next() -> None:
     }
 
 
-def test_survivors_one_step_apart_are_brought_to_the_later_step() -> None:
+def test_survivors_one_step_apart_are_brought_to_the_later_step(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """What the survivors of the Slurm lab's Megatron-LM job reported under load: ranks 0 and 2
     completed step 10 and deferred its logging's failure (target 11), rank 1 failed inside step
     10 (target 10); rank 3 is the newcomer. Rank 1 runs step 10 and skips its between-step work
@@ -186,3 +189,12 @@ def test_survivors_one_step_apart_are_brought_to_the_later_step() -> None:
     assert not ahead.skips_between_steps(10) and ahead._log_state_to_load is None
     plan = session(3, None)._newcomer_plan(roster)
     assert plan.target == 11 and "10" in plan.counters  # counters after step 10: from rank 0
+    # Step 10's evaluation is skipped with its log (Megatron's loop reads args.do_valid after
+    # `training_log`), and the flag is back for step 11.
+    args = SimpleNamespace(do_valid=True)
+    monkeypatch.setitem(sys.modules, "megatron.training", SimpleNamespace(get_args=lambda: args))
+    behind.skip_evaluation()
+    behind.skip_evaluation()  # a second call keeps the first's saved value
+    assert args.do_valid is False
+    behind._evaluation_back()
+    assert args.do_valid is True
