@@ -86,6 +86,9 @@ class PendingRecovery:
     """Why this recovery can only save what survives (no spare left), if so."""
     respawned: dict[int, int] = field(default_factory=dict)
     """rank -> node, for the dead ranks whose node respawned a process in place."""
+    restored_earlier: dict[int, tuple[str, int | None]] = field(default_factory=dict)
+    """rank -> (its newcomer, the node that respawned it or None), for the newcomers of an
+    earlier plan of this recovery that restored before a death continued it (reported only)."""
     t_agreed: float | None = None
     agreed_at: float | None = None
     """When it was decided, on the monotonic clock (the join timeout runs from here)."""
@@ -410,6 +413,7 @@ class Coordinator:
         needy = set(rec.needy) if rec else set()
         no_spare = rec.no_spare if rec else ""
         respawned = dict(rec.respawned) if rec else {}
+        restored_earlier = dict(rec.restored_earlier) if rec else {}
         if rec is not None and rec.t_agreed is not None:  # decided; not everyone joined yet
             # Its survivors wait for every newcomer's claim (`wait_newcomers`); it will not be
             # joined now: settle every slot not claimed yet, so that they move on to this plan
@@ -422,12 +426,13 @@ class Coordinator:
                     self.membership.give_up_slot(rec.generation, rank)
                 elif self.membership.stamp_time(rec.generation, "restored", rank) is not None:
                     needy.discard(rank)
-                    respawned.pop(rank, None)
+                    restored_earlier[rank] = (rec.slots[rank], respawned.pop(rank, None))
                 else:
                     self.membership.move_slot_on(rec.generation, rank)
         for rank in sorted(dead):
             needy.add(rank)
             respawned.pop(rank, None)
+            restored_earlier.pop(rank, None)
             respawn = None if no_spare else self._respawn_in_place(rank, base[rank])
             if respawn is not None:
                 slots[rank], respawned[rank] = respawn
@@ -457,6 +462,7 @@ class Coordinator:
             prev_last_iteration=self.membership.progress(),
             no_spare=no_spare,
             respawned=respawned,
+            restored_earlier=restored_earlier,
         )
         # What every survivor reads: the changes to the published roster, not all the slots
         # (16,384 survivors reading 200 KB each would keep the store busy for seconds).
@@ -729,11 +735,18 @@ class Coordinator:
             "restore": restored - joined,
             "first_iteration": first - restored,
         }
+        # With the newcomers of an earlier plan of it that restored before a death continued it.
+        earlier = rec.restored_earlier
+        replaced = {
+            **{r: m for r, (m, _) in earlier.items()},
+            **{r: rec.slots[r] for r in rec.needy},
+        }
+        respawned = {**{r: n for r, (_, n) in earlier.items() if n is not None}, **rec.respawned}
         record: dict[str, Any] = {
             "generation": g,
             "dead_ranks": sorted(rec.dead),
-            "replaced_by": {str(r): rec.slots[r] for r in sorted(rec.needy)},
-            "respawned": {str(r): node for r, node in sorted(rec.respawned.items())},
+            "replaced_by": {str(r): m for r, m in sorted(replaced.items())},
+            "respawned": {str(r): node for r, node in sorted(respawned.items())},
             "restore_iteration": rec.restore_iteration,
             "recomputed_iterations": max(0, rec.prev_last_iteration - rec.restore_iteration),
             "phases_s": {k: round(max(0.0, v), 4) for k, v in phases.items()},
