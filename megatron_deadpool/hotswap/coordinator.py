@@ -86,9 +86,10 @@ class PendingRecovery:
     """Why this recovery can only save what survives (no spare left), if so."""
     respawned: dict[int, int] = field(default_factory=dict)
     """rank -> node, for the dead ranks whose node respawned a process in place."""
-    restored_earlier: dict[int, tuple[str, int | None]] = field(default_factory=dict)
-    """rank -> (its newcomer, the node that respawned it or None), for the newcomers of an
-    earlier plan of this recovery that restored before a death continued it (reported only)."""
+    restored_earlier: dict[int, int | None] = field(default_factory=dict)
+    """rank -> the node that respawned its newcomer (None: a spare), for the newcomers of an
+    earlier plan of this recovery that restored before a death continued it (reported only;
+    the newcomer is still the rank's slot)."""
     t_agreed: float | None = None
     agreed_at: float | None = None
     """When it was decided, on the monotonic clock (the join timeout runs from here)."""
@@ -426,7 +427,7 @@ class Coordinator:
                     self.membership.give_up_slot(rec.generation, rank)
                 elif self.membership.stamp_time(rec.generation, "restored", rank) is not None:
                     needy.discard(rank)
-                    restored_earlier[rank] = (rec.slots[rank], respawned.pop(rank, None))
+                    restored_earlier[rank] = respawned.pop(rank, None)
                 else:
                     self.membership.move_slot_on(rec.generation, rank)
         for rank in sorted(dead):
@@ -737,15 +738,12 @@ class Coordinator:
         }
         # With the newcomers of an earlier plan of it that restored before a death continued it.
         earlier = rec.restored_earlier
-        replaced = {
-            **{r: m for r, (m, _) in earlier.items()},
-            **{r: rec.slots[r] for r in rec.needy},
-        }
-        respawned = {**{r: n for r, (_, n) in earlier.items() if n is not None}, **rec.respawned}
+        replaced = {r: rec.slots[r] for r in sorted(rec.needy | earlier.keys())}
+        respawned = {**{r: n for r, n in earlier.items() if n is not None}, **rec.respawned}
         record: dict[str, Any] = {
             "generation": g,
             "dead_ranks": sorted(rec.dead),
-            "replaced_by": {str(r): m for r, m in sorted(replaced.items())},
+            "replaced_by": {str(r): m for r, m in replaced.items()},
             "respawned": {str(r): node for r, node in sorted(respawned.items())},
             "restore_iteration": rec.restore_iteration,
             "recomputed_iterations": max(0, rec.prev_last_iteration - rec.restore_iteration),

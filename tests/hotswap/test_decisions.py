@@ -427,6 +427,9 @@ def test_a_newcomer_that_restored_before_the_next_death_survives_into_the_next_p
     job.tick()
     assert job.decision(2) == Decision.roster(4)
     assert job.m().sources(2).holders == {1: 2}  # s0 holds rank 1's replica: nothing lost
+    job.complete(2)  # one recovery of both deaths, which names both newcomers
+    (record,) = job.coord.recoveries
+    assert record["dead_ranks"] == [1, 2] and record["replaced_by"] == {"1": "s1", "2": "s0"}
 
 
 def test_a_newcomer_that_claimed_but_did_not_restore_stays_needy_in_the_next_plan() -> None:
