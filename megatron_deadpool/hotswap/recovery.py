@@ -179,9 +179,13 @@ class Recovery:
             # Needy although it survived: it restored as the previous generation's newcomer
             # after the coordinator planned g (`Coordinator._plan` counts the restores it saw);
             # it claims its slot as a newcomer would, and restores from a holder.
-            if self.needy and not claim_slot(m, g, rank):
-                g += 1  # the coordinator planned again before this claim
-                continue
+            if self.needy:
+                if not claim_slot(m, g, rank):
+                    g += 1  # the coordinator planned again before this claim
+                    continue
+                log.info(
+                    "generation %d restores rank %d from a holder (planned as a newcomer)", g, rank
+                )
             ready = None
             while ready is None:  # a newcomer claims its slot, or is given up when it dies
                 ready = m.wait_newcomers(g, plan.needy, DECISION_WAIT_S)
