@@ -43,6 +43,8 @@ from ..hotswap.events import EventLog
 from ..hotswap.liveness import HeartbeatOnly
 from ..hotswap.membership import Membership, host_store
 from ..hotswap.messages import CoordinatorIdentity, JobError
+from ..hotswap.node_agents import StoreAgents
+from ..hotswap.respawn import RespawnBudget
 from ..hotswap.seal import SECRET_ENV, SECRET_FILE_ENV, JobSeal, job_secret, new_secret
 from ..hotswap.standby import Standby, StandbyWatch
 from ..hotswap.store_files import reserve_files, store_files_needed
@@ -51,12 +53,7 @@ from ..logs import setup_logging
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--world-size",
-        type=number_arg(integer=True, minimum=1),
-        required=True,
-        help="active ranks (tp*pp*dp)",
-    )
+    add_world_size(parser)
     parser.add_argument(
         "--standby",
         type=int,
@@ -67,6 +64,26 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="be entry N (default 1) of --deadpool-coordinator: a standby that takes the job "
         "over once the coordinators before it were silent for the heartbeat timeout",
     )
+    add_job_settings(parser)
+    parser.add_argument(
+        "--max-wait",
+        type=number_arg(above=0, unit="seconds"),
+        default=7 * 24 * 3600,
+        help="give up after this many seconds",
+    )
+
+
+def add_world_size(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--world-size",
+        type=number_arg(integer=True, minimum=1),
+        required=True,
+        help="active ranks (tp*pp*dp)",
+    )
+
+
+def add_job_settings(parser: argparse.ArgumentParser) -> None:
+    """`--config` and every `--deadpool-*` flag, as the workers get them (`job_settings`)."""
     parser.add_argument(
         "--config", help="the embedded job's YAML: its deadpool: section sets the defaults"
     )
@@ -76,12 +93,6 @@ def configure(parser: argparse.ArgumentParser) -> None:
         DeadpoolConfig,
         prefix="deadpool",
         defaults={f.name: None for f in dataclasses.fields(DeadpoolConfig)},
-    )
-    parser.add_argument(
-        "--max-wait",
-        type=number_arg(above=0, unit="seconds"),
-        default=7 * 24 * 3600,
-        help="give up after this many seconds",
     )
 
 
@@ -108,11 +119,10 @@ def run(args: argparse.Namespace) -> int:
             f"standby: entry {args.standby} of deadpool-coordinator does not exist (it lists "
             f"{len(addresses)}); a standby needs the primary's address before its own"
         )
-    if cfg.respawn_limit:
+    if cfg.respawn_limit and cfg.ranks_per_node is None:
         raise ConfigError(
-            "deadpool-respawn-limit: a cluster job has no node agent yet to respawn a process "
-            "in place (every failure takes a spare node); drop the flag, or use `deadpool "
-            "train` / `deadpool megatron-lm`, whose launcher respawns"
+            "deadpool-respawn-limit: needs --deadpool-ranks-per-node (the processes each node's "
+            "`deadpool agent` starts)"
         )
     if cfg.join:
         raise ConfigError(
@@ -159,6 +169,15 @@ def run(args: argparse.Namespace) -> int:
         join_timeout=cfg.join_timeout,
         pg_timeout=cfg.pg_timeout,
     )
+    agents = None
+    if cfg.respawn_limit and cfg.ranks_per_node is not None:  # every node runs `deadpool agent`
+        agents = StoreAgents(
+            membership,
+            world_size=args.world_size,
+            processes=args.world_size + cfg.spares,
+            ranks_per_node=cfg.ranks_per_node,
+            beat_s=cfg.heartbeat_interval,
+        )
     coord = Coordinator(
         membership,
         args.world_size,
@@ -171,6 +190,8 @@ def run(args: argparse.Namespace) -> int:
         liveness=HeartbeatOnly(),
         events=events,
         say=say,
+        agents=agents,
+        respawn=RespawnBudget(cfg.respawn_limit, cfg.respawn_window),
     )
     say(
         f"listening on {address}, world size {args.world_size}, {cfg.spares} spare(s); "

@@ -102,6 +102,9 @@ Keys (the message type of each structured value in CamelCase):
                               over; task{i} for a process that does not know its member name
                               yet (task i: actives first, then spares)
   rebuilt                     the standby rebuilt the job's state from the re-registrations
+  agent/{node}/hb             counter: node `node`'s agent (`deadpool agent`) beats, as hb/ does
+  agent/{node}/orders         counter of the coordinator's orders to that agent
+  agent/{node}/order/{n}      RespawnOrder n: start a process there in a failed one's place
 
 What is deleted, and when (`retention.py`): rank 0 keeps the last `RETAINED_ITERATIONS` of its
 `metrics/g{g}/{it}` records (publishing one deletes the one that many iterations back), and once
@@ -149,6 +152,7 @@ from .messages import (
     Plan,
     Preempted,
     Registration,
+    RespawnOrder,
     Roster,
     Sources,
     decode_holdings,
@@ -898,6 +902,42 @@ class Membership:
 
     def shutdown_requested(self) -> bool:
         return self._present(Keys.SHUTDOWN)
+
+    # ------------------------------------------------------------------ nodes' agents
+    def agent_beat(self, node: int) -> None:
+        """One beat of node `node`'s agent."""
+        self.store.add(Keys.AGENT_BEAT.format(node=node), 1)
+
+    def agent_beats(self, nodes: Sequence[int]) -> list[int]:
+        """The beat counters of the agents of `nodes` (0: never beat), in batched requests."""
+        for node in nodes:
+            self.store.add(Keys.AGENT_BEAT.format(node=node), 0)
+        keys = [Keys.AGENT_BEAT.format(node=n) for n in nodes]
+        return [read_int(k, v) for k, v in zip(keys, self._multi_get(keys))]
+
+    def order_respawn(self, node: int, order: RespawnOrder) -> None:
+        """Give node `node`'s agent its next order."""
+        n = self.store.add(Keys.AGENT_ORDERS.format(node=node), 1)
+        self._set(Keys.AGENT_ORDER.format(node=node, n=n), order.encode())
+
+    def respawn_orders(self, node: int, seen: int) -> tuple[int, list[RespawnOrder]]:
+        """Node `node`'s orders after the first `seen`: how many were read now, and those that
+        arrived. A number given out and not written yet is read the next time, unless a later
+        one is written (a stranger's bump of the counter holds nothing up); a forged order is
+        dropped, and logged."""
+        count = self.store.add(Keys.AGENT_ORDERS.format(node=node), 0)
+        raws = [
+            self._peek(Keys.AGENT_ORDER.format(node=node, n=n)) for n in range(seen + 1, count + 1)
+        ]
+        while raws and raws[-1] is None:  # not written yet
+            raws.pop()
+        out: list[RespawnOrder] = []
+        for n, raw in enumerate(raws, start=seen + 1):
+            key = Keys.AGENT_ORDER.format(node=node, n=n)
+            value = None if raw is None else self._open(key, raw)
+            if value is not None:
+                out.append(RespawnOrder.decode(key, value))
+        return seen + len(raws), out
 
     # ------------------------------------------------------------------ out of redundancy
     def mark_salvaged(self, rank: int) -> None:

@@ -76,6 +76,9 @@ class Keys:
     SHUTDOWN = "shutdown"
     REJOIN = "rejoin/{member}"
     REBUILT = "rebuilt"
+    AGENT_BEAT = "agent/{node}/hb"
+    AGENT_ORDERS = "agent/{node}/orders"
+    AGENT_ORDER = "agent/{node}/order/{n}"
 
     UNSEALED = (
         INBOX,
@@ -91,6 +94,8 @@ class Keys:
         FAULT_FIRED,
         SALVAGE_MANIFEST,
         PROCESS_GROUPS,
+        AGENT_BEAT,
+        AGENT_ORDERS,
     )
     """What holds no sealed value (`seal.py`): the counters (`add` cannot carry a MAC), the
     coordinator's wake-up queue, and torch's rendezvous keys under `gen{g}/`."""
@@ -533,6 +538,23 @@ class CheckpointFailures(Message):
     could not be written (a full disk, a read-only folder), each iteration's one line."""
 
     lines: dict[int, str]
+
+
+# ---------------------------------------------------------------------- nodes' agents
+@dataclass(frozen=True)
+class RespawnOrder(Message):
+    """`agent/{node}/order/{n}`: the coordinator's n-th order to node `node`'s agent - start
+    member `member` on that node, on GPU `local_rank`, in the place of `replaces`, which held
+    `rank` (it waits for its slot in the next plan, as a spare does)."""
+
+    member: str
+    replaces: str
+    rank: int
+    local_rank: int
+
+    def validate(self) -> None:
+        require(is_member(self.member) and is_member(self.replaces), "not a member name")
+        require(self.rank >= 0 and self.local_rank >= 0, "a rank below 0")
 
 
 # ---------------------------------------------------------------------- a standby takes over

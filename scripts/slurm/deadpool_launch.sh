@@ -34,6 +34,10 @@
 #   MEGATRON_LM_PATH    Megatron-LM checkout (megatron-lm mode)
 #   MEGATRON_ARGS       Megatron-LM arguments, split on whitespace (megatron-lm mode)
 #   DEADPOOL_REPLICAS   replicas k of each optimizer shard                           (1)
+#   DEADPOOL_RESPAWN_LIMIT  N > 0: one `deadpool agent` per node (one srun task per node)
+#                       starts that node's processes and respawns a crashed or hung one in
+#                       place, N times per node within --deadpool-respawn-window, with no
+#                       spare spent; 0: one srun task per GPU, every failure takes a spare (0)
 #   DEADPOOL_EXTRA_ARGS more --deadpool-* flags for every worker, split on whitespace
 #   DEADPOOL_PORT       coordinator port                                             (29400)
 #   DEADPOOL_COORDINATOR HOST:PORT of a coordinator started elsewhere (then none here); a
@@ -87,6 +91,7 @@ show() { # show WHAT CMD...: the command line, shell-quoted, as one line
 : "${MEGATRON_LM_PATH:=}"
 : "${MEGATRON_ARGS:=}"
 : "${DEADPOOL_REPLICAS:=1}"
+: "${DEADPOOL_RESPAWN_LIMIT:=0}"
 : "${DEADPOOL_EXTRA_ARGS:=}"
 : "${DEADPOOL_PORT:=29400}"
 : "${DEADPOOL_COORDINATOR:=}"
@@ -109,12 +114,14 @@ cd "$DEADPOOL_HOME" || die "DEADPOOL_HOME=$DEADPOOL_HOME: no such directory (sub
 nnodes=${SLURM_JOB_NUM_NODES:-${SLURM_NNODES:-}}
 [ -n "$nnodes" ] || die "not inside a Slurm allocation (SLURM_JOB_NUM_NODES is unset)"
 for name in nnodes SPARE_NODES GPUS_PER_NODE DEADPOOL_REPLICAS DEADPOOL_PORT MASTER_PORT \
-    DEADPOOL_END_GRACE DEADPOOL_NODE_DOWN_WAIT; do
+    DEADPOOL_END_GRACE DEADPOOL_NODE_DOWN_WAIT DEADPOOL_RESPAWN_LIMIT; do
     [[ ${!name} =~ ^[0-9]+$ ]] || die "$name must be a non-negative integer, got '${!name}'"
 done
 if [ -n "$DEADPOOL_JOIN" ]; then
     [ -z "$DEADPOOL_COORDINATOR" ] || die "DEADPOOL_JOIN and DEADPOOL_COORDINATOR: give one"
     [ -z "$DEADPOOL_INJECT" ] || die "DEADPOOL_INJECT: a joining allocation injects nothing"
+    [ "$DEADPOOL_RESPAWN_LIMIT" = 0 ] ||
+        die "DEADPOOL_RESPAWN_LIMIT: nodes that join a running job run no agent; set it to 0"
     case $DEADPOOL_MODE in embedded | megatron-lm) ;; *)
         die "DEADPOOL_JOIN: DEADPOOL_MODE must be embedded or megatron-lm, got '$DEADPOOL_MODE'"
         ;;
@@ -206,6 +213,7 @@ deadpool_flags=(
     --deadpool-ranks-per-node "$GPUS_PER_NODE"
     --deadpool-log-dir "$DEADPOOL_LOG_DIR"
 )
+((DEADPOOL_RESPAWN_LIMIT == 0)) || deadpool_flags+=(--deadpool-respawn-limit "$DEADPOOL_RESPAWN_LIMIT")
 # The coordinators judge the workers by the job's own settings: the embedded job's config and
 # every --deadpool-* flag the workers get (each takes a value).
 job_settings=("${deadpool_flags[@]}")
@@ -292,6 +300,22 @@ srun_cmd=(srun --nodes="$nnodes" --ntasks="$ntasks" --ntasks-per-node="$GPUS_PER
     --output="$DEADPOOL_LOG_DIR/task-%t.log" "${srun_extra[@]}"
     bash -c 'export RANK=$SLURM_PROCID LOCAL_RANK=$SLURM_LOCALID; exec "$@"' deadpool-task
     "${worker[@]}")
+
+if ((DEADPOOL_RESPAWN_LIMIT > 0)); then
+    case $DEADPOOL_MODE in embedded | megatron-lm) ;; *)
+        die "DEADPOOL_RESPAWN_LIMIT: DEADPOOL_MODE must be embedded or megatron-lm, got" \
+            "'$DEADPOOL_MODE'"
+        ;;
+    esac
+    # One agent per node instead (its CPUs: the node's tasks'); it starts the node's processes
+    # with their RANK/LOCAL_RANK and logs task-<t>.log, and respawns them (hotswap/node_agent.py).
+    ((${#cpus[@]} == 0)) || cpus=(--cpus-per-task=$((SLURM_CPUS_PER_TASK * GPUS_PER_NODE)))
+    srun_cmd=(srun --nodes="$nnodes" --ntasks="$nnodes" --ntasks-per-node=1
+        --distribution=block --kill-on-bad-exit=0 --no-kill --wait=0 "${cpus[@]}"
+        --output="$DEADPOOL_LOG_DIR/agent-%t.log" "${srun_extra[@]}"
+        "$PYTHON" -m megatron_deadpool.cli agent --world-size "$world" "${job_settings[@]}" --
+        "${worker[@]}")
+fi
 
 inject_cmd=()
 if [ -n "$DEADPOOL_INJECT" ]; then

@@ -20,6 +20,8 @@ from conftest import REPO_ROOT, call_deadpool, run_deadpool
 DEMO = str(REPO_ROOT / "configs" / "cpu-demo.yaml")
 COORD = ["coordinator", "--world-size", "2", "--deadpool-coordinator", "127.0.0.1:29499"]
 """`deadpool coordinator`; every row below is refused before it would listen on that port."""
+AGENT = ["agent", "--world-size", "2", "--node", "0", "--deadpool-coordinator", "127.0.0.1:29499"]
+"""`deadpool agent` with what every row below keeps."""
 MLM = ["megatron-lm", "--nproc-per-node", "2", "--timeout", "30"]
 CHAOS = ["chaos", "--minutes", "0.1", "--mtbf-iters", "8", "--episodes", "1"]
 
@@ -70,6 +72,12 @@ ROWS: dict[str, tuple[list[str], str]] = {
     "train-load-bad-tracker": (["train", "--load", "{d}/badckpt"], "--load"),
     "train-load-tracker-without-folder": (["train", "--load", "{d}/nofolder"], "--load"),
     "train-load-bad-manifest": (["train", "--load", "{d}/badsnap"], "--load"),
+    # -- deadpool agent (refused before it starts a process or connects)
+    "agent-no-command": (["agent", "--world-size", "2", "--node", "0"], "command"),
+    "agent-node-negative": (["agent", "--world-size", "2", "--node", "-1", "--", "true"], "--node"),
+    "agent-no-ranks-per-node": ([*AGENT, "--", "true"], "deadpool-ranks-per-node"),
+    "agent-no-secret": ([*AGENT, "--deadpool-ranks-per-node", "2", "--deadpool-log-dir", "{d}",
+                         "--", "true"], "DEADPOOL_JOB_TOKEN"),
     # -- deadpool coordinator
     "coordinator-respawn-limit": ([*COORD, "--deadpool-respawn-limit", "1"],
                                   "deadpool-respawn-limit"),

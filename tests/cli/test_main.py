@@ -7,7 +7,9 @@ import pytest
 from conftest import call_deadpool, run_deadpool
 
 # The subcommands the README documents, in the order `deadpool --help` lists them.
-DOCUMENTED = ("train", "bench", "plan", "chaos", "megatron-lm", "selftest", "coordinator")
+DOCUMENTED = (
+    "train", "bench", "plan", "chaos", "megatron-lm", "selftest", "coordinator", "agent",
+)  # fmt: skip
 
 
 @pytest.mark.timeout(60)

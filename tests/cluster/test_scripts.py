@@ -474,3 +474,33 @@ def test_the_standby_writes_the_jobs_end_into_the_jobs_log(tmp_path: Path) -> No
 def test_coordinator_that_did_not_end_the_job_leaves_it_alone(tmp_path: Path, status: int) -> None:
     out, calls, _ = _wrapper(tmp_path, status)
     assert out == "" and calls == ""
+
+
+@pytest.mark.timeout(30)
+def test_with_a_respawn_limit_one_agent_per_node_starts_the_nodes_processes() -> None:
+    status, cmds, _, err = render(
+        "scripts/slurm/perlmutter.sbatch", DEADPOOL_RESPAWN_LIMIT="2", SLURM_CPUS_PER_TASK="8"
+    )
+    assert status == 0, err
+    argv = cmds["workers"]
+    nodes = flag(argv, "--nodes")
+    assert flag(argv, "--ntasks") == nodes and flag(argv, "--ntasks-per-node") == "1"
+    assert "--output=" + flag(cmds["coordinator"], "--deadpool-log-dir") + "/agent-%t.log" in argv
+    agent = argv[argv.index("agent") - 3 :]  # python -m megatron_deadpool.cli agent ...
+    assert agent[1:4] == ["-m", "megatron_deadpool.cli", "agent"], argv
+    worker = agent[agent.index("--") + 1 :]
+    assert worker[1:3] == ["-m", "megatron_deadpool.embedded.worker"], worker
+    assert flag(agent, "--deadpool-respawn-limit") == "2"
+    assert flag(cmds["coordinator"], "--deadpool-respawn-limit") == "2"
+    assert "--cpus-per-task=32" in argv  # the node's 4 tasks' CPUs
+
+
+@pytest.mark.timeout(30)
+def test_a_joining_allocation_runs_no_agents() -> None:
+    status, _, _, err = render(
+        "scripts/slurm/vista.sbatch",
+        DEADPOOL_RESPAWN_LIMIT="1",
+        DEADPOOL_JOIN="n1:29400",
+        DEADPOOL_JOB_TOKEN_FILE="/tmp/x",
+    )
+    assert status == 2 and "DEADPOOL_RESPAWN_LIMIT: nodes that join" in err, err

@@ -16,6 +16,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -150,6 +151,9 @@ class Job:
         ):
             lines = [x for x in self.text(name).splitlines() if not _torch_noise(x)]
             parts.append(f"--- {name}\n" + "\n".join(lines[-40:]))
+        for agent in sorted(self.dir.glob("agent-*.log")):  # with DEADPOOL_RESPAWN_LIMIT
+            lines = [x for x in agent.read_text(errors="replace").splitlines() if "[W" not in x]
+            parts.append(f"--- {agent.name}\n" + "\n".join(lines[-15:]))
         events = [line[:300] for line in self.text("events.jsonl").splitlines()]
         parts.append("--- events.jsonl\n" + "\n".join(events[-30:]))
         for rank, text in self.task_logs().items():
@@ -495,6 +499,48 @@ def test_training_node_killed_mid_run_the_spare_node_takes_over(
     assert_trained_like(job, reference)
     # srun ends non-zero (two tasks were killed); the job's status is the coordinator's verdict.
     assert "srun exited with status 137" in job.text("batch.out")
+    assert record["JobState"] == "COMPLETED" and record["ExitCode"] == "0:0", job.describe()
+
+
+def _worker_pid(lab: Any, node: str, job_id: str, rank: int) -> int:
+    """The PID of the process a node's agent started for task `rank` of job `job_id`."""
+    for pid in lab.node_pids(node):
+        try:
+            environ = set(Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"))
+        except OSError:  # it ended meanwhile
+            continue
+        if {f"SLURM_JOB_ID={job_id}".encode(), f"RANK={rank}".encode()} <= environ and any(
+            v.startswith(b"DEADPOOL_SEGMENTS=") for v in environ
+        ):
+            return pid
+    raise AssertionError(f"no process of task {rank} of job {job_id} on {node}")
+
+
+@pytest.mark.timeout(2 * JOB_TIMEOUT + 300)
+def test_node_agents_respawn_a_killed_process_in_place_and_a_lost_node_takes_the_spares(
+    lab: Any, reference: dict[str, Any], tmp_path: Path
+) -> None:
+    """DEADPOOL_RESPAWN_LIMIT=1: one `deadpool agent` per node starts its processes. Rank 2's
+    process on n2 is SIGKILLed, its node fine: n2's agent respawns it there, no spare is spent.
+    Later n2 dies whole (its agent with it): the spare node n3 takes ranks 2 and 3."""
+    job = submit(lab, tmp_path / "logs", "vista", write_job(tmp_path), DEADPOOL_RESPAWN_LIMIT="1")
+    job.wait_for_iteration(FAIL_AT, JOB_TIMEOUT)
+    os.kill(_worker_pid(lab, "n2", job.id, 2), signal.SIGKILL)
+    job.wait_for_iteration(2 * FAIL_AT, JOB_TIMEOUT)
+    lab.crash("n2")
+    record = job.wait_end()
+    recoveries = [e for e in job.events() if e["event"] == "recovered"]
+    assert len(recoveries) == 2, job.describe()
+    crash, node = recoveries
+    assert crash["dead_ranks"] == [2] and crash["respawned"] == {"2": 1}, job.describe()
+    assert crash["replaced_by"] == {"2": "s2"}
+    assert node["dead_ranks"] == [2, 3] and node["respawned"] == {}, job.describe()
+    assert sorted(node["replaced_by"].values()) == ["s0", "s1"]
+    assert "s2 takes rank 2 in place of a2" in job.text("agent-1.log")
+    # s2 (task 6) restored from its predecessor's snapshot in n2's memory, not from a peer.
+    restored = f"restored iteration {crash['restore_iteration']} (from local snapshot)"
+    assert restored in job.task_logs()[6], job.describe()
+    assert_trained_like(job, reference)
     assert record["JobState"] == "COMPLETED" and record["ExitCode"] == "0:0", job.describe()
 
 

@@ -1,0 +1,76 @@
+"""`deadpool agent`: one node's agent on a cluster - starts the node's processes, respawns them.
+
+    deadpool agent --world-size W [--node N] [--config JOB.yaml] [--deadpool-* flags of the job] \\
+        -- WORKER COMMAND ...
+
+One per node (`scripts/slurm/deadpool_launch.sh` with DEADPOOL_RESPAWN_LIMIT starts it as one
+Slurm task per node): it starts the node's `--deadpool-ranks-per-node` processes of the worker
+command - tasks N*R .. N*R+R-1 of the job, actives first, then the `--deadpool-spares` - with
+their RANK and LOCAL_RANK, keeps their snapshots and replicas in the node's memory, and carries
+out the coordinator's respawn orders (`hotswap/node_agent.py`). `--node` defaults to Slurm's
+SLURM_NODEID. The job's secret comes from the environment (DEADPOOL_JOB_TOKEN or
+DEADPOOL_JOB_TOKEN_FILE), as the workers' does. Exit code 0 once the job is over and the node's
+processes exited.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+from ..config.numbers import number_arg
+from ..errors import ConfigError
+from ..hotswap.node_agent import NodeAgent, stop_on_term
+from ..hotswap.seal import SECRET_ENV, SECRET_FILE_ENV, JobSeal, job_secret
+from ..logs import setup_logging
+from .coordinator import add_job_settings, add_world_size, job_settings
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    add_world_size(parser)
+    parser.add_argument(
+        "--node",
+        type=number_arg(integer=True, minimum=0),
+        default=None,
+        help="this node's number in the allocation (default: SLURM_NODEID)",
+    )
+    add_job_settings(parser)
+    parser.add_argument("command", nargs=argparse.REMAINDER, help="-- the worker command")
+
+
+def run(args: argparse.Namespace) -> int:
+    cfg = job_settings(args)
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    if not command:
+        raise ConfigError("command: give the worker command after --")
+    node = args.node
+    if node is None:
+        value = os.environ.get("SLURM_NODEID", "")
+        if not value.isdigit():
+            raise ConfigError("node: give --node N (outside Slurm: SLURM_NODEID is unset)")
+        node = int(value)
+    if not cfg.coordinators:
+        raise ConfigError("deadpool-coordinator: give the job's coordinators' HOST:PORT[,...]")
+    if cfg.ranks_per_node is None:
+        raise ConfigError("deadpool-ranks-per-node: give the processes per node (GPUs per node)")
+    if not cfg.log_dir:
+        raise ConfigError("deadpool-log-dir: give the folder of the processes' logs")
+    secret = job_secret(cfg.job_token)
+    if not secret:
+        raise ConfigError(f"the job's secret: set {SECRET_ENV} or {SECRET_FILE_ENV}")
+    setup_logging()
+    agent = NodeAgent(
+        command,
+        node=node,
+        per_node=cfg.ranks_per_node,
+        world_size=args.world_size,
+        processes=args.world_size + cfg.spares,
+        coordinators=cfg.coordinators,
+        seal=JobSeal(secret),
+        log_dir=Path(cfg.log_dir),
+        beat_s=cfg.heartbeat_interval,
+        connect_timeout=cfg.connect_timeout,
+    )
+    stop_on_term(agent)
+    return agent.run()
