@@ -8,9 +8,11 @@ Slurm task per node): it starts the node's `--deadpool-ranks-per-node` processes
 command - tasks N*R .. N*R+R-1 of the job, actives first, then the `--deadpool-spares` - with
 their RANK and LOCAL_RANK, keeps their snapshots and replicas in the node's memory, and carries
 out the coordinator's respawn orders (`hotswap/node_agent.py`). `--node` defaults to Slurm's
-SLURM_NODEID. The job's secret comes from the environment (DEADPOOL_JOB_TOKEN or
-DEADPOOL_JOB_TOKEN_FILE), as the workers' does. Exit code 0 once the job is over and the node's
-processes exited.
+SLURM_NODEID. With `--deadpool-join` the agent joins a running job instead: it takes a node
+number from the job's store and its processes join as spares (a revived node, or one of another
+allocation: DEADPOOL_JOIN with DEADPOOL_RESPAWN_LIMIT in the sbatch scripts). The job's secret
+comes from the environment (DEADPOOL_JOB_TOKEN or DEADPOOL_JOB_TOKEN_FILE), as the workers'
+does. Exit code 0 once the job is over and the node's processes exited.
 """
 
 from __future__ import annotations
@@ -33,7 +35,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--node",
         type=number_arg(integer=True, minimum=0),
         default=None,
-        help="this node's number in the allocation (default: SLURM_NODEID)",
+        help="this node's number in its allocation (default: SLURM_NODEID); with "
+        "--deadpool-join the agent takes a number in the job from the job's store",
     )
     add_job_settings(parser)
     parser.add_argument("command", nargs=argparse.REMAINDER, help="-- the worker command")
@@ -62,7 +65,8 @@ def run(args: argparse.Namespace) -> int:
     setup_logging()
     agent = NodeAgent(
         command,
-        node=node,
+        place=node,
+        join=cfg.join,
         per_node=cfg.ranks_per_node,
         world_size=args.world_size,
         processes=args.world_size + cfg.spares,

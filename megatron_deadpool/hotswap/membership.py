@@ -102,7 +102,10 @@ Keys (the message type of each structured value in CamelCase):
                               over; task{i} for a process that does not know its member name
                               yet (task i: actives first, then spares)
   rebuilt                     the standby rebuilt the job's state from the re-registrations
-  agent/{node}/hb             counter: node `node`'s agent (`deadpool agent`) beats, as hb/ does
+  agents/next                 counter: the number of the next node whose agent joins the running
+                              job, set to the job's initial node count by the coordinator
+  agent/{node}/hb             counter: node `node`'s agent's beats (`deadpool agent`), as hb/
+                              counts a process's
   agent/{node}/orders         counter of the coordinator's orders to that agent
   agent/{node}/order/{n}      RespawnOrder n: start a process there in a failed one's place
 
@@ -131,6 +134,7 @@ from ..errors import JobTokenError
 from . import retention
 from .codec import read_float, read_int, read_text
 from .messages import (
+    AGENT_NODE_ENV,
     CLAIMED,
     GIVEN_UP,
     MOVED_ON,
@@ -431,7 +435,8 @@ class Membership:
 
     # ------------------------------------------------------------------ members
     def announce(self) -> None:
-        ready = Announcement(socket.gethostname(), os.getpid())
+        node = os.environ.get(AGENT_NODE_ENV, "")
+        ready = Announcement(socket.gethostname(), os.getpid(), int(node) if node.isdigit() else -1)
         self._set(Keys.READY.format(member=self.member), ready.encode())
         self.heartbeat()
 
@@ -904,6 +909,25 @@ class Membership:
         return self._present(Keys.SHUTDOWN)
 
     # ------------------------------------------------------------------ nodes' agents
+    def announcement(self, member: str) -> Announcement | None:
+        """Where `member` runs: its host and OS pid (`announce`)."""
+        key = Keys.READY.format(member=member)
+        value = self._read(key)
+        return None if value is None else Announcement.decode(key, value)
+
+    def number_agent_nodes_from(self, first: int) -> None:
+        """Agents that join the running job number their nodes from `first` (once)."""
+        if self.store.add(Keys.AGENTS_NEXT, 0) == 0:
+            self.store.add(Keys.AGENTS_NEXT, first)
+
+    def claim_agent_node(self) -> int:
+        """A node number of its own for an agent that joins the running job."""
+        return self.store.add(Keys.AGENTS_NEXT, 1) - 1
+
+    def agent_nodes(self) -> int:
+        """How many node numbers are given out (the job's nodes and the joined ones)."""
+        return self.store.add(Keys.AGENTS_NEXT, 0)
+
     def agent_beat(self, node: int) -> None:
         """One beat of node `node`'s agent."""
         self.store.add(Keys.AGENT_BEAT.format(node=node), 1)

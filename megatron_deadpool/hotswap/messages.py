@@ -76,6 +76,7 @@ class Keys:
     SHUTDOWN = "shutdown"
     REJOIN = "rejoin/{member}"
     REBUILT = "rebuilt"
+    AGENTS_NEXT = "agents/next"
     AGENT_BEAT = "agent/{node}/hb"
     AGENT_ORDERS = "agent/{node}/orders"
     AGENT_ORDER = "agent/{node}/order/{n}"
@@ -94,6 +95,7 @@ class Keys:
         FAULT_FIRED,
         SALVAGE_MANIFEST,
         PROCESS_GROUPS,
+        AGENTS_NEXT,
         AGENT_BEAT,
         AGENT_ORDERS,
     )
@@ -227,10 +229,16 @@ class CoordinatorIdentity(Message):
 
 @dataclass(frozen=True)
 class Announcement(Message):
-    """`proc/{member}/ready`: a member connected, from this host and OS process."""
+    """`proc/{member}/ready`: a member connected, from this host and OS process, on the node
+    whose agent started it (`AGENT_NODE_ENV`; -1: started by no agent)."""
 
     host: str
     os_pid: int
+    node: int = -1
+
+
+AGENT_NODE_ENV = "DEADPOOL_NODE"
+"""The job's number of the node whose agent (`deadpool agent`) started this process."""
 
 
 # ---------------------------------------------------------------------- generations
@@ -544,17 +552,16 @@ class CheckpointFailures(Message):
 @dataclass(frozen=True)
 class RespawnOrder(Message):
     """`agent/{node}/order/{n}`: the coordinator's n-th order to node `node`'s agent - start
-    member `member` on that node, on GPU `local_rank`, in the place of `replaces`, which held
-    `rank` (it waits for its slot in the next plan, as a spare does)."""
+    member `member` on that node in the place of `replaces`, which held `rank` (on its GPU,
+    with its memory; it waits for its slot in the next plan, as a spare does)."""
 
     member: str
     replaces: str
     rank: int
-    local_rank: int
 
     def validate(self) -> None:
         require(is_member(self.member) and is_member(self.replaces), "not a member name")
-        require(self.rank >= 0 and self.local_rank >= 0, "a rank below 0")
+        require(self.rank >= 0, "a rank below 0")
 
 
 # ---------------------------------------------------------------------- a standby takes over

@@ -2,23 +2,28 @@
 
 `deadpool agent` runs once per node (one Slurm task per node, `srun --ntasks-per-node=1`, as
 torchrun and nvidia-resiliency-ext's ft_launcher are run). It starts the node's R processes -
-tasks node*R .. node*R+R-1 of the job (actives first, then spares), each with its `RANK`,
-`LOCAL_RANK` (its GPU) and its log `task-{t}.log`, as `srun` with one task per GPU would - and
-then, for the rest of the job:
+tasks place*R .. place*R+R-1 (actives first, then spares; `place`: the node's number in its
+allocation) - each with its `RANK`, `LOCAL_RANK` (its GPU) and its log `task-{t}.log`, as
+`srun` with one task per GPU would, and then, for the rest of the job:
   - beats (`agent/{node}/hb`), so that the coordinator knows the node can still start a process
     (`node_agents.StoreAgents`, the coordinator's side);
   - gives each process a folder in the node's memory file system (`replication.segments`): its
     snapshot and the replicas it holds live there and outlive it;
   - carries out the coordinator's respawn orders: the process named in the order's place
-    (`replaces`) is killed if it still runs (a hung one), and a new one starts on the same GPU
-    with its predecessor's folder, under the order's member name; it restores from its own
-    snapshot, and no spare node is spent;
+    (`replaces`) is killed if it still runs (a hung one), and a new one starts on its GPU with
+    its folder, under the order's member name; it restores from its own snapshot, and no spare
+    node is spent;
   - follows the job to a standby coordinator that took it over (the first of
     `--deadpool-coordinator` that serves the job).
-It ends once every process it started has exited and the job is over (the coordinator's
-shutdown, or no coordinator left for the connect timeout): processes still running `grace_s`
-after that are killed, and the node's folders are deleted. A node whose agent is lost (the node
-crashed, froze or was cut off) is condemned by the coordinator: its failed ranks take spares.
+Every process learns its node's number in the job (`AGENT_NODE_ENV`) and announces it, so the
+coordinator finds the node of any process an agent started. An agent that joins a running job
+(`join`: a revived node, or one of another allocation) takes a node number of its own from the
+job's store first, and its processes join as spares (`--deadpool-join`: each takes its spare
+name from the store; the agent finds a process an order names by the OS pid it announced). It
+ends once every process it started has exited and the job is over (the coordinator's shutdown,
+or no coordinator left for the connect timeout): processes still running `grace_s` after that
+are killed, and the node's folders are deleted. A node whose agent is lost (the node crashed,
+froze or was cut off) is condemned by the coordinator: its failed ranks take spares.
 """
 
 from __future__ import annotations
@@ -27,21 +32,35 @@ import logging
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import tempfile
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import first_line
+from ..errors import CoordinatorUnreachableError, first_line
 from ..replication import segments
 from .connection import STORE_ERRORS, BoundedStore, open_client
 from .liveness import kill_groups
 from .membership import Membership
-from .messages import RespawnOrder, member_of, task_of
+from .messages import AGENT_NODE_ENV, RespawnOrder, member_of, task_of
 from .seal import JobSeal
 
 log = logging.getLogger("megatron_deadpool.agent")
+
+NOT_JOINING = "--no-deadpool-join"
+"""Appended to a joined node's command for a respawned process: it has its name already."""
+
+
+@dataclass
+class Started:
+    """One process the agent started: its GPU and its memory folder."""
+
+    proc: subprocess.Popen
+    gpu: int
+    folder: Path
 
 
 class NodeAgent:
@@ -51,7 +70,7 @@ class NodeAgent:
         self,
         cmd: Sequence[str],
         *,
-        node: int,
+        place: int,
         per_node: int,
         world_size: int,
         processes: int,
@@ -60,13 +79,16 @@ class NodeAgent:
         log_dir: Path,
         beat_s: float,
         connect_timeout: float,
+        join: bool = False,
         grace_s: float = 60.0,
         env: dict[str, str] | None = None,
     ) -> None:
-        """`processes`: the job's initial processes (actives and spares; tasks beyond it on
-        this node start nothing)."""
+        """`place`: this node's number in its allocation (Slurm's SLURM_NODEID), also its
+        number in the job unless it `join`s; `processes`: the job's initial processes (actives
+        and spares; tasks beyond it on this node start nothing)."""
         self.cmd = list(cmd)
-        self.node = node
+        self.place = place
+        self.node = place
         self.per_node = per_node
         self.world_size = world_size
         self.processes = processes
@@ -75,31 +97,45 @@ class NodeAgent:
         self.log_dir = log_dir
         self.beat_s = beat_s
         self.connect_timeout = connect_timeout
+        self.join = join
         self.grace_s = grace_s
         self.env = dict(os.environ if env is None else env)
         shm = Path("/dev/shm")
         self.root = Path(
             tempfile.mkdtemp(prefix="deadpool-node-", dir=shm if shm.is_dir() else None)
         )
-        self.procs: dict[str, subprocess.Popen] = {}
-        self.folders: dict[str, Path] = {}
+        self.started: dict[str, Started] = {}  # member name (joining{i}: not known yet)
         self.membership: Membership | None = None
         self.orders_seen = 0
-        self.respawned = 0
 
     # ------------------------------------------------------------------ processes
     def start(self) -> None:
-        """Start the node's initial processes."""
+        """Connect, take a node number if joining, and start the node's initial processes."""
+        deadline = time.monotonic() + self.connect_timeout
+        while not self._look(orders=False):
+            if time.monotonic() > deadline:
+                raise CoordinatorUnreachableError(
+                    f"coordinator {','.join(self.coordinators)} unreachable after "
+                    f"{self.connect_timeout:.0f}s; start `deadpool coordinator` first or fix "
+                    "--deadpool-coordinator"
+                )
+            time.sleep(min(1.0, self.beat_s))
+        assert self.membership is not None
+        if self.join:  # the job's own world size (this allocation's says nothing of it)
+            self.world_size = self.membership.roster(0).world_size
+            self.node = self.membership.claim_agent_node()
         log.info("node %d: processes' memory in %s", self.node, self.root)
-        first = self.node * self.per_node
-        for task in range(first, min(first + self.per_node, self.processes)):
-            self._start(member_of(task, self.world_size), task - first, None)
+        first = self.place * self.per_node
+        for gpu in range(self.per_node):
+            task = first + gpu
+            if self.join:  # each takes its spare name from the store
+                self._start(f"joining{gpu}", task, gpu, self.root / f"joining{gpu}", [])
+            elif task < self.processes:
+                member = member_of(task, self.world_size)
+                self._start(member, task, gpu, self.root / f"m-{member}", [])
 
-    def _start(self, member: str, gpu: int, replaces: str | None) -> None:
-        task = task_of(member, self.world_size)
-        folder = self.folders.get(replaces or "", self.root / f"m-{member}")
+    def _start(self, name: str, task: int, gpu: int, folder: Path, extra: list[str]) -> None:
         folder.mkdir(exist_ok=True)
-        self.folders[member] = folder
         env = {  # as `srun` with one task per GPU would set them (the agent's own: node's)
             **self.env,
             "RANK": str(task),
@@ -107,29 +143,46 @@ class NodeAgent:
             "LOCAL_RANK": str(gpu),
             "SLURM_LOCALID": str(gpu),
             segments.ENV: str(folder),
+            AGENT_NODE_ENV: str(self.node),
         }
         with open(self.log_dir / f"task-{task}.log", "ab") as out:
-            self.procs[member] = subprocess.Popen(
-                self.cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
-            )
-        log.info("node %d: started %s (task %d, GPU %d)", self.node, member, task, gpu)
+            proc = subprocess.Popen(
+                self.cmd + extra, env=env, stdout=out, stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )  # fmt: skip
+        self.started[name] = Started(proc, gpu, folder)
+        log.info("node %d: started %s (task %d, GPU %d)", self.node, name, task, gpu)
+
+    def _find(self, member: str) -> Started | None:
+        """The process the agent started that is `member`: by name, or (a process that took
+        its name from the store) by the OS pid it announced from this host."""
+        if member in self.started:
+            return self.started[member]
+        assert self.membership is not None
+        where = self.membership.announcement(member)
+        if where is None or where.host != socket.gethostname():
+            return None
+        return next((s for s in self.started.values() if s.proc.pid == where.os_pid), None)
 
     def _carry_out(self, order: RespawnOrder) -> None:
-        old = self.procs.get(order.replaces)
-        if old is not None and old.poll() is None:  # hung: the coordinator named it dead
-            kill_groups([old])
-            log.info(
-                "node %d: killed %s (named dead while still running)", self.node, order.replaces
-            )
-        if order.member in self.procs:
+        if order.member in self.started:
             return  # an order read twice (after a reconnection)
-        self._start(order.member, order.local_rank, order.replaces)
-        self.respawned += 1
+        old = self._find(order.replaces)
+        if old is None:  # the coordinator moves on to a spare once the join timeout passed
+            log.warning("node %d: no process of mine is %s: cannot respawn it", self.node,
+                        order.replaces)  # fmt: skip
+            return
+        if old.proc.poll() is None:  # hung: the coordinator named it dead
+            kill_groups([old.proc])
+            log.info("node %d: killed %s (named dead while still running)", self.node,
+                     order.replaces)  # fmt: skip
+        task = task_of(order.member, self.world_size)
+        self._start(order.member, task, old.gpu, old.folder, [NOT_JOINING] if self.join else [])
         log.info("node %d: %s takes rank %d in place of %s", self.node, order.member, order.rank,
                  order.replaces)  # fmt: skip
 
     def running(self) -> list[str]:
-        return [m for m, p in self.procs.items() if p.poll() is None]
+        return [name for name, s in self.started.items() if s.proc.poll() is None]
 
     # ------------------------------------------------------------------ the coordinator
     def _connect(self) -> Membership | None:
@@ -144,17 +197,18 @@ class NodeAgent:
                 continue
         return None
 
-    def _look(self) -> bool:
+    def _look(self, orders: bool = True) -> bool:
         """Beat and carry out new orders; False when the coordinator could not be reached."""
-        if self.membership is None:
-            self.membership = self._connect()
-            if self.membership is None:
-                return False
         try:
-            self.membership.agent_beat(self.node)
-            self.orders_seen, orders = self.membership.respawn_orders(self.node, self.orders_seen)
-            for order in orders:
-                self._carry_out(order)
+            if self.membership is None:
+                self.membership = self._connect()
+                if self.membership is None:
+                    return False
+            if orders:
+                self.membership.agent_beat(self.node)
+                self.orders_seen, new = self.membership.respawn_orders(self.node, self.orders_seen)
+                for order in new:
+                    self._carry_out(order)
             return True
         except STORE_ERRORS as exc:
             log.warning("node %d: coordinator lost (%s)", self.node, first_line(exc))
@@ -170,10 +224,10 @@ class NodeAgent:
     # ------------------------------------------------------------------ the loop
     def run(self) -> int:
         """Supervise until the job is over and every process exited; 0."""
-        self.start()
-        unreachable_since: float | None = None
-        over_since: float | None = None
         try:
+            self.start()
+            unreachable_since: float | None = None
+            over_since: float | None = None
             while True:
                 now = time.monotonic()
                 reached = self._look()
@@ -195,7 +249,7 @@ class NodeAgent:
 
     def close(self) -> None:
         """Kill what is left of the node's processes and delete their folders."""
-        kill_groups(self.procs.values())
+        kill_groups([s.proc for s in self.started.values()])
         shutil.rmtree(self.root, ignore_errors=True)
 
 

@@ -6,16 +6,19 @@ supervises that node's processes. The coordinator, a process of its own, cannot 
 no clock travels), the coordinator asks whether it still does when a process of its node
 failed (`alive`: the counter must move within a few beat intervals), and a respawn is an
 order the coordinator writes for it (`agent/{node}/order/{n}`, a sealed
-`RespawnOrder`: the new member's name, the process it replaces, its rank and GPU). The agent
+`RespawnOrder`: the new member's name, the process it replaces, its rank). The agent
 starts the process; if it cannot (it died right after its last beat), the newcomer never claims
 its slot and the coordinator moves on to a spare after the join timeout, as for a lost spare.
 
 Nodes are numbered as Slurm numbers an allocation's nodes with block distribution: the
 initial process of task t (actives first, then spares) runs on node t // R (R processes per
 node, `--deadpool-ranks-per-node`); a process respawned by this coordinator on its
-predecessor's node. Any other process - one that joined the running job from another
-allocation, or one a coordinator respawned before a standby took the job over from it - is on
-no node known here (`UNKNOWN`): its failure takes a spare.
+predecessor's node. An agent that joins the running job (`deadpool agent --deadpool-join`, a
+revived node or one of another allocation) takes the next number from the store
+(`agents/next`, counted from the job's own nodes). Any other process - one that joined, or one
+a coordinator respawned before a standby took the job over - is on the node its agent gave it
+and it announced (`messages.AGENT_NODE_ENV`), if any (`UNKNOWN` otherwise: its failure takes
+a spare).
 """
 
 from __future__ import annotations
@@ -57,14 +60,20 @@ class StoreAgents:
         self.clock = clock
         self.sleep = sleep
         self._verdicts: dict[int, tuple[bool, float]] = {}  # node -> (alive, when judged)
-        self._nodes: dict[str, int] = {}  # respawned processes: their node ...
-        self._gpus: dict[str, int] = {}  # ... and GPU
+        self._nodes: dict[str, int] = {}  # respawned (or found) processes: their node
+        membership.number_agent_nodes_from(-(-processes // ranks_per_node))
 
     def node_of(self, member: str) -> int:
         if member in self._nodes:
             return self._nodes[member]
         task = task_of(member, self.world_size)
-        return task // self.ranks_per_node if task < self.processes else UNKNOWN
+        if task < self.processes:
+            return task // self.ranks_per_node
+        where = self.membership.announcement(member)
+        if where is None or where.node < 0:
+            return UNKNOWN
+        self._nodes[member] = where.node
+        return where.node
 
     def alive(self, node: int) -> bool:
         """Whether node `node`'s agent beats now: its counter moves within `BEATS_AWAITED`
@@ -89,7 +98,6 @@ class StoreAgents:
 
     def respawn(self, rank: int, dead: str, node: int) -> str:
         member = self.membership.claim_spare_name()
-        gpu = self._gpus.get(dead, task_of(dead, self.world_size) % self.ranks_per_node)
-        self.membership.order_respawn(node, RespawnOrder(member, dead, rank, gpu))
-        self._nodes[member], self._gpus[member] = node, gpu
+        self.membership.order_respawn(node, RespawnOrder(member, dead, rank))
+        self._nodes[member] = node
         return member

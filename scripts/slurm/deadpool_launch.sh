@@ -34,10 +34,11 @@
 #   MEGATRON_LM_PATH    Megatron-LM checkout (megatron-lm mode)
 #   MEGATRON_ARGS       Megatron-LM arguments, split on whitespace (megatron-lm mode)
 #   DEADPOOL_REPLICAS   replicas k of each optimizer shard                           (1)
-#   DEADPOOL_RESPAWN_LIMIT  N > 0: one `deadpool agent` per node (one srun task per node)
-#                       starts that node's processes and respawns a crashed or hung one in
+#   DEADPOOL_RESPAWN_LIMIT  N > 0: one `deadpool agent` per node (a job step of its own per
+#                       node) starts that node's processes and respawns a crashed or hung one in
 #                       place, N times per node within --deadpool-respawn-window, with no
-#                       spare spent; 0: one srun task per GPU, every failure takes a spare (0)
+#                       spare spent (with DEADPOOL_JOIN: the joining nodes' agents join the
+#                       job); 0: one srun task per GPU, every failure takes a spare      (0)
 #   DEADPOOL_EXTRA_ARGS more --deadpool-* flags for every worker, split on whitespace
 #   DEADPOOL_PORT       coordinator port                                             (29400)
 #   DEADPOOL_COORDINATOR HOST:PORT of a coordinator started elsewhere (then none here); a
@@ -120,8 +121,6 @@ done
 if [ -n "$DEADPOOL_JOIN" ]; then
     [ -z "$DEADPOOL_COORDINATOR" ] || die "DEADPOOL_JOIN and DEADPOOL_COORDINATOR: give one"
     [ -z "$DEADPOOL_INJECT" ] || die "DEADPOOL_INJECT: a joining allocation injects nothing"
-    [ "$DEADPOOL_RESPAWN_LIMIT" = 0 ] ||
-        die "DEADPOOL_RESPAWN_LIMIT: nodes that join a running job run no agent; set it to 0"
     case $DEADPOOL_MODE in embedded | megatron-lm) ;; *)
         die "DEADPOOL_JOIN: DEADPOOL_MODE must be embedded or megatron-lm, got '$DEADPOOL_MODE'"
         ;;
@@ -309,13 +308,74 @@ if ((DEADPOOL_RESPAWN_LIMIT > 0)); then
     esac
     # One agent per node instead (its CPUs: the node's tasks'); it starts the node's processes
     # with their RANK/LOCAL_RANK and logs task-<t>.log, and respawns them (hotswap/node_agent.py).
+    # Each agent is a job step of its own, on its node: a node that comes back while its step
+    # is still known (a revived node) makes srun abort the whole step ("io error and missing
+    # step"), which would take every node's agent with it.
+    mapfile -t agent_hosts < <(scontrol show hostnames "${SLURM_JOB_NODELIST:-}" 2>/dev/null)
+    ((${#agent_hosts[@]} == nnodes)) || die "cannot list the allocation's $nnodes nodes" \
+        "(scontrol show hostnames \$SLURM_JOB_NODELIST)"
     ((${#cpus[@]} == 0)) || cpus=(--cpus-per-task=$((SLURM_CPUS_PER_TASK * GPUS_PER_NODE)))
-    srun_cmd=(srun --nodes="$nnodes" --ntasks="$nnodes" --ntasks-per-node=1
-        --distribution=block --kill-on-bad-exit=0 --no-kill --wait=0 "${cpus[@]}"
-        --output="$DEADPOOL_LOG_DIR/agent-%t.log" "${srun_extra[@]}"
-        "$PYTHON" -m megatron_deadpool.cli agent --world-size "$world" "${job_settings[@]}" --
-        "${worker[@]}")
+    agent_srun=(srun --nodes=1 --ntasks=1 --input=none --kill-on-bad-exit=0 --no-kill --wait=0
+        "${cpus[@]}" "${srun_extra[@]}")
+    agent_cmd=("$PYTHON" -m megatron_deadpool.cli agent --world-size "$world" "${job_settings[@]}")
 fi
+
+# agent_step I: node I's agent (its own job step), as a command line
+agent_step() {
+    printf '%s\0' "${agent_srun[@]}" --nodelist="${agent_hosts[$1]}" \
+        --output="$DEADPOOL_LOG_DIR/agent-$1.log" "${agent_cmd[@]}" --node "$1" -- "${worker[@]}"
+}
+
+# verdict: the exit status of the coordinator that ended the job (the primary's, or the
+# standby's once it took over), nothing before one did
+verdict() {
+    local status found=
+    for status in "$DEADPOOL_LOG_DIR"/{coordinator,standby}.status; do
+        if [ -f "$status" ] && [ "$(cat "$status")" != 5 ]; then
+            found=$(cat "$status")
+        fi
+    done
+    printf '%s' "$found"
+}
+
+# run_workers: the job's processes - one srun of one task per GPU, or one agent per node - and
+# their highest exit status. Every agent ends on its own once the job is over, but the srun of
+# a node that came back without its step (a revived node) can wait on for long: once the
+# coordinators' verdict is in, the sruns left get DEADPOOL_END_GRACE / 4 seconds, then are
+# ended (the job's state is the verdict, below).
+run_workers() {
+    if ((DEADPOOL_RESPAWN_LIMIT == 0)); then
+        "${srun_cmd[@]}"
+        return
+    fi
+    local i code status=0 step pids=() left since=
+    for ((i = 0; i < nnodes; i++)); do
+        mapfile -d '' -t step < <(agent_step "$i")
+        "${step[@]}" &
+        pids+=($!)
+    done
+    while true; do
+        left=()
+        for i in "${pids[@]}"; do
+            ! kill -0 "$i" 2>/dev/null || left+=("$i")
+        done
+        ((${#left[@]})) || break
+        if [ -z "$since" ] && [ -n "$(verdict)" ]; then
+            since=$SECONDS
+        elif [ -n "$since" ] && ((SECONDS - since > DEADPOOL_END_GRACE / 4)); then
+            echo "deadpool_launch: ending ${#left[@]} agent step(s) left after the job ended"
+            kill -KILL "${left[@]}" 2>/dev/null || true
+            break
+        fi
+        sleep 1
+    done
+    for i in "${pids[@]}"; do
+        wait "$i"
+        code=$?
+        ((code <= status)) || status=$code
+    done
+    return "$status"
+}
 
 inject_cmd=()
 if [ -n "$DEADPOOL_INJECT" ]; then
@@ -336,7 +396,14 @@ if dry_run; then
     ((start_coordinator == 0)) || show coordinator "${coordinator_cmd[@]}"
     ((${#standby_cmd[@]} == 0)) || show standby "${standby_cmd[@]}"
     ((${#inject_cmd[@]} == 0)) || show inject "${inject_cmd[@]}"
-    show workers "${srun_cmd[@]}"
+    if ((DEADPOOL_RESPAWN_LIMIT == 0)); then
+        show workers "${srun_cmd[@]}"
+    else
+        for ((i = 0; i < nnodes; i++)); do
+            mapfile -d '' -t step < <(agent_step "$i")
+            show "agent $i" "${step[@]}"
+        done
+    fi
     exit 0
 fi
 
@@ -400,7 +467,7 @@ if ((${#inject_cmd[@]})); then
 fi
 
 set +e
-"${srun_cmd[@]}"
+run_workers
 rc=$?
 set -e
 echo "deadpool_launch: srun exited with status $rc"
@@ -410,11 +477,7 @@ echo "deadpool_launch: srun exited with status $rc"
 if ((start_coordinator)); then
     verdict=
     for _ in $(seq 1 60); do
-        for status in "$DEADPOOL_LOG_DIR"/{coordinator,standby}.status; do
-            if [ -f "$status" ] && [ "$(cat "$status")" != 5 ]; then
-                verdict=$(cat "$status")
-            fi
-        done
+        verdict=$(verdict)
         [ -z "$verdict" ] || break
         sleep 0.5
     done

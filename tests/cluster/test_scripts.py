@@ -482,25 +482,33 @@ def test_with_a_respawn_limit_one_agent_per_node_starts_the_nodes_processes() ->
         "scripts/slurm/perlmutter.sbatch", DEADPOOL_RESPAWN_LIMIT="2", SLURM_CPUS_PER_TASK="8"
     )
     assert status == 0, err
-    argv = cmds["workers"]
-    nodes = flag(argv, "--nodes")
-    assert flag(argv, "--ntasks") == nodes and flag(argv, "--ntasks-per-node") == "1"
-    assert "--output=" + flag(cmds["coordinator"], "--deadpool-log-dir") + "/agent-%t.log" in argv
-    agent = argv[argv.index("agent") - 3 :]  # python -m megatron_deadpool.cli agent ...
-    assert agent[1:4] == ["-m", "megatron_deadpool.cli", "agent"], argv
-    worker = agent[agent.index("--") + 1 :]
-    assert worker[1:3] == ["-m", "megatron_deadpool.embedded.worker"], worker
-    assert flag(agent, "--deadpool-respawn-limit") == "2"
+    assert "workers" not in cmds  # no srun of one task per GPU
+    log_dir = flag(cmds["coordinator"], "--deadpool-log-dir")
+    for i, host in enumerate(["nid001000", "nid001001", "nid001002"]):
+        argv = cmds[f"agent {i}"]  # a job step of its own on each node
+        assert flag(argv, "--nodes") == "1" and flag(argv, "--ntasks") == "1"
+        assert flag(argv, "--nodelist") == host and "--input=none" in argv
+        assert flag(argv, "--output") == f"{log_dir}/agent-{i}.log"
+        assert "--cpus-per-task=32" in argv  # the node's 4 tasks' CPUs
+        agent = argv[argv.index("agent") - 3 :]  # python -m megatron_deadpool.cli agent ...
+        assert agent[1:4] == ["-m", "megatron_deadpool.cli", "agent"], argv
+        assert flag(agent, "--node") == str(i) and flag(agent, "--deadpool-respawn-limit") == "2"
+        worker = agent[agent.index("--") + 1 :]
+        assert worker[1:3] == ["-m", "megatron_deadpool.embedded.worker"], worker
     assert flag(cmds["coordinator"], "--deadpool-respawn-limit") == "2"
-    assert "--cpus-per-task=32" in argv  # the node's 4 tasks' CPUs
 
 
 @pytest.mark.timeout(30)
-def test_a_joining_allocation_runs_no_agents() -> None:
-    status, _, _, err = render(
+def test_a_joining_allocations_agents_join_the_job() -> None:
+    status, cmds, _, err = render(
         "scripts/slurm/vista.sbatch",
         DEADPOOL_RESPAWN_LIMIT="1",
         DEADPOOL_JOIN="n1:29400",
         DEADPOOL_JOB_TOKEN_FILE="/tmp/x",
     )
-    assert status == 2 and "DEADPOOL_RESPAWN_LIMIT: nodes that join" in err, err
+    assert status == 0, err
+    argv = cmds["agent 0"]
+    agent = argv[argv.index("agent") :]
+    assert "--deadpool-join" in agent[: agent.index("--")]  # the agent joins ...
+    assert "--deadpool-join" in agent[agent.index("--") :]  # ... and so do its processes
+    assert "coordinator" not in cmds

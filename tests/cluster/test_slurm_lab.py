@@ -27,6 +27,7 @@ from typing import Any
 
 import pytest
 import yaml
+from agents_job import remove_node_memory
 from conftest import MegatronLMReference, TrainRun, run_deadpool
 from mlm import logged_iterations, megatron_args, megatron_lm_tree
 
@@ -502,23 +503,32 @@ def test_training_node_killed_mid_run_the_spare_node_takes_over(
     assert record["JobState"] == "COMPLETED" and record["ExitCode"] == "0:0", job.describe()
 
 
-def _worker_pid(lab: Any, node: str, job_id: str, rank: int) -> int:
-    """The PID of the process a node's agent started for task `rank` of job `job_id`."""
+@pytest.fixture
+def node_memory(tmp_path: Path) -> Iterator[None]:
+    """After a test with node agents: delete the memory folders of the agents its lab nodes'
+    crashes killed (the lab's nodes share this machine's /dev/shm)."""
+    yield
+    remove_node_memory(tmp_path)
+
+
+def _worker_pid(lab: Any, node: str, job_id: str, task: int) -> int:
+    """The PID of the process a node's agent started as task `task` of job `job_id` (RANK: a
+    rank, or for a node that joined a running job its task in its own allocation)."""
     for pid in lab.node_pids(node):
         try:
             environ = set(Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"))
         except OSError:  # it ended meanwhile
             continue
-        if {f"SLURM_JOB_ID={job_id}".encode(), f"RANK={rank}".encode()} <= environ and any(
+        if {f"SLURM_JOB_ID={job_id}".encode(), f"RANK={task}".encode()} <= environ and any(
             v.startswith(b"DEADPOOL_SEGMENTS=") for v in environ
         ):
             return pid
-    raise AssertionError(f"no process of task {rank} of job {job_id} on {node}")
+    raise AssertionError(f"no process of task {task} of job {job_id} on {node}")
 
 
 @pytest.mark.timeout(2 * JOB_TIMEOUT + 300)
 def test_node_agents_respawn_a_killed_process_in_place_and_a_lost_node_takes_the_spares(
-    lab: Any, reference: dict[str, Any], tmp_path: Path
+    lab: Any, reference: dict[str, Any], tmp_path: Path, node_memory: None
 ) -> None:
     """DEADPOOL_RESPAWN_LIMIT=1: one `deadpool agent` per node starts its processes. Rank 2's
     process on n2 is SIGKILLed, its node fine: n2's agent respawns it there, no spare is spent.
@@ -635,6 +645,64 @@ def test_a_node_of_another_allocation_joins_as_spares_and_takes_over(
         assert joining.wait_end()["JobState"] == "COMPLETED", joining.describe()
     finally:
         lab.down()
+
+
+REVIVE_ITERS = 400
+"""The revive test's run: long enough (about a minute here) for a crashed node to boot again and
+join the job (as hotswap/test_node_agents.py's join test: one failure-free reference for
+both)."""
+
+
+@pytest.mark.timeout(3 * JOB_TIMEOUT + 600)
+def test_node_agents_a_crashed_node_revived_joins_with_its_agent_and_takes_over_again(
+    lab: Any, failure_free: Callable[[int], TrainRun], tmp_path: Path, node_memory: None
+) -> None:
+    """DEADPOOL_RESPAWN_LIMIT=1 (one `deadpool agent` per node). n2 crashes: the spare node n3
+    takes ranks 2 and 3. `lab.py revive n2` boots it again, and the command the job printed
+    (DEADPOOL_JOIN, its token file, the same sbatch file) submitted on n2 starts n2's agent,
+    which joins the running job (node 3) with its two processes as spares. n3 crashes: n2's
+    processes take ranks 2 and 3 again. Then the one holding rank 2 is SIGKILLed: n2's agent
+    respawns it in place. Training ends like the failure-free run."""
+    reference = failure_free(REVIVE_ITERS)[2]
+    job = submit(lab, tmp_path / "logs", "vista", write_job(tmp_path, iters=REVIVE_ITERS),
+                 DEADPOOL_RESPAWN_LIMIT="1")  # fmt: skip
+    deadline = time.time() + 2 * JOB_TIMEOUT
+
+    def until(what: str, condition: Callable[[], object]) -> None:
+        while not condition():
+            assert time.time() < deadline and job.state() is not None, f"{what}\n{job.describe()}"
+            time.sleep(0.2)
+
+    until("the join line", lambda: re.search(JOIN_LINE, job.text("batch.out")))
+    join = re.search(JOIN_LINE, job.text("batch.out"))
+    assert join is not None
+    job.wait_for_iteration(FAIL_AT, JOB_TIMEOUT)
+    lab.crash("n2")
+    until("the first recovery", lambda: job.event("recovered"))
+    lab.revive("n2")  # the join below waits in Slurm's queue until n2 is back
+    config = write_job(tmp_path / "join", iters=REVIVE_ITERS)
+    joining = submit(lab, tmp_path / "join-logs", "vista", config, ["n2"], DEADPOOL_JOIN=join[1],
+                     DEADPOOL_JOB_TOKEN_FILE=join[2], DEADPOOL_RESPAWN_LIMIT="1")  # fmt: skip
+
+    def joined() -> list[str]:
+        return sorted(e["member"] for e in job.events() if e["event"] == "spare_joined")
+
+    until("n2's spares", lambda: len(joined()) == 2)
+    assert job.event("finished") is None, "training ended before n2 joined"
+    lab.crash("n3")
+    until("the second recovery", lambda: len([e for e in job.events()
+                                              if e["event"] == "recovered"]) == 2)  # fmt: skip
+    holder = next(t for t in (0, 1) if "[deadpool r2 " in joining.text(f"task-{t}.log"))
+    os.kill(_worker_pid(lab, "n2", joining.id, holder), signal.SIGKILL)
+    record = job.wait_end(timeout=deadline - job.submitted)
+    recoveries = [e for e in job.events() if e["event"] == "recovered"]
+    assert [r["dead_ranks"] for r in recoveries] == [[2, 3], [2, 3], [2]], job.describe()
+    assert sorted(recoveries[0]["replaced_by"].values()) == ["s0", "s1"]
+    assert sorted(recoveries[1]["replaced_by"].values()) == joined()
+    assert recoveries[2]["respawned"] == {"2": 3}, recoveries
+    assert_trained_like(job, reference)
+    assert record["JobState"] == "COMPLETED" and record["ExitCode"] == "0:0", job.describe()
+    assert joining.wait_end()["JobState"] == "COMPLETED", joining.describe()
 
 
 JOIN_LINE = r"DEADPOOL_JOIN=(\S+) DEADPOOL_JOB_TOKEN_FILE=(\S+)"

@@ -1,97 +1,40 @@
 """Cluster node agents (`deadpool agent`), end to end on loopback: real processes, real signals.
 
-A job as deadpool_launch.sh starts it with DEADPOOL_RESPAWN_LIMIT: `deadpool coordinator` and
-one `deadpool agent` per node - nodes 0 and 1 hold ranks 0-3 of the CPU demo (two per node),
-node 2 the two spares - each agent starting its node's embedded workers. A crashed and a hung
-process are replaced in place by their nodes' agents (no spare spent) and training ends with
-the failure-free run's digest; an agent lost with its processes (a node lost) condemns its
-node: the spares take its ranks. Every process runs in a session of its own and is killed by
-PID at the end, whatever happened (the agents' workers by the agents, or here).
+A job as deadpool_launch.sh starts it with DEADPOOL_RESPAWN_LIMIT (`agents_job`): nodes 0 and 1
+hold ranks 0-3 of the CPU demo, node 2 the two spares. A crashed and a hung process are replaced
+in place by their nodes' agents (no spare spent) and training ends with the failure-free run's
+digest; an agent lost with its processes (a node lost) condemns its node: the spares take its
+ranks; a node that joins with its agent takes a lost node's ranks and respawns them. Then the
+coordinator's side of the store protocol, on an in-memory store.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import signal
-import subprocess
 import sys
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
-import psutil
 import pytest
-from conftest import REPO_ROOT, TrainRun, deadpool_command
-from procs import free_port, kill_sessions, spawn_logged, wait_until
+from agents_job import agents_job, children, describe, events, kill_node, log_of
+from conftest import REPO_ROOT, TrainRun
+from procs import wait_until
 from stores import SEAL
 
 from megatron_deadpool.hotswap.membership import Membership
 from megatron_deadpool.hotswap.memory_store import MemoryStore
-from megatron_deadpool.hotswap.messages import Keys, RespawnOrder
+from megatron_deadpool.hotswap.messages import AGENT_NODE_ENV, Keys, RespawnOrder
 from megatron_deadpool.hotswap.node_agents import BEATS_AWAITED, UNKNOWN, StoreAgents
 
 CONFIG = str(REPO_ROOT / "configs" / "cpu-demo.yaml")
 ITERS = 6
-TIMING = [
-    "--deadpool-heartbeat-interval", "0.5", "--deadpool-heartbeat-timeout", "4",
-    "--deadpool-agree-timeout", "60", "--deadpool-pg-timeout", "150",
-]  # fmt: skip
+JOIN_ITERS = 400  # as the Slurm lab's revive test: one failure-free reference for both
 
 
-@contextmanager
-def agents_job(logs: Path, fail: list[str]) -> Iterator[list[subprocess.Popen]]:
-    """The coordinator (logs/coordinator.out, events.jsonl) and the agents of nodes 0-2
-    (logs/agent{n}.out; the workers' logs/task-{t}.log); yields [coordinator, agent 0, 1, 2]."""
-    address = f"127.0.0.1:{free_port()}"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "DEADPOOL_JOB_TOKEN": "agents-test"}
-    settings = [
-        "--config", CONFIG, "--deadpool-coordinator", address, "--deadpool-log-dir", str(logs),
-        "--deadpool-spares", "2", "--deadpool-ranks-per-node", "2",
-        "--deadpool-respawn-limit", "2", *TIMING,
-    ]  # fmt: skip
-    worker = [
-        sys.executable, "-m", "megatron_deadpool.embedded.worker", "--config", CONFIG,
-        "--iters", str(ITERS), "--deadpool-coordinator", address, *fail, *TIMING,
-    ]  # fmt: skip
-    logs.mkdir()
-    procs: list[subprocess.Popen] = []
-    coordinator = [*deadpool_command(), "coordinator", "--world-size", "4", *settings,
-                   "--max-wait", "300"]  # fmt: skip
-    agent = [*deadpool_command(), "agent", "--world-size", "4", *settings]
-    try:
-        procs.append(spawn_logged(coordinator, logs / "coordinator.out", env))
-        for node in range(3):
-            cmd = [*agent, "--node", str(node), "--", *worker]
-            procs.append(spawn_logged(cmd, logs / f"agent{node}.out", env))
-        yield procs
-    finally:
-        workers = [c for p in procs if psutil.pid_exists(p.pid) for c in _children(p.pid)]
-        kill_sessions(procs)
-        for pid in workers:
-            try:
-                os.killpg(pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
-
-
-def _children(pid: int) -> list[int]:
-    try:
-        return [c.pid for c in psutil.Process(pid).children()]
-    except psutil.NoSuchProcess:
-        return []
-
-
-def _events(logs: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in (logs / "events.jsonl").read_text().splitlines()]
-
-
-def _describe(logs: Path) -> str:
-    return "\n".join(
-        f"--- {p.name}\n{p.read_text(errors='replace')[-2500:]}"
-        for p in sorted(logs.glob("*.out")) + sorted(logs.glob("task-*.log"))
-    )
+def _worker(iters: int, *fail: str) -> list[str]:
+    return [sys.executable, "-m", "megatron_deadpool.embedded.worker", "--config", CONFIG,
+            "--iters", str(iters), *fail]  # fmt: skip
 
 
 @pytest.mark.timeout(400)
@@ -100,26 +43,28 @@ def test_a_crashed_and_a_hung_process_are_respawned_on_their_nodes_no_spare_spen
 ) -> None:
     logs = tmp_path / "logs"
     fail = ["--deadpool-fail", "2@3", "--deadpool-fail", "1@5:hang"]
-    with agents_job(logs, fail) as procs:
-        assert procs[0].wait(timeout=330) == 0, _describe(logs)
+    with agents_job(logs, _worker(ITERS, *fail), ["--config", CONFIG]) as job:
+        procs = job.procs
+        assert procs[0].wait(timeout=330) == 0, describe(logs)
         for agent in procs[1:]:
-            assert agent.wait(timeout=60) == 0, _describe(logs)
-    events = _events(logs)
-    recoveries = [e for e in events if e["event"] == "recovered"]
+            assert agent.wait(timeout=60) == 0, describe(logs)
+        # Each agent deleted its node's memory folder (the one it named as it started; here,
+        # before the job's clean-up would delete what an agent killed with its node leaves).
+        for node in range(3):
+            text = log_of(logs, f"agent{node}.out")
+            folder = text.split("memory in ", 1)[1].split()[0]
+            assert not Path(folder).exists(), text
+    seen = events(logs)
+    recoveries = [e for e in seen if e["event"] == "recovered"]
     respawned = {r: n for rec in recoveries for r, n in rec["respawned"].items()}
-    assert respawned == {"2": 1, "1": 0}, _describe(logs)
+    assert respawned == {"2": 1, "1": 0}, describe(logs)
     assert all(set(rec["replaced_by"].values()) <= {"s2", "s3"} for rec in recoveries), recoveries
-    (finished,) = [e for e in events if e["event"] == "finished"]
+    (finished,) = [e for e in seen if e["event"] == "finished"]
     _, _, reference = failure_free(ITERS)
-    assert finished["final_param_digest"] == reference["final_param_digest"], _describe(logs)
+    assert finished["final_param_digest"] == reference["final_param_digest"], describe(logs)
     # The hung process was killed by its agent; the spares s0 and s1 never took a rank.
-    assert "killed a1 (named dead while still running)" in (logs / "agent0.out").read_text()
-    assert "spare s0] INFO released" in (logs / "task-4.log").read_text(), _describe(logs)
-    # Each agent deleted its node's memory folder (the one it named as it started).
-    for node in range(3):
-        text = (logs / f"agent{node}.out").read_text()
-        folder = text.split("memory in ", 1)[1].split()[0]
-        assert not Path(folder).exists(), text
+    assert "killed a1 (named dead while still running)" in log_of(logs, "agent0.out")
+    assert "spare s0] INFO released" in log_of(logs, "task-4.log"), describe(logs)
 
 
 @pytest.mark.timeout(400)
@@ -129,27 +74,21 @@ def test_an_agent_lost_with_its_processes_condemns_its_node_the_spares_take_over
     """Node 1's agent and both its processes SIGKILLed at iteration 3 (a node lost whole): its
     agent no longer beats, so ranks 2 and 3 take the spares of node 2, not a respawn."""
     logs = tmp_path / "logs"
-    with agents_job(logs, []) as procs:
-        task0 = logs / "task-0.log"
-        wait_until(
-            lambda: task0.exists() and "iteration 3/" in task0.read_text(errors="replace"),
-            240,
-            "iteration 3",
-            poll_s=0.05,
-        )
-        node1 = [procs[2].pid, *_children(procs[2].pid)]
-        for pid in node1:
-            os.killpg(pid, signal.SIGKILL)
-        assert procs[0].wait(timeout=330) == 0, _describe(logs)
-    events = _events(logs)
-    (recovered,) = [e for e in events if e["event"] == "recovered"]
-    assert recovered["dead_ranks"] == [2, 3], _describe(logs)
-    assert recovered["replaced_by"] == {"2": "s0", "3": "s1"} and recovered["respawned"] == {}
-    refused = [e for e in events if e["event"] == "respawn_refused"]
+    with agents_job(logs, _worker(ITERS), ["--config", CONFIG]) as job:
+        wait_until(lambda: "iteration 3/" in log_of(logs, "task-0.log"), 240, "iteration 3")
+        kill_node(job.procs[2])
+        assert job.procs[0].wait(timeout=330) == 0, describe(logs)
+    seen = events(logs)
+    (recovered,) = [e for e in seen if e["event"] == "recovered"]
+    assert recovered["dead_ranks"] == [2, 3], describe(logs)
+    # (which spare takes which rank: whichever of the two was found dead first takes s0)
+    assert sorted(recovered["replaced_by"].values()) == ["s0", "s1"]
+    assert recovered["respawned"] == {}
+    refused = [e for e in seen if e["event"] == "respawn_refused"]
     assert {e["rank"] for e in refused} == {2, 3} and all(e["node"] == 1 for e in refused)
-    (finished,) = [e for e in events if e["event"] == "finished"]
+    (finished,) = [e for e in seen if e["event"] == "finished"]
     _, _, reference = failure_free(ITERS)
-    assert finished["final_param_digest"] == reference["final_param_digest"], _describe(logs)
+    assert finished["final_param_digest"] == reference["final_param_digest"], describe(logs)
 
 
 # ---------------------------------------------------------------------- the store's side
@@ -195,15 +134,72 @@ def test_orders_reach_their_node_once_and_forged_or_missing_ones_hold_nothing_up
     member = agents.respawn(3, "a3", 1)
     assert member == "s2" and agents.node_of("s2") == 1
     seen, orders = agent.respawn_orders(1, 0)
-    assert seen == 1 and orders == [RespawnOrder("s2", "a3", 3, 1)]
+    assert seen == 1 and orders == [RespawnOrder("s2", "a3", 3)]
     assert agent.respawn_orders(1, seen) == (1, [])
     assert agent.respawn_orders(0, 0) == (0, [])  # another node's orders are its own
     # A stranger bumps the counter (no order behind it) and forges the next order.
     raw = agent.store
     raw.add(Keys.AGENT_ORDERS.format(node=1), 1)
-    raw.set(Keys.AGENT_ORDER.format(node=1, n=3), RespawnOrder("s9", "a2", 2, 0).encode())
+    raw.set(Keys.AGENT_ORDER.format(node=1, n=3), RespawnOrder("s9", "a2", 2).encode())
     assert agent.respawn_orders(1, seen) == (1, [])  # nothing written behind number 2 yet
     raw.add(Keys.AGENT_ORDERS.format(node=1), 1)
     agents.respawn(2, "s2", 1)  # the respawned process fails in turn: same node, same GPU
     seen, orders = agent.respawn_orders(1, seen)
-    assert seen == 4 and orders == [RespawnOrder("s3", "s2", 2, 1)]
+    assert seen == 4 and orders == [RespawnOrder("s3", "s2", 2)]
+
+
+def test_a_joined_agents_node_is_numbered_after_the_jobs_and_its_processes_found_on_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    coord, agent = _memberships()
+    agents = StoreAgents(coord, world_size=4, processes=6, ranks_per_node=2, beat_s=1.0)
+    assert agent.claim_agent_node() == 3  # after nodes 0-2 (the actives' and the spares')
+    monkeypatch.setenv(AGENT_NODE_ENV, "3")  # as the agent of node 3 starts its processes
+    Membership(coord.store, "s7", SEAL).announce()  # one that joined the job
+    monkeypatch.delenv(AGENT_NODE_ENV)
+    Membership(coord.store, "s8", SEAL).announce()  # one no agent started
+    assert [agents.node_of(m) for m in ("s7", "s8", "s9")] == [3, UNKNOWN, UNKNOWN]
+    StoreAgents(coord, world_size=4, processes=6, ranks_per_node=2, beat_s=1.0)
+    assert agent.claim_agent_node() == 4  # a second coordinator (a standby) numbers nothing anew
+
+
+@pytest.mark.timeout(600)
+def test_a_node_that_joins_with_its_agent_takes_a_lost_nodes_ranks_and_respawns_them(
+    tmp_path: Path, failure_free: Callable[[int], TrainRun]
+) -> None:
+    """More node losses than spare nodes, then a crash on the node that joined: a node of
+    another allocation joins with its agent (node 3; its processes take the spare names s2 and
+    s3); node 1 lost whole -> node 2's spares take ranks 2 and 3; node 2 lost whole -> node 3's
+    processes take them; the one holding rank 2 crashes -> node 3's agent respawns it in place.
+    400 iterations (the failure-free reference of the Slurm lab's revive test)."""
+    logs, joined = tmp_path / "logs", tmp_path / "joined"
+
+    def count(kind: str) -> int:
+        return sum(e["event"] == kind for e in events(logs))
+
+    with agents_job(logs, _worker(JOIN_ITERS), ["--config", CONFIG]) as job:
+        joiner = job.join(joined)
+        wait_until(lambda: count("spare_joined") == 2, 240, "the joined node's spares")
+        wait_until(lambda: "iteration 3/" in log_of(logs, "task-0.log"), 240, "iteration 3")
+        kill_node(job.procs[2])
+        wait_until(lambda: count("recovered") == 1, 120, "the first recovery")
+        kill_node(job.procs[3])
+        wait_until(lambda: count("recovered") == 2, 120, "the second recovery")
+        holder = next(
+            t for t in (0, 1) if "[deadpool r2 " in log_of(joined, f"task-{t}.log")
+        )  # the joined node's process that took rank 2 (its task log)
+        (pid,) = [
+            c for c in children(joiner.pid)
+            if f"SLURM_PROCID={holder}\0".encode() in Path(f"/proc/{c}/environ").read_bytes()
+        ]  # fmt: skip
+        os.kill(pid, signal.SIGKILL)
+        assert job.procs[0].wait(timeout=400) == 0, describe(logs, joined)
+    recoveries = [e for e in events(logs) if e["event"] == "recovered"]
+    assert [r["dead_ranks"] for r in recoveries] == [[2, 3], [2, 3], [2]], describe(logs, joined)
+    assert sorted(recoveries[0]["replaced_by"].values()) == ["s0", "s1"]
+    assert sorted(recoveries[1]["replaced_by"].values()) == ["s2", "s3"]
+    assert recoveries[2]["respawned"] == {"2": 3}, recoveries
+    (finished,) = [e for e in events(logs) if e["event"] == "finished"]
+    _, _, reference = failure_free(JOIN_ITERS)
+    assert finished["final_param_digest"] == reference["final_param_digest"], describe(logs)
+    assert "takes rank 2 in place of" in log_of(joined, "agent.out")
