@@ -101,11 +101,20 @@ def remove_node_memory(folder: Path) -> None:
 
 
 def children(pid: int) -> list[int]:
-    """The PIDs of process `pid`'s children (an agent's workers)."""
+    """The PIDs of process `pid`'s descendants (an agent's fork server and the workers it
+    forked, each in a session of its own)."""
     try:
-        return [c.pid for c in psutil.Process(pid).children()]
+        return [c.pid for c in psutil.Process(pid).children(recursive=True)]
     except psutil.NoSuchProcess:
         return []
+
+
+def started_pid(agent_log: str, task: int) -> int:
+    """The PID of the last process an agent started as task `task` (its log says so; a forked
+    process's /proc environ and command line are its fork server's)."""
+    found = re.findall(rf"\(task {task}, GPU \d+, pid (\d+)\)", agent_log)
+    assert found, agent_log
+    return int(found[-1])
 
 
 def kill_node(agent: subprocess.Popen) -> None:

@@ -7,7 +7,9 @@ One per node (`scripts/slurm/deadpool_launch.sh` with DEADPOOL_RESPAWN_LIMIT sta
 Slurm task per node): it starts the node's `--deadpool-ranks-per-node` processes of the worker
 command - tasks N*R .. N*R+R-1 of the job, actives first, then the `--deadpool-spares` - with
 their RANK and LOCAL_RANK, keeps their snapshots and replicas in the node's memory, and carries
-out the coordinator's respawn orders (`hotswap/node_agent.py`). `--node` defaults to Slurm's
+out the coordinator's respawn orders (`hotswap/node_agent.py`). Our workers (the embedded job's,
+Megatron-LM's script through the runner) are forked from an interpreter that imported them once
+(a fork server, `hotswap/warm_start.py`): a respawned process starts without import time. `--node` defaults to Slurm's
 SLURM_NODEID. With `--deadpool-join` the agent joins a running job instead: it takes a node
 number from the job's store and its processes join as spares (a revived node, or one of another
 allocation: DEADPOOL_JOIN with DEADPOOL_RESPAWN_LIMIT in the sbatch scripts). The job's secret
@@ -22,10 +24,13 @@ import os
 from pathlib import Path
 
 from ..config.numbers import number_arg
+from ..embedded.launch import WORKER_PRELOAD
 from ..errors import ConfigError
+from ..hotswap.forkserver import Preload
 from ..hotswap.node_agent import NodeAgent, stop_on_term
 from ..hotswap.seal import SECRET_ENV, SECRET_FILE_ENV, JobSeal, job_secret
 from ..logs import setup_logging
+from ..megatron_lm.launch import runner_preload
 from .coordinator import add_job_settings, add_world_size, job_settings
 
 
@@ -67,6 +72,7 @@ def run(args: argparse.Namespace) -> int:
         command,
         place=node,
         join=cfg.join,
+        preload=worker_preload(command),
         per_node=cfg.ranks_per_node,
         world_size=args.world_size,
         processes=args.world_size + cfg.spares,
@@ -78,3 +84,13 @@ def run(args: argparse.Namespace) -> int:
     )
     stop_on_term(agent)
     return agent.run()
+
+
+def worker_preload(command: list[str]) -> Preload | None:
+    """What a worker command of ours imports, for its processes to fork warm: the embedded
+    job's worker, or Megatron-LM's script through the runner (None: any other command)."""
+    if command[1:3] == ["-m", "megatron_deadpool.embedded.worker"]:
+        return WORKER_PRELOAD
+    if command[1:3] == ["-m", "megatron_deadpool.megatron_lm"] and len(command) > 3:
+        return runner_preload(command[3])
+    return None

@@ -43,12 +43,18 @@ from pathlib import Path
 from ..errors import CoordinatorUnreachableError, first_line
 from ..replication import segments
 from .connection import STORE_ERRORS, BoundedStore, open_client
+from .forkserver import Preload
 from .liveness import kill_groups
 from .membership import Membership
 from .messages import AGENT_NODE_ENV, RespawnOrder, member_of, task_of
 from .seal import JobSeal
+from .warm_start import ForkedProcess, WarmStart
 
 log = logging.getLogger("megatron_deadpool.agent")
+
+PER_PROCESS_ENV = ("RANK", "SLURM_PROCID", "LOCAL_RANK", "SLURM_LOCALID", segments.ENV,
+                   AGENT_NODE_ENV)  # fmt: skip
+"""Variables that differ between the node's processes: not given to their fork server."""
 
 NOT_JOINING = "--no-deadpool-join"
 """Appended to a joined node's command for a respawned process: it has its name already."""
@@ -58,7 +64,7 @@ NOT_JOINING = "--no-deadpool-join"
 class Started:
     """One process the agent started: its GPU and its memory folder."""
 
-    proc: subprocess.Popen
+    proc: subprocess.Popen | ForkedProcess
     gpu: int
     folder: Path
 
@@ -80,12 +86,15 @@ class NodeAgent:
         beat_s: float,
         connect_timeout: float,
         join: bool = False,
+        preload: Preload | None = None,
         grace_s: float = 60.0,
         env: dict[str, str] | None = None,
     ) -> None:
         """`place`: this node's number in its allocation (Slurm's SLURM_NODEID), also its
         number in the job unless it `join`s; `processes`: the job's initial processes (actives
-        and spares; tasks beyond it on this node start nothing)."""
+        and spares; tasks beyond it on this node start nothing); `preload`: what the command
+        imports - its processes are then forked from a fork server that imported it once
+        (`warm_start`), a respawned one too, instead of starting a fresh interpreter."""
         self.cmd = list(cmd)
         self.place = place
         self.node = place
@@ -98,6 +107,8 @@ class NodeAgent:
         self.beat_s = beat_s
         self.connect_timeout = connect_timeout
         self.join = join
+        self.preload = preload
+        self.starter = WarmStart(log=log.info, log_dir=log_dir)
         self.grace_s = grace_s
         self.env = dict(os.environ if env is None else env)
         shm = Path("/dev/shm")
@@ -145,13 +156,14 @@ class NodeAgent:
             segments.ENV: str(folder),
             AGENT_NODE_ENV: str(self.node),
         }
+        common = {k: v for k, v in env.items() if k not in PER_PROCESS_ENV}
         with open(self.log_dir / f"task-{task}.log", "ab") as out:
-            proc = subprocess.Popen(
-                self.cmd + extra, env=env, stdout=out, stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )  # fmt: skip
+            proc = self.starter.start(
+                self.cmd + extra, env, out, preload=self.preload, server_env=common
+            )
         self.started[name] = Started(proc, gpu, folder)
-        log.info("node %d: started %s (task %d, GPU %d)", self.node, name, task, gpu)
+        log.info("node %d: started %s (task %d, GPU %d, pid %d)", self.node, name, task, gpu,
+                 proc.pid)  # fmt: skip
 
     def _find(self, member: str) -> Started | None:
         """The process the agent started that is `member`: by name, or (a process that took
@@ -173,7 +185,7 @@ class NodeAgent:
                         order.replaces)  # fmt: skip
             return
         if old.proc.poll() is None:  # hung: the coordinator named it dead
-            kill_groups([old.proc])
+            kill_groups([old.proc])  # type: ignore[list-item]  # Popen-like
             log.info("node %d: killed %s (named dead while still running)", self.node,
                      order.replaces)  # fmt: skip
         task = task_of(order.member, self.world_size)
@@ -249,7 +261,8 @@ class NodeAgent:
 
     def close(self) -> None:
         """Kill what is left of the node's processes and delete their folders."""
-        kill_groups([s.proc for s in self.started.values()])
+        kill_groups([s.proc for s in self.started.values()])  # type: ignore[misc]  # Popen-like
+        self.starter.close()  # after the processes it forked: it reports their exits
         shutil.rmtree(self.root, ignore_errors=True)
 
 

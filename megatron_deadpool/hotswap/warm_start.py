@@ -27,6 +27,7 @@ import logging
 import os
 import queue
 import select
+import shutil
 import signal
 import socket
 import subprocess
@@ -324,13 +325,26 @@ class ForkServer:
 def command_refusal(argv: Sequence[str], python: str) -> str | None:
     """Why `argv` is not a command a fork server running `python` can fork (None: it is):
     `python -m MODULE ...`, `python -c CODE ...` or `python SCRIPT ...`, no interpreter option."""
-    if not argv or os.path.abspath(argv[0]) != os.path.abspath(python):
+    if not argv or not same_interpreter(argv[0], python):
         return f"{argv[0] if argv else 'an empty command'} is not {python}"
     if len(argv) < 2 or (argv[1].startswith("-") and argv[1] not in ("-m", "-c")):
         return "only `python -m MODULE`, `python -c CODE` and `python SCRIPT` are forked"
     if argv[1] in ("-m", "-c") and len(argv) < 3:
         return f"{argv[1]} without its argument"
     return None
+
+
+def same_interpreter(command: str, python: str) -> bool:
+    """Whether `command` (a path, or a name looked up on PATH as a shell would: `python` in a
+    Slurm script) runs the interpreter `python` is: the same file, or another name for it in
+    the same folder (a virtual environment's `python` and `python3`)."""
+    found = shutil.which(command) if os.sep not in command else command
+    if found is None:
+        return False
+    a, b = os.path.abspath(found), os.path.abspath(python)
+    return a == b or (
+        os.path.dirname(a) == os.path.dirname(b) and os.path.realpath(a) == os.path.realpath(b)
+    )
 
 
 def _cold(

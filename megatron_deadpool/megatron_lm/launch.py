@@ -54,6 +54,17 @@ RUNNER_IMPORTS = (
 """What the runner imports once the script calls `pretrain` (preloaded with the script's imports)."""
 
 
+def runner_preload(script: str) -> Preload:
+    """What every process of `script` imports, as the runner imports it: the script's
+    Megatron-LM tree first on the import path (never the installed megatron-core), `prepare()`
+    (Python for the tree's release, the CPU mode), then the script's own top-level imports."""
+    return Preload(
+        ("megatron_deadpool.megatron_lm.runner:prepare", *RUNNER_IMPORTS),
+        path=(os.path.dirname(script),),
+        scripts=(script,),
+    )
+
+
 def megatron_save_dir(script_args: Sequence[str]) -> str | None:
     """Megatron-LM's `--save` on the script's command line, if any: checked before any process
     starts (Megatron itself finds an unwritable one at its first save). Its `--load` is left to
@@ -147,14 +158,7 @@ class MegatronLauncher:
         self.threads[member] = thread
 
     def _preload(self) -> Preload:
-        """What every process imports, as the runner imports it: the script's Megatron-LM tree
-        first on the import path (never the installed megatron-core), `prepare()` (Python for
-        the tree's release, the CPU mode), then the script's own top-level imports."""
-        return Preload(
-            ("megatron_deadpool.megatron_lm.runner:prepare", *RUNNER_IMPORTS),
-            path=(os.path.dirname(self.script),),
-            scripts=(self.script,),
-        )
+        return runner_preload(self.script)
 
     # ------------------------------------------------------------------ run
     def run(self) -> int:

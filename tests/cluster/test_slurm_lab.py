@@ -27,7 +27,7 @@ from typing import Any
 
 import pytest
 import yaml
-from agents_job import remove_node_memory
+from agents_job import remove_node_memory, started_pid
 from conftest import MegatronLMReference, TrainRun, run_deadpool
 from mlm import logged_iterations, megatron_args, megatron_lm_tree
 
@@ -511,19 +511,21 @@ def node_memory(tmp_path: Path) -> Iterator[None]:
     remove_node_memory(tmp_path)
 
 
-def _worker_pid(lab: Any, node: str, job_id: str, task: int) -> int:
-    """The PID of the process a node's agent started as task `task` of job `job_id` (RANK: a
-    rank, or for a node that joined a running job its task in its own allocation)."""
-    for pid in lab.node_pids(node):
+def _worker_pid(lab: Any, node: str, agent_log: str, task: int) -> int:
+    """The host PID of the process a node's agent started as task `task` (`agent_log`: its log,
+    which names the PID in the node's own PID namespace)."""
+    pid = started_pid(agent_log, task)
+    for host_pid in lab.node_pids(node):
         try:
-            environ = set(Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"))
+            status = Path(f"/proc/{host_pid}/status").read_text()
         except OSError:  # it ended meanwhile
             continue
-        if {f"SLURM_JOB_ID={job_id}".encode(), f"RANK={task}".encode()} <= environ and any(
-            v.startswith(b"DEADPOOL_SEGMENTS=") for v in environ
-        ):
-            return pid
-    raise AssertionError(f"no process of task {task} of job {job_id} on {node}")
+        ns = next(
+            (line.split()[-1] for line in status.splitlines() if line.startswith("NSpid:")), ""
+        )
+        if ns == str(pid):
+            return host_pid
+    raise AssertionError(f"no process {pid} (task {task}) on {node}")
 
 
 @pytest.mark.timeout(2 * JOB_TIMEOUT + 300)
@@ -535,7 +537,7 @@ def test_node_agents_respawn_a_killed_process_in_place_and_a_lost_node_takes_the
     Later n2 dies whole (its agent with it): the spare node n3 takes ranks 2 and 3."""
     job = submit(lab, tmp_path / "logs", "vista", write_job(tmp_path), DEADPOOL_RESPAWN_LIMIT="1")
     job.wait_for_iteration(FAIL_AT, JOB_TIMEOUT)
-    os.kill(_worker_pid(lab, "n2", job.id, 2), signal.SIGKILL)
+    os.kill(_worker_pid(lab, "n2", job.text("agent-1.log"), 2), signal.SIGKILL)
     job.wait_for_iteration(2 * FAIL_AT, JOB_TIMEOUT)
     lab.crash("n2")
     record = job.wait_end()
@@ -693,7 +695,7 @@ def test_node_agents_a_crashed_node_revived_joins_with_its_agent_and_takes_over_
     until("the second recovery", lambda: len([e for e in job.events()
                                               if e["event"] == "recovered"]) == 2)  # fmt: skip
     holder = next(t for t in (0, 1) if "[deadpool r2 " in joining.text(f"task-{t}.log"))
-    os.kill(_worker_pid(lab, "n2", joining.id, holder), signal.SIGKILL)
+    os.kill(_worker_pid(lab, "n2", joining.text("agent-0.log"), holder), signal.SIGKILL)
     record = job.wait_end(timeout=deadline - job.submitted)
     recoveries = [e for e in job.events() if e["event"] == "recovered"]
     assert [r["dead_ranks"] for r in recoveries] == [[2, 3], [2, 3], [2]], job.describe()

@@ -34,6 +34,7 @@ from megatron_deadpool.hotswap.warm_start import (
     ForkRefused,
     ForkServer,
     WarmStart,
+    command_refusal,
 )
 
 HERE = Path(__file__).resolve().parent
@@ -459,3 +460,23 @@ def test_on_a_gpu_the_server_stays_clear_of_cuda_and_children_use_it(started) ->
         assert _run(srv, [PY, "-c", code], started) == (0, "8.0\n")
     finally:
         srv.close()
+
+
+def test_another_name_of_the_interpreter_is_the_same_interpreter(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A virtual environment's `python` and `python3` (one links to the other), or the bare
+    name a Slurm script runs (`python`, found on PATH), fork from a server running either; an
+    interpreter elsewhere does not."""
+    venv, other = tmp_path / "venv" / "bin", tmp_path / "other"
+    venv.mkdir(parents=True)
+    other.mkdir()
+    (venv / "python3").symlink_to(sys.executable)
+    (venv / "python").symlink_to("python3")
+    (other / "python").symlink_to(sys.executable)
+    monkeypatch.setenv("PATH", str(venv))
+    python3 = str(venv / "python3")
+    for command in (str(venv / "python"), python3, "python"):
+        assert command_refusal([command, "-m", "x"], python3) is None, command
+    assert command_refusal([str(other / "python"), "-m", "x"], python3) is not None
+    assert command_refusal(["no-such-python", "-m", "x"], python3) is not None

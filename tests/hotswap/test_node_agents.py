@@ -17,7 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from agents_job import agents_job, children, describe, events, kill_node, log_of
+from agents_job import agents_job, describe, events, kill_node, log_of, started_pid
 from conftest import REPO_ROOT, TrainRun
 from procs import wait_until
 from stores import SEAL
@@ -62,6 +62,9 @@ def test_a_crashed_and_a_hung_process_are_respawned_on_their_nodes_no_spare_spen
     (finished,) = [e for e in seen if e["event"] == "finished"]
     _, _, reference = failure_free(ITERS)
     assert finished["final_param_digest"] == reference["final_param_digest"], describe(logs)
+    # Every process was forked from its agent's fork server, the respawned ones too.
+    for node in range(3):
+        assert "fresh interpreter" not in log_of(logs, f"agent{node}.out")
     # The hung process was killed by its agent; the spares s0 and s1 never took a rank.
     assert "killed a1 (named dead while still running)" in log_of(logs, "agent0.out")
     assert "spare s0] INFO released" in log_of(logs, "task-4.log"), describe(logs)
@@ -178,7 +181,7 @@ def test_a_node_that_joins_with_its_agent_takes_a_lost_nodes_ranks_and_respawns_
         return sum(e["event"] == kind for e in events(logs))
 
     with agents_job(logs, _worker(JOIN_ITERS), ["--config", CONFIG]) as job:
-        joiner = job.join(joined)
+        job.join(joined)
         wait_until(lambda: count("spare_joined") == 2, 240, "the joined node's spares")
         wait_until(lambda: "iteration 3/" in log_of(logs, "task-0.log"), 240, "iteration 3")
         kill_node(job.procs[2])
@@ -188,11 +191,7 @@ def test_a_node_that_joins_with_its_agent_takes_a_lost_nodes_ranks_and_respawns_
         holder = next(
             t for t in (0, 1) if "[deadpool r2 " in log_of(joined, f"task-{t}.log")
         )  # the joined node's process that took rank 2 (its task log)
-        (pid,) = [
-            c for c in children(joiner.pid)
-            if f"SLURM_PROCID={holder}\0".encode() in Path(f"/proc/{c}/environ").read_bytes()
-        ]  # fmt: skip
-        os.kill(pid, signal.SIGKILL)
+        os.kill(started_pid(log_of(joined, "agent.out"), holder), signal.SIGKILL)
         assert job.procs[0].wait(timeout=400) == 0, describe(logs, joined)
     recoveries = [e for e in events(logs) if e["event"] == "recovered"]
     assert [r["dead_ranks"] for r in recoveries] == [[2, 3], [2, 3], [2]], describe(logs, joined)
