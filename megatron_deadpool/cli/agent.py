@@ -14,18 +14,20 @@ SLURM_NODEID. With `--deadpool-join` the agent joins a running job instead: it t
 number from the job's store and its processes join as spares (a revived node, or one of another
 allocation: DEADPOOL_JOIN with DEADPOOL_RESPAWN_LIMIT in the sbatch scripts). The job's secret
 comes from the environment (DEADPOOL_JOB_TOKEN or DEADPOOL_JOB_TOKEN_FILE), as the workers'
-does. Exit code 0 once the job is over and the node's processes exited.
+does. Exit code 0 once the job is over and the node's processes exited; 4 when no coordinator
+of the job answered within --deadpool-connect-timeout.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import sys
 from pathlib import Path
 
 from ..config.numbers import number_arg
 from ..embedded.launch import WORKER_PRELOAD
-from ..errors import ConfigError
+from ..errors import ConfigError, CoordinatorUnreachableError, ExitCode
 from ..hotswap.forkserver import Preload
 from ..hotswap.node_agent import NodeAgent, stop_on_term
 from ..hotswap.seal import SECRET_ENV, SECRET_FILE_ENV, JobSeal, job_secret
@@ -83,7 +85,11 @@ def run(args: argparse.Namespace) -> int:
         connect_timeout=cfg.connect_timeout,
     )
     stop_on_term(agent)
-    return agent.run()
+    try:
+        return agent.run()
+    except CoordinatorUnreachableError as exc:
+        print(f"deadpool agent: error: {exc}", file=sys.stderr)
+        return ExitCode.NO_COORDINATOR
 
 
 def worker_preload(command: list[str]) -> Preload | None:

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 from agents_job import agents_job, describe, events, kill_node, log_of, started_pid
-from conftest import REPO_ROOT, TrainRun
-from procs import wait_until
+from conftest import REPO_ROOT, TrainRun, run_deadpool
+from procs import free_port, wait_until
 from stores import SEAL
 
 from megatron_deadpool.hotswap.membership import Membership
@@ -202,3 +202,19 @@ def test_a_node_that_joins_with_its_agent_takes_a_lost_nodes_ranks_and_respawns_
     _, _, reference = failure_free(JOIN_ITERS)
     assert finished["final_param_digest"] == reference["final_param_digest"], describe(logs)
     assert "takes rank 2 in place of" in log_of(joined, "agent.out")
+
+
+@pytest.mark.timeout(60)
+def test_an_agent_with_no_coordinator_says_so_in_one_line_and_starts_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("DEADPOOL_JOB_TOKEN", "agents-test")
+    proc = run_deadpool(
+        "agent", "--world-size", "4", "--node", "0", "--deadpool-ranks-per-node", "2",
+        "--deadpool-coordinator", f"127.0.0.1:{free_port()}", "--deadpool-connect-timeout", "2",
+        "--deadpool-log-dir", str(tmp_path), "--", sys.executable, "-c", "print('started')",
+        timeout=50,
+    )  # fmt: skip
+    assert proc.returncode == 4, proc.stderr
+    assert proc.stderr.startswith("deadpool agent: error: coordinator 127.0.0.1:"), proc.stderr
+    assert "Traceback" not in proc.stderr and not list(tmp_path.glob("task-*.log"))
