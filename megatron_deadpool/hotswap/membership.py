@@ -924,20 +924,13 @@ class Membership:
         """A node number of its own for an agent that joins the running job."""
         return self.store.add(Keys.AGENTS_NEXT, 1) - 1
 
-    def agent_nodes(self) -> int:
-        """How many node numbers are given out (the job's nodes and the joined ones)."""
-        return self.store.add(Keys.AGENTS_NEXT, 0)
-
     def agent_beat(self, node: int) -> None:
         """One beat of node `node`'s agent."""
         self.store.add(Keys.AGENT_BEAT.format(node=node), 1)
 
-    def agent_beats(self, nodes: Sequence[int]) -> list[int]:
-        """The beat counters of the agents of `nodes` (0: never beat), in batched requests."""
-        for node in nodes:
-            self.store.add(Keys.AGENT_BEAT.format(node=node), 0)
-        keys = [Keys.AGENT_BEAT.format(node=n) for n in nodes]
-        return [read_int(k, v) for k, v in zip(keys, self._multi_get(keys))]
+    def agent_beat_count(self, node: int) -> int:
+        """Node `node`'s agent's beat counter (0: never beat), in one request."""
+        return self.store.add(Keys.AGENT_BEAT.format(node=node), 0)
 
     def order_respawn(self, node: int, order: RespawnOrder) -> None:
         """Give node `node`'s agent its next order."""

@@ -111,6 +111,7 @@ class NodeAgent:
         self.starter = WarmStart(log=log.info, log_dir=log_dir)
         self.grace_s = grace_s
         self.env = dict(os.environ if env is None else env)
+        self.server_env = {k: v for k, v in self.env.items() if k not in PER_PROCESS_ENV}
         shm = Path("/dev/shm")
         self.root = Path(
             tempfile.mkdtemp(prefix="deadpool-node-", dir=shm if shm.is_dir() else None)
@@ -156,10 +157,9 @@ class NodeAgent:
             segments.ENV: str(folder),
             AGENT_NODE_ENV: str(self.node),
         }
-        common = {k: v for k, v in env.items() if k not in PER_PROCESS_ENV}
         with open(self.log_dir / f"task-{task}.log", "ab") as out:
             proc = self.starter.start(
-                self.cmd + extra, env, out, preload=self.preload, server_env=common
+                self.cmd + extra, env, out, preload=self.preload, server_env=self.server_env
             )
         self.started[name] = Started(proc, gpu, folder)
         log.info("node %d: started %s (task %d, GPU %d, pid %d)", self.node, name, task, gpu,

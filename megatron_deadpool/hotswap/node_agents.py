@@ -87,12 +87,12 @@ class StoreAgents:
         verdict = self._verdicts.get(node)
         if verdict is not None and now - verdict[1] < bound:
             return verdict[0]
-        (first,) = self.membership.agent_beats([node])
+        first = self.membership.agent_beat_count(node)
         deadline = now + bound
         beats = False
         while not beats and self.clock() < deadline:
             self.sleep(self.beat_s / 5)
-            beats = self.membership.agent_beats([node])[0] != first
+            beats = self.membership.agent_beat_count(node) != first
         self._verdicts[node] = (beats, self.clock())
         return beats
 
