@@ -40,12 +40,13 @@ from ..digest import final_digest
 from ..errors import ConfigError, CoordinatorUnreachableError, ExitCode
 from ..hotswap.coordinator import Coordinator
 from ..hotswap.events import EventLog
-from ..hotswap.liveness import HeartbeatOnly
+from ..hotswap.liveness import AgentExits, HeartbeatOnly
 from ..hotswap.membership import Membership, host_store
 from ..hotswap.messages import CoordinatorIdentity, JobError
 from ..hotswap.node_agents import StoreAgents
 from ..hotswap.respawn import RespawnBudget
 from ..hotswap.seal import SECRET_ENV, SECRET_FILE_ENV, JobSeal, job_secret, new_secret
+from ..hotswap.silent_connections import SilentConnections
 from ..hotswap.standby import Standby, StandbyWatch
 from ..hotswap.store_files import reserve_files, store_files_needed
 from ..hotswap.supervisor import CoordinatorOnly, Supervisor
@@ -141,13 +142,14 @@ def run(args: argparse.Namespace) -> int:
     if cfg.log_dir:
         check_writable_dir(cfg.log_dir, "--deadpool-log-dir")
     role = "standby" if args.standby else "coordinator"
+    need = store_files_needed(args.world_size, cfg.spares)
     reserve_files(
-        store_files_needed(args.world_size, cfg.spares),
-        f"deadpool {role} (the store of {args.world_size} ranks and {cfg.spares} spare(s))",
+        need, f"deadpool {role} (the store of {args.world_size} ranks and {cfg.spares} spare(s))"
     )
     setup_logging()
-    try:
-        store = host_store(host, port, keepalive_s=cfg.store_keepalive)  # on that host only
+    silent = SilentConnections(need)
+    try:  # on that host only; silent connections watched from the moment it listens
+        store = host_store(host, port, keepalive_s=cfg.store_keepalive, on_listen=silent.watch)
     except (RuntimeError, OSError) as exc:
         raise ConfigError(f"deadpool-coordinator: cannot listen on {address} ({exc})") from None
 
@@ -187,7 +189,7 @@ def run(args: argparse.Namespace) -> int:
         agree_timeout=cfg.agreement_timeout,
         join_timeout=cfg.join_timeout,
         suspect_after=cfg.suspect_after,
-        liveness=HeartbeatOnly(),
+        liveness=HeartbeatOnly() if agents is None else AgentExits(membership),
         events=events,
         say=say,
         agents=agents,
@@ -202,6 +204,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         return _run(args, cfg, coord, deadline, events, say)
     finally:
+        silent.stop()
         coord.close()
 
 

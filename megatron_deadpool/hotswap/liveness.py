@@ -1,7 +1,11 @@
 """What a coordinator knows of a process besides its heartbeat: whether it exited, and killing it.
 
 A launcher on the same machine sees its children exit and can kill a hung one
-(`ProcessLiveness`); a coordinator on a cluster sees no processes (`HeartbeatOnly`).
+(`ProcessLiveness`); a coordinator on a cluster sees no processes (`HeartbeatOnly`), unless its
+nodes run `deadpool agent`, which report the exits of the processes they started through the
+store (`AgentExits`: a crash is known within an agent's beat, not after its peers' failure
+reports and a silence). A hung process is killed by its agent when the coordinator orders its
+respawn, never by the coordinator.
 """
 
 from __future__ import annotations
@@ -11,6 +15,8 @@ import signal
 import subprocess
 from collections.abc import Iterable
 from typing import Protocol
+
+from .membership import Membership
 
 
 class Liveness(Protocol):
@@ -73,6 +79,28 @@ class HeartbeatOnly:
 
     def exits(self) -> dict[str, int]:
         return {}
+
+    def kill(self, pid: str) -> bool:
+        return False
+
+
+class AgentExits:
+    """A coordinator whose nodes run `deadpool agent`: the exits the agents report
+    (`Membership.process_exits`, one store request per look when none is new)."""
+
+    def __init__(self, membership: Membership) -> None:
+        self.membership = membership
+        self.seen = 0
+        self.codes: dict[str, int] = {}
+
+    def exited(self, pid: str) -> int | None:
+        return self.codes.get(pid)
+
+    def exits(self) -> dict[str, int]:
+        self.seen, new = self.membership.process_exits(self.seen)
+        for exit in new:
+            self.codes[exit.member] = exit.code
+        return dict(self.codes)
 
     def kill(self, pid: str) -> bool:
         return False

@@ -38,6 +38,7 @@ from .membership import Membership, host_store
 from .messages import JobError, task_of
 from .respawn import RespawnBudget
 from .seal import JobSeal
+from .silent_connections import SilentConnections
 from .store_files import reserve_files, store_files_needed
 from .warm_start import WarmStart
 
@@ -83,8 +84,9 @@ class LocalJob:
         self._spawn = spawn
         self._local_ranks: dict[str, int] = {}  # a respawned process: its predecessor's GPU
         self._nodes: dict[str, int] = {}  # ... and its node
+        need = store_files_needed(world_size, self.spares, per_process=LAUNCHER_FILES_PER_PROCESS)
         reserve_files(
-            store_files_needed(world_size, self.spares, per_process=LAUNCHER_FILES_PER_PROCESS),
+            need,
             f"this launcher (the store and processes of {world_size} ranks and "
             f"{self.spares} spare(s))",
         )
@@ -100,7 +102,8 @@ class LocalJob:
             )
         self._segments: dict[str, Path] = {}
         host = self._store_host()
-        store = host_store(host, 0, keepalive_s=cfg.store_keepalive)
+        self.silent = SilentConnections(need)
+        store = host_store(host, 0, keepalive_s=cfg.store_keepalive, on_listen=self.silent.watch)
         self.address = f"{host}:{store.port}"
         self.membership = Membership(store, "launcher", JobSeal(token))
         self.membership.set_token()
@@ -321,4 +324,5 @@ class LocalJob:
         self.starter.close()  # after the processes it forked: it reports their exits
         if self.segments_root is not None:
             shutil.rmtree(self.segments_root, ignore_errors=True)
+        self.silent.stop()
         self.coordinator.close()

@@ -108,6 +108,8 @@ Keys (the message type of each structured value in CamelCase):
                               counts a process's
   agent/{node}/orders         counter of the coordinator's orders to that agent
   agent/{node}/order/{n}      RespawnOrder n: start a process there in a failed one's place
+  agents/exits                counter of the exits the agents saw
+  agents/exit/{n}             ProcessExit n: a process an agent started ended, with its code
 
 What is deleted, and when (`retention.py`): rank 0 keeps the last `RETAINED_ITERATIONS` of its
 `metrics/g{g}/{it}` records (publishing one deletes the one that many iterations back), and once
@@ -155,6 +157,7 @@ from .messages import (
     OutOfRedundancy,
     Plan,
     Preempted,
+    ProcessExit,
     Registration,
     RespawnOrder,
     Roster,
@@ -939,21 +942,44 @@ class Membership:
 
     def respawn_orders(self, node: int, seen: int) -> tuple[int, list[RespawnOrder]]:
         """Node `node`'s orders after the first `seen`: how many were read now, and those that
-        arrived. A number given out and not written yet is read the next time, unless a later
-        one is written (a stranger's bump of the counter holds nothing up); a forged order is
-        dropped, and logged."""
-        count = self.store.add(Keys.AGENT_ORDERS.format(node=node), 0)
-        raws = [
-            self._peek(Keys.AGENT_ORDER.format(node=node, n=n)) for n in range(seen + 1, count + 1)
-        ]
+        arrived (`_numbered`)."""
+        count, values = self._numbered(
+            Keys.AGENT_ORDERS.format(node=node),
+            lambda n: Keys.AGENT_ORDER.format(node=node, n=n),
+            seen,
+        )
+        return count, [RespawnOrder.decode(key, value) for key, value in values]
+
+    def report_exit(self, exit: ProcessExit) -> None:
+        """An agent saw a process it started exit (the coordinator need not wait for its
+        silence)."""
+        n = self.store.add(Keys.AGENT_EXITS, 1)
+        self._set(Keys.AGENT_EXIT.format(n=n), exit.encode())
+
+    def process_exits(self, seen: int) -> tuple[int, list[ProcessExit]]:
+        """The exits the agents reported after the first `seen` (`_numbered`)."""
+        count, values = self._numbered(
+            Keys.AGENT_EXITS, lambda n: Keys.AGENT_EXIT.format(n=n), seen
+        )
+        return count, [ProcessExit.decode(key, value) for key, value in values]
+
+    def _numbered(
+        self, counter: str, key_of: Callable[[int], str], seen: int
+    ) -> tuple[int, list[tuple[str, bytes]]]:
+        """The values numbered by `counter` after the first `seen`: how many were read now,
+        and (key, opened value) of those that arrived. A number given out and not written yet
+        is read the next time, unless a later one is written (a stranger's bump of the counter
+        holds nothing up); a forged value is dropped, and logged."""
+        count = self.store.add(counter, 0)
+        raws = [self._peek(key_of(n)) for n in range(seen + 1, count + 1)]
         while raws and raws[-1] is None:  # not written yet
             raws.pop()
-        out: list[RespawnOrder] = []
+        out: list[tuple[str, bytes]] = []
         for n, raw in enumerate(raws, start=seen + 1):
-            key = Keys.AGENT_ORDER.format(node=node, n=n)
+            key = key_of(n)
             value = None if raw is None else self._open(key, raw)
             if value is not None:
-                out.append(RespawnOrder.decode(key, value))
+                out.append((key, value))
         return seen + len(raws), out
 
     # ------------------------------------------------------------------ out of redundancy
@@ -969,12 +995,18 @@ class Membership:
 
 
 def host_store(
-    host: str, port: int, timeout_s: float = 300.0, keepalive_s: float | None = None
+    host: str,
+    port: int,
+    timeout_s: float = 300.0,
+    keepalive_s: float | None = None,
+    on_listen: Callable[[int], None] = lambda port: None,
 ) -> dist.TCPStore:
     """Host the job's store listening on `host` only (torch's own server binds every interface).
 
     Port 0 picks a free port (`store.port`). `keepalive_s`: a connection whose host has not
-    answered for that long is dropped (`store_files.keep_alive`; None: never). The listening
+    answered for that long is dropped (`store_files.keep_alive`; None: never). `on_listen`:
+    called with the port as soon as it listens, before torch's server and the store's own
+    client start (`SilentConnections.watch`: from that moment anyone may connect). The listening
     socket is handed to torch, which closes it when the store goes: Python's socket object is
     detached, so that its own close cannot hit the same descriptor number a second time - by then
     possibly another socket's (a race seen as EBADF on an unrelated socket's close).
@@ -987,6 +1019,7 @@ def host_store(
             keep_alive(sock, keepalive_s)
         sock.bind((host, port))
         sock.listen(1024)
+        on_listen(sock.getsockname()[1])
         store = dist.TCPStore(
             host,
             sock.getsockname()[1],

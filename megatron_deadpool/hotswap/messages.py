@@ -80,6 +80,8 @@ class Keys:
     AGENT_BEAT = "agent/{node}/hb"
     AGENT_ORDERS = "agent/{node}/orders"
     AGENT_ORDER = "agent/{node}/order/{n}"
+    AGENT_EXITS = "agents/exits"
+    AGENT_EXIT = "agents/exit/{n}"
 
     UNSEALED = (
         INBOX,
@@ -98,6 +100,7 @@ class Keys:
         AGENTS_NEXT,
         AGENT_BEAT,
         AGENT_ORDERS,
+        AGENT_EXITS,
     )
     """What holds no sealed value (`seal.py`): the counters (`add` cannot carry a MAC), the
     coordinator's wake-up queue, and torch's rendezvous keys under `gen{g}/`."""
@@ -562,6 +565,20 @@ class RespawnOrder(Message):
     def validate(self) -> None:
         require(is_member(self.member) and is_member(self.replaces), "not a member name")
         require(self.rank >= 0, "a rank below 0")
+
+
+@dataclass(frozen=True)
+class ProcessExit(Message):
+    """`agents/exit/{n}`: the n-th exit the nodes' agents saw - `member`, started by node
+    `node`'s agent, ended with `code` (-N: killed by signal N)."""
+
+    member: str
+    code: int
+    node: int
+
+    def validate(self) -> None:
+        require(is_member(self.member), "not a member name")
+        require(self.node >= 0, "a node below 0")
 
 
 # ---------------------------------------------------------------------- a standby takes over

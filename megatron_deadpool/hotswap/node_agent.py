@@ -13,6 +13,9 @@ allocation) - each with its `RANK`, `LOCAL_RANK` (its GPU) and its log `task-{t}
     (`replaces`) is killed if it still runs (a hung one), and a new one starts on its GPU with
     its folder, under the order's member name; it restores from its own snapshot, and no spare
     node is spent;
+  - reports each exit of a process it started (`agents/exit/{n}`, a `ProcessExit`), so that
+    the coordinator knows of a crash within a beat (`liveness.AgentExits`), not after the
+    peers' failure reports and a silence;
   - follows the job to a standby coordinator that took it over (the first of
     `--deadpool-coordinator` that serves the job).
 Every process learns its node's number in the job (`AGENT_NODE_ENV`) and announces it, so the
@@ -23,7 +26,9 @@ name from the store; the agent finds a process an order names by the OS pid it a
 ends once every process it started has exited and the job is over (the coordinator's shutdown,
 or no coordinator left for the connect timeout): processes still running `grace_s` after that
 are killed, and the node's folders are deleted. A node whose agent is lost (the node crashed,
-froze or was cut off) is condemned by the coordinator: its failed ranks take spares.
+froze or was cut off) is condemned by the coordinator: its failed ranks take spares. An injected
+node fault (`--deadpool-fail node:N@ITER`) makes that happen on purpose: the agent that sees its
+process struck by one kills the node's other processes, deletes its memory and SIGKILLs itself.
 """
 
 from __future__ import annotations
@@ -46,7 +51,7 @@ from .connection import STORE_ERRORS, BoundedStore, open_client
 from .forkserver import Preload
 from .liveness import kill_groups
 from .membership import Membership
-from .messages import AGENT_NODE_ENV, RespawnOrder, member_of, task_of
+from .messages import AGENT_NODE_ENV, ProcessExit, RespawnOrder, is_member, member_of, task_of
 from .seal import JobSeal
 from .warm_start import ForkedProcess, WarmStart
 
@@ -119,6 +124,7 @@ class NodeAgent:
         self.started: dict[str, Started] = {}  # member name (joining{i}: not known yet)
         self.membership: Membership | None = None
         self.orders_seen = 0
+        self._exits_seen: set[str] = set()
 
     # ------------------------------------------------------------------ processes
     def start(self) -> None:
@@ -176,6 +182,20 @@ class NodeAgent:
             return None
         return next((s for s in self.started.values() if s.proc.pid == where.os_pid), None)
 
+    def _member_of(self, name: str, started: Started) -> str | None:
+        """The member name of the process the agent started as `name`: that name, or for a
+        process that joined (`joining{i}`: it took its name from the store) the spare that
+        announced its OS pid from this host, if any."""
+        if is_member(name):
+            return name
+        assert self.membership is not None
+        host = socket.gethostname()
+        for i in range(self.membership.spare_names_claimed()):
+            where = self.membership.announcement(f"s{i}")
+            if where is not None and (where.host, where.os_pid) == (host, started.proc.pid):
+                return f"s{i}"
+        return None
+
     def _carry_out(self, order: RespawnOrder) -> None:
         if order.member in self.started:
             return  # an order read twice (after a reconnection)
@@ -227,6 +247,26 @@ class NodeAgent:
             self.membership = None
             return False
 
+    def _notice_exits(self) -> bool:
+        """Report the exits of this node's processes since the last look (`ProcessExit`: the
+        coordinator need not wait for their silence); True if a node fault
+        (`--deadpool-fail node:N@ITER`) struck one of them: the node is to go down whole, its
+        agent with it."""
+        try:
+            for name, started in self.started.items():
+                code = started.proc.poll()
+                if code is None or name in self._exits_seen or self.membership is None:
+                    continue
+                member = self._member_of(name, started)
+                if member is not None and self.membership.node_lost(member):
+                    return True
+                if member is not None:
+                    self.membership.report_exit(ProcessExit(member, code, self.node))
+                self._exits_seen.add(name)
+        except STORE_ERRORS:
+            pass  # reported at the next look
+        return False
+
     def _job_over(self) -> bool:
         try:
             return self.membership is not None and self.membership.shutdown_requested()
@@ -243,6 +283,12 @@ class NodeAgent:
             while True:
                 now = time.monotonic()
                 reached = self._look()
+                if reached and self._notice_exits():
+                    log.warning("node %d: a node fault struck (--deadpool-fail node:%d@...): "
+                                "the node goes down whole, its agent with it", self.node,
+                                self.node)  # fmt: skip
+                    self.close()  # its processes, and its memory
+                    os.kill(os.getpid(), signal.SIGKILL)
                 unreachable_since = None if reached else (unreachable_since or now)
                 lost = unreachable_since is not None and now - unreachable_since > (
                     self.connect_timeout

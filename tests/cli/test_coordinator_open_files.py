@@ -11,18 +11,23 @@ about 100 ms here, which made 2,100 of them take 3.5 minutes)."""
 from __future__ import annotations
 
 import os
+import re
 import resource
 import shutil
 import socket
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
+import torch.distributed as dist
 from conftest import REPO_ROOT, deadpool_command
 from procs import free_port, wait_until
 
 from megatron_deadpool.bench.store_wire import Hub, WireStore
 from megatron_deadpool.config.deadpool import DeadpoolConfig
+from megatron_deadpool.hotswap.connection import open_client
+from megatron_deadpool.hotswap.silent_connections import GRACE_S
 from megatron_deadpool.hotswap.store_files import CONNECTIONS_PER_PROCESS, store_files_needed
 
 CLIENTS = 2100
@@ -116,3 +121,44 @@ def test_a_coordinator_refuses_a_job_its_hard_limit_cannot_hold() -> None:
     assert proc.returncode == 2, (out, err)
     (line,) = err.strip().splitlines()
     assert f"ulimit -n {need}" in line and f"at most {DEFAULT_SOFT}" in line, line
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(shutil.which("prlimit") is None, reason="needs util-linux's prlimit")
+def test_silent_connections_that_lock_the_job_out_are_dropped() -> None:
+    """A coordinator whose hard limit is exactly what its job needs; connections that never send
+    a byte fill its descriptors, and a client of the job is refused ("Connection reset by
+    peer": the server is at its limit). Within the grace and a look, the coordinator drops the
+    silent ones, says so, and the client gets in."""
+    world = 4
+    need = store_files_needed(world, DeadpoolConfig().spares)
+    port = free_port()
+    proc = _coordinator(world, port, need, need)
+    flood: list[socket.socket] = []
+    try:
+        wait_until(lambda: _accepts(port) or proc.poll() is not None, 60, "the coordinator")
+        assert proc.poll() is None, proc.communicate()
+        for _ in range(need + 20):  # more than it may hold; those past its limit are reset
+            flood.append(socket.create_connection(("127.0.0.1", port), timeout=5.0))
+        t0 = time.monotonic()
+        with pytest.raises(dist.DistError):
+            open_client(f"127.0.0.1:{port}", 2.0)  # locked out
+        client = None
+        while client is None and time.monotonic() - t0 < GRACE_S + 30:
+            try:
+                client = open_client(f"127.0.0.1:{port}", 2.0)
+            except dist.DistError:
+                time.sleep(0.5)
+        if client is None:
+            proc.terminate()
+            raise AssertionError(f"not let in: {proc.communicate(timeout=30)[1][-3000:]}")
+        print(f"the job's client got in {time.monotonic() - t0:.1f}s after the flood")
+        client.set("in", "1")
+        assert client.get("in") == b"1"
+    finally:
+        for sock in flood:
+            sock.close()
+        proc.terminate()
+        _, err = proc.communicate(timeout=30)
+    dropped = re.findall(r"dropped (\d+) connection\(s\) to the job's store that sent nothing", err)
+    assert dropped and sum(map(int, dropped)) >= 1, err

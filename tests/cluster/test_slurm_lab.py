@@ -702,6 +702,8 @@ def test_node_agents_a_crashed_node_revived_joins_with_its_agent_and_takes_over_
     assert sorted(recoveries[0]["replaced_by"].values()) == ["s0", "s1"]
     assert sorted(recoveries[1]["replaced_by"].values()) == joined()
     assert recoveries[2]["respawned"] == {"2": 3}, recoveries
+    # n2's agent reported the crash, finding the name its process took from the store.
+    assert re.search(r"process s[23] exited with code -9", job.text("coordinator.log"))
     assert_trained_like(job, reference)
     assert record["JobState"] == "COMPLETED" and record["ExitCode"] == "0:0", job.describe()
     assert joining.wait_end()["JobState"] == "COMPLETED", joining.describe()

@@ -11,6 +11,7 @@ coordinator's side of the store protocol, on an in-memory store.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import sys
 from collections.abc import Callable
@@ -22,9 +23,10 @@ from conftest import REPO_ROOT, TrainRun, run_deadpool
 from procs import free_port, wait_until
 from stores import SEAL
 
+from megatron_deadpool.hotswap.liveness import AgentExits
 from megatron_deadpool.hotswap.membership import Membership
 from megatron_deadpool.hotswap.memory_store import MemoryStore
-from megatron_deadpool.hotswap.messages import AGENT_NODE_ENV, Keys, RespawnOrder
+from megatron_deadpool.hotswap.messages import AGENT_NODE_ENV, Keys, ProcessExit, RespawnOrder
 from megatron_deadpool.hotswap.node_agents import BEATS_AWAITED, UNKNOWN, StoreAgents
 
 CONFIG = str(REPO_ROOT / "configs" / "cpu-demo.yaml")
@@ -65,6 +67,8 @@ def test_a_crashed_and_a_hung_process_are_respawned_on_their_nodes_no_spare_spen
     # Every process was forked from its agent's fork server, the respawned ones too.
     for node in range(3):
         assert "fresh interpreter" not in log_of(logs, f"agent{node}.out")
+    # The crash was known from its agent's report of the exit, not from a silence.
+    assert "process a2 exited with code -9" in log_of(logs, "coordinator.out")
     # The hung process was killed by its agent; the spares s0 and s1 never took a rank.
     assert "killed a1 (named dead while still running)" in log_of(logs, "agent0.out")
     assert "spare s0] INFO released" in log_of(logs, "task-4.log"), describe(logs)
@@ -74,13 +78,17 @@ def test_a_crashed_and_a_hung_process_are_respawned_on_their_nodes_no_spare_spen
 def test_an_agent_lost_with_its_processes_condemns_its_node_the_spares_take_over(
     tmp_path: Path, failure_free: Callable[[int], TrainRun]
 ) -> None:
-    """Node 1's agent and both its processes SIGKILLed at iteration 3 (a node lost whole): its
-    agent no longer beats, so ranks 2 and 3 take the spares of node 2, not a respawn."""
+    """A node fault at iteration 3 (`node:1@3`): ranks 2 and 3 SIGKILL themselves, and node 1's
+    agent, seeing it, kills the rest of its node and itself with SIGKILL (a node lost whole, at
+    a chosen iteration: killed from here, it raced the job's last iterations). Its agent no
+    longer beats, so ranks 2 and 3 take the spares of node 2, not a respawn."""
     logs = tmp_path / "logs"
-    with agents_job(logs, _worker(ITERS), ["--config", CONFIG]) as job:
-        wait_until(lambda: "iteration 3/" in log_of(logs, "task-0.log"), 240, "iteration 3")
-        kill_node(job.procs[2])
+    with agents_job(
+        logs, _worker(ITERS, "--deadpool-fail", "node:1@3"), ["--config", CONFIG]
+    ) as job:
         assert job.procs[0].wait(timeout=330) == 0, describe(logs)
+        assert job.procs[2].wait(timeout=30) == -signal.SIGKILL, describe(logs)
+    assert "a node fault struck" in log_of(logs, "agent1.out")
     seen = events(logs)
     (recovered,) = [e for e in seen if e["event"] == "recovered"]
     assert recovered["dead_ranks"] == [2, 3], describe(logs)
@@ -151,6 +159,21 @@ def test_orders_reach_their_node_once_and_forged_or_missing_ones_hold_nothing_up
     assert seen == 4 and orders == [RespawnOrder("s3", "s2", 2)]
 
 
+def test_exits_the_agents_report_reach_the_coordinator_once_and_forged_ones_are_dropped() -> None:
+    coord, agent = _memberships()
+    exits = AgentExits(coord)
+    assert exits.exits() == {} and exits.exited("a2") is None
+    agent.report_exit(ProcessExit("a2", -9, 1))
+    agent.report_exit(ProcessExit("s0", 0, 2))
+    assert exits.exits() == {"a2": -9, "s0": 0} and exits.exited("a2") == -9
+    assert exits.seen == 2 and exits.exits() == {"a2": -9, "s0": 0}  # nothing new
+    # A stranger's exit (not sealed with the job's secret) names no one dead.
+    agent.store.add(Keys.AGENT_EXITS, 1)
+    agent.store.set(Keys.AGENT_EXIT.format(n=3), ProcessExit("a0", -9, 0).encode())
+    assert exits.exits() == {"a2": -9, "s0": 0} and exits.exited("a0") is None
+    assert not exits.kill("a2")  # a hung process is killed by its agent, on an order
+
+
 def test_a_joined_agents_node_is_numbered_after_the_jobs_and_its_processes_found_on_it(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -202,6 +225,8 @@ def test_a_node_that_joins_with_its_agent_takes_a_lost_nodes_ranks_and_respawns_
     _, _, reference = failure_free(JOIN_ITERS)
     assert finished["final_param_digest"] == reference["final_param_digest"], describe(logs)
     assert "takes rank 2 in place of" in log_of(joined, "agent.out")
+    # Its crash was reported by its agent, which found the name it took from the store.
+    assert re.search(r"process s[23] exited with code -9", log_of(logs, "coordinator.out"))
 
 
 @pytest.mark.timeout(60)

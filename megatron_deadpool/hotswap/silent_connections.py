@@ -1,0 +1,182 @@
+"""Connections to the job's store that never said a word, dropped when they crowd out the job's.
+
+torch's store server (libuv) accepts every connection and holds its descriptor until the peer
+closes it. Keep-alive (`store_files.keep_alive`) frees the connections of a host that vanished,
+not those of a live host that connects and stays silent - a port scanner, a health check that
+never hangs up, a stray `nc`. Under an open-files limit sized to the job, enough of them lock
+the job's processes out: the server is at its limit, and libuv accepts and at once closes
+whatever else connects ("Connection reset by peer"; measured: 100 silent connections with 64
+allowed files).
+
+Every client of the store speaks first: torch's client sends its validation message the moment
+it connects (and DeadPool's reachability probes hang up at once). So a connection over which
+nothing at all has arrived for `GRACE_S` seconds is no client of the job. `SilentConnections`, a
+thread of the process that hosts the store (`deadpool coordinator`, a standby, the local
+launchers), counts that process's open files every `INTERVAL_S` seconds; only when they exceed
+what the job needs (`store_files.store_files_needed`), or 90% of its limit, does it look at each connection the
+server accepted (a socket in /proc/self/fd whose local port is the store's) and shut the silent
+ones down: the server then reads end-of-file and closes them itself. Only then, because reading
+every connection's `TCP_INFO` costs the host's CPU in proportion to the job's size.
+
+Not covered: a peer that sends something and then stays silent looks like a client blocked in
+a wait (a rank waiting for the next plan sends nothing for minutes), and is kept. Against a
+host that does that on purpose the network must be the cluster's own (README, trust model).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import resource
+import socket
+import struct
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from .store_files import OpenFiles
+
+log = logging.getLogger(__name__)
+
+GRACE_S = 10.0
+"""How long a connection may stay silent from its start before it may be dropped (a client
+sends its first message within milliseconds of connecting; a loaded host's within seconds)."""
+
+INTERVAL_S = 2.0
+"""How often the hosting process counts its open files."""
+
+CROWDED_SHARE = 0.9
+"""The share of the soft open-files limit past which the thread looks, whatever the job needs."""
+
+_LAST_DATA_RECV = 52  # struct tcp_info (linux/tcp.h): __u32 tcpi_last_data_recv, ms
+_BYTES_RECEIVED = 128  # __u64 tcpi_bytes_received (Linux 4.1+)
+
+
+@dataclass(frozen=True)
+class Silence:
+    """What `TCP_INFO` says of a connection: bytes that arrived over it, and milliseconds since
+    the last did (since it was established, when none did)."""
+
+    received: int
+    quiet_ms: int
+
+    def silent_for(self, seconds: float) -> bool:
+        """Nothing ever arrived, and the connection is at least `seconds` old."""
+        return self.received == 0 and self.quiet_ms >= seconds * 1000
+
+
+def silence(sock: socket.socket) -> Silence | None:
+    """`sock`'s `Silence`; None where the kernel does not report bytes received."""
+    info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 256)
+    if len(info) < _BYTES_RECEIVED + 8:
+        return None
+    (quiet_ms,) = struct.unpack_from("I", info, _LAST_DATA_RECV)
+    (received,) = struct.unpack_from("Q", info, _BYTES_RECEIVED)
+    return Silence(received, quiet_ms)
+
+
+def crowded(allowed: int) -> int:
+    """The open files past which a look is due: what the job needs (`allowed`), or
+    `CROWDED_SHARE` of the soft limit if that is lower (a limit set to just what the job needs
+    is reached by the silent connections, never passed)."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        return allowed
+    return min(allowed, int(soft * CROWDED_SHARE))
+
+
+def accepted(port: int, fds: list[int]) -> Iterator[socket.socket]:
+    """Each of `fds` that is a connection this process accepted on local port `port`, as a
+    socket object that borrows the descriptor (no duplicate: there may be no descriptor left
+    to make one); the caller must not close it. One closed and reused meanwhile is judged as
+    what it is now."""
+    for fd in fds:
+        try:
+            if not os.readlink(f"/proc/self/fd/{fd}").startswith("socket:"):
+                continue
+            sock = socket.socket(fileno=fd)
+        except OSError:
+            continue
+        try:
+            if _accepted_on(sock, port):
+                yield sock
+        finally:
+            sock.detach()  # the descriptor stays its owner's, whatever happened
+
+
+def _accepted_on(sock: socket.socket, port: int) -> bool:
+    if sock.family not in (socket.AF_INET, socket.AF_INET6) or sock.type != socket.SOCK_STREAM:
+        return False
+    try:
+        if sock.getsockname()[1] != port:
+            return False
+        sock.getpeername()  # a listening socket has no peer
+    except OSError:
+        return False
+    return True
+
+
+def drop_silent(port: int, fds: list[int], grace_s: float = GRACE_S) -> list[str]:
+    """Shut down every connection among `fds` accepted on `port` over which nothing arrived in
+    its first `grace_s` seconds; their peers ("host:port"). Torch's server then reads
+    end-of-file on each and closes it."""
+    dropped = []
+    for sock in accepted(port, fds):
+        try:
+            quiet = silence(sock)
+            if quiet is None or not quiet.silent_for(grace_s):
+                continue
+            peer = sock.getpeername()
+            sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            continue
+        dropped.append(f"{peer[0]}:{peer[1]}")
+    return dropped
+
+
+class SilentConnections(threading.Thread):
+    """The thread of a store's host that drops silent connections once its open files exceed
+    `allowed`, with a warning naming them."""
+
+    def __init__(
+        self, allowed: int, *, grace_s: float = GRACE_S, interval_s: float = INTERVAL_S
+    ) -> None:
+        super().__init__(name="deadpool-silent-connections", daemon=True)
+        self.port, self.allowed = 0, allowed
+        self.grace_s, self.interval_s = grace_s, interval_s
+        self._halt = threading.Event()
+        self._files = OpenFiles()  # now, while a descriptor is still to be had
+
+    def watch(self, port: int) -> None:
+        """Start watching the store listening on `port` (`membership.host_store`'s
+        `on_listen`)."""
+        self.port = port
+        self.start()
+
+    def run(self) -> None:
+        try:
+            while not self._halt.wait(self.interval_s):
+                self._look()
+        finally:
+            self._files.close()
+
+    def _look(self) -> None:
+        if self._files.count() <= crowded(self.allowed):
+            return
+        dropped = drop_silent(self.port, self._files.list(), self.grace_s)
+        if not dropped:
+            return
+        shown = ", ".join(dropped[:5]) + (
+            f" and {len(dropped) - 5} more" if len(dropped) > 5 else ""
+        )
+        log.warning(
+            "dropped %d connection(s) to the job's store that sent nothing in %gs (no client "
+            "of the job): %s",
+            len(dropped),
+            self.grace_s,
+            shown,
+        )
+
+    def stop(self) -> None:
+        """End the thread (at its next look)."""
+        self._halt.set()
