@@ -1019,10 +1019,11 @@ def host_store(
             keep_alive(sock, keepalive_s)
         sock.bind((host, port))
         sock.listen(1024)
-        on_listen(sock.getsockname()[1])
+        listening = sock.getsockname()[1]
+        on_listen(listening)
         store = dist.TCPStore(
             host,
-            sock.getsockname()[1],
+            listening,
             is_master=True,
             wait_for_workers=False,
             timeout=datetime.timedelta(seconds=timeout_s),

@@ -51,7 +51,15 @@ from .connection import STORE_ERRORS, BoundedStore, open_client
 from .forkserver import Preload
 from .liveness import kill_groups
 from .membership import Membership
-from .messages import AGENT_NODE_ENV, ProcessExit, RespawnOrder, is_member, member_of, task_of
+from .messages import (
+    AGENT_NODE_ENV,
+    Announcement,
+    ProcessExit,
+    RespawnOrder,
+    is_member,
+    member_of,
+    task_of,
+)
 from .seal import JobSeal
 from .warm_start import ForkedProcess, WarmStart
 
@@ -178,9 +186,7 @@ class NodeAgent:
             return self.started[member]
         assert self.membership is not None
         where = self.membership.announcement(member)
-        if where is None or where.host != socket.gethostname():
-            return None
-        return next((s for s in self.started.values() if s.proc.pid == where.os_pid), None)
+        return next((s for s in self.started.values() if _announced(where, s)), None)
 
     def _member_of(self, name: str, started: Started) -> str | None:
         """The member name of the process the agent started as `name`: that name, or for a
@@ -189,10 +195,8 @@ class NodeAgent:
         if is_member(name):
             return name
         assert self.membership is not None
-        host = socket.gethostname()
         for i in range(self.membership.spare_names_claimed()):
-            where = self.membership.announcement(f"s{i}")
-            if where is not None and (where.host, where.os_pid) == (host, started.proc.pid):
+            if _announced(self.membership.announcement(f"s{i}"), started):
                 return f"s{i}"
         return None
 
@@ -252,10 +256,12 @@ class NodeAgent:
         coordinator need not wait for their silence); True if a node fault
         (`--deadpool-fail node:N@ITER`) struck one of them: the node is to go down whole, its
         agent with it."""
+        if self.membership is None:
+            return False
         try:
             for name, started in self.started.items():
                 code = started.proc.poll()
-                if code is None or name in self._exits_seen or self.membership is None:
+                if code is None or name in self._exits_seen:
                     continue
                 member = self._member_of(name, started)
                 if member is not None and self.membership.node_lost(member):
@@ -310,6 +316,14 @@ class NodeAgent:
         kill_groups([s.proc for s in self.started.values()])  # type: ignore[misc]  # Popen-like
         self.starter.close()  # after the processes it forked: it reports their exits
         shutil.rmtree(self.root, ignore_errors=True)
+
+
+def _announced(where: Announcement | None, started: Started) -> bool:
+    """Whether announcement `where` is that of process `started`: from this host, its OS pid."""
+    return where is not None and (where.host, where.os_pid) == (
+        socket.gethostname(),
+        started.proc.pid,
+    )
 
 
 def stop_on_term(agent: NodeAgent) -> None:

@@ -150,15 +150,14 @@ class MegatronLauncher:
         runner = [] if self.patched else ["-m", "megatron_deadpool.megatron_lm"]
         cmd = [sys.executable, *runner, self.script, *self.script_args]
         child_env = {**env, "RANK": str(task)}  # LOCAL_RANK: LocalJob.spawn
-        self.local.spawn(member, cmd, child_env, subprocess.PIPE, preload=self._preload())
+        self.local.spawn(
+            member, cmd, child_env, subprocess.PIPE, preload=runner_preload(self.script)
+        )
         thread = threading.Thread(
             target=self._forward, args=(member, self.local.procs[member]), daemon=True
         )
         thread.start()
         self.threads[member] = thread
-
-    def _preload(self) -> Preload:
-        return runner_preload(self.script)
 
     # ------------------------------------------------------------------ run
     def run(self) -> int:

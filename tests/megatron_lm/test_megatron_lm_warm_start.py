@@ -1,7 +1,7 @@
 """`deadpool megatron-lm`'s fork server imports Megatron from the script's tree, the way the
-runner does (`MegatronLauncher._preload`): a forked process finds the tree's `megatron.core` and
-`megatron.training` already imported - never the installed megatron-core -, the CPU mode on,
-and nothing of CUDA initialised in the server."""
+runner does (`megatron_lm.launch.runner_preload`): a forked process finds the tree's
+`megatron.core` and `megatron.training` already imported - never the installed megatron-core -,
+the CPU mode on, and nothing of CUDA initialised in the server."""
 
 from __future__ import annotations
 
@@ -32,11 +32,11 @@ print(json.dumps({
 
 @pytest.mark.timeout(300)
 def test_the_fork_server_imports_the_scripts_tree_never_the_installed_core() -> None:
-    from megatron_deadpool.megatron_lm.launch import MegatronLauncher
+    from megatron_deadpool.megatron_lm.launch import runner_preload
 
     tree = megatron_lm_tree(NEWEST)
     script = tree / "pretrain_gpt.py"
-    preload = MegatronLauncher(str(script), [], 1)._preload()
+    preload = runner_preload(str(script))
     assert preload.path == (str(tree),) and preload.scripts == (str(script),)
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", PYTHONUNBUFFERED="1")
     server = ForkServer(preload, env)
