@@ -171,7 +171,7 @@ def run(args: argparse.Namespace) -> int:
         join_timeout=cfg.join_timeout,
         pg_timeout=cfg.pg_timeout,
     )
-    agents = None
+    agents, exits = None, AgentExits(membership)
     if cfg.respawn_limit and cfg.ranks_per_node is not None:  # every node runs `deadpool agent`
         agents = StoreAgents(
             membership,
@@ -179,6 +179,7 @@ def run(args: argparse.Namespace) -> int:
             processes=args.world_size + cfg.spares,
             ranks_per_node=cfg.ranks_per_node,
             beat_s=cfg.heartbeat_interval,
+            exits=exits,
         )
     coord = Coordinator(
         membership,
@@ -189,7 +190,7 @@ def run(args: argparse.Namespace) -> int:
         agree_timeout=cfg.agreement_timeout,
         join_timeout=cfg.join_timeout,
         suspect_after=cfg.suspect_after,
-        liveness=HeartbeatOnly() if agents is None else AgentExits(membership),
+        liveness=HeartbeatOnly() if agents is None else exits,
         events=events,
         say=say,
         agents=agents,

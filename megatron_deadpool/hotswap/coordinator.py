@@ -514,6 +514,9 @@ class Coordinator:
         if not self._agents.alive(node):
             self.events("respawn_refused", rank=rank, node=node, why="node lost")
             return None
+        if not self._respawn.recalled(node):  # its respawns for a coordinator this one replaced
+            history = self.membership.respawn_history(node)
+            self._respawn.recall(node, history.ages if history else (), now)
         if not self._respawn.allows(node, now):
             self.events("respawn_refused", rank=rank, node=node, why="respawn limit reached")
             self.say(

@@ -92,6 +92,7 @@ class AgentExits:
         self.membership = membership
         self.seen = 0
         self.codes: dict[str, int] = {}
+        self.nodes: dict[str, int] = {}  # the node each exited process ran on
 
     def exited(self, pid: str) -> int | None:
         return self.codes.get(pid)
@@ -100,6 +101,7 @@ class AgentExits:
         self.seen, new = self.membership.process_exits(self.seen)
         for exit in new:
             self.codes[exit.member] = exit.code
+            self.nodes[exit.member] = exit.node
         return dict(self.codes)
 
     def kill(self, pid: str) -> bool:

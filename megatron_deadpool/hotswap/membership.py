@@ -159,6 +159,7 @@ from .messages import (
     Preempted,
     ProcessExit,
     Registration,
+    RespawnHistory,
     RespawnOrder,
     Roster,
     Sources,
@@ -949,6 +950,17 @@ class Membership:
             seen,
         )
         return count, [RespawnOrder.decode(key, value) for key, value in values]
+
+    def set_respawn_history(self, node: int, history: RespawnHistory) -> None:
+        """Node `node`'s respawns so far, for a coordinator that took the job over."""
+        key = Keys.AGENT_RESPAWNS.format(node=node)
+        self._set(key, history.encode())
+
+    def respawn_history(self, node: int) -> RespawnHistory | None:
+        """Node `node`'s respawns under earlier coordinators, if its agent wrote them here."""
+        key = Keys.AGENT_RESPAWNS.format(node=node)
+        value = self._read(key)
+        return None if value is None else RespawnHistory.decode(key, value)
 
     def report_exit(self, exit: ProcessExit) -> None:
         """An agent saw a process it started exit (the coordinator need not wait for its

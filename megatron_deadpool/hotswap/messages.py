@@ -80,6 +80,7 @@ class Keys:
     AGENT_BEAT = "agent/{node}/hb"
     AGENT_ORDERS = "agent/{node}/orders"
     AGENT_ORDER = "agent/{node}/order/{n}"
+    AGENT_RESPAWNS = "agent/{node}/respawns"
     AGENT_EXITS = "agents/exits"
     AGENT_EXIT = "agents/exit/{n}"
 
@@ -579,6 +580,19 @@ class ProcessExit(Message):
     def validate(self) -> None:
         require(is_member(self.member), "not a member name")
         require(self.node >= 0, "a node below 0")
+
+
+@dataclass(frozen=True)
+class RespawnHistory(Message):
+    """`agent/{node}/respawns`: how long ago (seconds, as its agent wrote this) node `node`'s
+    agent carried out each respawn order of the job so far - written to a standby coordinator
+    that took the job over, whose respawn budget (`respawn.py`) then counts them. Ages, not
+    times: no clock travels between hosts."""
+
+    ages: tuple[float, ...]
+
+    def validate(self) -> None:
+        require(all(age >= 0 for age in self.ages), "an age below 0")
 
 
 # ---------------------------------------------------------------------- a standby takes over

@@ -17,7 +17,10 @@ allocation) - each with its `RANK`, `LOCAL_RANK` (its GPU) and its log `task-{t}
     the coordinator knows of a crash within a beat (`liveness.AgentExits`), not after the
     peers' failure reports and a silence;
   - follows the job to a standby coordinator that took it over (the first of
-    `--deadpool-coordinator` that serves the job).
+    `--deadpool-coordinator` that serves the job), and tells it what the lost one knew: the
+    exits it saw (again: they may not have been acted on), when it respawned processes (the
+    node's respawn budget goes on, not afresh: `RespawnHistory`) and the spare names its
+    processes took (the standby hands out none of them again).
 Every process learns its node's number in the job (`AGENT_NODE_ENV`) and announces it, so the
 coordinator finds the node of any process an agent started. An agent that joins a running job
 (`join`: a revived node, or one of another allocation) takes a node number of its own from the
@@ -55,6 +58,7 @@ from .messages import (
     AGENT_NODE_ENV,
     Announcement,
     ProcessExit,
+    RespawnHistory,
     RespawnOrder,
     is_member,
     member_of,
@@ -80,6 +84,8 @@ class Started:
     proc: subprocess.Popen | ForkedProcess
     gpu: int
     folder: Path
+    reported: bool = False
+    """Its exit was reported to the coordinator serving the job now."""
 
 
 class NodeAgent:
@@ -131,8 +137,10 @@ class NodeAgent:
         )
         self.started: dict[str, Started] = {}  # member name (joining{i}: not known yet)
         self.membership: Membership | None = None
+        self.address = ""  # the coordinator's that serves the job (`_connect`)
         self.orders_seen = 0
-        self._exits_seen: set[str] = set()
+        self._respawned_at: list[float] = []  # monotonic times of the orders carried out
+        self.struck = False  # a node fault struck one of its processes (`_notice_exits`)
 
     # ------------------------------------------------------------------ processes
     def start(self) -> None:
@@ -201,8 +209,6 @@ class NodeAgent:
         return None
 
     def _carry_out(self, order: RespawnOrder) -> None:
-        if order.member in self.started:
-            return  # an order read twice (after a reconnection)
         old = self._find(order.replaces)
         if old is None:  # the coordinator moves on to a spare once the join timeout passed
             log.warning("node %d: no process of mine is %s: cannot respawn it", self.node,
@@ -214,6 +220,7 @@ class NodeAgent:
                      order.replaces)  # fmt: skip
         task = task_of(order.member, self.world_size)
         self._start(order.member, task, old.gpu, old.folder, [NOT_JOINING] if self.join else [])
+        self._respawned_at.append(time.monotonic())
         log.info("node %d: %s takes rank %d in place of %s", self.node, order.member, order.rank,
                  order.replaces)  # fmt: skip
 
@@ -222,25 +229,51 @@ class NodeAgent:
 
     # ------------------------------------------------------------------ the coordinator
     def _connect(self) -> Membership | None:
-        """The coordinator serving the job (the first listed that does), or None."""
+        """The coordinator serving the job (the first listed that does), or None; one that
+        took the job over from another is told what that one knew (`_hand_over`)."""
         for address in self.coordinators:
             try:
                 store = BoundedStore(open_client(address, 2.0), max(2.0, self.beat_s * 4))
                 membership = Membership(store, f"agent{self.node}", self.seal)
                 if membership.serves_job():
+                    if self.address and address != self.address:
+                        self._hand_over(membership, address)
+                    self.address = address
                     return membership
             except STORE_ERRORS:
                 continue
         return None
 
+    def _hand_over(self, membership: Membership, address: str) -> None:
+        """A standby took the job over: what the lost coordinator knew from this agent, told
+        again before the first beat there (a beat makes the node eligible for respawns). Its
+        orders are numbered afresh; every exit is reported again (the lost coordinator may
+        have died before acting on one, and the standby finds the node of a process that
+        never re-registered with it by its exit); the node's respawns so far, as ages; spare
+        names from after every one this node's processes took."""
+        now = time.monotonic()
+        membership.set_respawn_history(
+            self.node, RespawnHistory(tuple(now - t for t in self._respawned_at))
+        )
+        taken = [int(name[1:]) for name in self.started if name.startswith("s") and is_member(name)]
+        if taken:
+            membership.number_spares_from(max(taken) + 1)
+        self.orders_seen = 0
+        for started in self.started.values():
+            started.reported = False
+        log.info("node %d: following the job to the coordinator at %s", self.node, address)
+
     def _look(self, orders: bool = True) -> bool:
-        """Beat and carry out new orders; False when the coordinator could not be reached."""
+        """Report exits, beat and carry out new orders; False when the coordinator could not be
+        reached. The exits go first: a coordinator that took the job over learns of them before
+        a beat makes this node eligible for respawns."""
         try:
             if self.membership is None:
                 self.membership = self._connect()
                 if self.membership is None:
                     return False
             if orders:
+                self.struck = self.struck or self._notice_exits()
                 self.membership.agent_beat(self.node)
                 self.orders_seen, new = self.membership.respawn_orders(self.node, self.orders_seen)
                 for order in new:
@@ -252,7 +285,7 @@ class NodeAgent:
             return False
 
     def _notice_exits(self) -> bool:
-        """Report the exits of this node's processes since the last look (`ProcessExit`: the
+        """Report the exits of this node's processes not reported yet (`ProcessExit`: the
         coordinator need not wait for their silence); True if a node fault
         (`--deadpool-fail node:N@ITER`) struck one of them: the node is to go down whole, its
         agent with it."""
@@ -261,14 +294,14 @@ class NodeAgent:
         try:
             for name, started in self.started.items():
                 code = started.proc.poll()
-                if code is None or name in self._exits_seen:
+                if code is None or started.reported:
                     continue
                 member = self._member_of(name, started)
                 if member is not None and self.membership.node_lost(member):
                     return True
                 if member is not None:
                     self.membership.report_exit(ProcessExit(member, code, self.node))
-                self._exits_seen.add(name)
+                started.reported = True
         except STORE_ERRORS:
             pass  # reported at the next look
         return False
@@ -289,7 +322,7 @@ class NodeAgent:
             while True:
                 now = time.monotonic()
                 reached = self._look()
-                if reached and self._notice_exits():
+                if self.struck:
                     log.warning("node %d: a node fault struck (--deadpool-fail node:%d@...): "
                                 "the node goes down whole, its agent with it", self.node,
                                 self.node)  # fmt: skip

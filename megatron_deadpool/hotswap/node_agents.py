@@ -17,8 +17,9 @@ predecessor's node. An agent that joins the running job (`deadpool agent --deadp
 revived node or one of another allocation) takes the next number from the store
 (`agents/next`, counted from the job's own nodes). Any other process - one that joined, or one
 a coordinator respawned before a standby took the job over - is on the node its agent gave it
-and it announced (`messages.AGENT_NODE_ENV`), if any (`UNKNOWN` otherwise: its failure takes
-a spare).
+and it announced (`messages.AGENT_NODE_ENV`), or, if it died before it announced that here,
+that its agent named with its exit (`ProcessExit`); `UNKNOWN` otherwise: its failure takes a
+spare.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
+from .liveness import AgentExits
 from .membership import Membership
 from .messages import RespawnOrder, task_of
 
@@ -47,16 +49,19 @@ class StoreAgents:
         processes: int,
         ranks_per_node: int,
         beat_s: float,
+        exits: AgentExits | None = None,
         clock: Callable[[], float] = time.monotonic,
         sleep: Callable[[float], None] = time.sleep,
     ) -> None:
         """`processes`: the job's initial processes (actives and spares); `beat_s`: the agents'
-        beat interval (the job's heartbeat interval)."""
+        beat interval (the job's heartbeat interval); `exits`: the exits the agents reported
+        (the coordinator's liveness), which name the node of a process that exited."""
         self.membership = membership
         self.world_size = world_size
         self.processes = processes
         self.ranks_per_node = ranks_per_node
         self.beat_s = beat_s
+        self.exits = exits
         self.clock = clock
         self.sleep = sleep
         self._verdicts: dict[int, tuple[bool, float]] = {}  # node -> (alive, when judged)
@@ -69,6 +74,8 @@ class StoreAgents:
         task = task_of(member, self.world_size)
         if task < self.processes:
             return task // self.ranks_per_node
+        if self.exits is not None and member in self.exits.nodes:  # one that never announced
+            return self.exits.nodes[member]  # here: respawned before a standby took over
         where = self.membership.announcement(member)
         if where is None or where.node < 0:
             return UNKNOWN

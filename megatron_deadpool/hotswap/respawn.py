@@ -12,7 +12,9 @@ A node is not trusted forever: a node whose processes keep failing is probably f
 with memory errors, a flaky NIC), and respawning there again and again would stall the job.
 `RespawnBudget` allows `limit` respawns per node within a sliding `window` of seconds; past
 that, and whenever the node's agent is lost (the node crashed, froze or was cut off), its
-failed ranks take spares as before. `limit` 0 turns in-place respawn off.
+failed ranks take spares as before. `limit` 0 turns in-place respawn off. A standby coordinator
+that takes the job over goes on counting from where the lost one was (`recall`: each agent
+tells it how long ago it respawned processes), not afresh.
 
 Pure bookkeeping (an injectable clock); who can start a process where is `NodeAgents`, the
 coordinator's way to reach the agents (`coordinator.py` decides, a launcher or agent acts).
@@ -21,6 +23,7 @@ coordinator's way to reach the agents (`coordinator.py` decides, a launcher or a
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Sequence
 from typing import Protocol
 
 
@@ -46,6 +49,7 @@ class RespawnBudget:
         self.limit = limit
         self.window = window
         self._times: dict[int, deque[float]] = {}
+        self._recalled: set[int] = set()
 
     def allows(self, node: int, now: float) -> bool:
         """Whether node `node` may respawn a process at monotonic time `now`."""
@@ -53,6 +57,20 @@ class RespawnBudget:
         while times and times[0] <= now - self.window:
             times.popleft()
         return len(times) < self.limit
+
+    def recall(self, node: int, ages: Sequence[float], now: float) -> None:
+        """Node `node` respawned processes `ages` seconds before `now` for an earlier
+        coordinator of the job (a standby that took it over: `messages.RespawnHistory`);
+        counted once per node."""
+        if node in self._recalled:
+            return
+        self._recalled.add(node)
+        times = self._times.setdefault(node, deque())
+        self._times[node] = deque(sorted([*times, *(now - age for age in ages)]))
+
+    def recalled(self, node: int) -> bool:
+        """Whether `recall` counted node `node`'s earlier respawns already."""
+        return node in self._recalled
 
     def spend(self, node: int, now: float) -> None:
         """Node `node` respawned a process at `now`."""

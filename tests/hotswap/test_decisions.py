@@ -32,6 +32,7 @@ from megatron_deadpool.hotswap.messages import (
     LayoutRecord,
     Phase,
     Registration,
+    RespawnHistory,
     Verdict,
 )
 from megatron_deadpool.hotswap.rebuild import rebuild
@@ -945,6 +946,28 @@ def test_more_crashes_than_spares_all_recovered_in_place() -> None:
         job.complete(generation)
     assert job.coord.out_of_redundancy is None and len(job.agents.started) == 3
     assert [r["respawned"] for r in job.coord.recoveries] == [{"0": 0}, {"1": 1}, {"2": 2}]
+
+
+def test_a_standby_that_took_over_goes_on_counting_the_respawns_of_the_lost_coordinator() -> None:
+    """Node 1's agent told this coordinator (a standby that took the job over) that it
+    respawned a process 30 s ago: with one respawn per 100 s, node 1's next failure takes a
+    spare, and one 70 s later is respawned again."""
+    job = Job(world=4, per_node=2, spares=2, respawn_limit=1, respawn_window=100.0)
+    job.m("agent1").set_respawn_history(1, RespawnHistory((30.0,)))
+    job.die("a3")
+    job.tick()
+    plan = job.m().plan(1)
+    assert plan is not None and plan.replaced == {3: "s0"}
+    assert job.events.of("respawn_refused")[-1]["why"] == "respawn limit reached"
+    job.report(1, [0, 1, 2])
+    job.tick()
+    assert job.decision(1) == Decision.roster(4)
+    job.complete(1)
+    job.clock.advance(69.0)  # 30 + 1 + 69: the earlier respawn left the window
+    job.die("a2")
+    job.tick()
+    plan = job.m().plan(2)
+    assert plan is not None and plan.replaced == {2: "s2"} and job.agents.started[-1][2] == 1
 
 
 def test_respawn_budget_slides() -> None:

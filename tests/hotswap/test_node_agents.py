@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -23,10 +24,12 @@ from conftest import REPO_ROOT, TrainRun, run_deadpool
 from procs import free_port, wait_until
 from stores import SEAL
 
+from megatron_deadpool.hotswap.connection import BoundedStore, open_client
 from megatron_deadpool.hotswap.liveness import AgentExits
-from megatron_deadpool.hotswap.membership import Membership
+from megatron_deadpool.hotswap.membership import Membership, host_store
 from megatron_deadpool.hotswap.memory_store import MemoryStore
 from megatron_deadpool.hotswap.messages import AGENT_NODE_ENV, Keys, ProcessExit, RespawnOrder
+from megatron_deadpool.hotswap.node_agent import NodeAgent
 from megatron_deadpool.hotswap.node_agents import BEATS_AWAITED, UNKNOWN, StoreAgents
 
 CONFIG = str(REPO_ROOT / "configs" / "cpu-demo.yaml")
@@ -187,6 +190,80 @@ def test_a_joined_agents_node_is_numbered_after_the_jobs_and_its_processes_found
     assert [agents.node_of(m) for m in ("s7", "s8", "s9")] == [3, UNKNOWN, UNKNOWN]
     StoreAgents(coord, world_size=4, processes=6, ranks_per_node=2, beat_s=1.0)
     assert agent.claim_agent_node() == 4  # a second coordinator (a standby) numbers nothing anew
+
+
+def test_a_process_that_died_before_it_announced_here_is_placed_by_its_exit() -> None:
+    """A standby that took the job over never saw s5 (respawned for the lost coordinator, dead
+    before it re-registered): its agent's exit report names its node, so it is respawned
+    there, not replaced by a spare."""
+    coord, agent = _memberships()
+    exits = AgentExits(coord)
+    agents = StoreAgents(
+        coord, world_size=4, processes=6, ranks_per_node=2, beat_s=1.0, exits=exits
+    )  # fmt: skip
+    assert agents.node_of("s5") == UNKNOWN
+    agent.report_exit(ProcessExit("s5", -9, 1))
+    assert exits.exits() == {"s5": -9} and agents.node_of("s5") == 1
+
+
+@pytest.mark.timeout(60)
+def test_an_agent_tells_a_standby_that_took_the_job_over_what_the_lost_coordinator_knew(
+    tmp_path: Path,
+) -> None:
+    """Real processes and stores: the primary orders a respawn (s0 in a1's place), s0 dies,
+    the primary's store is lost. The agent follows the job to the standby and tells it, before
+    its first beat there, both exits with their node, that it respawned once (and when), and
+    that s0 is taken; the standby's first order (numbered afresh) is carried out."""
+    port = free_port()
+    serve = (
+        "import time, torch.distributed as d; "
+        f"s = d.TCPStore('127.0.0.1', {port}, is_master=True, wait_for_workers=False); "
+        "print('up', flush=True); time.sleep(60)"
+    )
+    primary = subprocess.Popen(
+        [sys.executable, "-c", serve], stdout=subprocess.PIPE, start_new_session=True
+    )
+    standby_store = host_store("127.0.0.1", 0)
+    standby = Membership(standby_store, "coordinator", SEAL)
+    agent = NodeAgent(
+        [sys.executable, "-c", "import time; time.sleep(60)"],
+        place=0, per_node=2, world_size=2, processes=2, seal=SEAL, log_dir=tmp_path,
+        coordinators=[f"127.0.0.1:{port}", f"127.0.0.1:{standby_store.port}"],
+        beat_s=0.2, connect_timeout=10.0,
+    )  # fmt: skip
+    try:
+        assert primary.stdout is not None and primary.stdout.readline() == b"up\n"
+        first = Membership(BoundedStore(open_client(f"127.0.0.1:{port}", 5.0), 5.0), "c", SEAL)
+        first.set_token()
+        agent.start()
+        first.number_spares_from(0)
+        first.order_respawn(0, RespawnOrder(first.claim_spare_name(), "a1", 1))
+        assert agent._look() and set(agent.started) == {"a0", "a1", "s0"}
+        wait_until(lambda: agent.started["a1"].proc.poll() is not None, 10, "a1 killed")
+        assert agent._look() and [e.member for e in first.process_exits(0)[1]] == ["a1"]
+        os.kill(agent.started["s0"].proc.pid, signal.SIGKILL)  # before it re-registered
+        wait_until(lambda: agent.started["s0"].proc.poll() is not None, 10, "s0 gone")
+        os.killpg(primary.pid, signal.SIGKILL)
+        primary.wait()
+        standby.set_token()  # the standby took the job over
+        assert not agent._look()  # the lost store ...
+        assert agent._look()  # ... then the standby's
+        assert standby.process_exits(0)[1] == [ProcessExit("a1", -9, 0), ProcessExit("s0", -9, 0)]
+        history = standby.respawn_history(0)
+        assert history is not None and len(history.ages) == 1 and 0 <= history.ages[0] < 30
+        assert standby.spare_names_claimed() == 1 and standby.agent_beat_count(0) == 1
+        exits = AgentExits(standby)
+        agents = StoreAgents(
+            standby, world_size=2, processes=2, ranks_per_node=2, beat_s=0.2, exits=exits
+        )  # fmt: skip
+        exits.exits()
+        assert agents.node_of("s0") == 0 and agents.respawn(1, "s0", 0) == "s1"
+        assert agent._look() and agent.running() == ["a0", "s1"]
+    finally:
+        agent.close()
+        if primary.poll() is None:
+            os.killpg(primary.pid, signal.SIGKILL)
+            primary.wait()
 
 
 @pytest.mark.timeout(600)
