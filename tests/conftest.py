@@ -96,7 +96,7 @@ def run_deadpool(
         try:
             out, err = proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
-            from procs import kill_tree
+            from megatron_deadpool.hotswap.liveness import kill_tree
 
             kill_tree(proc.pid)
             out, err = proc.communicate()

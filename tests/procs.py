@@ -13,8 +13,6 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-import psutil
-
 
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that nothing listens on right now."""
@@ -63,18 +61,3 @@ def kill_sessions(procs: list[subprocess.Popen]) -> None:
         except ProcessLookupError:
             pass
         proc.wait()
-
-
-def kill_tree(pid: int) -> None:
-    """SIGKILL process `pid` and every process descended from it, whatever session each is in
-    (the descendants are found first: once their parent dies they belong to init)."""
-    try:
-        root = psutil.Process(pid)
-        tree = [*root.children(recursive=True), root]
-    except psutil.NoSuchProcess:
-        return
-    for proc in tree:
-        try:
-            proc.kill()
-        except psutil.NoSuchProcess:
-            pass

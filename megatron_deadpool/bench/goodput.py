@@ -4,8 +4,10 @@ One job, one failure trace (`failure_trace.py`: process crashes, lost nodes, han
 and in a mix the flags set; by default Llama 3's interruption causes), compressed in time
 (a failure every few iterations instead of every few hours), run three ways:
 
-(a) ``respawn``: DeadPool with in-place respawn (`--deadpool-respawn-limit`): a failed process
-    on a live node is replaced there, a lost node takes spares;
+(a) ``respawn``: DeadPool with in-place respawn (`--deadpool-respawn-limit`), one `deadpool
+    agent` per simulated node as on a cluster (`deadpool train --node-agents`): a failed
+    process on a live node is replaced there by its node's agent, a lost node (its agent with
+    it) takes spares;
 (b) ``spares``: DeadPool as it was: every failure takes a spare; once none is left the run
     ends out of redundancy (exit 3), saves what survives, and is started again with `--load`
     and its spares back (as a requeued job would be);
@@ -249,7 +251,12 @@ def run(args: argparse.Namespace, runner: Launcher | None = None) -> int:
         f"{len(trace)} failures ({', '.join(trace) or 'none'}); runs in {work_dir}",
         flush=True,
     )
-    runner = runner or (lambda j, d, stop: launch(j, d, stop, args.timeout))
+
+    def launch_way(j: JobConfig, d: Path, stop: bool) -> Launch:
+        """(a) as a cluster runs it: one `deadpool agent` per simulated node."""
+        return launch(j, d, stop, args.timeout, node_agents=j.deadpool.respawn_limit > 0)
+
+    runner = runner or launch_way
     job = dataclasses.replace(job, train=dataclasses.replace(job.train, iters=args.iters))
     try:
         reference = runner(failure_free(job), work_dir / "failure-free", False)

@@ -98,9 +98,11 @@ def launch(
     *,
     worker_command: Sequence[str] | None = None,
     worker_env: Mapping[str, str] | None = None,
+    node_agents: bool = False,
 ) -> Launch:
-    """Run `job` (its processes running `worker_command`, default the embedded worker),
-    recording the times the bench needs."""
+    """Run `job` (its processes running `worker_command`, default the embedded worker; with
+    `node_agents`, started by one `deadpool agent` per simulated node), recording the times
+    the bench needs."""
     from ..embedded.launch import LaunchHooks, LocalLauncher
 
     stamps = _Stamps(
@@ -115,6 +117,7 @@ def launch(
         hooks=hooks,
         worker_command=worker_command,
         worker_env=worker_env,
+        node_agents=node_agents,
     ).run()
     return Launch(
         returncode=result.returncode,

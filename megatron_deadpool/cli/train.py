@@ -25,6 +25,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="wall-clock limit (s)",
     )
     parser.add_argument("--quiet", action="store_true", help="no progress output")
+    parser.add_argument(
+        "--node-agents",
+        action="store_true",
+        help="one `deadpool agent` per simulated node starts and respawns its processes, as on "
+        "a cluster (default: this launcher is every node's agent)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -48,6 +54,7 @@ def run(args: argparse.Namespace) -> int:
         run_dir=args.run_dir,
         timeout_s=args.timeout,
         quiet=args.quiet,
+        node_agents=args.node_agents,
     ).run()
     return result.returncode
 

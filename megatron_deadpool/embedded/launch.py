@@ -25,8 +25,9 @@ import yaml
 from ..config.deadpool import DeadpoolConfig
 from ..config.job import JobConfig
 from ..digest import final_digest
-from ..errors import ExitCode
+from ..errors import ConfigError, ExitCode
 from ..hotswap.forkserver import Preload
+from ..hotswap.local_agents import LocalAgents
 from ..hotswap.local_job import LocalJob
 from ..hotswap.seal import SECRET_ENV, SECRET_FILE_ENV, job_secret, new_secret
 from ..hotswap.supervisor import Supervisor
@@ -82,10 +83,18 @@ class LocalLauncher:
         hooks: LaunchHooks = LaunchHooks(),
         worker_command: Sequence[str] | None = None,
         worker_env: Mapping[str, str] | None = None,
+        node_agents: bool = False,
     ) -> None:
         """`worker_command`: the program each process runs, before its arguments (default: the
         embedded worker); `worker_env`: the environment it starts from (default: this
-        process's)."""
+        process's); `node_agents`: start one `deadpool agent` per simulated node, which starts
+        and respawns that node's processes, as on a cluster (`hotswap.local_agents`), instead
+        of being every node's agent itself. Refuses (`ConfigError`) agents with DeadPool off."""
+        if node_agents and not job.deadpool.enabled:
+            raise ConfigError("--node-agents: node agents serve DeadPool; drop --no-deadpool")
+        if node_agents and replenish_spares:  # a spare added later would have no agent
+            raise ConfigError("node_agents: spares cannot be replenished; pick one of the two")
+        self.node_agents = node_agents
         self.job = job
         self.hooks = hooks
         self.worker_command = list(worker_command) if worker_command else None
@@ -138,10 +147,16 @@ class LocalLauncher:
 
     def _host(self, cfg: DeadpoolConfig, **kwargs: Any) -> LocalJob:
         """The job's store and coordinator, and where its processes run: this machine."""
+        if self.node_agents:
+            return LocalAgents(cfg, **{**kwargs, "spawn": None})  # the agents start them
         return LocalJob(cfg, **kwargs)
 
     def _start(self) -> None:
-        """Start every process of the job: actives, then spares."""
+        """Start every process of the job: actives, then spares (or the nodes' agents)."""
+        if isinstance(self.local, LocalAgents):
+            settings = ["--config", str(self.run_dir / "job.yaml")]
+            self.local.start_agents(self._command(None, self.local.address), self._env(), settings)
+            return
         for member in self.local.members:
             self._spawn(member)
 

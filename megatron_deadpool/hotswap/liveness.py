@@ -16,6 +16,8 @@ import subprocess
 from collections.abc import Iterable
 from typing import Protocol
 
+import psutil
+
 from .membership import Membership
 
 
@@ -106,3 +108,18 @@ class AgentExits:
 
     def kill(self, pid: str) -> bool:
         return False
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL process `pid` and every process descended from it, whatever session each is in
+    (the descendants are found first: once their parent dies they belong to init)."""
+    try:
+        root = psutil.Process(pid)
+        tree = [*root.children(recursive=True), root]
+    except psutil.NoSuchProcess:
+        return
+    for proc in tree:
+        try:
+            proc.kill()
+        except psutil.NoSuchProcess:
+            pass

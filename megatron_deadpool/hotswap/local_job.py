@@ -12,7 +12,8 @@ imported it once (`hotswap.warm_start`) instead of starting fresh. Given the lau
 start a process (`spawn`), it is also every simulated node's agent (`respawn.NodeAgents`): with
 deadpool-respawn-limit > 0 a failed process is replaced by a new one on its own node, forked
 warm, and no spare is spent; a node is lost, and its ranks take spares, when a node fault
-(`node:N@ITER`) took it.
+(`node:N@ITER`) took it. `local_agents.LocalAgents` instead starts one `deadpool agent` per
+simulated node, as a cluster runs a job.
 """
 
 from __future__ import annotations
@@ -33,10 +34,10 @@ from ..replication.placement import Placement
 from .coordinator import Coordinator
 from .events import EventLog
 from .forkserver import Preload
-from .liveness import HeartbeatOnly, ProcessLiveness, kill_groups
+from .liveness import Liveness, ProcessLiveness, kill_groups
 from .membership import Membership, host_store
 from .messages import JobError, task_of
-from .respawn import RespawnBudget
+from .respawn import NodeAgents, RespawnBudget
 from .seal import JobSeal
 from .silent_connections import SilentConnections
 from .store_files import reserve_files, store_files_needed
@@ -120,7 +121,7 @@ class LocalJob:
             liveness=self._liveness(),
             events=events,
             say=say,
-            agents=self if spawn is not None and cfg.respawn_limit > 0 else None,
+            agents=self._node_agents(placement),
             respawn=RespawnBudget(cfg.respawn_limit, cfg.respawn_window),
         )
         self.coordinator.start()
@@ -133,8 +134,12 @@ class LocalJob:
     def _store_host(self) -> str:
         return "127.0.0.1"  # loopback only: every process is on this machine
 
-    def _liveness(self) -> ProcessLiveness | HeartbeatOnly:
+    def _liveness(self) -> Liveness:
         return ProcessLiveness(self.procs)  # sees exits: no need to suspect silence
+
+    def _node_agents(self, placement: Placement | None) -> NodeAgents | None:
+        """Who respawns a failed process on its node: this launcher, given `spawn`."""
+        return self if self._spawn is not None and self.cfg.respawn_limit > 0 else None
 
     @property
     def members(self) -> list[str]:

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from ..devices.gpus import GpuAssignment
-from .liveness import HeartbeatOnly, ProcessLiveness
+from .liveness import HeartbeatOnly, Liveness
 from .local_job import LocalJob
 from .messages import task_of
 
@@ -72,7 +72,7 @@ class SrunJob(LocalJob):
     def _store_host(self) -> str:
         return socket.gethostname()  # the tasks on other nodes reach this host by its name
 
-    def _liveness(self) -> ProcessLiveness | HeartbeatOnly:
+    def _liveness(self) -> Liveness:
         return HeartbeatOnly()
 
     def log_path(self, member: str) -> Path:

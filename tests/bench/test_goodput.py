@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -124,9 +125,19 @@ def test_goodput_runs_the_three_ways_through_one_trace(tmp_path: Path) -> None:
     proc = run_deadpool(
         "bench", "goodput", "--iters", "16", "--failures", "2", "--mix", "crash=1",
         "--spares", "1", "--save-interval", "4", "--json", str(out), "--plot", str(png),
-        timeout=840,
+        "--keep", timeout=840,
     )  # fmt: skip
+    runs = Path(proc.stdout.split("runs in ", 1)[1].split()[0])
+    try:
+        respawned = "".join(p.read_text() for p in (runs / "respawn").glob("launch-*/agent*.out"))
+        others = [(runs / "spares" / "launch-0" / "agent0.out").exists(),
+                  (runs / "restart" / "launch-0" / "agent0.out").exists()]  # fmt: skip
+    finally:
+        shutil.rmtree(runs, ignore_errors=True)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    # (a) ran as on a cluster: its nodes' agents respawned the crashed processes; (b) and (c)
+    # have none.
+    assert respawned.count("in place of") == 2 and others == [False, False], respawned
     result = json.loads(out.read_text())
     assert result["trace_kinds"] == ["crash", "crash"]
     modes = result["modes"]

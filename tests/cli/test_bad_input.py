@@ -1,7 +1,7 @@
 """Every bad input refused before any process starts, across the `deadpool` commands: one line on
 stderr naming the flag or key (and the fix), exit code 2, no traceback, no hang, no worker.
 
-One row per bad input (notes/25-bad-input.md keeps the table with what each did before). Most
+One row per bad input (the closing notes of issue 25 list what each did before). Most
 rows run the real entry point in this process (`call_deadpool`); two run the installed command
 (`run_deadpool`), where the entry point's own handling differs: a config file that is not UTF-8,
 and a `--deadpool-*` value Megatron-LM's command line carries to `deadpool megatron-lm`.
@@ -53,6 +53,8 @@ ROWS: dict[str, tuple[list[str], str]] = {
                                      "deadpool-respawn-limit"),
     "train-respawn-window-nan": (["train", "--deadpool-respawn-window", "nan"],
                                  "deadpool-respawn-window"),
+    "train-node-agents-without-deadpool": (["train", "--no-deadpool", "--node-agents"],
+                                           "--node-agents"),
     "train-save-interval-negative": (["train", "--save", "{d}/ck", "--save-interval", "-1"],
                                      "train.save_interval"),
     "train-coordinator-port": (["train", "--deadpool-coordinator", "localhost:70000"],
