@@ -4,13 +4,14 @@ One job, one failure trace (`failure_trace.py`: process crashes, lost nodes, han
 and in a mix the flags set; by default Llama 3's interruption causes), compressed in time
 (a failure every few iterations instead of every few hours), run three ways:
 
-(a) ``respawn``: DeadPool with in-place respawn (`--deadpool-respawn-limit`), one `deadpool
-    agent` per simulated node as on a cluster (`deadpool train --node-agents`): a failed
-    process on a live node is replaced there by its node's agent, a lost node (its agent with
-    it) takes spares;
+(a) ``respawn``: DeadPool with in-place respawn (`--deadpool-respawn-limit`): a failed process
+    on a live node is replaced there by its node's agent, a lost node (its agent with it)
+    takes spares;
 (b) ``spares``: DeadPool as it was: every failure takes a spare; once none is left the run
     ends out of redundancy (exit 3), saves what survives, and is started again with `--load`
     and its spares back (as a requeued job would be);
+    both with one `deadpool agent` per simulated node, as on a cluster (`deadpool train
+    --node-agents`): a lost node's processes are found by their silence, not by their exit;
 (c) ``restart``: what users run today: DeadPool off, a persistent checkpoint every
     `--save-interval` iterations; every failure stops the job (every process killed, as
     torchrun does) and it starts again with `--load`.
@@ -253,8 +254,8 @@ def run(args: argparse.Namespace, runner: Launcher | None = None) -> int:
     )
 
     def launch_way(j: JobConfig, d: Path, stop: bool) -> Launch:
-        """(a) as a cluster runs it: one `deadpool agent` per simulated node."""
-        return launch(j, d, stop, args.timeout, node_agents=j.deadpool.respawn_limit > 0)
+        """(a) and (b) as a cluster runs them: one `deadpool agent` per simulated node."""
+        return launch(j, d, stop, args.timeout, node_agents=j.deadpool.enabled)
 
     runner = runner or launch_way
     job = dataclasses.replace(job, train=dataclasses.replace(job.train, iters=args.iters))

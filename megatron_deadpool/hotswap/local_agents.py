@@ -40,6 +40,12 @@ class LocalAgents(LocalJob):
         self.exits = AgentExits(self.membership)  # the exits the agents report
         return self.exits
 
+    def _suspect_after(self) -> float | None:
+        """As a cluster's coordinator: a lost node's processes report no exit (its agent is gone
+        with them); once a peer reported a failed collective, their silence names them sooner
+        than the heartbeat timeout."""
+        return self.cfg.suspect_after
+
     def _node_agents(self, placement: Placement | None) -> NodeAgents | None:
         if placement is None:
             raise ValueError("LocalAgents: the job's layout is needed before it starts")
@@ -84,12 +90,22 @@ class LocalAgents(LocalJob):
         codes = self.exits.exits()
         return {member: codes.get(member) for member in members}
 
+    def _reachable_actives(self) -> list[str]:
+        """The actives that may still exit and say so: not those named dead (a lost node's
+        processes went with its agent, which reports no exit of theirs; a hung one is ended
+        by its agent at `close`)."""
+        return [m for m in self.actives() if m not in self.coordinator.dead]
+
+    def await_salvage(self) -> None:
+        """Out of redundancy: the surviving ranks save what they hold, then exit."""
+        self.wait_exit(self._reachable_actives(), 60.0)
+
     def close(self, grace_s: float) -> None:
         """Tell the agents the job is over, give the ranks `grace_s` to exit, then stop the
         agents (SIGTERM: each kills what is left of its node's processes and deletes their
         memory; SIGKILL to what is still there 10 s later)."""
         self.membership.request_shutdown()
-        self.wait_exit(self.actives(), grace_s)
+        self.wait_exit(self._reachable_actives(), grace_s)
         for agent in self.agents:
             if agent.poll() is None:
                 agent.send_signal(signal.SIGTERM)  # its handler ends its node's processes

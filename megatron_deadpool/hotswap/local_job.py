@@ -119,6 +119,7 @@ class LocalJob:
             agree_timeout=cfg.agreement_timeout,
             join_timeout=cfg.join_timeout,
             liveness=self._liveness(),
+            suspect_after=self._suspect_after(),
             events=events,
             say=say,
             agents=self._node_agents(placement),
@@ -136,6 +137,10 @@ class LocalJob:
 
     def _liveness(self) -> Liveness:
         return ProcessLiveness(self.procs)  # sees exits: no need to suspect silence
+
+    def _suspect_after(self) -> float | None:
+        """None: exits seen at once, a silence after a peer's failure proves nothing more."""
+        return None
 
     def _node_agents(self, placement: Placement | None) -> NodeAgents | None:
         """Who respawns a failed process on its node: this launcher, given `spawn`."""
