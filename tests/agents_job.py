@@ -55,17 +55,24 @@ class AgentsJob:
 
 @contextmanager
 def agents_job(
-    logs: Path, worker: list[str], settings: list[str], env: dict[str, str] | None = None
+    logs: Path,
+    worker: list[str],
+    settings: list[str],
+    env: dict[str, str] | None = None,
+    *,
+    standby: bool = False,
+    respawn_limit: int = 2,
 ) -> Iterator[AgentsJob]:
     """The coordinator (logs/coordinator.out, events.jsonl) and the agents of nodes 0-2
-    (logs/agent{n}.out; the workers' logs/task-{t}.log), world size 4 and 2 spares. `worker`:
-    the worker command, to which the coordinator's address and `TIMING` are appended;
-    `settings`: more of the job's settings (the coordinator's and the agents')."""
-    address = f"127.0.0.1:{free_port()}"
+    (logs/agent{n}.out; the workers' logs/task-{t}.log), world size 4 and 2 spares; with
+    `standby`, a standby coordinator too (logs/standby.out, logs/standby/events.jsonl).
+    `worker`: the worker command, to which the coordinators' addresses and `TIMING` are
+    appended; `settings`: more of the job's settings (the coordinators' and the agents')."""
+    address = ",".join(f"127.0.0.1:{free_port()}" for _ in range(2 if standby else 1))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "DEADPOOL_JOB_TOKEN": "agents-test", **(env or {})}
     settings = [
         *settings, "--deadpool-coordinator", address, "--deadpool-spares", "2",
-        "--deadpool-ranks-per-node", "2", "--deadpool-respawn-limit", "2", *TIMING,
+        "--deadpool-ranks-per-node", "2", "--deadpool-respawn-limit", str(respawn_limit), *TIMING,
     ]  # fmt: skip
     worker = [*worker, "--deadpool-coordinator", address, *TIMING]
     logs.mkdir()
@@ -75,6 +82,9 @@ def agents_job(
                    "--deadpool-log-dir", str(logs), "--max-wait", "400"]  # fmt: skip
     try:
         job.procs.append(spawn_logged(coordinator, logs / "coordinator.out", env))
+        if standby:
+            cmd = [*coordinator, "--standby", "--deadpool-log-dir", str(logs / "standby")]
+            job.procs.append(spawn_logged(cmd, logs / "standby.out", env))
         for node in range(3):
             cmd = [*agent, "--deadpool-log-dir", str(logs), "--node", str(node), "--", *worker]
             job.procs.append(spawn_logged(cmd, logs / f"agent{node}.out", env))

@@ -209,7 +209,7 @@ class Driver:
         membership = Membership(store, self.member or unnamed(self.task), self.seal)
         membership.check_token()
         # The coordinator's first roster is the authority on the world size.
-        world = membership.wait_roster(0, self.cfg.pg_timeout).world_size
+        world = membership.wait_newest_roster(self.cfg.pg_timeout).world_size
         if world_size is not None and world != world_size:
             raise ConfigError(
                 f"deadpool-coordinator: the coordinator at {self.coordinator} runs a job of "

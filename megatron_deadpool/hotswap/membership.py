@@ -492,10 +492,11 @@ class Membership:
         key = Keys.ROSTER.format(g=generation)
         return Roster.decode(key, self._get(key))
 
-    def wait_roster(self, generation: int, timeout_s: float) -> Roster:
-        key = Keys.ROSTER.format(g=generation)
-        self.store.wait([key], datetime.timedelta(seconds=timeout_s))
-        return self.roster(generation)
+    def wait_newest_roster(self, timeout_s: float) -> Roster:
+        """The newest roster, once there is one: what a starting process reads the job's world
+        size from (generation 0's is not in a standby's store that took the job over later)."""
+        self.store.wait([Keys.GENERATION], datetime.timedelta(seconds=timeout_s))
+        return self.roster(self.generation())
 
     def publish_roster(self, roster: Roster) -> None:
         self._set(Keys.ROSTER.format(g=roster.generation), roster.encode())

@@ -156,7 +156,7 @@ class NodeAgent:
             time.sleep(min(1.0, self.beat_s))
         assert self.membership is not None
         if self.join:  # the job's own world size (this allocation's says nothing of it)
-            self.world_size = self.membership.roster(0).world_size
+            self.world_size = self.membership.wait_newest_roster(self.connect_timeout).world_size
             self.node = self.membership.claim_agent_node()
         log.info("node %d: processes' memory in %s", self.node, self.root)
         first = self.place * self.per_node

@@ -19,8 +19,8 @@ Without it two kinds of keys grow for the life of a job (the coordinator's memor
     reads an older generation's keys: the rosters, plans, holdings and sources processes read are
     their current generation's (`driver.py`, `recovery.py`, `megatron_lm/session.py`), a standby
     rebuilds from re-registrations (`rebuild.py`), and no group of an older generation is used
-    after rebinding. Kept for good: generation 0's roster, which every starting process reads for
-    the job's world size (`driver.py`).
+    after rebinding. Kept for good: generation 0's roster (one key; a starting process reads the
+    job's world size from the newest roster, `Membership.wait_newest_roster`).
   - the spares' wake-up keys `spares/epoch/{n}`, one per roster: at the same time, those before
     the previous roster's (`prunable_wake_ups`). A spare's waiter walks through them in order; one
     a whole recovery behind would wait on a deleted key, and its spare still looks at the store

@@ -33,6 +33,7 @@ from megatron_deadpool.hotswap.messages import (
     Phase,
     Registration,
     RespawnHistory,
+    Roster,
     Verdict,
 )
 from megatron_deadpool.hotswap.rebuild import rebuild
@@ -538,6 +539,17 @@ def test_a_standby_adopts_the_job_and_recovers_who_never_came_back() -> None:
     standby.report(state.next_generation, [0, 2, 3])
     standby.tick()
     assert standby.decision(state.next_generation) == Decision.roster(4)
+
+
+def test_a_process_starting_after_a_takeover_reads_the_world_size_from_the_newest_roster() -> None:
+    """A standby that took the job over at generation 3 never held generation 0's roster: a
+    process respawned or joining then learns the job's world size from the newest one."""
+    standby = Job(spares=1, start=False)
+    roster = Roster(3, 4, {r: f"a{r}" for r in range(4)})
+    standby.coord.adopt(roster, ["s0"], 4, {})
+    starting = Membership(standby.store.clone(), "s7", SEAL)
+    assert starting.wait_newest_roster(1.0) == roster
+    assert standby.store.num_keys() and not standby.store.check([Keys.ROSTER.format(g=0)])
 
 
 def test_after_a_takeover_re_registered_members_get_one_heartbeat_timeout_to_beat_again() -> None:

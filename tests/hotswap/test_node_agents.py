@@ -35,6 +35,9 @@ from megatron_deadpool.hotswap.node_agents import BEATS_AWAITED, UNKNOWN, StoreA
 CONFIG = str(REPO_ROOT / "configs" / "cpu-demo.yaml")
 ITERS = 6
 JOIN_ITERS = 400  # as the Slurm lab's revive test: one failure-free reference for both
+TAKEOVER_ITERS = (
+    30  # as test_failover and the Slurm lab (training waits while a standby takes over)
+)
 
 
 def _worker(iters: int, *fail: str) -> list[str]:
@@ -264,6 +267,51 @@ def test_an_agent_tells_a_standby_that_took_the_job_over_what_the_lost_coordinat
         if primary.poll() is None:
             os.killpg(primary.pid, signal.SIGKILL)
             primary.wait()
+
+
+@pytest.mark.timeout(600)
+def test_a_standby_that_took_over_respawns_through_the_agents_within_each_nodes_budget(
+    tmp_path: Path, failure_free: Callable[[int], TrainRun]
+) -> None:
+    """One respawn per node: a2 SIGKILLed -> node 1's agent respawns it (s2) for the primary;
+    the primary coordinator lost -> the standby takes the job over, the agents follow it;
+    a0 SIGKILLed -> node 0's agent respawns it for the standby; s2 SIGKILLed -> node 1 has
+    respawned once already (for the primary, as its agent told the standby): a spare takes
+    rank 2."""
+    logs = tmp_path / "logs"
+    standby = logs / "standby"
+
+    def count(folder: Path, kind: str) -> int:
+        return sum(e["event"] == kind for e in events(folder))
+
+    def kill_task(node: int, task: int) -> None:
+        os.kill(started_pid(log_of(logs, f"agent{node}.out"), task), signal.SIGKILL)
+
+    worker, settings = _worker(TAKEOVER_ITERS), ["--config", CONFIG]
+    with agents_job(logs, worker, settings, standby=True, respawn_limit=1) as job:
+        wait_until(lambda: "iteration 3/" in log_of(logs, "task-0.log"), 240, "iteration 3")
+        kill_task(1, 2)  # a2
+        wait_until(lambda: count(logs, "recovered") == 1, 120, "the primary's recovery")
+        os.killpg(job.procs[0].pid, signal.SIGKILL)  # the primary coordinator
+        wait_until(lambda: count(standby, "rebuilt") == 1, 120, "the standby's takeover")
+        followed = "following the job to the coordinator"
+        wait_until(lambda: all(followed in log_of(logs, f"agent{n}.out") for n in range(3)), 60,
+                   "the agents following the job")  # fmt: skip
+        kill_task(0, 0)  # a0
+        wait_until(lambda: count(standby, "recovered") == 1, 120, "the standby's first recovery")
+        kill_task(1, 6)  # s2 (task 4 + 2), which took rank 2 for the primary
+        assert job.procs[1].wait(timeout=400) == 0, describe(logs)
+    first = [e for e in events(logs) if e["event"] == "recovered"]
+    assert first[0]["respawned"] == {"2": 1}, first
+    recoveries = [e for e in events(standby) if e["event"] == "recovered"]
+    assert [r["dead_ranks"] for r in recoveries] == [[0], [2]], describe(logs)
+    assert recoveries[0]["respawned"] == {"0": 0}, describe(logs, standby)
+    assert recoveries[1]["respawned"] == {} and recoveries[1]["replaced_by"]["2"] in ("s0", "s1")
+    refused = [e for e in events(standby) if e["event"] == "respawn_refused"]
+    assert [(e["node"], e["why"]) for e in refused] == [(1, "respawn limit reached")], refused
+    (finished,) = [e for e in events(standby) if e["event"] == "finished"]
+    _, _, reference = failure_free(TAKEOVER_ITERS)
+    assert finished["final_param_digest"] == reference["final_param_digest"], describe(logs)
 
 
 @pytest.mark.timeout(600)
