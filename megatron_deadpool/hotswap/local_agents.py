@@ -7,8 +7,8 @@ scripts/slurm/deadpool_launch.sh starts one per node with DEADPOOL_RESPAWN_LIMIT
 starts its node's processes (tasks node*R .. node*R+R-1, actives first, then the spares), keeps
 their memory, reports their exits and carries out the coordinator's respawn orders through the
 store (`node_agents.StoreAgents`, `liveness.AgentExits`). A node fault (`node:N@ITER`) takes
-node N's agent down with its processes, as a lost node would. What `deadpool bench goodput`
-measures its way (a) with: the cluster's mechanism, not the launcher's stand-in for it.
+node N's agent down with its processes, as a lost node would. What `deadpool train
+--node-agents` runs, and `deadpool bench goodput` its two DeadPool ways.
 """
 
 from __future__ import annotations
@@ -47,6 +47,10 @@ class LocalAgents(LocalJob):
         return self.cfg.suspect_after
 
     def _node_agents(self, placement: Placement | None) -> NodeAgents | None:
+        """The agents as the coordinator reaches them, where they may respawn (none: every
+        failed rank takes a spare, with no wait for a verdict on its node's agent)."""
+        if self.cfg.respawn_limit == 0:
+            return None
         if placement is None:
             raise ValueError("LocalAgents: the job's layout is needed before it starts")
         return StoreAgents(
