@@ -52,6 +52,7 @@ from ..errors import CoordinatorUnreachableError, first_line
 from ..replication import segments
 from .connection import STORE_ERRORS, BoundedStore, open_client
 from .forkserver import Preload
+from .joining import next_spare_number
 from .liveness import kill_groups
 from .membership import Membership
 from .messages import (
@@ -255,9 +256,7 @@ class NodeAgent:
         membership.set_respawn_history(
             self.node, RespawnHistory(tuple(now - t for t in self._respawned_at))
         )
-        taken = [int(name[1:]) for name in self.started if name.startswith("s") and is_member(name)]
-        if taken:
-            membership.number_spares_from(max(taken) + 1)
+        membership.number_spares_from(next_spare_number(list(self.started)))
         self.orders_seen = 0
         for started in self.started.values():
             started.reported = False

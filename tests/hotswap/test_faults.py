@@ -26,7 +26,7 @@ from conftest import (
     run_deadpool,
     train_case,
 )
-from procs import free_port
+from procs import free_port, kill_sessions
 
 ITERS = "6"
 CASES: dict[str, list[str]] = {
@@ -278,8 +278,7 @@ def test_process_from_another_job_is_refused(tmp_path: Path) -> None:
         assert "deadpool-job-token" in proc.stderr and "does not match" in proc.stderr
         assert "Traceback" not in proc.stderr
     finally:
-        os.killpg(coord.pid, signal.SIGKILL)
-        coord.wait()
+        kill_sessions([coord])
 
 
 @pytest.mark.timeout(300)

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 from agents_job import agents_job, describe, events, kill_node, log_of, started_pid
 from conftest import REPO_ROOT, TrainRun, run_deadpool
-from procs import free_port, wait_until
+from procs import free_port, kill_sessions, wait_until
 from stores import SEAL
 
 from megatron_deadpool.hotswap.connection import BoundedStore, open_client
@@ -246,8 +246,7 @@ def test_an_agent_tells_a_standby_that_took_the_job_over_what_the_lost_coordinat
         assert agent._look() and [e.member for e in first.process_exits(0)[1]] == ["a1"]
         os.kill(agent.started["s0"].proc.pid, signal.SIGKILL)  # before it re-registered
         wait_until(lambda: agent.started["s0"].proc.poll() is not None, 10, "s0 gone")
-        os.killpg(primary.pid, signal.SIGKILL)
-        primary.wait()
+        kill_sessions([primary])
         standby.set_token()  # the standby took the job over
         assert not agent._look()  # the lost store ...
         assert agent._look()  # ... then the standby's
@@ -264,9 +263,7 @@ def test_an_agent_tells_a_standby_that_took_the_job_over_what_the_lost_coordinat
         assert agent._look() and agent.running() == ["a0", "s1"]
     finally:
         agent.close()
-        if primary.poll() is None:
-            os.killpg(primary.pid, signal.SIGKILL)
-            primary.wait()
+        kill_sessions([primary])
 
 
 @pytest.mark.timeout(600)
