@@ -1,4 +1,4 @@
-"""Connections to the job's store that never said a word, dropped when they crowd out the job's.
+"""Connections to the store that never made a request, dropped when they crowd the job's out.
 
 torch's store server (libuv) accepts every connection and holds its descriptor until the peer
 closes it. Keep-alive (`store_files.keep_alive`) frees the connections of a host that vanished,
@@ -8,9 +8,11 @@ the job's processes out: the server is at its limit, and libuv accepts and at on
 whatever else connects ("Connection reset by peer"; measured: 100 silent connections with 64
 allowed files).
 
-Every client of the store speaks first: torch's client sends its validation message the moment
-it connects (and DeadPool's reachability probes hang up at once). So a connection over which
-nothing at all has arrived for `GRACE_S` seconds is no client of the job. `SilentConnections`, a
+Every client of the store speaks first: torch's client sends its validation message (and, since
+torch 2.4, a ping) in one write the moment it connects, `FIRST_MESSAGE_BYTES` or more (and
+DeadPool's reachability probes hang up at once). So a connection over which less than that has
+arrived, nothing more for `GRACE_S` seconds, is no client of the job - silent, or one that sent a
+byte or two and went quiet. `SilentConnections`, a
 thread of the process that hosts the store (`deadpool coordinator`, a standby, the local
 launchers), counts that process's open files every `INTERVAL_S` seconds (or less often, so as to
 spend at most `BUSY_SHARE` of its time); only when they exceed what the job needs
@@ -19,9 +21,10 @@ server accepted (a socket in /proc/self/fd whose local port is the store's) and 
 ones down: the server then reads end-of-file and closes them itself. Only then, because reading
 every connection's `TCP_INFO` costs the host's CPU in proportion to the job's size.
 
-Not covered: a peer that sends something and then stays silent looks like a client blocked in
-a wait (a rank waiting for the next plan sends nothing for minutes), and is kept. Against a
-host that does that on purpose the network must be the cluster's own (README, trust model).
+Not covered: a peer that sends a whole validation message and then stays silent looks like a
+client blocked in a wait (a rank waiting for the next plan sends nothing for minutes), and is
+kept. Against a host that does that on purpose the network must be the cluster's own (README,
+trust model).
 """
 
 from __future__ import annotations
@@ -55,6 +58,10 @@ Linux 6.2, each count lists them: 0.18 s for 20,000 descriptors here)."""
 CROWDED_SHARE = 0.9
 """The share of the soft open-files limit past which the thread looks, whatever the job needs."""
 
+FIRST_MESSAGE_BYTES = 5
+"""What every client of torch's store sends first, in one write: VALIDATE (one byte) and its
+4-byte magic number (torch 2.4 and later add a 5-byte PING to the same write)."""
+
 _LAST_DATA_RECV = 52  # struct tcp_info (linux/tcp.h): __u32 tcpi_last_data_recv, ms
 _BYTES_RECEIVED = 128  # __u64 tcpi_bytes_received (Linux 4.1+)
 
@@ -68,8 +75,9 @@ class Silence:
     quiet_ms: int
 
     def silent_for(self, seconds: float) -> bool:
-        """Nothing ever arrived, and the connection is at least `seconds` old."""
-        return self.received == 0 and self.quiet_ms >= seconds * 1000
+        """Less than a client's first message ever arrived, nothing of it for `seconds` (or
+        nothing at all, and the connection is at least `seconds` old)."""
+        return self.received < FIRST_MESSAGE_BYTES and self.quiet_ms >= seconds * 1000
 
 
 def silence(sock: socket.socket) -> Silence | None:
@@ -124,9 +132,9 @@ def _accepted_on(sock: socket.socket, port: int) -> bool:
 
 
 def drop_silent(port: int, fds: list[int], grace_s: float = GRACE_S) -> list[str]:
-    """Shut down every connection among `fds` accepted on `port` over which nothing arrived in
-    its first `grace_s` seconds; their peers ("host:port"). Torch's server then reads
-    end-of-file on each and closes it."""
+    """Shut down every connection among `fds` accepted on `port` that is `Silence.silent_for`
+    `grace_s` seconds; their peers ("host:port"). Torch's server then reads end-of-file on each
+    and closes it."""
     dropped = []
     for sock in accepted(port, fds):
         try:
@@ -180,7 +188,7 @@ class SilentConnections(threading.Thread):
             f" and {len(dropped) - 5} more" if len(dropped) > 5 else ""
         )
         log.warning(
-            "dropped %d connection(s) to the job's store that sent nothing in %gs (no client "
+            "dropped %d connection(s) to the job's store that sent no request in %gs (no client "
             "of the job): %s",
             len(dropped),
             self.grace_s,

@@ -160,5 +160,7 @@ def test_silent_connections_that_lock_the_job_out_are_dropped() -> None:
             sock.close()
         proc.terminate()
         _, err = proc.communicate(timeout=30)
-    dropped = re.findall(r"dropped (\d+) connection\(s\) to the job's store that sent nothing", err)
+    dropped = re.findall(
+        r"dropped (\d+) connection\(s\) to the job's store that sent no request", err
+    )
     assert dropped and sum(map(int, dropped)) >= 1, err

@@ -1,4 +1,4 @@
-"""Connections to the job's store that never sent a byte are dropped; the job's clients are not
+"""Connections to the job's store that never sent a request are dropped; the job's clients are not
 (`hotswap/silent_connections.py`). torch's real store server, hosted in this process as the
 coordinator hosts it; the command under a tight open-files limit is tested in
 tests/cli/test_coordinator_open_files.py."""
@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from megatron_deadpool.hotswap.membership import host_store
 from megatron_deadpool.hotswap.silent_connections import (
+    FIRST_MESSAGE_BYTES,
     Silence,
     accepted,
     drop_silent,
@@ -31,10 +32,12 @@ def _reads_end_of_file(sock: socket.socket, within_s: float) -> bool:
         return False
 
 
-def test_a_connection_is_silent_only_if_nothing_ever_arrived_and_it_is_old_enough() -> None:
+def test_a_connection_is_silent_if_less_than_a_first_message_arrived_and_nothing_for_long() -> None:
     assert Silence(received=0, quiet_ms=1500).silent_for(1.0)
     assert not Silence(received=0, quiet_ms=500).silent_for(1.0)
-    assert not Silence(received=1, quiet_ms=60_000).silent_for(1.0)
+    assert Silence(received=1, quiet_ms=1500).silent_for(1.0)
+    assert not Silence(received=1, quiet_ms=500).silent_for(1.0)
+    assert not Silence(received=FIRST_MESSAGE_BYTES, quiet_ms=60_000).silent_for(1.0)
 
 
 _OPEN_FILES = """
@@ -71,8 +74,11 @@ def test_open_files_are_counted_and_listed_without_opening_one_more() -> None:
 def test_silent_connections_are_dropped_and_the_stores_clients_keep_theirs() -> None:
     store = host_store("127.0.0.1", 0)
     silent = [socket.create_connection(("127.0.0.1", store.port)) for _ in range(3)]
+    silent.append(socket.create_connection(("127.0.0.1", store.port)))
+    silent[-1].sendall(b"\x00")  # a byte, then nothing: less than any client's first message
     talked = socket.create_connection(("127.0.0.1", store.port))
-    talked.sendall(b"\x00")  # a byte, then silence: as a client blocked in a wait looks
+    # torch's validation message, then silence: as a client blocked in a wait looks
+    talked.sendall(b"\x00" + (0x3C85F7CE).to_bytes(4, "little"))
     client = dist.TCPStore(
         "127.0.0.1", store.port, is_master=False, timeout=datetime.timedelta(seconds=10)
     )
@@ -87,8 +93,8 @@ def test_silent_connections_are_dropped_and_the_stores_clients_keep_theirs() -> 
             assert quiet is not None
             seen[conn.getpeername()[1]] = quiet
         assert ports <= set(seen) and talked.getsockname()[1] in seen
-        assert all(seen[p].received == 0 and seen[p].quiet_ms >= 400 for p in ports), seen
-        assert seen[talked.getsockname()[1]].received == 1
+        assert all(seen[p].received <= 1 and seen[p].quiet_ms >= 400 for p in ports), seen
+        assert seen[talked.getsockname()[1]].received == FIRST_MESSAGE_BYTES
 
         assert drop_silent(store.port, files.list(), grace_s=60.0) == []  # none silent that long
         dropped = drop_silent(store.port, files.list(), grace_s=0.4)
@@ -96,7 +102,7 @@ def test_silent_connections_are_dropped_and_the_stores_clients_keep_theirs() -> 
         assert sorted(dropped) == sorted(f"127.0.0.1:{p}" for p in ports)
         for sock in silent:  # torch's server closed them
             assert _reads_end_of_file(sock, 5.0)
-        # The connection that spoke once and the store's own clients are kept.
+        # The connection that sent a whole first message and the store's own clients are kept.
         assert not _reads_end_of_file(talked, 0.5)
         assert client.get("before") == b"1"
         store.set("after", "2")
