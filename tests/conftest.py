@@ -30,6 +30,12 @@ REPO_ROOT = TESTS_DIR.parent
 if str(TESTS_DIR) not in sys.path:
     sys.path.insert(0, str(TESTS_DIR))
 
+# The launchers a test runs in this process borrow kept fork servers
+# (`hotswap.warm_start.SharedServers`): torch and Megatron are imported once per kind of process
+# and pytest worker, not once per job. tests/hotswap/test_forkserver.py and
+# tests/embedded/test_warm_start.py test a launcher's own servers, the default.
+os.environ.setdefault("DEADPOOL_WARM_START", "shared")
+
 
 LONGEST_FIRST = (
     "megatron_lm/test_pretrain_gpt_models.py",

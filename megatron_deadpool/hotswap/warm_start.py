@@ -15,7 +15,9 @@ The server is the parent of the processes it forks; a reader thread here takes i
 ends afterwards reports `UNKNOWN_EXIT` (its pidfd, passed along, still tells when it ends).
 `close()` ends the servers (they never outlive the launcher: end of file on their socket, and
 SIGKILL when the launcher's thread that started them ends); the processes are the caller's to
-end, as with Popen.
+end, as with Popen. With DEADPOOL_WARM_START=shared, `close()` gives the servers back to this
+process's `SharedServers` instead, for the next launcher of the same process (a test session, a
+bench's many jobs: torch and Megatron imported once per kind of process, not once per job).
 """
 
 from __future__ import annotations
@@ -40,7 +42,10 @@ from typing import IO, Any
 from .forkserver import Preload, receive, send, startup_env
 
 WARM_START_ENV = "DEADPOOL_WARM_START"
-"""0 in the launcher's environment: every process starts as a fresh interpreter."""
+"""0 in the launcher's environment: every process starts as a fresh interpreter; `shared`: fork
+servers outlive the launcher that started them and serve every later launcher of this process
+(`SharedServers`: a test session, a bench that runs many jobs)."""
+SHARED = "shared"
 UNKNOWN_EXIT = 255
 """The exit code of a forked process that ended after its fork server died."""
 SERVER_MODULE = "megatron_deadpool.hotswap.forkserver"
@@ -51,6 +56,10 @@ Output = IO[Any] | int | None
 
 def warm_start_enabled(env: Mapping[str, str] = os.environ) -> bool:
     return env.get(WARM_START_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def warm_start_shared(env: Mapping[str, str] = os.environ) -> bool:
+    return env.get(WARM_START_ENV, "").strip().lower() == SHARED
 
 
 class ForkServerError(RuntimeError):
@@ -173,6 +182,12 @@ class ForkServer:
         self.import_s: float = message["seconds"]
         self._reader = threading.Thread(target=self._read, name="forkserver-reader", daemon=True)
         self._reader.start()
+
+    @property
+    def alive(self) -> bool:
+        """The server still runs and answers (as far as its reader knows)."""
+        with self._cond:
+            return self._alive and self.proc.poll() is None
 
     # ------------------------------------------------------------------ requests
     def refusal(self, argv: Sequence[str], env: Mapping[str, str]) -> str | None:
@@ -406,6 +421,76 @@ def _descriptor(
     return spec.fileno(), None
 
 
+class SharedServers:
+    """Fork servers kept for the life of this process and lent to every `WarmStart` that asks for
+    the same `Preload` with the same start-up variables (DEADPOOL_WARM_START=shared): a process
+    that runs many jobs one after another (a test session, a bench) imports torch and Megatron
+    once per kind of process instead of once per job.
+
+    Only a server started from the main thread is kept: a server dies with the thread that
+    started it (`--die-with-parent`), and the main thread lives as long as this process. A server
+    found dead is replaced. At most `limit` servers are kept, each holding its imports' memory:
+    past that, the one lent longest ago that no launcher holds is ended."""
+
+    def __init__(self, limit: int = 4) -> None:
+        self.limit = limit
+        self._lock = threading.Lock()
+        self._servers: dict[tuple[Preload, tuple[tuple[str, str], ...]], ForkServer] = {}
+        self._users: dict[ForkServer, int] = {}
+
+    def acquire(
+        self, preload: Preload, env: Mapping[str, str], make: Callable[[], ForkServer]
+    ) -> ForkServer:
+        """The kept server for `preload` and `env`'s start-up variables, or a new one from
+        `make()` (whose errors pass through); the caller holds it until `release`."""
+        key = (preload, tuple(sorted(startup_env(env).items())))
+        with self._lock:
+            server = self._servers.pop(key, None)
+            if server is not None and not server.alive:
+                self._users.pop(server, None)
+                server.close()
+                server = None
+            if server is None:
+                server = make()
+            self._servers[key] = server  # the most recently lent last
+            self._users[server] = self._users.get(server, 0) + 1
+            idle = [k for k, s in self._servers.items() if not self._users.get(s)]
+            for old in idle[: max(0, len(self._servers) - self.limit)]:
+                ended = self._servers.pop(old)
+                self._users.pop(ended, None)
+                ended.close()
+            return server
+
+    def holds(self, server: ForkServer) -> bool:
+        with self._lock:
+            return server in self._users
+
+    def release(self, server: ForkServer) -> None:
+        """One holder of `server` is done with it (it stays, for the next)."""
+        with self._lock:
+            if self._users.get(server):
+                self._users[server] -= 1
+
+    def close(self) -> None:
+        """End every kept server (at this process's end they end by themselves)."""
+        with self._lock:
+            servers, self._servers, self._users = list(self._servers.values()), {}, {}
+        for server in servers:
+            server.close()
+
+    def discard(self, server: ForkServer) -> None:
+        """End `server` and forget it (it refuses to fork)."""
+        with self._lock:
+            self._users.pop(server, None)
+            for key in [k for k, s in self._servers.items() if s is server]:
+                del self._servers[key]
+        server.close()
+
+
+SHARED_SERVERS = SharedServers()
+"""This process's kept fork servers (DEADPOOL_WARM_START=shared)."""
+
+
 class WarmStart:
     """Starts a launcher's processes: forked from a fork server for their `Preload` when it can,
     as fresh interpreters otherwise (see the module docstring)."""
@@ -416,11 +501,15 @@ class WarmStart:
         log: Callable[[str], None] | None = None,
         log_dir: Path | None = None,
         enabled: bool | None = None,
+        shared: SharedServers | None = None,
     ) -> None:
         """`log`: where the one line per reason for a fresh start goes (default: this module's
-        logger); `log_dir`: where the servers write their own output (forkserver*.log);
-        `enabled` None: unless DEADPOOL_WARM_START=0."""
+        logger); `log_dir`: where the servers write their own output (forkserver*.log; a kept
+        server's goes where the launcher that started it said); `enabled` None: unless
+        DEADPOOL_WARM_START=0; `shared`: where to borrow servers from (default:
+        `SHARED_SERVERS` with DEADPOOL_WARM_START=shared, else none: servers of its own)."""
         self.enabled = warm_start_enabled() if enabled is None else enabled
+        self.shared = shared or (SHARED_SERVERS if warm_start_shared() else None)
         self.log = log or _log.warning
         self.log_dir = log_dir
         self.servers: dict[Preload, ForkServer | None] = {}
@@ -470,17 +559,33 @@ class WarmStart:
                 suffix = f"-{len(self.servers)}" if self.servers else ""
                 log_path = self.log_dir / f"forkserver{suffix}.log"
             try:
-                self.servers[preload] = ForkServer(preload, env, log_path=log_path)
+                self.servers[preload] = self._new_server(preload, env, log_path)
             except (ForkServerError, OSError) as exc:
                 self.servers[preload] = None
                 self._say(f"warm start off: {exc}; processes start as fresh interpreters")
         return self.servers[preload]
 
+    def _new_server(
+        self, preload: Preload, env: Mapping[str, str], log_path: Path | None
+    ) -> ForkServer:
+        def make() -> ForkServer:
+            return ForkServer(preload, env, log_path=log_path)
+
+        if self.shared is None or threading.current_thread() is not threading.main_thread():
+            return make()
+        return self.shared.acquire(preload, env, make)
+
+    def _end(self, server: ForkServer) -> None:
+        if self.shared is not None and self.shared.holds(server):
+            self.shared.discard(server)
+        else:
+            server.close()
+
     def _retire(self, preload: Preload, why: str) -> None:
         server = self.servers.get(preload)
         if server is not None:
             self.servers[preload] = None
-            server.close()
+            self._end(server)
             self._say(f"warm start off: {why}; processes start as fresh interpreters")
 
     def _say(self, line: str) -> None:
@@ -489,8 +594,10 @@ class WarmStart:
             self.log(line)
 
     def close(self) -> None:
-        """End every fork server (not the processes they forked)."""
+        """End every fork server (not the processes they forked); a kept one is given back."""
         for preload, server in list(self.servers.items()):
-            if server is not None:
+            if server is not None and self.shared is not None and self.shared.holds(server):
+                self.shared.release(server)
+            elif server is not None:
                 server.close()
             self.servers[preload] = None

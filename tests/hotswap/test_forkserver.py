@@ -33,6 +33,7 @@ from megatron_deadpool.hotswap.warm_start import (
     ForkedProcess,
     ForkRefused,
     ForkServer,
+    SharedServers,
     WarmStart,
     command_refusal,
 )
@@ -44,6 +45,14 @@ LIGHT = Preload(("json", "json.tool"))
 PY = sys.executable
 
 pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture(autouse=True)
+def _own_servers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every `WarmStart` here has servers of its own, as a launcher process has by default (the
+    test session lends kept ones: tests/conftest.py); the kept ones are tested with a pool of
+    their own."""
+    monkeypatch.setenv("DEADPOOL_WARM_START", "1")
 
 
 def _gone(pid: int) -> bool:
@@ -305,11 +314,55 @@ def test_a_request_the_server_cannot_serve_starts_fresh(started) -> None:
 
 
 def test_warm_start_env_switch(monkeypatch: pytest.MonkeyPatch) -> None:
-    for value, enabled in (("0", False), ("off", False), ("1", True), ("", True)):
+    for value, enabled, shared in (("0", False, False), ("off", False, False),
+                                   ("1", True, False), ("", True, False), ("shared", True, True)):  # fmt: skip
         monkeypatch.setenv("DEADPOOL_WARM_START", value)
         assert WarmStart().enabled is enabled
+        assert (WarmStart().shared is not None) is shared
     monkeypatch.delenv("DEADPOOL_WARM_START")
-    assert WarmStart().enabled
+    assert WarmStart().enabled and WarmStart().shared is None
+
+
+def test_kept_servers_serve_one_launcher_after_another(started) -> None:
+    """DEADPOOL_WARM_START=shared: a launcher's server, given back at its `close()`, forks the
+    next launcher's processes (no second import); other start-up variables get a server of
+    their own; a server found dead is replaced; past the limit the idle one lent longest ago
+    ends; a launcher in another thread than the main one has servers of its own."""
+    pool = SharedServers(limit=2)
+    other_env = dict(ENV, OMP_NUM_THREADS="2")
+
+    def launch(env: dict[str, str] = ENV) -> ForkServer:
+        starter = WarmStart(shared=pool)
+        proc = starter.start([PY, "-c", "pass"], env, None, preload=LIGHT, server_env=env)
+        started.append(proc)
+        assert isinstance(proc, ForkedProcess) and proc.wait(30) == 0
+        server = starter.servers[LIGHT]
+        assert server is not None
+        starter.close()
+        return server
+
+    try:
+        first = launch()
+        assert first.alive and pool.holds(first)
+        assert launch() is first
+        other = launch(other_env)
+        assert other is not first and launch() is first
+        first.proc.kill()
+        first.proc.wait(10)
+        replaced = launch()
+        assert replaced is not first and replaced.alive
+        newest = launch(dict(ENV, OMP_NUM_THREADS="3"))  # a third kind: `other` (idle) ends
+        assert not other.alive and replaced.alive and newest.alive
+        assert not pool.holds(other)
+
+        in_thread: list[ForkServer] = []
+        thread = threading.Thread(target=lambda: in_thread.append(launch()))
+        thread.start()
+        thread.join(60)
+        assert in_thread and in_thread[0] is not replaced and not pool.holds(in_thread[0])
+        assert not in_thread[0].alive  # closed with its launcher
+    finally:
+        pool.close()
 
 
 def test_children_of_a_dead_server_report_an_unknown_exit(started) -> None:
