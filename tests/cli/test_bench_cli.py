@@ -6,6 +6,7 @@ tests/bench/ (and `bench recovery` in tests/embedded/test_checkpoint.py)."""
 from __future__ import annotations
 
 import importlib.util
+import os
 import re
 from pathlib import Path
 from typing import Any
@@ -34,6 +35,17 @@ def test_bench_without_a_name_says_which_exist(capsys: pytest.CaptureFixture[str
     assert call_deadpool("bench") == 2
     (line,) = capsys.readouterr().err.strip().splitlines()
     assert all(name in line for name in DOCUMENTED), line
+
+
+@pytest.mark.timeout(60)
+def test_a_bench_starts_its_jobs_with_fork_servers_of_their_own(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """DEADPOOL_WARM_START=shared (as this test session sets it) would let every job of a bench
+    after the first skip its imports: `deadpool bench` turns it back to each job's own."""
+    monkeypatch.setenv("DEADPOOL_WARM_START", "shared")
+    assert call_deadpool("bench") == 2
+    assert os.environ["DEADPOOL_WARM_START"] == "1"
 
 
 @pytest.mark.timeout(60)
