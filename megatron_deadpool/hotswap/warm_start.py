@@ -17,7 +17,8 @@ ends afterwards reports `UNKNOWN_EXIT` (its pidfd, passed along, still tells whe
 SIGKILL when the launcher's thread that started them ends); the processes are the caller's to
 end, as with Popen. With DEADPOOL_WARM_START=shared, `close()` gives the servers back to this
 process's `SharedServers` instead, for the next launcher of the same process (a test session, a
-bench's many jobs: torch and Megatron imported once per kind of process, not once per job).
+notebook's jobs: torch and Megatron imported once per kind of process, not once per job;
+`deadpool bench` turns it off).
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ from .forkserver import Preload, receive, send, startup_env
 WARM_START_ENV = "DEADPOOL_WARM_START"
 """0 in the launcher's environment: every process starts as a fresh interpreter; `shared`: fork
 servers outlive the launcher that started them and serve every later launcher of this process
-(`SharedServers`: a test session, a bench that runs many jobs)."""
+(`SharedServers`: a test session, a notebook that runs many jobs)."""
 SHARED = "shared"
 UNKNOWN_EXIT = 255
 """The exit code of a forked process that ended after its fork server died."""
@@ -424,7 +425,7 @@ def _descriptor(
 class SharedServers:
     """Fork servers kept for the life of this process and lent to every `WarmStart` that asks for
     the same `Preload` with the same start-up variables (DEADPOOL_WARM_START=shared): a process
-    that runs many jobs one after another (a test session, a bench) imports torch and Megatron
+    that runs many jobs one after another (a test session, a notebook) imports torch and Megatron
     once per kind of process instead of once per job.
 
     Only a server started from the main thread is kept: a server dies with the thread that
