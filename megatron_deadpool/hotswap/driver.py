@@ -530,7 +530,11 @@ class Driver:
     def is_peer_failure(self, exc: BaseException) -> bool:
         """A collective's error because a peer died or hung (`devices.failures`), not an OOM,
         a CUDA fault, a bug or one of DeadPool's own decisions; after the plan watch aborted
-        this generation's groups, any error (`plan_watch`)."""
+        this generation's groups, any error but DeadPool's own (`plan_watch`): out of
+        redundancy, raised by a recovery, must end the process, not start another recovery
+        (which would raise it again, a survivor looping on it for good)."""
+        if isinstance(exc, DeadpoolRuntimeError):
+            return False
         return is_peer_failure(exc) or self.plan_watch.fired is not None
 
     def recover(self, exc: BaseException, *, target: int | None = None) -> int:

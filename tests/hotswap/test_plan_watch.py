@@ -196,3 +196,38 @@ def test_only_a_store_error_after_a_beat_means_the_coordinator_is_lost() -> None
         assert beat.lost is not None and "no coordinator" in beat.lost
     finally:
         beat.stop(5)
+
+
+@pytest.mark.timeout(30)
+def test_out_of_redundancy_after_the_plan_watch_fired_ends_the_step_loop() -> None:
+    """Once the plan watch aborted this generation's groups, any error of the step loop counts
+    as the peer failure that caused it - but not DeadPool's own: a recovery that ends out of
+    redundancy raises it out of `Driver.recovering`, once. (Seen in the Slurm lab: a survivor
+    whose plan watch fired before its collective failed met out of redundancy and, taking it for
+    another peer failure, recovered again, 25 times a second, for ten minutes.)"""
+    from stores import TEST_SECRET
+
+    from megatron_deadpool.config.deadpool import DeadpoolConfig
+    from megatron_deadpool.devices.base import Device
+    from megatron_deadpool.errors import OutOfRedundancyError
+    from megatron_deadpool.hotswap.driver import Driver
+
+    driver = Driver(
+        DeadpoolConfig(), Device("cpu", "gloo"), coordinator="-", token=TEST_SECRET, member="a1"
+    )
+    assert not driver.is_peer_failure(ValueError("a bug"))
+    driver.plan_watch.fired = "a plan for generation 1"
+    assert driver.is_peer_failure(ValueError("whatever the aborted group raised"))
+    recoveries: list[BaseException] = []
+
+    def recover(exc: BaseException, *, target: int | None = None) -> int:
+        recoveries.append(exc)
+        raise OutOfRedundancyError("out of redundancy: no spare left to replace rank(s) [0]")
+
+    def attempt(restored: int | None) -> None:
+        raise RuntimeError("Connection closed by peer")
+
+    driver.recover = recover  # type: ignore[method-assign]
+    with pytest.raises(OutOfRedundancyError):
+        driver.recovering(attempt)
+    assert [str(e) for e in recoveries] == ["Connection closed by peer"]
