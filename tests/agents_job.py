@@ -1,8 +1,9 @@
 """A job as deadpool_launch.sh starts it with DEADPOOL_RESPAWN_LIMIT, on loopback:
 `deadpool coordinator` and one `deadpool agent` per node - nodes 0 and 1 hold ranks 0-3 (two
 per node), node 2 the two spares - each starting its node's workers, and a standby coordinator
-when asked; more nodes can join (`AgentsJob.join`). Every process runs in a session of its own and is killed by PID when the
-job's `with` block ends, whatever happened (the agents' workers by their agents, or here).
+when asked; more nodes can join (`AgentsJob.join`). Every process runs in a session of its own
+and is killed by PID when the job's `with` block ends, whatever happened (the agents' workers by
+their agents, or here).
 
 Used by `hotswap/test_node_agents.py` (the embedded job) and
 `megatron_lm/test_node_agents_mlm.py` (Megatron-LM's pretrain_gpt.py).

@@ -35,9 +35,8 @@ from megatron_deadpool.hotswap.node_agents import BEATS_AWAITED, UNKNOWN, StoreA
 CONFIG = str(REPO_ROOT / "configs" / "cpu-demo.yaml")
 ITERS = 6
 JOIN_ITERS = 400  # as the Slurm lab's revive test: one failure-free reference for both
-TAKEOVER_ITERS = (
-    30  # as test_failover and the Slurm lab (training waits while a standby takes over)
-)
+# As test_failover and the Slurm lab (training waits while a standby takes over).
+TAKEOVER_ITERS = 30
 
 
 def _worker(iters: int, *fail: str) -> list[str]:
