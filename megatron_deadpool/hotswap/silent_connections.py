@@ -8,11 +8,16 @@ the job's processes out: the server is at its limit, and libuv accepts and at on
 whatever else connects ("Connection reset by peer"; measured: 100 silent connections with 64
 allowed files).
 
-Every client of the store speaks first: torch's client sends its validation message (and, since
-torch 2.4, a ping) in one write the moment it connects, `FIRST_MESSAGE_BYTES` or more (and
-DeadPool's reachability probes hang up at once). So a connection over which less than that has
-arrived, nothing more for `GRACE_S` seconds, is no client of the job - silent, or one that sent a
-byte or two and went quiet. `SilentConnections`, a
+Every client of the store speaks first, and every DeadPool process makes a request as soon as it
+has connected: torch's client sends its opening, `OPENING_BYTES` (its validation message and a
+ping), in one write the moment it connects, and DeadPool's reachability probes hang up at once.
+So a connection over which no more than that opening ever arrived, nothing for `GRACE_S`
+seconds, made no request: it is no client of the job - silent, one that sent a byte or two, or
+a client that connected and never asked anything. A client blocked in a wait (a rank waiting for
+the next plan sends nothing for minutes) has made its request and is kept, and so are the
+hosting process's own clients of its store. (torch opens another connection of its own only
+where a process group is split or shrunk - `ProcessGroup.split_group`, `shrink_group` - and
+neither DeadPool nor Megatron-Core does either.) `SilentConnections`, a
 thread of the process that hosts the store (`deadpool coordinator`, a standby, the local
 launchers), counts that process's open files every `INTERVAL_S` seconds (or less often, so as to
 spend at most `BUSY_SHARE` of its time); only when they exceed what the job needs
@@ -21,10 +26,9 @@ server accepted (a socket in /proc/self/fd whose local port is the store's) and 
 ones down: the server then reads end-of-file and closes them itself. Only then, because reading
 every connection's `TCP_INFO` costs the host's CPU in proportion to the job's size.
 
-Not covered: a peer that sends a whole validation message and then stays silent looks like a
-client blocked in a wait (a rank waiting for the next plan sends nothing for minutes), and is
-kept. Against a host that does that on purpose the network must be the cluster's own (README,
-trust model).
+Not covered: a peer that speaks torch's protocol and makes requests of its own keeps its
+connection (so does a job's process). Against a host that does that on purpose the network must
+be the cluster's own (README, trust model).
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 from .store_files import OpenFiles
 
@@ -58,9 +63,12 @@ Linux 6.2, each count lists them: 0.18 s for 20,000 descriptors here)."""
 CROWDED_SHARE = 0.9
 """The share of the soft open-files limit past which the thread looks, whatever the job needs."""
 
-FIRST_MESSAGE_BYTES = 5
-"""What every client of torch's store sends first, in one write: VALIDATE (one byte) and its
-4-byte magic number (torch 2.4 and later add a 5-byte PING to the same write)."""
+OPENING_BYTES = 10
+"""What every client of torch's store sends as it connects, before any request, in one write:
+VALIDATE (one byte) with its 4-byte magic number, then PING (one byte) with a 4-byte nonce
+(torch 2.4 and later; DeadPool needs 2.6). A request adds at least its command byte, and every
+request DeadPool makes names a key (an 8-byte length and the name): more than this has arrived
+over any connection that made one, from a client with or without the ping."""
 
 _LAST_DATA_RECV = 52  # struct tcp_info (linux/tcp.h): __u32 tcpi_last_data_recv, ms
 _BYTES_RECEIVED = 128  # __u64 tcpi_bytes_received (Linux 4.1+)
@@ -75,9 +83,9 @@ class Silence:
     quiet_ms: int
 
     def silent_for(self, seconds: float) -> bool:
-        """Less than a client's first message ever arrived, nothing of it for `seconds` (or
-        nothing at all, and the connection is at least `seconds` old)."""
-        return self.received < FIRST_MESSAGE_BYTES and self.quiet_ms >= seconds * 1000
+        """No more than a client's opening ever arrived (no request), nothing of it for
+        `seconds` (or nothing at all, and the connection is at least `seconds` old)."""
+        return self.received <= OPENING_BYTES and self.quiet_ms >= seconds * 1000
 
 
 def silence(sock: socket.socket) -> Silence | None:
@@ -102,9 +110,39 @@ def crowded(allowed: int) -> int:
 
 def accepted(port: int, fds: list[int]) -> Iterator[socket.socket]:
     """Each of `fds` that is a connection this process accepted on local port `port`, as a
-    socket object that borrows the descriptor (no duplicate: there may be no descriptor left
-    to make one); the caller must not close it. One closed and reused meanwhile is judged as
-    what it is now."""
+    socket object that borrows the descriptor (`_borrowed`)."""
+    for sock in _borrowed(fds):
+        if _tcp(sock):
+            local, peer = _ends(sock)
+            if peer and local[1] == port:
+                yield sock
+
+
+def own_clients(port: int, fds: list[int]) -> set[tuple[str, int]]:
+    """The local ends (`endpoint`) of this process's own connections to port `port` (the hosted
+    store's own client): the peers of the connections the server accepted from this process."""
+    own = set()
+    for sock in _borrowed(fds):
+        if _tcp(sock):
+            local, peer = _ends(sock)
+            if peer and peer[1] == port and local[1] != port:
+                own.add(endpoint(local))
+    return own
+
+
+def endpoint(address: tuple[Any, ...]) -> tuple[str, int]:
+    """(host, port) of a socket address, an IPv4-mapped IPv6 host as IPv4 (torch's client may
+    connect over an IPv6 socket to the store's IPv4 listener, whose side sees plain IPv4)."""
+    host = str(address[0])
+    if host.startswith("::ffff:") and "." in host:
+        host = host[len("::ffff:") :]
+    return host, int(address[1])
+
+
+def _borrowed(fds: list[int]) -> Iterator[socket.socket]:
+    """Each of `fds` that is a socket, as a socket object that borrows the descriptor (no
+    duplicate: there may be no descriptor left to make one); the caller must not close it. One
+    closed and reused meanwhile is judged as what it is now."""
     for fd in fds:
         try:
             if not os.readlink(f"/proc/self/fd/{fd}").startswith("socket:"):
@@ -113,35 +151,39 @@ def accepted(port: int, fds: list[int]) -> Iterator[socket.socket]:
         except OSError:
             continue
         try:
-            if _accepted_on(sock, port):
-                yield sock
+            yield sock
         finally:
             sock.detach()  # the descriptor stays its owner's, whatever happened
 
 
-def _accepted_on(sock: socket.socket, port: int) -> bool:
-    if sock.family not in (socket.AF_INET, socket.AF_INET6) or sock.type != socket.SOCK_STREAM:
-        return False
+def _tcp(sock: socket.socket) -> bool:
+    return sock.family in (socket.AF_INET, socket.AF_INET6) and sock.type == socket.SOCK_STREAM
+
+
+def _ends(sock: socket.socket) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
+    """(local, peer) addresses; the peer is empty where there is none (a listening socket)."""
     try:
-        if sock.getsockname()[1] != port:
-            return False
-        sock.getpeername()  # a listening socket has no peer
+        local = sock.getsockname()
     except OSError:
-        return False
-    return True
+        return (("", 0), ())
+    try:
+        return local, sock.getpeername()
+    except OSError:
+        return local, ()
 
 
 def drop_silent(port: int, fds: list[int], grace_s: float = GRACE_S) -> list[str]:
     """Shut down every connection among `fds` accepted on `port` that is `Silence.silent_for`
-    `grace_s` seconds; their peers ("host:port"). Torch's server then reads end-of-file on each
-    and closes it."""
+    `grace_s` seconds, except those from this process itself; their peers ("host:port"). Torch's
+    server then reads end-of-file on each and closes it."""
+    own = own_clients(port, fds)
     dropped = []
     for sock in accepted(port, fds):
         try:
-            quiet = silence(sock)
-            if quiet is None or not quiet.silent_for(grace_s):
-                continue
             peer = sock.getpeername()
+            quiet = silence(sock)
+            if quiet is None or not quiet.silent_for(grace_s) or endpoint(peer) in own:
+                continue
             sock.shutdown(socket.SHUT_RDWR)
         except OSError:
             continue

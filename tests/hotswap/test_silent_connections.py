@@ -1,24 +1,23 @@
-"""Connections to the job's store that never sent a request are dropped; the job's clients are not
+"""Connections to the job's store that never made a request are dropped; the job's clients are not
 (`hotswap/silent_connections.py`). torch's real store server, hosted in this process as the
 coordinator hosts it; the command under a tight open-files limit is tested in
 tests/cli/test_coordinator_open_files.py."""
 
 from __future__ import annotations
 
-import datetime
+import json
 import socket
 import subprocess
 import sys
 import time
 
-import torch.distributed as dist
-
 from megatron_deadpool.hotswap.membership import host_store
 from megatron_deadpool.hotswap.silent_connections import (
-    FIRST_MESSAGE_BYTES,
+    OPENING_BYTES,
     Silence,
     accepted,
     drop_silent,
+    own_clients,
     silence,
 )
 from megatron_deadpool.hotswap.store_files import OpenFiles
@@ -32,12 +31,13 @@ def _reads_end_of_file(sock: socket.socket, within_s: float) -> bool:
         return False
 
 
-def test_a_connection_is_silent_if_less_than_a_first_message_arrived_and_nothing_for_long() -> None:
+def test_a_connection_is_silent_if_no_more_than_an_opening_arrived_and_nothing_for_long() -> None:
     assert Silence(received=0, quiet_ms=1500).silent_for(1.0)
     assert not Silence(received=0, quiet_ms=500).silent_for(1.0)
     assert Silence(received=1, quiet_ms=1500).silent_for(1.0)
     assert not Silence(received=1, quiet_ms=500).silent_for(1.0)
-    assert not Silence(received=FIRST_MESSAGE_BYTES, quiet_ms=60_000).silent_for(1.0)
+    assert Silence(received=OPENING_BYTES, quiet_ms=1500).silent_for(1.0)
+    assert not Silence(received=OPENING_BYTES + 1, quiet_ms=60_000).silent_for(1.0)
 
 
 _OPEN_FILES = """
@@ -71,42 +71,74 @@ def test_open_files_are_counted_and_listed_without_opening_one_more() -> None:
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr
 
 
+_CLIENTS = """
+import datetime, json, socket, sys, threading
+import torch.distributed as dist
+port = int(sys.argv[1])
+silent = [socket.create_connection(("127.0.0.1", port)) for _ in range(4)]
+silent[-1].sendall(b"\\x00")  # a byte, then nothing
+opened = socket.create_connection(("127.0.0.1", port))
+# torch's validation message and a ping, answered, then silence
+opened.sendall(b"\\x00" + (0x3C85F7CE).to_bytes(4, "little") + b"\\x0d\\x01\\x00\\x00\\x00")
+assert opened.recv(4) == b"\\x01\\x00\\x00\\x00"
+timeout = datetime.timedelta(seconds=30)
+idle, client, waiting = (
+    dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timeout) for _ in range(3)
+)
+client.set("before", "1")
+woken = []
+waiter = threading.Thread(target=lambda: woken.append(waiting.wait(["wake"]) is None))
+waiter.start()
+print(json.dumps([s.getsockname()[1] for s in [*silent, opened]]), flush=True)
+sys.stdin.readline()  # the host dropped what it would
+for sock in [*silent, opened]:
+    sock.settimeout(5.0)
+    assert sock.recv(1) == b"", "a silent connection was not closed"
+assert client.get("before") == b"1" and client.get("after") == b"2"
+waiter.join(10.0)
+assert woken == [True], woken
+print("ok", flush=True)
+"""
+
+
 def test_silent_connections_are_dropped_and_the_stores_clients_keep_theirs() -> None:
+    """Dropped: connections (from another process) that sent nothing, a byte, or a torch
+    client's whole opening and no request - and a real client that connected and asked nothing.
+    Kept: clients that made requests, one blocked in a wait, and the store's own client in this
+    process, which made no request yet (without the exception for this process's own
+    connections it would be dropped too)."""
     store = host_store("127.0.0.1", 0)
-    silent = [socket.create_connection(("127.0.0.1", store.port)) for _ in range(3)]
-    silent.append(socket.create_connection(("127.0.0.1", store.port)))
-    silent[-1].sendall(b"\x00")  # a byte, then nothing: less than any client's first message
-    talked = socket.create_connection(("127.0.0.1", store.port))
-    # torch's validation message, then silence: as a client blocked in a wait looks
-    talked.sendall(b"\x00" + (0x3C85F7CE).to_bytes(4, "little"))
-    client = dist.TCPStore(
-        "127.0.0.1", store.port, is_master=False, timeout=datetime.timedelta(seconds=10)
+    clients = subprocess.Popen(
+        [sys.executable, "-c", _CLIENTS, str(store.port)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
     )
     try:
-        client.set("before", "1")
+        assert clients.stdout is not None and clients.stdin is not None
+        ports = set(json.loads(clients.stdout.readline()))
         time.sleep(0.5)
-        ports = {s.getsockname()[1] for s in silent}
-        seen = {}
         files = OpenFiles()
+        seen = {}
         for conn in accepted(store.port, files.list()):
             quiet = silence(conn)
             assert quiet is not None
             seen[conn.getpeername()[1]] = quiet
-        assert ports <= set(seen) and talked.getsockname()[1] in seen
-        assert all(seen[p].received <= 1 and seen[p].quiet_ms >= 400 for p in ports), seen
-        assert seen[talked.getsockname()[1]].received == FIRST_MESSAGE_BYTES
+        assert ports <= set(seen) and len(seen) == len(ports) + 4  # 3 clients, the store's own
+        assert all(seen[p].received <= OPENING_BYTES and seen[p].quiet_ms >= 400 for p in ports)
+        assert max(seen[p].received for p in ports) == OPENING_BYTES
+        own = own_clients(store.port, files.list())
+        assert len(own) == 1 and seen[own.pop()[1]].received == OPENING_BYTES, (own, seen)
 
         assert drop_silent(store.port, files.list(), grace_s=60.0) == []  # none silent that long
         dropped = drop_silent(store.port, files.list(), grace_s=0.4)
         files.close()
-        assert sorted(dropped) == sorted(f"127.0.0.1:{p}" for p in ports)
-        for sock in silent:  # torch's server closed them
-            assert _reads_end_of_file(sock, 5.0)
-        # The connection that sent a whole first message and the store's own clients are kept.
-        assert not _reads_end_of_file(talked, 0.5)
-        assert client.get("before") == b"1"
-        store.set("after", "2")
-        assert client.get("after") == b"2"
+        assert {f"127.0.0.1:{p}" for p in ports} < set(dropped)
+        assert len(dropped) == len(ports) + 1, dropped  # and the client that asked nothing
+        store.set("after", "2")  # the store's own client works
+        store.set("wake", "1")
+        out, _ = clients.communicate("go\n", timeout=60)
+        assert clients.returncode == 0 and out.strip() == "ok", out
     finally:
-        for sock in [*silent, talked]:
-            sock.close()
+        clients.kill()
+        clients.wait()
