@@ -26,17 +26,30 @@ The abort is only started here (`devices.abort.start_abort`): it runs on a threa
 bounded by `--deadpool-abort-timeout`, and the heartbeat thread that called the watch goes on
 beating meanwhile - a slow abort does not get the survivor named dead, and a hung one ends the
 process (exit code 7) instead of turning it into a zombie.
+
+A main thread that has still not entered recovery `STUCK_S` seconds after the abort is stuck
+where aborting its groups did not reach (seen once in CI: a survivor whose log ends with its
+groups aborted): the watch then writes every thread's stack to standard error, once, so that
+the rank's log says where.
 """
 
 from __future__ import annotations
 
+import faulthandler
 import logging
+import sys
 import threading
+import time
 from collections.abc import Callable
 
 from .membership import Membership
 
 log = logging.getLogger(__name__)
+
+STUCK_S = 30.0
+"""Seconds after the abort within which the main thread should have entered recovery (a
+collective of an aborted group raises at once; a slow host may take some seconds); past
+them every thread's stack goes to the log."""
 
 
 class PlanWatch:
@@ -49,12 +62,19 @@ class PlanWatch:
     generation the main thread already joined."""
 
     def __init__(
-        self, abort: Callable[[], object], errors: Callable[[], list[str]] | None = None
+        self,
+        abort: Callable[[], object],
+        errors: Callable[[], list[str]] | None = None,
+        stuck_s: float = STUCK_S,
     ) -> None:
         """`abort()` starts the abort and returns at once (`devices.abort.start_abort`);
-        `errors()` lists this rank's failed collectives nothing raised (NCCL)."""
+        `errors()` lists this rank's failed collectives nothing raised (NCCL); `stuck_s`:
+        `STUCK_S`."""
         self._abort = abort
         self._errors = errors
+        self._stuck_s = stuck_s
+        self._fired_at = 0.0
+        self._stacks_shown = False
         self._lock = threading.Lock()
         self._generation: int | None = None  # None: no groups to abort (not joined, recovering)
         self._after_training = False
@@ -65,6 +85,7 @@ class PlanWatch:
         """The main thread joined `generation`: watch for the next one's plan."""
         with self._lock:
             self._generation, self._noticed, self.fired = generation, None, None
+            self._stacks_shown = False
 
     def recovering(self) -> None:
         """The main thread releases the groups itself: nothing to watch until it joins."""
@@ -79,7 +100,10 @@ class PlanWatch:
     def __call__(self, membership: Membership) -> None:
         """One look (on the heartbeat thread, with its own store connection)."""
         g, after_training = self._generation, self._after_training
-        if g is None or self.fired is not None:
+        if g is None:
+            return
+        if self.fired is not None:
+            self._show_stacks_if_stuck()
             return
         why, kind = None, None
         if membership.latest_plan() > g:
@@ -94,6 +118,21 @@ class PlanWatch:
         with self._lock:
             if self._generation != g or self.fired is not None:
                 return  # the main thread got there first
-            self.fired = why
+            self.fired, self._fired_at = why, time.monotonic()
             log.warning("%s: aborting this rank's process groups", why)
             self._abort()
+
+    def _show_stacks_if_stuck(self) -> None:
+        """Once per generation: every thread's stack on standard error, if the main thread has
+        not entered recovery `stuck_s` seconds after the abort."""
+        if self._stacks_shown or time.monotonic() - self._fired_at < self._stuck_s:
+            return
+        self._stacks_shown = True
+        log.error(
+            "the main thread has not entered recovery %.0fs after this rank's process groups "
+            "were aborted: every thread's stack follows",
+            time.monotonic() - self._fired_at,
+        )
+        for handler in logging.getLogger().handlers:
+            handler.flush()
+        faulthandler.dump_traceback(file=sys.stderr, all_threads=True)

@@ -60,6 +60,31 @@ def test_a_plan_the_main_thread_does_not_act_on_aborts_the_groups_one_beat_later
 
 
 @pytest.mark.timeout(30)
+def test_a_main_thread_still_out_of_recovery_after_the_abort_gets_its_stack_logged(
+    membership: Membership, capfd: pytest.CaptureFixture[str]
+) -> None:
+    aborts: list[int] = []
+    watch = PlanWatch(lambda: aborts.append(1), stuck_s=0.2)
+    watch.joined(0)
+    membership.publish_plan(PLAN)
+    watch(membership)
+    watch(membership)
+    assert aborts == [1]
+    watch(membership)  # fired just now: not stuck yet
+    assert "most recent call first" not in capfd.readouterr().err
+    time.sleep(0.3)
+    watch(membership)
+    err = capfd.readouterr().err
+    assert "most recent call first" in err and "test_plan_watch.py" in err, err
+    watch(membership)
+    assert capfd.readouterr().err == ""  # once
+    watch.recovering()
+    time.sleep(0.3)
+    watch(membership)  # in recovery: nothing to say
+    assert capfd.readouterr().err == "" and aborts == [1]
+
+
+@pytest.mark.timeout(30)
 def test_a_main_thread_that_enters_recovery_first_is_left_alone(membership: Membership) -> None:
     watch, aborts = _watch()
     watch.joined(0)
