@@ -157,6 +157,16 @@ class BoundedStore:
 
         self._call(confirmed)
 
+    def set_then_add(self, key: str, value: str, counter: str, amount: int) -> int:
+        """Set, then add `amount` to `counter` on the same connection (one retry unit): the
+        add's answer confirms the set, so no check follows it (`membership.ConfirmedSets`)."""
+
+        def both(c: Any) -> int:
+            c.set(key, value)
+            return int(c.add(counter, amount))
+
+        return self._call(both)
+
     def get(self, key: str) -> bytes:
         return self._call(lambda c: c.get(key))
 

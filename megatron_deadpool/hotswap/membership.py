@@ -215,6 +215,17 @@ class ServingStore(StoreLike, Protocol):
     def list_keys(self) -> list[str]: ...
 
 
+@runtime_checkable
+class ConfirmedSets(StoreLike, Protocol):
+    """A client whose `set` confirms itself with a request of its own (torch's `set` is not
+    answered): `connection.BoundedStore`, and the benchmark's wire client as it mimics it. Its
+    `set_then_add` lets the answer of an add to a counter, made next on the same connection,
+    confirm the set instead (the server answers one connection's requests in order): one
+    request less for every value that is counted as it is written."""
+
+    def set_then_add(self, key: str, value: str, counter: str, amount: int) -> int: ...
+
+
 SERVES_JOB = "job"
 """The payload of `job/token`: sealed, it proves the store serves the job of this secret."""
 
@@ -236,6 +247,7 @@ class Membership:
         self.store = store
         self.member = member
         self.seal = seal
+        self._confirmed_sets = isinstance(store, ConfirmedSets)
         self.plan_seen = 0  # the newest planned generation this process read
         self.on_rejected: Callable[[str, str], None] | None = None  # (key, why): e.g. an event
         self._rejected: set[tuple[str, bytes]] = set()
@@ -250,6 +262,16 @@ class Membership:
     # ------------------------------------------------------------------ plumbing
     def _set(self, key: str, value: str) -> None:
         self.store.set(key, self.seal.seal(key, value))
+
+    def _set_counted(self, key: str, value: str, counter: str) -> int:
+        """Set `key`, then add one to `counter` (after the value is in: a reader that sees the
+        count finds it); the counter's new value. One request less on a client whose sets
+        confirm themselves (`ConfirmedSets`)."""
+        sealed = self.seal.seal(key, value)
+        if self._confirmed_sets:
+            return self.store.set_then_add(key, sealed, counter, 1)  # type: ignore[attr-defined]
+        self.store.set(key, sealed)
+        return int(self.store.add(counter, 1))
 
     def _open(self, key: str, raw: bytes) -> bytes | None:
         """The payload of `raw`, read from `key`; None (reported once) if it is not the job's."""
@@ -469,8 +491,8 @@ class Membership:
     def restore_done(self, member: str) -> None:
         """`member` finished its work (itself, or - a standby's rebuild - as it said when it
         re-registered)."""
-        self._stamp(Keys.DONE.format(member=member))
-        self.store.add(Keys.DONE_COUNT, 1)  # (`done_count` only screens: `all_done` decides)
+        # (`done_count` only screens: `all_done` decides)
+        self._set_counted(Keys.DONE.format(member=member), repr(time.time()), Keys.DONE_COUNT)
 
     def is_done(self, member: str) -> bool:
         return self._present(Keys.DONE.format(member=member))
@@ -589,8 +611,8 @@ class Membership:
     def report_holdings(self, generation: int, rank: int, report: HoldingsReport) -> None:
         """Publish a survivor's report for generation g (planned or not yet); the last one the
         coordinator waits for wakes it."""
-        self._set(Keys.HOLDINGS.format(g=generation, rank=rank), report.encode())
-        if self.store.add(Keys.HOLDINGS_COUNT.format(g=generation), 1) == 0:
+        key = Keys.HOLDINGS.format(g=generation, rank=rank)
+        if self._set_counted(key, report.encode(), Keys.HOLDINGS_COUNT.format(g=generation)) == 0:
             self.notify_coordinator()
 
     def expect_reports(self, generation: int, count: int) -> None:
@@ -678,8 +700,11 @@ class Membership:
 
     def stamp(self, generation: int, phase: str, rank: int) -> None:
         """`rank` reached `phase` of generation g now (its wall clock), and is counted."""
-        self._stamp(Keys.STAMP.format(g=generation, phase=phase, rank=rank))
-        self.store.add(Keys.STAMP_COUNT.format(g=generation, phase=phase), 1)
+        self._set_counted(
+            Keys.STAMP.format(g=generation, phase=phase, rank=rank),
+            repr(time.time()),
+            Keys.STAMP_COUNT.format(g=generation, phase=phase),
+        )
 
     def stamp_count(self, generation: int, phase: str) -> int:
         """How many ranks stamped `phase` of generation g (one store round trip)."""
