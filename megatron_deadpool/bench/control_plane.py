@@ -121,8 +121,10 @@ class Bench:
         self.args = args
         self.layout = layout_for(ranks)
         self.procs_n = args.procs
-        # One connection per simulated rank, one per heartbeat group, a few per process.
-        need = ranks + SPARES + -(-ranks // args.hb_group) + args.procs * 8 + RESERVE
+        # One connection per simulated rank, two per heartbeat group (the beats, the plan
+        # watch's reads), a few per process.
+        groups = -(-(ranks + SPARES) // args.hb_group) + args.procs
+        need = ranks + SPARES + 2 * groups + args.procs * 8 + RESERVE
         reserve_files(need, f"the store of {ranks} simulated ranks (or use a larger --hb-group)")
         self.rss0 = rss_mib()
         self.store = host_store("127.0.0.1", 0, timeout_s=args.timeout)

@@ -7,7 +7,8 @@ the same order (`tests/bench/test_control_plane.py` checks the sequence against
 `Recovery.agree`):
 
 - start: `announce` (its ready key and first beat);
-- while nothing fails: one beat per heartbeat interval (+1 on its counter);
+- while nothing fails: one beat per heartbeat interval (+1 on its counter), then the plan
+  watch's read of the newest planned generation (not while recovering, and not by a spare);
 - when a peer fails (the bench says "fail"): as a survivor in `Recovery.agree`, report its
   holdings (what the placement makes it hold: its own snapshot and its owners' replicas), wait
   for the decision, read the plan and wait for the newcomers' claims of their slots; then join
@@ -23,9 +24,10 @@ What differs from real ranks, and why (this machine has 2 cores and a 20,000-fil
   process waits for all its connections at once, so that the processes' CPU goes to the store
   and the coordinator, not to thread hand-offs and system calls per request, as it would on a
   cluster where every rank has a host of its own;
-- heartbeats travel on one connection per `hb_group` ranks (a real rank has a heartbeat
-  connection of its own): 2 connections per rank would exceed the store process's file limit
-  at 16,384 ranks; the server handles the same number of beats per second;
+- heartbeats travel on one connection per `hb_group` ranks, and the plan watch's reads on
+  another (a real rank makes both on a heartbeat connection of its own): 2 connections per rank
+  would exceed the store process's file limit at 16,384 ranks; the server handles the same
+  number of beats and reads per second;
 - a spare waits for its wake-up key on its only connection (a real spare has a second one for
   it: `wakeup.spare_wakeups`);
 - the processes run at a lower priority (`nice`) than the coordinator: on a cluster the
@@ -67,6 +69,21 @@ def survivor_report(
     members.report_holdings(g, rank, report)
 
 
+class RankStore(WireStore):
+    """What a real rank's client of the job's store sends (`connection.BoundedStore` over
+    torch's): a `set` confirmed by a check after it, and `set_then_add` confirmed by its add
+    (`membership.ConfirmedSets`). The connection seen through a prefix (`prefixed`: the
+    process groups' rendezvous, on torch's own client) sends torch's requests alone."""
+
+    def set(self, key: str, value: str | bytes) -> None:
+        super().set(key, value)
+        self.check([key])
+
+    def set_then_add(self, key: str, value: str, counter: str, amount: int) -> int:
+        super().set(key, value)
+        return self.add(counter, amount)
+
+
 class SimProcess:
     """The simulated ranks and spares of one process, each a greenlet on `self.hub`."""
 
@@ -83,19 +100,20 @@ class SimProcess:
         self.spares: list[Membership] = []
         self.connected: set[str] = set()  # members that announced themselves: they beat
         self.dead: set[str] = set()  # killed: they no longer beat
+        self.recovering = False  # this process's ranks are in a recovery: no plan watch
 
-    def _store(self) -> WireStore:
-        return WireStore(self.hub, self.cfg["address"], float(self.cfg["connect_timeout"]))
+    def _store(self) -> RankStore:
+        return RankStore(self.hub, self.cfg["address"], float(self.cfg["connect_timeout"]))
 
     # ------------------------------------------------------------------ start
     def connect(self) -> None:
         group = int(self.cfg["hb_group"])
         names = [f"a{r}" for r in self.cfg["ranks"]] + list(self.cfg["spares"])
         for i in range(0, len(names), group):
-            store = self._store()
-            self.hub.spawn(
-                self._beat, [Membership(store, m, self.seal) for m in names[i : i + group]]
-            )
+            beats, watch = self._store(), self._store()
+            some = names[i : i + group]
+            self.hub.spawn(self._beat, [Membership(beats, m, self.seal) for m in some])
+            self.hub.spawn(self._watch, [Membership(watch, m, self.seal) for m in some])
 
         def announce(members: Membership) -> Membership:
             members.announce()
@@ -121,6 +139,24 @@ class SimProcess:
                 if members.member in self.connected and members.member not in self.dead:
                     members.heartbeat()
                 self.hub.sleep(pause)
+
+    def _watch(self, watches: list[Membership]) -> None:
+        """The plan watch's read (`PlanWatch`: the newest planned generation) once per interval
+        for each of `watches` (on their shared connection) that holds a slot and is not
+        recovering, as a real rank's heartbeat thread reads after each beat. On a connection
+        apart from the beats' so that neither waits for the other."""
+        pause = float(self.cfg["interval"]) / len(watches)
+        while True:
+            for members in watches:
+                if not self.recovering and self._holds_slot(members.member):
+                    members.latest_plan()
+                self.hub.sleep(pause)
+
+    def _holds_slot(self, member: str) -> bool:
+        """A live rank's member (a spare only once it joined)."""
+        if member in self.dead or member not in self.connected:
+            return False
+        return member.startswith("a") or any(m.member == member for m in self.ranks.values())
 
     def holds(self, rank: int) -> dict[str, list[int]]:
         """What a rank that replicated up to `iteration` holds (its own and its owners')."""
@@ -156,7 +192,11 @@ class SimProcess:
                 new.append(roster.successor(plan, decision.restore_iteration) or members.roster(g))
             self._join(new[0], rank, members)
 
-        self.hub.each(survive, list(self.ranks.items()))
+        self.recovering = True
+        try:
+            self.hub.each(survive, list(self.ranks.items()))
+        finally:
+            self.recovering = False
         self.roster = new[0]
         return g
 

@@ -9,9 +9,10 @@ per size):
     deadpool bench control-plane --ranks 1024 4096 16384 --json control-plane.json
 
 on `MEASURED_ON`, where 8 processes simulating the ranks share the two cores with the store and
-the coordinator: an upper bound. The coordinator's own part is small (0.006 / 0.023 / 0.111 s
-at the same sizes, measured alone in the same run); at 16,384 ranks most of the time is the
-store's server answering every rank's requests (0.61-0.68 s of the coordinator process's CPU).
+the coordinator: an upper bound. The coordinator's own part is small (0.004 / 0.011 / 0.040 s
+at the same sizes, measured alone in the same run); at 16,384 ranks the time goes to the
+survivors' reports reaching the store while it also serves every rank's beat and plan watch
+(0.85 s of the coordinator process's CPU from the failure to the roster).
 Between the measured sizes the figure is interpolated in log2(world); below the smallest it is
 the smallest's; above the largest it grows in proportion to the world (one report per rank).
 
@@ -26,11 +27,11 @@ import math
 
 MEASURED_ON = (
     "the project's 2-core CPU machine, otherwise idle, torch 2.13 TCPStore (libuv) on loopback, "
-    "the simulated ranks on the same cores, 2026-11-23: an upper bound for a coordinator host"
+    "the simulated ranks on the same cores, 2026-11-27: an upper bound for a coordinator host"
 )
 COMMAND = "deadpool bench control-plane --ranks 1024 4096 16384 --json cp.json"
 
-AGREE_S: dict[int, float] = {1024: 0.047, 4096: 0.214, 16384: 0.939}
+AGREE_S: dict[int, float] = {1024: 0.084, 4096: 0.285, 16384: 1.555}
 """world size -> failure -> roster published (s), simulated ranks."""
 
 

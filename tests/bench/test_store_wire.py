@@ -12,7 +12,9 @@ from typing import Any
 import pytest
 import torch.distributed as dist
 
+from megatron_deadpool.bench.sim_ranks import RankStore
 from megatron_deadpool.bench.store_wire import Hub, WireStore
+from megatron_deadpool.hotswap.connection import BoundedStore
 from megatron_deadpool.hotswap.membership import ABSENT, host_store
 
 pytestmark = pytest.mark.timeout(60)
@@ -132,3 +134,35 @@ def test_hub_runs_greenlets_concurrently_and_parks_each_on_its_own_wait() -> Non
     counts = hub.run(main)
     assert order == ["woke 2", "woke 0", "woke 1"]
     assert sorted(counts) == [1, 2, 3]
+
+
+def test_a_simulated_ranks_store_sends_what_a_ranks_bounded_client_sends() -> None:
+    """`sim_ranks.RankStore` and a rank's `connection.BoundedStore` over torch's client: the same
+    bytes for a set (confirmed by a check) and a counted set (confirmed by its add)."""
+    torch_side, wire_side = host_store("127.0.0.1", 0), host_store("127.0.0.1", 0)
+    proxy = RecordingProxy(torch_side.port)
+    host, port = proxy.address.split(":")
+    timeout = datetime.timedelta(seconds=10)
+    bounded = BoundedStore(dist.TCPStore(host, int(port), is_master=False, timeout=timeout), 10.0)
+    answers = [
+        bounded.set("k", "value"),
+        bounded.set_then_add("report", "holds", "count", 1),
+        bounded.get("report"),
+    ]
+    bounded.check(["k"])  # answered: everything before it went through the proxy
+
+    wire_proxy = RecordingProxy(wire_side.port)
+    hub = Hub()
+
+    def wire_calls() -> list[Any]:
+        store = RankStore(hub, wire_proxy.address, 10.0)
+        out = [
+            store.set("k", "value"),
+            store.set_then_add("report", "holds", "count", 1),
+            store.get("report"),
+        ]
+        store.check(["k"])
+        return out
+
+    assert hub.run(wire_calls) == answers == [None, 1, b"holds"]
+    assert bytes(wire_proxy.sent)[10:] == bytes(proxy.sent)[10:]
