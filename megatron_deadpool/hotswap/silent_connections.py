@@ -49,8 +49,9 @@ from .store_files import OpenFiles
 log = logging.getLogger(__name__)
 
 GRACE_S = 10.0
-"""How long a connection may stay silent from its start before it may be dropped (a client
-sends its first message within milliseconds of connecting; a loaded host's within seconds)."""
+"""How long a connection may go without a request from its start before it may be dropped (a
+process of the job makes its first request within milliseconds of connecting; on a loaded host
+within seconds)."""
 
 INTERVAL_S = 2.0
 """How often the hosting process counts its open files."""
