@@ -54,6 +54,7 @@ from ..devices.failures import is_peer_failure
 from ..devices.groups import check_takes, tensor_device
 from ..devices.memory import Choice, ReplicaMemory
 from ..devices.p2p import Transfer, arrived, post
+from .daemon_worker import DaemonWorker
 from .placement import Placement
 from .segments import slot_paths
 from .slots import Pool, SlotPair, gpu_bytes
@@ -165,7 +166,7 @@ class Replicator:
         on_gpu = snapshotter.device.type == "cuda"
         self._stream = torch.cuda.Stream(snapshotter.device) if on_gpu else None
         # Host replicas of GPU state are sent after the capture's copy lands: a thread waits.
-        self._poster = ThreadPoolExecutor(1, "deadpool-post") if on_gpu and self.pinned else None
+        self._poster = DaemonWorker("deadpool-post") if on_gpu and self.pinned else None
         if on_gpu:
             guard_optimizer_step(snapshotter.state.optimizer).replicator = self
         self._round: int | None = None
@@ -462,7 +463,7 @@ class Replicator:
     def retire(self) -> None:
         """Give up every buffer (a successor took the ones it reuses)."""
         if self._poster is not None:
-            self._poster.shutdown(wait=False)
+            self._poster.shutdown()
         if self._check is not None:
             self._check.shutdown()
         self._verdict.drop()

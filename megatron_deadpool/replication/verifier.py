@@ -21,12 +21,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
+from .daemon_worker import DaemonWorker
 from .snapshot import CorruptReplicaError, verify
 
 
@@ -49,10 +50,11 @@ class Findings:
 
 
 class RoundCheck:
-    """The worker thread of one replicator (one round at a time)."""
+    """The worker thread of one replicator (one round at a time; a daemon: a wait stuck on a
+    dead peer does not keep the process from ending, `daemon_worker.py`)."""
 
     def __init__(self) -> None:
-        self._pool = ThreadPoolExecutor(1, "deadpool-verify")
+        self._pool = DaemonWorker("deadpool-verify")
 
     def start(
         self,
@@ -65,7 +67,7 @@ class RoundCheck:
         return self._pool.submit(_check, works, receives, iteration)
 
     def shutdown(self) -> None:
-        self._pool.shutdown(wait=False)
+        self._pool.shutdown()
 
 
 def _check(

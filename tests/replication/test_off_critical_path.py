@@ -124,7 +124,7 @@ def test_verified_off_the_main_thread_and_verdicts_posted_ahead_commit_the_same(
             # Every round's replica was checked on the worker thread, none on the main one, on
             # one core (no OpenMP team beside the training's); the damaged one again on the
             # main thread (the injection happens there).
-            assert run["verify_threads"] == [["deadpool-verify_0", True]], (rank, name, run)
+            assert run["verify_threads"] == [["deadpool-verify", True]], (rank, name, run)
             assert run["holdings"]["local"] == [4, 5] and len(run["holdings"]) == 2
         assert result["host-group"]["transfer_group_is_host"]
         assert result["host-group"]["posted_on_host_group"]
