@@ -11,6 +11,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -64,7 +65,7 @@ def test_a_main_thread_still_out_of_recovery_after_the_abort_gets_its_stack_logg
     membership: Membership, capfd: pytest.CaptureFixture[str]
 ) -> None:
     aborts: list[int] = []
-    watch = PlanWatch(lambda: aborts.append(1), stuck_s=0.2)
+    watch = PlanWatch(lambda: aborts.append(1), stuck_s=1.0)
     watch.joined(0)
     membership.publish_plan(PLAN)
     watch(membership)
@@ -72,16 +73,24 @@ def test_a_main_thread_still_out_of_recovery_after_the_abort_gets_its_stack_logg
     assert aborts == [1]
     watch(membership)  # fired just now: not stuck yet
     assert "most recent call first" not in capfd.readouterr().err
-    time.sleep(0.3)
+    time.sleep(1.2)
     watch(membership)
     err = capfd.readouterr().err
     assert "most recent call first" in err and "test_plan_watch.py" in err, err
     watch(membership)
     assert capfd.readouterr().err == ""  # once
+
+    # The next generation: this time the main thread enters recovery after the abort.
     watch.recovering()
-    time.sleep(0.3)
-    watch(membership)  # in recovery: nothing to say
-    assert capfd.readouterr().err == "" and aborts == [1]
+    watch.joined(1)
+    membership.publish_plan(replace(PLAN, generation=2, base=1))
+    watch(membership)
+    watch(membership)
+    assert aborts == [1, 1]
+    watch.recovering()
+    time.sleep(1.2)
+    watch(membership)
+    assert capfd.readouterr().err == ""
 
 
 @pytest.mark.timeout(30)
