@@ -136,7 +136,7 @@ class SimProcess:
         pause = float(self.cfg["interval"]) / len(beats)
         while True:
             for members in beats:
-                if members.member in self.connected and members.member not in self.dead:
+                if self._beating(members.member):
                     members.heartbeat()
                 self.hub.sleep(pause)
 
@@ -152,9 +152,13 @@ class SimProcess:
                     members.latest_plan()
                 self.hub.sleep(pause)
 
+    def _beating(self, member: str) -> bool:
+        """`member` announced itself and was not killed."""
+        return member in self.connected and member not in self.dead
+
     def _holds_slot(self, member: str) -> bool:
         """A live rank's member (a spare only once it joined)."""
-        if member in self.dead or member not in self.connected:
+        if not self._beating(member):
             return False
         return member.startswith("a") or any(m.member == member for m in self.ranks.values())
 

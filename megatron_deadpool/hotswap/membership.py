@@ -247,7 +247,7 @@ class Membership:
         self.store = store
         self.member = member
         self.seal = seal
-        self._confirmed_sets = isinstance(store, ConfirmedSets)
+        self._set_then_add = store.set_then_add if isinstance(store, ConfirmedSets) else None
         self.plan_seen = 0  # the newest planned generation this process read
         self.on_rejected: Callable[[str, str], None] | None = None  # (key, why): e.g. an event
         self._rejected: set[tuple[str, bytes]] = set()
@@ -268,8 +268,8 @@ class Membership:
         count finds it); the counter's new value. One request less on a client whose sets
         confirm themselves (`ConfirmedSets`)."""
         sealed = self.seal.seal(key, value)
-        if self._confirmed_sets:
-            return self.store.set_then_add(key, sealed, counter, 1)  # type: ignore[attr-defined]
+        if self._set_then_add is not None:
+            return self._set_then_add(key, sealed, counter, 1)
         self.store.set(key, sealed)
         return int(self.store.add(counter, 1))
 
@@ -356,6 +356,10 @@ class Membership:
 
     def _stamp(self, key: str) -> None:
         self._set(key, repr(time.time()))
+
+    def _stamp_counted(self, key: str, counter: str) -> None:
+        """`_stamp`, counted in `counter` (`_set_counted`)."""
+        self._set_counted(key, repr(time.time()), counter)
 
     def _time(self, key: str) -> float | None:
         value = self._read(key)
@@ -492,7 +496,7 @@ class Membership:
         """`member` finished its work (itself, or - a standby's rebuild - as it said when it
         re-registered)."""
         # (`done_count` only screens: `all_done` decides)
-        self._set_counted(Keys.DONE.format(member=member), repr(time.time()), Keys.DONE_COUNT)
+        self._stamp_counted(Keys.DONE.format(member=member), Keys.DONE_COUNT)
 
     def is_done(self, member: str) -> bool:
         return self._present(Keys.DONE.format(member=member))
@@ -700,9 +704,8 @@ class Membership:
 
     def stamp(self, generation: int, phase: str, rank: int) -> None:
         """`rank` reached `phase` of generation g now (its wall clock), and is counted."""
-        self._set_counted(
+        self._stamp_counted(
             Keys.STAMP.format(g=generation, phase=phase, rank=rank),
-            repr(time.time()),
             Keys.STAMP_COUNT.format(g=generation, phase=phase),
         )
 
