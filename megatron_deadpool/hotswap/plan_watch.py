@@ -29,8 +29,10 @@ process (exit code 7) instead of turning it into a zombie.
 
 A main thread that has still not entered recovery `STUCK_S` seconds after the abort is stuck
 where aborting its groups did not reach (seen once in CI: a survivor whose log ends with its
-groups aborted): the watch then writes every thread's stack to standard error, once, so that
-the rank's log says where.
+groups aborted; seen again: its main thread in a tensor-parallel all-reduce of Megatron's
+backward, no gloo connection left to shut down): the watch then writes the process's open TCP
+connections and every thread's stack to standard error, once, so that the rank's log says
+where it waits and on what.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ import threading
 import time
 from collections.abc import Callable
 
+from ..devices.gloo import connections
 from .membership import Membership
 
 log = logging.getLogger(__name__)
@@ -128,10 +131,13 @@ class PlanWatch:
         if self._stacks_shown or time.monotonic() - self._fired_at < self._stuck_s:
             return
         self._stacks_shown = True
+        open_now = connections()
         log.error(
             "the main thread has not entered recovery %.0fs after this rank's process groups "
-            "were aborted: every thread's stack follows",
+            "were aborted; its TCP connections still open (local port -> peer), the store's "
+            "included: %s; every thread's stack follows",
             time.monotonic() - self._fired_at,
+            ", ".join(open_now) or "none",
         )
         for handler in logging.getLogger().handlers:
             handler.flush()

@@ -62,7 +62,7 @@ def test_a_plan_the_main_thread_does_not_act_on_aborts_the_groups_one_beat_later
 
 @pytest.mark.timeout(30)
 def test_a_main_thread_still_out_of_recovery_after_the_abort_gets_its_stack_logged(
-    membership: Membership, capfd: pytest.CaptureFixture[str]
+    membership: Membership, capfd: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture
 ) -> None:
     aborts: list[int] = []
     watch = PlanWatch(lambda: aborts.append(1), stuck_s=1.0)
@@ -77,6 +77,9 @@ def test_a_main_thread_still_out_of_recovery_after_the_abort_gets_its_stack_logg
     watch(membership)
     err = capfd.readouterr().err
     assert "most recent call first" in err and "test_plan_watch.py" in err, err
+    (said,) = [r.getMessage() for r in caplog.records if "not entered recovery" in r.message]
+    port = membership.store.port  # its own client's connection to the store it hosts
+    assert f" -> 127.0.0.1:{port}" in said or f" -> ::ffff:127.0.0.1:{port}" in said, said
     watch(membership)
     assert capfd.readouterr().err == ""  # once
 
