@@ -27,9 +27,10 @@ process as `deadpool coordinator` does) at each size, in two settings:
 
     deadpool bench control-plane --ranks 1024 4096 16384 --json control-plane.json
 
-The coordinator is the real one, unchanged: the bench watches it through its observer
-(`control_plane_job.CostLog`: every sweep's and decision's cost) and reads its public
-properties (roster, recoveries, dead members, the detector's sweep interval).
+The coordinator is the real one, unchanged, and ticks as `deadpool coordinator` does (every
+`supervisor.TICK_S`, at once when a survivor's last report wakes it): the bench watches it
+through its observer (`control_plane_job.CostLog`: every sweep's and decision's cost) and reads
+its public properties (roster, recoveries, dead members, the detector's sweep interval).
 
 All processes share this machine's cores: a figure that includes the simulated ranks' own work
 (failure -> every rank joined, and the reports that precede the roster) is what that many
@@ -59,6 +60,7 @@ from ..hotswap.liveness import kill_groups
 from ..hotswap.membership import BATCH_KEYS, Membership, host_store
 from ..hotswap.seal import SECRET_ENV, JobSeal, new_secret
 from ..hotswap.store_files import RESERVE, reserve_files
+from ..hotswap.supervisor import TICK_S
 from ..replication.placement import place_replicas
 from .control_plane_job import SPARES, CostLog, SimLiveness, layout_for, rss_mib
 from .coordinator_alone import coordinator_alone
@@ -209,7 +211,7 @@ class Bench:
                 self._lines[fd] += chunk
                 continue
             self.coord.tick()
-            self.coord.wait(0.01)
+            self.coord.wait(TICK_S)
         raise RuntimeError(f"no {word!r} from the simulated ranks in {self.args.timeout:.0f}s")
 
     def _send(self, proc: subprocess.Popen, line: str) -> None:
@@ -222,7 +224,7 @@ class Bench:
         cpu0, proc0, t0 = time.thread_time(), time.process_time(), time.monotonic()
         while time.monotonic() - t0 < seconds:
             self.coord.tick()
-            self.coord.wait(0.05)
+            self.coord.wait(TICK_S)
         wall = time.monotonic() - t0
         self._check_no_false_deaths()
         sweeps = self.costs.sweeps[1:]  # the first may have created counters
@@ -264,7 +266,7 @@ class Bench:
             if time.monotonic() > deadline:
                 raise RuntimeError(f"the recovery from {member}'s failure did not finish")
             self.coord.tick()
-            self.coord.wait(0.01)
+            self.coord.wait(TICK_S)
         for proc in self.procs:
             self._expect(proc, "recovered")
         self._check_no_false_deaths()

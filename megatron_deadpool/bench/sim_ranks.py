@@ -32,7 +32,10 @@ What differs from real ranks, and why (this machine has 2 cores and a 20,000-fil
   it: `wakeup.spare_wakeups`);
 - the processes run at a lower priority (`nice`) than the coordinator: on a cluster the
   coordinator's host is not shared with the ranks;
-- pure work (the new roster, each rank's holdings) is computed once per process.
+- pure work (the new roster, each rank's holdings) is computed once per process;
+- the objects made so far are frozen out of Python's garbage collector (`gc.freeze`) once the
+  ranks connected and after each recovery: one process holds thousands of ranks' objects, and
+  collections of that heap in the middle of a recovery are no real rank's cost.
 
 Control, one line each on stdin: `kill MEMBER` (the rank stops beating and stamps its fault,
 like an injected crash; answered `killed MEMBER`), `fail` (run one recovery as survivors; answered
@@ -41,6 +44,7 @@ like an injected crash; answered `killed MEMBER`), `fail` (run one recovery as s
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import sys
@@ -247,6 +251,7 @@ class SimProcess:
         """Connect, then obey the bench's lines on stdin until `stop` or its end."""
         rss0 = _rss_kib()
         self.connect()
+        gc.freeze()
         print(f"ready {len(self.ranks) + len(self.spares)} {_rss_kib() - rss0}", flush=True)
         pending = b""
         while True:
@@ -262,7 +267,9 @@ class SimProcess:
                     self.kill(arg)
                     print(f"killed {arg}", flush=True)
                 elif cmd == "fail":
-                    print(f"recovered {self.recover()}", flush=True)
+                    g = self.recover()
+                    gc.freeze()
+                    print(f"recovered {g}", flush=True)
                 elif cmd == "stop":
                     return
 

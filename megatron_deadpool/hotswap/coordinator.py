@@ -333,7 +333,7 @@ class Coordinator:
     # ------------------------------------------------------------------ tick
     def tick(self) -> None:
         """One look at the job, and whatever decision it calls for."""
-        self.detector.look(self._live(), self._slots())
+        self.detector.look(self._live, self._slots())
         self._look_for_joiners()
         fresh = self.detector.dead - self._handled
         if fresh:  # something died since the last tick: look at the slots (O(world) once)

@@ -110,17 +110,18 @@ class FailureDetector:
         return member in self._dead
 
     # ------------------------------------------------------------------ looking
-    def look(self, live: Sequence[str], slots: Mapping[int, str]) -> None:
-        """One look at every signal: `live` are the members watched (spares and the members
-        of the current or planned slots, not dead ones), `slots` the current or planned slots
-        (rank -> member: who a reported failure may concern)."""
+    def look(self, live: Callable[[], Sequence[str]], slots: Mapping[int, str]) -> None:
+        """One look at every signal: `live()` are the members watched (spares and the members
+        of the current or planned slots, not dead ones; asked only when a sweep is due, since
+        it takes O(world) and the coordinator ticks 20 times a second), `slots` the current or
+        planned slots (rank -> member: who a reported failure may concern)."""
         now = self.clock.monotonic()
         self._watch_failure_reports(now, slots)
         self._notice_errors()
         self._notice_exits()
         if now >= self._next_sweep:
             self._next_sweep = now + self.sweep_interval
-            self._sweep(live, now)
+            self._sweep(live(), now)
 
     def has_beaten(self, member: str) -> bool:
         """Whether `member`'s heartbeat was seen (a process past its start-up)."""

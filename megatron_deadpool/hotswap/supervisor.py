@@ -59,6 +59,11 @@ class Supervised(Protocol):
         """Out of redundancy: give the survivors their time to save what survives."""
 
 
+TICK_S = 0.05
+"""How often `deadpool coordinator` looks at the job when nothing wakes it (a survivor's last
+report wakes it at once: `Coordinator.wait`)."""
+
+
 @dataclass
 class Supervisor:
     """Runs the loop over `job` until it ends; `run()` returns the exit code."""
@@ -75,7 +80,7 @@ class Supervisor:
     on_tick: Callable[[], bool] = lambda: False
     checks: Sequence[Callable[[], int | None]] = ()
     on_timeout: ExitCode = ExitCode.TIMEOUT
-    interval_s: float = 0.05
+    interval_s: float = TICK_S
     preempt: Callable[[], str | None] = lambda: None
     """Once the launcher got SIGTERM, what to say: every rank then stops after the current
     iteration (the store's `preempt`)."""
