@@ -9,10 +9,10 @@ per size):
     deadpool bench control-plane --ranks 1024 4096 16384 --json control-plane.json
 
 on `MEASURED_ON`, where 8 processes simulating the ranks share the two cores with the store and
-the coordinator: an upper bound. The coordinator's own part is small (0.004 / 0.011 / 0.040 s
+the coordinator: an upper bound. The coordinator's own part is small (0.003 / 0.010 / 0.035 s
 at the same sizes, measured alone in the same run); at 16,384 ranks the time goes to the
 survivors' reports reaching the store while it also serves every rank's beat and plan watch
-(0.85 s of the coordinator process's CPU from the failure to the roster).
+(0.77 s of the coordinator process's CPU from the failure to the roster).
 Between the measured sizes the figure is interpolated in log2(world); below the smallest it is
 the smallest's; above the largest it grows in proportion to the world (one report per rank).
 
@@ -31,7 +31,7 @@ MEASURED_ON = (
 )
 COMMAND = "deadpool bench control-plane --ranks 1024 4096 16384 --json cp.json"
 
-AGREE_S: dict[int, float] = {1024: 0.084, 4096: 0.285, 16384: 1.555}
+AGREE_S: dict[int, float] = {1024: 0.076, 4096: 0.338, 16384: 1.300}
 """world size -> failure -> roster published (s), simulated ranks."""
 
 
