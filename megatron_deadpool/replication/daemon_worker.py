@@ -42,10 +42,17 @@ class DaemonWorker:
 
     def _serve(self) -> None:
         while (call := self._calls.get()) is not None:
-            future, fn = call
-            if not future.set_running_or_notify_cancel():
-                continue
-            try:
-                future.set_result(fn())
-            except BaseException as exc:  # noqa: BLE001 - handed to the future's reader
-                future.set_exception(exc)
+            _run(*call)
+            # Nothing of the call may outlive it while the thread waits for the next one: its
+            # arguments and its error's frames hold process groups, which the release after a
+            # failure must see freed (seen: "DEADPOOL_REPLICATION ... still referenced").
+            del call
+
+
+def _run(future: Future[Any], fn: Callable[[], Any]) -> None:
+    if not future.set_running_or_notify_cancel():
+        return
+    try:
+        future.set_result(fn())
+    except BaseException as exc:  # noqa: BLE001 - handed to the future's reader
+        future.set_exception(exc)

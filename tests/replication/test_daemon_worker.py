@@ -4,11 +4,14 @@ to the replicator's verifying thread, in a process that then returns from its ma
 
 from __future__ import annotations
 
+import gc
 import subprocess
 import sys
 import threading
+import weakref
 
 import pytest
+from procs import wait_until
 
 from megatron_deadpool.hotswap.membership import host_store
 from megatron_deadpool.replication.daemon_worker import DaemonWorker
@@ -69,4 +72,26 @@ def test_calls_run_in_order_and_errors_reach_their_future() -> None:
     assert first.result(10) is None and second.result(10) is None and order == [1, 2]
     with pytest.raises(ValueError, match="no"):
         third.result(10)
+    worker.shutdown()
+
+
+def test_an_idle_worker_holds_nothing_of_its_last_call() -> None:
+    """A call's arguments and its error (whose frames hold them) are dropped once the call
+    ended: after a failure the released process groups must be freed while the worker waits
+    for its next call."""
+
+    class Group:
+        pass
+
+    def fail(group: Group) -> None:
+        raise RuntimeError("connection closed")
+
+    worker = DaemonWorker("test-worker")
+    group = Group()
+    ref = weakref.ref(group)
+    future = worker.submit(fail, group)
+    with pytest.raises(RuntimeError):
+        future.result(10)
+    del group, future
+    wait_until(lambda: gc.collect() >= 0 and ref() is None, 5, "the worker to drop its last call")
     worker.shutdown()
