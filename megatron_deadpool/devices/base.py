@@ -81,13 +81,16 @@ def select_device(mode: Mode = "auto", local_rank: int | None = None) -> Device:
 
 def prepare_communication(kind: Literal["cpu", "cuda"]) -> None:
     """Before this process creates any process group: refuse settings that break recovery,
-    apply DeadPool's NCCL settings (CUDA), and record the gloo connections of every group
-    from now on (what `abort_groups` shuts down). Idempotent."""
+    apply DeadPool's NCCL settings (CUDA), record the gloo connections of every group from now
+    on (what `abort_groups` shuts down), and on CPU make waits on gloo operations end once the
+    groups were aborted (`gloo.interruptible_waits`). Idempotent."""
     from . import gloo, nccl
 
     gloo.check_settings()
     if kind == "cuda":
         nccl.apply_settings()
+    else:
+        gloo.interruptible_waits()
     gloo.track_connections()
 
 

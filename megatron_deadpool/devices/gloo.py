@@ -16,10 +16,28 @@ connections that appear during a gloo group's creation (never the store's: its p
 excluded). `shutdown_connections()` shuts those that still exist. Listening sockets are left
 alone: gloo's listener thread kills the process (SIGABRT) when its listening socket is shut
 down.
+
+What the shutdown does not reach: a send that was under way when its connection ended. gloo
+(tcp `Pair`) queues the unwritten rest of a message that did not fit the socket's buffer and
+writes it as the peer reads; when the connection then ends, it fails the pair's pending
+operations but not a queued send, and a write error on it (`EPIPE`, `ECONNRESET`) is ignored:
+the operation neither completes nor fails, and its waiter blocks until the group's timeout (a
+collective) or for good (`isend`'s `wait()`). Measured: a 256 MB `isend` to a peer that
+stopped reading stays blocked after `abort_groups`; seen in CI as a survivor whose main thread
+stayed in a tensor-parallel all-reduce of Megatron's backward after its abort, its peer's
+connection closed, until the coordinator presumed it dead. So, in CPU mode (where every group is
+gloo), `interruptible_waits()` makes a wait on a collective without a bound of its own wait in
+slices of `WAIT_SLICE`, and raise `DistBackendError` after a slice once this process's groups
+were aborted (from `shutdown_connections` until a group is created again). Not covered: a
+point-to-point operation (and gloo's `reduce_scatter_tensor`), whose timed wait would fail the
+connection (`interruptible_waits`); a receive under way is not failed either (gloo keeps it
+as the pair's current read). Not on GPUs: an NCCL operation's `wait(timeout)` blocks the CPU
+on the kernel, unlike its `wait()`.
 """
 
 from __future__ import annotations
 
+import datetime
 import functools
 import os
 import socket
@@ -35,6 +53,14 @@ from ..errors import ConfigError
 _LOCK = threading.Lock()
 _TRACKED: dict[int, str] = {}  # socket inode -> the group that opened it
 _INSTALLED: dict[str, Callable[..., Any]] = {}
+_ABORTED = threading.Event()  # set by the abort, cleared when a group is created again
+
+WAIT_SLICE = datetime.timedelta(milliseconds=200)
+"""How long an interruptible wait blocks before it looks whether the groups were aborted."""
+
+_SLICE_OVER = "Operation timed out!"
+"""The first line of what torch's `Work.wait(timeout)` raises when the timeout passed (no other
+effect: the operation goes on, a later wait returns its result; torch 2.13 and 2.14)."""
 
 
 def check_settings(environ: MutableMapping[str, str] | None = None) -> None:
@@ -138,6 +164,7 @@ def track_connections() -> None:
             # no connection to record: another backend, a group this process is not in, or
             # a group of one
             return real(group_size, group_rank, ranks, backend, store, *a, **k)
+        _ABORTED.clear()  # the next generation's groups: their waits are normal again
         port = _store_port(store)
         before = set(socket_fds().values())
         result = real(group_size, group_rank, ranks, backend, store, *a, **k)
@@ -148,6 +175,50 @@ def track_connections() -> None:
         return result
 
     c10d._new_process_group_helper = helper  # type: ignore[assignment]
+
+
+def interruptible_waits() -> None:
+    """From now on `Work.wait()` without a timeout of its own, on a collective, raises
+    `DistBackendError` within `WAIT_SLICE` of this process's groups being aborted, instead of
+    waiting for an operation that gloo will never finish (module docstring; CPU mode only).
+    Idempotent.
+
+    Such a wait goes in slices of torch's own timed wait, which leaves the operation alone. Not
+    for an operation without a future (a point-to-point one; on gloo also
+    `reduce_scatter_tensor`): torch hands its timeout to gloo, which fails the connection when it
+    passes (measured: "Timed out waiting 200ms for send operation" on a send under way), so its
+    wait is left as it is."""
+    if "wait" in _INSTALLED:
+        return
+    real = dist.Work.wait
+    _INSTALLED["wait"] = real
+    no_bound = datetime.timedelta(0)
+
+    @functools.wraps(real)
+    def wait(self: dist.Work, timeout: datetime.timedelta = no_bound) -> bool:
+        if timeout != no_bound or not _has_future(self):
+            return real(self, timeout)
+        while True:
+            try:
+                return real(self, WAIT_SLICE)
+            except RuntimeError as exc:
+                if str(exc).partition("\n")[0] != _SLICE_OVER:  # then torch's C++ stack
+                    raise
+            if _ABORTED.is_set():
+                raise dist.DistBackendError(
+                    "this process's process groups were aborted while it waited on a gloo "
+                    "operation its peers' loss left unfinished"
+                )
+
+    dist.Work.wait = wait  # type: ignore[method-assign]
+
+
+def _has_future(work: dist.Work) -> bool:
+    try:
+        work.get_future()
+    except RuntimeError:  # "Work::getFuture not implemented"
+        return False
+    return True
 
 
 def tracked() -> dict[int, str]:
@@ -161,11 +232,13 @@ def tracked() -> dict[int, str]:
 
 def shutdown_connections() -> int:
     """Shut down (both directions) every recorded gloo connection still open; returns how many.
+    Until a group is created again, interruptible waits end (`interruptible_waits`).
 
     Each descriptor is duplicated and the duplicate's inode checked before the shutdown, so a
     descriptor number reused by an unrelated socket in the meantime is never touched.
     """
     count = 0
+    _ABORTED.set()
     with _LOCK:
         targets = dict(_TRACKED)
         _TRACKED.clear()

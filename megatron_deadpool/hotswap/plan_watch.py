@@ -30,9 +30,10 @@ process (exit code 7) instead of turning it into a zombie.
 A main thread that has still not entered recovery `STUCK_S` seconds after the abort is stuck
 where aborting its groups did not reach (seen once in CI: a survivor whose log ends with its
 groups aborted; seen again: its main thread in a tensor-parallel all-reduce of Megatron's
-backward, no gloo connection left to shut down): the watch then writes the process's open TCP
-connections and every thread's stack to standard error, once, so that the rank's log says
-where it waits and on what.
+backward, no gloo connection left to shut down - a send under way, which gloo neither completes
+nor fails, now ended by `devices.gloo.interruptible_waits`): the watch then writes the
+process's open TCP connections and every thread's stack to standard error, once, so that the
+rank's log says where it waits and on what.
 """
 
 from __future__ import annotations

@@ -156,3 +156,64 @@ def test_torch_abort_alone_leaves_gloo_collectives_blocked() -> None:
     for rank in (0, 1):
         r = results[rank]
         assert r["blocked_before_abort"] and not r["all_returned"], r
+
+
+def _unreached_rank(
+    *, rank: int, world_size: int, store: Any, interruptible: bool
+) -> dict[str, Any]:
+    """Rank 0 blocks in an all-reduce that rank 1 (alive) never joins, over connections the
+    abort does not know of - standing in for the operation gloo neither completes nor fails
+    after its connection ended (a send under way, `devices.gloo`'s docstring), which no
+    deterministic test can catch mid-write."""
+    import torch
+    import torch.distributed as dist
+
+    from megatron_deadpool.devices import gloo
+    from megatron_deadpool.devices.abort import abort_groups
+    from megatron_deadpool.devices.failures import is_peer_failure
+
+    if not interruptible:
+        dist.Work.wait = gloo._INSTALLED["wait"]  # type: ignore[method-assign]
+    pair = dist.new_group([0, 1], backend="gloo")
+    dist.barrier(group=pair)
+    if rank == 1:
+        store.set("idle", "1")
+        time.sleep(3600)  # never joins: the harness kills it
+    store.wait(["idle"])
+    gloo._TRACKED.clear()  # the abort shuts nothing down: gloo alone would never end the wait
+    thread, outcome = _blocked(lambda: dist.all_reduce(torch.ones(8), group=pair))
+    thread.join(timeout=1.0)
+    blocked = thread.is_alive()
+    t0 = time.monotonic()
+    abort_groups()
+    thread.join(timeout=10.0 if interruptible else 3.0)
+    error = outcome.get("error")
+    return {
+        "blocked_before_abort": blocked,
+        "returned": not thread.is_alive(),
+        "returned_s": time.monotonic() - t0,
+        "error": repr(error),
+        "peer_failure": error is not None and is_peer_failure(error),
+    }
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("interruptible", [True, False], ids=["interruptible", "gloo-alone"])
+def test_a_collective_the_abort_cannot_reach_still_ends_with_it(interruptible: bool) -> None:
+    """In CPU mode a wait on a collective ends within a slice of the abort, whether or not gloo
+    ends the operation (`gloo.interruptible_waits`), and what it raises is a peer failure; the
+    control ("gloo-alone") stays blocked."""
+    r, _ = run_world(
+        "test_abort:_unreached_rank",
+        2,
+        kwargs={"interruptible": interruptible},
+        timeout=90,
+        optional=(1,),
+    )
+    assert r["blocked_before_abort"], r
+    if interruptible:
+        assert r["returned"] and r["peer_failure"], r
+        assert r["returned_s"] < 5.0, r
+        assert "aborted" in r["error"], r
+    else:
+        assert not r["returned"], r
