@@ -31,9 +31,9 @@ A main thread that has still not entered recovery `STUCK_S` seconds after the ab
 where aborting its groups did not reach (seen once in CI: a survivor whose log ends with its
 groups aborted; seen again: its main thread in a tensor-parallel all-reduce of Megatron's
 backward, no gloo connection left to shut down - a send under way, which gloo neither completes
-nor fails, now ended by `devices.gloo.interruptible_waits`): the watch then writes the
-process's open TCP connections and every thread's stack to standard error, once, so that the
-rank's log says where it waits and on what.
+nor fails; in CPU mode a collective's wait now ends anyway, `devices.gloo.interruptible_waits`):
+the watch then writes the process's open TCP connections and every thread's stack to standard
+error, once, so that the rank's log says where it waits and on what.
 """
 
 from __future__ import annotations
