@@ -49,6 +49,7 @@ from megatron.core.utils import unwrap_model
 
 from ..devices.base import real_cuda
 from ..errors import CheckpointError, CheckpointSaveError
+from ..replication import write_results
 from ..replication.failed_save import agreed, attempt, not_saved, prepare, save_agreeing
 from ..replication.save_dir import TRACKER, iteration_dir, latest_iteration, write_tracker
 from ..replication.snapshot import inner_optimizers
@@ -220,6 +221,7 @@ def save(objs: TrainingObjects, iteration: int, root: str | os.PathLike[str]) ->
         return path
     error = prepare(path)
     if error is None:  # the directory exists for everyone before anyone writes into it
+        write_results.keep_in_process()  # no helper process (the save is synchronous)
         metadata = _metadata()
         state = _state_dict(objs, metadata=metadata, is_loading=False, iteration=iteration)
         error = save_agreeing(  # every rank's files are complete, or the save failed
@@ -240,25 +242,6 @@ def save(objs: TrainingObjects, iteration: int, root: str | os.PathLike[str]) ->
         "saved checkpoint of iteration %d to %s in %.2fs", iteration, path, time.perf_counter() - t0
     )
     return path
-
-
-def close_writers() -> None:
-    """Stop the helper process megatron-core's torch_dist writer keeps for later saves.
-
-    The first save of a process starts a `multiprocessing` manager (spawn context) that holds
-    the writer processes' result queue; it is reused by every later save and stopped at a normal
-    interpreter exit. A process that leaves another way (`os._exit`, as the test harness does)
-    calls this first, or the manager outlives it. Harmless when nothing was saved.
-    """
-    from megatron.core.dist_checkpointing.strategies import filesystem_async
-
-    queue = getattr(filesystem_async, "_results_queue", None)
-    if queue is None:
-        return
-    filesystem_async._results_queue = None
-    manager = getattr(queue, "_manager", None)
-    if manager is not None:
-        manager.shutdown()
 
 
 def load(

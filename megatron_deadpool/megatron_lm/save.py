@@ -44,6 +44,7 @@ import torch.distributed as dist
 
 from ..durable import write_durably
 from ..errors import CheckpointError
+from ..replication import write_results
 from ..replication.failed_save import attempt, not_saved, prepare, save_agreeing
 from ..replication.save_dir import TRACKER, iteration_dir, latest_iteration
 
@@ -72,6 +73,7 @@ def wrap_save_checkpoint(real: Any, session: Any) -> Any:
         kept, marker = _kept(root), _marker_bytes(root)
         error = prepare(path)
         if error is None:
+            write_results.keep_in_process()  # no helper process (the save is synchronous)
             error = save_agreeing(functools.partial(real, *args, **kwargs), path)
         if error is None:
             return None

@@ -72,8 +72,9 @@ def _fingerprint(objs: Any) -> dict[str, Any]:
     }
 
 
-def _writer_manager_gone() -> bool:
-    """No multiprocessing helper (megatron's writer manager) left running for this process."""
+def _no_helper_process() -> bool:
+    """No multiprocessing child of this process running (megatron-core's writer would start a
+    manager's server at the first save, which stays until the process exits)."""
     import multiprocessing
 
     return not [p for p in multiprocessing.active_children() if p.is_alive()]
@@ -106,8 +107,7 @@ def _checkpoint_rank(
         out["latest"] = checkpoint.latest_iteration(root)
         out["unchanged_by_save"] = _fingerprint(objs) == out["at_save"]
         out["after"] = train(SAVE_AT + 1)
-        checkpoint.close_writers()  # the harness ends ranks with os._exit
-        out["writers_closed"] = _writer_manager_gone()
+        out["no_helper_process"] = _no_helper_process()
     else:
         out["loaded_iteration"] = checkpoint.load(objs, root)
         out["after_load"] = _fingerprint(objs)
@@ -153,7 +153,7 @@ def test_layout_is_megatron_lms(worlds: dict[str, Any]) -> None:
 @pytest.mark.timeout(2 * WORLD_TIMEOUT + 60)
 def test_save_changes_nothing_and_leaves_no_process(worlds: dict[str, Any]) -> None:
     assert all(r["unchanged_by_save"] for r in worlds["saved"])
-    assert all(r["writers_closed"] for r in worlds["saved"])
+    assert all(r["no_helper_process"] for r in worlds["saved"])
 
 
 @pytest.mark.timeout(2 * WORLD_TIMEOUT + 60)
