@@ -13,12 +13,21 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+_HANDED_OUT: set[int] = set()
+
 
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on right now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A TCP port on 127.0.0.1 that nothing listens on right now and that this process has not
+    handed out before: the kernel may give the port it just released to the next bind, so two
+    calls in a row could name the same port for two servers (seen: a primary and a standby
+    coordinator on one port)."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in _HANDED_OUT:
+            _HANDED_OUT.add(port)
+            return port
 
 
 def spawn_logged(cmd: list[str], log: Path, env: dict[str, str]) -> subprocess.Popen:
