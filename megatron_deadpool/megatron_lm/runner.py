@@ -291,9 +291,10 @@ def _report_before_pretrain(exc: Exception) -> None:
 
 def _spawn_through_runner() -> None:
     """Children started with multiprocessing's *spawn* method re-import the parent's main
-    script first (Megatron's checkpoint writer starts a `Manager` that way). The runner's main
-    script is the user's unprepared one, so such children import this module instead: it
-    prepares the CPU mode, then runs the script's top level as spawn would have."""
+    script first (Megatron's checkpoint writer starts a `Manager` that way where DeadPool does
+    not guard the save: `replication/write_results.py`). The runner's main script is the
+    user's unprepared one, so such children import this module instead: it prepares the CPU
+    mode, then runs the script's top level as spawn would have."""
     from multiprocessing import spawn
 
     if getattr(spawn.get_preparation_data, "_deadpool", False):

@@ -7,8 +7,8 @@ through a queue it makes once per process, at the first save:
 process, which imports torch afresh to unpickle the results (2-2.5 s of CPU per rank, measured
 here) and does not watch its parent: when a failure kills the rank, the server stays. Where a
 failure ends the job that is harmless; where DeadPool keeps the job running, every killed rank
-that had saved leaves one such process on its node until the job ends (a lost node's go with
-it).
+that had saved leaves one such process on its node until the job ends (on a lost node they go
+with it).
 
 DeadPool's saves are synchronous - the embedded job's own (`embedded/checkpoint.py`) and
 Megatron-LM's under `--deadpool` (`megatron_lm/save.py`; `--async-save` is refused,
