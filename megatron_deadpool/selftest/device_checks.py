@@ -6,6 +6,8 @@ and reports what each variable will be. `capture` is a replica's life in miniatu
 tensors packed and checksummed on the device (`replication.pack`), copied into replica memory
 of the kind `devices.memory.ReplicaMemory` picks (GPU memory or pinned host memory), checksummed
 there and unpacked into fresh tensors, each step compared with a host-side reference pack.
+`pack_kernel` is the shared GPU check (`selftest.gpu_checks`): on CUDA, the fused kernel must
+be what packs, and its pack must equal the host's.
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ from ..devices.pinned import buffer
 from ..errors import ConfigError
 from ..replication import pack
 from ..units import human_bytes
+from .gpu_checks import kernel
+from .gpu_checks.pack_check import pack_against_host
 from .table import Row
 
 SETTINGS = "settings"
@@ -147,31 +151,30 @@ def replica_memory(cuda: bool) -> Row:
     return Row(REPLICA_MEMORY, "pass", seconds, detail, data)
 
 
+PACK_KERNEL_BYTES = 16 << 20
+
+
 def pack_kernel(cuda: bool) -> Row:
-    """The fused CUDA pack/checksum kernel (`deadpool_cuda_kernels`) on a multi-chunk shard,
-    against the host reference; skipped without CUDA or without the extension."""
+    """The fused CUDA pack/checksum kernel (`deadpool_cuda_kernels`): on CUDA it must be the
+    backend that packs (`gpu_checks.kernel`: the torch fallback FAILs, naming the fix), and its
+    pack of a 16 MiB misaligned, mixed-dtype buffer must equal the host's
+    (`gpu_checks.pack_check`); skipped without CUDA."""
     if not cuda:
-        return Row(PACK_KERNEL, "skipped", 0.0, NO_CUDA)
+        status, detail = kernel.judge(None)
+        return Row(PACK_KERNEL, status, 0.0, detail)
     t0 = time.perf_counter()
-    device = Device("cuda", "nccl", torch.cuda.current_device())
-    probe = torch.empty(4, dtype=torch.uint8, device=device.torch_device)
-    if pack.backend_for(probe) != "cuda":
-        return Row(
-            PACK_KERNEL,
-            "skipped",
-            time.perf_counter() - t0,
-            f"skipped: extension {pack.EXTENSION_NAME} not installed (or DEADPOOL_PACK_BACKEND="
-            "torch): replicas are packed with torch ops on the GPU; cuda_kernels/README.md "
-            "says how to build it",
-        )
-    memory = ReplicaMemory(setting="gpu", device=device)
-    problems, nbytes, backend = capture(memory, "gpu", scale=1024)
+    state = kernel.kernel_state(torch.device("cuda", torch.cuda.current_device()))
+    status, detail = kernel.judge(state)
+    data: dict[str, object] = {"pack_backend": state.backend}
+    if status != "pass":
+        return Row(PACK_KERNEL, status, time.perf_counter() - t0, detail, data)
+    problems, figures = pack_against_host(PACK_KERNEL_BYTES, timed=False)
     seconds = time.perf_counter() - t0
-    data = {"bytes": nbytes, "pack_backend": backend}
+    data.update(figures)
     if problems:
         return Row(PACK_KERNEL, "fail", seconds, "; ".join(problems), data)
     detail = (
-        f"{pack.EXTENSION_NAME}: a {human_bytes(nbytes)} shard packed, checksummed and "
-        "unpacked on the GPU, equal to the host reference"
+        f"{pack.EXTENSION_NAME}: a {human_bytes(figures['bytes'])} misaligned, mixed-dtype "
+        "buffer packed, checksummed and unpacked on the GPU, equal to the host's"
     )
     return Row(PACK_KERNEL, "pass", seconds, detail, data)

@@ -16,6 +16,8 @@ from .table import Row
 REPLICATION = "replication"
 PEER_KILLED = "peer killed"
 PEER_FROZEN = "peer frozen"
+CROSS_RANK = (REPLICATION, PEER_KILLED, PEER_FROZEN)
+"""The checks that need two ranks or more: without any of them the selftest is incomplete."""
 
 
 def _failed_run(check: str, seconds: float, summary: dict[str, Any], returncode: int) -> Row:

@@ -49,7 +49,8 @@ class Options:
     On this machine: `nproc` actives and `spares` spares. With `slurm`: across the allocation's
     nodes, `nproc_per_node` tasks each (default: Slurm's), the last `spare_nodes` nodes spare.
     `nproc` 1: a single rank has no peer to hold its replica, so only the settings and device
-    checks run (what one GPU allows)."""
+    checks run (what one GPU allows); with nothing failed the verdict is INCOMPLETE, exit code
+    `table.EXIT_INCOMPLETE`, not OK."""
 
     nproc: int | None = None
     spares: int = 1
@@ -217,14 +218,14 @@ class Suite:
             self._hot_swap(check, kind, reference, limit)
         self._add(device_checks.replica_memory(cuda))
         self._add(device_checks.pack_kernel(cuda))
-        self._print(verdict(self.rows))
+        self._print(verdict(self.rows, judge.CROSS_RANK))
         if o.json_path:
             env = environment(self.gpus, self.run_dir)
             if self.allocation is not None:
                 env["slurm"] = dataclasses.asdict(self.allocation)
-            payload = report(self.rows, env)
+            payload = report(self.rows, env, judge.CROSS_RANK)
             Path(o.json_path).write_text(json.dumps(payload, indent=2) + "\n")
-        return exit_code(self.rows)
+        return exit_code(self.rows, judge.CROSS_RANK)
 
     def _replication(self) -> dict[str, Any] | None:
         """The failure-free run; its summary when it passed (the others' reference)."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -9,6 +10,10 @@ Status = Literal["pass", "fail", "skipped"]
 
 NAME_WIDTH = 15
 STATUS_WIDTH = 7
+
+EXIT_INCOMPLETE = 10
+"""The exit code of a selftest in which nothing failed but no cross-rank check ran (one rank:
+`--nproc 1`): the machine's replication, kill and hang were not checked, so it does not say OK."""
 
 
 @dataclass(frozen=True)
@@ -50,26 +55,48 @@ def render(row: Row) -> str:
     return "\n".join([lead + lines[0], *(" " * len(lead) + line for line in lines[1:])])
 
 
-def exit_code(rows: list[Row]) -> int:
-    """0 when every check that ran passed (skipped ones do not count), else 1."""
-    return 1 if any(r.status == "fail" for r in rows) else 0
+def not_checked(rows: list[Row], cross_rank: Collection[str]) -> list[str]:
+    """The cross-rank checks among `rows` when none of them ran (all skipped), else []."""
+    named = [r for r in rows if r.check in cross_rank]
+    if named and all(r.status == "skipped" for r in named):
+        return [r.check for r in named]
+    return []
 
 
-def verdict(rows: list[Row]) -> str:
-    """The closing line: how many passed, failed and were skipped."""
+def exit_code(rows: list[Row], cross_rank: Collection[str] = ()) -> int:
+    """0 when every check that ran passed (skipped ones do not count) and, of the checks
+    named in `cross_rank`, at least one ran; 1 when one failed; `EXIT_INCOMPLETE` when
+    nothing failed but no cross-rank check ran."""
+    if any(r.status == "fail" for r in rows):
+        return 1
+    return EXIT_INCOMPLETE if not_checked(rows, cross_rank) else 0
+
+
+def verdict(rows: list[Row], cross_rank: Collection[str] = ()) -> str:
+    """The closing line: how many passed, failed and were skipped; INCOMPLETE (not OK) when
+    nothing failed but no cross-rank check ran, naming them."""
     counts = {s: sum(r.status == s for r in rows) for s in ("pass", "fail", "skipped")}
-    word = "FAILED" if counts["fail"] else "OK"
-    return (
+    missing = not_checked(rows, cross_rank)
+    word = "FAILED" if counts["fail"] else ("INCOMPLETE" if missing else "OK")
+    line = (
         f"selftest {word}: {counts['pass']} passed, {counts['fail']} failed, "
         f"{counts['skipped']} skipped"
     )
+    if word == "INCOMPLETE":
+        line += (
+            f"; not checked across ranks: {', '.join(missing)} (give --nproc 2 or more, or "
+            "--slurm across nodes)"
+        )
+    return line
 
 
-def report(rows: list[Row], environment: dict[str, Any]) -> dict[str, Any]:
+def report(
+    rows: list[Row], environment: dict[str, Any], cross_rank: Collection[str] = ()
+) -> dict[str, Any]:
     """The JSON report: every check by name, the environment, the verdict."""
     return {
         "checks": {r.check: r.to_dict() for r in rows},
         "environment": environment,
-        "exit_code": exit_code(rows),
-        "verdict": verdict(rows),
+        "exit_code": exit_code(rows, cross_rank),
+        "verdict": verdict(rows, cross_rank),
     }

@@ -67,3 +67,17 @@ def test_the_script_skips_cleanly_without_cuda() -> None:
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert proc.stdout.count(" skip ") == 2
+
+
+def test_the_new_rows_skip_cleanly_without_cuda() -> None:
+    """Issue 39's rows (round cost with the kernel and the fallback, N2's probe, the heartbeat
+    with the device watch, the threads' devices) are known to the script and skip, not crash,
+    where no device is visible."""
+    rows = "round_cost,round_cost_torch,overlap_conn1,n2_probe,heartbeat_dw,thread_devices"
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), "--only", rows, "--no-build"],
+        capture_output=True, text=True, timeout=300, env=env, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.count(" skip ") == 6, proc.stdout

@@ -20,6 +20,10 @@ out of its reach: `deadpool selftest` on a real node covers those.
    replication group);
 6. the overlap figure: a 1.5 GB shard captured and copied to pinned host memory while a
    matmul loop runs on the main stream; the loop's slowdown is reported.
+
+The checks shared with the first contact and `deadpool selftest` come from
+`megatron_deadpool.selftest.gpu_checks` (the pack kernel against the host, N2's probe, the
+timing helper and the matmul loop).
 """
 
 from __future__ import annotations
@@ -41,6 +45,8 @@ os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 
 import torch
 from optimizers import Scheduler, Wrapped
+
+from megatron_deadpool.selftest.gpu_checks.base import elapsed_ms, matmul_loop
 
 pytestmark = [
     pytest.mark.gpu,
@@ -66,19 +72,6 @@ def _needs_kernel() -> None:
         pytest.skip("deadpool_cuda_kernels is not installed (pip install ./cuda_kernels)")
 
 
-def _elapsed_ms(fn: Any, repeat: int = 3) -> float:
-    """Best of `repeat` device times of `fn()` (CUDA events on the current stream)."""
-    best = float("inf")
-    for _ in range(repeat):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        best = min(best, start.elapsed_time(end))
-    return best
-
-
 def _free_gib() -> float:
     return torch.cuda.mem_get_info()[0] / GIB
 
@@ -89,51 +82,19 @@ def _free_gib() -> float:
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("gib", [0.001, 1.0, 4.0])
 def test_pack_kernel_matches_the_host_checksum_and_is_timed_against_a_copy(gib: float) -> None:
-    from megatron_deadpool.replication import pack
+    """The shared check (`selftest.gpu_checks.pack_check`, also the first contact's and the
+    selftest's): misaligned checksum, mixed-dtype pack, unpack and the torch fallback's
+    checksum, each against the host; timed against a plain device copy."""
+    from megatron_deadpool.selftest.gpu_checks.pack_check import pack_against_host
 
     _needs_kernel()
     nbytes = int(gib * GIB) // 16 * 16
     if _free_gib() < 4 * nbytes / GIB + 1:
         pytest.skip(f"needs {4 * nbytes / GIB + 1:.1f} GiB of free GPU memory")
-    gen = torch.Generator(device="cuda").manual_seed(7)
-    raw = torch.randint(0, 256, (nbytes + 20,), dtype=torch.uint8, device="cuda", generator=gen)
-    host = raw.cpu()
-    # Misaligned everything: a buffer starting 1 byte in, with a 12-byte tail past 16.
-    assert pack.checksum(raw[1 : nbytes + 13]) == pack.checksum(host[1 : nbytes + 13])
-    # Pack: a few large tensors of mixed dtypes, one starting 2 bytes into its storage.
-    quarter = nbytes // 4
-    tensors = [
-        raw[:quarter].view(torch.float32),
-        raw[quarter : 2 * quarter].view(torch.bfloat16),
-        raw[2 * quarter + 2 : 3 * quarter + 2].view(torch.bfloat16),  # 2-byte aligned source
-        raw[3 * quarter + 4 : 3 * quarter + 4 + 4096 * 3 + 4],  # odd length
-    ]
-    plan = pack.PackPlan(tensors)
-    out = torch.empty(plan.nbytes, dtype=torch.uint8, device="cuda")
-    checksum = plan.pack(out)
-    host_out = torch.empty(plan.nbytes, dtype=torch.uint8)
-    assert checksum == pack.pack([t.cpu() for t in tensors], host_out)
-    assert torch.equal(out.cpu(), host_out)
-    restored = [torch.empty_like(t) for t in tensors]
-    assert pack.unpack(out, restored) == checksum
-    # Bytes, not values: random bytes viewed as floats hold NaNs, which equal nothing.
-    assert all(
-        torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(restored, tensors)
-    )
-    pack_ms = _elapsed_ms(lambda: plan.pack_on_device(out))
-    copy_dst = torch.empty_like(out)
-    src = raw[: plan.nbytes]
-    copy_ms = _elapsed_ms(lambda: copy_dst.copy_(src))
-    _report(
-        f"pack_kernel_{gib}gib",
-        {
-            "bytes": plan.nbytes,
-            "pack_ms": pack_ms,
-            "copy_ms": copy_ms,
-            "pack_gb_s": plan.nbytes / pack_ms / 1e6,
-            "copy_gb_s": plan.nbytes / copy_ms / 1e6,
-        },
-    )
+    problems, figures = pack_against_host(nbytes)
+    _report(f"pack_kernel_{gib}gib", figures)
+    assert figures["backend"] == "cuda" and figures["fallback_checksum_ok"]
+    assert problems == []
 
 
 # ---------------------------------------------------------------------- 2.-3. capture
@@ -361,6 +322,26 @@ def test_embedded_steps_and_replication_rounds_on_nccl(nccl_world: Any) -> None:
     assert repl.holdings() == {"local": [3, 4], "0": [3, 4]}
 
 
+@pytest.mark.timeout(600)
+def test_a_buffer_changed_right_after_start_round_is_restored_from_before_the_round(
+    nccl_world: Any,
+) -> None:
+    """N2 (`selftest.gpu_checks.n2_probe`, also a first-contact row): the next forward pass
+    writes a model buffer right after `start_round`; every round's restore gives the value
+    from before the round."""
+    import torch.distributed as dist
+
+    from megatron_deadpool.selftest.gpu_checks import n2_probe
+
+    _needs_kernel()
+    if _free_gib() < 5 * n2_probe.SHARD_GB + 2:
+        pytest.skip(f"needs {5 * n2_probe.SHARD_GB + 2:.1f} GiB of free GPU memory")
+    rounds = n2_probe.measure(group=dist.new_group(backend="nccl"))
+    ok, note = n2_probe.judge(rounds)
+    _report("n2_probe", {"rounds_wrong": sum(1 for r in rounds if r.wrong)})
+    assert ok, note
+
+
 # ---------------------------------------------------------------------- 6. overlap figure
 
 
@@ -377,19 +358,13 @@ def test_overlap_figure_capture_and_copy_of_a_1_5_gb_shard_under_a_matmul_loop()
     plan = pack.PackPlan(shard)
     staged = torch.empty(plan.nbytes, dtype=torch.uint8, device="cuda")
     host = torch.empty(plan.nbytes, dtype=torch.uint8, pin_memory=True)
-    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     side = torch.cuda.Stream()
-
-    def loop() -> None:
-        for _ in range(40):
-            torch.mm(a, b)
-
+    loop = matmul_loop()
     loop()
     torch.cuda.synchronize()
-    alone_ms = _elapsed_ms(loop)
-    pack_ms = _elapsed_ms(lambda: plan.pack_on_device(staged))
-    d2h_ms = _elapsed_ms(lambda: host.copy_(staged, non_blocking=True))
+    alone_ms = elapsed_ms(loop)
+    pack_ms = elapsed_ms(lambda: plan.pack_on_device(staged))
+    d2h_ms = elapsed_ms(lambda: host.copy_(staged, non_blocking=True))
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     c_start, c_end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     torch.cuda.synchronize()

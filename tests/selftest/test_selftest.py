@@ -20,7 +20,7 @@ from megatron_deadpool.hotswap.srun_job import srun_command
 from megatron_deadpool.replication import pack
 from megatron_deadpool.selftest import device_checks, judge
 from megatron_deadpool.selftest.slurm import Allocation
-from megatron_deadpool.selftest.table import Row, exit_code, render
+from megatron_deadpool.selftest.table import EXIT_INCOMPLETE, Row, exit_code, render, verdict
 
 CHECKS = ["settings", "replication", "peer killed", "peer frozen", "replica memory", "pack kernel"]
 CUDA = torch.cuda.is_available() and torch.cuda.device_count() > 0
@@ -168,11 +168,17 @@ def test_a_refused_setting_fails_and_nothing_runs(tmp_path: Path) -> None:
 @pytest.mark.timeout(120)
 def test_one_rank_runs_the_device_checks_and_skips_the_runs(tmp_path: Path) -> None:
     """`--nproc 1` (one GPU): no peer to hold a replica, so no training run; the settings and
-    device checks still run, and skipped rows do not fail the selftest."""
+    device checks still run, and skipped rows do not fail the selftest - but a selftest that
+    checked nothing across ranks does not say OK: INCOMPLETE, its own exit code."""
     run_dir = tmp_path / "runs"
     proc = _selftest(tmp_path, "--nproc", "1", "--run-dir", str(run_dir), timeout=90)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.returncode == EXIT_INCOMPLETE, proc.stdout + proc.stderr
     lines = proc.stdout.splitlines()
+    assert lines[-1].startswith("selftest INCOMPLETE: 1 passed, 0 failed, ")
+    assert lines[-1].endswith(
+        "not checked across ranks: replication, peer killed, peer frozen (give --nproc 2 or "
+        "more, or --slurm across nodes)"
+    )
     (settings,) = [line for line in lines if line.startswith("settings ")]
     assert " PASS " in settings
     for name in ("replication", "peer killed", "peer frozen"):
@@ -332,3 +338,19 @@ def test_table_and_exit_code() -> None:
     assert lines[1].strip() == "b" and lines[1].index("b") == lines[0].index("a")
     with pytest.raises(ValueError, match="status"):
         Row("x", "ok", 0, "")  # type: ignore[arg-type]
+
+
+def test_a_selftest_that_checked_nothing_across_ranks_is_incomplete_not_ok() -> None:
+    """Issue 41: every cross-rank check skipped (one rank) is not OK; a failure still wins;
+    one cross-rank check that ran makes the verdict OK again."""
+    skipped = [Row(name, "skipped", 0, "one rank") for name in judge.CROSS_RANK]
+    rows = [Row("settings", "pass", 0.01, "a"), *skipped]
+    assert exit_code(rows) == 0  # without naming the cross-rank checks: as before
+    assert exit_code(rows, judge.CROSS_RANK) == EXIT_INCOMPLETE
+    assert verdict(rows, judge.CROSS_RANK).startswith("selftest INCOMPLETE: 1 passed, 0 failed")
+    failed = [*rows, Row("pack kernel", "fail", 1, "no kernel")]
+    assert exit_code(failed, judge.CROSS_RANK) == 1
+    assert verdict(failed, judge.CROSS_RANK).startswith("selftest FAILED")
+    ran = [rows[0], Row(judge.REPLICATION, "pass", 1, "ok"), *skipped[1:]]
+    assert exit_code(ran, judge.CROSS_RANK) == 0
+    assert verdict(ran, judge.CROSS_RANK) == "selftest OK: 2 passed, 0 failed, 2 skipped"
