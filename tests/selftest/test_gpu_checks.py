@@ -5,7 +5,11 @@ check run on host memory, and the three users importing the one module."""
 from __future__ import annotations
 
 import ast
+import json
 import math
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -165,3 +169,48 @@ def test_the_three_users_take_the_pack_check_from_the_one_module() -> None:
         assert [g for g in gone if g in text] == [], path
     for row in ("round_cost", "n2_probe", "heartbeat_dw", "thread_devices"):
         assert f'"{row}":' in script.read_text()
+
+
+@pytest.mark.timeout(240)
+def test_the_thread_devices_probe_runs_its_two_ranks_in_the_cpu_mode() -> None:
+    """The probe's two processes, rounds and report, in the CPU mode (no thread selects a CUDA
+    device there): without `devices.threads` the row fails saying so, with it it passes."""
+    result = thread_devices.check(timeout_s=150, kind="cpu")
+    ranks = result["figures"].get("ranks")
+    assert ranks is not None, result
+    assert [r["committed"] for r in ranks] == [[1, 2], [1, 2]]
+    if thread_devices.lookup() is None:
+        assert result["status"] == "FAIL"
+        assert result["note"] == "; ".join(
+            f"rank {r}: devices.threads missing: this build cannot tell which device its "
+            "threads use"
+            for r in (0, 1)
+        )
+    else:
+        assert result["status"] == "pass", result
+
+
+@pytest.mark.timeout(240)
+def test_the_n2_probe_runs_its_rounds_in_the_cpu_mode() -> None:
+    """The probe's rounds, restore and count, in the CPU mode (a fresh interpreter: it makes a
+    world of one), where the capture is synchronous and every round restores its value."""
+    code = (
+        "import json; from megatron_deadpool.selftest.gpu_checks import n2_probe as n; "
+        "r = n.measure(shard_gb=0.01, rounds=3, kind='cpu'); "
+        "print('RESULT', json.dumps([[x.value, x.wrong, x.elements, x.seen] for x in r]))"
+    )
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=200,
+        env=env,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (line,) = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
+    rounds = [n2_probe.ProbeRound(*x) for x in json.loads(line[len("RESULT ") :])]
+    n = n2_probe.BUFFER_BYTES // 4
+    assert rounds == [n2_probe.ProbeRound(i, 0, n, float(i)) for i in (1, 2, 3)]
+    assert n2_probe.judge(rounds, expected_rounds=3) == (True, "")

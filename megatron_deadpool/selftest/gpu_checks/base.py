@@ -68,22 +68,24 @@ def matmul_loop(count: int = 40, size: int = 8192) -> Callable[[], None]:
     return loop
 
 
-def world_of_one(groups: int = 0) -> list[Any]:
-    """A world-size-1 NCCL world on a fresh store (DeadPool's settings), plus `groups` groups."""
+def world_of_one(groups: int = 0, kind: str = "cuda") -> list[Any]:
+    """A world-size-1 NCCL world on a fresh store (DeadPool's settings), plus `groups` groups;
+    `kind` "cpu": the same on gloo in the CPU mode (what checks a probe's own logic)."""
     import torch.distributed as dist
 
     from ...devices import nccl, select_device
 
-    select_device("cuda", local_rank=0)
+    backend = "nccl" if kind == "cuda" else "gloo"
+    select_device("cuda" if kind == "cuda" else "cpu", local_rank=0)
     dist.init_process_group(
-        backend="nccl",
+        backend=backend,
         store=dist.HashStore(),
         rank=0,
         world_size=1,
         timeout=datetime.timedelta(seconds=60),
-        **nccl.init_kwargs("nccl"),
+        **nccl.init_kwargs(backend),
     )
-    return [dist.new_group([0], backend="nccl") for _ in range(groups)]
+    return [dist.new_group([0], backend=backend) for _ in range(groups)]
 
 
 class _Wrapped:
@@ -109,28 +111,39 @@ class _Scheduler:
         self.num_steps = state["num_steps"]
 
 
-def adam_state(numel: int, seed: int = 0, model: Sequence[torch.nn.Module] = ()) -> RankState:
-    """A torch Adam over one CUDA parameter of `numel` fp32 elements after one step: a shard of
-    12 x `numel` bytes (parameter and both moments); `model`'s buffers travel with it."""
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-    params = [torch.nn.Parameter(torch.randn(numel, device="cuda", generator=gen))]
+def adam_state(
+    numel: int, seed: int = 0, model: Sequence[torch.nn.Module] = (), device: str = "cuda"
+) -> RankState:
+    """A torch Adam over one parameter of `numel` fp32 elements on `device` after one step: a
+    shard of 12 x `numel` bytes (parameter and both moments); `model`'s buffers travel with
+    it."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    params = [torch.nn.Parameter(torch.randn(numel, device=device, generator=gen))]
     opt = torch.optim.Adam(params, lr=1e-3)
-    params[0].grad = torch.randn(numel, device="cuda", generator=gen)
+    params[0].grad = torch.randn(numel, device=device, generator=gen)
     opt.step()
     params[0].grad = None
     return RankState(_Wrapped(opt), _Scheduler(), model)
 
 
-def replicator_of_one(state: RankState, group: Any, setting: str = "gpu", **kwargs: Any) -> Any:
+def replicator_of_one(
+    state: RankState,
+    group: Any,
+    setting: str = "gpu",
+    holders: tuple[int, ...] = (0,),
+    **kwargs: Any,
+) -> Any:
     """A `Replicator` of rank 0 in a world of one over `state`: the rank holds its own replica
-    (`setting`: `--deadpool-replica-device`); `kwargs` go to the Replicator (`host_group`)."""
+    (`holders`; () for none: gloo cannot send to its own rank); `setting`:
+    `--deadpool-replica-device`; `kwargs` go to the Replicator (`host_group`)."""
     from ...devices.base import Device
     from ...devices.memory import ReplicaMemory
     from ...replication.placement import Layout, Placement
     from ...replication.replicator import Replicator
     from ...replication.snapshot import Snapshotter
 
-    placement = Placement(Layout(tp=1, pp=1, dp=1, ranks_per_node=1), 1, ((0,),))
-    device = Device("cuda", "nccl", torch.cuda.current_device())
+    placement = Placement(Layout(tp=1, pp=1, dp=1, ranks_per_node=1), len(holders), (holders,))
+    cuda = torch.cuda.is_available() and state.optimizer.param_groups[0]["params"][0].is_cuda
+    device = Device("cuda", "nccl", torch.cuda.current_device()) if cuda else Device("cpu", "gloo")
     memory = ReplicaMemory(setting, device)  # type: ignore[arg-type]
     return Replicator(Snapshotter(state, 0), placement, 0, group, memory, **kwargs)

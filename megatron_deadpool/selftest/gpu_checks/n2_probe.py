@@ -56,25 +56,32 @@ def judge(rounds: Sequence[ProbeRound], expected_rounds: int = ROUNDS) -> tuple[
 
 
 def measure(
-    shard_gb: float = SHARD_GB, rounds: int = ROUNDS, group: Any = None
+    shard_gb: float = SHARD_GB, rounds: int = ROUNDS, group: Any = None, kind: str = "cuda"
 ) -> list[ProbeRound]:
     """The probe's rounds (CUDA, the fused kernel); `group`: an NCCL group of a world of one
-    (default: a new world of one and its group)."""
+    (default: a new world of one and its group). `kind` "cpu": the same in the CPU mode with
+    host replicas and no replica holder (gloo cannot send to its own rank), where the capture
+    is synchronous: what checks the probe's own logic."""
     import torch.distributed as dist
 
     from ...replication import pack
     from ...replication.snapshot import Snapshotter
 
-    if pack.backend_for(torch.empty(1, device="cuda")) != "cuda":
+    cuda = kind == "cuda"
+    if cuda and pack.backend_for(torch.empty(1, device="cuda")) != "cuda":
         raise Skip("needs the fused pack kernel (the kernel row says why)")
     if group is None:
-        world_of_one()
-        group = dist.new_group(backend="nccl")
+        world_of_one(kind=kind)
+        group = dist.new_group(backend="nccl" if cuda else "gloo")
+    device = "cuda" if cuda else "cpu"
     module = torch.nn.Module()
-    module.register_buffer("counts", torch.zeros(BUFFER_BYTES // 4, device="cuda"))
+    module.register_buffer("counts", torch.zeros(BUFFER_BYTES // 4, device=device))
     buffer = module.get_buffer("counts")
-    state = adam_state(int(shard_gb * 1e9) // 12, model=[module])
-    repl = replicator_of_one(state, group, "gpu")
+    state = adam_state(int(shard_gb * 1e9) // 12, model=[module], device=device)
+    if cuda:
+        repl = replicator_of_one(state, group, "gpu")
+    else:
+        repl = replicator_of_one(state, group, "cpu", holders=())
     found = []
     for i in range(1, rounds + 1):
         buffer.fill_(float(i))
