@@ -7,7 +7,10 @@ On one node: communication settings, replication on N ranks, a SIGKILLed and a S
 peer replaced by a spare (bitwise equal to the failure-free run), and on CUDA the replica
 memory and the pack kernel (`selftest.suite`). With `--slurm`, inside an allocation, the runs
 span its nodes instead: one `srun` task per GPU, the last node(s) spare (`selftest.slurm`).
-Exit code 0 when every check that ran passed, 1 when one failed, 2 for bad input.
+Exit code 0 when every check that ran passed, 1 when one failed, 2 for bad input, 10 when
+nothing failed but no cross-rank check ran (`--nproc 1`: the verdict says INCOMPLETE and names
+them; `selftest.table.EXIT_INCOMPLETE`). On CUDA, a GPU that packs replicas with the torch
+fallback instead of the fused kernel fails the pack-kernel row, naming the fix.
 """
 
 from __future__ import annotations

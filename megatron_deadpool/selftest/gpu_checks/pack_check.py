@@ -34,7 +34,7 @@ def pack_against_host(
     nbytes = nbytes // 16 * 16
     gen = torch.Generator(device=device).manual_seed(seed)
     raw = torch.randint(0, 256, (nbytes + 20,), dtype=torch.uint8, device=device, generator=gen)
-    host = raw.cpu().clone()  # a copy also where `raw` lives on the host
+    host = raw.cpu() if raw.is_cuda else raw.clone()  # a copy of its own either way
     problems: list[str] = []
     if pack.checksum(raw[1 : nbytes + 13]) != pack.checksum(host[1 : nbytes + 13]):
         problems.append("checksum of a misaligned buffer differs from the host's")
