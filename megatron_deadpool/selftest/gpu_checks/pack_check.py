@@ -57,11 +57,15 @@ def pack_against_host(
     del host_out
     figures: dict[str, Any] = {"bytes": plan.nbytes, "backend": plan.backend}
     if plan.backend == "cuda":  # the fallback on the same device must agree with the kernel
+        before = os.environ.get("DEADPOOL_PACK_BACKEND")
         os.environ["DEADPOOL_PACK_BACKEND"] = "torch"
         try:
             fallback = pack.checksum(out)
         finally:
-            del os.environ["DEADPOOL_PACK_BACKEND"]
+            if before is None:
+                del os.environ["DEADPOOL_PACK_BACKEND"]
+            else:
+                os.environ["DEADPOOL_PACK_BACKEND"] = before
         figures["fallback_checksum_ok"] = fallback == checksum
         if fallback != checksum:
             problems.append(
