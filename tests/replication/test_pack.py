@@ -30,7 +30,7 @@ from megatron_deadpool.replication import pack
 
 MASK64 = (1 << 64) - 1
 REPO = Path(__file__).resolve().parents[2]
-KERNELS = REPO / "cuda_kernels"
+KERNELS = REPO / "megatron_deadpool" / "replication" / "kernels"
 
 
 # ---------------------------------------------------------------------------------------------
