@@ -253,7 +253,8 @@ def kernel_status(device: torch.device) -> KernelStatus:
 
 def _extension(device: torch.device | None = None) -> ModuleType | None:
     """The CUDA extension if it is installed (or built for `device`, a CUDA device, on first
-    use: `kernel_build`), compatible and not disabled, else None (`_WHY_NOT` says why)."""
+    use: `kernel_build`), compatible, not disabled and - checked once on the first CUDA
+    device asked about - working there, else None (`_WHY_NOT` says why)."""
     global _EXTENSION, _EXTENSION_LOADED, _BUILD_TRIED, _WHY_NOT
     if _forced_torch():
         return None
@@ -270,14 +271,55 @@ def _extension(device: torch.device | None = None) -> ModuleType | None:
             _WHY_NOT = (reason, fix)
             module = None
         _EXTENSION = module
-    if _EXTENSION is None and device is not None and device.type == "cuda" and not _BUILD_TRIED:
-        _BUILD_TRIED = True
-        try:
-            _EXTENSION = kernel_build.load(kernel_build.device_arch(device)).module
-        except kernel_build.KernelBuildError as exc:
-            _WHY_NOT = (exc.reason, exc.fix)
-            log.warning("deadpool: the fused pack kernel is not available: %s", exc)
+    if device is not None and device.type == "cuda" and not _BUILD_TRIED:
+        _BUILD_TRIED = True  # once per process: check the installed kernel, else build one
+        if _EXTENSION is not None:
+            problem = _kernel_problem(_EXTENSION, device)
+            if problem is not None:
+                fix = "pip uninstall deadpool-cuda-kernels (then it is built for this GPU)"
+                _fall_back(problem, fix)
+        if _EXTENSION is None:
+            try:
+                built = kernel_build.load(kernel_build.device_arch(device))
+            except kernel_build.KernelBuildError as exc:
+                _fall_back(exc.reason, exc.fix)
+            else:
+                _EXTENSION = built.module
+                problem = _kernel_problem(built.module, device)
+                if problem is not None:
+                    fix = f"rm -r {built.path.parent}; check that nvcc supports this GPU and driver"
+                    _fall_back(problem, fix)
     return _EXTENSION
+
+
+def _fall_back(reason: str, fix: str) -> None:
+    global _EXTENSION, _WHY_NOT
+    _EXTENSION = None
+    _WHY_NOT = (reason, fix)
+    log.warning("deadpool: the fused pack kernel is not in use: %s; fix: %s", reason, fix)
+
+
+_PROBE_WORDS = 1024
+
+
+def _kernel_problem(module: ModuleType, device: torch.device) -> str | None:
+    """Why the extension's kernel does not work on `device` (it checksums 4 KiB of known
+    words), or None when it does."""
+    buf = torch.arange(_PROBE_WORDS, dtype=torch.int32, device=device).view(torch.uint8)
+    slot = torch.zeros(1, dtype=torch.int64, device=device)
+    try:
+        if device.type == "cuda":
+            with torch.cuda.device(device):
+                module.checksum(buf, slot, _stream(device))
+        else:
+            module.checksum(buf, slot, 0)
+        value = int(slot.item()) & _MASK64
+    except RuntimeError as exc:
+        return f"the kernel does not run on {device}: {str(exc).strip().splitlines()[0]}"
+    expected = sum((i + 1) * i for i in range(_PROBE_WORDS))
+    if value != expected:
+        return f"the kernel's checksum of a probe on {device} is {value}, not {expected}"
+    return None
 
 
 def _forced_torch() -> bool:

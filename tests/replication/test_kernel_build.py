@@ -93,6 +93,10 @@ def test_a_later_call_loads_from_the_cache_and_the_module_agrees_with_pack(
     out = torch.full((total,), 0xCD, dtype=torch.uint8)
     assert kernel.module.emulate_pack(tensors, offsets, out, total) & (2**64 - 1) == value
     assert torch.equal(out, expected)
+    # pack checks a kernel on the device before using it; on the host the entry point refuses
+    problem = pack._kernel_problem(kernel.module, torch.device("cpu"))
+    assert problem is not None and problem.startswith("the kernel does not run on cpu: ")
+    assert "CUDA tensor" in problem
 
 
 @pytest.mark.timeout(120)
