@@ -7,7 +7,10 @@ exp_avg_sq of equal size, a bf16 tensor and an int64 step) and timed:
   memory-bandwidth limit any pack is measured against;
 * ``pack``: `megatron_deadpool.pack.pack` (copy into the packed layout + checksum);
 * ``unpack``: `megatron_deadpool.pack.unpack` (scatter back + checksum);
-* ``checksum``: `megatron_deadpool.pack.checksum` of the packed region alone.
+* ``checksum``: `megatron_deadpool.pack.checksum` of the packed region alone;
+* on CUDA also ``pack_host_ms``: the host time of enqueueing a pack without waiting
+  (`PackPlan.pack_on_device`), with the fused kernel or the torch fallback
+  (``DEADPOOL_PACK_BACKEND=torch``).
 
 Runs are interleaved (copy, pack, unpack, checksum, repeat) so that load from elsewhere on the
 machine hits all of them alike; the best and the median of the repeats are kept and the ratio
@@ -90,7 +93,23 @@ def _measure(size_mb: float, repeats: int, device: torch.device) -> dict[str, An
         row[f"{name}_best_gbps"] = total / min(samples) / 1e9
     row["ratio"] = row["pack_gbps"] / row["copy_gbps"]
     row["ratio_best"] = row["pack_best_gbps"] / row["copy_best_gbps"]
+    row["pack_host_ms"] = _enqueue_ms(tensors, out, repeats) if device.type == "cuda" else None
     return row
+
+
+def _enqueue_ms(tensors: list[torch.Tensor], out: torch.Tensor, repeats: int) -> float:
+    """Median host time of enqueueing one pack on a GPU (`PackPlan.pack_on_device`, no sync):
+    what a replication round holds the training thread for."""
+    plan = pack.PackPlan(tensors, out.device)
+    plan.pack_on_device(out)  # warm up (the torch fallback also logs its warning here)
+    samples = []
+    for _ in range(repeats):
+        torch.cuda.synchronize(out.device)
+        start = time.perf_counter()
+        plan.pack_on_device(out)
+        samples.append((time.perf_counter() - start) * 1e3)
+    torch.cuda.synchronize(out.device)
+    return statistics.median(samples)
 
 
 def run_pack_bench(
@@ -137,6 +156,7 @@ def format_table(result: dict[str, Any]) -> str:
         lines.append(
             f"{row['size_mb']:8.1f} {row['threads']:3d} {row['backend']:>7} {cell('copy')} "
             f"{cell('pack')} {cell('unpack')} {cell('checksum')} {row['ratio']:9.2f}"
+            + ("" if row.get("pack_host_ms") is None else f"  host {row['pack_host_ms']:.2f} ms")
         )
     return "\n".join(lines)
 

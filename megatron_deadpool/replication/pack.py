@@ -7,7 +7,8 @@ verify. This module is the one interface for that: `pack`, `unpack`, `checksum`,
 `packed_nbytes`, and `PackPlan` for packing the same tensors again and again (the layout and
 the copy lists are worked out once; on CPU each chunk is then filled by one `torch.cat`). It
 reads every byte once - the checksum is computed while the bytes are copied (on CPU chunk by
-chunk while each chunk is still in cache; on CUDA in one fused kernel).
+chunk while each chunk is still in cache; on CUDA in one fused kernel, or with a handful of
+whole-buffer torch ops where the kernel is not available: see Backends).
 
 Packed layout
 -------------
@@ -53,34 +54,43 @@ below 16 GiB (12 bytes per parameter with Adam: about 1.4 billion parameters per
 Backends
 --------
 Three backends compute the same value exactly; callers never see which one ran
-(`backend_for` reports it). All process the buffer in cache-sized chunks, each checksummed
-right after it is copied, while it is still in cache:
+(`backend_for` reports it, `kernel_status` says why the kernel is or is not in use):
 
-* ``cuda``: when the optional extension ``deadpool_cuda_kernels`` (``cuda_kernels/README.md``)
-  imports and the tensors are on a CUDA device, one fused kernel copies, zero-fills and
-  checksums (uint64 arithmetic, whose wraparound is exactly mod ``2**64``).
+* ``cuda`` (tensors on a CUDA device): one fused kernel copies, zero-fills and checksums
+  (uint64 arithmetic, whose wraparound is exactly mod ``2**64``), enqueued on the current
+  stream with the checksum left in a device slot (`PackPlan.pack_on_device`). The extension
+  ``deadpool_cuda_kernels`` comes from an install-time build (``cuda_kernels/``) or, when that
+  does not import, is compiled on first use from the sources shipped in the package into a
+  per-user cache (`kernel_build`, about 30 s once per environment and GPU architecture).
 * ``numpy`` (host buffers up to ``_NUMPY_MAX_BYTES``, where it is the faster, and host
-  buffers of any size checked on one core: `checksum`'s ``one_core``): each chunk's
-  words are sign-extended to uint64 and multiplied by their weights ``1..n`` and summed in one
-  numpy call - uint64 wraparound again, so ``sum_k (start + k + 1) w_k = sum_k (k + 1) w_k +
-  start * sum_k w_k`` (mod ``2**64``) combines the chunks.
-* ``torch`` (larger host buffers, device memory without the extension; or anywhere with
-  ``DEADPOOL_PACK_BACKEND=torch``): torch has no uint64 arithmetic, so a chunk of
-  ``_ROW_WORDS``-word rows is widened to int64 and reduced to its row sums and column sums,
+  buffers of any size checked on one core: `checksum`'s ``one_core``): the buffer goes in
+  cache-sized chunks, each checksummed right after it is copied while it is still in cache;
+  each chunk's words are sign-extended to uint64 and multiplied by their weights ``1..n`` and
+  summed in one numpy call - uint64 wraparound again, so ``sum_k (start + k + 1) w_k = sum_k
+  (k + 1) w_k + start * sum_k w_k`` (mod ``2**64``) combines the chunks.
+* ``torch`` (larger host buffers; device memory when the kernel cannot be built or loaded; or
+  anywhere with ``DEADPOOL_PACK_BACKEND=torch``): torch has no uint64 arithmetic, so rows of
+  ``_ROW_WORDS`` words are widened to int64 and reduced to their row sums and column sums,
   and with ``k = g * L + c`` (row ``g``, column ``c``, ``L`` words per row)::
 
       sum_k (k + 1) w_k = L * sum_g g * rowsum_g + sum_c (c + 1) * colsum_c
 
-  which is combined exactly from bounded int64 partial sums and Python integers (the bounds
-  are noted where they are used; nothing relies on signed overflow).
+  On the host this runs chunk by chunk like numpy's (cache-sized chunks, combined exactly
+  from bounded int64 partial sums and Python integers; the bounds are noted where they are
+  used). On a GPU it runs on the whole buffer (`whole_buffer`: one ``torch.cat`` for the
+  copy, three reductions per 64 MiB slab, the combination on the device into a slot, no
+  host sync - so `PackPlan.pack_on_device` works here too), and the first pack of a process
+  logs a warning with its measured cost and how to get the kernel.
 """
 
 from __future__ import annotations
 
 import importlib
+import logging
 import os
 import struct
 import threading
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from types import ModuleType
@@ -89,6 +99,10 @@ import numpy as np
 import torch
 
 from ..devices.cpu import plain_torch
+from . import kernel_build
+from .whole_buffer import DeviceChecksum, WholeBufferPlan
+
+log = logging.getLogger(__name__)
 
 ALIGN = 16
 """Every tensor starts at a multiple of this many bytes; gap bytes are zero."""
@@ -97,8 +111,8 @@ WORD_BYTES = 4
 MAX_PACKED_BYTES = WORD_BYTES * 2**32
 """Largest buffer `checksum` accepts (16 GiB = 2**32 words); the detection proof needs it."""
 
-EXTENSION_NAME = "deadpool_cuda_kernels"
-EXTENSION_ABI = 2
+EXTENSION_NAME = kernel_build.EXTENSION_NAME
+EXTENSION_ABI = kernel_build.EXTENSION_ABI
 """The ``ABI`` attribute the CUDA extension must carry to be used (2: the GPU entry points
 only enqueue; segment tables and checksum slots are device tensors owned by this module)."""
 
@@ -201,23 +215,111 @@ def _check_size(nbytes: int) -> None:
 
 _EXTENSION: ModuleType | None = None
 _EXTENSION_LOADED = False
+_BUILD_TRIED = False
+_NO_KERNEL = (
+    f"extension {EXTENSION_NAME} not installed and no CUDA device in use to build it for",
+    "pip install --no-build-isolation ./cuda_kernels",
+)
+_WHY_NOT = _NO_KERNEL  # (reason, fix) while `_EXTENSION` is None
 
 
-def _extension() -> ModuleType | None:
-    """The CUDA extension if it is installed, compatible and not disabled, else None."""
-    global _EXTENSION, _EXTENSION_LOADED
+@dataclass(frozen=True)
+class KernelStatus:
+    """Which backend packs a device's memory, and why the fused kernel is not the one."""
+
+    backend: str
+    """``"cuda"`` (the fused kernel), ``"torch"`` or ``"numpy"``."""
+    reason: str
+    """Why the kernel is not in use (empty when it is)."""
+    fix: str
+    """The command or step that makes it available (empty when it is, or not applicable)."""
+
+
+def kernel_status(device: torch.device) -> KernelStatus:
+    """The pack backend for memory on `device` and, on a CUDA device without the kernel, why
+    not and how to fix it. On a CUDA device this builds or loads the kernel first if this
+    process has not tried yet (`kernel_build`; about 30 s the first time in an environment)."""
+    if device.type != "cuda":
+        backend = "torch" if _forced_torch() else "numpy"
+        return KernelStatus(backend, f"{device.type} memory: the kernel is for CUDA devices", "")
+    if _forced_torch():
+        return KernelStatus(
+            "torch", "forced by DEADPOOL_PACK_BACKEND=torch", "unset DEADPOOL_PACK_BACKEND"
+        )
+    if _extension(device) is not None:
+        return KernelStatus("cuda", "", "")
+    return KernelStatus("torch", *_WHY_NOT)
+
+
+def _extension(device: torch.device | None = None) -> ModuleType | None:
+    """The CUDA extension if it is installed (or built for `device`, a CUDA device, on first
+    use: `kernel_build`), compatible, not disabled and - checked once on the first CUDA
+    device asked about - working there, else None (`_WHY_NOT` says why)."""
+    global _EXTENSION, _EXTENSION_LOADED, _BUILD_TRIED, _WHY_NOT
+    if _forced_torch():
+        return None
     if not _EXTENSION_LOADED:
         _EXTENSION_LOADED = True
         try:
-            module = importlib.import_module(EXTENSION_NAME)
+            module: ModuleType | None = importlib.import_module(EXTENSION_NAME)
         except ImportError:
             module = None
         if module is not None and getattr(module, "ABI", None) != EXTENSION_ABI:
+            found = getattr(module, "ABI", None)
+            reason = f"the installed {EXTENSION_NAME} has ABI {found}, need {EXTENSION_ABI}"
+            fix = "pip install --no-build-isolation ./cuda_kernels (from this version's source)"
+            _WHY_NOT = (reason, fix)
             module = None
         _EXTENSION = module
-    if _forced_torch():
-        return None
+    if device is not None and device.type == "cuda" and not _BUILD_TRIED:
+        _BUILD_TRIED = True  # once per process: check the installed kernel, else build one
+        if _EXTENSION is not None:
+            problem = _kernel_problem(_EXTENSION, device)
+            if problem is not None:
+                fix = "pip uninstall deadpool-cuda-kernels (then it is built for this GPU)"
+                _fall_back(problem, fix)
+        if _EXTENSION is None:
+            try:
+                built = kernel_build.load(kernel_build.device_arch(device))
+            except kernel_build.KernelBuildError as exc:
+                _fall_back(exc.reason, exc.fix)
+            else:
+                _EXTENSION = built.module
+                problem = _kernel_problem(built.module, device)
+                if problem is not None:
+                    fix = f"rm -r {built.path.parent}; check that nvcc supports this GPU and driver"
+                    _fall_back(problem, fix)
     return _EXTENSION
+
+
+def _fall_back(reason: str, fix: str) -> None:
+    global _EXTENSION, _WHY_NOT
+    _EXTENSION = None
+    _WHY_NOT = (reason, fix)
+    log.warning("deadpool: the fused pack kernel is not in use: %s; fix: %s", reason, fix)
+
+
+_PROBE_WORDS = 1024
+
+
+def _kernel_problem(module: ModuleType, device: torch.device) -> str | None:
+    """Why the extension's kernel does not work on `device` (it checksums 4 KiB of known
+    words), or None when it does."""
+    buf = torch.arange(_PROBE_WORDS, dtype=torch.int32, device=device).view(torch.uint8)
+    slot = torch.zeros(1, dtype=torch.int64, device=device)
+    try:
+        if device.type == "cuda":
+            with torch.cuda.device(device):
+                module.checksum(buf, slot, _stream(device))
+        else:
+            module.checksum(buf, slot, 0)
+        value = int(slot.item()) & _MASK64
+    except RuntimeError as exc:
+        return f"the kernel does not run on {device}: {str(exc).strip().splitlines()[0]}"
+    expected = sum((i + 1) * i for i in range(_PROBE_WORDS))
+    if value != expected:
+        return f"the kernel's checksum of a probe on {device} is {value}, not {expected}"
+    return None
 
 
 def _forced_torch() -> bool:
@@ -231,7 +333,7 @@ def backend_for(tensor: torch.Tensor, *, one_core: bool = False) -> str:
 
 
 def _backend(device: torch.device, nbytes: int, one_core: bool = False) -> str:
-    if device.type == "cuda" and _extension() is not None:
+    if device.type == "cuda" and _extension(device) is not None:
         return "cuda"
     small = nbytes <= _NUMPY_MAX_BYTES or one_core
     return "numpy" if device.type == "cpu" and small and not _forced_torch() else "torch"
@@ -273,7 +375,11 @@ class PackPlan:
         self._chunks: list[tuple[int, int, list[tuple[int, int, torch.Tensor | None]]]] = []
         self._sources: list[list[torch.Tensor]] = []
         self.backend = _backend(self.device, self.nbytes)
-        if self.backend == "cuda":
+        self._whole: WholeBufferPlan | None = None
+        if self.backend == "torch" and self.device.type == "cuda":
+            self._whole = _whole_buffer_plan(self.tensors, self.offsets, self.nbytes, self.device)
+            self._slot = torch.zeros(1, dtype=torch.int64, device=self.device)
+        elif self.backend == "cuda":
             # Built once: the tensors keep their storage for the plan's life. The host table is
             # moved to the device here, not per pack (a pageable copy makes the host wait).
             ext = _extension()
@@ -309,7 +415,7 @@ class PackPlan:
     def pack(self, out: torch.Tensor) -> int:
         """Copy the tensors into `out` (1-D contiguous uint8, at least `nbytes` long) in the
         packed layout and return the region's checksum; bytes beyond it are left untouched."""
-        if self.backend == "cuda":
+        if self.backend == "cuda" or self._whole is not None:
             return _cuda_checksum(self.pack_on_device(out))
         self._check_buffer(out, "out")
         acc = _accumulator(self.nbytes // WORD_BYTES, self.backend, self.device)
@@ -322,12 +428,21 @@ class PackPlan:
 
     @plain_torch
     def pack_on_device(self, out: torch.Tensor) -> torch.Tensor:
-        """CUDA backend only: enqueue the pack on the current stream and return the device
-        slot (int64 [1], the checksum's uint64 bits) the kernel writes; nothing waits. The slot
-        is reused by the next call: consume it on the same stream first."""
-        if self.backend != "cuda":
-            raise PackError(f"pack_on_device needs the cuda backend, this plan uses {self.backend}")
+        """CUDA memory only (the kernel, or the torch fallback's whole-buffer ops): enqueue the
+        pack on the current stream and return the device slot (int64 [1], the checksum's
+        uint64 bits) it writes; nothing waits. The slot is reused by the next call: consume it
+        on the same stream first."""
+        if self.device.type != "cuda" or (self.backend != "cuda" and self._whole is None):
+            raise PackError(
+                f"pack_on_device needs CUDA memory, this plan packs {self.device} memory with "
+                f"the {self.backend} backend"
+            )
         self._check_buffer(out, "out")
+        if self._whole is not None:
+            if not _FALLBACK_ANNOUNCED:
+                _announce_fallback(self._whole, out, self._slot)
+            self._whole.pack(out, self._slot)
+            return self._slot
         ext = _extension()
         assert ext is not None
         with torch.cuda.device(self.device):
@@ -339,6 +454,9 @@ class PackPlan:
         """Copy the packed bytes of `flat` back into the tensors; returns the checksum of
         ``flat[:nbytes]`` computed in the same pass (the tensors are written either way)."""
         self._check_buffer(flat, "flat")
+        if self._whole is not None:
+            self._whole.unpack(flat, self._slot)
+            return _cuda_checksum(self._slot)
         if self.backend == "cuda":
             ext = _extension()
             assert ext is not None
@@ -353,6 +471,47 @@ class PackPlan:
                     if dst is not None:
                         dst.copy_(flat[a:b])
         return acc.result()
+
+
+def _whole_buffer_plan(
+    tensors: Sequence[torch.Tensor], offsets: list[int], nbytes: int, device: torch.device
+) -> WholeBufferPlan:
+    """The torch fallback's whole-buffer plan of `tensors` (for GPU memory; the tests also
+    build it on the host to check it against the references)."""
+    zeros = torch.zeros(ALIGN, dtype=torch.uint8, device=device)
+    pieces = _pieces(tensors, offsets, nbytes)
+    sources = [zeros[: p.stop - p.start] if p.data is None else p.data for p in pieces]
+    copies = [(p.start, p.stop, p.data) for p in pieces if p.data is not None]
+    return WholeBufferPlan(sources, copies, nbytes, device)
+
+
+_FALLBACK_ANNOUNCED = False
+
+
+def _announce_fallback(plan: WholeBufferPlan, out: torch.Tensor, slot: torch.Tensor) -> None:
+    """Once per process, on the first fallback pack on a GPU: pack once to warm up, time a
+    second pack (CUDA events for the GPU, perf_counter for the host) and log the warning."""
+    global _FALLBACK_ANNOUNCED
+    _FALLBACK_ANNOUNCED = True
+    plan.pack(out, slot)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    t0 = time.perf_counter()
+    plan.pack(out, slot)
+    host_ms = (time.perf_counter() - t0) * 1e3
+    end.record()
+    end.synchronize()
+    status = kernel_status(out.device)
+    log.warning(fallback_message(status, plan.nbytes, start.elapsed_time(end), host_ms))
+
+
+def fallback_message(status: KernelStatus, nbytes: int, gpu_ms: float, host_ms: float) -> str:
+    """The warning a job logs when it packs GPU memory with the torch fallback."""
+    return (
+        f"deadpool: replication uses the torch fallback ({status.reason}): a round of "
+        f"{nbytes / 1e9:.2f} GB costs {gpu_ms:.1f} ms of GPU and {host_ms:.1f} ms of host "
+        f"time; fix: {status.fix}"
+    )
 
 
 def _device_of(tensors: Sequence[torch.Tensor]) -> torch.device:
@@ -402,6 +561,10 @@ def checksum(buf: torch.Tensor, *, one_core: bool = False) -> int:
         slot = torch.zeros(1, dtype=torch.int64, device=buf.device)
         with torch.cuda.device(buf.device):
             ext.checksum(buf, slot, _stream(buf.device))
+        return _cuda_checksum(slot)
+    if buf.device.type == "cuda":  # the torch fallback on a GPU: whole-buffer ops
+        slot = torch.zeros(1, dtype=torch.int64, device=buf.device)
+        DeviceChecksum(buf.numel(), buf.device).enqueue(buf, slot)
         return _cuda_checksum(slot)
     nwords = buf.numel() // WORD_BYTES
     acc = _accumulator(nwords, backend, buf.device)

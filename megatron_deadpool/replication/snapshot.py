@@ -540,7 +540,7 @@ class Snapshotter:
         self._host = torch.zeros(self.blob.nbytes, dtype=torch.uint8, pin_memory=on_gpu)
         self._blob = torch.empty_like(self._host, device=self.device) if on_gpu else self._host
         self.plan = pack.PackPlan([*packed, self._blob], self.device)
-        self._header = _DeviceHeader(self.device) if self.plan.backend == "cuda" else None
+        self._header = _DeviceHeader(self.device) if self.device.type == "cuda" else None
         self._staging: torch.Tensor | None = None
         self._host_free: torch.cuda.Event | None = None  # the last capture's copies consumed
 
@@ -566,9 +566,10 @@ class Snapshotter:
     def capture(self, iteration: int, out: torch.Tensor) -> Header | None:
         """Copy the live state of `iteration` into `out` (one pass: pack + checksum).
 
-        Returns the header, or None when the fused GPU kernel computes the checksum: then the
-        capture is only enqueued on the current stream (header included) and the caller
-        records an event after this call; `out` is complete once that event has passed.
+        Returns the header, or None when the state is on a GPU (the checksum stays there, from
+        the fused kernel or the torch fallback): then the capture is only enqueued on the
+        current stream (header included) and the caller records an event after this call;
+        `out` is complete once that event has passed.
         """
         self._lazy.check()
         self._fill_blob(iteration)

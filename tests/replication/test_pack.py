@@ -30,7 +30,7 @@ from megatron_deadpool.replication import pack
 
 MASK64 = (1 << 64) - 1
 REPO = Path(__file__).resolve().parents[2]
-KERNELS = REPO / "cuda_kernels"
+KERNELS = REPO / "megatron_deadpool" / "replication" / "kernels"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -268,6 +268,13 @@ def test_a_checksum_on_one_core_is_numpys_at_any_size_and_the_same_value(
     assert pack.backend_for(buf, one_core=True) == "numpy"
     assert pack.backend_for(torch.empty(1, device="meta"), one_core=True) == "torch"
     assert pack.checksum(buf, one_core=True) == pack.checksum(buf)
+
+
+@pytest.mark.timeout(30)
+def test_pack_on_device_needs_cuda_memory() -> None:
+    plan = pack.PackPlan([torch.randn(4)])
+    with pytest.raises(pack.PackError, match="needs CUDA memory, this plan packs cpu memory"):
+        plan.pack_on_device(torch.empty(plan.nbytes, dtype=torch.uint8))
 
 
 @pytest.mark.timeout(30)
@@ -607,3 +614,28 @@ def test_cuda_kernel_matches_fallback_bit_for_bit() -> None:
         on_gpu = buf.cuda()[1:]  # misaligned device pointer
         expected = ref_checksum_np(raw_bytes(buf[1:]))
         assert pack.checksum(on_gpu) == pack.checksum(buf[1:]) == expected
+
+
+@needs_cuda
+@pytest.mark.timeout(120)
+def test_cuda_fallback_enqueues_into_a_slot_and_warns_once(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setenv("DEADPOOL_PACK_BACKEND", "torch")
+    monkeypatch.setattr(pack, "_FALLBACK_ANNOUNCED", False)
+    tensors = shard(seed=7)
+    total = pack.packed_nbytes(tensors)
+    cpu_out = torch.empty(total, dtype=torch.uint8)
+    expected = pack.pack(tensors, cpu_out)
+    plan = pack.PackPlan([to_cuda(t) for t in tensors])
+    out = torch.empty(total, dtype=torch.uint8, device="cuda")
+    with caplog.at_level("WARNING", logger=pack.__name__):
+        for _ in range(2):
+            slot = plan.pack_on_device(out)
+            assert slot.device.type == "cuda" and int(slot.item()) & MASK64 == expected
+    assert torch.equal(out.cpu(), cpu_out)
+    warnings = [r.getMessage() for r in caplog.records if "torch fallback" in r.getMessage()]
+    assert len(warnings) == 1
+    assert warnings[0].startswith(
+        "deadpool: replication uses the torch fallback (forced by DEADPOOL_PACK_BACKEND=torch)"
+    )
