@@ -41,7 +41,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from pathlib import Path
 from typing import Any
@@ -54,6 +54,7 @@ from ..devices.failures import is_peer_failure
 from ..devices.groups import check_takes, tensor_device
 from ..devices.memory import Choice, ReplicaMemory
 from ..devices.p2p import Transfer, arrived, post
+from ..devices.threads import pool as threads_pool
 from .daemon_worker import DaemonWorker
 from .placement import Placement
 from .segments import slot_paths
@@ -518,7 +519,7 @@ class Replicator:
 
         if not threads:
             return [one(c) for c in copies]
-        with ThreadPoolExecutor(min(len(copies), 8), "deadpool-holdings") as pool:
+        with threads_pool(min(len(copies), 8), "deadpool-holdings") as pool:
             return list(pool.map(one, copies))
 
     def flip_bit_on_arrival(self, owner: int, byte: int, bit: int) -> None:
