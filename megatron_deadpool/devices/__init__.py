@@ -17,7 +17,8 @@ decision lives here, one concern per module:
 - `pinned`: replica buffers, page-locked host memory of the exact size;
 - `gpus`: the GPU of every local active rank and spare;
 - `failures`: `is_peer_failure`, a peer's failure versus any other error;
-- `threads`: every thread DeadPool starts, each on the rank's GPU (`device_threads`).
+- `threads`: every thread DeadPool starts, each on the rank's GPU (`device_threads`);
+- `streams`: the replication side stream, DeadPool's own, not one of torch's pool.
 """
 
 from __future__ import annotations

@@ -9,6 +9,8 @@ a thread whose current device is not the rank's creates (or uses) a context on t
 and the device count say CUDA is present, so that `devices.base.active_device()` answers CUDA.
 Install it only in a process of its own (a test's subprocess): nothing is restored.
 
+`in_own_process("module:function")` runs a scenario in such a process.
+
 `runtime()` stands for ``libcudart`` (`devices.streams.cudart`): its
 ``cudaStreamCreateWithPriority`` hands out a fresh handle and records the call.
 """
@@ -16,14 +18,46 @@ Install it only in a process of its own (a test's subprocess): nothing is restor
 from __future__ import annotations
 
 import contextlib
+import json
+import os
+import subprocess
+import sys
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 
 DEVICES = 8
+HERE = Path(__file__).resolve().parent
+MARK = "SCENARIO-RESULT "
+
+
+def in_own_process(target: str, timeout_s: float = 240.0) -> Any:
+    """Run `target` ("module:function", a module of tests/devices) in a fresh interpreter (the
+    stand-in replaces parts of `torch.cuda` for good; the CPU mode is for good too); its JSON
+    result. The child is killed if it runs past `timeout_s`."""
+    module, function = target.split(":")
+    code = (
+        f"import sys; sys.path[:0] = [{str(HERE)!r}, {str(HERE.parent)!r}]\n"
+        f"import json, {module} as t\n"
+        f"print({MARK!r} + json.dumps(t.{function}()), flush=True)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": os.environ.get("PYTHONPATH", str(HERE.parents[1]))}
+    env.pop("DEADPOOL_DEVICE", None)
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+        env=env,
+    )
+    lines = [line for line in out.stdout.splitlines() if line.startswith(MARK)]
+    assert out.returncode == 0 and lines, out.stdout[-3000:] + out.stderr[-5000:]
+    return json.loads(lines[-1][len(MARK) :])
 
 
 @dataclass(frozen=True)

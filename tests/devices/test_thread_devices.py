@@ -14,43 +14,15 @@ device 0.
 from __future__ import annotations
 
 import ast
-import json
-import os
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
+from cuda_standin import in_own_process
 
-HERE = Path(__file__).resolve().parent
-PACKAGE = HERE.parents[1] / "megatron_deadpool"
-MARK = "SCENARIO-RESULT "
-
-
-def _in_own_process(function: str) -> dict[str, Any]:
-    """Run `function` of this module in a fresh interpreter (the stand-in replaces parts of
-    `torch.cuda` for good); its JSON result."""
-    code = (
-        f"import sys; sys.path[:0] = [{str(HERE)!r}, {str(HERE.parent)!r}]\n"
-        f"import json, {Path(__file__).stem} as t\n"
-        f"print({MARK!r} + json.dumps(t.{function}()), flush=True)\n"
-    )
-    env = {**os.environ, "PYTHONPATH": os.environ.get("PYTHONPATH", str(HERE.parents[1]))}
-    env.pop("DEADPOOL_DEVICE", None)
-    out = subprocess.run(  # killed when it runs past the timeout
-        [sys.executable, "-c", code],
-        check=False,
-        capture_output=True,
-        text=True,
-        timeout=240,
-        env=env,
-    )
-    lines = [line for line in out.stdout.splitlines() if line.startswith(MARK)]
-    assert out.returncode == 0 and lines, out.stdout[-3000:] + out.stderr[-5000:]
-    return json.loads(lines[-1][len(MARK) :])
+PACKAGE = Path(__file__).resolve().parents[2] / "megatron_deadpool"
 
 
 def _device_threads() -> dict[str, int | None] | None:
@@ -150,7 +122,7 @@ def _rank_on_device_3() -> dict[str, Any]:
 
 @pytest.mark.timeout(300)
 def test_no_cuda_call_of_a_deadpool_thread_runs_off_the_ranks_device() -> None:
-    result = _in_own_process("_rank_on_device_3")
+    result = in_own_process("test_thread_devices:_rank_on_device_3")
     assert result["device"] == ["cuda", 3]
     made = {(name, thread) for name, thread, _, _ in result["calls"]}
     # The paths ran, each calling CUDA on a thread of DeadPool's:
