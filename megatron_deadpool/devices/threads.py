@@ -13,7 +13,8 @@ DeadPool starts is started here and selects the rank's device first:
   subclass is wrapped at class creation so that it selects the device before its first line;
 - `pool(workers, name)`: a `ThreadPoolExecutor` whose threads select it as they start;
 - `select_rank_device()`: called again by long-lived threads before each piece of work they run
-  (`DaemonWorker`'s calls, the heartbeat's after-beat checks), so that a thread started before
+  (`DaemonWorker`'s calls, the heartbeat's after-beat checks, the store's call and wake-up
+  threads), so that a thread started before
   the device was known (the Megatron-LM path connects and beats before Megatron selects the
   GPU) follows it once it is.
 

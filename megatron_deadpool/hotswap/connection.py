@@ -64,6 +64,7 @@ class _Caller(DeviceThread):
             if call is None:  # `close`
                 return
             fn, box, done = call
+            select_rank_device()  # known by now, if not when the thread started
             try:
                 box.append((True, fn()))
             except BaseException as exc:  # noqa: BLE001 - handed to the caller

@@ -23,7 +23,7 @@ from collections.abc import Callable
 
 import torch.distributed as dist
 
-from ..devices.threads import DeviceThread
+from ..devices.threads import DeviceThread, select_rank_device
 from .membership import Membership
 
 BLOCK_S = 24 * 3600.0
@@ -52,6 +52,7 @@ class StoreWaiter(DeviceThread):
 
     def run(self) -> None:
         while not self.stopping:
+            select_rank_device()  # known by now, if not when the thread started
             try:
                 news = self.block(self.membership)
             except dist.DistStoreError:  # a timed-out blocking call: block again

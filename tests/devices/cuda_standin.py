@@ -89,11 +89,15 @@ class CudaStandIn:
             self.calls.append(Call(name, threading.current_thread().name, self.current(), detail))
 
     def set_device(self, device: Any) -> None:
+        """`torch.cuda.set_device`: as c10/cuda/CUDAFunctions.cpp's `SetDevice`, which calls
+        ``cudaSetDevice`` (recorded) only when the thread's current device differs."""
         index = device.index if isinstance(device, torch.device) else int(device)
         if not 0 <= index < DEVICES:
             raise RuntimeError(f"invalid device ordinal {index}")
-        self._local.device = index
+        if index == self.current():  # c10::cuda::SetDevice: no cudaSetDevice then
+            return
         self.record("cudaSetDevice", str(index))
+        self._local.device = index
 
     @contextlib.contextmanager
     def device(self, device: Any) -> Iterator[None]:

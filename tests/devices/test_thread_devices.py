@@ -57,18 +57,21 @@ def _rank_on_device_3() -> dict[str, Any]:
     from megatron_deadpool.replication.replicator import Replicator
     from megatron_deadpool.replication.verifier import RoundCheck
 
+    # The Megatron-LM path's order: DeadPool connects and beats before Megatron's start-up
+    # selects the GPU (the device is 0 then), and learns the device afterwards.
+    active_device()
+    store = host_store("127.0.0.1", 0)
+    membership = Membership(open_client(f"127.0.0.1:{store.port}", 30), "a0", SEAL)
+    beat = Heartbeat(membership, 0.05)
+    beat.start()
     torch.cuda.set_device(3)  # the rank's GPU, selected on the main thread (Megatron's start-up)
     device = active_device()
     seen: dict[str, Any] = {}
 
-    # The heartbeat thread, checking the step's event after each beat.
-    store = host_store("127.0.0.1", 0)
-    membership = Membership(open_client(f"127.0.0.1:{store.port}", 30), "a0", SEAL)
+    # The heartbeat thread checks the step's event after each beat.
     watch = DeviceWatch(3600.0, end=lambda code, why: None)
     watch.step_done(1)
-    beat = Heartbeat(membership, 0.05)
     beat.after_beat = watch
-    beat.start()
     deadline = time.monotonic() + 60
     while not any(c.name == "cudaEventQuery" for c in runtime.calls):
         assert time.monotonic() < deadline, "the heartbeat never checked the step's event"
@@ -141,6 +144,7 @@ def test_no_cuda_call_of_a_deadpool_thread_runs_off_the_ranks_device() -> None:
     assert result["seen"]["heartbeat"]["deadpool-heartbeat"] == 3
     round_threads = result["seen"]["round"]
     assert round_threads["deadpool-post"] == 3 and round_threads["deadpool-verify"] == 3
+    assert set(round_threads.values()) == {3}, round_threads  # every live DeadPool thread
 
 
 def test_every_thread_start_goes_through_the_devices_layer() -> None:
