@@ -17,6 +17,8 @@ import threading
 import time
 from pathlib import Path
 
+from ..devices.threads import DeviceThread
+
 _TICK = os.sysconf("SC_CLK_TCK")
 
 
@@ -29,7 +31,7 @@ def _proc_cpu_s(pid: int) -> float | None:
     return (int(fields[11]) + int(fields[12])) / _TICK
 
 
-class CpuSampler(threading.Thread):
+class CpuSampler(DeviceThread):
     """Samples the CPU time of `procs` (pid name -> process) and of this process."""
 
     def __init__(self, procs: dict[str, subprocess.Popen], interval: float = 0.2) -> None:

@@ -16,11 +16,27 @@ decision lives here, one concern per module:
 - `memory`: GPU or pinned host memory for replicas (the vote);
 - `pinned`: replica buffers, page-locked host memory of the exact size;
 - `gpus`: the GPU of every local active rank and spare;
-- `failures`: `is_peer_failure`, a peer's failure versus any other error.
+- `failures`: `is_peer_failure`, a peer's failure versus any other error;
+- `threads`: every thread DeadPool starts, each on the rank's GPU (`device_threads`);
+- `streams`: the replication side stream, DeadPool's own, not one of torch's pool.
 """
 
 from __future__ import annotations
 
-from .base import Device, active_device, select_device
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .base import Device, active_device, select_device
 
 __all__ = ["Device", "active_device", "select_device"]
+
+
+def __getattr__(name: str) -> Any:
+    """`Device`, `active_device`, `select_device` from `base`, imported on first use: the
+    modules that need no torch (`threads`, which a launcher's and a coordinator's threads
+    start through) are imported without it."""
+    if name in __all__:
+        from . import base
+
+        return getattr(base, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -42,6 +42,7 @@ import torch.distributed as dist
 
 from ..errors import ExitCode
 from . import gloo, nccl
+from .threads import start_thread
 
 log = logging.getLogger(__name__)
 _LOCK = threading.Lock()  # one abort's work at a time
@@ -114,12 +115,9 @@ def start_abort() -> AbortRun:
         run = AbortRun()
         _CURRENT[:] = [run]
         _COUNT[0] += 1
-        threading.Thread(target=_run, args=(run,), name="deadpool-abort", daemon=True).start()
+        start_thread(_run, run, name="deadpool-abort")
         if _BOUND_S:
-            bound = _BOUND_S[0]
-            threading.Thread(
-                target=_watch, args=(run, bound), name="deadpool-abort-bound", daemon=True
-            ).start()
+            start_thread(_watch, run, _BOUND_S[0], name="deadpool-abort-bound")
         return run
 
 

@@ -13,6 +13,7 @@ from typing import Literal
 import torch
 
 from ..errors import ConfigError
+from .threads import note_device
 
 Mode = Literal["auto", "cpu", "cuda"]
 
@@ -41,9 +42,12 @@ def real_cuda() -> bool:
 def active_device() -> Device:
     """The device this process already trains on (chosen by its job, e.g. Megatron-LM's
     start-up): the CPU development mode when it is active, else CUDA's current device when
-    CUDA is really present, else the CPU."""
+    CUDA is really present (recorded as the device DeadPool's threads select, `devices.threads`),
+    else the CPU."""
     if real_cuda():
-        return Device(kind="cuda", backend="nccl", index=torch.cuda.current_device())
+        index = torch.cuda.current_device()
+        note_device(index)  # DeadPool's threads select it (`devices.threads`)
+        return Device(kind="cuda", backend="nccl", index=index)
     return Device(kind="cpu", backend="gloo")
 
 
@@ -52,7 +56,8 @@ def select_device(mode: Mode = "auto", local_rank: int | None = None) -> Device:
 
     Also prepares the process's communication before any process group exists: DeadPool's
     NCCL settings (`devices.nccl.apply_settings`, CUDA only) and the record of gloo
-    connections that `abort_groups` shuts down (`devices.gloo`).
+    connections that `abort_groups` shuts down (`devices.gloo`). A CUDA device chosen is
+    recorded as the one DeadPool's threads select (`devices.threads`).
     """
     if mode not in ("auto", "cpu", "cuda"):
         raise ConfigError(f"device: {mode!r} is not one of auto, cpu, cuda")
@@ -71,6 +76,7 @@ def select_device(mode: Mode = "auto", local_rank: int | None = None) -> Device:
             )
         prepare_communication("cuda")
         torch.cuda.set_device(index)
+        note_device(index)  # DeadPool's threads select it (`devices.threads`)
         return Device(kind="cuda", backend="nccl", index=index)
     from .cpu import activate
 

@@ -3,7 +3,8 @@
 A heartbeat proves that a Python thread lives. A hung GPU (an Xid), or kernels spinning on a
 broken NVLink or InfiniBand link, kills no process: the heartbeat thread goes on beating while
 the main thread waits for ever in the next `.item()`. Two signals cover it, polled by the
-heartbeat thread after each beat (CUDA only):
+heartbeat thread after each beat (CUDA only; the thread selects the rank's GPU first,
+`devices.threads`):
 
 - **the NCCL backends' error state** (`devices.nccl.backend_errors`, read by
   `hotswap.plan_watch`): a collective of this rank timed out or failed. The plan watch aborts

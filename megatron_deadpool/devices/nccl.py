@@ -68,7 +68,6 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
 import time
 from collections.abc import Callable, Iterable, MutableMapping
 from typing import Any, Literal
@@ -77,6 +76,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import ConfigError
+from .threads import start_thread
 
 log = logging.getLogger(__name__)
 
@@ -232,12 +232,7 @@ def abort_concurrently(backends: list[Any]) -> float:
         except RuntimeError as exc:
             log.warning("aborting an NCCL group: %s", str(exc).splitlines()[0][:200])
 
-    threads = [
-        threading.Thread(target=one, args=(b,), name="deadpool-nccl-abort", daemon=True)
-        for b in backends
-    ]
-    for thread in threads:
-        thread.start()
+    threads = [start_thread(one, b, name="deadpool-nccl-abort") for b in backends]
     for thread in threads:
         thread.join()
     return time.perf_counter() - t0

@@ -32,6 +32,7 @@ from typing import Any, TypeVar
 import torch.distributed as dist
 
 from ..config.deadpool import parse_host_port
+from ..devices.threads import DeviceThread, select_rank_device
 from ..errors import CoordinatorUnreachableError
 from .membership import Membership
 
@@ -47,7 +48,7 @@ LOST_ERRORS = (CoordinatorUnreachableError, dist.DistNetworkError, dist.DistStor
 error, never another `RuntimeError` (e.g. torch's `DistBackendError` from a process group)."""
 
 
-class _Caller(threading.Thread):
+class _Caller(DeviceThread):
     """A daemon thread that runs store calls one at a time for a caller that waits a bounded
     time (a daemon: one stuck in torch forever does not hold up the interpreter's exit)."""
 
@@ -63,6 +64,7 @@ class _Caller(threading.Thread):
             if call is None:  # `close`
                 return
             fn, box, done = call
+            select_rank_device()  # known by now, if not when the thread started
             try:
                 box.append((True, fn()))
             except BaseException as exc:  # noqa: BLE001 - handed to the caller
@@ -211,7 +213,7 @@ class BoundedStore:
         return False
 
 
-class Heartbeat(threading.Thread):
+class Heartbeat(DeviceThread):
     """Publishes this process's heartbeat on its own store connection (`store`)."""
 
     def __init__(self, membership: Membership, interval: float) -> None:
@@ -237,6 +239,7 @@ class Heartbeat(threading.Thread):
             try:
                 self.membership.heartbeat()  # a round trip: notices a lost coordinator
                 if self.after_beat is not None:
+                    select_rank_device()  # known by now, if not when the thread started
                     self._after_beat(self.after_beat)
             except STORE_ERRORS as exc:  # no coordinator could be found again
                 self.lost = str(exc).splitlines()[0][:200]

@@ -21,7 +21,6 @@ from __future__ import annotations
 import functools
 import gc
 import logging
-import threading
 import types
 import weakref
 from collections.abc import Callable, Iterable
@@ -32,6 +31,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
 from ..devices.abort import abort_groups, last_abort
+from ..devices.threads import start_thread
 
 log = logging.getLogger(__name__)
 
@@ -232,10 +232,8 @@ def release(
 def _free_in_parallel(boxes: list[list[dist.ProcessGroup]]) -> None:
     """Drop the last references to the groups in `boxes`, one thread per group (the
     destructors wait on gloo's event loops without the GIL, so they overlap)."""
-    threads = [threading.Thread(target=box.clear, name="deadpool-free-group") for box in boxes]
+    threads = [start_thread(box.clear, name="deadpool-free-group", daemon=False) for box in boxes]
     boxes.clear()
-    for thread in threads:
-        thread.start()
     for thread in threads:
         thread.join()
 

@@ -44,6 +44,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from ..devices.threads import DeviceThread
 from .store_files import OpenFiles
 
 log = logging.getLogger(__name__)
@@ -192,7 +193,7 @@ def drop_silent(port: int, fds: list[int], grace_s: float = GRACE_S) -> list[str
     return dropped
 
 
-class SilentConnections(threading.Thread):
+class SilentConnections(DeviceThread):
     """The thread of a store's host that drops silent connections once its open files exceed
     `allowed`, with a warning naming them."""
 

@@ -28,6 +28,7 @@ import time
 from collections.abc import Callable
 
 from ..config.deadpool import DeadpoolConfig
+from ..devices.threads import DeviceThread, start_thread
 from ..errors import CoordinatorUnreachableError
 from .connection import STORE_ERRORS, BoundedStore, open_client
 from .coordinator import Coordinator
@@ -92,7 +93,7 @@ class PeerWatch:
                     answering.set()
                 time.sleep(interval)
 
-        threading.Thread(target=run, name="deadpool-peer-watch", daemon=True).start()
+        start_thread(run, name="deadpool-peer-watch")
         return answering
 
 
@@ -305,7 +306,7 @@ class Standby:
         return new
 
 
-class StandbyWatch(threading.Thread):
+class StandbyWatch(DeviceThread):
     """The primary's view of its standbys: one it cannot reach is logged (harmless while the
     primary lives); one that took over (`superseded`) means the primary must stand down."""
 

@@ -23,13 +23,14 @@ from collections.abc import Callable
 
 import torch.distributed as dist
 
+from ..devices.threads import DeviceThread, select_rank_device
 from .membership import Membership
 
 BLOCK_S = 24 * 3600.0
 """Longest single blocking store call of a waiter thread."""
 
 
-class StoreWaiter(threading.Thread):
+class StoreWaiter(DeviceThread):
     """Calls `block(membership)` (True: something happened) in a loop; sets `event` on news.
 
     `unblock()` (on another connection) makes a pending `block` return: `stop` uses it."""
@@ -51,6 +52,7 @@ class StoreWaiter(threading.Thread):
 
     def run(self) -> None:
         while not self.stopping:
+            select_rank_device()  # known by now, if not when the thread started
             try:
                 news = self.block(self.membership)
             except dist.DistStoreError:  # a timed-out blocking call: block again

@@ -40,6 +40,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any
 
+from ..devices.threads import start_thread
 from .forkserver import Preload, receive, send, startup_env
 
 WARM_START_ENV = "DEADPOOL_WARM_START"
@@ -181,8 +182,7 @@ class ForkServer:
         self.pid: int = message["pid"]
         self.hazards: list[str] = message["hazards"]
         self.import_s: float = message["seconds"]
-        self._reader = threading.Thread(target=self._read, name="forkserver-reader", daemon=True)
-        self._reader.start()
+        self._reader = start_thread(self._read, name="forkserver-reader")
 
     @property
     def alive(self) -> bool:

@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import TextIO
 
 from ..config.paths import check_writable_dir
+from ..devices.threads import start_thread
 from ..durable import write_durably
 from ..errors import ConfigError, ExitCode
 from ..hotswap.forkserver import Preload
@@ -153,11 +154,9 @@ class MegatronLauncher:
         self.local.spawn(
             member, cmd, child_env, subprocess.PIPE, preload=runner_preload(self.script)
         )
-        thread = threading.Thread(
-            target=self._forward, args=(member, self.local.procs[member]), daemon=True
+        self.threads[member] = start_thread(
+            self._forward, member, self.local.procs[member], name=f"deadpool-output-{member}"
         )
-        thread.start()
-        self.threads[member] = thread
 
     # ------------------------------------------------------------------ run
     def run(self) -> int:

@@ -7,16 +7,19 @@ rank that finished training never exited, and Slurm killed its task). A
 `concurrent.futures.ThreadPoolExecutor` joins its threads when the interpreter exits, whatever
 `shutdown(wait=False)` said, so one stuck thread held the finished process forever. The
 `DaemonWorker` runs its calls on a daemon thread instead: a call stuck for good is abandoned
-with the process, as the store's abandoned helpers are (`hotswap/connection.py`).
+with the process, as the store's abandoned helpers are (`hotswap/connection.py`). The thread
+selects the rank's GPU before each call (`devices.threads`): the poster's
+`cudaEventSynchronize` must not make a context on GPU 0.
 """
 
 from __future__ import annotations
 
 import queue
-import threading
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any, TypeVar
+
+from ..devices.threads import select_rank_device, start_thread
 
 T = TypeVar("T")
 
@@ -28,7 +31,7 @@ class DaemonWorker:
         self._calls: queue.SimpleQueue[tuple[Future[Any], Callable[[], Any]] | None] = (
             queue.SimpleQueue()
         )
-        threading.Thread(target=self._serve, name=name, daemon=True).start()
+        start_thread(self._serve, name=name)  # on the rank's GPU (`devices.threads`)
 
     def submit(self, fn: Callable[..., T], *args: Any) -> Future[T]:
         """`fn(*args)`'s future."""
@@ -42,6 +45,7 @@ class DaemonWorker:
 
     def _serve(self) -> None:
         while (call := self._calls.get()) is not None:
+            select_rank_device()  # also when the device became known after the thread started
             _run(*call)
             # Nothing of the call may outlive it while the thread waits for the next one: its
             # arguments and its error's frames hold process groups, which the release after a

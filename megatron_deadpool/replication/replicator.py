@@ -41,7 +41,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from pathlib import Path
 from typing import Any
@@ -54,6 +54,8 @@ from ..devices.failures import is_peer_failure
 from ..devices.groups import check_takes, tensor_device
 from ..devices.memory import Choice, ReplicaMemory
 from ..devices.p2p import Transfer, arrived, post
+from ..devices.streams import own_stream
+from ..devices.threads import pool as threads_pool
 from .daemon_worker import DaemonWorker
 from .placement import Placement
 from .segments import slot_paths
@@ -164,7 +166,7 @@ class Replicator:
         }
         """The buffers that map segment files (`segments.py`), by file: a successor keeps them."""
         on_gpu = snapshotter.device.type == "cuda"
-        self._stream = torch.cuda.Stream(snapshotter.device) if on_gpu else None
+        self._stream = own_stream(snapshotter.device) if on_gpu else None  # not torch's pool
         # Host replicas of GPU state are sent after the capture's copy lands: a thread waits.
         self._poster = DaemonWorker("deadpool-post") if on_gpu and self.pinned else None
         if on_gpu:
@@ -518,7 +520,7 @@ class Replicator:
 
         if not threads:
             return [one(c) for c in copies]
-        with ThreadPoolExecutor(min(len(copies), 8), "deadpool-holdings") as pool:
+        with threads_pool(min(len(copies), 8), "deadpool-holdings") as pool:
             return list(pool.map(one, copies))
 
     def flip_bit_on_arrival(self, owner: int, byte: int, bit: int) -> None:
