@@ -243,14 +243,26 @@ def run(args: argparse.Namespace) -> int:
     job = load_job(args.model) if args.model else JobConfig()
     if line is not None:
         _agree(args, line)
+        line_dp = _given(args.dp, job.parallel.dp)
+        per_step = line.micro_batch_size * line_dp
+        line_gbs = line.global_batch_size if line.global_batch_size is not None else per_step
+        gbs = _given(args.global_batch_size, line_gbs)
+        if gbs % per_step:
+            raise ConfigError(
+                f"global-batch-size ({gbs}) must be a multiple of micro-batch-size x dp = "
+                f"{per_step}"
+            )
         job = dataclasses.replace(
             job,
             model=line.model,
             parallel=dataclasses.replace(
-                job.parallel, tp=line.tp, pp=line.pp, ep=line.ep, etp=line.etp
+                job.parallel, tp=line.tp, pp=line.pp, dp=line_dp, ep=line.ep, etp=line.etp
             ),
             train=dataclasses.replace(
-                job.train, micro_batch_size=line.micro_batch_size, **line.train
+                job.train,
+                micro_batch_size=line.micro_batch_size,
+                num_microbatches=gbs // per_step,
+                **line.train,
             ),
         )
     if args.cp is not None and args.cp != 1:
@@ -292,13 +304,10 @@ def run(args: argparse.Namespace) -> int:
     replicas = _given(args.replicas, job.deadpool.replicas)
     spares = args.spares if args.spares is not None else (job.deadpool.spares or gpus_per_node)
     mbs = _given(args.micro_batch_size, job.train.micro_batch_size)
-    line_gbs = line.global_batch_size if line is not None else None
+    # with a Megatron line, the file's train section holds the line's batch (above)
     gbs = _given(
-        args.global_batch_size,
-        _given(line_gbs, job.train.micro_batch_size * job.train.num_microbatches * dp),
+        args.global_batch_size, job.train.micro_batch_size * job.train.num_microbatches * dp
     )
-    if line is not None and line_gbs is None and args.global_batch_size is None:
-        gbs = mbs * dp  # Megatron's default: one micro-batch per data-parallel rank
     recompute: Recompute = args.recompute or (line.recompute if line is not None else "selective")
     workload = Workload(
         global_batch_size=gbs, micro_batch_size=mbs, mfu=args.mfu, recompute=recompute

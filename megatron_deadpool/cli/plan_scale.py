@@ -191,15 +191,14 @@ def trace_goodput(
     )
     gpus = rec.gpus
     costs, notes = _costs(report, rec, trace, args, gpus)
-    spare_nodes = report.spares // lay.ranks_per_node
-    results = {way: simulate(trace, way, costs, spare_nodes) for way in WAYS}
+    results = {way: simulate(trace, way, costs, report.spares, lay.ranks_per_node) for way in WAYS}
     hours = trace.duration_h
     title = (
         f"goodput over {trace.name}: {len(trace.interruptions)} interruptions in {hours:g} h "
         f"({trace.count(permanent=True)} take their node out for good, "
         f"{trace.count(scope='node')} lose a node, {trace.count(scope='hang')} hang), "
-        f"modelled at {gpus:,} GPUs with {spare_nodes} spare node(s) "
-        f"(--spares {report.spares} / {lay.ranks_per_node} per node)"
+        f"modelled at {gpus:,} GPUs with {report.spares} spare ranks (--spares; "
+        f"{report.spare_nodes:g} node(s) of {lay.ranks_per_node})"
     )
     lines = ["", title]
     if trace.source:
@@ -225,8 +224,8 @@ def trace_goodput(
     )
     if results["respawn"].restarts:
         lines.append(
-            f"  spares ran out {results['respawn'].restarts} time(s) with respawn: more spare "
-            "nodes (--spares) trade GPUs for restarts"
+            f"  spares ran out {results['respawn'].restarts} time(s) with respawn (each a "
+            "restart): more spares (--spares) trade GPUs for restarts"
         )
     data = {
         "trace": {
@@ -239,7 +238,7 @@ def trace_goodput(
             "source": trace.source,
         },
         "gpus": gpus,
-        "spare_nodes": spare_nodes,
+        "spares": report.spares,
         "costs": dataclasses.asdict(costs),
         "ways": {way: dataclasses.asdict(r) for way, r in results.items()},
     }
@@ -269,7 +268,7 @@ def plot_goodput(data: dict[str, Any], path: str | Path) -> Path:
             [p[0] for p in points], [p[1] for p in points], where="post", label=LABELS[way]
         )
     pool_ax.set_xlabel("hours into the trace")
-    pool_ax.set_ylabel("spare nodes waiting")
+    pool_ax.set_ylabel("spare ranks waiting")
     pool_ax.set_xlim(0, end)
     pool_ax.set_ylim(bottom=-0.2)
     pool_ax.legend(loc="lower left", fontsize="small")

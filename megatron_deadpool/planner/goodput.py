@@ -5,8 +5,10 @@ The ways, as `deadpool bench goodput` runs them for real on a small job:
 
 (a) ``respawn``: DeadPool with in-place respawn and spares. A transient process failure or hang
     (`Interruption.permanent` false, scope process/hang) is respawned on its node: no spare
-    spent. A lost node, or a process whose node cannot host it again, takes a spare node.
-(b) ``spares``: DeadPool with spares only: every interruption takes a spare node.
+    spent. A process whose GPU cannot host it again takes a spare rank; a lost node takes a
+    node's worth of spare ranks (`ranks_per_node`).
+(b) ``spares``: DeadPool with spares only: every interruption takes spare ranks (one for a
+    process or a hang, a node's worth for a node).
 (c) ``restart``: checkpoint-restart: every interruption stops the whole job, which starts again
     from its last persistent checkpoint (saved every `Costs.checkpoint_interval_s`, each save
     stalling training `Costs.checkpoint_save_s`).
@@ -17,7 +19,7 @@ redundancy: it saves its committed state (`Costs.checkpoint_save_s`), is started
 failed iteration. A DeadPool recovery costs detection (by scope) + `Costs.recover_s` (agree,
 repair the communicators, transfer the shard) + the failed iteration (recomputed).
 
-`simulate(trace, way, costs, spare_nodes)` walks the trace in time order. An interruption's
+`simulate(trace, way, costs, spares, ranks_per_node)` walks the trace in time order. An interruption's
 cost is lost training time; restart's lost work is the productive time since its last
 checkpoint at the moment of the failure. ETTR = productive time / the trace's span. The same
 walk predicts the wall time of a fixed amount of work (`predict_wall`), which is how the model
@@ -102,11 +104,11 @@ class WayResult:
     restarts: int = 0
     """Whole-job restarts (every one in way restart; spares run out in the others)."""
     spares_used: int = 0
-    """Spare nodes taken."""
+    """Spare ranks taken."""
     nodes_lost: int = 0
     """Interruptions that took their node out for the rest of the run."""
     pool: list[tuple[float, int]] = field(default_factory=list)
-    """(hours, spare nodes left) after each event, from (0, spare_nodes)."""
+    """(hours, spare ranks left) after each event, from (0, spares)."""
 
     @property
     def lost_total_s(self) -> float:
@@ -132,7 +134,8 @@ def walk(
     events: list[tuple[float, Interruption]],
     way: str,
     costs: Costs,
-    spare_nodes: int,
+    spares: int,
+    ranks_per_node: int,
     *,
     positions_are_wall: bool,
 ) -> WayResult:
@@ -141,13 +144,15 @@ def walk(
     amount of work, `predict_wall`)."""
     if way not in WAYS:
         raise ConfigError(f"way: {way!r} is not one of {', '.join(WAYS)}")
-    if spare_nodes < 0:
-        raise ConfigError(f"spares: must be >= 0 spare nodes, got {spare_nodes}")
-    res = WayResult(way=way, ettr=0.0, pool=[(0.0, spare_nodes)])
+    if spares < 0 or ranks_per_node < 1:
+        raise ConfigError(
+            f"spares: must be >= 0 ranks with >= 1 rank per node, got {spares}, {ranks_per_node}"
+        )
+    res = WayResult(way=way, ettr=0.0, pool=[(0.0, spares)])
     lost = dict.fromkeys(
         ("detect", "recover", "restart", "failed iteration", "lost work", "checkpoints"), 0.0
     )
-    pool = spare_nodes
+    pool = spares
     cycle = costs.checkpoint_interval_s + costs.checkpoint_save_s
     for t, ev in events:
         res.nodes_lost += ev.permanent
@@ -167,30 +172,32 @@ def walk(
         lost["detect"] += _detect(costs, ev.scope)
         lost["failed iteration"] += costs.iteration_s
         in_place = way == "respawn" and not ev.permanent and ev.scope != "node"
+        need = ranks_per_node if ev.scope == "node" else 1
         if in_place:
             lost["recover"] += costs.respawn_s
             res.recoveries += 1
             res.respawns += 1
-        elif pool > 0:
-            pool -= 1
-            res.spares_used += 1
+        elif pool >= need:
+            pool -= need
+            res.spares_used += need
             lost["recover"] += costs.recover_s
             res.recoveries += 1
         else:  # out of redundancy: save what survives, start again with the spares back
             lost["checkpoints"] += costs.checkpoint_save_s
             lost["restart"] += costs.restart_s
             res.restarts += 1
-            pool = spare_nodes
+            pool = spares
         res.pool.append((t / 3600, pool))
     res.lost_s = lost
     return res
 
 
-def simulate(trace: Trace, way: str, costs: Costs, spare_nodes: int) -> WayResult:
-    """`way` through `trace` (module docstring): its ETTR and what it lost, and why."""
+def simulate(trace: Trace, way: str, costs: Costs, spares: int, ranks_per_node: int) -> WayResult:
+    """`way` through `trace` with `spares` spare ranks (module docstring): its ETTR and what it
+    lost, and why."""
     span = trace.duration_h * 3600
     events = [(i.time_h * 3600, i) for i in trace.interruptions]
-    res = walk(events, way, costs, spare_nodes, positions_are_wall=True)
+    res = walk(events, way, costs, spares, ranks_per_node, positions_are_wall=True)
     failures = res.lost_total_s
     if way == "restart":
         cycle = costs.checkpoint_interval_s + costs.checkpoint_save_s
@@ -205,14 +212,15 @@ def predict_wall(
     events: list[tuple[float, Interruption]],
     way: str,
     costs: Costs,
-    spare_nodes: int,
+    spares: int,
+    ranks_per_node: int,
     *,
     start_s: float,
 ) -> tuple[float, WayResult]:
     """Wall seconds to compute `work_s` productive seconds through `events` (at productive
     positions): the first launch's `start_s`, the work, every event's cost and (restart) the
     checkpoint stalls; with the walk's result (its ETTR = work / wall)."""
-    res = walk(events, way, costs, spare_nodes, positions_are_wall=False)
+    res = walk(events, way, costs, spares, ranks_per_node, positions_are_wall=False)
     if way == "restart":
         res.lost_s["checkpoints"] += math.floor(work_s / costs.checkpoint_interval_s) * (
             costs.checkpoint_save_s
