@@ -204,24 +204,28 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     scale.add_argument(
         "--restart-s",
+        metavar="S",
         type=number_arg(minimum=0, unit="seconds"),
         default=RESTART_S,
         help="a whole-job restart's cost in s (default 600: Meta FT-HSDP's 10-minute stall)",
     )
     scale.add_argument(
         "--checkpoint-interval-min",
+        metavar="MIN",
         type=number_arg(above=0, unit="minutes"),
         help="checkpoint-restart's save interval in minutes (default: Young's optimum "
         "sqrt(2 x save cost x MTBF) for the trace)",
     )
     scale.add_argument(
         "--checkpoint-save-s",
+        metavar="S",
         type=number_arg(minimum=0, unit="seconds"),
         help="training stalled by one persistent save in s (default: weights + optimizer "
         "state of every GPU at --storage-gb-s)",
     )
     scale.add_argument(
         "--storage-gb-s",
+        metavar="GB_S",
         type=number_arg(above=0, unit="GB/s"),
         default=STORAGE_GB_S,
         help="checkpoint storage bandwidth in GB/s (default 2000: Llama 3's Tectonic, 2 TB/s "

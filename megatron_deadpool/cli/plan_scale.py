@@ -25,7 +25,7 @@ from ..planner.at_scale import (
     recovery_at_scale,
     scale_terms,
 )
-from ..planner.capacity import PlanReport, RecoveryModel
+from ..planner.capacity import PlanReport, RecoveryModel, format_seconds
 from ..planner.goodput import LABELS, WAYS, Costs, simulate, young_interval_s
 from ..planner.trace import Trace
 
@@ -134,7 +134,7 @@ def _costs(
     else:
         interval = young_interval_s(save, mtbf)
         interval = interval if interval != float("inf") else trace.duration_h * 3600
-        why = f"Young's optimum sqrt(2 x {save:.0f} s x MTBF {mtbf / 3600:.2f} h) (CACM 1974)"
+        why = f"Young's optimum sqrt(2 x {format_seconds(save)} x MTBF {mtbf / 3600:.2f} h) (CACM 1974)"
     hb = report.recovery.detect_s
     timeout = report.recovery_hang.detect_s
     costs = Costs(
@@ -162,9 +162,10 @@ def _costs(
         "node agent's fork server has torch imported); failed iteration "
         f"{costs.iteration_s:.2f} s [computed]"
     )
+    every = f"{interval / 60:.1f} min" if interval >= 60 else format_seconds(interval)
     second = (
-        f"  restart {costs.restart_s:g} s [{restart_why}]; checkpoint every "
-        f"{interval / 60:.1f} min [{why}], each stalling {save:.1f} s [{save_why}]; a hang "
+        f"  restart {costs.restart_s:g} s [{restart_why}]; checkpoint every {every} [{why}], "
+        f"each stalling {format_seconds(save)} [{save_why}]; a hang "
         f"under checkpoint-restart found after {costs.restart_detect_hang_s:g} s [the NCCL "
         "watchdog's default 10 min]"
     )
