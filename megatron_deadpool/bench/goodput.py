@@ -23,6 +23,9 @@ whether it ended with the failure-free run's parameters.
 
     deadpool bench goodput --iters 120 --failures 8 --json goodput.json --plot goodput.png
 
+Each way's wall time is also predicted by the planner's goodput model (`deadpool plan
+--trace`) from costs measured in the same run (`goodput_model.py`), with its error.
+
 Exit status 1 when a way does not finish or ends with other parameters than the failure-free
 run; 2 for bad flags.
 """
@@ -44,6 +47,7 @@ from ..config.job import JobConfig
 from ..config.numbers import check_number, number_arg
 from ..errors import ConfigError, ExitCode
 from .failure_trace import LLAMA3_MIX, failure_trace, kind_of, parse_mix
+from .goodput_model import measured_costs, predict
 from .overhead import base_job
 from .plots import spare_pool
 from .report import job_shape, publish, text_row, yes_no
@@ -127,19 +131,27 @@ Launcher = Callable[[JobConfig, Path, bool], Launch]
 
 
 def run_through(
-    job: JobConfig, trace: list[str], stop_on_failure: bool, runner: Launcher, work_dir: Path
+    job: JobConfig,
+    trace: list[str],
+    stop_on_failure: bool,
+    runner: Launcher,
+    work_dir: Path,
+    walls: list[float] | None = None,
 ) -> tuple[list[Launch], float]:
     """`job` through `trace`: launched, and launched again with `--load` and the failures that
     have not struck yet each time a failure of the trace stops it - out of redundancy (exit 3),
     or with DeadPool off any failure (exit 1) - until it completes; its launches and the wall
-    time of all of them. Any other end is an error."""
+    time of all of them (each launch's appended to `walls`). Any other end is an error."""
     launches: list[Launch] = []
     faults, load = list(trace), None
     t0 = time.monotonic()
     while len(launches) < MAX_LAUNCHES:
         train = dataclasses.replace(job.train, load=load)
         this = dataclasses.replace(job, train=train, deadpool=job.deadpool.replace(fail=faults))
+        started = time.monotonic()
         run = runner(this, work_dir / f"launch-{len(launches)}", stop_on_failure)
+        if walls is not None:
+            walls.append(time.monotonic() - started)
         launches.append(run)
         if run.returncode == 0:
             return launches, time.monotonic() - t0
@@ -214,6 +226,17 @@ def table(result: dict[str, Any]) -> list[str]:
             yes_no(r["matches_failure_free"]),
         ]
         lines.append(text_row(cells, specs))
+    for mode in MODES:
+        r = result["modes"][mode]
+        if "model" in r:
+            m = r["model"]
+            lines.append(
+                f"model ({mode}): {m['wall_s']:.1f} s ({r['model_error']:+.1%}), "
+                f"{m['restarts']} restart(s), {m['survived_without_restart']} survived, "
+                f"{m['lost_iterations']} iteration(s) lost; costs measured in this run: "
+                f"iteration {m['costs']['iter_s']:.3f} s, launch {m['costs']['launch_s']:.1f} s,"
+                f" crash {m['costs']['crash_s']:.2f} s, node {m['costs']['node_s']:.2f} s"
+            )
     c = result["config"]
     lines.append(
         f"ETTR: the failure-free run's {c['iters']} iterations ({result['iter_s']:.3f} s each) "
@@ -275,7 +298,10 @@ def run(args: argparse.Namespace, runner: Launcher | None = None) -> int:
                 save_interval=args.save_interval,
                 save=save,
             )
-            launches, wall = run_through(way, trace, mode == "restart", runner, work_dir / mode)
+            walls: list[float] = []
+            launches, wall = run_through(
+                way, trace, mode == "restart", runner, work_dir / mode, walls
+            )
             modes[mode] = account(
                 launches,
                 wall,
@@ -284,6 +310,16 @@ def run(args: argparse.Namespace, runner: Launcher | None = None) -> int:
                 spares=args.spares if mode != "restart" else 0,
                 reference_digest=reference.summary.get("final_param_digest"),
             )
+            modes[mode]["model"] = predict(
+                mode,
+                trace,
+                measured_costs(launches, walls),
+                iters=args.iters,
+                save_interval=args.save_interval,
+                spares=args.spares,
+                ranks_per_node=job.ranks_per_node,
+            )
+            modes[mode]["model_error"] = round(modes[mode]["model"]["wall_s"] / wall - 1, 4)
             print(f"  {LABELS[mode]}: done in {wall:.1f}s", flush=True)
     except RuntimeError as exc:
         print(f"deadpool bench goodput: {exc}", file=sys.stderr)

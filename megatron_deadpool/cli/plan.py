@@ -24,6 +24,7 @@ from pathlib import Path
 
 from ..config.cluster import GB, GIB, ClusterConfig, load_cluster
 from ..config.job import (
+    JobConfig,
     ModelConfig,
     ParallelConfig,
     TrainConfig,
@@ -32,8 +33,26 @@ from ..config.job import (
 )
 from ..config.numbers import number_arg
 from ..errors import ConfigError
-from ..planner.capacity import PlanReport, RecoveryModel, Workload, format_seconds, plan
+from ..planner.at_scale import SIZES, recovery_at_scale
+from ..planner.capacity import (
+    PlanReport,
+    Recompute,
+    RecoveryModel,
+    Workload,
+    format_seconds,
+    plan,
+)
+from ..planner.megatron_line import MegatronLine, parse_megatron_line
+from ..planner.trace import load_trace
 from ..replication.placement import Layout, RankOrder
+from .plan_scale import (
+    RESTART_S,
+    STORAGE_GB_S,
+    format_scale,
+    plot_goodput,
+    scale_dict,
+    trace_goodput,
+)
 
 COUNT = number_arg(integer=True, minimum=1)
 """A count flag's type: an integer >= 1."""
@@ -45,12 +64,39 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--model",
         "--config",
         dest="model",
-        required=True,
         metavar="YAML",
-        help="model or job config (configs/models/*.yaml, configs/cpu-demo.yaml)",
+        help="model or job config (configs/models/*.yaml, configs/cpu-demo.yaml); optional "
+        "with a Megatron-LM argument line after --, which then gives the model",
     )
-    parser.add_argument("--tp", type=COUNT, help="tensor-parallel size (default: the file's)")
-    parser.add_argument("--pp", type=COUNT, help="pipeline-parallel size (default: the file's)")
+    parser.add_argument(
+        "megatron_line",
+        nargs="*",
+        metavar="-- MEGATRON_ARGS",
+        help="a Megatron-LM pretrain_gpt.py argument line (after --): the model, tp, pp, ep, "
+        "etp, batch and recompute as Megatron-LM reads them; the world size is not in it: "
+        "give --dp (or the file's)",
+    )
+    parser.add_argument(
+        "--tp",
+        "--tensor-model-parallel-size",
+        dest="tp",
+        type=COUNT,
+        help="tensor-parallel size (default: the file's)",
+    )
+    parser.add_argument(
+        "--pp",
+        "--pipeline-model-parallel-size",
+        dest="pp",
+        type=COUNT,
+        help="pipeline-parallel size (default: the file's)",
+    )
+    parser.add_argument(
+        "--context-parallel-size",
+        "--cp",
+        dest="cp",
+        type=COUNT,
+        help="context-parallel size: only 1 is modelled",
+    )
     parser.add_argument("--dp", type=COUNT, help="data-parallel size (default: the file's)")
     moe = parser.add_argument_group(
         "mixture of experts (Megatron-LM's flags; default: the file's model/parallel sections)"
@@ -129,8 +175,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--recompute",
         choices=["none", "selective", "full"],
-        default="selective",
-        help="activation recomputation assumed (selective)",
+        help="activation recomputation assumed (default: selective, or the Megatron line's)",
     )
     parser.add_argument(
         "--json", metavar="PATH", help="also write the report as JSON ('-': stdout)"
@@ -141,11 +186,94 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="print only the Megatron-LM arguments of this model, layout and batch (for "
         "MEGATRON_ARGS of scripts/slurm/*.sbatch)",
     )
+    scale = parser.add_argument_group("recovery at scale and goodput over a failure trace")
+    scale.add_argument(
+        "--recovery-at",
+        type=COUNT,
+        nargs="+",
+        metavar="GPUS",
+        default=list(SIZES),
+        help="GPU counts of the recovery table, dp scaled (default 512 1024 16384)",
+    )
+    scale.add_argument(
+        "--trace",
+        metavar="FILE",
+        help="goodput over a failure trace: a trace file (CSV, see megatron_deadpool/planner/"
+        "trace.py), a bundled one (llama3: Llama 3 405B's 419 interruptions in 54 days on "
+        "16,384 GPUs) or synthetic:per_day=R[,days=D][,seed=S][,gpus=N]",
+    )
+    scale.add_argument(
+        "--restart-s",
+        metavar="S",
+        type=number_arg(minimum=0, unit="seconds"),
+        default=RESTART_S,
+        help="a whole-job restart's cost in s (default 600: Meta FT-HSDP's 10-minute stall)",
+    )
+    scale.add_argument(
+        "--checkpoint-interval-min",
+        metavar="MIN",
+        type=number_arg(above=0, unit="minutes"),
+        help="checkpoint-restart's save interval in minutes (default: Young's optimum "
+        "sqrt(2 x save cost x MTBF) for the trace)",
+    )
+    scale.add_argument(
+        "--checkpoint-save-s",
+        metavar="S",
+        type=number_arg(minimum=0, unit="seconds"),
+        help="training stalled by one persistent save in s (default: weights + optimizer "
+        "state of every GPU at --storage-gb-s)",
+    )
+    scale.add_argument(
+        "--storage-gb-s",
+        metavar="GB_S",
+        type=number_arg(above=0, unit="GB/s"),
+        default=STORAGE_GB_S,
+        help="checkpoint storage bandwidth in GB/s (default 2000: Llama 3's Tectonic, 2 TB/s "
+        "sustained)",
+    )
+    scale.add_argument(
+        "--plot", metavar="FILE", help="with --trace: draw the spare pool and ETTR here (PNG, SVG)"
+    )
 
 
 def run(args: argparse.Namespace) -> int:
     """Plan and print; bad input raises `ConfigError` (one line, exit 2 via the CLI)."""
-    job = load_job(args.model)
+    line = parse_megatron_line(args.megatron_line) if args.megatron_line else None
+    if args.model is None and line is None:
+        raise ConfigError(
+            "--model: give a model or job file (configs/models/*.yaml), or a Megatron-LM "
+            "argument line after -- (deadpool plan --dp 16 -- --num-layers 80 ...)"
+        )
+    job = load_job(args.model) if args.model else JobConfig()
+    if line is not None:
+        _agree(args, line)
+        line_dp = _given(args.dp, job.parallel.dp)
+        per_step = line.micro_batch_size * line_dp
+        line_gbs = line.global_batch_size if line.global_batch_size is not None else per_step
+        gbs = _given(args.global_batch_size, line_gbs)
+        if gbs % per_step:
+            raise ConfigError(
+                f"global-batch-size ({gbs}) must be a multiple of micro-batch-size x dp = "
+                f"{per_step}"
+            )
+        job = dataclasses.replace(
+            job,
+            model=line.model,
+            parallel=dataclasses.replace(
+                job.parallel, tp=line.tp, pp=line.pp, dp=line_dp, ep=line.ep, etp=line.etp
+            ),
+            train=dataclasses.replace(
+                job.train,
+                micro_batch_size=line.micro_batch_size,
+                num_microbatches=gbs // per_step,
+                **line.train,
+            ),
+        )
+    if args.cp is not None and args.cp != 1:
+        raise ConfigError(
+            f"--context-parallel-size {args.cp}: the planner models context parallelism 1 "
+            "only; plan with --context-parallel-size 1"
+        )
     model = _model(job.model, args)
     cluster = load_cluster(args.cluster) if args.cluster else job.cluster
     tp = _given(args.tp, job.parallel.tp)
@@ -166,7 +294,8 @@ def run(args: argparse.Namespace) -> int:
             f"--gpus-per-node {args.gpus_per_node} contradicts cluster {cluster.site} "
             f"({cluster.gpus_per_node} GPUs per node)"
         )
-    order = RankOrder.TP_PP_DP if args.use_tp_pp_dp_mapping else RankOrder.TP_DP_PP
+    tp_pp_dp = args.use_tp_pp_dp_mapping or (line is not None and line.tp_pp_dp)
+    order = RankOrder.TP_PP_DP if tp_pp_dp else RankOrder.TP_DP_PP
     layout = Layout(
         tp=tp,
         pp=pp,
@@ -179,11 +308,13 @@ def run(args: argparse.Namespace) -> int:
     replicas = _given(args.replicas, job.deadpool.replicas)
     spares = args.spares if args.spares is not None else (job.deadpool.spares or gpus_per_node)
     mbs = _given(args.micro_batch_size, job.train.micro_batch_size)
+    # with a Megatron line, the file's train section holds the line's batch (above)
     gbs = _given(
         args.global_batch_size, job.train.micro_batch_size * job.train.num_microbatches * dp
     )
+    recompute: Recompute = args.recompute or (line.recompute if line is not None else "selective")
     workload = Workload(
-        global_batch_size=gbs, micro_batch_size=mbs, mfu=args.mfu, recompute=args.recompute
+        global_batch_size=gbs, micro_batch_size=mbs, mfu=args.mfu, recompute=recompute
     )
     report = plan(
         model,
@@ -198,18 +329,55 @@ def run(args: argparse.Namespace) -> int:
     if args.megatron_args:
         print(shlex.join(megatron_args(model, layout, workload, job.train)))
         return 0
-    text = format_report(report, title=Path(args.model).name)
-    data = json.dumps(report.to_dict(), indent=2, sort_keys=True)
+    scaled, skipped = recovery_at_scale(report, tuple(args.recovery_at))
+    result = report.to_dict()
+    result["recovery_at_scale"] = scale_dict(scaled, skipped)
+    text = [format_report(report, title=Path(args.model or "megatron-lm args").name)]
+    text += format_scale(scaled, skipped)
+    if args.trace:
+        trace = load_trace(args.trace)
+        goodput, lines = trace_goodput(report, trace, args)
+        result["goodput"] = goodput
+        text += lines
+        if args.plot:
+            result["goodput"]["plot"] = str(plot_goodput(goodput, args.plot))
+            text.append(f"plot: {args.plot}")
+    elif args.plot:
+        raise ConfigError("--plot: draws the goodput over a trace: give --trace as well")
+    data = json.dumps(result, indent=2, sort_keys=True)
     if args.json == "-":
         print(data)
         return 0
-    print(text)
+    print("\n".join(text))
     if args.json:
         try:
             Path(args.json).write_text(data + "\n")
         except OSError as exc:
             raise ConfigError(f"--json: cannot write {args.json}: {exc.strerror}") from None
     return 0
+
+
+def _agree(args: argparse.Namespace, line: MegatronLine) -> None:
+    """Flags given both on the command line and in the Megatron line must say the same."""
+    pairs = (
+        ("--tp", args.tp, "--tensor-model-parallel-size", line.tp),
+        ("--pp", args.pp, "--pipeline-model-parallel-size", line.pp),
+        ("--expert-model-parallel-size", args.ep, "--expert-model-parallel-size", line.ep),
+        ("--expert-tensor-parallel-size", args.etp, "--expert-tensor-parallel-size", line.etp),
+        ("--micro-batch-size", args.micro_batch_size, "--micro-batch-size", line.micro_batch_size),
+        (
+            "--global-batch-size",
+            args.global_batch_size,
+            "--global-batch-size",
+            line.global_batch_size,
+        ),
+    )
+    for flag, given, in_line, value in pairs:
+        if given is not None and value is not None and given != value:
+            raise ConfigError(
+                f"{flag} {given} contradicts the Megatron-LM line's {in_line} {value}: give "
+                "it in one place"
+            )
 
 
 def _model(model: ModelConfig, args: argparse.Namespace) -> ModelConfig:

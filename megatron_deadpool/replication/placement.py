@@ -173,7 +173,10 @@ class Layout:
         within these."""
         if not self.has_experts:
             return self.dp_cp_groups
-        expert_of = {r: set(g) for g in self.expert_groups("dp") for r in g}
+        expert_of: dict[int, set[int]] = {}
+        for g in self.expert_groups("dp"):
+            members = set(g)  # one set per group, shared by its ranks: O(world), not O(world^2)
+            expert_of.update(dict.fromkeys(g, members))
         out: list[list[int]] = []
         seen: set[int] = set()
         for group in self.dp_cp_groups:

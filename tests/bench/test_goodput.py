@@ -157,5 +157,11 @@ def test_goodput_runs_the_three_ways_through_one_trace(tmp_path: Path) -> None:
     )
     assert (restart["survived_without_restart"], restart["restarts"]) == (0, 2)
     assert all(0 < m["ettr"] < 1 for m in modes.values())
+    # the planner's goodput model, fed this run's costs, expects what happened
+    for m in modes.values():
+        assert m["model"]["restarts"] == m["restarts"], m
+        assert m["model"]["survived_without_restart"] == m["survived_without_restart"], m
+        assert m["model"]["wall_s"] > 0 and abs(m["model_error"]) < 1
+    assert restart["model"]["lost_iterations"] == restart["recomputed_iterations"]
     assert png.stat().st_size > 0
     assert "DeadPool, in-place respawn" in proc.stdout and "ETTR" in proc.stdout

@@ -1,0 +1,113 @@
+"""Recovery at 512, 1,024 and 16,384 GPUs (megatron_deadpool/planner/at_scale.py): every term
+carries a kind and a source, the cited figures are the published ones, the measured one is
+`bench control-plane`'s, and the verdict names the term that misses the 10 s target."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from megatron_deadpool.config.cluster import load_cluster
+from megatron_deadpool.config.job import load_job
+from megatron_deadpool.planner import measured
+from megatron_deadpool.planner.at_scale import (
+    COMPARISONS,
+    KINDS,
+    SIZES,
+    recovery_at_scale,
+    shrink_s,
+)
+from megatron_deadpool.planner.capacity import PlanReport, Workload, plan
+from megatron_deadpool.replication.placement import Layout
+
+ROOT = Path(__file__).resolve().parents[2]
+PERLMUTTER = load_cluster(ROOT / "configs" / "clusters" / "perlmutter.yaml")
+NAMES = [
+    "detect",
+    "agree",
+    "repair communicators",
+    "newcomer joins",
+    "transfer shard",
+    "failed iteration",
+]
+
+
+def report_65b(gbs: int = 1024) -> PlanReport:
+    model = load_job(ROOT / "configs" / "models" / "gpt-65b.yaml").model
+    layout = Layout(tp=4, pp=8, dp=16, ranks_per_node=4)
+    return plan(
+        model,
+        layout,
+        replicas=1,
+        spares=4,
+        cluster=PERLMUTTER,
+        workload=Workload(global_batch_size=gbs),
+    )
+
+
+def test_every_term_at_every_size_has_a_kind_and_a_source() -> None:
+    scaled, skipped = recovery_at_scale(report_65b())
+    assert [s.gpus for s in scaled] == list(SIZES) and not skipped
+    for s in scaled:
+        assert [t.name for t in s.terms] == NAMES
+        for t in (*s.terms, s.rebuild):
+            assert t.kind in KINDS and t.source and t.seconds >= 0
+        assert s.term("agree").kind == "measured here"
+        assert s.term("agree").seconds == measured.agree_s(s.gpus)
+        assert measured.COMMAND in s.term("agree").source
+        assert s.term("newcomer joins").kind == "assumed"  # no published ncclCommGrow figure
+        assert s.total_s == pytest.approx(sum(t.seconds for t in s.terms))
+        assert s.downtime_s == pytest.approx(s.total_s - s.term("failed iteration").seconds)
+    by_size = {s.gpus: s for s in scaled}
+    assert by_size[1024].term("repair communicators").kind == "cited"
+    assert by_size[1024].term("repair communicators").seconds == 2.03  # NeMo-RL #3186
+    assert by_size[16384].term("repair communicators").kind == "assumed"  # extrapolated
+    assert by_size[16384].term("agree").seconds == 1.300
+    assert "#3186" in by_size[512].term("repair communicators").source
+    assert "nccl#1646" in by_size[512].rebuild.source and by_size[512].rebuild.seconds == 55
+
+
+def test_the_plan_at_each_size_keeps_tp_pp_and_the_batch_per_replica() -> None:
+    scaled, _ = recovery_at_scale(report_65b())
+    assert [s.layout for s in scaled] == [
+        "tp 4 x pp 8 x dp 16",
+        "tp 4 x pp 8 x dp 32",
+        "tp 4 x pp 8 x dp 512",
+    ]
+    # the same work per GPU: the failed iteration costs the same at every size
+    its = {round(s.term("failed iteration").seconds, 6) for s in scaled}
+    assert len(its) == 1
+    # a larger dp shards the optimizer finer: a newcomer receives less
+    assert scaled[0].restore_bytes > scaled[1].restore_bytes > scaled[2].restore_bytes
+
+
+def test_verdict_names_the_term_that_misses_the_target() -> None:
+    big = {s.gpus: s for s in recovery_at_scale(report_65b(1024))[0]}[1024]
+    assert big.total_s > 10 and "failed iteration" in big.verdict()
+    assert big.verdict().startswith("misses the 10 s target at 1,024 GPUs")
+    small = {s.gpus: s for s in recovery_at_scale(report_65b(128))[0]}[1024]
+    assert small.total_s <= 10 and small.verdict().startswith("meets")
+
+
+def test_sizes_tp_x_pp_does_not_divide_are_skipped_with_the_reason() -> None:
+    scaled, skipped = recovery_at_scale(report_65b(), (512, 1000))
+    assert [s.gpus for s in scaled] == [512]
+    assert skipped == ["1,000 GPUs: not a multiple of tp x pp = 32"]
+
+
+def test_shrink_interpolates_the_published_figures() -> None:
+    assert shrink_s(32) == (1.38, False)
+    assert shrink_s(1024) == (2.03, False)
+    assert shrink_s(16) == (1.38, True)
+    value, outside = shrink_s(16384)
+    assert outside and value == pytest.approx(2.03 + 4 * (2.03 - 1.38) / 5)
+
+
+def test_comparisons_are_the_published_figures() -> None:
+    figures = {c.name.split(" (")[0]: (c.gpus, c.seconds) for c in COMPARISONS}
+    assert figures == {
+        "TrainMover": (1024, 20.0),
+        "DeadPool paper": (512, 40.0),
+        "whole-job restart": (None, 600.0),
+    }
