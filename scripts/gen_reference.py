@@ -5,9 +5,10 @@
 
 Each page is generated, never edited by hand: the CLI from the argparse parsers of every
 `deadpool` command (`cli/main.py`'s registry), every `--deadpool-*` flag from `DeadpoolConfig`,
-the exit codes from `ExitCode`, and the Slurm launcher's variables from the header of
-scripts/slurm/deadpool_launch.sh. tests/test_docs_reference.py regenerates them in memory and
-fails when a committed page differs: a flag or command added without regenerating fails there.
+the exit codes from `ExitCode`, the Slurm launcher's variables from the header of
+scripts/slurm/deadpool_launch.sh, and the refused Megatron-LM options from `startup_bound.py`.
+tests/test_docs_reference.py regenerates them in memory and fails when a committed page
+differs: a flag or command added without regenerating fails there.
 """
 
 from __future__ import annotations
@@ -163,11 +164,30 @@ def launch_variables_page() -> str:
     return "".join(parts)
 
 
+def refused_options_page() -> str:
+    """docs/reference/refused-megatron-options.md: the Megatron-LM options `--deadpool` refuses
+    because their state lives in the start-up communicators (`megatron_lm/startup_bound.py`)."""
+    from megatron_deadpool.megatron_lm import startup_bound
+
+    rows = "".join(
+        f"| `{name}` | {text.replace('{value}', 'VALUE').replace('|', chr(92) + '|')} |\n"
+        for name, text in startup_bound.REFUSALS.items()
+    )
+    doc = inspect.cleandoc(startup_bound.__doc__ or "").split("\n\n", 1)[1]
+    return (
+        f"# Refused Megatron-LM options\n\n{GENERATED}\nWith `--deadpool`, these Megatron-LM "
+        "options are refused before training starts (exit code 2, one line each). From "
+        f"`megatron_deadpool/megatron_lm/startup_bound.py`:\n\n{doc}\n\n"
+        f"| Megatron argument | the refusal |\n|---|---|\n{rows}"
+    )
+
+
 PAGES: dict[str, Callable[[], str]] = {
     "cli.md": cli_page,
     "flags.md": flags_page,
     "exit-codes.md": exit_codes_page,
     "launch-variables.md": launch_variables_page,
+    "refused-megatron-options.md": refused_options_page,
 }
 """docs/reference/NAME -> the function that writes it."""
 

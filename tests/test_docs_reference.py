@@ -1,6 +1,7 @@
 """The docs site's reference pages (docs/reference/*.md) are what scripts/gen_reference.py writes
-from the code today: a `deadpool` command, a flag, a `--deadpool-*` field, an exit code or a
-launcher variable added or changed without regenerating the pages fails here (run
+from the code today: a `deadpool` command, a flag, a `--deadpool-*` field, an exit code, a
+launcher variable or a refused Megatron-LM option added or changed without regenerating the
+pages fails here (run
 `PYTHONPATH=$PWD .venv/bin/python scripts/gen_reference.py`)."""
 
 from __future__ import annotations
@@ -53,6 +54,10 @@ def test_reference_names_every_flag_command_and_exit_code() -> None:
         assert f"\n## deadpool {command}\n" in pages["cli.md"], command
     for code in ExitCode:
         assert f"| {int(code)} | `{code.name}` |" in pages["exit-codes.md"], code
+    from megatron_deadpool.megatron_lm.startup_bound import REFUSALS
+
+    for option in REFUSALS:
+        assert f"| `{option}` |" in pages["refused-megatron-options.md"], option
     launch = (REPO / "scripts/slurm/deadpool_launch.sh").read_text()
     for variable in ("SPARE_NODES", "DEADPOOL_MODE", "DEADPOOL_RESPAWN_LIMIT", "DEADPOOL_INJECT"):
         assert re.search(rf"^#   {variable}\b", launch, re.MULTILINE)
