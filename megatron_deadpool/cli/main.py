@@ -16,6 +16,7 @@ from types import ModuleType
 from typing import NoReturn
 
 from ..errors import ConfigError, ExitCode
+from .needs import missing_requirement
 from .version import VersionAction
 
 # name -> (module, one-line help); `bench` has its own sub-subcommands.
@@ -83,6 +84,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if module is None:
             parser.print_help()
             return ExitCode.BAD_INPUT
+        if (missing := missing_requirement(args.command)) is not None:
+            raise ConfigError(missing)
         return int(module.run(args) or 0)
     except ConfigError as exc:
         print(f"deadpool: error: {exc}", file=sys.stderr)
