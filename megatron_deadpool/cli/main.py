@@ -16,6 +16,8 @@ from types import ModuleType
 from typing import NoReturn
 
 from ..errors import ConfigError, ExitCode
+from .needs import missing_requirement
+from .version import VersionAction
 
 # name -> (module, one-line help); `bench` has its own sub-subcommands.
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -42,6 +44,14 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "megatron_deadpool.cli.agent",
         "run one node's agent on a cluster: start its processes, respawn them in place",
     ),
+    "slurm-script": (
+        "megatron_deadpool.cli.slurm_script",
+        "print a site's sbatch script (perlmutter, vista): deadpool slurm-script SITE > job.sbatch",
+    ),
+    "files": (
+        "megatron_deadpool.cli.files",
+        "list, print or copy the Slurm scripts, job configs and Megatron-LM patches",
+    ),
 }
 
 
@@ -52,6 +62,7 @@ class _Parser(argparse.ArgumentParser):
 
 def build_parser(argv: Sequence[str]) -> tuple[argparse.ArgumentParser, ModuleType | None]:
     parser = _Parser(prog="deadpool", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action=VersionAction)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     wanted = next((a for a in argv if not a.startswith("-")), None)
     module = None
@@ -73,6 +84,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if module is None:
             parser.print_help()
             return ExitCode.BAD_INPUT
+        if (missing := missing_requirement(args.command)) is not None:
+            raise ConfigError(missing)
         return int(module.run(args) or 0)
     except ConfigError as exc:
         print(f"deadpool: error: {exc}", file=sys.stderr)

@@ -24,9 +24,7 @@ import types
 import typing
 from collections.abc import Callable
 from enum import Enum
-from typing import Any, ClassVar
-
-from typing_extensions import Self
+from typing import Any, ClassVar, Self
 
 from ..errors import DeadpoolRuntimeError
 

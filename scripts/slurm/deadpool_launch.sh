@@ -110,7 +110,15 @@ export DEADPOOL_END_GRACE DEADPOOL_NODE_DOWN_WAIT # the tasks read them too
 : "${PYTHON:=python}"
 : "${DEADPOOL_INJECT:=}"
 
+# The folder of scripts/ this launcher is in: the repository's, or the installed package's copy
+# (megatron_deadpool/resources/scripts) when the job was submitted without a clone.
+scripts_dir=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$DEADPOOL_HOME" || die "DEADPOOL_HOME=$DEADPOOL_HOME: no such directory (submit from the repo)"
+# Without a clone, the default config is the package's copy.
+packaged_config=$scripts_dir/../$DEADPOOL_CONFIG
+if [[ $DEADPOOL_CONFIG == configs/* && ! -e $DEADPOOL_CONFIG && -e $packaged_config ]]; then
+    DEADPOOL_CONFIG=$packaged_config
+fi
 
 nnodes=${SLURM_JOB_NUM_NODES:-${SLURM_NNODES:-}}
 [ -n "$nnodes" ] || die "not inside a Slurm allocation (SLURM_JOB_NUM_NODES is unset)"
@@ -270,7 +278,7 @@ if [ "$DEADPOOL_MODE" = baseline ]; then # the same active GPUs, nothing else
     start_coordinator=0
 fi
 
-coordinator_cmd=(bash "$DEADPOOL_HOME/scripts/slurm/deadpool_coordinator.sh" coordinator
+coordinator_cmd=(bash "$scripts_dir/slurm/deadpool_coordinator.sh" coordinator
     "$PYTHON" -m megatron_deadpool.cli coordinator --world-size "$world" "${job_settings[@]}")
 standby_cmd=()
 if ((start_coordinator)) && [ "$coordinator" != "$primary" ]; then
@@ -283,7 +291,7 @@ if ((start_coordinator)) && [ "$coordinator" != "$primary" ]; then
     standby_cmd=(srun --overlap --nodes=1 --ntasks=1 --nodelist="$standby_host"
         --output="$DEADPOOL_LOG_DIR/standby-step.log"
         --export="ALL,DEADPOOL_JOB_LOG=${job_log:-$DEADPOOL_LOG_DIR/standby-step.log}"
-        bash "$DEADPOOL_HOME/scripts/slurm/deadpool_coordinator.sh" standby
+        bash "$scripts_dir/slurm/deadpool_coordinator.sh" standby
         "$PYTHON" -m megatron_deadpool.cli coordinator --world-size "$world" "${job_settings[@]}"
         --standby)
 fi
@@ -380,7 +388,7 @@ run_workers() {
 inject_cmd=()
 if [ -n "$DEADPOOL_INJECT" ]; then
     read -r -a inject_args <<<"$DEADPOOL_INJECT"
-    inject_cmd=(bash "$DEADPOOL_HOME/scripts/inject_failure.sh" --job "${SLURM_JOB_ID:-0}"
+    inject_cmd=(bash "$scripts_dir/inject_failure.sh" --job "${SLURM_JOB_ID:-0}"
         --log-dir "$DEADPOOL_LOG_DIR" "${inject_args[@]}")
 fi
 

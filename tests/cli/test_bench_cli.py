@@ -1,5 +1,5 @@
 """`deadpool bench`'s command line (megatron_deadpool/cli/bench.py) through the real `deadpool`
-command: every benchmark the README lists is registered, and bad arguments are refused with
+command: every benchmark the docs list (docs/explanation/benchmarks.md) is registered, and bad arguments are refused with
 exit code 2 and one line, before anything runs. What the benchmarks measure is tested in
 tests/bench/ (and `bench recovery` in tests/embedded/test_checkpoint.py)."""
 
@@ -15,15 +15,15 @@ import pytest
 from conftest import call_deadpool
 
 REPO = Path(__file__).resolve().parents[2]
-# The benchmarks the README lists in its "Benchmarks" block (`deadpool bench NAME ...`).
-README = (REPO / "README.md").read_text()
-DOCUMENTED = set(re.findall(r"^deadpool bench ([a-z-]+)", README, re.MULTILINE))
+# The benchmarks the docs list in their "Benchmarks" block (`deadpool bench NAME ...`).
+BENCHMARKS_PAGE = (REPO / "docs" / "explanation" / "benchmarks.md").read_text()
+DOCUMENTED = set(re.findall(r"^deadpool bench ([a-z-]+)", BENCHMARKS_PAGE, re.MULTILINE))
 
 
 def test_every_documented_benchmark_is_listed_with_its_module() -> None:
     from megatron_deadpool.cli.bench import BENCHES
 
-    assert {"overhead", "recovery", "paper"} <= DOCUMENTED  # the README block was found
+    assert {"overhead", "recovery", "paper"} <= DOCUMENTED  # the docs' block was found
     assert set(BENCHES) == DOCUMENTED
     for name, (module, _) in BENCHES.items():
         assert module.startswith("megatron_deadpool.bench."), name
