@@ -144,3 +144,24 @@ def test_package_data_is_what_deadpool_files_lists() -> None:
         link = REPO / "megatron_deadpool" / "resources" / folder
         assert link.is_symlink() and link.resolve() == (REPO / folder).resolve(), link
     assert "README.md" not in files.packaged()
+
+
+def test_every_data_file_of_the_package_is_package_data() -> None:
+    """A file the package reads at run time (kernel sources, bundled traces) is in the wheel: each
+    file under megatron_deadpool/ that is not Python (outside resources/, whose links are
+    checked above) matches a package-data glob."""
+    from fnmatch import fnmatch
+
+    setuptools = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
+    globs = setuptools["package-data"]["megatron_deadpool"]
+    root = REPO / "megatron_deadpool"
+    data = [
+        p.relative_to(root).as_posix()
+        for p in root.rglob("*")
+        if p.is_file()
+        and "resources" not in p.relative_to(root).parts
+        and "__pycache__" not in p.parts
+        and p.suffix not in (".py", ".pyc", ".so")
+    ]
+    assert data, "no data files found: the walk is wrong"
+    assert [p for p in data if not any(fnmatch(p, g) for g in globs)] == []
