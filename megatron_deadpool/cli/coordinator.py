@@ -120,7 +120,9 @@ def run(args: argparse.Namespace) -> int:
             f"standby: entry {args.standby} of deadpool-coordinator does not exist (it lists "
             f"{len(addresses)}); a standby needs the primary's address before its own"
         )
-    if cfg.respawn_limit and cfg.ranks_per_node is None:
+    # In-place respawn needs every node's `deadpool agent` and where each node's ranks are:
+    # asked for by name without the latter, refused; not asked for, off (every failure a spare).
+    if args.deadpool_respawn_limit and cfg.ranks_per_node is None:
         raise ConfigError(
             "deadpool-respawn-limit: needs --deadpool-ranks-per-node (the processes each node's "
             "`deadpool agent` starts)"
@@ -172,7 +174,9 @@ def run(args: argparse.Namespace) -> int:
         pg_timeout=cfg.pg_timeout,
     )
     agents, exits = None, AgentExits(membership)
-    if cfg.respawn_limit and cfg.ranks_per_node is not None:  # every node runs `deadpool agent`
+    # Whether the nodes run `deadpool agent` is not for this process to see: it respawns
+    # through them when told a limit by name (deadpool_launch.sh always tells one, 0 included).
+    if args.deadpool_respawn_limit and cfg.ranks_per_node is not None:
         agents = StoreAgents(
             membership,
             world_size=args.world_size,

@@ -43,15 +43,20 @@ class DeadpoolConfig:
     """Spare processes (on a cluster: spare nodes' ranks) that start with the job and replace
     failed ranks at runtime."""
 
-    respawn_limit: int = 0
+    respawn_limit: int = 2
     """In-place respawns per node within deadpool-respawn-window seconds: a failed process
     replaced by a new one on its own node (same slot, same GPU), which spends no spare. Past the
-    limit, or once the node itself is lost, its failed ranks take spares. 0 (the default): every
-    failure takes a spare. The local launchers (`deadpool train`, `deadpool megatron-lm`) only,
-    so far: a Slurm job has no node agent yet."""
+    limit, or once the node itself is lost, its failed ranks take spares. Wherever a launcher or
+    agent can start a process on the failed one's node: `deadpool train` and `deadpool
+    megatron-lm` on this machine (with or without --node-agents), and a Slurm job whose nodes
+    each run a `deadpool agent` (scripts/slurm/deadpool_launch.sh does, unless
+    DEADPOOL_RESPAWN_LIMIT=0). Default 2 per 10 minutes: a crash or two (most failures of a long
+    run) costs no spare, while a node that fails a third time within minutes is probably faulty
+    and is given up for a spare. 0: every failure takes a spare."""
 
-    respawn_window: float = 3600.0
-    """Seconds over which deadpool-respawn-limit counts a node's respawns (a sliding window)."""
+    respawn_window: float = 600.0
+    """Seconds over which deadpool-respawn-limit counts a node's respawns (a sliding window;
+    default 10 minutes, several recoveries long)."""
 
     join: bool = False
     """Join a running job as a spare (a repaired node, or a node of another allocation): this

@@ -36,9 +36,10 @@
 #   DEADPOOL_REPLICAS   replicas k of each optimizer shard                           (1)
 #   DEADPOOL_RESPAWN_LIMIT  N > 0: one `deadpool agent` per node (a job step of its own per
 #                       node) starts that node's processes and respawns a crashed or hung one in
-#                       place, N times per node within --deadpool-respawn-window, with no
-#                       spare spent (with DEADPOOL_JOIN: the joining nodes' agents join the
-#                       job); 0: one srun task per GPU, every failure takes a spare      (0)
+#                       place, N times per node within --deadpool-respawn-window (600 s), with
+#                       no spare spent (with DEADPOOL_JOIN: the joining nodes' agents join the
+#                       job); 0: one srun task per GPU, every failure takes a spare
+#                       (2 in the embedded and megatron-lm modes, 0 in the others)
 #   DEADPOOL_EXTRA_ARGS more --deadpool-* flags for every worker, split on whitespace
 #   DEADPOOL_PORT       coordinator port                                             (29400)
 #   DEADPOOL_COORDINATOR HOST:PORT of a coordinator started elsewhere (then none here); a
@@ -92,7 +93,10 @@ show() { # show WHAT CMD...: the command line, shell-quoted, as one line
 : "${MEGATRON_LM_PATH:=}"
 : "${MEGATRON_ARGS:=}"
 : "${DEADPOOL_REPLICAS:=1}"
-: "${DEADPOOL_RESPAWN_LIMIT:=0}"
+# In-place respawn by default where agents can run the job (`deadpool agent`); see above.
+case $DEADPOOL_MODE in embedded | megatron-lm) : "${DEADPOOL_RESPAWN_LIMIT:=2}" ;; *)
+    : "${DEADPOOL_RESPAWN_LIMIT:=0}" ;;
+esac
 : "${DEADPOOL_EXTRA_ARGS:=}"
 : "${DEADPOOL_PORT:=29400}"
 : "${DEADPOOL_COORDINATOR:=}"
@@ -212,7 +216,8 @@ deadpool_flags=(
     --deadpool-ranks-per-node "$GPUS_PER_NODE"
     --deadpool-log-dir "$DEADPOOL_LOG_DIR"
 )
-((DEADPOOL_RESPAWN_LIMIT == 0)) || deadpool_flags+=(--deadpool-respawn-limit "$DEADPOOL_RESPAWN_LIMIT")
+# Always said, 0 too: the coordinator and workers default to respawning (`DeadpoolConfig`).
+deadpool_flags+=(--deadpool-respawn-limit "$DEADPOOL_RESPAWN_LIMIT")
 # The coordinators judge the workers by the job's own settings: the embedded job's config and
 # every --deadpool-* flag the workers get (each takes a value).
 job_settings=("${deadpool_flags[@]}")

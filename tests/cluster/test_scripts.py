@@ -41,7 +41,9 @@ def fake_slurm(folder: Path, **programs: str) -> str:
 
 
 def render(script: str, **env: str) -> tuple[int, dict[str, list[str]], dict[str, str], str]:
-    """Run `script` dry; return (status, {what: argv}, {env name: value}, stderr)."""
+    """Run `script` dry; return (status, {what: argv}, {env name: value}, stderr). One srun
+    task per GPU (DEADPOOL_RESPAWN_LIMIT=0) unless `env` says otherwise: in-place respawn
+    through one agent per node is the default of the embedded and megatron-lm modes."""
     bin_dir = Path(tempfile.mkdtemp(prefix="deadpool-fake-slurm-"))
     base = {
         "PATH": fake_slurm(bin_dir),
@@ -52,6 +54,7 @@ def render(script: str, **env: str) -> tuple[int, dict[str, list[str]], dict[str
         "SLURM_SUBMIT_DIR": str(ROOT),
         "SLURM_JOB_NODELIST": "nid[001000-001002]",
         "DEADPOOL_DRY_RUN": "1",
+        "DEADPOOL_RESPAWN_LIMIT": "0",
     }
     done = subprocess.run(
         [BASH, str(ROOT / script)],
@@ -496,6 +499,28 @@ def test_with_a_respawn_limit_one_agent_per_node_starts_the_nodes_processes() ->
         worker = agent[agent.index("--") + 1 :]
         assert worker[1:3] == ["-m", "megatron_deadpool.embedded.worker"], worker
     assert flag(cmds["coordinator"], "--deadpool-respawn-limit") == "2"
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize(("mode", "limit"), [("embedded", "2"), ("megatron-lm", "2"),
+                                             ("baseline", None), ("selftest", None)])  # fmt: skip
+def test_in_place_respawn_is_the_default_where_agents_can_run_the_job(
+    mode: str, limit: str | None
+) -> None:
+    """DEADPOOL_RESPAWN_LIMIT unset: agents that respawn twice per node (per the 600 s window)
+    in the embedded and megatron-lm modes, told to the coordinator too (which respawns only
+    when told); the baseline and the selftest start no agent."""
+    env = {"DEADPOOL_MODE": mode, "MEGATRON_LM_PATH": "/m", "MEGATRON_ARGS": "--x 1"}
+    # Empty is unset to the script (`:=`): its own default.
+    status, cmds, _, err = render(
+        "scripts/slurm/perlmutter.sbatch", DEADPOOL_RESPAWN_LIMIT="", **env
+    )
+    if limit is None:
+        assert status == 0 and not any(what.startswith("agent") for what in cmds), (err, cmds)
+        return
+    assert status == 0, err
+    assert "workers" not in cmds and "agent 0" in cmds, cmds
+    assert flag(cmds["coordinator"], "--deadpool-respawn-limit") == limit
 
 
 @pytest.mark.timeout(30)
