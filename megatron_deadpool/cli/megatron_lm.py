@@ -17,10 +17,20 @@ from ..config.numbers import number_arg
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--nproc-per-node",
+        "--nproc_per_node",  # torchrun's spelling, as Megatron-LM's examples write it
+        dest="nproc_per_node",
         type=number_arg(integer=True, minimum=1),
         required=True,
         metavar="N",
         help="active ranks to start on this machine (spares come on top: --deadpool-spares)",
+    )
+    parser.add_argument(
+        "--nnodes",
+        type=number_arg(integer=True, minimum=1),
+        default=1,
+        metavar="1",
+        help="as torchrun's: nodes of the job; this launcher runs one machine (1). On a Slurm "
+        "cluster use scripts/slurm/deadpool_launch.sh",
     )
     parser.add_argument(
         "--patched",
@@ -42,6 +52,17 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    import os
+
+    from ..config.torchrun import refuse_torchrun
+    from ..errors import ConfigError
+
+    refuse_torchrun(os.environ, "megatron-lm")
+    if args.nnodes != 1:
+        raise ConfigError(
+            f"--nnodes: {args.nnodes}; `deadpool megatron-lm` starts the ranks of one machine "
+            "(1). For several nodes run scripts/slurm/deadpool_launch.sh in a Slurm allocation"
+        )
     from ..megatron_lm.launch import MegatronLauncher
 
     launcher = MegatronLauncher(

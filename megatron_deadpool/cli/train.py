@@ -34,8 +34,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..config.faults import check_faults, parse_fault
+    import os
 
+    from ..config.faults import check_faults, parse_fault
+    from ..config.torchrun import refuse_torchrun
+
+    refuse_torchrun(os.environ, "train")
     job = job_from_args(args)
     check_faults(
         [parse_fault(s) for s in job.deadpool.fail],

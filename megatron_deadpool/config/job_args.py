@@ -53,7 +53,8 @@ def add_job_flags(parser: argparse.ArgumentParser) -> None:
         prefix="deadpool",
         aliases={
             "spares": ["--spares"],
-            "ranks_per_node": ["--ranks-per-node"],
+            # torchrun's spellings: processes per node, a node a failure domain
+            "ranks_per_node": ["--ranks-per-node", "--nproc-per-node", "--nproc_per_node"],
             "fail": ["--fail"],
         },
         defaults={f.name: None for f in dataclasses.fields(DeadpoolConfig)},

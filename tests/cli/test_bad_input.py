@@ -23,7 +23,7 @@ COORD = ["coordinator", "--world-size", "2", "--deadpool-coordinator", "127.0.0.
 AGENT = ["agent", "--world-size", "2", "--node", "0", "--deadpool-coordinator", "127.0.0.1:29499"]
 """`deadpool agent` with what every row below keeps."""
 MLM = ["megatron-lm", "--nproc-per-node", "2", "--timeout", "30"]
-CHAOS = ["chaos", "--minutes", "0.1", "--mtbf-iters", "8", "--episodes", "1"]
+CHAOS = ["chaos", "--minutes", "1", "--mtbf-iters", "8", "--episodes", "1"]
 
 ROWS: dict[str, tuple[list[str], str]] = {
     # row: (arguments after `deadpool`; "{d}" is the row's folder of bad files, text the line
@@ -105,6 +105,11 @@ ROWS: dict[str, tuple[list[str], str]] = {
     "chaos-minutes-nan": (["chaos", "--minutes", "nan", "--mtbf-iters", "8"], "--minutes"),
     "chaos-mtbf-nan": ([*CHAOS, "--mtbf-iters", "nan"], "--mtbf-iters"),
     "chaos-episodes-zero": ([*CHAOS, "--episodes", "0"], "--episodes"),
+    "chaos-minutes-too-short": (["chaos", "--minutes", "0.05", "--mtbf-iters", "8"],
+                                "--minutes"),  # it ran, then said "exceeded its -5s limit"
+    "chaos-mtbf-below-one": ([*CHAOS, "--mtbf-iters", "0.5"], "--mtbf-iters"),
+    "chaos-heartbeat-interval-nan": ([*CHAOS, "--heartbeat-interval", "nan"],
+                                     "--heartbeat-interval"),
     "chaos-heartbeat-nan": ([*CHAOS, "--heartbeat-timeout", "nan"], "heartbeat-timeout"),
     "chaos-run-dir-unwritable": ([*CHAOS, "--run-dir", "{d}/afile/run"], "--run-dir"),
     # -- deadpool megatron-lm (the script: an empty file; nothing runs it)
@@ -114,6 +119,7 @@ ROWS: dict[str, tuple[list[str], str]] = {
     "megatron-lm-heartbeat-nan": ([*MLM, "{d}/pretrain.py", "--deadpool",
                                    "--deadpool-heartbeat-timeout", "nan"],
                                   "deadpool-heartbeat-timeout"),
+    "megatron-lm-nnodes-two": ([*MLM, "--nnodes", "2", "{d}/pretrain.py"], "--nnodes"),
     "megatron-lm-run-dir-unwritable": ([*MLM, "--run-dir", "{d}/afile/run", "{d}/pretrain.py"],
                                        "--run-dir"),
     "megatron-lm-save-unwritable": ([*MLM, "{d}/pretrain.py", "--save", "{d}/afile/ckpt"],
@@ -201,3 +207,20 @@ def test_bad_input_through_the_installed_command(
 ) -> None:
     proc = subprocesses[row]
     _check(row, proc.returncode, proc.stderr, SUBPROCESS_ROWS[row][1], bad)
+
+
+@pytest.mark.parametrize("command", ["train", "megatron-lm"])
+def test_a_start_under_torchrun_is_refused_in_one_line(
+    command: str, bad: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """torchrun restarts every worker when one fails: a launcher started by it says so and what
+    to run instead, before it starts anything (torchrun sets TORCHELASTIC_RUN_ID and the like
+    in its workers' environment)."""
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")
+    argv = ["train"] if command == "train" else [*MLM, str(bad / "pretrain.py")]
+    t0 = time.monotonic()
+    rc = call_deadpool(*argv)
+    err = capsys.readouterr().err
+    assert rc == 2 and len(err.strip().splitlines()) == 1, err
+    assert "torchrun" in err and "TORCHELASTIC_RUN_ID" in err and f"deadpool {command}" in err
+    assert time.monotonic() - t0 < 20
