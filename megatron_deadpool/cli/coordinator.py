@@ -39,10 +39,11 @@ from ..config.paths import check_writable_dir
 from ..digest import final_digest
 from ..errors import ConfigError, CoordinatorUnreachableError, ExitCode
 from ..hotswap.coordinator import Coordinator
-from ..hotswap.events import EventLog
+from ..hotswap.events import EventLog, job_id
 from ..hotswap.liveness import AgentExits, HeartbeatOnly
 from ..hotswap.membership import Membership, host_store
 from ..hotswap.messages import CoordinatorIdentity, JobError
+from ..hotswap.metrics_file import watch_events
 from ..hotswap.node_agents import StoreAgents
 from ..hotswap.respawn import RespawnBudget
 from ..hotswap.seal import SECRET_ENV, SECRET_FILE_ENV, JobSeal, job_secret, new_secret
@@ -138,7 +139,8 @@ def run(args: argparse.Namespace) -> int:
             f"deadpool-job-token: a standby needs the job's secret (the primary's): set "
             f"{SECRET_ENV} or {SECRET_FILE_ENV}"
         )
-    seal = JobSeal(secret or new_secret())
+    seal_secret = secret or new_secret()
+    seal = JobSeal(seal_secret)
     address = addresses[args.standby]
     host, port = parse_host_port(address, "deadpool-coordinator")
     if cfg.log_dir:
@@ -162,7 +164,7 @@ def run(args: argparse.Namespace) -> int:
     log_dir = Path(cfg.log_dir) if cfg.log_dir else None
     if log_dir:
         log_dir.mkdir(parents=True, exist_ok=True)
-    events = EventLog(log_dir / "events.jsonl" if log_dir else None)
+    events = EventLog(log_dir / "events.jsonl" if log_dir else None, job=job_id(seal_secret))
     events(
         "settings",
         role=role,
@@ -200,6 +202,8 @@ def run(args: argparse.Namespace) -> int:
         agents=agents,
         respawn=RespawnBudget(cfg.respawn_limit, cfg.respawn_window),
     )
+    if cfg.metrics_file:
+        watch_events(events, cfg.metrics_file, lambda: len(coord.spares))
     say(
         f"listening on {address}, world size {args.world_size}, {cfg.spares} spare(s); "
         f"heartbeat interval {cfg.heartbeat_interval:g}s, timeout {cfg.heartbeat_timeout:g}s, "

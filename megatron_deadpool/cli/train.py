@@ -73,6 +73,8 @@ def check_paths(job: JobConfig, args: argparse.Namespace) -> None:
             check_writable_dir(path, flag)
     if args.json_log:
         check_writable_file(args.json_log, "--json-log")
+    if job.deadpool.metrics_file:
+        check_writable_file(job.deadpool.metrics_file, "--deadpool-metrics-file")
     if job.train.save:
         check_writable_dir(job.train.save, "--save")
     if job.train.load:

@@ -121,6 +121,13 @@ class DeadpoolConfig:
     log_dir: str | None = None
     """Directory for the coordinator's event log and per-rank logs."""
 
+    metrics_file: str | None = None
+    """Write the job's state here in the Prometheus text format (node_exporter's textfile
+    collector reads it: name it *.prom in the collector's folder), rewritten atomically at every
+    iteration and every event: spares available, recoveries, respawns, committed iteration,
+    replica bytes per iteration, the last recovery's seconds (and its phases'). The process
+    that hosts the coordinator writes it."""
+
     job_token: str | None = None
     """Shared secret of this job: it seals every value of the coordinator's store, and a
     process holding another is refused. Better given in the environment (DEADPOOL_JOB_TOKEN)

@@ -29,6 +29,7 @@ from ..errors import ConfigError, ExitCode
 from ..hotswap.forkserver import Preload
 from ..hotswap.local_agents import LocalAgents
 from ..hotswap.local_job import LocalJob
+from ..hotswap.metrics_file import MetricsFile, watch_events
 from ..hotswap.seal import SECRET_ENV, SECRET_FILE_ENV, job_secret, new_secret
 from ..hotswap.supervisor import Supervisor
 from ..replication.placement import Layout, place_replicas
@@ -107,6 +108,7 @@ class LocalLauncher:
         # The job's secret (`hotswap/seal.py`): to the processes in their environment only.
         self.token = job_secret(job.deadpool.job_token) or new_secret()
         self._local: LocalJob | None = None
+        self._metrics: MetricsFile | None = None  # --deadpool-metrics-file
         self._unsaved: dict[int, str] = {}
         """The periodic checkpoints that could not be written, each one's line (shown once)."""
 
@@ -181,6 +183,14 @@ class LocalLauncher:
             say=self.progress.event,
             spawn=self._spawn,
         )
+        metrics = (
+            watch_events(
+                local.coordinator.events, cfg.metrics_file, lambda: len(local.coordinator.spares)
+            )
+            if cfg.enabled and cfg.metrics_file
+            else None
+        )
+        self._metrics = metrics
         self.progress.header(
             f"deadpool train: tp={job.parallel.tp} pp={job.parallel.pp} dp={job.parallel.dp} "
             + (f"ep={layout.ep} etp={layout.expert_tp} " if layout.has_experts else "")
@@ -236,6 +246,8 @@ class LocalLauncher:
             if rec is None:
                 return False
             log.append(rec.to_dict())
+            if self._metrics is not None:
+                self._metrics.on_record(log.records[-1])
             self.progress.iteration(log.records[-1], deadpool)
             self._show_unsaved()
             return True

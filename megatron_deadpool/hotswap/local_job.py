@@ -32,7 +32,7 @@ from ..errors import ConfigError, ExitCode
 from ..replication import segments
 from ..replication.placement import Placement
 from .coordinator import Coordinator
-from .events import EventLog
+from .events import EventLog, job_id
 from .forkserver import Preload
 from .liveness import Liveness, ProcessLiveness, kill_groups
 from .membership import Membership, host_store
@@ -108,7 +108,7 @@ class LocalJob:
         self.address = f"{host}:{store.port}"
         self.membership = Membership(store, "launcher", JobSeal(token))
         self.membership.set_token()
-        events = EventLog(run_dir / "events.jsonl")
+        events = EventLog(run_dir / "events.jsonl", job=job_id(token))
         events("store", address=self.address)  # where the job's store listens (for tools)
         self.coordinator = Coordinator(
             self.membership,

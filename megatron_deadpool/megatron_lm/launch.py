@@ -40,6 +40,7 @@ from ..errors import ConfigError, ExitCode
 from ..hotswap.forkserver import Preload
 from ..hotswap.local_job import LocalJob
 from ..hotswap.messages import JobError, task_of
+from ..hotswap.metrics_file import watch_events
 from ..hotswap.seal import SECRET_ENV, SECRET_FILE_ENV, job_secret, new_secret
 from ..hotswap.supervisor import Supervisor
 from .runner import preparse
@@ -180,6 +181,9 @@ class MegatronLauncher:
             say=lambda text: self._print(f"[deadpool] {text}"),
             spawn=lambda member: self._spawn(member, env),  # env: complete before any spawn
         )
+        if self.cfg.enabled and self.cfg.metrics_file:  # events only: no iteration records
+            coord = local.coordinator
+            watch_events(coord.events, self.cfg.metrics_file, lambda: len(coord.spares))
         if self.cfg.enabled:
             env.pop(SECRET_FILE_ENV, None)
             env.update({"DEADPOOL_COORDINATOR": local.address, SECRET_ENV: token})
