@@ -40,7 +40,9 @@ def fake_slurm(folder: Path, **programs: str) -> str:
     return f"{folder}:{os.environ.get('PATH', '/usr/bin:/bin')}"
 
 
-def render(script: str, **env: str) -> tuple[int, dict[str, list[str]], dict[str, str], str]:
+def render(
+    script: str, *script_args: str, **env: str
+) -> tuple[int, dict[str, list[str]], dict[str, str], str]:
     """Run `script` dry; return (status, {what: argv}, {env name: value}, stderr). One srun
     task per GPU (DEADPOOL_RESPAWN_LIMIT=0) unless `env` says otherwise: in-place respawn
     through one agent per node is the default of the embedded and megatron-lm modes."""
@@ -57,7 +59,7 @@ def render(script: str, **env: str) -> tuple[int, dict[str, list[str]], dict[str
         "DEADPOOL_RESPAWN_LIMIT": "0",
     }
     done = subprocess.run(
-        [BASH, str(ROOT / script)],
+        [BASH, str(ROOT / script), *script_args],
         check=False,
         env={**base, **env},
         cwd=ROOT,
@@ -208,6 +210,41 @@ def test_megatron_lm_mode_and_external_coordinator() -> None:
     assert flag(worker, "--deadpool-coordinator") == "login01:31000"
     assert flag(worker, "--deadpool-spares") == "4"
     assert flag(worker, "--deadpool-replicas") == "2"
+
+
+QUOTED = ["--data-path", "/scratch/my corpus/text_document", "--wandb-exp-name", "run 'a'"]
+"""Megatron-LM arguments a whitespace split of MEGATRON_ARGS breaks: spaces, quotes."""
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("way", ["script arguments", "file"])
+def test_megatron_arguments_with_spaces_and_quotes_reach_the_workers_whole(
+    way: str, tmp_path: Path
+) -> None:
+    """Megatron-LM's arguments as the sbatch script's own (a bash array, quoting kept) or as
+    MEGATRON_ARGS_FILE (one per line): each reaches the worker as one argument."""
+    env = {"DEADPOOL_MODE": "megatron-lm", "MEGATRON_LM_PATH": "/opt/Megatron-LM"}
+    args: list[str] = ["--bf16", *QUOTED]
+    if way == "file":
+        path = tmp_path / "args.txt"
+        path.write_text("# Megatron-LM's arguments\n" + "\n".join(args) + "\n\n")
+        env["MEGATRON_ARGS_FILE"] = str(path)
+        args = []
+    status, cmds, _, err = render("scripts/slurm/perlmutter.sbatch", *args, **env)
+    assert status == 0, err
+    worker = cmds["workers"][cmds["workers"].index("-m") - 1 :]
+    assert worker[4:9] == ["--bf16", *QUOTED], worker
+
+
+@pytest.mark.timeout(30)
+def test_a_quote_in_megatron_args_is_refused_and_two_ways_too() -> None:
+    env = {"DEADPOOL_MODE": "megatron-lm", "MEGATRON_LM_PATH": "/m"}
+    status, _, _, err = render("scripts/slurm/perlmutter.sbatch",
+                               MEGATRON_ARGS="--wandb-exp-name 'run a'", **env)  # fmt: skip
+    assert status == 2 and "MEGATRON_ARGS_FILE" in err, err
+    status, _, _, err = render("scripts/slurm/perlmutter.sbatch", "--bf16",
+                               MEGATRON_ARGS="--bf16", **env)  # fmt: skip
+    assert status == 2 and "give one" in err, err
 
 
 @pytest.mark.timeout(30)
