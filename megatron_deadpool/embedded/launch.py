@@ -29,7 +29,9 @@ from ..errors import ConfigError, ExitCode
 from ..hotswap.forkserver import Preload
 from ..hotswap.local_agents import LocalAgents
 from ..hotswap.local_job import LocalJob
+from ..hotswap.messages import OutOfRedundancy
 from ..hotswap.metrics_file import MetricsFile, watch_events
+from ..hotswap.salvage_note import salvage_lines
 from ..hotswap.seal import SECRET_ENV, SECRET_FILE_ENV, job_secret, new_secret
 from ..hotswap.supervisor import Supervisor
 from ..replication.placement import Layout, place_replicas
@@ -216,6 +218,8 @@ class LocalLauncher:
         rc: int = ExitCode.FAILED
         try:
             rc = self._monitor(log, t_start)
+            if rc == ExitCode.OUT_OF_REDUNDANCY and local.coordinator.out_of_redundancy:
+                self._say_salvage(local.coordinator.out_of_redundancy)
             self.hooks.ended(local)
             summary = self._summary(log.records, rc, time.monotonic() - t_start)
             log.write(summary)
@@ -287,6 +291,19 @@ class LocalLauncher:
             preempt=preempt,
         ).run()
 
+    def _say_salvage(self, oor: OutOfRedundancy) -> None:
+        """Out of redundancy: what the survivors saved and how to resume (RUN_DIR/resume.yaml:
+        this job without its injected faults, loading the save folder)."""
+        save = self.job.train.save
+        resume = self.run_dir / "resume.yaml"
+        if save:
+            train = replace(self.job.train, load=save)
+            spec = replace(self.job, train=train, deadpool=replace(self.job.deadpool, fail=[]))
+            spec = replace(spec, deadpool=replace(spec.deadpool, job_token=None))
+            resume.write_text(yaml.safe_dump(spec.to_dict(), sort_keys=False))
+        for line in salvage_lines(oor, save, f"deadpool train --config {resume}"):
+            self.progress.header(line)
+
     def _show_unsaved(self) -> None:
         """Say each periodic checkpoint that could not be written, once (rank 0 publishes it
         before the next iteration's record)."""
@@ -307,6 +324,11 @@ class LocalLauncher:
         fallback = resume.fallback(load)
         if fallback:
             self.progress.event(fallback)
+        elif resume.kind is None:
+            self.progress.header(
+                f"--load {load}: nothing to resume there (no snapshot set, no checkpoint); "
+                "training starts at iteration 1"
+            )
         return resume.iteration + 1
 
     def _layout(self) -> Layout:

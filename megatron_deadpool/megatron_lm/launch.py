@@ -24,6 +24,7 @@ import argparse
 import contextlib
 import json
 import os
+import shlex
 import socket
 import subprocess
 import sys
@@ -39,10 +40,12 @@ from ..durable import write_durably
 from ..errors import ConfigError, ExitCode
 from ..hotswap.forkserver import Preload
 from ..hotswap.local_job import LocalJob
-from ..hotswap.messages import JobError, task_of
+from ..hotswap.messages import JobError, OutOfRedundancy, task_of
 from ..hotswap.metrics_file import watch_events
+from ..hotswap.salvage_note import salvage_lines
 from ..hotswap.seal import SECRET_ENV, SECRET_FILE_ENV, job_secret, new_secret
 from ..hotswap.supervisor import Supervisor
+from ..replication.save_dir import choose_resume
 from .runner import preparse
 
 RUNNER_IMPORTS = (
@@ -64,6 +67,31 @@ def runner_preload(script: str) -> Preload:
         path=(os.path.dirname(script),),
         scripts=(script,),
     )
+
+
+def megatron_load_dir(script_args: Sequence[str]) -> str | None:
+    """Megatron-LM's `--load` on the script's command line, if any."""
+    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    parser.add_argument("--load")
+    return parser.parse_known_args(list(script_args))[0].load
+
+
+def resume_args(script_args: Sequence[str], save: str) -> list[str]:
+    """`script_args` to resume from `save`: its injected faults (--deadpool-fail) and its
+    `--load` dropped, `--load SAVE` added."""
+    out: list[str] = []
+    skip = False
+    for arg in script_args:
+        if skip:
+            skip = False
+            continue
+        if arg in ("--deadpool-fail", "--load"):
+            skip = True
+            continue
+        if arg.startswith(("--deadpool-fail=", "--load=")):
+            continue
+        out.append(arg)
+    return [*out, "--load", save]
 
 
 def megatron_save_dir(script_args: Sequence[str]) -> str | None:
@@ -192,12 +220,16 @@ class MegatronLauncher:
             f"{os.path.basename(self.script)}{' (patched)' if self.patched else ''}, DeadPool "
             f"{'on' if self.cfg.enabled else 'off'}; logs in {self.run_dir}"
         )
+        self._say_load()
         t0 = time.monotonic()
         rc = 1
         try:
             for member in local.members:
                 self._spawn(member, env)
             rc = self._monitor(t0)
+            oor = local.coordinator.out_of_redundancy if self.cfg.enabled else None
+            if rc == ExitCode.OUT_OF_REDUNDANCY and oor is not None:
+                self._say_salvage(oor)
         finally:
             with contextlib.suppress(RuntimeError, OSError, ValueError):  # the store is gone
                 self._show_unsaved()
@@ -253,6 +285,27 @@ class MegatronLauncher:
             on_tick=look_for_unsaved,
             checks=[config_error],
         ).run()
+
+    def _say_load(self) -> None:
+        """A `--load` folder that holds nothing to resume: said here (Megatron says it only in
+        the ranks' logs, and starts at iteration 1)."""
+        load = megatron_load_dir(self.script_args)
+        if load and os.path.isdir(load) and choose_resume(load).kind is None:
+            self._print(
+                f"[deadpool] --load {load}: nothing to resume there (no checkpoint, no snapshot "
+                "set); Megatron starts at iteration 1"
+            )
+
+    def _say_salvage(self, oor: OutOfRedundancy) -> None:
+        """Out of redundancy: what the survivors saved in Megatron's --save and how to resume."""
+        save = megatron_save_dir(self.script_args)
+        command = shlex.join(
+            ["deadpool", "megatron-lm", "--nproc-per-node", str(self.nproc),
+             *(["--patched"] if self.patched else []), self.script,
+             *resume_args(self.script_args, save or "SAVE")]
+        )  # fmt: skip
+        for line in salvage_lines(oor, save, command):
+            self._print(f"[deadpool] {line}")
 
     def _show_unsaved(self) -> None:
         """Print each of Megatron's checkpoints that could not be written, once (rank 0
