@@ -71,7 +71,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--config",
         help="YAML job config (default: configs/cpu-demo.yaml when present, else tp 2 x dp 2)",
     )
-    parser.add_argument("--iters", type=int, default=12, help="iterations per run (default 12)")
+    parser.add_argument(
+        "--iters",
+        type=number_arg(integer=True, minimum=1),
+        default=12,
+        help="iterations per run (default 12)",
+    )
     parser.add_argument(
         "--fail",
         default="2@8",
@@ -79,19 +84,19 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--save-interval",
-        type=int,
+        type=number_arg(integer=True, minimum=0),
         default=5,
         help="restart baseline: persistent checkpoint every N iterations (default 5)",
     )
     parser.add_argument(
         "--spares",
-        type=int,
+        type=number_arg(integer=True, minimum=0),
         default=None,
         help="spares for the hot swap (default: the config's, at least one per failed rank)",
     )
     parser.add_argument(
         "--repeats",
-        type=int,
+        type=number_arg(integer=True, minimum=1),
         default=1,
         help="measure the pair N times: medians, and the speedup's 95%% interval from 6 on "
         "(default 1)",

@@ -41,7 +41,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
         metavar="K",
         help="mean iterations between failures (each iteration fails with probability 1/K)",
     )
-    parser.add_argument("--seed", type=int, default=1, help="seed of the failure plan")
+    parser.add_argument(
+        "--seed", type=number_arg(integer=True), default=1, help="seed of the failure plan"
+    )
     parser.add_argument(
         "--config", default=DEFAULT_CONFIG, help=f"job config (default {DEFAULT_CONFIG})"
     )
@@ -59,8 +61,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--spares",
+        "--spare-ranks",
+        dest="spares",
         type=number_arg(integer=True, minimum=0),
-        help="spare pool size (default: the config's, at least the largest failure's ranks)",
+        help="spare ranks (processes) in the pool (default: the config's, at least the largest failure's ranks)",
     )
     parser.add_argument(
         "--episodes",

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import socket
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from ..errors import ConfigError
 from .faults import parse_fault
@@ -34,14 +34,22 @@ OPTIONAL_SECONDS = ("agree_timeout", "abort_timeout")
 
 @dataclass(kw_only=True)
 class DeadpoolConfig:
-    """Settings of replication, failure detection and hot swap."""
+    """Settings of replication, failure detection and hot swap.
+
+    Words: a *spare rank* (`spares`, --deadpool-spare-ranks) is one spare process, which takes
+    one failed rank's slot; a *spare node* (the Slurm scripts' SPARE_NODES, the selftest's
+    --spare-nodes) is a whole node of them (its ranks per node spare ranks)."""
+
+    # Fields whose flag says more than the field's name (--deadpool-spares still accepted).
+    FLAG_NAMES: ClassVar[dict[str, str]] = {"spares": "spare-ranks"}
 
     enabled: bool = False
     """Turn DeadPool on: per-iteration in-memory replication of optimizer shards and hot swap."""
 
     spares: int = 0
-    """Spare processes (on a cluster: spare nodes' ranks) that start with the job and replace
-    failed ranks at runtime."""
+    """Spare ranks: spare processes that start with the job and each replace one failed rank
+    at runtime (on a cluster: the spare nodes' processes, spare nodes x ranks per node). Also
+    spelled --deadpool-spares."""
 
     respawn_limit: int = 2
     """In-place respawns per node within deadpool-respawn-window seconds: a failed process

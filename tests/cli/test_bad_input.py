@@ -127,6 +127,14 @@ ROWS: dict[str, tuple[list[str], str]] = {
     # -- deadpool selftest and bench
     "selftest-timeout-nan": (["selftest", "--nproc", "2", "--timeout", "nan"], "--timeout"),
     "bench-overhead-timeout-nan": (["bench", "overhead", "--timeout", "nan"], "--timeout"),
+    "bench-overhead-repeats-zero": (["bench", "overhead", "--repeats", "0"], "--repeats"),
+    "bench-goodput-failures-zero": (["bench", "goodput", "--failures", "0"], "--failures"),
+    "bench-control-plane-steady-nan": (["bench", "control-plane", "--steady", "nan"],
+                                       "--steady"),
+    "bench-recovery-iters-nan": (["bench", "recovery", "--iters", "nan"], "--iters"),
+    "bench-store-state-ranks-zero": (["bench", "store-state", "--ranks", "0"], "--ranks"),
+    "selftest-spares-negative": (["selftest", "--spares", "-1"], "--spares"),
+    "selftest-nproc-zero": (["selftest", "--nproc", "0"], "--nproc"),
 }  # fmt: skip
 
 SUBPROCESS_ROWS: dict[str, tuple[list[str], str]] = {
