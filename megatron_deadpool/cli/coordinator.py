@@ -40,6 +40,7 @@ from ..digest import final_digest
 from ..errors import ConfigError, CoordinatorUnreachableError, ExitCode
 from ..hotswap.coordinator import Coordinator
 from ..hotswap.events import EventLog, job_id
+from ..hotswap.job_status import publish_status
 from ..hotswap.liveness import AgentExits, HeartbeatOnly
 from ..hotswap.membership import Membership, host_store
 from ..hotswap.messages import CoordinatorIdentity, JobError
@@ -240,9 +241,11 @@ def _run(
             say(str(exc))
             return ExitCode.NO_COORDINATOR
         standby.hand_over(coord, state)
+        publish_status(events, coord, standbys=len(cfg.coordinators) - 1 - args.standby)
         return serve(coord, deadline, say, each_tick=lambda: standby.late_registrations(coord))
     coord.membership.set_identity(CoordinatorIdentity(0, secrets.token_hex(8)))
     coord.membership.set_token()
+    publish_status(events, coord, standbys=len(cfg.coordinators) - 1)
     coord.start()
     watch = None
     if len(cfg.coordinators) > 1:

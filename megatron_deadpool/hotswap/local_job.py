@@ -34,6 +34,7 @@ from ..replication.placement import Placement
 from .coordinator import Coordinator
 from .events import EventLog, job_id
 from .forkserver import Preload
+from .job_status import publish_status
 from .liveness import Liveness, ProcessLiveness, kill_groups
 from .membership import Membership, host_store
 from .messages import JobError, task_of
@@ -125,6 +126,7 @@ class LocalJob:
             agents=self._node_agents(placement),
             respawn=RespawnBudget(cfg.respawn_limit, cfg.respawn_window),
         )
+        publish_status(events, self.coordinator, standbys=0)
         self.coordinator.start()
 
     # ------------------------------------------------------------------ where it runs
