@@ -40,6 +40,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--run-dir", help="directory for per-process logs and summary.json")
     parser.add_argument(
+        "--node-agents",
+        action="store_true",
+        help="one `deadpool agent` per simulated node (--deadpool-ranks-per-node ranks) starts "
+        "and respawns its processes, as on a cluster (default: this launcher is every node's "
+        "agent); their output is followed in RUN_DIR/task-*.log",
+    )
+    parser.add_argument(
         "--timeout",
         type=number_arg(above=0, unit="seconds"),
         default=3600.0,
@@ -72,6 +79,7 @@ def run(args: argparse.Namespace) -> int:
         patched=args.patched,
         run_dir=args.run_dir,
         timeout_s=args.timeout,
+        node_agents=args.node_agents,
     )
     return launcher.run()
 
