@@ -2,8 +2,9 @@
 
 The same job meets the same failure twice:
 
-(a) **DeadPool hot swap**: DeadPool on with spares; the failed rank is replaced in place and the
-    survivors roll back to the last replicated iteration. Phases from the run's summary
+(a) **DeadPool hot swap**: DeadPool on with spares; a spare takes the failed rank's slot (in-place
+    respawn off: `deadpool bench goodput` measures respawns) and the survivors roll back to the
+    last replicated iteration. Phases from the run's summary
     (`recoveries`: detect, agree, reconstruct, restore, first iteration).
 (b) **Restart baseline**: DeadPool off, persistent Megatron checkpoints every `--save-interval`
     iterations (`--save DIR`); the failure kills the job; the launcher stops every process (as
@@ -136,7 +137,10 @@ def jobs(
     return {
         "reference": dataclasses.replace(job, train=train, deadpool=off),
         "deadpool": dataclasses.replace(
-            job, train=train, deadpool=dp.replace(enabled=True, spares=hot_spares, fail=[fail])
+            job,
+            train=train,
+            # a spare's takeover, as this benchmark has always measured (a respawn: goodput)
+            deadpool=dp.replace(enabled=True, spares=hot_spares, fail=[fail], respawn_limit=0),
         ),
         "restart_fail": dataclasses.replace(job, train=saving, deadpool=off.replace(fail=[fail])),
         "restart_resume": dataclasses.replace(

@@ -35,7 +35,7 @@ from ..config.deadpool import DeadpoolConfig, parse_host_port
 from ..config.flags import add_flags, dest_name
 from ..config.job import load_job
 from ..config.numbers import number_arg
-from ..config.paths import check_writable_dir
+from ..config.paths import check_writable_dir, check_writable_file
 from ..digest import final_digest
 from ..errors import ConfigError, CoordinatorUnreachableError, ExitCode
 from ..hotswap.coordinator import Coordinator
@@ -146,6 +146,8 @@ def run(args: argparse.Namespace) -> int:
     host, port = parse_host_port(address, "deadpool-coordinator")
     if cfg.log_dir:
         check_writable_dir(cfg.log_dir, "--deadpool-log-dir")
+    if cfg.metrics_file:
+        check_writable_file(cfg.metrics_file, "--deadpool-metrics-file")
     role = "standby" if args.standby else "coordinator"
     need = store_files_needed(args.world_size, cfg.spares)
     reserve_files(

@@ -35,7 +35,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TextIO
 
-from ..config.paths import check_writable_dir
+from ..config.paths import check_writable_dir, check_writable_file
 from ..durable import write_durably
 from ..errors import ConfigError, ExitCode
 from ..hotswap.forkserver import Preload
@@ -167,6 +167,8 @@ class MegatronLauncher:
         save = megatron_save_dir(self.script_args)
         if save:
             check_writable_dir(save, "--save")
+        if self.cfg.enabled and self.cfg.metrics_file:
+            check_writable_file(self.cfg.metrics_file, "--deadpool-metrics-file")
         self.run_dir = Path(run_dir or self.cfg.log_dir or tempfile.mkdtemp(prefix="deadpool-mlm-"))
         self.timeout_s = timeout_s
         self.stream = stream or sys.stdout
