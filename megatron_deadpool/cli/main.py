@@ -38,13 +38,13 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "megatron_deadpool.cli.coordinator",
         "run the coordinator (store host, heartbeat monitor, spare assignment) on a cluster",
     ),
-    "report": (
-        "megatron_deadpool.cli.report",
-        "a run's timeline: failures, recoveries and their phases, spares (table and PNG)",
-    ),
     "agent": (
         "megatron_deadpool.cli.agent",
         "run one node's agent on a cluster: start its processes, respawn them in place",
+    ),
+    "report": (
+        "megatron_deadpool.cli.report",
+        "a run's timeline: failures, recoveries and their phases, spares (table and PNG)",
     ),
 }
 
