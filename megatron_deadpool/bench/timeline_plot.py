@@ -44,10 +44,13 @@ def draw_timeline(tl: Timeline, path: str | Path, title: str = "") -> None:
                      label=phase if phase not in shown else None)  # fmt: skip
             shown.add(phase)
             left += seconds
-        top.annotate(f"{rec.get('total_s', 0):.2f}s", (rec["t"], top_y * 0.5), fontsize=8,
-                     xytext=(3, 6), textcoords="offset points")  # fmt: skip
+        respawns = len(rec.get("respawned") or {})
+        spares = len(rec.get("replaced_by") or {}) - respawns
+        how = ", ".join(text for n, text in ((respawns, "respawn"), (spares, "spare")) if n)
+        top.annotate(f"{rec.get('total_s', 0):.2f}s\n{how}", (rec["t"], top_y * 0.5),
+                     fontsize=8, xytext=(3, 6), textcoords="offset points")  # fmt: skip
     top.set_ylabel("iteration")
-    top.legend(loc="upper left", fontsize=8)
+    top.legend(loc="lower right", fontsize=8)
     top.set_title(title or "DeadPool run: committed iteration, failures and recoveries")
     end = max([t for t, _ in tl.committed] + [r.t for r in tl.rows] + [1.0])
     steps = [*tl.spares, (end, tl.spares[-1][1])] if tl.spares else [(0.0, 0), (end, 0)]
@@ -56,6 +59,13 @@ def draw_timeline(tl: Timeline, path: str | Path, title: str = "") -> None:
     bottom.set_ylabel("spares")
     bottom.set_xlabel("seconds from the job's start")
     bottom.set_ylim(-0.2, max(sy) + 0.8)
+    if tl.committed:  # the start-up (imports, process groups) said in words, not drawn
+        first = tl.committed[0][0]
+        left = max(0.0, min([first, *tl.failures]) - 2.0)
+        if left > 0:
+            bottom.set_xlim(left=left)
+            top.annotate(f"start-up: {first:.1f}s", (0.01, 0.95), xycoords="axes fraction",
+                         fontsize=8, va="top", ha="left")  # fmt: skip
     fig.tight_layout()
     fig.savefig(str(path), dpi=110)
     plt.close(fig)
