@@ -42,7 +42,7 @@ from ..hotswap.forkserver import Preload
 from ..hotswap.local_agents import LocalAgents
 from ..hotswap.local_job import LocalJob
 from ..hotswap.messages import JobError, OutOfRedundancy, task_of
-from ..hotswap.metrics_file import watch_events
+from ..hotswap.metrics_file import MetricsFile, watch_events
 from ..hotswap.salvage_note import salvage_lines
 from ..hotswap.seal import SECRET_ENV, SECRET_FILE_ENV, job_secret, new_secret
 from ..hotswap.supervisor import Supervisor
@@ -178,6 +178,7 @@ class MegatronLauncher:
         self._local: LocalJob | None = None
         self.ended = False  # every active rank finished its work (`LocalJob.finished`)
         self.ended_following = False  # the agents' logs read to their end (`_follow_logs`)
+        self.metrics: MetricsFile | None = None  # --deadpool-metrics-file
         self.unsaved: dict[int, str] = {}  # Megatron's checkpoints not saved, each one's line
         self._next_look = 0.0  # when `_show_unsaved` next reads the store
 
@@ -239,9 +240,11 @@ class MegatronLauncher:
             say=lambda text: self._print(f"[deadpool] {text}"),
             spawn=None if self.node_agents else lambda member: self._spawn(member, env),
         )  # env: complete before any spawn
-        if self.cfg.enabled and self.cfg.metrics_file:  # events only: no iteration records
+        if self.cfg.enabled and self.cfg.metrics_file:  # events, and rank 0's progress
             coord = local.coordinator
-            watch_events(coord.events, self.cfg.metrics_file, lambda: len(coord.spares))
+            self.metrics = watch_events(
+                coord.events, self.cfg.metrics_file, lambda: len(coord.spares)
+            )
         if self.cfg.enabled:
             env.pop(SECRET_FILE_ENV, None)
             env.update({"DEADPOOL_COORDINATOR": local.address, SECRET_ENV: token})
@@ -341,6 +344,10 @@ class MegatronLauncher:
             if time.monotonic() >= self._next_look:
                 self._next_look = time.monotonic() + 0.5
                 self._show_unsaved()
+                if self.metrics is not None:  # Megatron's ranks publish no iteration record
+                    done = local.membership.progress()
+                    if done and done != self.metrics.gauges.iteration:
+                        self.metrics.update(iteration=done)
             return False
 
         return Supervisor(
