@@ -142,6 +142,11 @@ def deadpool_cli() -> Callable[..., subprocess.CompletedProcess]:
     return run_deadpool
 
 
+SPARE_PATH = ["--deadpool-respawn-limit", "0"]
+"""In-place respawn off (it is on by default): every failure takes a spare, as the tests of
+the spare path and of the end out of redundancy need. Given before a test's own flags, which
+win (argparse keeps the last)."""
+
 # Fast failure detection for tests: hangs are named after 3 s of silence.
 FAST_HEARTBEAT = ["--deadpool-heartbeat-timeout", "3", "--deadpool-heartbeat-interval", "0.5"]
 
@@ -162,14 +167,20 @@ class MegatronLMReference:
 """A finished `deadpool train`: the process, the per-iteration records, the summary."""
 
 
-def train_case(out: Path, args: list[str], iters: str, timeout: float = 240) -> TrainRun:
+def train_case(
+    out: Path, args: list[str], iters: str, timeout: float = 240, *, spare_path: bool = True
+) -> TrainRun:
     """`deadpool train ARGS` with logs under `out` ("{ckpt}" in ARGS becomes out/ckpt).
 
-    Returns the finished process, the per-iteration records and the summary ({} if none).
+    In-place respawn off (`SPARE_PATH`) unless ARGS set --deadpool-respawn-limit or
+    `spare_path` is False (the defaults): these runs test a spare's takeover and the end out of
+    redundancy. Returns the finished process, the
+    per-iteration records and the summary ({} if none).
     """
     log = out / "run.jsonl"
     proc = run_deadpool(
         "train",
+        *(SPARE_PATH if spare_path else []),
         *(a.replace("{ckpt}", str(out / "ckpt")) for a in args),
         "--iters",
         iters,

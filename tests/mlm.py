@@ -96,10 +96,13 @@ def logged_iterations(text: str) -> dict[int, tuple[str, str, str]]:
 def launch(tmp: Path, name: str, script: Path, args: list[str], *, patched: bool = False,
            env: dict[str, str] | None = None, nproc: int = 4) -> Run:  # fmt: skip
     """`script ARGS` on `nproc` ranks (+ spares, as ARGS say) through `deadpool megatron-lm`'s
-    launcher, in this process; its logs under tmp/NAME, its output in tmp/NAME.out."""
+    launcher, in this process; its logs under tmp/NAME, its output in tmp/NAME.out. In-place
+    respawn off unless ARGS set --deadpool-respawn-limit (these runs test the spare path)."""
     from megatron_deadpool.megatron_lm.launch import MegatronLauncher
 
     out = tmp / f"{name}.out"
+    if "--deadpool" in args and "--deadpool-respawn-limit" not in args:  # unless it respawns
+        args = [*args, "--deadpool-respawn-limit", "0"]
     with open(out, "w") as stream:
         rc = MegatronLauncher(str(script), args, nproc, patched=patched, run_dir=str(tmp / name),
                               timeout_s=RUN_TIMEOUT, stream=stream, env=env).run()  # fmt: skip

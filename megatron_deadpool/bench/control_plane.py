@@ -54,6 +54,7 @@ import sys
 import time
 from typing import Any
 
+from ..config.numbers import number_arg
 from ..hotswap.coordinator import Coordinator
 from ..hotswap.events import EventLog
 from ..hotswap.liveness import kill_groups
@@ -70,48 +71,66 @@ from .report import publish, text_row
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--ranks",
-        type=int,
+        type=number_arg(integer=True, minimum=1),
         nargs="+",
         default=[1024, 4096, 16384],
         help="job sizes to measure (default 1024 4096 16384; multiples of 32)",
     )
     parser.add_argument(
         "--sim-ranks",
-        type=int,
+        type=number_arg(integer=True, minimum=1),
         nargs="*",
         default=None,
         help="sizes to also run with simulated ranks, one connection each (default: --ranks)",
     )
     parser.add_argument(
-        "--procs", type=int, default=8, help="processes that run the simulated ranks (default 8)"
+        "--procs",
+        type=number_arg(integer=True, minimum=1),
+        default=8,
+        help="processes that run the simulated ranks (default 8)",
     )
     parser.add_argument(
-        "--steady", type=float, default=10.0, help="seconds of steady state per size (default 10)"
+        "--steady",
+        type=number_arg(above=0, unit="seconds"),
+        default=10.0,
+        help="seconds of steady state per size (default 10)",
     )
     parser.add_argument(
-        "--failures", type=int, default=3, help=f"failures per size, at most {SPARES} (default 3)"
+        "--failures",
+        type=number_arg(integer=True, minimum=0),
+        default=3,
+        help=f"failures per size, at most {SPARES} (default 3)",
     )
     parser.add_argument(
-        "--heartbeat-interval", type=float, default=1.0, help="seconds between beats (default 1)"
+        "--heartbeat-interval",
+        type=number_arg(above=0, unit="seconds"),
+        default=1.0,
+        help="seconds between beats (default 1)",
     )
     parser.add_argument(
-        "--heartbeat-timeout", type=float, default=10.0, help="hang timeout in s (default 10)"
+        "--heartbeat-timeout",
+        type=number_arg(above=0, unit="seconds"),
+        default=10.0,
+        help="hang timeout in s (default 10)",
     )
     parser.add_argument(
         "--hb-group",
-        type=int,
+        type=number_arg(integer=True, minimum=1),
         default=64,
         help="simulated ranks per heartbeat connection (default 64; see sim_ranks.py)",
     )
     parser.add_argument(
         "--sim-nice",
-        type=int,
+        type=number_arg(integer=True, minimum=-20, maximum=19),
         default=10,
         help="niceness of the simulated-rank processes (default 10: the coordinator first)",
     )
     parser.add_argument("--json", dest="json_path", help="write the results as JSON here")
     parser.add_argument(
-        "--timeout", type=float, default=600.0, help="limit for connecting or recovering, in s"
+        "--timeout",
+        type=number_arg(above=0, unit="seconds"),
+        default=600.0,
+        help="limit for connecting or recovering, in s",
     )
 
 

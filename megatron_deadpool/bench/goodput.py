@@ -68,27 +68,42 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--config",
         help="YAML job config (default: configs/cpu-demo.yaml when present, else tp 2 x dp 2)",
     )
-    parser.add_argument("--iters", type=int, default=120, help="iterations (default 120)")
-    parser.add_argument("--failures", type=int, default=8, help="failures in the trace (default 8)")
+    parser.add_argument(
+        "--iters",
+        type=number_arg(integer=True, minimum=1),
+        default=120,
+        help="iterations (default 120)",
+    )
+    parser.add_argument(
+        "--failures",
+        type=number_arg(integer=True, minimum=1),
+        default=8,
+        help="failures in the trace (default 8)",
+    )
     parser.add_argument(
         "--mix",
         default=",".join(f"{k}={v:.3f}" for k, v in LLAMA3_MIX.items()),
         help="kinds of failure and their weights, KIND=WEIGHT,... with KIND crash, node or hang "
         "(default: Llama 3 405B's interruptions, crash=0.773,node=0.210,hang=0.017)",
     )
-    parser.add_argument("--seed", type=int, default=0, help="seed of the trace (default 0)")
     parser.add_argument(
-        "--spares", type=int, default=2, help="spares of the DeadPool ways (default 2)"
+        "--seed", type=number_arg(integer=True), default=0, help="seed of the trace (default 0)"
+    )
+    parser.add_argument(
+        "--spares",
+        type=number_arg(integer=True, minimum=0),
+        default=2,
+        help="spares of the DeadPool ways (default 2)",
     )
     parser.add_argument(
         "--respawn-limit",
-        type=int,
+        type=number_arg(integer=True, minimum=1),
         default=3,
         help="(a)'s --deadpool-respawn-limit: respawns per node (default 3)",
     )
     parser.add_argument(
         "--save-interval",
-        type=int,
+        type=number_arg(integer=True, minimum=1),
         default=10,
         help="(c)'s persistent checkpoint every N iterations (default 10)",
     )

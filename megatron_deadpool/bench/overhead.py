@@ -67,18 +67,29 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--config",
         help="YAML job config (default: configs/cpu-demo.yaml when present, else tp 2 x dp 2)",
     )
-    parser.add_argument("--iters", type=int, default=20, help="iterations per run (default 20)")
+    parser.add_argument(
+        "--iters",
+        type=number_arg(integer=True, minimum=1),
+        default=20,
+        help="iterations per run (default 20)",
+    )
     parser.add_argument(
         "--repeats",
-        type=int,
+        type=number_arg(integer=True, minimum=1),
         default=6,
         help="pairs of runs, off then on (default 6, the fewest that give a 95%% interval)",
     )
     parser.add_argument(
-        "--warmup", type=int, default=2, help="first iterations of each run left out (default 2)"
+        "--warmup",
+        type=number_arg(integer=True, minimum=0),
+        default=2,
+        help="first iterations of each run left out (default 2)",
     )
     parser.add_argument(
-        "--spares", type=int, default=None, help="spares in the DeadPool-on runs (default: config)"
+        "--spares",
+        type=number_arg(integer=True, minimum=0),
+        default=None,
+        help="spares in the DeadPool-on runs (default: config)",
     )
     parser.add_argument("--json", dest="json_path", help="write the results as JSON here")
     parser.add_argument(

@@ -65,10 +65,22 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--out", default="deadpool-paper", help="output directory")
     parser.add_argument("--json", dest="json_path", help="also write all figures here")
-    parser.add_argument("--iters", type=int, help="iterations per run")
-    parser.add_argument("--interval", type=int, help="N of 'checkpoint every N'")
-    parser.add_argument("--repeats", type=int, help="interleaved repeats of the matrix")
-    parser.add_argument("--recovery-repeats", type=int, help="repeats of the recovery pair")
+    parser.add_argument(
+        "--iters", type=number_arg(integer=True, minimum=1), help="iterations per run"
+    )
+    parser.add_argument(
+        "--interval", type=number_arg(integer=True, minimum=1), help="N of 'checkpoint every N'"
+    )
+    parser.add_argument(
+        "--repeats",
+        type=number_arg(integer=True, minimum=1),
+        help="interleaved repeats of the matrix",
+    )
+    parser.add_argument(
+        "--recovery-repeats",
+        type=number_arg(integer=True, minimum=1),
+        help="repeats of the recovery pair",
+    )
     parser.add_argument("--fail", default="2@8", help="the failure for recovery (default 2@8)")
     parser.add_argument(
         "--modes",

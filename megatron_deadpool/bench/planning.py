@@ -26,6 +26,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from ..config.numbers import number_arg
 from ..hotswap.rebuild import Registration, rebuild
 from ..replication.placement import Layout, place_replicas
 from .report import publish, text_row
@@ -35,10 +36,23 @@ RANKS_PER_LOST_NODE = 8
 
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--ranks", type=int, default=16384, help="job size (a multiple of 32; default 16384)"
+        "--ranks",
+        type=number_arg(integer=True, minimum=32),
+        default=16384,
+        help="job size (a multiple of 32; default 16384)",
     )
-    parser.add_argument("--replicas", type=int, default=2, help="replicas per shard (default 2)")
-    parser.add_argument("--repeats", type=int, default=3, help="runs of each step (default 3)")
+    parser.add_argument(
+        "--replicas",
+        type=number_arg(integer=True, minimum=1),
+        default=2,
+        help="replicas per shard (default 2)",
+    )
+    parser.add_argument(
+        "--repeats",
+        type=number_arg(integer=True, minimum=1),
+        default=3,
+        help="runs of each step (default 3)",
+    )
     parser.add_argument("--json", dest="json_path", help="write the results as JSON here")
     parser.add_argument("--check", action="store_true", help="exit 1 when a target is missed")
 

@@ -27,6 +27,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from ..config.numbers import number_arg
 from ..embedded.launch import WORKER_PRELOAD
 from ..hotswap.warm_start import WarmStart
 from .stats import median_ci
@@ -35,9 +36,17 @@ _CODE = "import time; {imports}; print(repr(time.time()), flush=True)"
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--repeats", type=int, default=6, help="pairs of starts (default 6)")
     parser.add_argument(
-        "--nproc", type=int, default=5, help="processes of the `job` case (default 5: 4 + spare)"
+        "--repeats",
+        type=number_arg(integer=True, minimum=1),
+        default=6,
+        help="pairs of starts (default 6)",
+    )
+    parser.add_argument(
+        "--nproc",
+        type=number_arg(integer=True, minimum=2),
+        default=5,
+        help="processes of the `job` case (default 5: 4 + spare)",
     )
     parser.add_argument("--json", help="write the figures to this file")
 

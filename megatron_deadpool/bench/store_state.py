@@ -26,6 +26,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from ..config.numbers import number_arg
 from ..errors import ConfigError
 from ..hotswap.membership import Membership
 from ..hotswap.messages import (
@@ -53,13 +54,22 @@ SAMPLES = 10
 
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--iterations", type=int, default=100_000, help="iterations per run (default 100000)"
+        "--iterations",
+        type=number_arg(integer=True, minimum=1),
+        default=100_000,
+        help="iterations per run (default 100000)",
     )
     parser.add_argument(
-        "--ranks", type=int, default=64, help="simulated ranks per generation (default 64)"
+        "--ranks",
+        type=number_arg(integer=True, minimum=1),
+        default=64,
+        help="simulated ranks per generation (default 64)",
     )
     parser.add_argument(
-        "--generations", type=int, default=20, help="recoveries per run (default 20)"
+        "--generations",
+        type=number_arg(integer=True, minimum=1),
+        default=20,
+        help="recoveries per run (default 20)",
     )
     parser.add_argument("--json", dest="json_path", help="write the results as JSON here")
 

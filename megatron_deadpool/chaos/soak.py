@@ -20,6 +20,7 @@ from typing import Any
 
 from ..config.faults import check_faults, parse_fault
 from ..config.job import JobConfig
+from ..config.numbers import check_number
 from .schedule import (
     episode_seed,
     fired_from_logs,
@@ -39,9 +40,14 @@ torch and megatron-core takes tens of seconds on a loaded CPU): recovery times a
 apart for failures that drew such a spare."""
 
 
+MIN_MINUTES = 1.0
+"""The shortest budget a soak accepts: a failure-free reference run and one episode (each some
+seconds on an idle CPU, tens under load) with `TEARDOWN_S` after each must fit."""
+
+
 @dataclass(frozen=True)
 class SoakSettings:
-    """How long and how hard to soak."""
+    """How long and how hard to soak; checked on creation (`ConfigError` naming the flag)."""
 
     seed: int
     mtbf_iters: float
@@ -49,6 +55,13 @@ class SoakSettings:
     config: str
     episodes: int | None = None
     run_dir: str | None = None
+
+    def __post_init__(self) -> None:
+        check_number(self.minutes, "--minutes", minimum=MIN_MINUTES, unit="minutes")
+        check_number(self.mtbf_iters, "--mtbf-iters", minimum=1)
+        check_number(self.seed, "--seed", integer=True)
+        if self.episodes is not None:
+            check_number(self.episodes, "--episodes", integer=True, minimum=1)
 
 
 def _events(path: Path) -> list[dict[str, Any]]:

@@ -17,7 +17,7 @@ import json
 from pathlib import Path
 
 from ..chaos.schedule import KINDS, parse_kinds, spares_needed
-from ..chaos.soak import Soak, SoakSettings, print_table
+from ..chaos.soak import MIN_MINUTES, Soak, SoakSettings, print_table
 from ..config.job import JobConfig, load_job
 from ..config.numbers import number_arg
 from ..config.paths import check_writable_dir, check_writable_file
@@ -29,9 +29,10 @@ DEFAULT_CONFIG = "configs/cpu-demo.yaml"
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--minutes",
-        type=number_arg(above=0),
+        type=number_arg(minimum=MIN_MINUTES, unit="minutes"),
         required=True,
-        help="wall-time budget of the whole soak",
+        help=f"wall-time budget of the whole soak (at least {MIN_MINUTES:g}: a reference run "
+        "and one episode)",
     )
     parser.add_argument(
         "--mtbf-iters",
@@ -40,7 +41,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
         metavar="K",
         help="mean iterations between failures (each iteration fails with probability 1/K)",
     )
-    parser.add_argument("--seed", type=int, default=1, help="seed of the failure plan")
+    parser.add_argument(
+        "--seed", type=number_arg(integer=True), default=1, help="seed of the failure plan"
+    )
     parser.add_argument(
         "--config", default=DEFAULT_CONFIG, help=f"job config (default {DEFAULT_CONFIG})"
     )
@@ -58,8 +61,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--spares",
+        "--spare-ranks",
+        dest="spares",
         type=number_arg(integer=True, minimum=0),
-        help="spare pool size (default: the config's, at least the largest failure's ranks)",
+        help="spare ranks (processes) in the pool (default: the config's, at least the largest failure's ranks)",
     )
     parser.add_argument(
         "--episodes",
@@ -68,12 +73,15 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--heartbeat-timeout",
-        type=float,
+        type=number_arg(above=0, unit="seconds"),
         default=3.0,
         help="seconds of silence that make a rank hung (default 3: hangs are cheap to find)",
     )
     parser.add_argument(
-        "--heartbeat-interval", type=float, default=0.5, help="heartbeat period (default 0.5)"
+        "--heartbeat-interval",
+        type=number_arg(above=0, unit="seconds"),
+        default=0.5,
+        help="heartbeat period (default 0.5)",
     )
     parser.add_argument("--run-dir", help="directory for every run's logs (default: a temp dir)")
     parser.add_argument("--json", dest="json_path", metavar="PATH", help="write the figures here")

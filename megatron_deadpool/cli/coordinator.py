@@ -35,14 +35,16 @@ from ..config.deadpool import DeadpoolConfig, parse_host_port
 from ..config.flags import add_flags, dest_name
 from ..config.job import load_job
 from ..config.numbers import number_arg
-from ..config.paths import check_writable_dir
+from ..config.paths import check_writable_dir, check_writable_file
 from ..digest import final_digest
 from ..errors import ConfigError, CoordinatorUnreachableError, ExitCode
 from ..hotswap.coordinator import Coordinator
-from ..hotswap.events import EventLog
+from ..hotswap.events import EventLog, job_id
+from ..hotswap.job_status import publish_status
 from ..hotswap.liveness import AgentExits, HeartbeatOnly
 from ..hotswap.membership import Membership, host_store
 from ..hotswap.messages import CoordinatorIdentity, JobError
+from ..hotswap.metrics_file import watch_events
 from ..hotswap.node_agents import StoreAgents
 from ..hotswap.respawn import RespawnBudget
 from ..hotswap.seal import SECRET_ENV, SECRET_FILE_ENV, JobSeal, job_secret, new_secret
@@ -120,7 +122,9 @@ def run(args: argparse.Namespace) -> int:
             f"standby: entry {args.standby} of deadpool-coordinator does not exist (it lists "
             f"{len(addresses)}); a standby needs the primary's address before its own"
         )
-    if cfg.respawn_limit and cfg.ranks_per_node is None:
+    # In-place respawn needs every node's `deadpool agent` and where each node's ranks are:
+    # asked for by name without the latter, refused; not asked for, off (every failure a spare).
+    if args.deadpool_respawn_limit and cfg.ranks_per_node is None:
         raise ConfigError(
             "deadpool-respawn-limit: needs --deadpool-ranks-per-node (the processes each node's "
             "`deadpool agent` starts)"
@@ -136,11 +140,14 @@ def run(args: argparse.Namespace) -> int:
             f"deadpool-job-token: a standby needs the job's secret (the primary's): set "
             f"{SECRET_ENV} or {SECRET_FILE_ENV}"
         )
-    seal = JobSeal(secret or new_secret())
+    seal_secret = secret or new_secret()
+    seal = JobSeal(seal_secret)
     address = addresses[args.standby]
     host, port = parse_host_port(address, "deadpool-coordinator")
     if cfg.log_dir:
         check_writable_dir(cfg.log_dir, "--deadpool-log-dir")
+    if cfg.metrics_file:
+        check_writable_file(cfg.metrics_file, "--deadpool-metrics-file")
     role = "standby" if args.standby else "coordinator"
     need = store_files_needed(args.world_size, cfg.spares)
     reserve_files(
@@ -160,7 +167,7 @@ def run(args: argparse.Namespace) -> int:
     log_dir = Path(cfg.log_dir) if cfg.log_dir else None
     if log_dir:
         log_dir.mkdir(parents=True, exist_ok=True)
-    events = EventLog(log_dir / "events.jsonl" if log_dir else None)
+    events = EventLog(log_dir / "events.jsonl" if log_dir else None, job=job_id(seal_secret))
     events(
         "settings",
         role=role,
@@ -172,7 +179,9 @@ def run(args: argparse.Namespace) -> int:
         pg_timeout=cfg.pg_timeout,
     )
     agents, exits = None, AgentExits(membership)
-    if cfg.respawn_limit and cfg.ranks_per_node is not None:  # every node runs `deadpool agent`
+    # Whether the nodes run `deadpool agent` is not for this process to see: it respawns
+    # through them when told a limit by name (deadpool_launch.sh always tells one, 0 included).
+    if args.deadpool_respawn_limit and cfg.ranks_per_node is not None:
         agents = StoreAgents(
             membership,
             world_size=args.world_size,
@@ -196,6 +205,8 @@ def run(args: argparse.Namespace) -> int:
         agents=agents,
         respawn=RespawnBudget(cfg.respawn_limit, cfg.respawn_window),
     )
+    if cfg.metrics_file:
+        watch_events(events, cfg.metrics_file, lambda: len(coord.spares))
     say(
         f"listening on {address}, world size {args.world_size}, {cfg.spares} spare(s); "
         f"heartbeat interval {cfg.heartbeat_interval:g}s, timeout {cfg.heartbeat_timeout:g}s, "
@@ -232,9 +243,11 @@ def _run(
             say(str(exc))
             return ExitCode.NO_COORDINATOR
         standby.hand_over(coord, state)
+        publish_status(events, coord, standbys=len(cfg.coordinators) - 1 - args.standby)
         return serve(coord, deadline, say, each_tick=lambda: standby.late_registrations(coord))
     coord.membership.set_identity(CoordinatorIdentity(0, secrets.token_hex(8)))
     coord.membership.set_token()
+    publish_status(events, coord, standbys=len(cfg.coordinators) - 1)
     coord.start()
     watch = None
     if len(cfg.coordinators) > 1:

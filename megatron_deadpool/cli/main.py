@@ -52,6 +52,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "megatron_deadpool.cli.files",
         "list, print or copy the Slurm scripts, job configs and Megatron-LM patches",
     ),
+    "report": (
+        "megatron_deadpool.cli.report",
+        "a run's timeline: failures, recoveries and their phases, spares (table and PNG)",
+    ),
 }
 
 

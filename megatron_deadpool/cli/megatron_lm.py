@@ -17,10 +17,20 @@ from ..config.numbers import number_arg
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--nproc-per-node",
+        "--nproc_per_node",  # torchrun's spelling, as Megatron-LM's examples write it
+        dest="nproc_per_node",
         type=number_arg(integer=True, minimum=1),
         required=True,
         metavar="N",
         help="active ranks to start on this machine (spares come on top: --deadpool-spares)",
+    )
+    parser.add_argument(
+        "--nnodes",
+        type=number_arg(integer=True, minimum=1),
+        default=1,
+        metavar="1",
+        help="as torchrun's: nodes of the job; this launcher runs one machine (1). On a Slurm "
+        "cluster use scripts/slurm/deadpool_launch.sh",
     )
     parser.add_argument(
         "--patched",
@@ -29,6 +39,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "the zero-edit runner",
     )
     parser.add_argument("--run-dir", help="directory for per-process logs and summary.json")
+    parser.add_argument(
+        "--node-agents",
+        action="store_true",
+        help="one `deadpool agent` per simulated node (--deadpool-ranks-per-node ranks) starts "
+        "and respawns its processes, as on a cluster (default: this launcher is every node's "
+        "agent); their output is followed in RUN_DIR/task-*.log",
+    )
     parser.add_argument(
         "--timeout",
         type=number_arg(above=0, unit="seconds"),
@@ -42,6 +59,17 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    import os
+
+    from ..config.torchrun import refuse_torchrun
+    from ..errors import ConfigError
+
+    refuse_torchrun(os.environ, "megatron-lm")
+    if args.nnodes != 1:
+        raise ConfigError(
+            f"--nnodes: {args.nnodes}; `deadpool megatron-lm` starts the ranks of one machine "
+            "(1). For several nodes run scripts/slurm/deadpool_launch.sh in a Slurm allocation"
+        )
     from ..megatron_lm.launch import MegatronLauncher
 
     launcher = MegatronLauncher(
@@ -51,6 +79,7 @@ def run(args: argparse.Namespace) -> int:
         patched=args.patched,
         run_dir=args.run_dir,
         timeout_s=args.timeout,
+        node_agents=args.node_agents,
     )
     return launcher.run()
 

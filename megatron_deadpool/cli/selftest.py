@@ -17,13 +17,21 @@ from __future__ import annotations
 
 import argparse
 
+from ..config.numbers import number_arg
+
 
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--nproc", type=int, help="active ranks on this machine (>= 2 for the training checks)"
+        "--nproc",
+        type=number_arg(integer=True, minimum=1),
+        help="active ranks on this machine (>= 2 for the training checks)",
     )
     parser.add_argument(
-        "--spares", type=int, default=1, help="spare processes of the hot-swap runs (default 1)"
+        "--spares",
+        "--spare-ranks",
+        type=number_arg(integer=True, minimum=0),
+        default=1,
+        help="spare ranks (processes) of the hot-swap runs (default 1)",
     )
     slurm = parser.add_argument_group("across the nodes of a Slurm allocation")
     slurm.add_argument(
@@ -33,16 +41,21 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     slurm.add_argument(
         "--nproc-per-node",
-        type=int,
+        "--nproc_per_node",
+        dest="nproc_per_node",
+        type=number_arg(integer=True, minimum=1),
         help="tasks (= GPUs) per node (default: SLURM_NTASKS_PER_NODE, else 1)",
     )
     slurm.add_argument(
-        "--spare-nodes", type=int, default=1, help="the last nodes, spares (default 1)"
+        "--spare-nodes",
+        type=number_arg(integer=True, minimum=0),
+        default=1,
+        help="the last nodes, spares (default 1)",
     )
     parser.add_argument("--json", dest="json_path", metavar="FILE", help="write the report here")
     parser.add_argument(
         "--timeout",
-        type=float,
+        type=number_arg(above=0, unit="seconds"),
         default=600.0,
         help="wall-clock limit of all checks in seconds (default 600)",
     )

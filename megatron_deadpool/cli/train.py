@@ -34,8 +34,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..config.faults import check_faults, parse_fault
+    import os
 
+    from ..config.faults import check_faults, parse_fault
+    from ..config.torchrun import refuse_torchrun
+
+    refuse_torchrun(os.environ, "train")
     job = job_from_args(args)
     check_faults(
         [parse_fault(s) for s in job.deadpool.fail],
@@ -69,6 +73,8 @@ def check_paths(job: JobConfig, args: argparse.Namespace) -> None:
             check_writable_dir(path, flag)
     if args.json_log:
         check_writable_file(args.json_log, "--json-log")
+    if job.deadpool.metrics_file:
+        check_writable_file(job.deadpool.metrics_file, "--deadpool-metrics-file")
     if job.train.save:
         check_writable_dir(job.train.save, "--save")
     if job.train.load:

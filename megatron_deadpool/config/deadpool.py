@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import socket
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from ..errors import ConfigError
 from .faults import parse_fault
@@ -34,24 +34,37 @@ OPTIONAL_SECONDS = ("agree_timeout", "abort_timeout")
 
 @dataclass(kw_only=True)
 class DeadpoolConfig:
-    """Settings of replication, failure detection and hot swap."""
+    """Settings of replication, failure detection and hot swap.
+
+    Words: a *spare rank* (`spares`, --deadpool-spare-ranks) is one spare process, which takes
+    one failed rank's slot; a *spare node* (the Slurm scripts' SPARE_NODES, the selftest's
+    --spare-nodes) is a whole node of them (its ranks per node spare ranks)."""
+
+    # Fields whose flag says more than the field's name (--deadpool-spares still accepted).
+    FLAG_NAMES: ClassVar[dict[str, str]] = {"spares": "spare-ranks"}
 
     enabled: bool = False
     """Turn DeadPool on: per-iteration in-memory replication of optimizer shards and hot swap."""
 
     spares: int = 0
-    """Spare processes (on a cluster: spare nodes' ranks) that start with the job and replace
-    failed ranks at runtime."""
+    """Spare ranks: spare processes that start with the job and each replace one failed rank
+    at runtime (on a cluster: the spare nodes' processes, spare nodes x ranks per node). Also
+    spelled --deadpool-spares."""
 
-    respawn_limit: int = 0
+    respawn_limit: int = 2
     """In-place respawns per node within deadpool-respawn-window seconds: a failed process
     replaced by a new one on its own node (same slot, same GPU), which spends no spare. Past the
-    limit, or once the node itself is lost, its failed ranks take spares. 0 (the default): every
-    failure takes a spare. The local launchers (`deadpool train`, `deadpool megatron-lm`) only,
-    so far: a Slurm job has no node agent yet."""
+    limit, or once the node itself is lost, its failed ranks take spares. Wherever a launcher or
+    agent can start a process on the failed one's node: `deadpool train` and `deadpool
+    megatron-lm` on this machine (with or without --node-agents), and a Slurm job whose nodes
+    each run a `deadpool agent` (scripts/slurm/deadpool_launch.sh does, unless
+    DEADPOOL_RESPAWN_LIMIT=0). Default 2 per 10 minutes: a crash or two (most failures of a long
+    run) costs no spare, while a node that fails a third time within minutes is probably faulty
+    and is given up for a spare. 0: every failure takes a spare."""
 
-    respawn_window: float = 3600.0
-    """Seconds over which deadpool-respawn-limit counts a node's respawns (a sliding window)."""
+    respawn_window: float = 600.0
+    """Seconds over which deadpool-respawn-limit counts a node's respawns (a sliding window;
+    default 10 minutes, several recoveries long)."""
 
     join: bool = False
     """Join a running job as a spare (a repaired node, or a node of another allocation): this
@@ -115,6 +128,13 @@ class DeadpoolConfig:
 
     log_dir: str | None = None
     """Directory for the coordinator's event log and per-rank logs."""
+
+    metrics_file: str | None = None
+    """Write the job's state here in the Prometheus text format (node_exporter's textfile
+    collector reads it: name it *.prom in the collector's folder), rewritten atomically at every
+    iteration and every event: spares available, recoveries, respawns, committed iteration,
+    replica bytes per iteration, the last recovery's seconds (and its phases'). The process
+    that hosts the coordinator writes it."""
 
     job_token: str | None = None
     """Shared secret of this job: it seals every value of the coordinator's store, and a

@@ -54,6 +54,13 @@ def flag_name(prefix: str, name: str) -> str:
     return f"--{prefix}-{stem}" if prefix else f"--{stem}"
 
 
+def primary_flag(cls: type, prefix: str, name: str) -> str:
+    """The flag `add_flags` shows first for field `name` of `cls` (its `FLAG_NAMES` entry,
+    else `flag_name`): the spelling documentation uses."""
+    renamed: Mapping[str, str] = getattr(cls, "FLAG_NAMES", {})
+    return flag_name(prefix, renamed.get(name, name))
+
+
 def _resolved_hints(cls: type) -> dict[str, Any]:
     return typing.get_type_hints(cls)
 
@@ -74,11 +81,16 @@ def add_flags(
     aliases: Mapping[str, list[str]] | None = None,
     defaults: Mapping[str, Any] | None = None,
 ) -> None:
-    """Add one flag per field of `cls`; dest is `{prefix}_{field}` (or the field for no prefix)."""
+    """Add one flag per field of `cls`; dest is `{prefix}_{field}` (or the field for no prefix).
+    A field that `cls.FLAG_NAMES` names otherwise gets that flag first, its own name after it
+    (accepted, as an older spelling)."""
     docs = field_docs(cls)
     hints = _resolved_hints(cls)
+    renamed: Mapping[str, str] = getattr(cls, "FLAG_NAMES", {})
     for f in dataclasses.fields(cls):
         names = [flag_name(prefix, f.name), *(aliases or {}).get(f.name, [])]
+        if f.name in renamed:  # the flag's name, the field's own kept as an older spelling
+            names.insert(0, flag_name(prefix, renamed[f.name]))
         dest = dest_name(prefix, f.name)
         default = (defaults or {}).get(f.name, _default_of(f))
         kwargs: dict[str, Any] = {"dest": dest, "default": default, "help": docs.get(f.name, "")}

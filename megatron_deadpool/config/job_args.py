@@ -52,8 +52,9 @@ def add_job_flags(parser: argparse.ArgumentParser) -> None:
         DeadpoolConfig,
         prefix="deadpool",
         aliases={
-            "spares": ["--spares"],
-            "ranks_per_node": ["--ranks-per-node"],
+            "spares": ["--spare-ranks", "--spares"],
+            # torchrun's spellings: processes per node, a node a failure domain
+            "ranks_per_node": ["--ranks-per-node", "--nproc-per-node", "--nproc_per_node"],
             "fail": ["--fail"],
         },
         defaults={f.name: None for f in dataclasses.fields(DeadpoolConfig)},

@@ -29,6 +29,9 @@ from ..errors import ConfigError, ExitCode
 from ..hotswap.forkserver import Preload
 from ..hotswap.local_agents import LocalAgents
 from ..hotswap.local_job import LocalJob
+from ..hotswap.messages import OutOfRedundancy
+from ..hotswap.metrics_file import MetricsFile, watch_events
+from ..hotswap.salvage_note import salvage_lines
 from ..hotswap.seal import SECRET_ENV, SECRET_FILE_ENV, job_secret, new_secret
 from ..hotswap.supervisor import Supervisor
 from ..replication.placement import Layout, place_replicas
@@ -107,6 +110,7 @@ class LocalLauncher:
         # The job's secret (`hotswap/seal.py`): to the processes in their environment only.
         self.token = job_secret(job.deadpool.job_token) or new_secret()
         self._local: LocalJob | None = None
+        self._metrics: MetricsFile | None = None  # --deadpool-metrics-file
         self._unsaved: dict[int, str] = {}
         """The periodic checkpoints that could not be written, each one's line (shown once)."""
 
@@ -181,6 +185,14 @@ class LocalLauncher:
             say=self.progress.event,
             spawn=self._spawn,
         )
+        metrics = (
+            watch_events(
+                local.coordinator.events, cfg.metrics_file, lambda: len(local.coordinator.spares)
+            )
+            if cfg.enabled and cfg.metrics_file
+            else None
+        )
+        self._metrics = metrics
         self.progress.header(
             f"deadpool train: tp={job.parallel.tp} pp={job.parallel.pp} dp={job.parallel.dp} "
             + (f"ep={layout.ep} etp={layout.expert_tp} " if layout.has_experts else "")
@@ -206,6 +218,8 @@ class LocalLauncher:
         rc: int = ExitCode.FAILED
         try:
             rc = self._monitor(log, t_start)
+            if rc == ExitCode.OUT_OF_REDUNDANCY and local.coordinator.out_of_redundancy:
+                self._say_salvage(local.coordinator.out_of_redundancy)
             self.hooks.ended(local)
             summary = self._summary(log.records, rc, time.monotonic() - t_start)
             log.write(summary)
@@ -236,6 +250,8 @@ class LocalLauncher:
             if rec is None:
                 return False
             log.append(rec.to_dict())
+            if self._metrics is not None:
+                self._metrics.on_record(log.records[-1])
             self.progress.iteration(log.records[-1], deadpool)
             self._show_unsaved()
             return True
@@ -275,6 +291,19 @@ class LocalLauncher:
             preempt=preempt,
         ).run()
 
+    def _say_salvage(self, oor: OutOfRedundancy) -> None:
+        """Out of redundancy: what the survivors saved and how to resume (RUN_DIR/resume.yaml:
+        this job without its injected faults, loading the save folder)."""
+        save = self.job.train.save
+        resume = self.run_dir / "resume.yaml"
+        if save:
+            train = replace(self.job.train, load=save)
+            spec = replace(self.job, train=train, deadpool=replace(self.job.deadpool, fail=[]))
+            spec = replace(spec, deadpool=replace(spec.deadpool, job_token=None))
+            resume.write_text(yaml.safe_dump(spec.to_dict(), sort_keys=False))
+        for line in salvage_lines(oor, save, f"deadpool train --config {resume}"):
+            self.progress.header(line)
+
     def _show_unsaved(self) -> None:
         """Say each periodic checkpoint that could not be written, once (rank 0 publishes it
         before the next iteration's record)."""
@@ -295,6 +324,11 @@ class LocalLauncher:
         fallback = resume.fallback(load)
         if fallback:
             self.progress.event(fallback)
+        elif resume.kind is None:
+            self.progress.header(
+                f"--load {load}: nothing to resume there (no snapshot set, no checkpoint); "
+                "training starts at iteration 1"
+            )
         return resume.iteration + 1
 
     def _layout(self) -> Layout:

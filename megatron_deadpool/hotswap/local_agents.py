@@ -51,16 +51,23 @@ class LocalAgents(LocalJob):
         failed rank takes a spare, with no wait for a verdict on its node's agent)."""
         if self.cfg.respawn_limit == 0:
             return None
-        if placement is None:
-            raise ValueError("LocalAgents: the job's layout is needed before it starts")
         return StoreAgents(
             self.membership,
             world_size=self.world_size,
             processes=self.world_size + self.spares,
-            ranks_per_node=placement.layout.ranks_per_node,
+            ranks_per_node=self._ranks_per_node(placement),
             beat_s=self.cfg.heartbeat_interval,
             exits=self.exits,
         )
+
+    def _ranks_per_node(self, placement: Placement | None) -> int:
+        """Processes per node: the layout's, else (a Megatron-LM job, whose layout comes from
+        rank 0 once it runs) --deadpool-ranks-per-node."""
+        if placement is not None:
+            return placement.layout.ranks_per_node
+        if self.cfg.ranks_per_node is None:
+            raise ValueError("LocalAgents: the job's layout or its ranks per node is needed")
+        return self.cfg.ranks_per_node
 
     def start_agents(
         self, worker: Sequence[str], env: dict[str, str], settings: Sequence[str]
@@ -68,9 +75,7 @@ class LocalAgents(LocalJob):
         """One `deadpool agent` per simulated node, each starting its node's processes of
         `worker` (their logs: task-{t}.log; the agent's: agent{n}.out); `settings`: the job's
         `--config` and `--deadpool-*` flags for the agents."""
-        placement = self.coordinator.placement()
-        assert placement is not None
-        per_node = placement.layout.ranks_per_node
+        per_node = self._ranks_per_node(self.coordinator.placement())
         nodes = -(-(self.world_size + self.spares) // per_node)
         self.agents = []
         for node in range(nodes):

@@ -32,8 +32,9 @@ from ..errors import ConfigError, ExitCode
 from ..replication import segments
 from ..replication.placement import Placement
 from .coordinator import Coordinator
-from .events import EventLog
+from .events import EventLog, job_id
 from .forkserver import Preload
+from .job_status import publish_status
 from .liveness import Liveness, ProcessLiveness, kill_groups
 from .membership import Membership, host_store
 from .messages import JobError, task_of
@@ -108,7 +109,7 @@ class LocalJob:
         self.address = f"{host}:{store.port}"
         self.membership = Membership(store, "launcher", JobSeal(token))
         self.membership.set_token()
-        events = EventLog(run_dir / "events.jsonl")
+        events = EventLog(run_dir / "events.jsonl", job=job_id(token))
         events("store", address=self.address)  # where the job's store listens (for tools)
         self.coordinator = Coordinator(
             self.membership,
@@ -125,6 +126,7 @@ class LocalJob:
             agents=self._node_agents(placement),
             respawn=RespawnBudget(cfg.respawn_limit, cfg.respawn_window),
         )
+        publish_status(events, self.coordinator, standbys=0)
         self.coordinator.start()
 
     # ------------------------------------------------------------------ where it runs

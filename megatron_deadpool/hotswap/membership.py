@@ -94,6 +94,8 @@ Keys (the message type of each structured value in CamelCase):
   preempted                   Preempted: where training stopped on purpose
   checkpoint/failures         CheckpointFailures: the embedded job's periodic checkpoints that
                               could not be written (a full disk), each one's line
+  job/status                  JobStatus: spares waiting, recoveries, respawns, standbys (the
+                              coordinator's, for the ranks' TensorBoard/W&B scalars)
   load/{rank}                 seconds the rank took to load a persistent checkpoint
   salvaged/{rank}             the rank wrote its part of the out-of-redundancy snapshot set
   salvage/manifest            counter: the first survivor to add 1 writes the manifest
@@ -152,6 +154,7 @@ from .messages import (
     HoldingsReport,
     IterationRecord,
     JobError,
+    JobStatus,
     Keys,
     LayoutRecord,
     OutOfRedundancy,
@@ -846,6 +849,14 @@ class Membership:
         value = self._read(Keys.CHECKPOINT_FAILURES)
         key = Keys.CHECKPOINT_FAILURES
         return None if value is None else CheckpointFailures.decode(key, value)
+
+    def publish_job_status(self, status: JobStatus) -> None:
+        """The coordinator: the job's redundancy now (`job_status.py`)."""
+        self._set(Keys.JOB_STATUS, status.encode())
+
+    def job_status(self) -> JobStatus | None:
+        value = self._read(Keys.JOB_STATUS)
+        return None if value is None else JobStatus.decode(Keys.JOB_STATUS, value)
 
     # ------------------------------------------------------------------ pruning
     def generation_keys(self, first: int, below: int) -> list[str]:

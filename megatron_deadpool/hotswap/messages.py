@@ -70,6 +70,7 @@ class Keys:
     PREEMPT = "preempt"
     PREEMPTED = "preempted"
     CHECKPOINT_FAILURES = "checkpoint/failures"
+    JOB_STATUS = "job/status"
     LOAD_TIME = "load/{rank}"
     SALVAGED = "salvaged/{rank}"
     SALVAGE_MANIFEST = "salvage/manifest"
@@ -542,6 +543,27 @@ class Preempted(Message):
     saved: bool
     unsaved: str = ""
     """Why a checkpoint was to be saved there and was not (a full disk): the one line."""
+
+
+@dataclass(frozen=True)
+class JobStatus(Message):
+    """`job/status`: what the coordinator knows of the job's redundancy, for the ranks' scalars
+    (Megatron's TensorBoard/W&B writers): spares waiting, recoveries and in-place respawns so
+    far, standby coordinators configured and reachable. Rewritten at each event that changes
+    it (`job_status.py`)."""
+
+    spares_available: int
+    recoveries: int
+    respawns: int
+    standbys: int
+    standbys_reachable: int
+
+    def validate(self) -> None:
+        require(
+            min(self.spares_available, self.recoveries, self.respawns, self.standbys_reachable) >= 0
+            and self.standbys_reachable <= self.standbys,
+            "a count below 0, or more standbys reachable than configured",
+        )
 
 
 @dataclass(frozen=True)

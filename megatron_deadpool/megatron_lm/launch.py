@@ -24,6 +24,7 @@ import argparse
 import contextlib
 import json
 import os
+import shlex
 import socket
 import subprocess
 import sys
@@ -34,15 +35,19 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TextIO
 
-from ..config.paths import check_writable_dir
+from ..config.paths import check_writable_dir, check_writable_file
 from ..devices.threads import start_thread
 from ..durable import write_durably
 from ..errors import ConfigError, ExitCode
 from ..hotswap.forkserver import Preload
+from ..hotswap.local_agents import LocalAgents
 from ..hotswap.local_job import LocalJob
-from ..hotswap.messages import JobError, task_of
+from ..hotswap.messages import JobError, OutOfRedundancy, task_of
+from ..hotswap.metrics_file import MetricsFile, watch_events
+from ..hotswap.salvage_note import salvage_lines
 from ..hotswap.seal import SECRET_ENV, SECRET_FILE_ENV, job_secret, new_secret
 from ..hotswap.supervisor import Supervisor
+from ..replication.save_dir import choose_resume
 from .runner import preparse
 
 RUNNER_IMPORTS = (
@@ -64,6 +69,46 @@ def runner_preload(script: str) -> Preload:
         path=(os.path.dirname(script),),
         scripts=(script,),
     )
+
+
+def deadpool_settings(script_args: Sequence[str]) -> list[str]:
+    """The `--deadpool-*` flags of the script's command line (each with its value), for the
+    node agents, which judge the job by the same settings."""
+    out: list[str] = []
+    args = list(script_args)
+    for i, arg in enumerate(args):
+        if not arg.startswith("--deadpool-") or arg.startswith("--deadpool-job-token"):
+            continue
+        if "=" in arg or arg.startswith("--deadpool-no-") or arg == "--deadpool-join":
+            out.append(arg)
+        elif i + 1 < len(args):
+            out += [arg, args[i + 1]]
+    return out
+
+
+def megatron_load_dir(script_args: Sequence[str]) -> str | None:
+    """Megatron-LM's `--load` on the script's command line, if any."""
+    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    parser.add_argument("--load")
+    return parser.parse_known_args(list(script_args))[0].load
+
+
+def resume_args(script_args: Sequence[str], save: str) -> list[str]:
+    """`script_args` to resume from `save`: its injected faults (--deadpool-fail) and its
+    `--load` dropped, `--load SAVE` added."""
+    out: list[str] = []
+    skip = False
+    for arg in script_args:
+        if skip:
+            skip = False
+            continue
+        if arg in ("--deadpool-fail", "--load"):
+            skip = True
+            continue
+        if arg.startswith(("--deadpool-fail=", "--load=")):
+            continue
+        out.append(arg)
+    return [*out, "--load", save]
 
 
 def megatron_save_dir(script_args: Sequence[str]) -> str | None:
@@ -96,7 +141,11 @@ class MegatronLauncher:
         timeout_s: float = 3600.0,
         stream: TextIO | None = None,
         env: dict[str, str] | None = None,
+        node_agents: bool = False,
     ) -> None:
+        """`node_agents`: one `deadpool agent` per simulated node starts and respawns its
+        processes, as on a cluster (`hotswap.local_agents`), and their output is followed in
+        their logs; needs --deadpool and --deadpool-ranks-per-node."""
         if nproc < 1:
             raise ConfigError("nproc-per-node: must be >= 1")
         if not os.path.isfile(script):
@@ -107,12 +156,20 @@ class MegatronLauncher:
         self.patched = patched
         self.cfg = preparse(self.script_args)
         self.spares = self.cfg.spares if self.cfg.enabled else 0
+        if node_agents and not (self.cfg.enabled and self.cfg.ranks_per_node):
+            raise ConfigError(
+                "--node-agents: node agents serve DeadPool and start each node's ranks: give the "
+                "script --deadpool and --deadpool-ranks-per-node N"
+            )
+        self.node_agents = node_agents
         for path, flag in ((run_dir, "--run-dir"), (self.cfg.log_dir, "--deadpool-log-dir")):
             if path:
                 check_writable_dir(path, flag)
         save = megatron_save_dir(self.script_args)
         if save:
             check_writable_dir(save, "--save")
+        if self.cfg.enabled and self.cfg.metrics_file:
+            check_writable_file(self.cfg.metrics_file, "--deadpool-metrics-file")
         self.run_dir = Path(run_dir or self.cfg.log_dir or tempfile.mkdtemp(prefix="deadpool-mlm-"))
         self.timeout_s = timeout_s
         self.stream = stream or sys.stdout
@@ -121,6 +178,8 @@ class MegatronLauncher:
         self.lock = threading.Lock()
         self._local: LocalJob | None = None
         self.ended = False  # every active rank finished its work (`LocalJob.finished`)
+        self.ended_following = False  # the agents' logs read to their end (`_follow_logs`)
+        self.metrics: MetricsFile | None = None  # --deadpool-metrics-file
         self.unsaved: dict[int, str] = {}  # Megatron's checkpoints not saved, each one's line
         self._next_look = 0.0  # when `_show_unsaved` next reads the store
 
@@ -171,14 +230,20 @@ class MegatronLauncher:
             CUDA_DEVICE_MAX_CONNECTIONS="1",
         )
         token = job_secret(self.cfg.job_token) or new_secret()
-        self._local = local = LocalJob(
+        host = LocalAgents if self.node_agents else LocalJob
+        self._local = local = host(
             self.cfg,
             world_size=self.nproc,
             token=token,
             run_dir=self.run_dir,
             say=lambda text: self._print(f"[deadpool] {text}"),
-            spawn=lambda member: self._spawn(member, env),  # env: complete before any spawn
-        )
+            spawn=None if self.node_agents else lambda member: self._spawn(member, env),
+        )  # env: complete before any spawn
+        if self.cfg.enabled and self.cfg.metrics_file:  # events, and rank 0's progress
+            coord = local.coordinator
+            self.metrics = watch_events(
+                coord.events, self.cfg.metrics_file, lambda: len(coord.spares)
+            )
         if self.cfg.enabled:
             env.pop(SECRET_FILE_ENV, None)
             env.update({"DEADPOOL_COORDINATOR": local.address, SECRET_ENV: token})
@@ -187,18 +252,58 @@ class MegatronLauncher:
             f"{os.path.basename(self.script)}{' (patched)' if self.patched else ''}, DeadPool "
             f"{'on' if self.cfg.enabled else 'off'}; logs in {self.run_dir}"
         )
+        self._say_load()
         t0 = time.monotonic()
         rc = 1
         try:
-            for member in local.members:
-                self._spawn(member, env)
+            if isinstance(local, LocalAgents):
+                self._start_agents(local, env)
+            else:
+                for member in local.members:
+                    self._spawn(member, env)
             rc = self._monitor(t0)
+            oor = local.coordinator.out_of_redundancy if self.cfg.enabled else None
+            if rc == ExitCode.OUT_OF_REDUNDANCY and oor is not None:
+                self._say_salvage(oor)
         finally:
             with contextlib.suppress(RuntimeError, OSError, ValueError):  # the store is gone
                 self._show_unsaved()
             local.close(grace_s=10 if self.ended else 0)
+            self.ended_following = True
+            if "agents" in self.threads:
+                self.threads["agents"].join(timeout=2.0)
             self._write_summary(rc, time.monotonic() - t0)
         return rc
+
+    def _start_agents(self, local: LocalAgents, env: dict[str, str]) -> None:
+        """One `deadpool agent` per simulated node, with the script's --deadpool-* settings;
+        their processes' output followed in RUN_DIR/task-*.log."""
+        runner = [] if self.patched else ["-m", "megatron_deadpool.megatron_lm"]
+        worker = [sys.executable, *runner, self.script, *self.script_args]
+        local.start_agents(worker, env, deadpool_settings(self.script_args))
+        self.threads["agents"] = start_thread(self._follow_logs, name="deadpool-output-agents")
+
+    def _follow_logs(self) -> None:
+        """Print what the agents' processes write to their logs, line by line, as it comes
+        (a respawned process appends to its predecessor's task log)."""
+        offsets: dict[Path, int] = {}
+        partial: dict[Path, str] = {}
+        while True:
+            for path in sorted(self.run_dir.glob("task-*.log")):
+                with contextlib.suppress(OSError), open(path, errors="replace") as f:
+                    f.seek(offsets.get(path, 0))
+                    text = partial.pop(path, "") + f.read()
+                    offsets[path] = f.tell()
+                *lines, rest = text.split("\n")
+                if rest:
+                    partial[path] = rest
+                if lines:
+                    with self.lock:
+                        self.stream.write("".join(line + "\n" for line in lines))
+                        self.stream.flush()
+            if self.ended_following:
+                return
+            time.sleep(0.2)
 
     def _monitor(self, t0: float) -> int:
         """Supervise the job (`hotswap.supervisor`)."""
@@ -221,7 +326,7 @@ class MegatronLauncher:
             return local.job_error(
                 verdict,
                 lambda text: self._print(f"[deadpool] {text}"),
-                flush=lambda member: self.threads[member].join(timeout=2.0),  # all forwarded
+                flush=lambda member: self._flush(member),  # all forwarded
             )
 
         def finished() -> int:
@@ -236,6 +341,10 @@ class MegatronLauncher:
             if time.monotonic() >= self._next_look:
                 self._next_look = time.monotonic() + 0.5
                 self._show_unsaved()
+                if self.metrics is not None:  # Megatron's ranks publish no iteration record
+                    done = local.membership.progress()
+                    if done and done != self.metrics.gauges.iteration:
+                        self.metrics.update(iteration=done)
             return False
 
         return Supervisor(
@@ -248,6 +357,33 @@ class MegatronLauncher:
             on_tick=look_for_unsaved,
             checks=[config_error],
         ).run()
+
+    def _flush(self, member: str) -> None:
+        """Wait (a little) until `member`'s output was forwarded."""
+        thread = self.threads.get(member) or self.threads.get("agents")
+        if thread is not None:
+            thread.join(timeout=2.0)
+
+    def _say_load(self) -> None:
+        """A `--load` folder that holds nothing to resume: said here (Megatron says it only in
+        the ranks' logs, and starts at iteration 1)."""
+        load = megatron_load_dir(self.script_args)
+        if load and os.path.isdir(load) and choose_resume(load).kind is None:
+            self._print(
+                f"[deadpool] --load {load}: nothing to resume there (no checkpoint, no snapshot "
+                "set); Megatron starts at iteration 1"
+            )
+
+    def _say_salvage(self, oor: OutOfRedundancy) -> None:
+        """Out of redundancy: what the survivors saved in Megatron's --save and how to resume."""
+        save = megatron_save_dir(self.script_args)
+        command = shlex.join(
+            ["deadpool", "megatron-lm", "--nproc-per-node", str(self.nproc),
+             *(["--patched"] if self.patched else []), self.script,
+             *resume_args(self.script_args, save or "SAVE")]
+        )  # fmt: skip
+        for line in salvage_lines(oor, save, command):
+            self._print(f"[deadpool] {line}")
 
     def _show_unsaved(self) -> None:
         """Print each of Megatron's checkpoints that could not be written, once (rank 0

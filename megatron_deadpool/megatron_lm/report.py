@@ -16,6 +16,7 @@ from typing import Any
 import torch.distributed as dist
 
 from ..hotswap.adapter import RecoveryRecord
+from ..hotswap.messages import JobStatus
 from ..units import human_bytes
 
 
@@ -62,6 +63,20 @@ def recovery_fields(record: RecoveryRecord) -> list[str]:
     ]
     fields += [f"{k}: {v:.2f}" for k, v in record.phases_s.items()]
     return fields
+
+
+def status_scalars(status: JobStatus | None) -> dict[str, float]:
+    """The coordinator's view of the job's redundancy as scalars (none before it published
+    one): spares available, recoveries and in-place respawns so far, standby coordinators
+    configured and reachable."""
+    if status is None:
+        return {}
+    return {
+        "spares-available": float(status.spares_available),
+        "respawns": float(status.respawns),
+        "standbys": float(status.standbys),
+        "standbys-reachable": float(status.standbys_reachable),
+    }
 
 
 def write_scalars(iteration: int, scalars: dict[str, float]) -> None:

@@ -51,6 +51,7 @@ from typing import Any
 
 from ..config.deadpool import DeadpoolConfig
 from ..config.flags import add_flags, from_namespace
+from ..config.torchrun import refuse_torchrun
 from ..errors import (
     ConfigError,
     CoordinatorUnreachableError,
@@ -232,7 +233,10 @@ def prepare() -> None:
     release, and on a machine without a GPU install the CPU development mode (Megatron-LM's
     imports and `initialize_megatron` expect CUDA) and its flags."""
     with _exit_codes():
-        interplay.check_megatron_flags(sys.argv[1:], preparse(sys.argv[1:]))
+        cfg = preparse(sys.argv[1:])
+        if cfg.enabled:  # torchrun would restart every rank on a failure
+            refuse_torchrun(os.environ, "megatron-lm")
+        interplay.check_megatron_flags(sys.argv[1:], cfg)
         versions.prepare_python(versions.current())
         _cpu_mode()
 

@@ -598,6 +598,9 @@ class MegatronSession:
             }
             if d.recoveries:
                 scalars["last-recovery-s"] = d.recoveries[-1].total_s
+                for phase, seconds in d.recoveries[-1].phases_s.items():
+                    scalars[f"last-recovery-{phase}-s"] = seconds
+            scalars.update(mreport.status_scalars(d.membership.job_status()))
             mreport.write_scalars(iteration, scalars)
 
     def finish(self) -> None:

@@ -99,11 +99,11 @@ class SrunLauncher(LocalLauncher):
         self.allocation = allocation
 
     def _host(self, cfg: DeadpoolConfig, **kwargs: Any) -> SrunJob:
-        kwargs.pop("spawn")  # srun starts the tasks: no node agent here respawns one yet
+        kwargs.pop("spawn")  # srun starts the tasks: no node agent here respawns one
         if cfg.respawn_limit:
             raise ConfigError(
-                "deadpool-respawn-limit: a Slurm job has no node agent yet to respawn a process "
-                "in place; drop it from the selftest's settings"
+                "deadpool-respawn-limit: the selftest's tasks are one srun job step, without a "
+                "`deadpool agent` to respawn a process in place; set it to 0"
             )
         return SrunJob(cfg, **kwargs)
 

@@ -104,6 +104,7 @@ def job(actives: int, ranks_per_node: int, fail: list[str], spares: int) -> JobC
         deadpool=DeadpoolConfig(
             enabled=True,
             spares=spares,
+            respawn_limit=0,  # its 'peer killed'/'peer frozen' checks are of a spare's takeover
             replicas=1,
             ranks_per_node=ranks_per_node,
             heartbeat_timeout=HEARTBEAT_TIMEOUT_S,

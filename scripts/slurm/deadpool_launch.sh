@@ -32,13 +32,21 @@
 #                         in $DEADPOOL_LOG_DIR/selftest.json, its exit code the job's  (embedded)
 #   DEADPOOL_CONFIG     job config of the embedded job                   (configs/cpu-demo.yaml)
 #   MEGATRON_LM_PATH    Megatron-LM checkout (megatron-lm mode)
-#   MEGATRON_ARGS       Megatron-LM arguments, split on whitespace (megatron-lm mode)
+#   Megatron-LM's arguments (megatron-lm and baseline modes), one of:
+#     - this script's own arguments (a bash array keeps its quoting):
+#         args=(--num-layers 32 --data-path "/scratch/my corpus/text_document" ...)
+#         sbatch scripts/slurm/vista.sbatch "${args[@]}"
+#     MEGATRON_ARGS_FILE  a file of arguments, one per line (no quoting needed: a line is one
+#                       argument, spaces and all; empty lines and lines starting with # skipped)
+#     MEGATRON_ARGS       a string split on whitespace: only for arguments without quotes or
+#                       spaces (a quote in it is refused: use the file or the array)
 #   DEADPOOL_REPLICAS   replicas k of each optimizer shard                           (1)
 #   DEADPOOL_RESPAWN_LIMIT  N > 0: one `deadpool agent` per node (a job step of its own per
 #                       node) starts that node's processes and respawns a crashed or hung one in
-#                       place, N times per node within --deadpool-respawn-window, with no
-#                       spare spent (with DEADPOOL_JOIN: the joining nodes' agents join the
-#                       job); 0: one srun task per GPU, every failure takes a spare      (0)
+#                       place, N times per node within --deadpool-respawn-window (600 s), with
+#                       no spare spent (with DEADPOOL_JOIN: the joining nodes' agents join the
+#                       job); 0: one srun task per GPU, every failure takes a spare
+#                       (2 in the embedded and megatron-lm modes, 0 in the others)
 #   DEADPOOL_EXTRA_ARGS more --deadpool-* flags for every worker, split on whitespace
 #   DEADPOOL_PORT       coordinator port                                             (29400)
 #   DEADPOOL_COORDINATOR HOST:PORT of a coordinator started elsewhere (then none here); a
@@ -91,8 +99,12 @@ show() { # show WHAT CMD...: the command line, shell-quoted, as one line
 : "${DEADPOOL_CONFIG:=configs/cpu-demo.yaml}"
 : "${MEGATRON_LM_PATH:=}"
 : "${MEGATRON_ARGS:=}"
+: "${MEGATRON_ARGS_FILE:=}"
 : "${DEADPOOL_REPLICAS:=1}"
-: "${DEADPOOL_RESPAWN_LIMIT:=0}"
+# In-place respawn by default where agents can run the job (`deadpool agent`); see above.
+case $DEADPOOL_MODE in embedded | megatron-lm) : "${DEADPOOL_RESPAWN_LIMIT:=2}" ;; *)
+    : "${DEADPOOL_RESPAWN_LIMIT:=0}" ;;
+esac
 : "${DEADPOOL_EXTRA_ARGS:=}"
 : "${DEADPOOL_PORT:=29400}"
 : "${DEADPOOL_COORDINATOR:=}"
@@ -207,6 +219,27 @@ if [ -n "$DEADPOOL_VENV" ]; then
     fi
 fi
 
+# Megatron-LM's arguments: this script's own, MEGATRON_ARGS_FILE's lines or MEGATRON_ARGS's words.
+megatron_argv=()
+sources=0
+(($# == 0)) || { megatron_argv=("$@"); sources=$((sources + 1)); }
+if [ -n "$MEGATRON_ARGS_FILE" ]; then
+    [ -f "$MEGATRON_ARGS_FILE" ] || die "MEGATRON_ARGS_FILE=$MEGATRON_ARGS_FILE: no such file"
+    while IFS= read -r line || [ -n "$line" ]; do
+        [[ -z $line || $line == \#* ]] || megatron_argv+=("$line")
+    done <"$MEGATRON_ARGS_FILE"
+    sources=$((sources + 1))
+fi
+if [ -n "$MEGATRON_ARGS" ]; then
+    [[ $MEGATRON_ARGS != *[\"\']* ]] || die "MEGATRON_ARGS holds a quote, which a whitespace" \
+        "split cannot honour: put one argument per line in MEGATRON_ARGS_FILE, or pass them as" \
+        "this script's arguments (sbatch SCRIPT \"\${args[@]}\")"
+    read -r -a words <<<"$MEGATRON_ARGS"
+    megatron_argv+=("${words[@]}")
+    sources=$((sources + 1))
+fi
+((sources <= 1)) || die "Megatron-LM arguments given $sources ways (script arguments," \
+    "MEGATRON_ARGS_FILE, MEGATRON_ARGS): give one"
 read -r -a extra_args <<<"$DEADPOOL_EXTRA_ARGS"
 read -r -a srun_extra <<<"$SRUN_EXTRA_ARGS"
 megatron_args=()
@@ -220,12 +253,13 @@ deadpool_flags=(
     --deadpool-ranks-per-node "$GPUS_PER_NODE"
     --deadpool-log-dir "$DEADPOOL_LOG_DIR"
 )
-((DEADPOOL_RESPAWN_LIMIT == 0)) || deadpool_flags+=(--deadpool-respawn-limit "$DEADPOOL_RESPAWN_LIMIT")
+# Always said, 0 too: the coordinator and workers default to respawning (`DeadpoolConfig`).
+deadpool_flags+=(--deadpool-respawn-limit "$DEADPOOL_RESPAWN_LIMIT")
 # The coordinators judge the workers by the job's own settings: the embedded job's config and
 # every --deadpool-* flag the workers get (each takes a value).
 job_settings=("${deadpool_flags[@]}")
 [ "$DEADPOOL_MODE" != embedded ] || job_settings+=(--config "$DEADPOOL_CONFIG")
-read -r -a worker_args <<<"$MEGATRON_ARGS $DEADPOOL_EXTRA_ARGS"
+worker_args=("${megatron_argv[@]}" "${extra_args[@]}")
 for ((i = 0; i < ${#worker_args[@]}; i++)); do
     case ${worker_args[i]} in
     --deadpool-job-token*)
@@ -247,8 +281,9 @@ embedded)
     ;;
 megatron-lm | baseline)
     [ -n "$MEGATRON_LM_PATH" ] || die "DEADPOOL_MODE=$DEADPOOL_MODE needs MEGATRON_LM_PATH"
-    [ -n "$MEGATRON_ARGS" ] || die "DEADPOOL_MODE=$DEADPOOL_MODE needs MEGATRON_ARGS"
-    read -r -a megatron_args <<<"$MEGATRON_ARGS"
+    ((${#megatron_argv[@]})) || die "DEADPOOL_MODE=$DEADPOOL_MODE needs Megatron-LM's" \
+        "arguments: this script's arguments, MEGATRON_ARGS_FILE or MEGATRON_ARGS"
+    megatron_args=("${megatron_argv[@]}")
     if [ "$DEADPOOL_MODE" = baseline ]; then
         worker=("$PYTHON" "$MEGATRON_LM_PATH/pretrain_gpt.py" "${megatron_args[@]}")
     else

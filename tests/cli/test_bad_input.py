@@ -23,7 +23,7 @@ COORD = ["coordinator", "--world-size", "2", "--deadpool-coordinator", "127.0.0.
 AGENT = ["agent", "--world-size", "2", "--node", "0", "--deadpool-coordinator", "127.0.0.1:29499"]
 """`deadpool agent` with what every row below keeps."""
 MLM = ["megatron-lm", "--nproc-per-node", "2", "--timeout", "30"]
-CHAOS = ["chaos", "--minutes", "0.1", "--mtbf-iters", "8", "--episodes", "1"]
+CHAOS = ["chaos", "--minutes", "1", "--mtbf-iters", "8", "--episodes", "1"]
 
 ROWS: dict[str, tuple[list[str], str]] = {
     # row: (arguments after `deadpool`; "{d}" is the row's folder of bad files, text the line
@@ -67,6 +67,10 @@ ROWS: dict[str, tuple[list[str], str]] = {
                                  "--deadpool-log-dir"),
     "train-run-dir-unwritable": (["train", "--run-dir", "{d}/afile/run"], "--run-dir"),
     "train-json-log-directory": (["train", "--json-log", "{d}"], "--json-log"),
+    "train-metrics-file-directory": (["train", "--deadpool-metrics-file", "{d}"],
+                                     "--deadpool-metrics-file"),
+    "train-metrics-file-unwritable": (["train", "--deadpool-metrics-file", "{d}/afile/m.prom"],
+                                      "--deadpool-metrics-file"),
     "train-save-unwritable": (["train", "--save", "{d}/afile/ckpt", "--save-interval", "1"],
                               "--save"),
     "train-load-missing": (["train", "--load", "{d}/nope"], "--load"),
@@ -83,6 +87,8 @@ ROWS: dict[str, tuple[list[str], str]] = {
     # -- deadpool coordinator
     "coordinator-respawn-limit": ([*COORD, "--deadpool-respawn-limit", "1"],
                                   "deadpool-respawn-limit"),
+    "coordinator-metrics-file-unwritable": ([*COORD, "--deadpool-metrics-file",
+                                             "{d}/afile/m.prom"], "--deadpool-metrics-file"),
     "coordinator-max-wait-negative": ([*COORD, "--max-wait", "-1"], "--max-wait"),
     "coordinator-max-wait-nan": ([*COORD, "--max-wait", "nan"], "--max-wait"),
     "coordinator-world-size-zero": ([*COORD[:1], "--world-size", "0"], "--world-size"),
@@ -105,6 +111,11 @@ ROWS: dict[str, tuple[list[str], str]] = {
     "chaos-minutes-nan": (["chaos", "--minutes", "nan", "--mtbf-iters", "8"], "--minutes"),
     "chaos-mtbf-nan": ([*CHAOS, "--mtbf-iters", "nan"], "--mtbf-iters"),
     "chaos-episodes-zero": ([*CHAOS, "--episodes", "0"], "--episodes"),
+    "chaos-minutes-too-short": (["chaos", "--minutes", "0.05", "--mtbf-iters", "8"],
+                                "--minutes"),  # it ran, then said "exceeded its -5s limit"
+    "chaos-mtbf-below-one": ([*CHAOS, "--mtbf-iters", "0.5"], "--mtbf-iters"),
+    "chaos-heartbeat-interval-nan": ([*CHAOS, "--heartbeat-interval", "nan"],
+                                     "--heartbeat-interval"),
     "chaos-heartbeat-nan": ([*CHAOS, "--heartbeat-timeout", "nan"], "heartbeat-timeout"),
     "chaos-run-dir-unwritable": ([*CHAOS, "--run-dir", "{d}/afile/run"], "--run-dir"),
     # -- deadpool megatron-lm (the script: an empty file; nothing runs it)
@@ -114,6 +125,7 @@ ROWS: dict[str, tuple[list[str], str]] = {
     "megatron-lm-heartbeat-nan": ([*MLM, "{d}/pretrain.py", "--deadpool",
                                    "--deadpool-heartbeat-timeout", "nan"],
                                   "deadpool-heartbeat-timeout"),
+    "megatron-lm-nnodes-two": ([*MLM, "--nnodes", "2", "{d}/pretrain.py"], "--nnodes"),
     "megatron-lm-run-dir-unwritable": ([*MLM, "--run-dir", "{d}/afile/run", "{d}/pretrain.py"],
                                        "--run-dir"),
     "megatron-lm-save-unwritable": ([*MLM, "{d}/pretrain.py", "--save", "{d}/afile/ckpt"],
@@ -121,6 +133,14 @@ ROWS: dict[str, tuple[list[str], str]] = {
     # -- deadpool selftest and bench
     "selftest-timeout-nan": (["selftest", "--nproc", "2", "--timeout", "nan"], "--timeout"),
     "bench-overhead-timeout-nan": (["bench", "overhead", "--timeout", "nan"], "--timeout"),
+    "bench-overhead-repeats-zero": (["bench", "overhead", "--repeats", "0"], "--repeats"),
+    "bench-goodput-failures-zero": (["bench", "goodput", "--failures", "0"], "--failures"),
+    "bench-control-plane-steady-nan": (["bench", "control-plane", "--steady", "nan"],
+                                       "--steady"),
+    "bench-recovery-iters-nan": (["bench", "recovery", "--iters", "nan"], "--iters"),
+    "bench-store-state-ranks-zero": (["bench", "store-state", "--ranks", "0"], "--ranks"),
+    "selftest-spares-negative": (["selftest", "--spares", "-1"], "--spares"),
+    "selftest-nproc-zero": (["selftest", "--nproc", "0"], "--nproc"),
 }  # fmt: skip
 
 SUBPROCESS_ROWS: dict[str, tuple[list[str], str]] = {
@@ -201,3 +221,20 @@ def test_bad_input_through_the_installed_command(
 ) -> None:
     proc = subprocesses[row]
     _check(row, proc.returncode, proc.stderr, SUBPROCESS_ROWS[row][1], bad)
+
+
+@pytest.mark.parametrize("command", ["train", "megatron-lm"])
+def test_a_start_under_torchrun_is_refused_in_one_line(
+    command: str, bad: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """torchrun restarts every worker when one fails: a launcher started by it says so and what
+    to run instead, before it starts anything (torchrun sets TORCHELASTIC_RUN_ID and the like
+    in its workers' environment)."""
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")
+    argv = ["train"] if command == "train" else [*MLM, str(bad / "pretrain.py")]
+    t0 = time.monotonic()
+    rc = call_deadpool(*argv)
+    err = capsys.readouterr().err
+    assert rc == 2 and len(err.strip().splitlines()) == 1, err
+    assert "torchrun" in err and "TORCHELASTIC_RUN_ID" in err and f"deadpool {command}" in err
+    assert time.monotonic() - t0 < 20

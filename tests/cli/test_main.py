@@ -9,7 +9,7 @@ from conftest import call_deadpool, run_deadpool
 # The subcommands the README documents, in the order `deadpool --help` lists them.
 DOCUMENTED = (
     "train", "bench", "plan", "chaos", "megatron-lm", "selftest", "coordinator", "agent",
-    "slurm-script", "files",
+    "slurm-script", "files", "report",
 )  # fmt: skip
 
 

@@ -34,3 +34,24 @@ def test_cli_passes_everything_after_the_script_through() -> None:
     args = parser.parse_args(argv)
     assert args.nproc_per_node == 4 and args.script == "pretrain_gpt.py"
     assert args.script_args == ["--timeout", "9", "--deadpool"] and args.timeout == 3600.0
+
+
+@pytest.mark.timeout(120)
+def test_torchruns_spellings_mean_the_same(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`--nproc_per_node` (torchrun's, Megatron-LM's examples') starts the same ranks as
+    `--nproc-per-node`; `--nnodes 1` is this machine; `deadpool train` takes it for its
+    ranks per node."""
+    from megatron_deadpool.cli.main import build_parser
+    from megatron_deadpool.config.job_args import job_from_args
+
+    script = tmp_path / "echo.py"
+    script.write_text("import os\nprint('task', os.environ['RANK'])\n")
+    rc = call_deadpool("megatron-lm", "--nproc_per_node", "2", "--nnodes", "1", "--patched",
+                       "--run-dir", str(tmp_path / "run"), str(script))  # fmt: skip
+    assert rc == 0, capsys.readouterr()
+    assert "task 1" in (tmp_path / "run" / "a1.log").read_text()
+    argv = ["train", "--tp", "2", "--dp", "2", "--nproc_per_node", "4"]
+    parser, _ = build_parser(argv)
+    assert job_from_args(parser.parse_args(argv)).ranks_per_node == 4

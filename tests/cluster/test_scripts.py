@@ -40,8 +40,12 @@ def fake_slurm(folder: Path, **programs: str) -> str:
     return f"{folder}:{os.environ.get('PATH', '/usr/bin:/bin')}"
 
 
-def render(script: str, **env: str) -> tuple[int, dict[str, list[str]], dict[str, str], str]:
-    """Run `script` dry; return (status, {what: argv}, {env name: value}, stderr)."""
+def render(
+    script: str, *script_args: str, **env: str
+) -> tuple[int, dict[str, list[str]], dict[str, str], str]:
+    """Run `script` dry; return (status, {what: argv}, {env name: value}, stderr). One srun
+    task per GPU (DEADPOOL_RESPAWN_LIMIT=0) unless `env` says otherwise: in-place respawn
+    through one agent per node is the default of the embedded and megatron-lm modes."""
     bin_dir = Path(tempfile.mkdtemp(prefix="deadpool-fake-slurm-"))
     base = {
         "PATH": fake_slurm(bin_dir),
@@ -52,9 +56,10 @@ def render(script: str, **env: str) -> tuple[int, dict[str, list[str]], dict[str
         "SLURM_SUBMIT_DIR": str(ROOT),
         "SLURM_JOB_NODELIST": "nid[001000-001002]",
         "DEADPOOL_DRY_RUN": "1",
+        "DEADPOOL_RESPAWN_LIMIT": "0",
     }
     done = subprocess.run(
-        [BASH, str(ROOT / script)],
+        [BASH, str(ROOT / script), *script_args],
         check=False,
         env={**base, **env},
         cwd=ROOT,
@@ -205,6 +210,41 @@ def test_megatron_lm_mode_and_external_coordinator() -> None:
     assert flag(worker, "--deadpool-coordinator") == "login01:31000"
     assert flag(worker, "--deadpool-spares") == "4"
     assert flag(worker, "--deadpool-replicas") == "2"
+
+
+QUOTED = ["--data-path", "/scratch/my corpus/text_document", "--wandb-exp-name", "run 'a'"]
+"""Megatron-LM arguments a whitespace split of MEGATRON_ARGS breaks: spaces, quotes."""
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("way", ["script arguments", "file"])
+def test_megatron_arguments_with_spaces_and_quotes_reach_the_workers_whole(
+    way: str, tmp_path: Path
+) -> None:
+    """Megatron-LM's arguments as the sbatch script's own (a bash array, quoting kept) or as
+    MEGATRON_ARGS_FILE (one per line): each reaches the worker as one argument."""
+    env = {"DEADPOOL_MODE": "megatron-lm", "MEGATRON_LM_PATH": "/opt/Megatron-LM"}
+    args: list[str] = ["--bf16", *QUOTED]
+    if way == "file":
+        path = tmp_path / "args.txt"
+        path.write_text("# Megatron-LM's arguments\n" + "\n".join(args) + "\n\n")
+        env["MEGATRON_ARGS_FILE"] = str(path)
+        args = []
+    status, cmds, _, err = render("scripts/slurm/perlmutter.sbatch", *args, **env)
+    assert status == 0, err
+    worker = cmds["workers"][cmds["workers"].index("-m") - 1 :]
+    assert worker[4:9] == ["--bf16", *QUOTED], worker
+
+
+@pytest.mark.timeout(30)
+def test_a_quote_in_megatron_args_is_refused_and_two_ways_too() -> None:
+    env = {"DEADPOOL_MODE": "megatron-lm", "MEGATRON_LM_PATH": "/m"}
+    status, _, _, err = render("scripts/slurm/perlmutter.sbatch",
+                               MEGATRON_ARGS="--wandb-exp-name 'run a'", **env)  # fmt: skip
+    assert status == 2 and "MEGATRON_ARGS_FILE" in err, err
+    status, _, _, err = render("scripts/slurm/perlmutter.sbatch", "--bf16",
+                               MEGATRON_ARGS="--bf16", **env)  # fmt: skip
+    assert status == 2 and "give one" in err, err
 
 
 @pytest.mark.timeout(30)
@@ -496,6 +536,28 @@ def test_with_a_respawn_limit_one_agent_per_node_starts_the_nodes_processes() ->
         worker = agent[agent.index("--") + 1 :]
         assert worker[1:3] == ["-m", "megatron_deadpool.embedded.worker"], worker
     assert flag(cmds["coordinator"], "--deadpool-respawn-limit") == "2"
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize(("mode", "limit"), [("embedded", "2"), ("megatron-lm", "2"),
+                                             ("baseline", None), ("selftest", None)])  # fmt: skip
+def test_in_place_respawn_is_the_default_where_agents_can_run_the_job(
+    mode: str, limit: str | None
+) -> None:
+    """DEADPOOL_RESPAWN_LIMIT unset: agents that respawn twice per node (per the 600 s window)
+    in the embedded and megatron-lm modes, told to the coordinator too (which respawns only
+    when told); the baseline and the selftest start no agent."""
+    env = {"DEADPOOL_MODE": mode, "MEGATRON_LM_PATH": "/m", "MEGATRON_ARGS": "--x 1"}
+    # Empty is unset to the script (`:=`): its own default.
+    status, cmds, _, err = render(
+        "scripts/slurm/perlmutter.sbatch", DEADPOOL_RESPAWN_LIMIT="", **env
+    )
+    if limit is None:
+        assert status == 0 and not any(what.startswith("agent") for what in cmds), (err, cmds)
+        return
+    assert status == 0, err
+    assert "workers" not in cmds and "agent 0" in cmds, cmds
+    assert flag(cmds["coordinator"], "--deadpool-respawn-limit") == limit
 
 
 @pytest.mark.timeout(30)

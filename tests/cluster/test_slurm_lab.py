@@ -217,6 +217,9 @@ def submit(
         DEADPOOL_EXTRA_ARGS="--deadpool-pg-timeout 30",
         PYTHONWARNINGS="ignore",
         OMP_NUM_THREADS="1",
+        # One srun task per GPU, every failure a spare's, unless a test asks for agents
+        # (in-place respawn through them is deadpool_launch.sh's default).
+        DEADPOOL_RESPAWN_LIMIT="0",
     )
     if config is not None:
         base["DEADPOOL_CONFIG"] = str(config)

@@ -355,3 +355,18 @@ def test_fault_targets_and_range_checks() -> None:
         check_faults([parse_fault("node:2@2")], 4, 2, 8)
     with pytest.raises(ConfigError, match="^fail: iteration 9 is past"):
         check_faults([parse_fault("1@9")], 4, 2, 8)
+
+
+def test_spare_ranks_is_the_flags_name_and_the_older_spellings_still_work() -> None:
+    """One word each: spare ranks (processes, --deadpool-spare-ranks) and spare nodes
+    (SPARE_NODES, --spare-nodes); --deadpool-spares and --spares still parse."""
+    from megatron_deadpool.config.flags import primary_flag
+
+    parser = _parser()
+    for flag in ("--deadpool-spare-ranks", "--deadpool-spares"):
+        args = parser.parse_args([flag, "3"])
+        assert from_namespace(DeadpoolConfig, args, prefix="deadpool").spares == 3
+    assert primary_flag(DeadpoolConfig, "deadpool", "spares") == "--deadpool-spare-ranks"
+    assert primary_flag(DeadpoolConfig, "deadpool", "replicas") == "--deadpool-replicas"
+    help_line = parser.format_help()
+    assert "--deadpool-spare-ranks SPARES, --deadpool-spares SPARES" in help_line

@@ -262,7 +262,7 @@ def test_a_full_disk_during_the_out_of_redundancy_save_ends_with_code_3_and_no_t
     import os
     import shutil
 
-    from conftest import FAST_HEARTBEAT, deadpool_command
+    from conftest import FAST_HEARTBEAT, SPARE_PATH, deadpool_command
 
     if os.geteuid() != 0 or shutil.which("unshare") is None:
         pytest.skip("needs root and unshare to mount a small filesystem privately")
@@ -273,8 +273,8 @@ def test_a_full_disk_during_the_out_of_redundancy_save_ends_with_code_3_and_no_t
         '"$@"; rc=$?; find "$save" > "$listing"; exit $rc'
     )
     cmd = [*deadpool_command(), "train", "--tp", "2", "--dp", "2", "--spares", "0", "--fail",
-           "2@4", "--save", str(save), "--iters", ITERS, *FAST_HEARTBEAT, "--json-log",
-           str(out / "run.jsonl"), "--run-dir", str(out / "logs")]  # fmt: skip
+           "2@4", *SPARE_PATH, "--save", str(save), "--iters", ITERS, *FAST_HEARTBEAT,
+           "--json-log", str(out / "run.jsonl"), "--run-dir", str(out / "logs")]  # fmt: skip
     env = dict(os.environ, OMP_NUM_THREADS="1")
     proc = subprocess.run(
         ["unshare", "-m", "--propagation", "private", "sh", "-c", script, "sh", str(save),

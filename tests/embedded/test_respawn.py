@@ -38,6 +38,23 @@ def _recovered(out: Path, args: list[str], reference: dict[str, Any]) -> dict[st
 
 
 @pytest.mark.timeout(600)
+def test_a_crash_without_a_spare_is_respawned_by_default(
+    tmp_path: Path, reference: dict[str, Any]
+) -> None:
+    """No respawn flag and no spare: in-place respawn is on by default (2 per node per 10
+    minutes), so a crash costs no spare and the run ends as the failure-free one did (before
+    it was on by default, this run ended out of redundancy, exit 3)."""
+    proc, _, summary = train_case(
+        tmp_path, ["--tp", "2", "--dp", "2", "--spares", "0", "--fail", "2@4"], ITERS,
+        spare_path=False,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert summary["final_param_digest"] == reference["final_param_digest"]
+    assert summary["losses"] == reference["losses"]
+    assert [rec["respawned"] for rec in summary["recoveries"]] == [{"2": 1}], summary
+
+
+@pytest.mark.timeout(600)
 def test_more_crashes_than_spares_are_all_respawned_in_place(
     tmp_path: Path, reference: dict[str, Any]
 ) -> None:

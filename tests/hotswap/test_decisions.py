@@ -1056,3 +1056,21 @@ def test_a_rank_and_its_holder_crashing_together_on_live_nodes_lose_nothing() ->
         else:
             assert job.coord.out_of_redundancy is not None
             assert 1 in job.coord.out_of_redundancy.lost_ranks
+
+
+def test_the_job_status_the_ranks_read_follows_spares_recoveries_and_the_standby() -> None:
+    """`job/status` (for Megatron's TensorBoard/W&B scalars): published at the start and after
+    each event that changes it - a spare taken, a recovery completed, a standby lost."""
+    from megatron_deadpool.hotswap.job_status import publish_status
+    from megatron_deadpool.hotswap.messages import JobStatus
+
+    job = Job(spares=2, start=False)
+    publish_status(job.events, job.coord, standbys=1)
+    job.coord.start()
+    assert job.m().job_status() == JobStatus(2, 0, 0, 1, 1)
+    job.decided("a2")
+    assert job.m().job_status() == JobStatus(1, 0, 0, 1, 1)  # s0 took rank 2's slot
+    job.complete(1)
+    assert job.m().job_status() == JobStatus(1, 1, 0, 1, 1)
+    job.events("standby_lost", standby="h:1", ever_seen=True)
+    assert job.m().job_status() == JobStatus(1, 1, 0, 1, 0)

@@ -10,6 +10,7 @@ iteration are those of the failure-free run on one machine (conftest).
 
 from __future__ import annotations
 
+import json
 import re
 import sys
 from collections.abc import Callable
@@ -59,3 +60,32 @@ def test_killed_and_hung_megatron_lm_ranks_are_respawned_by_their_nodes_agents(
     logged = logged_iterations(text)
     assert logged == {it: expected.iterations.get(it) for it in logged}, describe(logs)
     assert len(set(expected.iterations) - set(logged)) <= 1, describe(logs)
+
+
+@pytest.mark.timeout(900)
+def test_deadpool_megatron_lm_with_node_agents_respawns_a_killed_rank_by_default(
+    tmp_path: Path, megatron_lm_failure_free: Callable[[int], MegatronLMReference]
+) -> None:
+    """`deadpool megatron-lm --node-agents` on this machine, no spare and no respawn flag:
+    rank 2's process SIGKILLed is respawned by its node's agent (in-place respawn is on by
+    default) and the run ends with the failure-free run's weights; the processes' output
+    reaches the launcher's from their logs."""
+    from megatron_deadpool.megatron_lm.launch import MegatronLauncher
+
+    tree = megatron_lm_tree()
+    expected = megatron_lm_failure_free(8)
+    args = [*megatron_args(8), "--use-distributed-optimizer", "--deadpool",
+            "--deadpool-spare-ranks", "0", "--deadpool-ranks-per-node", "2",
+            "--deadpool-fail", "2@4"]  # fmt: skip
+    out = tmp_path / "run.out"
+    with open(out, "w") as stream:
+        rc = MegatronLauncher(str(tree / "pretrain_gpt.py"), args, 4, run_dir=str(tmp_path / "run"),
+                              timeout_s=600, stream=stream, node_agents=True).run()  # fmt: skip
+    text = out.read_text(errors="replace")
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert rc == 0, text[-4000:]
+    assert [rec["respawned"] for rec in summary["recoveries"]] == [{"2": 1}], summary
+    assert summary["param_digests"] == expected.digests, summary
+    logged = logged_iterations(text)  # Megatron's lines, followed in the last rank's log
+    assert sorted(logged) == list(range(1, 9)), text[-4000:]
+    assert logged == {it: expected.iterations.get(it) for it in logged}

@@ -35,7 +35,7 @@ def test_flags_chain_the_scripts_provider_and_cover_every_field() -> None:
     cfg = from_namespace(DeadpoolConfig, args, prefix="deadpool")
     assert cfg.enabled and cfg.spares == 2 and cfg.ranks_per_node == 2
     assert cfg.coordinator == "node7:29400" and cfg.fail == ["2@5", "node:1@3:hang"]
-    helps = {a.option_strings[0]: a.help for a in parser._actions if a.option_strings}
+    helps = {opt: a.help for a in parser._actions for opt in a.option_strings}
     for field in dataclasses.fields(DeadpoolConfig):
         name = flag_name("deadpool", field.name)
         assert name in helps, name
