@@ -64,7 +64,7 @@ def flags_page() -> str:
     import dataclasses
 
     from megatron_deadpool.config.deadpool import DeadpoolConfig
-    from megatron_deadpool.config.flags import add_flags, flag_name
+    from megatron_deadpool.config.flags import add_flags, primary_flag
 
     parser = argparse.ArgumentParser(add_help=False)
     add_flags(parser, DeadpoolConfig, prefix="deadpool")
@@ -81,8 +81,9 @@ def flags_page() -> str:
         ),
     ]
     for field in dataclasses.fields(DeadpoolConfig):
-        flag = flag_name("deadpool", field.name)
+        flag = primary_flag(DeadpoolConfig, "deadpool", field.name)
         action = actions[flag]
+        older = [o for o in action.option_strings if o != flag and not o.startswith("--no-")]
         if isinstance(action, argparse.BooleanOptionalAction):
             kind = f"switch (`{flag}` / `{action.option_strings[1]}`)"
         elif action.choices:
@@ -96,6 +97,10 @@ def flags_page() -> str:
             f"\n## `{flag}`\n\n{action.help}\n\n"
             f"- value: {kind}\n- default: {default}\n- YAML: `deadpool: {{{field.name}: ...}}`\n"
         )
+        if older:
+            parts.append(
+                "- also accepted (older spelling): " + ", ".join(f"`{o}`" for o in older) + "\n"
+            )
     return "".join(parts)
 
 
@@ -182,7 +187,55 @@ def refused_options_page() -> str:
     )
 
 
+def events_page() -> str:
+    """docs/reference/events.md: the schema of RUN_DIR/events.jsonl (`hotswap.events.EVENTS`)."""
+    from megatron_deadpool.hotswap import events
+
+    rows = "\n".join(
+        f"| `{name}` | {kind.meaning} | {', '.join(f'`{f}`' for f in kind.fields) or '-'} |"
+        for name, kind in events.EVENTS.items()
+    )
+    common = ", ".join(f"`{f}`" for f in events.COMMON_FIELDS)
+    return (
+        "# Events (events.jsonl)\n\n"
+        + GENERATED
+        + "\nThe coordinator appends one JSON object per line to `RUN_DIR/events.jsonl`. "
+        f"Schema version {events.SCHEMA_VERSION} (the `v` field; raised when a field changes "
+        "meaning or goes away - new kinds and new fields keep it). Every entry has "
+        f"{common}: the schema version, the job's id (the same on every line of a job's "
+        "coordinators, primary and standby), the wall time (seconds since the epoch) and the "
+        "kind; the fields of each kind follow. Source: `megatron_deadpool/hotswap/events.py`.\n\n"
+        f"| kind | what it records | fields |\n|---|---|---|\n{rows}\n"
+    )
+
+
+def metrics_page() -> str:
+    """docs/reference/metrics.md: the Prometheus metrics file and the TensorBoard/W&B scalars."""
+    from megatron_deadpool.hotswap.metrics_file import METRICS
+    from megatron_deadpool.megatron_lm.report import SCALARS
+
+    metrics = "\n".join(f"| `{n}` | {kind} | {text} |" for n, (kind, text) in METRICS.items())
+    scalars = "\n".join(f"| `deadpool/{n}` | {text} |" for n, text in SCALARS.items())
+    return (
+        "# Metrics and scalars\n\n"
+        + GENERATED
+        + "\n## The metrics file (`--deadpool-metrics-file PATH`)\n\n"
+        "The Prometheus text exposition format (node_exporter's textfile collector convention), "
+        "rewritten atomically (a temporary file in the same folder, then a rename) at every "
+        "iteration and every event by the process that hosts the coordinator. A metric with no "
+        "value yet is left out. Source: `megatron_deadpool/hotswap/metrics_file.py`.\n\n"
+        f"| metric | type | meaning |\n|---|---|---|\n{metrics}\n"
+        "\n## TensorBoard and W&B scalars (Megatron-LM)\n\n"
+        "Written through Megatron's own writers on the last rank every "
+        "`--tensorboard-log-interval` iterations. Source: "
+        "`megatron_deadpool/megatron_lm/report.py`.\n\n"
+        f"| scalar | meaning |\n|---|---|\n{scalars}\n"
+    )
+
+
 PAGES: dict[str, Callable[[], str]] = {
+    "events.md": events_page,
+    "metrics.md": metrics_page,
     "cli.md": cli_page,
     "flags.md": flags_page,
     "exit-codes.md": exit_codes_page,

@@ -44,12 +44,12 @@ def test_reference_names_every_flag_command_and_exit_code() -> None:
     """The pages cover the code, not just match an old rendering of it."""
     from megatron_deadpool.cli.main import COMMANDS
     from megatron_deadpool.config.deadpool import DeadpoolConfig
-    from megatron_deadpool.config.flags import field_docs, flag_name
+    from megatron_deadpool.config.flags import field_docs, primary_flag
     from megatron_deadpool.errors import ExitCode
 
     pages = generator().render()
     for name in field_docs(DeadpoolConfig):
-        assert f"## `{flag_name('deadpool', name)}`" in pages["flags.md"], name
+        assert f"## `{primary_flag(DeadpoolConfig, 'deadpool', name)}`" in pages["flags.md"], name
     for command in COMMANDS:
         assert f"\n## deadpool {command}\n" in pages["cli.md"], command
     for code in ExitCode:
@@ -58,6 +58,16 @@ def test_reference_names_every_flag_command_and_exit_code() -> None:
 
     for option in REFUSALS:
         assert f"| `{option}` |" in pages["refused-megatron-options.md"], option
+    from megatron_deadpool.hotswap.events import EVENTS
+    from megatron_deadpool.hotswap.metrics_file import METRICS
+    from megatron_deadpool.megatron_lm.report import SCALARS
+
+    for kind in EVENTS:
+        assert f"| `{kind}` |" in pages["events.md"], kind
+    for metric in METRICS:
+        assert f"| `{metric}` |" in pages["metrics.md"], metric
+    for scalar in SCALARS:
+        assert f"| `deadpool/{scalar}` |" in pages["metrics.md"], scalar
     launch = (REPO / "scripts/slurm/deadpool_launch.sh").read_text()
     for variable in ("SPARE_NODES", "DEADPOOL_MODE", "DEADPOOL_RESPAWN_LIMIT", "DEADPOOL_INJECT"):
         assert re.search(rf"^#   {variable}\b", launch, re.MULTILINE)

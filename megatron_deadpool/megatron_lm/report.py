@@ -79,9 +79,39 @@ def status_scalars(status: JobStatus | None) -> dict[str, float]:
     }
 
 
+SCALARS: dict[str, str] = {
+    "committed-iteration": "newest iteration every holder committed a replica of (-1: none yet)",
+    "replica-bytes-per-iteration": "bytes of replicas this rank sent in the iteration",
+    "replication-time-ms": "host time the iteration's replication round took, in ms",
+    "generation": "generation of the job's process groups (+1 per recovery)",
+    "recoveries": "recoveries completed since the job started",
+    "last-recovery-s": "wall time of the last recovery, in seconds",
+    "last-recovery-{phase}-s": "wall time of each phase of the last recovery (release, agree, "
+    "join, restore, ...), in seconds",
+    "spares-available": "spare processes waiting to take a failed rank's slot (the coordinator's "
+    "count)",
+    "respawns": "failed processes replaced in place on their own node so far",
+    "standbys": "standby coordinators configured",
+    "standbys-reachable": "standby coordinators the primary reached at its last check",
+}
+"""Every scalar DeadPool writes as `deadpool/<name>` (Megatron-LM, last rank, every
+`--tensorboard-log-interval` iterations): name -> meaning; the reference page is generated
+from it and `write_scalars` writes no other name."""
+
+
+def documented_scalar(name: str) -> bool:
+    """Whether `name` is one of `SCALARS` (a `{phase}` matches any phase's name)."""
+    if name in SCALARS:
+        return True
+    return name.startswith("last-recovery-") and name.endswith("-s") and name != "last-recovery-s"
+
+
 def write_scalars(iteration: int, scalars: dict[str, float]) -> None:
     """Write `deadpool/<name>` scalars through Megatron's TensorBoard and W&B writers."""
     from megatron.training import get_tensorboard_writer, get_wandb_writer
+
+    undocumented = [name for name in scalars if not documented_scalar(name)]
+    assert not undocumented, f"scalars missing from report.SCALARS: {undocumented}"
 
     writer = get_tensorboard_writer()
     wandb_writer = get_wandb_writer()
