@@ -66,7 +66,7 @@ import torch
 from ..devices.base import real_cuda
 from ..devices.cpu import plain_torch
 from ..errors import ConfigError, DeadpoolRuntimeError
-from . import pack
+from . import pack, parallel_checksum
 from .buffer_stage import BufferStage
 from .lazy_state import LazyStateWatch, create_lazy_state
 
@@ -153,7 +153,10 @@ def verify(
     one_core: bool = False,
 ) -> Header:
     """Check magic, identity and checksum; raise `CorruptReplicaError` naming what failed.
-    `one_core`: off the main thread (`pack.checksum`)."""
+
+    A buffer in host memory is checksummed on DeadPool's bounded checksum threads
+    (`parallel_checksum`: memory speed, no OpenMP team), or with `one_core` on the calling
+    thread alone; a device buffer on the device (`pack.checksum`)."""
     header = read_header(flat)
     if header is None:
         raise CorruptReplicaError("snapshot header missing or damaged (bad magic or check word)")
@@ -167,7 +170,11 @@ def verify(
             f"replica of rank {header.owner} is of iteration {header.iteration}, "
             f"expected {iteration}"
         )
-    actual = pack.checksum(flat[: header.nbytes], one_core=one_core)
+    region = flat[: header.nbytes]
+    if region.device.type == "cpu":
+        actual = parallel_checksum.checksum(region, threads=1 if one_core else None)
+    else:
+        actual = pack.checksum(region)
     if actual != header.checksum:
         raise CorruptReplicaError(
             f"checksum mismatch in replica of rank {header.owner} iteration {header.iteration}: "
