@@ -161,15 +161,29 @@ class StreamModel:
             for name, value in saved.items():
                 setattr(cuda, name, value)
 
-    def violations(self, streams: tuple[int, ...] | None = None) -> list[str]:
-        """Every unordered read/write pair of the same bytes on different streams."""
+    def violations(self, watch: list[torch.Tensor] | None = None) -> list[str]:
+        """Every unordered read/write pair of the same bytes on different streams; with
+        `watch`, of the bytes of those tensors only (the device tensors of a scenario: on a
+        CPU every tensor is in host memory, and a host tensor's ops are not stream work)."""
+        watched = None if watch is None else [s for s in map(_span, watch) if s is not None]
+
+        def clash(a: list[Span], b: list[Span]) -> bool:
+            if watched is None:
+                return _overlap(a, b)
+            return any(
+                _overlap([(max(x0, y0), min(x1, y1))], watched)
+                for x0, x1 in a
+                for y0, y1 in b
+                if x0 < y1 and y0 < x1
+            )
+
         found = []
         for i, read in enumerate(self.ops):
             if not read.reads:
                 continue
             last_write: Op | None = None
             for write in self.ops[:i]:
-                if write.stream != read.stream and _overlap(write.writes, read.reads):
+                if write.stream != read.stream and clash(write.writes, read.reads):
                     last_write = write
             if last_write is not None and not _before(last_write, read):
                 found.append(
@@ -178,7 +192,7 @@ class StreamModel:
             for write in self.ops[i + 1 :]:
                 if (
                     write.stream != read.stream
-                    and _overlap(read.reads, write.writes)
+                    and clash(read.reads, write.writes)
                     and not _before(read, write)
                 ):
                     found.append(

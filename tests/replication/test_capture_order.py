@@ -66,7 +66,7 @@ class _Router(torch.nn.Module):
         self.register_buffer("expert_bias", torch.zeros(8))
 
 
-def _rank(*, rank: int, world_size: int, store: Any) -> dict[str, Any]:
+def _rank(*, rank: int, world_size: int, store: Any, ahead: bool) -> dict[str, Any]:
     import torch.distributed as dist
     from optimizers import Scheduler, make_optimizer, set_grads
 
@@ -88,6 +88,7 @@ def _rank(*, rank: int, world_size: int, store: Any) -> dict[str, Any]:
     model = StreamModel()
     with model.installed():
         repl = Replicator(snap, placement, rank, dist.group.WORLD, memory)
+        repl.verdict_ahead = ahead  # CUDA's path: settled and posted in `before_step`
         for it in range(1, ROUNDS + 1):
             model.phase = f"step {it}: forward and optimizer step"
             router.tokens.fill_(float(it))
@@ -108,8 +109,11 @@ def _rank(*, rank: int, world_size: int, store: Any) -> dict[str, Any]:
         Snapshotter.restore_into(state, flat, owner=rank, iteration=ROUNDS)
     repl.retire()
     side_reads = sum(1 for op in model.ops if op.stream != model.main.id and op.reads)
+    # The device tensors: the live state the training writes, and the capture's staging of
+    # the buffers where it has one (the verdict's flag and the replicas are host tensors here).
+    device = [*state.state_tensors(), *([snap._stage.area] if hasattr(snap, "_stage") else [])]
     return {
-        "violations": model.violations()[:8],
+        "violations": model.violations(device)[:8],
         "side_reads": side_reads,
         "restored_tokens": sorted(set(router.tokens.tolist())),
         "restored_bias": sorted(set(router.expert_bias.tolist())),
@@ -117,8 +121,11 @@ def _rank(*, rank: int, world_size: int, store: Any) -> dict[str, Any]:
 
 
 @pytest.mark.timeout(240)
-def test_the_next_forward_pass_is_ordered_after_the_captures_read_of_the_buffers() -> None:
-    results = run_world("test_capture_order:_rank", 2, timeout=200)
+@pytest.mark.parametrize("ahead", [True, False], ids=["verdict-ahead", "verdict-after"])
+def test_the_next_forward_pass_is_ordered_after_the_captures_read_of_the_buffers(
+    ahead: bool,
+) -> None:
+    results = run_world("test_capture_order:_rank", 2, kwargs={"ahead": ahead}, timeout=200)
     for rank, result in enumerate(results):
         assert result["side_reads"] > 0, result  # the capture did run on the side stream
         assert result["violations"] == [], (rank, result["violations"])
