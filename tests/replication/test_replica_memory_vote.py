@@ -96,3 +96,50 @@ def _newcomer_rank(*, rank: int, world_size: int, store: Any) -> dict[str, Any]:
 def test_a_newcomers_host_vote_does_not_move_the_run() -> None:
     for result in run_world("test_replica_memory_vote:_newcomer_rank", 2, timeout=150):
         assert result == {"first": "gpu", "second": "gpu"}, result
+
+
+def _short_rank(*, rank: int, world_size: int, store: Any) -> dict[str, Any]:
+    import torch.distributed as dist
+    from optimizers import Scheduler, Wrapped, make_optimizer, set_grads
+
+    from megatron_deadpool.devices.memory import ReplicaMemoryError
+    from megatron_deadpool.replication.placement import Layout, place_replicas
+    from megatron_deadpool.replication.replicator import Replicator
+    from megatron_deadpool.replication.snapshot import RankState, Snapshotter
+
+    class Short:
+        """Rank 1 finds neither GPU replicas nor host replicas' staging buffer fit."""
+
+        segments = None
+
+        def local_choice(self, need: int, *, previous: Any = None, reusable: int = 0) -> str:
+            if rank == 1:
+                raise ReplicaMemoryError("rank 1: neither fits (test)")
+            return "gpu"
+
+        def torch_device(self, choice: str) -> torch.device:
+            return torch.device("cpu")
+
+        def pinned(self, choice: str) -> bool:
+            return False
+
+    params, adam = make_optimizer("torch-adam", seed=rank)
+    set_grads(params, 0)
+    adam.step()
+    state = RankState(Wrapped(adam), Scheduler())
+    placement = place_replicas(Layout(tp=1, pp=1, dp=world_size, ranks_per_node=1), 1)
+    group = dist.new_group(backend="gloo", timeout=PG_TIMEOUT)
+    try:
+        Replicator(Snapshotter(state, rank), placement, rank, group, Short())  # type: ignore[arg-type]
+    except ReplicaMemoryError as exc:
+        return {"refused": str(exc)}
+    return {"refused": None}
+
+
+@pytest.mark.timeout(180)
+def test_a_rank_short_of_gpu_memory_makes_every_rank_refuse_together() -> None:
+    """One rank's `ReplicaMemoryError` is raised after the exchange, on every rank: none is
+    left waiting in the all-reduce for it, and its own message names its figures."""
+    results = run_world("test_replica_memory_vote:_short_rank", 2, timeout=150)
+    assert "on 1 rank(s) neither GPU replicas" in results[0]["refused"]
+    assert results[1]["refused"] == "rank 1: neither fits (test)"
