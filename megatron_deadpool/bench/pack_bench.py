@@ -15,7 +15,8 @@ exp_avg_sq of equal size, a bf16 tensor and an int64 step) and timed:
 Runs are interleaved (copy, pack, unpack, checksum, repeat) so that load from elsewhere on the
 machine hits all of them alike; the best and the median of the repeats are kept and the ratio
 ``pack / copy`` uses the medians. On CPU every size runs once per torch thread count (default
-and 1). Used as ``deadpool bench pack`` and ``python -m megatron_deadpool.bench.pack_bench``.
+and 1). Used as ``deadpool bench pack`` and ``python -m megatron_deadpool.bench.pack_bench``;
+``deadpool bench pack --verify`` runs `verify_bench` instead (a held replica's verification).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -178,6 +180,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--threads", type=int, nargs="+", default=None, help="CPU thread counts (default: N 1)"
     )
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON here")
+    parser.add_argument(
+        "--verify",
+        action="store_true",
+        help="instead: a held host replica's verification, one core vs DeadPool's checksum "
+        "threads (`verify_bench`; its options follow, see --verify --help)",
+    )
+    if argv is None:
+        argv = sys.argv[1:]
+    if "--verify" in argv:
+        from . import verify_bench
+
+        return verify_bench.main([a for a in argv if a != "--verify"])
     args = parser.parse_args(argv)
     result = run_pack_bench(args.sizes_mb, args.repeats, args.device, args.threads)
     print(format_table(result))

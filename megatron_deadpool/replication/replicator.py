@@ -3,7 +3,9 @@
 Round t, started right after optimizer step t (`start_round`):
   (a) the rank captures its state into a local slot (pack + checksum in one pass; on a GPU
       on a side stream, without the host waiting: the next optimizer step waits for it
-      through `before_step`, see `guard_optimizer_step`);
+      through `before_step`, see `guard_optimizer_step`; the model buffers, which the next
+      forward pass may write, are copied on the training's stream before `start_round`
+      returns, `buffer_stage`);
   (b) it posts the round's transfers - sends of that slot to its k holders, receives from the
       owners it holds, each into a slot - as one batch on the replication group
       (`devices.p2p.post`); replicas in pinned host memory are sent once the capture's
@@ -29,7 +31,8 @@ the receives of the in-flight round that completed and verify, never waiting on 
 
 Memory: where the buffers live is agreed at construction (`devices.memory`: GPU memory when
 it fits under ``auto``, else pinned host memory, the same on every rank; a rank with buffers
-already votes where they are, so the first choice holds across recoveries), and a replicator
+already votes where they are and a newcomer adopts that, so the first choice holds across
+recoveries), and a replicator
 built after a recovery takes over its predecessor's buffers (`previous`) instead of
 allocating a second set next to them (`slots.Pool`). Replicas in host memory next to a GPU
 travel on `host_group` (gloo, the data-parallel peers: `devices.groups`), everything else on
@@ -52,7 +55,7 @@ import torch.distributed as dist
 from ..devices import p2p
 from ..devices.failures import is_peer_failure
 from ..devices.groups import check_takes, tensor_device
-from ..devices.memory import Choice, ReplicaMemory
+from ..devices.memory import Choice, ReplicaMemory, ReplicaMemoryError, Tally
 from ..devices.p2p import Transfer, arrived, post
 from ..devices.streams import own_stream
 from ..devices.threads import pool as threads_pool
@@ -124,22 +127,39 @@ class Replicator:
         self.owners = placement.held_by[rank]
         world = placement.layout.world_size
         # Flat sizes differ per rank (shard boundaries, padding): learn them once, together
-        # with every rank's memory choice (the same for all: host memory if any rank needs it).
+        # with every rank's memory choice (the same for all: what survivors hold, else host
+        # memory if any rank needs it; `devices.memory.Tally`).
         own = snapshotter.flat_nbytes()
         need = 2 * own * (1 + len(self.owners))  # held shards: DP peers', of the same size
         kept = previous.buffers() if previous is not None else []
-        vote = memory.local_choice(
-            need,
-            previous=previous.choice if previous is not None else None,
-            reusable=gpu_bytes(kept),
-        )
-        exchange = torch.zeros(world + 1, dtype=torch.int64, device=tensor_device(group))
+        # Host replicas of GPU state still stage each capture through a GPU buffer of the
+        # snapshot's size (`Snapshotter.capture`): counted where free memory decides.
+        staging = {"staging": own} if snapshotter.device.type == "cuda" else {}
+        short: ReplicaMemoryError | None = None
+        try:
+            vote = memory.local_choice(
+                need,
+                previous=previous.choice if previous is not None else None,
+                reusable=gpu_bytes(kept),
+                **staging,
+            )
+        except ReplicaMemoryError as exc:  # raised below on every rank, after the exchange
+            vote, short = "host", exc
+        tally = Tally.of(vote, held=previous is not None, short=short is not None)
+        exchange = torch.zeros(world + 4, dtype=torch.int64, device=tensor_device(group))
         exchange[rank] = own
-        exchange[world] = int(vote == "host")
+        exchange[world:] = torch.tensor(tally.counts(), dtype=torch.int64)
         dist.all_reduce(exchange, group=group)
         values = exchange.tolist()
         self.sizes = values[:world]
-        self.choice: Choice = "host" if values[world] else "gpu"
+        agreed = Tally.from_counts(values[world:])
+        self.choice: Choice = agreed.choice()  # a newcomer adopts what survivors hold
+        if self.choice == "host" and agreed.short:
+            raise short or ReplicaMemoryError(
+                f"deadpool-replica-device auto: on {agreed.short} rank(s) neither GPU replicas "
+                "nor the GPU staging buffer of host replicas fit in free GPU memory (their error "
+                "names the figures): give each rank a smaller shard or free GPU memory"
+            )
         self.device = memory.torch_device(self.choice)
         self.pinned = memory.pinned(self.choice)
         on_host = self.device.type == "cpu"
@@ -149,6 +169,8 @@ class Replicator:
         if previous is not None:
             previous.retire()  # its other buffers are freed before anything new is allocated
         pool = Pool(kept, self.device, self.pinned, mapped)
+        if on_host and snapshotter.device.type == "cuda":
+            snapshotter.reserve_staging()  # out of memory here, not at the first capture
         del kept, mapped
         where = memory.segments if on_host else None  # GPU replicas die with the process
         paths = {
@@ -215,9 +237,10 @@ class Replicator:
             self.timings["capture"] = time.perf_counter() - t0
             self._works = self._post_now(transfers)
         else:  # GPU: capture on a side stream ordered after the step; the host does not wait
-            self._stream.wait_stream(torch.cuda.current_stream(self.snap.device))
+            # The model buffers are staged on the current stream first, so the next forward
+            # pass cannot overwrite them under the capture (`Snapshotter.capture`).
+            self.snap.capture(iteration, buf, stream=self._stream)
             with torch.cuda.stream(self._stream):
-                self.snap.capture(iteration, buf)
                 event = torch.cuda.Event()
                 event.record()
                 self._capture = (event, slot)

@@ -45,9 +45,12 @@ one host-to-device copy instead of one per scalar; on the CPU it is packed like 
 The header carries magic, owner rank, iteration, packed size, checksum and the size of the
 meta region, so a holder can verify a replica, and a newcomer read it, on its own.
 
-On a GPU with the fused kernel, `Snapshotter.capture` only enqueues work on the current stream:
-the checksum stays on the device and the header is assembled there (`_DeviceHeader`), so the
-host never waits for the optimizer step it follows; the caller records an event after it.
+On a GPU with the fused kernel, `Snapshotter.capture` only enqueues work (on the side stream it
+is given): the checksum stays on the device and the header is assembled there
+(`_DeviceHeader`), so the host never waits for the optimizer step it follows; the caller
+records an event after it. Model buffers are packed from a copy taken on the training's stream
+first (`buffer_stage`), so the next forward pass, which writes some of them, cannot race the
+side-stream capture (`capture` gives the ordering argument).
 """
 
 from __future__ import annotations
@@ -63,7 +66,8 @@ import torch
 from ..devices.base import real_cuda
 from ..devices.cpu import plain_torch
 from ..errors import ConfigError, DeadpoolRuntimeError
-from . import pack
+from . import pack, parallel_checksum
+from .buffer_stage import BufferStage
 from .lazy_state import LazyStateWatch, create_lazy_state
 
 MAGIC = 0x4445414450304F4C
@@ -149,7 +153,10 @@ def verify(
     one_core: bool = False,
 ) -> Header:
     """Check magic, identity and checksum; raise `CorruptReplicaError` naming what failed.
-    `one_core`: off the main thread (`pack.checksum`)."""
+
+    A buffer in host memory is checksummed on DeadPool's bounded checksum threads
+    (`parallel_checksum`: memory speed, no OpenMP team), or with `one_core` on the calling
+    thread alone; a device buffer on the device (`pack.checksum`)."""
     header = read_header(flat)
     if header is None:
         raise CorruptReplicaError("snapshot header missing or damaged (bad magic or check word)")
@@ -163,7 +170,11 @@ def verify(
             f"replica of rank {header.owner} is of iteration {header.iteration}, "
             f"expected {iteration}"
         )
-    actual = pack.checksum(flat[: header.nbytes], one_core=one_core)
+    region = flat[: header.nbytes]
+    if region.device.type == "cpu":
+        actual = parallel_checksum.checksum(region, threads=1 if one_core else None)
+    else:
+        actual = pack.checksum(region)
     if actual != header.checksum:
         raise CorruptReplicaError(
             f"checksum mismatch in replica of rank {header.owner} iteration {header.iteration}: "
@@ -256,6 +267,11 @@ class RankState:
             for name, buf in chunk.named_buffers()
             if buf is not None
         ]
+
+    def model_buffers(self) -> list[torch.Tensor]:
+        """Every buffer of the model chunks, in packing order: the captured tensors that
+        something besides the optimizer step writes (the forward pass)."""
+        return [buf for _, _, buf in self._buffers()]
 
     def _walk(self) -> list[tuple[list[Any] | None, torch.Tensor]]:
         """(manifest entry, tensor) in packing order: each parameter (entry None: the main
@@ -532,6 +548,11 @@ class Snapshotter:
         packed = [t for t in live if not _is_host_scalar(t)]
         scalars = [t for t in live if _is_host_scalar(t)]
         self.device = packed[0].device if packed else torch.device("cpu")
+        # Model buffers are packed from a copy taken on the training's stream (`buffer_stage`).
+        buffers = {id(t) for t in state.model_buffers() if not _is_host_scalar(t)}
+        self._stage = BufferStage([t for t in packed if id(t) in buffers], self.device)
+        views = iter(self._stage.views)
+        packed = [next(views) if id(t) in buffers else t for t in packed]
         self._scalar_views = [_byte_view(t) for t in scalars]
         probe = len(_encode_meta(state.small_state(0), self._manifest_json))
         self.meta_nbytes = -(-(probe * 2 + 1024) // META_ALIGN) * META_ALIGN
@@ -542,7 +563,16 @@ class Snapshotter:
         self.plan = pack.PackPlan([*packed, self._blob], self.device)
         self._header = _DeviceHeader(self.device) if self.device.type == "cuda" else None
         self._staging: torch.Tensor | None = None
-        self._host_free: torch.cuda.Event | None = None  # the last capture's copies consumed
+        self._host_free: torch.cuda.Event | None = None
+        """Recorded after the last capture on its stream: its reads of the pinned host blob
+        and of the buffers' staging area are done (both are written again by the next)."""
+
+    def reserve_staging(self) -> None:
+        """Allocate now the GPU buffer that captures of GPU state into host memory pack into
+        (the snapshot's size; `devices.memory` counts it), so that a shortage shows when the
+        replicator is built, not at its first capture."""
+        if self.device.type == "cuda" and self._staging is None:
+            self._staging = torch.empty(self.flat_nbytes(), dtype=torch.uint8, device=self.device)
 
     def flat_nbytes(self) -> int:
         """Size of this rank's flat snapshot (packed region + header)."""
@@ -563,15 +593,45 @@ class Snapshotter:
             self._blob.copy_(self._host, non_blocking=True)
 
     @plain_torch
-    def capture(self, iteration: int, out: torch.Tensor) -> Header | None:
+    def capture(
+        self, iteration: int, out: torch.Tensor, stream: torch.cuda.Stream | None = None
+    ) -> Header | None:
         """Copy the live state of `iteration` into `out` (one pass: pack + checksum).
 
         Returns the header, or None when the state is on a GPU (the checksum stays there, from
-        the fused kernel or the torch fallback): then the capture is only enqueued on the
-        current stream (header included) and the caller records an event after this call;
+        the fused kernel or the torch fallback): then the capture is only enqueued (header
+        included) and the caller records an event on the capture's stream after this call;
         `out` is complete once that event has passed.
+
+        `stream` (CUDA): the side stream the capture runs on, the host not waiting for it.
+        Ordering, by construction:
+        - the model buffers - the only captured device tensors that something besides the
+          optimizer step writes (the forward pass: the MoE router's counters) - are copied to
+          a staging area first, on the current stream (`buffer_stage`): after the step being
+          captured and before anything issued after this call, by that stream's own order.
+          The staging copy waits for the previous capture's completion event, which is the
+          last reader of the area (one capture is in flight at a time: the local slots are
+          double-buffered, the staging area is not and need not be);
+        - then `stream` waits for the current stream (the step and the staging copy) and the
+          pack runs on it; the optimizer tensors it reads are next written by the next
+          optimizer step, which waits for the capture's event (`Replicator.before_step`);
+        - everything else - host scalars, RNG states, scheduler, loss scalers, the metadata -
+          is read on the host before this call returns (`_fill_blob`) into the pinned blob,
+          whose reuse waits for the same completion event.
         """
         self._lazy.check()
+        on_gpu = self.device.type == "cuda"
+        if on_gpu and self._host_free is not None:  # the last capture read the staging area
+            torch.cuda.current_stream(self.device).wait_event(self._host_free)
+        self._stage.take()
+        if stream is None:
+            return self._capture(iteration, out)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            return self._capture(iteration, out)
+
+    def _capture(self, iteration: int, out: torch.Tensor) -> Header | None:
+        """`capture` on the current stream, the buffers staged."""
         self._fill_blob(iteration)
         nbytes = self.plan.nbytes
         header = Header(
@@ -583,7 +643,7 @@ class Snapshotter:
         )
         target = out
         if out.device != self.plan.device:  # GPU state, host replicas: one copy of everything
-            if self._staging is None:
+            if self._staging is None or self._staging.numel() != out.numel():
                 self._staging = torch.empty(out.numel(), dtype=torch.uint8, device=self.device)
             target = self._staging
         if self._header is not None:

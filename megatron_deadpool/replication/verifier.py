@@ -4,8 +4,10 @@ A holder verifies every replica it receives by its checksum before it counts (`s
 For replicas in GPU memory that runs on the GPU. For replicas in host memory - pinned host
 memory next to a GPU, or the CPU mode - it is the host checksum over the whole shard: GiBs per
 step, which on the main thread would sit on the training's critical path. A `RoundCheck` does it
-on a worker thread instead, and on one core (`pack.checksum`'s ``one_core``: no OpenMP team
-beside the training's threads), started as soon as the round's transfers are posted: the thread
+on a worker thread instead, at memory speed on DeadPool's bounded pool of checksum threads
+(`parallel_checksum`: no OpenMP team beside the training's threads; one core took 1.0-1.3 s
+per 2 GiB on an H200 node, so a rank holding 9 GiB made each step wait ~5 s), started as soon
+as the round's transfers are posted: the thread
 waits for them (overlapping the next iteration's forward and backward), checks every received
 replica, and the main thread only reads the outcome when it settles the round. What counts as
 verified does not change: the same `verify`, and the main thread alone marks slots verified
@@ -92,7 +94,7 @@ def _check(
             continue
         found.arrived.add(owner)
         try:
-            verify(flat, owner=owner, iteration=iteration, one_core=True)
+            verify(flat, owner=owner, iteration=iteration)  # on the checksum threads
         except CorruptReplicaError as exc:
             found.corrupt[owner] = str(exc)
     found.seconds = {

@@ -122,9 +122,10 @@ def test_verified_off_the_main_thread_and_verdicts_posted_ahead_commit_the_same(
             assert run["committed"] == expected, (rank, name, run)
             assert run["corrupt"] == ([[0, FLIP_ROUND]] if rank == 1 else []), (rank, name)
             # Every round's replica was checked on the worker thread, none on the main one, on
-            # one core (no OpenMP team beside the training's); the damaged one again on the
-            # main thread (the injection happens there).
-            assert run["verify_threads"] == [["deadpool-verify", True]], (rank, name, run)
+            # DeadPool's checksum threads (`parallel_checksum`: no OpenMP team beside the
+            # training's; not the calling thread alone); the damaged one again on the main
+            # thread (the injection happens there).
+            assert run["verify_threads"] == [["deadpool-verify", False]], (rank, name, run)
             assert run["holdings"]["local"] == [4, 5] and len(run["holdings"]) == 2
         assert result["host-group"]["transfer_group_is_host"]
         assert result["host-group"]["posted_on_host_group"]
