@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from ...devices.streams import own_stream
 from .base import Outcome, adam_state, device_times_ms, matmul_loop, replicator_of_one
 
 ROUNDS = 4
@@ -106,10 +107,11 @@ def _round_times(
 
 def _copy_times(nbytes: int, loop: Callable[[], None], rounds: int) -> list[float]:
     """The loop's device time with a plain copy of `nbytes` started before it on a side stream
-    (as the round's capture, the copy's end is not waited for), ms."""
+    (as the round's capture, the copy's end is not waited for; the replicator's own stream, so
+    that both run on the same kind of stream), ms."""
     src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
-    side = torch.cuda.Stream()
+    side = own_stream(torch.device("cuda", torch.cuda.current_device()))
 
     def copied() -> None:
         side.wait_stream(torch.cuda.current_stream())
