@@ -96,7 +96,6 @@ Keys (the message type of each structured value in CamelCase):
                               could not be written (a full disk), each one's line
   load/{rank}                 seconds the rank took to load a persistent checkpoint
   salvaged/{rank}             the rank wrote its part of the out-of-redundancy snapshot set
-  salvage/manifest            counter: the first survivor to add 1 writes the manifest
   shutdown                    set by a launcher or the coordinator: waiting spares leave
   rejoin/{member}             Registration: a member's re-registration with a standby that took
                               over; task{i} for a process that does not know its member name
@@ -1029,10 +1028,6 @@ class Membership:
 
     def all_salvaged(self, ranks: list[int]) -> bool:
         return self._all_present([Keys.SALVAGED.format(rank=r) for r in ranks])
-
-    def claim_manifest(self) -> bool:
-        """True for the one survivor that writes the snapshot set's manifest."""
-        return self.store.add(Keys.SALVAGE_MANIFEST, 1) == 1
 
 
 def host_store(

@@ -72,7 +72,6 @@ class Keys:
     CHECKPOINT_FAILURES = "checkpoint/failures"
     LOAD_TIME = "load/{rank}"
     SALVAGED = "salvaged/{rank}"
-    SALVAGE_MANIFEST = "salvage/manifest"
     SHUTDOWN = "shutdown"
     REJOIN = "rejoin/{member}"
     REBUILT = "rebuilt"
@@ -96,7 +95,6 @@ class Keys:
         ERRORS,
         DONE_COUNT,
         FAULT_FIRED,
-        SALVAGE_MANIFEST,
         PROCESS_GROUPS,
         AGENTS_NEXT,
         AGENT_BEAT,

@@ -12,7 +12,7 @@ replica sources is `restore_plan.py`, run by the coordinator):
   snapshot and serve the shards they hold for needy ranks.
 - `Recovery.salvage`: out of redundancy, write this survivor's part of the snapshot set of one
   common iteration (its own snapshot and those it holds for dead ranks; `snapshot_set.py` is
-  the format) and, on one survivor, the set's manifest; returns the sentence saying what was
+  the format) and the set's manifest as far as it knows it; returns the sentence saying what was
   saved. `Recovery.save_held`: the same without any coordinator, for every iteration held.
 
 A `Recovery` holds what these steps need of the process that takes them - its store access,
@@ -44,9 +44,6 @@ from .messages import EndReport, HoldingsReport, OutOfRedundancy, Roster, Verdic
 from .newcomer_claim import claim_slot
 
 log = logging.getLogger(__name__)
-
-SALVAGE_WAIT_S = 30.0
-"""How long the manifest writer waits for the other survivors' snapshot files."""
 
 DECISION_WAIT_S = 600.0
 """Longest single wait for the coordinator's decision on a plan (it then waits again)."""
@@ -262,7 +259,7 @@ class Recovery:
 
     def salvage(self, report: OutOfRedundancy | EndReport, salvage_target: SalvageTarget) -> str:
         """Write this survivor's part of the snapshot set the report's save order names (its
-        own snapshot and the dead ranks' copies it holds); on one survivor also the manifest,
+        own snapshot and the dead ranks' copies it holds), then the manifest from what is on disk,
         with the job's fields (e.g. Megatron's sample counters at T); say what was saved."""
         order = report.save
         if order is None or self.replicator is None or self.rank is None:
@@ -275,20 +272,17 @@ class Recovery:
             return "nothing saved (no --save directory)"
         owners = [rank] + [needy for needy, holder in order.sources.items() if holder == rank]
         written, error = self._write_parts(root, t, owners)
-        m = self.membership
-        m.mark_salvaged(rank)  # also when it failed: the manifest writer need not wait for it
-        if m.claim_manifest():  # one survivor writes the manifest
-            world = self.roster.world_size
-            survivors = [r for r in range(world) if r not in report.dead_ranks]
-            deadline = time.time() + SALVAGE_WAIT_S
-            while time.time() < deadline and not m.all_salvaged(survivors):
-                time.sleep(0.1)
-            try:
-                snapshot_set.publish_manifest(
-                    root, t, world, {"reason": report.reason, **(extra or {})}
-                )
-            except OSError as exc:
-                error = error or _failed(snapshot_set.set_dir(root, t) / "manifest.json", exc)
+        self.membership.mark_salvaged(rank)  # also when it failed: what it tried is known
+        # Every survivor writes the manifest from the rank files on disk, and writes it again
+        # until it shows what is there (`publish_manifest`): the one that stays was written
+        # after every survivor's files, so no single writer - one that dies, or a claim a
+        # stranger's counter takes - can leave a saved set without its manifest.
+        try:
+            snapshot_set.publish_manifest(
+                root, t, self.roster.world_size, {"reason": report.reason, **(extra or {})}
+            )
+        except OSError as exc:
+            error = error or _failed(snapshot_set.set_dir(root, t) / "manifest.json", exc)
         where = snapshot_set.set_dir(root, t)
         if error:
             return _partly_saved(where, written, [o for o in owners if o not in written], error)
