@@ -541,11 +541,17 @@ class Coordinator:
         g = rec.generation
         survivors = [r for r in range(self.world_size) if r not in rec.needy]
         reporters = survivors + sorted(rec.respawned)
+        # The counter is a hint that anyone can add to: a count out of its range is rejected
+        # (and reported), and by the agreement timeout the sealed reports decide alone.
+        uncounted = self.membership.reports_missing(g)
+        overdue = self.clock.monotonic() - rec.planned_at > self.agree_timeout
+        if not -self.world_size - len(rec.respawned) <= uncounted <= len(reporters):
+            self.membership.reject_holdings_count(g, -uncounted)
         holdings = None  # read in full once the store counted enough reports
-        if self.membership.reports_missing(g) <= 0:
+        if uncounted <= 0 or uncounted > len(reporters) or overdue:
             holdings = self.membership.all_holdings(g, reporters)
         if holdings is None:
-            if self.clock.monotonic() - rec.planned_at > self.agree_timeout:
+            if overdue:
                 missing = [r for r in reporters if self.membership.holdings(g, r) is None]
                 self.events("agree_timeout", generation=g, missing=missing)
                 for r in missing:

@@ -312,18 +312,21 @@ class Membership:
                 self.seal.open(key, raw)  # raises ForgedValue, naming key and value
             time.sleep(FORGED_POLL_S)
 
-    def _claim(self, key: str, payload: str) -> bytes | None:
+    def _claim(self, key: str, payload: str) -> bytes:
         """Put `payload` in `key` unless it holds a value of the job's already (a rejected one
-        counts as none, and is replaced); the payload the key holds afterwards."""
+        counts as none, and is replaced); the payload the key holds afterwards. `ForgedValue`
+        when rejected values keep replacing ours for `FORGED_WAIT_S`."""
         expected: str | bytes = ""
         desired = self.seal.seal(key, payload)
-        for _ in range(16):  # each round replaces a rejected value: a writer racing us loses
+        deadline = time.monotonic() + FORGED_WAIT_S  # a stranger racing us delays, never wins
+        while True:  # each round replaces the rejected value it saw
             raw = self.store.compare_set(key, expected, desired)  # type: ignore[arg-type]
             value = self._open(key, raw)
             if value is not None:
                 return value
+            if time.monotonic() > deadline:
+                self.seal.open(key, raw)  # raises ForgedValue, naming key and value
             expected = raw
-        return None
 
     def _peek(self, key: str) -> bytes | None:
         """`key`'s value, or None if it does not exist, in one request that neither waits nor
@@ -628,6 +631,12 @@ class Membership:
         trip)."""
         return -self._count(Keys.HOLDINGS_COUNT.format(g=generation))
 
+    def reject_holdings_count(self, generation: int, count: int) -> None:
+        """Report generation g's report counter holding `count`, out of its range: a stranger's
+        `add` (once per value, as a rejected value is; the reports themselves decide)."""
+        key = Keys.HOLDINGS_COUNT.format(g=generation)
+        self._reject(key, str(count).encode(), f"store key {key}: rejected count {count}")
+
     def holdings_count(self, generation: int) -> int:
         """The report counter of generation g: how many reports arrived, until the coordinator
         planned g (`expect_reports`)."""
@@ -655,8 +664,7 @@ class Membership:
         """A newcomer about to join generation g as `rank`: `CLAIMED`, unless the coordinator
         settled the slot first - `GIVEN_UP` (it took this process for lost: `give_up_slot`) or
         `MOVED_ON` (the generation will not be joined: `move_slot_on`)."""
-        held = self._claim(Keys.CLAIM.format(g=generation, rank=rank), CLAIMED)
-        return held.decode() if held is not None else GIVEN_UP
+        return self._claim(Keys.CLAIM.format(g=generation, rank=rank), CLAIMED).decode()
 
     def claimed(self, generation: int, rank: int) -> bool:
         """Whether generation g's newcomer for `rank` claimed its slot (one request)."""

@@ -25,8 +25,9 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -45,8 +46,15 @@ from .newcomer_claim import claim_slot
 
 log = logging.getLogger(__name__)
 
+T = TypeVar("T")
+
 DECISION_WAIT_S = 600.0
 """Longest single wait for the coordinator's decision on a plan (it then waits again)."""
+
+DECISION_LIMIT_S = 3 * DECISION_WAIT_S
+"""Longest wait for one generation's decision, or its newcomers' claims, in all: a coordinator
+(or a standby that took over) decides within its agreement timeout, so past this nothing will
+(a stranger's counter, a coordinator that lost its store): the recovery ends with that error."""
 
 SalvageTarget = Callable[[int], tuple[str | None, dict[str, Any] | None]]
 """iteration -> (the save directory, None: none; extra manifest fields): `JobAdapter`'s."""
@@ -153,8 +161,9 @@ class Recovery:
                         "not a peer failure"
                     ) from cause
                 first = False
-            while decision is None:  # the coordinator decides within its agree timeout
-                decision = m.wait_decision(g, DECISION_WAIT_S)
+            decision = decision or _waited(
+                partial(m.wait_decision, g, DECISION_WAIT_S), f"decided generation {g}"
+            )
             if decision.verdict is Verdict.OUT_OF_REDUNDANCY:
                 self._out_of_redundancy(salvage_target)
             if decision.verdict is Verdict.SUPERSEDED:
@@ -183,9 +192,10 @@ class Recovery:
                 log.info(
                     "generation %d restores rank %d from a holder (planned as a newcomer)", g, rank
                 )
-            ready = None
-            while ready is None:  # a newcomer claims its slot, or is given up when it dies
-                ready = m.wait_newcomers(g, plan.needy, DECISION_WAIT_S)
+            ready = _waited(  # a newcomer claims its slot, or is given up when it dies
+                partial(m.wait_newcomers, g, plan.needy, DECISION_WAIT_S),
+                f"settled the newcomers' slots of generation {g}",
+            )
             if ready:
                 return new
             log.warning("generation %d will not be joined (a newcomer was lost first)", g)
@@ -363,6 +373,20 @@ class Recovery:
         if self.rank is None:
             raise DeadpoolRuntimeError(f"{self.member} holds no rank")
         return self.rank
+
+
+def _waited(wait: Callable[[], T | None], what: str) -> T:
+    """`wait()` again while it answers None (each wait bounded), for `DECISION_LIMIT_S` in
+    all; then `DeadpoolRuntimeError` saying the coordinator never `what`."""
+    deadline = time.monotonic() + DECISION_LIMIT_S
+    while True:
+        value = wait()
+        if value is not None:
+            return value
+        if time.monotonic() > deadline:
+            raise DeadpoolRuntimeError(
+                f"the coordinator never {what} in {DECISION_LIMIT_S:.0f} s: the recovery ends"
+            )
 
 
 def _failed(path: Path, exc: OSError) -> str:
