@@ -723,11 +723,14 @@ class Membership:
     def stamp_time(self, generation: int, phase: str, rank: int) -> float | None:
         return self._time(Keys.STAMP.format(g=generation, phase=phase, rank=rank))
 
-    def stamp_times(self, generation: int, phase: str, ranks: Sequence[int]) -> list[float]:
-        """The stamps of `ranks` (which must all have stamped), in batched requests."""
+    def stamp_times(self, generation: int, phase: str, ranks: Sequence[int]) -> list[float] | None:
+        """The stamps of `ranks`, in batched requests; None while one is missing or rejected
+        (the count said they are all in: it is only a hint)."""
         keys = [Keys.STAMP.format(g=generation, phase=phase, rank=r) for r in ranks]
-        payloads = zip(keys, self._payloads(keys))
-        return [read_float(k, v) for k, v in payloads if v is not None]  # (a rejected one: none)
+        payloads = self._payloads(keys) if self._all_exist(keys) else [None]
+        if any(v is None for v in payloads):
+            return None
+        return [read_float(k, v) for k, v in zip(keys, payloads) if v is not None]
 
     def report_stale_refs(self, generation: int, count: int) -> None:
         """Add a rank's count of old-generation handles left after rebinding to g's total."""

@@ -84,3 +84,35 @@ def test_a_stranger_that_never_stops_ends_the_claim_with_a_stated_error(
     m = Membership(RacingStranger(store, key, rounds=10**9), "s0", SEAL)  # type: ignore[arg-type]
     with pytest.raises(ForgedValue, match="gen1/ready/2"):
         m.claim_slot(1, 2)
+
+
+@pytest.mark.timeout(60)  # b213e7a's coordinator blocks here on a missing stamp
+def test_a_strangers_add_to_the_phase_counts_neither_blocks_nor_stalls_the_coordinator() -> None:
+    """Counted ahead of the stamps, the coordinator reads them without waiting for missing
+    ones (a blocking read would hold its tick for the store's timeout); counted short, the
+    stamps complete the recovery by the agreement timeout."""
+    job = Job(spares=2)
+    job.tick()
+    job.decided("a2")
+    for phase in ("joined", "restored", "first_iteration"):
+        job.store.add(Keys.STAMP_COUNT.format(g=1, phase=phase), 100)
+    job.tick()  # returns: the stamps are not there
+    assert job.coord.recovering
+    job.complete(1)  # every rank stamps: recovered
+    assert [r["generation"] for r in job.coord.recoveries] == [1]
+
+    job.die("a3")
+    job.tick()
+    job.report(2, [0, 1, 2])
+    job.tick()
+    assert job.decision(2) == Decision.roster(job.world)
+    for phase in ("joined", "restored", "first_iteration"):
+        job.store.add(Keys.STAMP_COUNT.format(g=2, phase=phase), -1000)
+    for phase in ("joined", "restored", "first_iteration"):
+        for rank, member in job.coord.roster.slots.items():
+            job.m(member).stamp(2, phase, rank)
+    job.tick()
+    assert job.coord.recovering  # the counts say not yet
+    job.tick(AGREE_TIMEOUT + 1)
+    assert not job.coord.recovering
+    assert [r["generation"] for r in job.coord.recoveries] == [1, 2]
