@@ -849,7 +849,7 @@ class Membership:
     def publish_checkpoint_failure(self, iteration: int, line: str) -> None:
         """Rank 0: the checkpoint of `iteration` was not written (`line` says why)."""
         known = self.checkpoint_failures()
-        lines = {**(known.lines if known else {}), iteration: line}
+        lines = retention.retained_failures({**(known.lines if known else {}), iteration: line})
         self._set(Keys.CHECKPOINT_FAILURES, CheckpointFailures(lines).encode())
 
     def checkpoint_failures(self) -> CheckpointFailures | None:
