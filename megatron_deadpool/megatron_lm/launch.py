@@ -42,6 +42,7 @@ from ..hotswap.local_job import LocalJob
 from ..hotswap.messages import JobError, task_of
 from ..hotswap.seal import SECRET_ENV, SECRET_FILE_ENV, job_secret, new_secret
 from ..hotswap.supervisor import Supervisor
+from .interplay import check_megatron_flags
 from .runner import preparse
 
 RUNNER_IMPORTS = (
@@ -105,6 +106,7 @@ class MegatronLauncher:
         self.nproc = nproc
         self.patched = patched
         self.cfg = preparse(self.script_args)
+        check_megatron_flags(self.script_args, self.cfg)  # before any process (and spare) starts
         self.spares = self.cfg.spares if self.cfg.enabled else 0
         for path, flag in ((run_dir, "--run-dir"), (self.cfg.log_dir, "--deadpool-log-dir")):
             if path:
