@@ -165,6 +165,7 @@ from .messages import (
     decode_holdings,
     holds_sealed,
 )
+from .numbered import numbers_to_read
 from .seal import ForgedValue, JobSeal
 from .store_files import keep_alive
 
@@ -1021,17 +1022,12 @@ class Membership:
         and (key, opened value) of those that arrived. A number given out and not written yet
         is read the next time, unless a later one is written (a stranger's bump of the counter
         holds nothing up); a forged value is dropped, and logged."""
-        count = self.store.add(counter, 0)
-        raws = [self._peek(key_of(n)) for n in range(seen + 1, count + 1)]
-        while raws and raws[-1] is None:  # not written yet
+        numbers = numbers_to_read(seen, self.store.add(counter, 0), set())  # `numbered.py`
+        raws = [(n, self._peek(key_of(n))) for n in numbers]
+        while raws and raws[-1][1] is None:  # not written yet
             raws.pop()
-        out: list[tuple[str, bytes]] = []
-        for n, raw in enumerate(raws, start=seen + 1):
-            key = key_of(n)
-            value = None if raw is None else self._open(key, raw)
-            if value is not None:
-                out.append((key, value))
-        return seen + len(raws), out
+        opened = [(key_of(n), None if r is None else self._open(key_of(n), r)) for n, r in raws]
+        return (raws[-1][0] if raws else seen), [(k, v) for k, v in opened if v is not None]
 
     # ------------------------------------------------------------------ out of redundancy
     def mark_salvaged(self, rank: int) -> None:
