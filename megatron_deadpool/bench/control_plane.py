@@ -295,7 +295,10 @@ class Bench:
         decided = self.costs.decisions[-1]  # as the roster was published
         record = self.coord.recoveries[-1]
         g = record["generation"]
-        joined = max(self.members.stamp_times(g, "joined", list(range(self.n))))
+        stamps = self.members.stamp_times(g, "joined", list(range(self.n)))
+        if stamps is None:
+            raise RuntimeError(f"generation {g} recovered without every rank's joined stamp")
+        joined = max(stamps)
         return {
             "rank": rank,
             "member": member,

@@ -47,7 +47,7 @@ from ..hotswap.messages import CoordinatorIdentity, JobError
 from ..hotswap.metrics_file import watch_events
 from ..hotswap.node_agents import StoreAgents
 from ..hotswap.respawn import RespawnBudget
-from ..hotswap.seal import SECRET_ENV, SECRET_FILE_ENV, JobSeal, job_secret, new_secret
+from ..hotswap.seal import SECRET_ENV, SECRET_FILE_ENV, JobSeal, job_secret
 from ..hotswap.silent_connections import SilentConnections
 from ..hotswap.standby import Standby, StandbyWatch
 from ..hotswap.store_files import reserve_files, store_files_needed
@@ -109,6 +109,11 @@ def job_settings(args: argparse.Namespace) -> DeadpoolConfig:
     return base.replace(**{k: v for k, v in flags.items() if v is not None})
 
 
+def role_name(standby: int) -> str:
+    """What this process serves as, in messages."""
+    return "standby" if standby else "coordinator"
+
+
 def run(args: argparse.Namespace) -> int:
     cfg = job_settings(args)
     addresses = cfg.coordinators
@@ -134,21 +139,21 @@ def run(args: argparse.Namespace) -> int:
             "deadpool-join: is for a worker joining a running job, not its coordinator; drop "
             "the flag here"
         )
-    secret = job_secret(cfg.job_token)
-    if args.standby and not secret:
-        raise ConfigError(
-            f"deadpool-job-token: a standby needs the job's secret (the primary's): set "
-            f"{SECRET_ENV} or {SECRET_FILE_ENV}"
-        )
-    seal_secret = secret or new_secret()
-    seal = JobSeal(seal_secret)
     address = addresses[args.standby]
     host, port = parse_host_port(address, "deadpool-coordinator")
     if cfg.log_dir:
         check_writable_dir(cfg.log_dir, "--deadpool-log-dir")
     if cfg.metrics_file:
         check_writable_file(cfg.metrics_file, "--deadpool-metrics-file")
-    role = "standby" if args.standby else "coordinator"
+    secret = job_secret(cfg.job_token)
+    if not secret:  # one of its own would match no worker's: every one would be refused
+        whose = "the primary's" if args.standby else "the one its workers are given"
+        raise ConfigError(
+            f"deadpool-job-token: the {role_name(args.standby)} needs the job's secret ({whose}): "
+            f"set {SECRET_ENV} or {SECRET_FILE_ENV}"
+        )
+    seal = JobSeal(secret)
+    role = role_name(args.standby)
     need = store_files_needed(args.world_size, cfg.spares)
     reserve_files(
         need, f"deadpool {role} (the store of {args.world_size} ranks and {cfg.spares} spare(s))"

@@ -78,4 +78,4 @@ def check_paths(job: JobConfig, args: argparse.Namespace) -> None:
     if job.train.save:
         check_writable_dir(job.train.save, "--save")
     if job.train.load:
-        check_load(job.train.load, save=job.train.save)
+        check_load(job.train.load, save=job.train.save, world_size=job.parallel.world_size)

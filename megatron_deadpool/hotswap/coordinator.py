@@ -541,11 +541,17 @@ class Coordinator:
         g = rec.generation
         survivors = [r for r in range(self.world_size) if r not in rec.needy]
         reporters = survivors + sorted(rec.respawned)
+        # The counter is a hint that anyone can add to: a count out of its range is rejected
+        # (and reported), and by the agreement timeout the sealed reports decide alone.
+        uncounted = self.membership.reports_missing(g)
+        overdue = self.clock.monotonic() - rec.planned_at > self.agree_timeout
+        if not -self.world_size - len(rec.respawned) <= uncounted <= len(reporters):
+            self.membership.reject_holdings_count(g, -uncounted)
         holdings = None  # read in full once the store counted enough reports
-        if self.membership.reports_missing(g) <= 0:
+        if uncounted <= 0 or uncounted > len(reporters) or overdue:
             holdings = self.membership.all_holdings(g, reporters)
         if holdings is None:
-            if self.clock.monotonic() - rec.planned_at > self.agree_timeout:
+            if overdue:
                 missing = [r for r in reporters if self.membership.holdings(g, r) is None]
                 self.events("agree_timeout", generation=g, missing=missing)
                 for r in missing:
@@ -725,13 +731,19 @@ class Coordinator:
         rec = self._recovery
         assert rec is not None and rec.t_agreed is not None and rec.restore_iteration is not None
         g, ranks, m = rec.generation, list(range(self.world_size)), self.membership
-        if m.stamp_count(g, "first_iteration") < 1 or any(  # one round trip while waiting
-            m.stamp_count(g, phase) < self.world_size for phase in ("restored", "joined")
+        # The counts are hints anyone can add to: the stamps confirm them, read once the counts
+        # say they are in, or the agreement timeout passed since the decision.
+        overdue = self.clock.monotonic() - (rec.agreed_at or 0.0) > self.agree_timeout
+        if not overdue and (  # one round trip while waiting
+            m.stamp_count(g, "first_iteration") < 1
+            or any(m.stamp_count(g, phase) < self.world_size for phase in ("restored", "joined"))
         ):
             return
-        joined = max(m.stamp_times(g, "joined", ranks))
-        restored = max(m.stamp_times(g, "restored", ranks))
-        first = m.stamp_times(g, "first_iteration", [0])[0]
+        stamps = [m.stamp_times(g, "joined", ranks), m.stamp_times(g, "restored", ranks)]
+        stamps.append(m.stamp_times(g, "first_iteration", [0]))
+        if any(s is None for s in stamps):
+            return
+        joined, restored, first = (max(s or [0.0]) for s in stamps)
         phases = {
             "detect": rec.t_detect - rec.t_failure,
             "agree": rec.t_agreed - rec.t_detect,

@@ -32,6 +32,7 @@ from .heartbeats import HeartbeatClock
 from .liveness import Liveness
 from .membership import Membership
 from .messages import ErrorReport
+from .numbered import numbers_to_read
 
 
 @dataclass(frozen=True)
@@ -174,7 +175,8 @@ class FailureDetector:
     def _read_errors(self) -> list[ErrorReport]:
         """The reports published since the last read (one round trip when there are none)."""
         count = self.membership.error_count()
-        numbers = sorted(self._errors_unread | set(range(self._errors_counted + 1, count + 1)))
+        numbers = numbers_to_read(self._errors_counted, count, self._errors_unread)
+        self._errors_unread &= set(numbers)  # (the newest few: `numbered.py`)
         self._errors_counted = max(self._errors_counted, count)
         new = []
         for number in numbers:

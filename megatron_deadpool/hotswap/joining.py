@@ -60,7 +60,10 @@ class Joiners:
             return out
         self.last_look = now
         claimed = membership.spare_names_claimed()
-        for i in range(self.seen, claimed):
+        first = max(self.seen, claimed - 2 * MAX_PENDING)  # (a stranger's add: one line)
+        if first > self.seen:
+            out.abandoned[f"s{self.seen}..s{first - 1}"] = "too many names claimed at once"
+        for i in range(first, claimed):
             self.pending[f"s{i}"] = now
         self.seen = max(self.seen, claimed)
         while len(self.pending) > MAX_PENDING:

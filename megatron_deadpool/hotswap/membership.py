@@ -98,7 +98,6 @@ Keys (the message type of each structured value in CamelCase):
                               coordinator's, for the ranks' TensorBoard/W&B scalars)
   load/{rank}                 seconds the rank took to load a persistent checkpoint
   salvaged/{rank}             the rank wrote its part of the out-of-redundancy snapshot set
-  salvage/manifest            counter: the first survivor to add 1 writes the manifest
   shutdown                    set by a launcher or the coordinator: waiting spares leave
   rejoin/{member}             Registration: a member's re-registration with a standby that took
                               over; task{i} for a process that does not know its member name
@@ -169,6 +168,7 @@ from .messages import (
     decode_holdings,
     holds_sealed,
 )
+from .numbered import numbers_to_read
 from .seal import ForgedValue, JobSeal
 from .store_files import keep_alive
 
@@ -316,18 +316,21 @@ class Membership:
                 self.seal.open(key, raw)  # raises ForgedValue, naming key and value
             time.sleep(FORGED_POLL_S)
 
-    def _claim(self, key: str, payload: str) -> bytes | None:
+    def _claim(self, key: str, payload: str) -> bytes:
         """Put `payload` in `key` unless it holds a value of the job's already (a rejected one
-        counts as none, and is replaced); the payload the key holds afterwards."""
+        counts as none, and is replaced); the payload the key holds afterwards. `ForgedValue`
+        when rejected values keep replacing ours for `FORGED_WAIT_S`."""
         expected: str | bytes = ""
         desired = self.seal.seal(key, payload)
-        for _ in range(16):  # each round replaces a rejected value: a writer racing us loses
+        deadline = time.monotonic() + FORGED_WAIT_S  # a stranger racing us delays, never wins
+        while True:  # each round replaces the rejected value it saw
             raw = self.store.compare_set(key, expected, desired)  # type: ignore[arg-type]
             value = self._open(key, raw)
             if value is not None:
                 return value
+            if time.monotonic() > deadline:
+                self.seal.open(key, raw)  # raises ForgedValue, naming key and value
             expected = raw
-        return None
 
     def _peek(self, key: str) -> bytes | None:
         """`key`'s value, or None if it does not exist, in one request that neither waits nor
@@ -632,6 +635,12 @@ class Membership:
         trip)."""
         return -self._count(Keys.HOLDINGS_COUNT.format(g=generation))
 
+    def reject_holdings_count(self, generation: int, count: int) -> None:
+        """Report generation g's report counter holding `count`, out of its range: a stranger's
+        `add` (once per value, as a rejected value is; the reports themselves decide)."""
+        key = Keys.HOLDINGS_COUNT.format(g=generation)
+        self._reject(key, str(count).encode(), f"store key {key}: rejected count {count}")
+
     def holdings_count(self, generation: int) -> int:
         """The report counter of generation g: how many reports arrived, until the coordinator
         planned g (`expect_reports`)."""
@@ -659,8 +668,7 @@ class Membership:
         """A newcomer about to join generation g as `rank`: `CLAIMED`, unless the coordinator
         settled the slot first - `GIVEN_UP` (it took this process for lost: `give_up_slot`) or
         `MOVED_ON` (the generation will not be joined: `move_slot_on`)."""
-        held = self._claim(Keys.CLAIM.format(g=generation, rank=rank), CLAIMED)
-        return held.decode() if held is not None else GIVEN_UP
+        return self._claim(Keys.CLAIM.format(g=generation, rank=rank), CLAIMED).decode()
 
     def claimed(self, generation: int, rank: int) -> bool:
         """Whether generation g's newcomer for `rank` claimed its slot (one request)."""
@@ -719,11 +727,14 @@ class Membership:
     def stamp_time(self, generation: int, phase: str, rank: int) -> float | None:
         return self._time(Keys.STAMP.format(g=generation, phase=phase, rank=rank))
 
-    def stamp_times(self, generation: int, phase: str, ranks: Sequence[int]) -> list[float]:
-        """The stamps of `ranks` (which must all have stamped), in batched requests."""
+    def stamp_times(self, generation: int, phase: str, ranks: Sequence[int]) -> list[float] | None:
+        """The stamps of `ranks`, in batched requests; None while one is missing or rejected
+        (the count said they are all in: it is only a hint)."""
         keys = [Keys.STAMP.format(g=generation, phase=phase, rank=r) for r in ranks]
-        payloads = zip(keys, self._payloads(keys))
-        return [read_float(k, v) for k, v in payloads if v is not None]  # (a rejected one: none)
+        payloads = self._payloads(keys) if self._all_exist(keys) else [None]
+        if any(v is None for v in payloads):
+            return None
+        return [read_float(k, v) for k, v in zip(keys, payloads) if v is not None]
 
     def report_stale_refs(self, generation: int, count: int) -> None:
         """Add a rank's count of old-generation handles left after rebinding to g's total."""
@@ -842,7 +853,7 @@ class Membership:
     def publish_checkpoint_failure(self, iteration: int, line: str) -> None:
         """Rank 0: the checkpoint of `iteration` was not written (`line` says why)."""
         known = self.checkpoint_failures()
-        lines = {**(known.lines if known else {}), iteration: line}
+        lines = retention.retained_failures({**(known.lines if known else {}), iteration: line})
         self._set(Keys.CHECKPOINT_FAILURES, CheckpointFailures(lines).encode())
 
     def checkpoint_failures(self) -> CheckpointFailures | None:
@@ -1022,17 +1033,12 @@ class Membership:
         and (key, opened value) of those that arrived. A number given out and not written yet
         is read the next time, unless a later one is written (a stranger's bump of the counter
         holds nothing up); a forged value is dropped, and logged."""
-        count = self.store.add(counter, 0)
-        raws = [self._peek(key_of(n)) for n in range(seen + 1, count + 1)]
-        while raws and raws[-1] is None:  # not written yet
+        numbers = numbers_to_read(seen, self.store.add(counter, 0), set())  # `numbered.py`
+        raws = [(n, self._peek(key_of(n))) for n in numbers]
+        while raws and raws[-1][1] is None:  # not written yet
             raws.pop()
-        out: list[tuple[str, bytes]] = []
-        for n, raw in enumerate(raws, start=seen + 1):
-            key = key_of(n)
-            value = None if raw is None else self._open(key, raw)
-            if value is not None:
-                out.append((key, value))
-        return seen + len(raws), out
+        opened = [(key_of(n), None if r is None else self._open(key_of(n), r)) for n, r in raws]
+        return (raws[-1][0] if raws else seen), [(k, v) for k, v in opened if v is not None]
 
     # ------------------------------------------------------------------ out of redundancy
     def mark_salvaged(self, rank: int) -> None:
@@ -1040,10 +1046,6 @@ class Membership:
 
     def all_salvaged(self, ranks: list[int]) -> bool:
         return self._all_present([Keys.SALVAGED.format(rank=r) for r in ranks])
-
-    def claim_manifest(self) -> bool:
-        """True for the one survivor that writes the snapshot set's manifest."""
-        return self.store.add(Keys.SALVAGE_MANIFEST, 1) == 1
 
 
 def host_store(

@@ -73,7 +73,6 @@ class Keys:
     JOB_STATUS = "job/status"
     LOAD_TIME = "load/{rank}"
     SALVAGED = "salvaged/{rank}"
-    SALVAGE_MANIFEST = "salvage/manifest"
     SHUTDOWN = "shutdown"
     REJOIN = "rejoin/{member}"
     REBUILT = "rebuilt"
@@ -97,7 +96,6 @@ class Keys:
         ERRORS,
         DONE_COUNT,
         FAULT_FIRED,
-        SALVAGE_MANIFEST,
         PROCESS_GROUPS,
         AGENTS_NEXT,
         AGENT_BEAT,

@@ -10,6 +10,7 @@ alone are one per rank and group).
 from __future__ import annotations
 
 from .membership import BATCH_KEYS, Membership
+from .numbered import WINDOW
 from .retention import member_keys, prunable_below, prunable_wake_ups, wake_up_keys
 
 
@@ -40,6 +41,8 @@ class Pruner:
             self.dead = [(g, m) for g, m in self.dead if g >= below]
             self.backlog += [key for m in gone for key in member_keys(m)]
         wake_ups = prunable_wake_ups(self.membership.spare_epoch())
+        # (a stranger's add moves the counter far ahead: only the newest few keys can exist)
+        self.first_wake_up = max(self.first_wake_up, wake_ups - WINDOW)
         if wake_ups > self.first_wake_up:
             self.backlog += wake_up_keys(self.first_wake_up, wake_ups)
             self.first_wake_up = wake_ups

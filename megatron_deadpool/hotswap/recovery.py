@@ -12,7 +12,7 @@ replica sources is `restore_plan.py`, run by the coordinator):
   snapshot and serve the shards they hold for needy ranks.
 - `Recovery.salvage`: out of redundancy, write this survivor's part of the snapshot set of one
   common iteration (its own snapshot and those it holds for dead ranks; `snapshot_set.py` is
-  the format) and, on one survivor, the set's manifest; returns the sentence saying what was
+  the format) and the set's manifest as far as it knows it; returns the sentence saying what was
   saved. `Recovery.save_held`: the same without any coordinator, for every iteration held.
 
 A `Recovery` holds what these steps need of the process that takes them - its store access,
@@ -25,8 +25,9 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -45,11 +46,15 @@ from .newcomer_claim import claim_slot
 
 log = logging.getLogger(__name__)
 
-SALVAGE_WAIT_S = 30.0
-"""How long the manifest writer waits for the other survivors' snapshot files."""
+T = TypeVar("T")
 
 DECISION_WAIT_S = 600.0
 """Longest single wait for the coordinator's decision on a plan (it then waits again)."""
+
+DECISION_LIMIT_S = 3 * DECISION_WAIT_S
+"""Longest wait for one generation's decision, or its newcomers' claims, in all: a coordinator
+(or a standby that took over) decides within its agreement timeout, so past this nothing will
+(a stranger's counter, a coordinator that lost its store): the recovery ends with that error."""
 
 SalvageTarget = Callable[[int], tuple[str | None, dict[str, Any] | None]]
 """iteration -> (the save directory, None: none; extra manifest fields): `JobAdapter`'s."""
@@ -156,8 +161,9 @@ class Recovery:
                         "not a peer failure"
                     ) from cause
                 first = False
-            while decision is None:  # the coordinator decides within its agree timeout
-                decision = m.wait_decision(g, DECISION_WAIT_S)
+            decision = decision or _waited(
+                partial(m.wait_decision, g, DECISION_WAIT_S), f"decided generation {g}"
+            )
             if decision.verdict is Verdict.OUT_OF_REDUNDANCY:
                 self._out_of_redundancy(salvage_target)
             if decision.verdict is Verdict.SUPERSEDED:
@@ -186,9 +192,10 @@ class Recovery:
                 log.info(
                     "generation %d restores rank %d from a holder (planned as a newcomer)", g, rank
                 )
-            ready = None
-            while ready is None:  # a newcomer claims its slot, or is given up when it dies
-                ready = m.wait_newcomers(g, plan.needy, DECISION_WAIT_S)
+            ready = _waited(  # a newcomer claims its slot, or is given up when it dies
+                partial(m.wait_newcomers, g, plan.needy, DECISION_WAIT_S),
+                f"settled the newcomers' slots of generation {g}",
+            )
             if ready:
                 return new
             log.warning("generation %d will not be joined (a newcomer was lost first)", g)
@@ -262,7 +269,7 @@ class Recovery:
 
     def salvage(self, report: OutOfRedundancy | EndReport, salvage_target: SalvageTarget) -> str:
         """Write this survivor's part of the snapshot set the report's save order names (its
-        own snapshot and the dead ranks' copies it holds); on one survivor also the manifest,
+        own snapshot and the dead ranks' copies it holds), then the manifest from what is on disk,
         with the job's fields (e.g. Megatron's sample counters at T); say what was saved."""
         order = report.save
         if order is None or self.replicator is None or self.rank is None:
@@ -275,20 +282,17 @@ class Recovery:
             return "nothing saved (no --save directory)"
         owners = [rank] + [needy for needy, holder in order.sources.items() if holder == rank]
         written, error = self._write_parts(root, t, owners)
-        m = self.membership
-        m.mark_salvaged(rank)  # also when it failed: the manifest writer need not wait for it
-        if m.claim_manifest():  # one survivor writes the manifest
-            world = self.roster.world_size
-            survivors = [r for r in range(world) if r not in report.dead_ranks]
-            deadline = time.time() + SALVAGE_WAIT_S
-            while time.time() < deadline and not m.all_salvaged(survivors):
-                time.sleep(0.1)
-            try:
-                snapshot_set.publish_manifest(
-                    root, t, world, {"reason": report.reason, **(extra or {})}
-                )
-            except OSError as exc:
-                error = error or _failed(snapshot_set.set_dir(root, t) / "manifest.json", exc)
+        self.membership.mark_salvaged(rank)  # also when it failed: what it tried is known
+        # Every survivor writes the manifest from the rank files on disk, and writes it again
+        # until it shows what is there (`publish_manifest`): the one that stays was written
+        # after every survivor's files, so no single writer - one that dies, or a claim a
+        # stranger's counter takes - can leave a saved set without its manifest.
+        try:
+            snapshot_set.publish_manifest(
+                root, t, self.roster.world_size, {"reason": report.reason, **(extra or {})}
+            )
+        except OSError as exc:
+            error = error or _failed(snapshot_set.set_dir(root, t) / "manifest.json", exc)
         where = snapshot_set.set_dir(root, t)
         if error:
             return _partly_saved(where, written, [o for o in owners if o not in written], error)
@@ -369,6 +373,20 @@ class Recovery:
         if self.rank is None:
             raise DeadpoolRuntimeError(f"{self.member} holds no rank")
         return self.rank
+
+
+def _waited(wait: Callable[[], T | None], what: str) -> T:
+    """`wait()` again while it answers None (each wait bounded), for `DECISION_LIMIT_S` in
+    all; then `DeadpoolRuntimeError` saying the coordinator never `what`."""
+    deadline = time.monotonic() + DECISION_LIMIT_S
+    while True:
+        value = wait()
+        if value is not None:
+            return value
+        if time.monotonic() > deadline:
+            raise DeadpoolRuntimeError(
+                f"the coordinator never {what} in {DECISION_LIMIT_S:.0f} s: the recovery ends"
+            )
 
 
 def _failed(path: Path, exc: OSError) -> str:

@@ -32,6 +32,10 @@ Without it two kinds of keys grow for the life of a job (the coordinator's memor
     then: the failure detector reads live members' keys only, a standby rebuilds from
     re-registrations, and the coordinator keeps who died in its own memory.
     The fault-injection keys (`fault/...`, `node_lost/...`) and the numbered error reports stay.
+  - `checkpoint/failures`, one line per periodic checkpoint that could not be written (a disk
+    that stays full fails every interval): the value keeps the newest
+    `RETAINED_CHECKPOINT_FAILURES` lines (`retained_failures`). Its one reader, the local
+    launcher, says each line once as rank 0 publishes it, so it never lags by that many.
 """
 
 from __future__ import annotations
@@ -43,6 +47,9 @@ from .messages import Keys
 
 RETAINED_ITERATIONS = 1000
 """Records of rank 0's iterations the store keeps per generation (~0.4 MB)."""
+
+RETAINED_CHECKPOINT_FAILURES = 100
+"""Lines of failed periodic checkpoints `checkpoint/failures` keeps (the newest)."""
 
 KEPT_FOR_GOOD = frozenset({Keys.ROSTER.format(g=0)})
 """Keys of a generation that are never deleted."""
@@ -60,6 +67,14 @@ def expired_iteration(iteration: int, retain: int = RETAINED_ITERATIONS) -> int 
     """The iteration whose record goes when `iteration`'s is published (None: none yet)."""
     old = iteration - retain
     return old if old >= 1 else None
+
+
+def retained_failures(
+    lines: dict[int, str], retain: int = RETAINED_CHECKPOINT_FAILURES
+) -> dict[int, str]:
+    """The lines of failed checkpoints (iteration -> line) `checkpoint/failures` keeps: the
+    newest `retain` iterations'."""
+    return {it: lines[it] for it in sorted(lines)[-retain:]} if retain > 0 else {}
 
 
 def prunable_below(completed: int) -> int:

@@ -48,6 +48,7 @@ from ..hotswap.salvage_note import salvage_lines
 from ..hotswap.seal import SECRET_ENV, SECRET_FILE_ENV, job_secret, new_secret
 from ..hotswap.supervisor import Supervisor
 from ..replication.save_dir import choose_resume
+from .interplay import check_megatron_flags
 from .runner import preparse
 
 RUNNER_IMPORTS = (
@@ -155,6 +156,7 @@ class MegatronLauncher:
         self.nproc = nproc
         self.patched = patched
         self.cfg = preparse(self.script_args)
+        check_megatron_flags(self.script_args, self.cfg)  # before any process (and spare) starts
         self.spares = self.cfg.spares if self.cfg.enabled else 0
         if node_agents and not (self.cfg.enabled and self.cfg.ranks_per_node):
             raise ConfigError(

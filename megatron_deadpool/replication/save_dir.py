@@ -96,7 +96,11 @@ class Resume:
 
 
 def choose_resume(
-    root: str | Path, *, rank: int | None = None, agree: Agree | None = None
+    root: str | Path,
+    *,
+    rank: int | None = None,
+    agree: Agree | None = None,
+    world_size: int | None = None,
 ) -> Resume:
     """The newest verified state under `root` (`Resume`).
 
@@ -106,11 +110,25 @@ def choose_resume(
     file's checksum, and `agree` on it: every rank picks the same set, and the answer is the
     launcher's, though each rank reads only its own file in full. A Megatron checkpoint is
     taken as its marker names it (`check_load` refuses one whose folder is missing).
+
+    A set newer than every other state there whose manifest is missing or behind its files
+    (`snapshot_set.unfinished_sets`: its writers ended before finishing it) is never skipped
+    for an older state: one process deciding for a job of `world_size` ranks completes its
+    manifest when every rank's file is there and verifies (`finish_set`), else - and always
+    for the ranks of a world - `CheckpointError` says what is missing.
     """
     options: list[tuple[int, str]] = [(t, "snapshots") for t in snapshot_set.complete_sets(root)]
     megatron = latest_iteration(root)
     if megatron is not None:
         options.append((megatron, "megatron"))
+    newest = max((t for t, _ in options), default=-1)
+    for t, world in sorted(snapshot_set.unfinished_sets(root).items(), reverse=True):
+        if t <= newest:
+            continue  # an older save than what is resumed: kept for inspection, as incomplete
+        if rank is None and finish_set(root, t, world or world_size):
+            options.append((t, "snapshots"))
+            break
+        raise CheckpointError(unfinished_line(root, t, world or world_size))
     passed: list[str] = []
     for iteration, kind in sorted(options, reverse=True):
         if kind == "megatron":
@@ -128,18 +146,59 @@ def choose_resume(
     return Resume(None, 0, tuple(passed))
 
 
-def resume_point(root: str | Path) -> tuple[str, int] | None:
+def finish_set(root: str | Path, iteration: int, world_size: int | None) -> bool:
+    """Write the manifest of `iteration`'s set from the rank files on disk when every one of
+    `world_size` ranks' files is there and passes its header and checksum; whether it did."""
+    if world_size is None or snapshot_set.ranks_present(root, iteration) != list(range(world_size)):
+        return False
+    if any(snapshot_set.rank_problem(root, iteration, r, checksum=True) for r in range(world_size)):
+        return False
+    reason = "completed by --load from the rank files on disk (its writers ended before it)"
+    snapshot_set.publish_manifest(root, iteration, world_size, {"reason": reason})
+    return True
+
+
+def unfinished_line(root: str | Path, iteration: int, world_size: int | None) -> str:
+    """The one line refusing to resume past the unfinished set of `iteration`."""
+    where = snapshot_set.set_dir(root, iteration)
+    present = snapshot_set.ranks_present(root, iteration)
+    if world_size is None:
+        missing = "its manifest (the world size it was saved by is unknown here)"
+    else:
+        lost = sorted(set(range(world_size)) - set(present))
+        bad = [
+            p
+            for r in present
+            if r < world_size
+            and (p := snapshot_set.rank_problem(root, iteration, r, checksum=True))
+        ]
+        missing = (f"the files of ranks {lost}" if lost else "nothing but its manifest") + (
+            f"; {'; '.join(bad)}" if bad else ""
+        )
+    return (
+        f"{where} holds the rank files of ranks {present} but no complete manifest (the run that "
+        f"saved it ended before finishing it); missing: {missing}. Resuming from anything older "
+        "would train over that save: restore the missing files, or move the folder away to resume "
+        "from the state before it"
+    )
+
+
+def resume_point(root: str | Path, world_size: int | None = None) -> tuple[str, int] | None:
     """('snapshots' | 'megatron', iteration) of the newest verified state under `root`, every
-    file of a set checked (`choose_resume` as one process deciding)."""
-    return choose_resume(root).point()
+    file of a set checked (`choose_resume` as one process deciding, for a job of `world_size`
+    ranks)."""
+    return choose_resume(root, world_size=world_size).point()
 
 
-def check_load(root: str | os.PathLike[str], *, save: str | None = None) -> None:
+def check_load(
+    root: str | os.PathLike[str], *, save: str | None = None, world_size: int | None = None
+) -> None:
     """Refuse, before any process starts, a `--load` the ranks would fail on or silently
     ignore: a folder that does not exist (unless it is the `--save` folder as well: the first
     run of a job that saves and resumes in one place starts from iteration 1, as Megatron-LM
     does), a file, a marker that names no iteration or a missing iteration folder, a
-    snapshot-set manifest that cannot be read."""
+    snapshot-set manifest that cannot be read, a newer snapshot set left unfinished that
+    cannot be completed (one that can, for a job of `world_size` ranks, is: `choose_resume`)."""
     path = Path(root)
     if not path.exists():
         if save is not None and path.absolute() == Path(save).absolute():
@@ -151,7 +210,7 @@ def check_load(root: str | os.PathLike[str], *, save: str | None = None) -> None
     if not path.is_dir():
         raise ConfigError(f"--load: {str(path)!r} is a file; give the directory --save wrote")
     try:
-        point = resume_point(path)
+        point = resume_point(path, world_size)
     except (CheckpointError, OSError) as exc:
         raise ConfigError(f"--load: {exc}") from None
     if point is not None and point[0] == "megatron" and not iteration_dir(path, point[1]).is_dir():

@@ -187,6 +187,34 @@ def complete_sets(root: str | Path) -> list[int]:
     return sorted(complete, reverse=True)
 
 
+def unfinished_sets(root: str | Path) -> dict[int, int | None]:
+    """The sets under `root` whose rank files are more than their manifest says: no manifest
+    (or one that cannot be read) while rank files are there - every writer ended before
+    writing it - or a manifest saying incomplete that lists fewer ranks than are on disk (its
+    last writer ended before looking again). Iteration -> the world size the manifest names
+    (None: no manifest to say it). A `--load` completes or refuses these (`save_dir`)."""
+    out: dict[int, int | None] = {}
+    for folder in (Path(root) / SUBDIR).glob("iter_*"):
+        try:
+            iteration = int(folder.name[len("iter_") :])
+        except ValueError:
+            continue
+        present = ranks_present(root, iteration)
+        if not present:
+            continue
+        try:
+            manifest = read_manifest(root, iteration)
+            world, listed = manifest.get("world_size"), manifest.get("ranks_present")
+        except (OSError, ValueError, AttributeError):
+            out[iteration] = None
+            continue
+        if not manifest.get("complete") and isinstance(listed, list) and present != listed:
+            out[iteration] = (
+                world if isinstance(world, int) and not isinstance(world, bool) else None
+            )
+    return out
+
+
 def latest_complete(root: str | Path) -> int | None:
     """Iteration of the newest snapshot set under `root` whose manifest says complete, if any."""
     complete = complete_sets(root)

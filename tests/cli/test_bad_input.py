@@ -89,6 +89,7 @@ ROWS: dict[str, tuple[list[str], str]] = {
                                   "deadpool-respawn-limit"),
     "coordinator-metrics-file-unwritable": ([*COORD, "--deadpool-metrics-file",
                                              "{d}/afile/m.prom"], "--deadpool-metrics-file"),
+    "coordinator-no-secret": (COORD, "DEADPOOL_JOB_TOKEN"),  # a primary's own matches no worker
     "coordinator-max-wait-negative": ([*COORD, "--max-wait", "-1"], "--max-wait"),
     "coordinator-max-wait-nan": ([*COORD, "--max-wait", "nan"], "--max-wait"),
     "coordinator-world-size-zero": ([*COORD[:1], "--world-size", "0"], "--world-size"),

@@ -16,6 +16,7 @@ from test_decisions import Job
 from megatron_deadpool.hotswap.membership import Membership
 from megatron_deadpool.hotswap.messages import IterationRecord, Keys
 from megatron_deadpool.hotswap.retention import (
+    RETAINED_CHECKPOINT_FAILURES,
     RETAINED_ITERATIONS,
     generation_keys,
     key_generation,
@@ -122,6 +123,18 @@ def test_rank_0_keeps_a_window_of_its_records() -> None:
         rank0.metrics(0, last + 1) is not None
         and rank0.metrics(0, last + 10 - RETAINED_ITERATIONS) is not None
     )
+
+
+def test_failed_checkpoints_keep_a_window_of_lines() -> None:
+    """A disk that stays full fails every periodic checkpoint: `checkpoint/failures` keeps the
+    newest lines, not one per interval for the life of the job."""
+    rank0 = Job(world=2, spares=0).m("a0")
+    last = 3 * RETAINED_CHECKPOINT_FAILURES
+    for it in range(1, last + 1):
+        rank0.publish_checkpoint_failure(it, f"checkpoint of iteration {it} not saved: disk full")
+    failures = rank0.checkpoint_failures()
+    assert failures is not None
+    assert sorted(failures.lines) == list(range(last - RETAINED_CHECKPOINT_FAILURES + 1, last + 1))
 
 
 def test_which_keys_belong_to_a_generation() -> None:

@@ -47,3 +47,27 @@ def test_the_runner_refuses_before_the_script_runs(tmp_path: Path) -> None:
     assert proc.returncode == 2 and "the script ran" not in proc.stdout
     (line,) = proc.stderr.strip().splitlines()
     assert line.startswith("deadpool: error: --inprocess-restart: ")
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("spares", ["0", "1"])
+def test_the_launcher_refuses_before_any_process_starts(tmp_path: Path, spares: str) -> None:
+    """`deadpool megatron-lm ... --deadpool --inprocess-restart`: a job error every rank would
+    hit the same way. The launcher refuses it in one line, exit 2, before starting a rank or
+    handing out a spare - with or without spares (it was "OUT OF REDUNDANCY" with none, and a
+    spare spent on it with one)."""
+    from conftest import run_deadpool
+
+    fake_megatron_tree(tmp_path, (0, 19, 1))
+    run_dir = tmp_path / "run"
+    proc = run_deadpool(
+        "megatron-lm", "--nproc-per-node", "2", "--run-dir", str(run_dir),
+        str(tmp_path / "pretrain_gpt.py"), "--inprocess-restart",
+        "--deadpool", "--deadpool-spares", spares, "--deadpool-ranks-per-node", "1",
+        timeout=100,
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    (line,) = proc.stderr.strip().splitlines()
+    assert line.startswith("deadpool: error: --inprocess-restart: "), line
+    assert "OUT OF REDUNDANCY" not in proc.stdout and "spare" not in proc.stdout, proc.stdout
+    assert not list(run_dir.glob("*.log")), "a process was started"

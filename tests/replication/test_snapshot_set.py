@@ -181,3 +181,30 @@ def test_load_passes_over_a_set_whose_file_fails_its_checksum_on_every_rank_alik
         line = choice.fallback(tmp_path)
         assert line is not None and "resuming from the Megatron checkpoint of iteration 3" in line
     assert "checksum mismatch" in (save_dir.choose_resume(tmp_path).fallback(tmp_path) or "")
+
+
+def test_a_set_without_its_manifest_is_completed_or_refused_never_passed_over(
+    tmp_path: Path,
+) -> None:
+    """The writers of the newest set ended before its manifest: `--load` (one process deciding
+    for a job of 2 ranks) completes it when every file verifies; the ranks of a world, or
+    without a file, refuse in one line naming what is missing - never the older set."""
+    from flats import write_set
+
+    from megatron_deadpool.errors import CheckpointError
+    from megatron_deadpool.replication import save_dir
+
+    write_set(tmp_path, 3, 2)
+    write_set(tmp_path, 5, 2)
+    manifest = snapshot_set.set_dir(tmp_path, 5) / "manifest.json"
+    manifest.unlink()
+    with pytest.raises(CheckpointError, match="holds the rank files of ranks \\[0, 1\\]"):
+        save_dir.choose_resume(tmp_path, rank=0, agree=lambda ok: ok)
+    with pytest.raises(CheckpointError, match="world size it was saved by is unknown"):
+        save_dir.choose_resume(tmp_path)
+    assert save_dir.choose_resume(tmp_path, world_size=2).point() == ("snapshots", 5)
+    assert snapshot_set.read_manifest(tmp_path, 5)["complete"]
+    manifest.unlink()
+    snapshot_set.rank_file(tmp_path, 5, 1).unlink()
+    with pytest.raises(CheckpointError, match="missing: the files of ranks \\[1\\]"):
+        save_dir.choose_resume(tmp_path, world_size=2)
