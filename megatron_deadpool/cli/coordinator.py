@@ -172,7 +172,7 @@ def run(args: argparse.Namespace) -> int:
     log_dir = Path(cfg.log_dir) if cfg.log_dir else None
     if log_dir:
         log_dir.mkdir(parents=True, exist_ok=True)
-    events = EventLog(log_dir / "events.jsonl" if log_dir else None, job=job_id(seal_secret))
+    events = EventLog(log_dir / "events.jsonl" if log_dir else None, job=job_id(secret))
     events(
         "settings",
         role=role,
