@@ -98,6 +98,9 @@ class ExitCode(IntEnum):
     step was replicated (arguments, imports, data paths, initialisation), or a spare raised the
     same one in the same phase as the rank it replaced. No spare is spent on it; the launcher
     names the rank, its phase and the error, and shows the end of its log: fix the job."""
+    SELFTEST_INCOMPLETE = 10
+    """`deadpool selftest`: every check that ran passed, but nothing was checked across ranks
+    (`--nproc 1`: replication, a killed and a frozen peer need two ranks or more)."""
     TIMEOUT = 124
     """A launcher's `--timeout` passed (as `timeout(1)`)."""
     INTERRUPTED = 130

@@ -6,12 +6,14 @@ from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from ..errors import ExitCode
+
 Status = Literal["pass", "fail", "skipped"]
 
 NAME_WIDTH = 15
 STATUS_WIDTH = 7
 
-EXIT_INCOMPLETE = 10
+EXIT_INCOMPLETE = int(ExitCode.SELFTEST_INCOMPLETE)
 """The exit code of a selftest in which nothing failed but no cross-rank check ran (one rank:
 `--nproc 1`): the machine's replication, kill and hang were not checked, so it does not say OK."""
 
