@@ -165,5 +165,5 @@ def test_printed_sbatch_submitted_without_a_clone_runs_the_packaged_launcher(
     assert coordinator[:2] == ["bash", str(RESOURCES / "scripts/slurm/deadpool_coordinator.sh")]
     config = coordinator[coordinator.index("--config") + 1]
     assert Path(config).resolve() == (REPO_ROOT / "configs" / "cpu-demo.yaml").resolve()
-    workers = " ".join(commands["workers"])
-    assert f"--output={tmp_path}/logs/deadpool-4242/task-%t.log" in workers, workers
+    agent = " ".join(commands["agent 0"])  # one agent per node: respawn is on by default
+    assert f"--output={tmp_path}/logs/deadpool-4242/agent-0.log" in agent, agent
