@@ -100,6 +100,15 @@ def bound_aborts(seconds: float | None) -> None:
     _BOUND_S[:] = [] if seconds is None else [float(seconds)]
 
 
+_KEEP: list[bool] = []  # set: the groups are repaired in place (`devices.reconfigure`)
+
+
+def keep_groups(keep: bool) -> None:
+    """From now on an abort keeps torch's groups (gloo: their connections are shut down, the
+    groups stay for `devices.reconfigure.repair`), or (False) forgets them as before."""
+    _KEEP[:] = [True] if keep else []
+
+
 def abort_count() -> int:
     """How many aborts this process started: a caller that posted work on a group compares it
     before and after to learn whether the group was aborted meanwhile."""
@@ -135,7 +144,9 @@ def _abort_now() -> AbortReport:
         previous = last_abort()
         world_id = id(world) if world is not None else (previous.world_id if previous else None)
         del world
-        aborted = nccl.abort_all()
+        aborted = bool(_KEEP) and dist.is_initialized()
+        if not _KEEP:
+            aborted = nccl.abort_all()
         shut = gloo.shutdown_connections()
         report = AbortReport(shut, aborted, time.perf_counter() - t0, world_id)
         _LAST[:] = [report]

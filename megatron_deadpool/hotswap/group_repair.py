@@ -1,0 +1,129 @@
+"""A recovery's reconstruct step when the groups are repaired in place (`devices.reconfigure`).
+
+Survivors keep every `ProcessGroup` object - torch's default group, Megatron's `parallel_state`
+globals and every handle the model, DDP and the optimizer hold, DeadPool's replication group -
+so nothing is released, walked or rebound: their abort only shuts the groups' connections down
+(`devices.abort.keep_groups`), and once the roster of generation g is agreed each process
+publishes its reconfigure handles (`RepairHandles`, sealed like every value of the job, under
+``gen{g}/repair/{rank}``), reads every rank's, and reconfigures each of its groups with uuid g.
+
+A newcomer builds its world as the survivors once did, on the same store prefix (the generation
+the survivors' groups were created in, `RepairHandles.base`, read from a survivor's handles) and
+in the same order - so its groups have the survivors' names and rendezvous keys - but created to
+be reconfigured (`reconfigurable_creation`: nothing connects); it then publishes its handles and
+joins every repaired group. Every wait is bounded (`REPAIR_TIMEOUT_S`): a member lost during the
+repair fails it with `DistBackendError`, a peer failure, and the recovery starts over in the next
+generation (every group is reconnected again, under a new uuid).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+import time
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+from ..devices import reconfigure
+from ..devices.reconfigure import RepairPlanError
+from .membership import Membership
+
+log = logging.getLogger(__name__)
+
+REPAIR_TIMEOUT_S = 60.0
+"""Longest wait for the other ranks' handles, and for each group's members while it reconnects."""
+
+
+@dataclass(frozen=True)
+class RepairHandles:
+    """What one rank publishes for a repair: its handle of every group it is in (by torch's
+    group name) and the generation whose store prefix its groups were created on."""
+
+    base: int
+    handles: dict[str, str]
+
+    def encode(self) -> str:
+        return json.dumps({"base": self.base, "handles": self.handles}, sort_keys=True)
+
+    @classmethod
+    def decode(cls, rank: int, raw: bytes | None) -> RepairHandles:
+        """Checked before use: `RepairPlanError` naming the rank when it is not one."""
+        if raw is None:
+            raise RepairPlanError(f"rank {rank}'s reconfigure handles are not the job's")
+        try:
+            data = json.loads(raw)
+        except ValueError as exc:
+            raise RepairPlanError(f"rank {rank}'s reconfigure handles are not JSON") from exc
+        base = data.get("base") if isinstance(data, dict) else None
+        if not isinstance(base, int) or isinstance(base, bool) or base < 0:
+            raise RepairPlanError(f"rank {rank}'s reconfigure handles name no base generation")
+        return cls(base, reconfigure.check_handles(rank, data.get("handles")))
+
+
+def publish(membership: Membership, generation: int, rank: int, base: int) -> None:
+    """Publish this process's handles of every group it is in for generation g's repair."""
+    payload = RepairHandles(base, reconfigure.own_handles()).encode()
+    membership.publish_repair_handles(generation, rank, payload)
+
+
+def read(
+    membership: Membership, generation: int, ranks: list[int], timeout_s: float
+) -> dict[int, RepairHandles]:
+    """The handles `ranks` published for generation g; `DistBackendError` when they are not all
+    there within `timeout_s` (a rank was lost: the recovery starts over)."""
+    try:
+        raw = membership.repair_handles(generation, ranks, timeout_s)
+    except dist.DistError as exc:  # the store's timeout
+        raise dist.DistBackendError(
+            f"repairing the process groups of generation {generation}: not every rank "
+            f"published its reconfigure handles within {timeout_s:g}s ({exc})"
+        ) from exc
+    return {r: RepairHandles.decode(r, v) for r, v in zip(ranks, raw)}
+
+
+def base_of(membership: Membership, generation: int, survivor: int, timeout_s: float) -> int:
+    """The generation whose store prefix the survivors' groups were created on (a newcomer
+    creates its own there), from `survivor`'s handles of generation g."""
+    return read(membership, generation, [survivor], timeout_s)[survivor].base
+
+
+def repair(
+    membership: Membership,
+    generation: int,
+    rank: int,
+    world_size: int,
+    base: int,
+    timeout_s: float = REPAIR_TIMEOUT_S,
+) -> float:
+    """Publish this process's handles (unless it did), read every rank's, and reconfigure each
+    of this process's groups in place under uuid `generation`; returns the seconds the
+    reconfigures took. A member lost meanwhile: `DistBackendError` within `timeout_s`."""
+    publish(membership, generation, rank, base)
+    t0 = time.perf_counter()
+    published = read(membership, generation, list(range(world_size)), timeout_s)
+    bases = {h.base for h in published.values()}
+    if bases != {base}:
+        raise RepairPlanError(
+            f"generation {generation}: ranks created their groups in different generations "
+            f"{sorted(bases)}: their groups cannot be repaired together"
+        )
+    groups = [(name, list(ranks)) for name, _, ranks in reconfigure.known_groups()]
+    plan = reconfigure.plan_repair(groups, {r: h.handles for r, h in published.items()})
+    try:
+        report = reconfigure.repair(plan, generation, datetime.timedelta(seconds=timeout_s))
+    except RepairPlanError:
+        raise
+    except RuntimeError as exc:
+        raise dist.DistBackendError(
+            f"repairing the process groups of generation {generation} in place failed: "
+            f"{str(exc).splitlines()[0][:200]}"
+        ) from exc
+    log.info(
+        "repaired %d process groups in place in %.3fs (handles read in %.3fs)",
+        report.groups,
+        report.seconds,
+        time.perf_counter() - t0 - report.seconds,
+    )
+    return report.seconds
