@@ -15,7 +15,11 @@ still blocked in one - and before anything waits on a transfer or reads a receiv
    shutdown cannot end (a send under way) raises within `gloo.WAIT_SLICE`.
 
 Afterwards torch knows no process group; handles still held by Megatron's objects are swapped
-for placeholders by `hotswap.rebind.release` and the next generation is created from scratch.
+for placeholders by `hotswap.rebind.release` and the next generation is created from scratch -
+unless the groups are repaired in place (`keep_groups(True)`, set by the driver where
+`devices.reconfigure` chose the repair, gloo on torch >= 2.14): then step 1 is skipped, the
+groups stay known to torch with their connections shut down, and `devices.reconfigure.repair`
+reconnects them.
 
 **Off the caller's thread, bounded in time.** The abort always runs on a thread of its own
 (``deadpool-abort``): torch aborts an NCCL group on a `std::async` thread that it waits for up

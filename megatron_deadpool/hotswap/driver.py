@@ -31,8 +31,8 @@ from typing import Any, TypeVar
 import torch.distributed as dist
 
 from ..config.deadpool import DeadpoolConfig, split_coordinators
-from ..devices import Device, nccl, reconfigure
-from ..devices.abort import bound_aborts, keep_groups, start_abort
+from ..devices import Device, nccl
+from ..devices.abort import bound_aborts, start_abort
 from ..devices.failures import is_peer_failure
 from ..devices.groups import (
     host_transfer_group,
@@ -133,12 +133,7 @@ class Driver:
         self.host_repl_group: dist.ProcessGroup | None = None  # CUDA, replicas in host memory
         self.pg_backend = device.backend
         self.pg_timeout = datetime.timedelta(seconds=cfg.pg_timeout)
-        # Repair the groups in place on a recovery, or rebuild a new generation's
-        # (`devices.reconfigure`); the generation whose store prefix the groups were created on.
-        self.group_way = reconfigure.choose(str(self.pg_backend))
-        self.groups_base: int | None = None
-        keep_groups(self.group_way.repair)
-        log.info("process groups on a recovery: %s (%s)", self.group_way.way, self.group_way.reason)
+        self.groups = group_repair.InPlace(str(self.pg_backend))  # or rebuilt on a recovery
         self.committed: int | None = None
         self.completed: int | None = None  # training completed at this iteration
         self.last_completed = 0
@@ -372,60 +367,22 @@ class Driver:
             **nccl.init_kwargs(self.pg_backend),  # eager communicators (device_id)
         }
 
-    def join(self, roster: Roster, init_model_parallel: Callable[[], None]) -> None:
+    def join(
+        self, roster: Roster, init_model_parallel: Callable[[], None], *, newcomer: bool = False
+    ) -> None:
         """Create generation g's default group, Megatron's groups (`init_model_parallel`) and
-        the replication group."""
+        the replication group. A `newcomer` whose groups are repaired in place creates them as
+        the survivors did, reconfigurable, and joins the survivors' (`group_repair.InPlace`)."""
         self._take(roster)
-        dist.init_process_group(**self.process_group_args())
-        init_model_parallel()
-        self.place_replicas()
-        if self.cfg.enabled:
-            self.new_replication_group()
-        self.groups_base = self.generation
+        with self.groups.creating(self.membership, roster, self.process_group_args(), newcomer):
+            init_model_parallel()
+            self.place_replicas()
+            if self.cfg.enabled:
+                self.new_replication_group()
         self.plan_watch.joined(self.generation)
         log.info(
             "joined generation %d as rank %d of %d", self.generation, self.rank, roster.world_size
         )
-
-    def repairs_groups(self) -> bool:
-        """Whether the next recovery repairs this process's groups in place (it has groups, and
-        `devices.reconfigure` chose the repair) rather than rebuilding them."""
-        return self.group_way.repair and self.groups_base is not None
-
-    def repair_groups(self, roster: Roster) -> None:
-        """A survivor's reconstruct step with groups repaired in place: become the roster's
-        rank and reconnect every group it holds, with the roster's newcomers
-        (`group_repair`); its objects keep their group handles."""
-        assert self.groups_base is not None
-        self._take(roster)
-        group_repair.repair(
-            self.membership, self.generation, self._rank(), roster.world_size, self.groups_base
-        )
-        self.plan_watch.joined(self.generation)
-        log.info("generation %d: rank %d repaired its groups in place", self.generation, self.rank)
-
-    def join_repaired(self, roster: Roster) -> None:
-        """A newcomer joins generation g's repaired groups: it creates its world on the store
-        prefix the survivors' groups were created on, reconfigurable (nothing connects), in the
-        same order, then reconnects every group with the survivors (`group_repair`)."""
-        self._take(roster)
-        m, g = self.membership, roster.generation
-        plan = m.plan(g)
-        needy = set(plan.needy) if plan is not None else set()
-        survivor = next(r for r in range(roster.world_size) if r not in needy)
-        base = group_repair.base_of(m, g, survivor, group_repair.REPAIR_TIMEOUT_S)
-        with reconfigure.reconfigurable_creation():
-            dist.init_process_group(
-                **{**self.process_group_args(), "store": m.process_group_store(base)}
-            )
-            self.job.init_model_parallel()
-            self.place_replicas()
-            if self.cfg.enabled:
-                self.new_replication_group()
-        self.groups_base = base
-        group_repair.repair(m, g, self._rank(), roster.world_size, base)
-        self.plan_watch.joined(g)
-        log.info("joined generation %d's repaired groups as rank %d", g, self.rank)
 
     def build_privately(
         self,
@@ -453,14 +410,9 @@ class Driver:
         survivors recompute more)."""
         t0 = time.time()
         roster = self._claim(self.roster)
-        keep_groups(False)  # the private world's groups go for good
-        self.release()
-        keep_groups(self.group_way.repair)
+        self.groups.forgetting(self.release)  # the private world's groups go for good
         private_world.leave()
-        if self.group_way.repair and roster.generation > 0:
-            self.join_repaired(roster)
-        else:
-            self.join(roster, self.job.init_model_parallel)
+        self.join(roster, self.job.init_model_parallel, newcomer=True)
         self.attach()
         t_joined = time.time()
         sources = self.membership.sources(roster.generation).holders
@@ -604,11 +556,9 @@ class Driver:
         # Repaired in place, every group stays (its connections shut down by the abort).
         # Rebuilt, the group is handed over in a dict the release empties: no reference may
         # outlive it.
-        repairing = self.repairs_groups()
+        repairing = self.groups.repairs()
         extra = {} if repairing else self._hand_over_groups()
         held = abort_keeping_arrivals(self.replicator)
-        if repairing:
-            held.clear()
         self.faults.in_recovery(self._rank(), self.replicator, self.generation + 1)
         t_released = time.time()
         released: list[int] = []
@@ -628,7 +578,9 @@ class Driver:
         )
         t_agreed = time.time()
         if repairing:
-            self.repair_groups(roster)
+            self._take(roster)
+            self.groups.reconstruct(self.membership, roster, self._rank())
+            self.plan_watch.joined(self.generation)
         else:
             self.join(roster, self.job.init_model_parallel)
             self.attach()

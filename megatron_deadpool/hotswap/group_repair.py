@@ -18,22 +18,91 @@ generation (every group is reconnected again, under a new uuid).
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import logging
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch.distributed as dist
 
 from ..devices import reconfigure
+from ..devices.abort import keep_groups
 from ..devices.reconfigure import RepairPlanError
+from ..errors import DeadpoolRuntimeError
 from .membership import Membership
+from .messages import Roster
 
 log = logging.getLogger(__name__)
 
 REPAIR_TIMEOUT_S = 60.0
 """Longest wait for the other ranks' handles, and for each group's members while it reconnects."""
+
+
+class InPlace:
+    """One process's way with its groups on a recovery: repaired in place where
+    `devices.reconfigure.choose` says so (then an abort keeps them), else rebuilt; and the
+    generation whose store prefix its groups were created on."""
+
+    def __init__(self, backend: str) -> None:
+        self.choice = reconfigure.choose(backend)
+        self.base: int | None = None
+        keep_groups(self.choice.repair)
+        log.info("process groups on a recovery: %s (%s)", self.choice.way, self.choice.reason)
+
+    def repairs(self, generation: int | None = None) -> bool:
+        """Whether this process's groups are repaired in place: on its next recovery (it has
+        groups), or (`generation`) as a newcomer joining generation g (not the first)."""
+        if generation is not None:
+            return self.choice.repair and generation > 0
+        return self.choice.repair and self.base is not None
+
+    @contextlib.contextmanager
+    def creating(
+        self, membership: Membership, roster: Roster, pg_args: dict[str, Any], newcomer: bool
+    ) -> Iterator[None]:
+        """The default group of `roster`'s generation (`init_process_group` with `pg_args`),
+        then the groups the block creates. A `newcomer` whose groups are repaired in place
+        creates them on the survivors' store prefix, reconfigurable (nothing connects), and
+        joins the survivors' after the block (`reconstruct`); otherwise they are created (and
+        connected) on generation g's prefix, the base of later repairs."""
+        g = roster.generation
+        if not (newcomer and self.repairs(g)):
+            dist.init_process_group(**pg_args)
+            yield
+            self.base = g
+            log.info("generation %d: world group %s", g, world_id())
+            return
+        self.base = newcomer_base(membership, roster)
+        with reconfigure.reconfigurable_creation():
+            store = membership.process_group_store(self.base)
+            dist.init_process_group(**{**pg_args, "store": store})
+            yield
+        self.reconstruct(membership, roster, int(pg_args["rank"]), joining=True)
+
+    def forgetting(self, release: Callable[[], object]) -> None:
+        """`release()` with aborts that forget the groups (a newcomer's private world)."""
+        keep_groups(False)
+        try:
+            release()
+        finally:
+            keep_groups(self.choice.repair)
+
+    def reconstruct(
+        self, membership: Membership, roster: Roster, rank: int, *, joining: bool = False
+    ) -> None:
+        """Repair every group of this process in place for `roster` (`repair`): a survivor's
+        reconstruct step, or a newcomer's (`joining`) once its groups exist (`creating`)."""
+        if self.base is None:
+            raise DeadpoolRuntimeError("no process groups to repair: this process never joined")
+        repair(membership, roster.generation, rank, roster.world_size, self.base)
+        log.info(
+            "generation %d: rank %d %s its groups in place (world group %s)",
+            *(roster.generation, rank, "joined" if joining else "repaired", world_id()),
+        )
 
 
 @dataclass(frozen=True)
@@ -87,6 +156,20 @@ def base_of(membership: Membership, generation: int, survivor: int, timeout_s: f
     """The generation whose store prefix the survivors' groups were created on (a newcomer
     creates its own there), from `survivor`'s handles of generation g."""
     return read(membership, generation, [survivor], timeout_s)[survivor].base
+
+
+def newcomer_base(membership: Membership, roster: Roster) -> int:
+    """The generation whose store prefix the survivors' groups were created on, for a newcomer
+    of `roster`'s generation (from the handles of its first rank that is no newcomer)."""
+    plan = membership.plan(roster.generation)
+    needy = set(plan.needy) if plan is not None else set()
+    survivor = next(r for r in range(roster.world_size) if r not in needy)
+    return base_of(membership, roster.generation, survivor, REPAIR_TIMEOUT_S)
+
+
+def world_id() -> str:
+    """The default group's identity, as the logs show it (the same object after a repair)."""
+    return f"{id(dist.distributed_c10d._get_default_group()):#x}"
 
 
 def repair(

@@ -728,13 +728,11 @@ class Membership:
         """`rank`'s reconfigure handles for the repair of generation g (`group_repair`)."""
         self._set(Keys.REPAIR_HANDLES.format(g=generation, rank=rank), payload)
 
-    def repair_handles(
-        self, generation: int, ranks: Sequence[int], timeout_s: float
-    ) -> list[bytes | None]:
-        """The handles `ranks` published for generation g, waiting up to `timeout_s` for them
-        (the store's error when they do not come); None for a value that is not the job's."""
-        keys = [Keys.REPAIR_HANDLES.format(g=generation, rank=r) for r in ranks]
-        self.store.wait(keys, datetime.timedelta(seconds=timeout_s))
+    def repair_handles(self, g: int, ranks: Sequence[int], wait_s: float) -> list[bytes | None]:
+        """The handles `ranks` published for generation g, waited for up to `wait_s` (then the
+        store's error); None for a value that is not the job's."""
+        keys = [Keys.REPAIR_HANDLES.format(g=g, rank=r) for r in ranks]
+        self.store.wait(keys, datetime.timedelta(seconds=wait_s))
         return self._payloads(keys)
 
     def report_stale_refs(self, generation: int, count: int) -> None:
