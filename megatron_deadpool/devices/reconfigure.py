@@ -196,10 +196,9 @@ def repair(plan: Sequence[GroupRepair], uuid: int, timeout: datetime.timedelta) 
     connections it opens are recorded, so the next failure's abort shuts them down
     (`devices.gloo`).
 
-    One after another, not side by side: torch 2.14.1 keeps the GIL while gloo connects
-    (measured: 24 groups of Megatron's TP2xDP2 on 16 threads per process deadlocked, each
-    process's thread holding the GIL waiting for a group its peers' GIL holders had not
-    reached)."""
+    One after another: repairing the groups side by side (a thread pool per process, 24 groups
+    of Megatron's TP2xDP2) hung in a first try, although torch releases the GIL while gloo
+    connects (measured: another thread ran throughout a 2 s reconfigure); why was not found."""
     if uuid < 0:
         raise ValueError(f"uuid={uuid}: a reconfigure uuid must be >= 0 (-1 means none yet)")
     by_name = {name: pg for name, pg, _ in known_groups()}
