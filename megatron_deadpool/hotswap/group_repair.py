@@ -48,8 +48,12 @@ class InPlace:
     generation whose store prefix its groups were created on."""
 
     def __init__(self, backend: str) -> None:
-        self.choice = reconfigure.choose(backend)
         self.base: int | None = None
+        self.choose(backend)
+
+    def choose(self, backend: str) -> None:
+        """Decide for groups of `backend` (again, when the job names its backend later)."""
+        self.choice = reconfigure.choose(backend)
         keep_groups(self.choice.repair)
         log.info("process groups on a recovery: %s (%s)", self.choice.way, self.choice.reason)
 
@@ -73,8 +77,7 @@ class InPlace:
         if not (newcomer and self.repairs(g)):
             dist.init_process_group(**pg_args)
             yield
-            self.base = g
-            log.info("generation %d: world group %s", g, world_id())
+            self.created(g)
             return
         self.base = newcomer_base(membership, roster)
         with reconfigure.reconfigurable_creation():
@@ -82,6 +85,11 @@ class InPlace:
             dist.init_process_group(**{**pg_args, "store": store})
             yield
         self.reconstruct(membership, roster, int(pg_args["rank"]), joining=True)
+
+    def created(self, generation: int) -> None:
+        """Its groups were just created, connected, on generation g's store prefix."""
+        self.base = generation
+        log.info("generation %d: world group %s", generation, world_id())
 
     def forgetting(self, release: Callable[[], object]) -> None:
         """`release()` with aborts that forget the groups (a newcomer's private world)."""
