@@ -304,6 +304,7 @@ def measure(
     ref_losses = [r["loss"] for r in ref.records]
     return {
         "deadpool_recovery_s": hot["recovery_s"],
+        "process_groups": groups_way(runs["deadpool"].run_dir),
         "restart_recovery_s": restart["recovery_s"],
         "speedup": restart["recovery_s"] / hot["recovery_s"],
         "deadpool_recomputed": hot["recomputed"],
@@ -347,6 +348,22 @@ def measure(
     }
 
 
+GROUPS_LINE = "process groups on a recovery: "
+"""What each DeadPool process logs as it starts (`Driver`): repaired in place or rebuilt, why."""
+
+
+def groups_way(run_dir: Path) -> str:
+    """How the hot-swap run's processes reconstruct their groups on a recovery, as their logs
+    say (`devices.reconfigure.choose`: ``repair (...)`` or ``rebuild (...)``); the distinct
+    answers joined by ``; `` (one, unless processes differ), or ``unknown``."""
+    ways: set[str] = set()
+    for path in sorted(run_dir.glob("**/*.log")):
+        for line in path.read_text(errors="replace").splitlines():
+            if GROUPS_LINE in line:
+                ways.add(line.split(GROUPS_LINE, 1)[1].strip())
+    return "; ".join(sorted(ways)) or "unknown"
+
+
 def combine(results: list[dict[str, Any]]) -> dict[str, Any]:
     """Repeats of `measure`: the first one's details, with the medians of the totals and of
     every phase, each repeat's totals and recomputations, and the median speedup with its
@@ -366,6 +383,7 @@ def combine(results: list[dict[str, Any]]) -> dict[str, Any]:
     for flag in ("deadpool_matches_reference", "restart_matches_reference"):
         out[flag] = all(r[flag] for r in results)
     out["repeats"] = len(results)
+    out["process_groups"] = "; ".join(sorted({r.get("process_groups", "unknown") for r in results}))
     return out
 
 
@@ -413,6 +431,7 @@ def table(result: dict[str, Any]) -> list[str]:
     stall = result.get("restart_first_save_stall_s")
     if stall is not None:
         lines.append(f"the restart run's first persistent save held training up {stall:.2f}s")
+    lines.append(f"process groups on the hot swap: {result.get('process_groups', 'unknown')}")
     repeats = result.get("repeats", 1)
     if repeats == 1:
         lines.append(f"speedup of the hot swap: {result['speedup']:.1f}x")

@@ -15,7 +15,11 @@ still blocked in one - and before anything waits on a transfer or reads a receiv
    shutdown cannot end (a send under way) raises within `gloo.WAIT_SLICE`.
 
 Afterwards torch knows no process group; handles still held by Megatron's objects are swapped
-for placeholders by `hotswap.rebind.release` and the next generation is created from scratch.
+for placeholders by `hotswap.rebind.release` and the next generation is created from scratch -
+unless the groups are repaired in place (`keep_groups(True)`, set by the driver where
+`devices.reconfigure` chose the repair, gloo on torch >= 2.14): then step 1 is skipped, the
+groups stay known to torch with their connections shut down, and `devices.reconfigure.repair`
+reconnects them.
 
 **Off the caller's thread, bounded in time.** The abort always runs on a thread of its own
 (``deadpool-abort``): torch aborts an NCCL group on a `std::async` thread that it waits for up
@@ -100,6 +104,15 @@ def bound_aborts(seconds: float | None) -> None:
     _BOUND_S[:] = [] if seconds is None else [float(seconds)]
 
 
+_KEEP: list[bool] = []  # set: the groups are repaired in place (`devices.reconfigure`)
+
+
+def keep_groups(keep: bool) -> None:
+    """From now on an abort keeps torch's groups (gloo: their connections are shut down, the
+    groups stay for `devices.reconfigure.repair`), or (False) forgets them as before."""
+    _KEEP[:] = [True] if keep else []
+
+
 def abort_count() -> int:
     """How many aborts this process started: a caller that posted work on a group compares it
     before and after to learn whether the group was aborted meanwhile."""
@@ -135,7 +148,9 @@ def _abort_now() -> AbortReport:
         previous = last_abort()
         world_id = id(world) if world is not None else (previous.world_id if previous else None)
         del world
-        aborted = nccl.abort_all()
+        aborted = bool(_KEEP) and dist.is_initialized()
+        if not _KEEP:
+            aborted = nccl.abort_all()
         shut = gloo.shutdown_connections()
         report = AbortReport(shut, aborted, time.perf_counter() - t0, world_id)
         _LAST[:] = [report]

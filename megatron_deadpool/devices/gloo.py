@@ -37,13 +37,14 @@ on the kernel, unlike its `wait()`.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import functools
 import os
 import socket
 import stat
 import threading
-from collections.abc import Callable, MutableMapping
+from collections.abc import Callable, Iterator, MutableMapping
 from typing import Any
 
 import torch.distributed as dist
@@ -164,17 +165,29 @@ def track_connections() -> None:
             # no connection to record: another backend, a group this process is not in, or
             # a group of one
             return real(group_size, group_rank, ranks, backend, store, *a, **k)
-        _ABORTED.clear()  # the next generation's groups: their waits are normal again
-        port = _store_port(store)
-        before = set(socket_fds().values())
-        result = real(group_size, group_rank, ranks, backend, store, *a, **k)
         name = str(a[0] if a else k.get("group_name", "?"))
-        with _LOCK:
-            for inode in _new_connections(before, port):
-                _TRACKED[inode] = name
-        return result
+        with recording(name, _store_port(store)):
+            return real(group_size, group_rank, ranks, backend, store, *a, **k)
 
     c10d._new_process_group_helper = helper  # type: ignore[assignment]
+
+
+@contextlib.contextmanager
+def recording(name: str, store_port: int | None) -> Iterator[None]:
+    """Record the connections a gloo group opens inside the block under `name` (its creation,
+    or its repair in place: `devices.reconfigure`), never those to or from `store_port`; the
+    waits of this process are normal again from now on (it has live groups)."""
+    _ABORTED.clear()  # the next generation's groups: their waits are normal again
+    before = set(socket_fds().values())
+    yield
+    with _LOCK:
+        for inode in _new_connections(before, store_port):
+            _TRACKED[inode] = name
+
+
+def store_port(group: dist.ProcessGroup) -> int | None:
+    """The port of the TCP store `group` rendezvouses on (None: not a TCP store)."""
+    return _store_port(dist.distributed_c10d._world.pg_map.get(group, (None, None))[1])
 
 
 def interruptible_waits() -> None:

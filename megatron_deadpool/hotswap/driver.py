@@ -57,7 +57,7 @@ from ..replication.placement import Layout, Placement, RankOrder, place_replicas
 from ..replication.replicator import Replicator
 from ..replication.segments import SegmentHoldings
 from ..replication.snapshot import Snapshotter
-from . import orphaned, private_world, rebind
+from . import group_repair, orphaned, private_world, rebind
 from .adapter import JobAdapter, RecoveryRecord
 from .connection import Heartbeat
 from .failover import CoordinatorLink, FailoverStore, host_id
@@ -133,6 +133,7 @@ class Driver:
         self.host_repl_group: dist.ProcessGroup | None = None  # CUDA, replicas in host memory
         self.pg_backend = device.backend
         self.pg_timeout = datetime.timedelta(seconds=cfg.pg_timeout)
+        self.groups = group_repair.InPlace(str(self.pg_backend))  # or rebuilt on a recovery
         self.committed: int | None = None
         self.completed: int | None = None  # training completed at this iteration
         self.last_completed = 0
@@ -366,15 +367,18 @@ class Driver:
             **nccl.init_kwargs(self.pg_backend),  # eager communicators (device_id)
         }
 
-    def join(self, roster: Roster, init_model_parallel: Callable[[], None]) -> None:
+    def join(
+        self, roster: Roster, init_model_parallel: Callable[[], None], *, newcomer: bool = False
+    ) -> None:
         """Create generation g's default group, Megatron's groups (`init_model_parallel`) and
-        the replication group."""
+        the replication group. A `newcomer` whose groups are repaired in place creates them as
+        the survivors did, reconfigurable, and joins the survivors' (`group_repair.InPlace`)."""
         self._take(roster)
-        dist.init_process_group(**self.process_group_args())
-        init_model_parallel()
-        self.place_replicas()
-        if self.cfg.enabled:
-            self.new_replication_group()
+        with self.groups.creating(self.membership, roster, self.process_group_args(), newcomer):
+            init_model_parallel()
+            self.place_replicas()
+            if self.cfg.enabled:
+                self.new_replication_group()
         self.plan_watch.joined(self.generation)
         log.info(
             "joined generation %d as rank %d of %d", self.generation, self.rank, roster.world_size
@@ -406,9 +410,9 @@ class Driver:
         survivors recompute more)."""
         t0 = time.time()
         roster = self._claim(self.roster)
-        self.release()
+        self.groups.forgetting(self.release)  # the private world's groups go for good
         private_world.leave()
-        self.join(roster, self.job.init_model_parallel)
+        self.join(roster, self.job.init_model_parallel, newcomer=True)
         self.attach()
         t_joined = time.time()
         sources = self.membership.sources(roster.generation).holders
@@ -549,15 +553,19 @@ class Driver:
         # The traceback's frames hold the failed collective's group: drop them, or the group
         # (and its connections) outlive the release below.
         traceback.clear_frames(exc.__traceback__)
-        # The group is handed over in a dict the release empties: no reference may outlive it.
-        extra = self._hand_over_groups()
+        # Repaired in place, every group stays (its connections shut down by the abort).
+        # Rebuilt, the group is handed over in a dict the release empties: no reference may
+        # outlive it.
+        repairing = self.groups.repairs()
+        extra = {} if repairing else self._hand_over_groups()
         held = abort_keeping_arrivals(self.replicator)
         self.faults.in_recovery(self._rank(), self.replicator, self.generation + 1)
         t_released = time.time()
         released: list[int] = []
 
         def release() -> None:  # while the coordinator decides, after this rank's report
-            released.append(rebind.release(self._roots(), extra, held))
+            if not repairing:
+                released.append(rebind.release(self._roots(), extra, held))
 
         steps = self._recovery()
         roster = steps.agree(
@@ -569,9 +577,14 @@ class Driver:
             meanwhile=release,
         )
         t_agreed = time.time()
-        self.join(roster, self.job.init_model_parallel)
-        self.attach()
-        log.info("released %d group handles, re-attached the new generation's", released[0])
+        if repairing:
+            self._take(roster)
+            self.groups.reconstruct(self.membership, roster, self._rank())
+            self.plan_watch.joined(self.generation)
+        else:
+            self.join(roster, self.job.init_model_parallel)
+            self.attach()
+            log.info("released %d group handles, re-attached the new generation's", released[0])
         self.job.after_rejoin(roster)
         t_joined = time.time()
         self.restore(roster, needy=steps.needy, newcomer=False)

@@ -63,6 +63,8 @@ Keys (the message type of each structured value in CamelCase):
                               a newcomer that will never come
   gen{g}/{phase}/{rank}       wall time a rank reached a phase: joined, restored,
                               first_iteration (rank 0 only); gen{g}/{phase}/count counts them
+  gen{g}/repair/{rank}        RepairHandles: the rank's reconfigure handles of its groups and the
+                              generation they were created in (`group_repair.py`)
   gen{g}/stale_refs           counter: old-generation group handles ranks found left after
                               rebinding (must stay 0)
   gen{g}/...                  torch's own rendezvous keys of generation g's process groups
@@ -735,6 +737,17 @@ class Membership:
         if any(v is None for v in payloads):
             return None
         return [read_float(k, v) for k, v in zip(keys, payloads) if v is not None]
+
+    def publish_repair_handles(self, generation: int, rank: int, payload: str) -> None:
+        """`rank`'s reconfigure handles for the repair of generation g (`group_repair`)."""
+        self._set(Keys.REPAIR_HANDLES.format(g=generation, rank=rank), payload)
+
+    def repair_handles(self, g: int, ranks: Sequence[int], wait_s: float) -> list[bytes | None]:
+        """The handles `ranks` published for generation g, waited for up to `wait_s` (then the
+        store's error); None for a value that is not the job's."""
+        keys = [Keys.REPAIR_HANDLES.format(g=g, rank=r) for r in ranks]
+        self.store.wait(keys, datetime.timedelta(seconds=wait_s))
+        return self._payloads(keys)
 
     def report_stale_refs(self, generation: int, count: int) -> None:
         """Add a rank's count of old-generation handles left after rebinding to g's total."""

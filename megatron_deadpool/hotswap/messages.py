@@ -48,6 +48,7 @@ class Keys:
     STAMP = "gen{g}/{phase}/{rank}"
     STAMP_COUNT = "gen{g}/{phase}/count"
     STALE_REFS = "gen{g}/stale_refs"
+    REPAIR_HANDLES = "gen{g}/repair/{rank}"
     PROCESS_GROUPS = "gen{g}"
     OUT_OF_REDUNDANCY = "out_of_redundancy"
     FAILURES = "failures"

@@ -208,6 +208,7 @@ class MegatronSession:
     def _record_pg_kwargs(self, kwargs: dict[str, Any]) -> None:
         """Megatron's backend and timeout, used for every later generation's default group."""
         self.driver.pg_backend = kwargs.get("backend") or "gloo"
+        self.driver.groups.choose(str(self.driver.pg_backend))  # repaired in place, or rebuilt
         self.driver.pg_timeout = kwargs.get("timeout") or datetime.timedelta(minutes=10)
 
     def model_parallel_ready(
@@ -231,6 +232,7 @@ class MegatronSession:
         if not d.building_privately():  # a newcomer's groups are made when it joins
             d.new_replication_group()
             d.plan_watch.joined(d.generation)  # generation 0's groups: Megatron made them
+            d.groups.created(d.generation)
 
     def init_model_parallel(self) -> None:
         if self.mp_call is None:

@@ -23,6 +23,8 @@ from typing import Any
 import pytest
 from conftest import TrainRun, assert_out_of_redundancy, run_deadpool, train_case
 
+from megatron_deadpool.devices import reconfigure
+
 ITERS = "6"
 CASES: dict[str, list[str]] = {
     # The TP2 x DP2 cases compare against the session's shared failure-free run (`tp_reference`).
@@ -408,3 +410,34 @@ def test_a_spare_raising_what_the_rank_it_replaced_raised_ends_the_job(root: str
     assert [p["slots"]["2"] for p in plans] == ["s0"]  # s1 never got a slot
     assert summary["job_error"]["report"]["member"] == "s0"
     assert summary["out_of_redundancy"] is None
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.skipif(
+    not reconfigure.choose("gloo").repair,
+    reason="torch < 2.14 (or DEADPOOL_GROUP_REPAIR=rebuild): groups are rebuilt, as the other "
+    "cases test",
+)
+def test_survivors_repair_their_groups_in_place_and_stay_bitwise(
+    root: str, tp_reference: dict
+) -> None:
+    """torch >= 2.14 (the lane-312 venv): both recoveries of `kill_then_hang` repair the groups
+    in place - every survivor keeps its default group object (the same identity before and
+    after each recovery), releases and rebinds nothing - and the newcomers join the repaired
+    groups; the run stays bitwise identical to the failure-free one."""
+    _check_recovered("kill_then_hang", tp_reference, root, [[2], [1]])
+    logs = {p.name: p.read_text() for p in (Path(root) / "kill_then_hang" / "logs").glob("*.log")}
+    text = "\n".join(logs.values())
+    assert "process groups on a recovery: repair" in text
+    assert "re-attached the new generation's" not in text  # no survivor rebuilt
+    world = re.compile(r"world group (0x\w+)")
+    repaired = re.compile(r"rank \d repaired its groups in place \(world group (0x\w+)\)")
+    repairs = 0
+    for name, log in logs.items():
+        first = world.search(log)  # as it created its groups (a newcomer: joined them)
+        for m in repaired.finditer(log):
+            assert first is not None and m.group(1) == first.group(1), (name, m.group(0))
+            repairs += 1
+    assert repairs == 3 + 3  # three survivors in each of the two recoveries
+    newcomers = re.findall(r"generation (\d): rank (\d) joined its groups in place", text)
+    assert sorted(newcomers) == [("1", "2"), ("2", "1")]

@@ -1,0 +1,262 @@
+"""Groups repaired in place (`devices.reconfigure`): the choice, the pure planning, and - on
+torch >= 2.14 (the lane-312 venv) - a real repair.
+
+The repair test: three gloo processes create WORLD and two sub-groups (as Megatron's groups
+exist next to WORLD), reduce once, then rank 2 is SIGKILLed. The survivors' collective fails,
+they shut their gloo connections down (the part of `abort_groups` that keeps the groups) and
+publish their reconfigure handles; a fresh process (the spare) takes rank 2, creates the same
+groups reconfigurable (`reconfigurable_creation`: nothing connects) and publishes its handles;
+all three `repair` and reduce again. The survivors must hold the *same* `ProcessGroup`
+objects as before the failure, every group its ranks, and the sums must be those of a world
+that never failed. A second case: the spare never comes - the survivors' repair must raise
+within its timeout, not hang.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from megatron_deadpool.devices import reconfigure
+from megatron_deadpool.devices.reconfigure import Choice, GroupRepair, RepairPlanError
+
+TESTS_DIR = Path(__file__).resolve().parent
+REPO = TESTS_DIR.parent.parent
+needs_reconfigure = pytest.mark.skipif(
+    not reconfigure.api_available(),
+    reason="this torch has no process-group reconfigure (torch < 2.14): the rebuild is used",
+)
+
+
+# ---------------------------------------------------------------------------- the choice
+def test_rebuild_is_chosen_without_the_api_with_nccl_or_when_asked() -> None:
+    assert not reconfigure.choose("gloo", available=False, environ={}).repair
+    assert not reconfigure.choose("nccl", available=True, environ={}).repair
+    assert not reconfigure.choose("cpu:gloo,cuda:nccl", available=True, environ={}).repair
+    asked = reconfigure.choose("gloo", available=True, environ={"DEADPOOL_GROUP_REPAIR": "rebuild"})
+    assert asked == Choice(False, "DEADPOOL_GROUP_REPAIR=rebuild") and asked.way == "rebuild"
+    chosen = reconfigure.choose("cpu:gloo", available=True, environ={})
+    assert chosen.repair and chosen.way == "repair"
+
+
+def test_the_running_torch_decides_by_default() -> None:
+    assert reconfigure.choose("gloo", environ={}).repair == reconfigure.api_available()
+
+
+def test_a_bad_mode_names_the_variable_and_the_choices() -> None:
+    with pytest.raises(ValueError, match="DEADPOOL_GROUP_REPAIR='fast'.*auto, rebuild"):
+        reconfigure.choose("gloo", environ={"DEADPOOL_GROUP_REPAIR": "fast"})
+
+
+# ---------------------------------------------------------------------------- the planning
+def test_each_group_lists_its_members_handles_in_group_rank_order() -> None:
+    handles = {
+        0: {"0": "gloo:0:-1:0:h:1", "1": "gloo:0:-1:0:h:1"},
+        1: {"0": "gloo:1:-1:1:h:1", "2": "gloo:0:-1:1:h:1"},
+        2: {"0": "gloo:2:-1:2:h:1", "1": "gloo:1:-1:2:h:1", "2": "gloo:1:4:2:h:1"},
+    }
+    plan = reconfigure.plan_repair([("0", [0, 1, 2]), ("1", [0, 2]), ("2", [1, 2])], handles)
+    assert plan == [
+        GroupRepair("0", (0, 1, 2), ("gloo:0:-1:0:h:1", "gloo:1:-1:1:h:1", "gloo:2:-1:2:h:1")),
+        GroupRepair("1", (0, 2), ("gloo:0:-1:0:h:1", "gloo:1:-1:2:h:1")),
+        GroupRepair("2", (1, 2), ("gloo:0:-1:1:h:1", "gloo:1:4:2:h:1")),
+    ]
+
+
+def test_a_missing_or_repeated_handle_is_named() -> None:
+    with pytest.raises(RepairPlanError, match="rank 1 published no reconfigure handles"):
+        reconfigure.plan_repair([("0", [0, 1])], {0: {"0": "gloo:0"}})
+    with pytest.raises(RepairPlanError, match="rank 1 .* group '3'"):
+        reconfigure.plan_repair([("3", [0, 1])], {0: {"3": "gloo:0"}, 1: {"0": "gloo:1"}})
+    with pytest.raises(RepairPlanError, match="same handle"):
+        reconfigure.plan_repair([("0", [0, 1])], {0: {"0": "gloo:x"}, 1: {"0": "gloo:x"}})
+
+
+def test_published_handles_are_checked_before_use() -> None:
+    assert reconfigure.check_handles(3, {"0": "gloo:1:-1:3:h:9"}) == {"0": "gloo:1:-1:3:h:9"}
+    for bad in (["gloo:1"], {"0": 5}, {"0": "nccl:1"}, {"0": "gloo:" + "x" * 600}):
+        with pytest.raises(RepairPlanError, match="rank 3"):
+            reconfigure.check_handles(3, bad)
+
+
+def test_a_negative_uuid_is_refused() -> None:
+    with pytest.raises(ValueError, match="uuid=-1"):
+        reconfigure.repair([], -1, datetime.timedelta(seconds=1))
+
+
+# ---------------------------------------------------------------------------- a real repair
+GROUPS = ([0, 1], [1, 2])
+"""The sub-groups every process creates after WORLD, in this order."""
+
+T_S = 30.0
+"""The groups' timeout (seconds)."""
+
+
+def _child(rank: int, port: int, role: str, repair_timeout_s: float) -> None:
+    """One process of the repair test (run by `_start`); its result goes to the store."""
+    import torch
+    import torch.distributed as dist
+
+    from megatron_deadpool.devices import gloo
+    from megatron_deadpool.devices import reconfigure as rc
+
+    torch.set_num_threads(1)
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(60))
+    result: dict[str, Any] = {"role": role}
+    try:
+        gloo.track_connections()
+        gloo.interruptible_waits()
+        timeout = datetime.timedelta(seconds=30)
+        make = rc.reconfigurable_creation() if "spare" in role else _nothing()
+        with make:
+            dist.init_process_group(
+                "gloo", store=dist.PrefixStore("gen0", store), rank=rank, world_size=3,
+                timeout=timeout,
+            )  # fmt: skip
+            subs = [dist.new_group(r, timeout=timeout) for r in GROUPS]
+        world = dist.distributed_c10d._get_default_group()
+        mine = [("WORLD", world, [0, 1, 2])] + [
+            (str(r), g, r) for r, g in zip(GROUPS, subs) if rank in r
+        ]
+        ids = {name: id(g) for name, g, _ in mine}
+
+        def sums() -> dict[str, float]:
+            out = {}
+            for name, g, _ in mine:
+                t = torch.full((4,), float(rank + 1))
+                dist.all_reduce(t, group=g)
+                out[name] = float(t[0])
+            return out
+
+        if role in ("survivor", "victim"):
+            result["before"] = sums()
+        if role == "victim":
+            store.set("victim/pid", str(os.getpid()))
+            time.sleep(3600)  # killed by the test
+        if role == "survivor":
+            store.wait(["victim/killed"])
+            try:
+                sums()
+                result["failed"] = None
+            except RuntimeError as exc:
+                result["failed"] = str(exc).splitlines()[0][:120]
+            gloo.shutdown_connections()  # the abort, keeping the groups
+        store.set(f"handles/{rank}", json.dumps(rc.own_handles()))
+        if role == "lost spare":  # dies after it published its handles, before the repair
+            os._exit(0)
+        handles = {r: rc.check_handles(r, json.loads(store.get(f"handles/{r}"))) for r in range(3)}
+        plan = rc.plan_repair([(n, list(rs)) for n, _, rs in rc.known_groups()], handles)
+        t0 = time.perf_counter()
+        try:
+            report = rc.repair(plan, 1, datetime.timedelta(seconds=repair_timeout_s))
+            result["repaired"] = report.groups
+        except RuntimeError as exc:
+            result["repair_error"] = str(exc).splitlines()[0][:160]
+            result["repair_s"] = time.perf_counter() - t0
+            return
+        result["after"] = sums()
+        result["same_objects"] = (
+            all(id(g) == ids[name] for name, g, _ in mine)
+            and dist.distributed_c10d._get_default_group() is world
+        )
+        result["ranks"] = {name: dist.get_process_group_ranks(g) for name, g, _ in mine}
+        result["rank"] = dist.get_rank()
+    except BaseException as exc:  # noqa: BLE001 - reported to the test
+        result["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
+    finally:
+        store.set(f"result/{role}/{rank}", json.dumps(result))
+        os._exit(0)
+
+
+class _nothing:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+def _start(rank: int, port: int, role: str, repair_timeout_s: float) -> subprocess.Popen[bytes]:
+    code = (
+        f"import sys; sys.path.insert(0, {str(TESTS_DIR)!r}); import test_reconfigure as t; "
+        f"t._child({rank}, {port}, {role!r}, {repair_timeout_s})"
+    )
+    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    env.update(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    return subprocess.Popen(
+        [sys.executable, "-c", code], env=env, start_new_session=True,
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+
+
+def _result(store: Any, role: str, rank: int, deadline: float) -> dict[str, Any]:
+    key = f"result/{role}/{rank}"
+    while not store.check([key]):
+        assert time.monotonic() < deadline, f"no result from the {role} of rank {rank} in time"
+        time.sleep(0.05)
+    out: dict[str, Any] = json.loads(store.get(key))
+    assert "error" not in out, out
+    return out
+
+
+def _run(spare_comes: bool, repair_timeout_s: float) -> dict[str, dict[str, Any]]:
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    deadline = time.monotonic() + 150
+    procs = [_start(r, store.port, "survivor", repair_timeout_s) for r in (0, 1)]
+    procs.append(_start(2, store.port, "victim", repair_timeout_s))
+    try:
+        while not store.check(["victim/pid"]):
+            assert time.monotonic() < deadline, "the world never formed"
+            time.sleep(0.05)
+        os.killpg(procs[2].pid, signal.SIGKILL)
+        procs[2].wait(30)
+        store.set("victim/killed", "1")
+        role = "spare" if spare_comes else "lost spare"
+        procs.append(_start(2, store.port, role, repair_timeout_s))
+        out = {f"survivor{r}": _result(store, "survivor", r, deadline) for r in (0, 1)}
+        if spare_comes:
+            out["spare"] = _result(store, "spare", 2, deadline)
+        return out
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(30)
+
+
+@needs_reconfigure
+@pytest.mark.timeout(240)
+def test_survivors_keep_their_group_objects_and_a_spare_joins_them_in_place() -> None:
+    out = _run(spare_comes=True, repair_timeout_s=60)
+    expected = {"WORLD": 6.0, "[0, 1]": 3.0, "[1, 2]": 5.0}  # ranks 1, 2, 3 summed
+    for who in ("survivor0", "survivor1", "spare"):
+        res = out[who]
+        assert res["after"] == {k: expected[k] for k in res["after"]}, res
+        assert res["same_objects"], res
+        assert all(res["ranks"][n] == json.loads(n) for n in res["ranks"] if n != "WORLD"), res
+    for who in ("survivor0", "survivor1"):
+        assert out[who]["failed"] is not None, "the victim's death must fail a collective"
+        assert out[who]["before"] == out[who]["after"], out[who]
+    assert out["survivor0"]["repaired"] == 2 and out["survivor1"]["repaired"] == 3
+    assert out["spare"]["repaired"] == 2 and out["spare"]["rank"] == 2
+
+
+@needs_reconfigure
+@pytest.mark.timeout(240)
+def test_a_repair_whose_member_never_comes_raises_within_its_timeout() -> None:
+    out = _run(spare_comes=False, repair_timeout_s=3)
+    for who in ("survivor0", "survivor1"):
+        res = out[who]
+        assert "repair_error" in res, res
+        assert res["repair_s"] < 3 + 10, res
