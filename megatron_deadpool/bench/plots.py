@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from ..config.faults import parse_fault
+from ..errors import ConfigError
 from .recovery import phase_rows
 from .report import markdown_table, yes_no
 from .stats import ratio_text
@@ -38,11 +39,13 @@ PHASE_COLORS = {
 }
 
 
-def _pyplot() -> Any:
+def pyplot() -> Any:
+    """matplotlib's pyplot on the Agg backend (files, no display); without matplotlib one
+    clear error naming the extra that installs it."""
     try:
         import matplotlib
     except ModuleNotFoundError:
-        raise RuntimeError(
+        raise ConfigError(
             "plots need matplotlib: pip install 'megatron-deadpool[plots]' (or matplotlib)"
         ) from None
     matplotlib.use("Agg")
@@ -53,7 +56,7 @@ def _pyplot() -> Any:
 
 def iteration_time_bars(failure_free: dict[str, Any], path: str | Path, *, title: str = "") -> Path:
     """Bars of amortised s/iteration per configuration (median over repeats, min-max whiskers)."""
-    plt = _pyplot()
+    plt = pyplot()
     modes = failure_free["modes"]
     keys = list(modes)
     fig, ax = plt.subplots(figsize=(max(7.5, 1.45 * len(keys) + 1.5), 4.8), dpi=120)
@@ -104,7 +107,7 @@ def _bar_ratio(summary: dict[str, Any]) -> str:
 
 def recovery_timeline(recovery: dict[str, Any], path: str | Path, *, title: str = "") -> Path:
     """Stacked phases of the hot swap and of the restart, from the failure on."""
-    plt = _pyplot()
+    plt = pyplot()
     rows = [
         ("DeadPool\nhot swap", recovery["deadpool_phases_s"], recovery["deadpool_recovery_s"]),
         ("restart from\ncheckpoint", recovery["restart_phases_s"], recovery["restart_recovery_s"]),
@@ -157,7 +160,7 @@ def recovery_timeline(recovery: dict[str, Any], path: str | Path, *, title: str 
 
 def loss_curve(loss: dict[str, Any], path: str | Path, *, title: str = "") -> Path:
     """Hot-swap losses vs the failure-free run; failure and recomputed iterations marked."""
-    plt = _pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(8, 5.0), dpi=120)
     ref = loss.get("reference_losses") or []
     hot = loss["deadpool_losses"]
@@ -377,7 +380,7 @@ def draw(result: dict[str, Any], out: Path) -> None:
 def spare_pool(result: dict[str, Any], path: str | Path, labels: dict[str, str]) -> Path:
     """`deadpool bench goodput`: the spare pool along each DeadPool way's run (it refills when
     a run starts again), the trace's failures dotted."""
-    plt = _pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(7, 3.2))
     for mode in ("respawn", "spares"):
         points = [*result["modes"][mode]["spare_pool"]]

@@ -76,7 +76,7 @@ def survivor_report(
 class RankStore(WireStore):
     """What a real rank's client of the job's store sends (`connection.BoundedStore` over
     torch's): a `set` confirmed by a check after it, and `set_then_add` confirmed by its add
-    (`membership.ConfirmedSets`). The connection seen through a prefix (`prefixed`: the
+    (`store_protocol.ConfirmedSets`). The connection seen through a prefix (`prefixed`: the
     process groups' rendezvous, on torch's own client) sends torch's requests alone."""
 
     def set(self, key: str, value: str | bytes) -> None:

@@ -6,23 +6,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..errors import ConfigError
 from ..hotswap.timeline import Timeline
-from .plots import PHASE_COLORS
+from .plots import PHASE_COLORS, pyplot
 
 
 def draw_timeline(tl: Timeline, path: str | Path, title: str = "") -> None:
     """Two panels sharing the time axis: the committed iteration (a step line; failures as red
     dashed lines; each recovery as a bar of its phases, ending when it completed), and the
     spares waiting."""
-    try:
-        import matplotlib
-    except ImportError:  # pragma: no cover - the extra is installed where plots are drawn
-        raise ConfigError(
-            "--plot needs matplotlib: pip install 'megatron-deadpool[plots]' (or matplotlib)"
-        ) from None
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, (top, bottom) = plt.subplots(
         2, 1, sharex=True, figsize=(9, 5), gridspec_kw={"height_ratios": [3, 1]}

@@ -249,14 +249,9 @@ def trace_goodput(
 def plot_goodput(data: dict[str, Any], path: str | Path) -> Path:
     """The spare pool of the DeadPool ways along the trace and each way's ETTR (matplotlib,
     the `plots` extra)."""
-    try:
-        import matplotlib
-    except ModuleNotFoundError:
-        raise RuntimeError(
-            "plots need matplotlib: pip install 'megatron-deadpool[plots]' (or matplotlib)"
-        ) from None
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from ..bench.plots import pyplot  # matplotlib only where a plot is asked for
+
+    plt = pyplot()
 
     ways = data["ways"]
     fig, (pool_ax, bar_ax) = plt.subplots(

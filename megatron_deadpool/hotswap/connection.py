@@ -161,7 +161,7 @@ class BoundedStore:
 
     def set_then_add(self, key: str, value: str, counter: str, amount: int) -> int:
         """Set, then add `amount` to `counter` on the same connection (one retry unit): the
-        add's answer confirms the set, so no check follows it (`membership.ConfirmedSets`)."""
+        add's answer confirms the set, so no check follows it (`store_protocol.ConfirmedSets`)."""
 
         def both(c: Any) -> int:
             c.set(key, value)

@@ -47,7 +47,7 @@ from .events import EventLog
 from .job_error import judge
 from .joining import Joiners, next_spare_number
 from .liveness import Liveness
-from .membership import Membership, ServingStore
+from .membership import Membership
 from .messages import (
     Decision,
     EndReport,
@@ -62,6 +62,7 @@ from .messages import (
 from .pruning import Pruner
 from .respawn import NodeAgents, RespawnBudget
 from .restore_plan import RestorePlan, plan_restore, plan_salvage
+from .store_protocol import ServingStore
 from .wakeup import StoreWaiter, coordinator_inbox
 
 

@@ -131,7 +131,7 @@ import socket
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import replace
-from typing import Any, Protocol, runtime_checkable
+from typing import Any
 
 import torch.distributed as dist
 
@@ -173,6 +173,7 @@ from .messages import (
 from .numbered import numbers_to_read
 from .seal import ForgedValue, JobSeal
 from .store_files import keep_alive
+from .store_protocol import ConfirmedSets, ServingStore, StoreLike
 
 log = logging.getLogger("megatron_deadpool.membership")
 
@@ -183,52 +184,6 @@ BATCH_KEYS = 1024
 """Keys per batched store request. torch's store server handles a request's keys in time that
 grows faster than linearly with their number (measured with torch 2.13 on loopback: 16,384 keys
 in one `multi_get` 0.75-0.94 s, in 16 requests of 1,024 keys 0.04-0.05 s)."""
-
-
-class StoreLike(Protocol):
-    """The calls a member makes on the job's store through `Membership`: torch's `TCPStore`
-    (and its prefix views), the bounded and failover clients of `connection.py` and
-    `failover.py`, the benchmark's wire client (`bench/store_wire.py`) and the in-memory store
-    of the unit tests (`memory_store.py`) all answer them alike."""
-
-    def set(self, key: str, value: str) -> None: ...
-
-    def get(self, key: str) -> bytes: ...
-
-    def add(self, key: str, amount: int) -> int: ...
-
-    def check(self, keys: list[str]) -> bool: ...
-
-    def wait(self, keys: list[str], timeout: datetime.timedelta) -> None: ...
-
-    def compare_set(self, key: str, expected: str, desired: str) -> bytes: ...
-
-    def multi_get(self, keys: list[str]) -> list[bytes]: ...
-
-    def queue_push(self, key: str, value: str) -> None: ...
-
-    def delete_key(self, key: str) -> bool: ...
-
-
-@runtime_checkable
-class ServingStore(StoreLike, Protocol):
-    """What the coordinator's own store answers besides (the coordinator's inbox, the keys of
-    finished generations)."""
-
-    def queue_pop(self, key: str) -> bytes: ...
-
-    def list_keys(self) -> list[str]: ...
-
-
-@runtime_checkable
-class ConfirmedSets(StoreLike, Protocol):
-    """A client whose `set` confirms itself with a request of its own (torch's `set` is not
-    answered): `connection.BoundedStore`, and the benchmark's wire client as it mimics it. Its
-    `set_then_add` lets the answer of an add to a counter, made next on the same connection,
-    confirm the set instead (the server answers one connection's requests in order): one
-    request less for every value that is counted as it is written."""
-
-    def set_then_add(self, key: str, value: str, counter: str, amount: int) -> int: ...
 
 
 SERVES_JOB = "job"

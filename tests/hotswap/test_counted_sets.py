@@ -1,6 +1,6 @@
 """A value counted as it is written (a survivor's report, a stamp, a finished member) costs a
 rank's client one request less: the counter's add confirms the set before it, where a lone set
-needs a check of its own (`membership.ConfirmedSets`, `connection.BoundedStore`). A real store,
+needs a check of its own (`store_protocol.ConfirmedSets`, `connection.BoundedStore`). A real store,
 torch's client under the bounded one, every call it makes recorded."""
 
 from __future__ import annotations
