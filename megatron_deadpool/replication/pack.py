@@ -118,8 +118,8 @@ only enqueue; segment tables and checksum slots are device tensors owned by this
 
 _MASK64 = (1 << 64) - 1
 
-# Fallback geometry. A row is _ROW_WORDS int32 words; a CPU chunk is _CPU_CHUNK_BYTES (whole
-# rows). Bounds used for exact int64 arithmetic, with L = _ROW_WORDS = 256, R = rows per chunk
+# Host geometry of the chunked schemes (GPU memory uses `whole_buffer`). A row is _ROW_WORDS
+# int32 words; a chunk is _CPU_CHUNK_BYTES (whole rows). Bounds used for exact int64 arithmetic, with L = _ROW_WORDS = 256, R = rows per chunk
 # <= 4096 and at most 2**32 words in all:
 #   |rowsum|                 <= L * 2**31                 = 2**39
 #   |sum_r r * rowsum_r|     <= R**2 / 2 * 2**39          <= 2**62   (per chunk)
@@ -127,8 +127,7 @@ _MASK64 = (1 << 64) - 1
 # Everything combined across chunks or weighted by (c + 1) is done with Python ints.
 _ROW_WORDS = 256
 _CPU_CHUNK_BYTES = 2 << 20
-_CUDA_CHUNK_BYTES = 4 << 20  # the bounds above cap a chunk at 4096 rows = 4 MiB
-_MAX_CHUNK_ROWS = 4096
+_MAX_CHUNK_ROWS = 4096  # the bounds above cap a chunk at 4096 rows = 4 MiB
 # The numpy backend's per-call cost is a few numpy calls, the torch scheme's a dozen torch ops,
 # but numpy's uint64 multiply-add is scalar while the torch scheme only adds (vectorized):
 # numpy wins on small buffers (2.3x at 0.4 MB), ties at 4 MB and loses beyond (0.8x at 64 MB).
@@ -391,7 +390,7 @@ class PackPlan:
             zeros = torch.zeros(ALIGN, dtype=torch.uint8, device=self.device)
             pieces = _pieces(self.tensors, self.offsets, self.nbytes)
             cursor = 0
-            for start, stop in _chunk_bounds(self.nbytes // WORD_BYTES, self.device):
+            for start, stop in _chunk_bounds(self.nbytes // WORD_BYTES):
                 lo, hi = start * WORD_BYTES, stop * WORD_BYTES
                 found, cursor = _overlapping(pieces, lo, hi, cursor)
                 copies = [
@@ -568,7 +567,7 @@ def checksum(buf: torch.Tensor, *, one_core: bool = False) -> int:
         return _cuda_checksum(slot)
     nwords = buf.numel() // WORD_BYTES
     acc = _accumulator(nwords, backend, buf.device)
-    for start, stop in _chunk_bounds(nwords, buf.device):
+    for start, stop in _chunk_bounds(nwords):
         acc.feed(start, buf[start * WORD_BYTES : stop * WORD_BYTES])
     return acc.result()
 
@@ -586,9 +585,9 @@ def checksum_bytes(data: bytes) -> int:
 # Host and pure-torch backends
 
 
-def _chunk_bounds(nwords: int, device: torch.device) -> list[tuple[int, int]]:
-    """Word ranges [start, stop) of the chunks of an `nwords`-word buffer on `device`."""
-    step = _chunk_rows(device) * _ROW_WORDS
+def _chunk_bounds(nwords: int) -> list[tuple[int, int]]:
+    """Word ranges [start, stop) of the chunks of an `nwords`-word host buffer."""
+    step = _chunk_rows() * _ROW_WORDS
     return [(start, min(start + step, nwords)) for start in range(0, nwords, step)]
 
 
@@ -652,8 +651,8 @@ class _Scratch(threading.local):
 _SCRATCH = _Scratch()
 
 
-def _chunk_rows(device: torch.device) -> int:
-    chunk = _CUDA_CHUNK_BYTES if device.type == "cuda" else _CPU_CHUNK_BYTES
+def _chunk_rows() -> int:
+    chunk = _CPU_CHUNK_BYTES
     rows = chunk // (WORD_BYTES * _ROW_WORDS)
     if not 1 <= rows <= _MAX_CHUNK_ROWS:
         raise AssertionError(f"chunk of {chunk} B gives {rows} rows; need 1..{_MAX_CHUNK_ROWS}")
@@ -668,7 +667,7 @@ class _TorchAccumulator:
         self.device = device
         self.nwords = nwords
         self.nrows = nwords // _ROW_WORDS
-        self.chunk_rows = _chunk_rows(device)
+        self.chunk_rows = _chunk_rows()
         nchunks = -(-self.nrows // self.chunk_rows)
         self.rowsums = torch.empty(self.nrows, dtype=torch.int64, device=device)
         self.colsums = torch.empty(nchunks, _ROW_WORDS, dtype=torch.int64, device=device)

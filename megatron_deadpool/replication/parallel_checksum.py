@@ -27,7 +27,6 @@ import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
-import numpy as np
 import torch
 
 from ..devices.threads import pool
@@ -71,7 +70,6 @@ class _Pool:
         self._lock = threading.Lock()
         self._pool: ThreadPoolExecutor | None = None
         self._pid = 0
-        self._weights = np.arange(1, CHUNK_WORDS + 1, dtype=np.uint64)
 
     def get(self) -> ThreadPoolExecutor:
         with self._lock:
@@ -80,26 +78,18 @@ class _Pool:
                 self._pid = os.getpid()
             return self._pool
 
-    @property
-    def weights(self) -> np.ndarray:
-        """The uint64 weights 1..CHUNK_WORDS (read only, shared by the threads)."""
-        return self._weights
-
 
 _POOL = _Pool()
 
 
-def _range_sum(words: np.ndarray, lo: int, hi: int) -> int:
-    """sum_{k in [lo, hi)} (k + 1) w_k, not reduced (chunk by chunk, module docstring)."""
-    weights = _POOL.weights
-    total = 0
+def _range_sum(buf: torch.Tensor, lo: int, hi: int) -> int:
+    """sum_{k in [lo, hi)} (k + 1) w_k mod 2**64, chunk by chunk (module docstring): pack's
+    host accumulator, each thread with its own weights (`pack._SCRATCH` is per thread)."""
+    acc = pack._NumpyAccumulator()
     for start in range(lo, hi, CHUNK_WORDS):
-        chunk = words[start : min(start + CHUNK_WORDS, hi)]
-        weighted = np.einsum(
-            "i,i->", chunk, weights[: chunk.size], dtype=np.uint64, casting="unsafe"
-        )
-        total += int(weighted) + start * int(chunk.sum(dtype=np.int64))
-    return total
+        stop = min(start + CHUNK_WORDS, hi)
+        acc.feed(start, buf[start * pack.WORD_BYTES : stop * pack.WORD_BYTES])
+    return acc.result()
 
 
 def ranges(nwords: int, threads: int) -> list[tuple[int, int]]:
@@ -133,10 +123,9 @@ def checksum(buf: torch.Tensor, *, threads: int | None = None) -> int:
         )
     if threads is not None and not 1 <= threads <= MAX_THREADS:
         raise ValueError(f"threads: {threads} is not from 1 to {MAX_THREADS}")
-    words = buf.numpy().view(np.int32)  # numpy reads unaligned words as they are
-    parts = ranges(words.size, thread_count() if threads is None else threads)
+    parts = ranges(buf.numel() // pack.WORD_BYTES, thread_count() if threads is None else threads)
     if len(parts) <= 1:
-        return sum(_range_sum(words, lo, hi) for lo, hi in parts) & _MASK64
+        return sum(_range_sum(buf, lo, hi) for lo, hi in parts) & _MASK64
     pool = _POOL.get()
-    futures = [pool.submit(_range_sum, words, lo, hi) for lo, hi in parts]
+    futures = [pool.submit(_range_sum, buf, lo, hi) for lo, hi in parts]
     return sum(f.result() for f in futures) & _MASK64
