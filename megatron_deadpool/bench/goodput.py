@@ -46,6 +46,7 @@ from typing import Any
 from ..config.job import JobConfig
 from ..config.numbers import check_number, number_arg
 from ..errors import ConfigError, ExitCode
+from ..planner.goodput import WAYS
 from .failure_trace import LLAMA3_MIX, failure_trace, kind_of, parse_mix
 from .goodput_model import measured_costs, predict
 from .overhead import base_job
@@ -53,7 +54,7 @@ from .plots import spare_pool
 from .report import job_shape, publish, text_row, yes_no
 from .timed_launch import Launch, launch
 
-MODES = ("respawn", "spares", "restart")
+MODES = WAYS  # the planner's ways: `goodput_model.predict` simulates each mode by its name
 LABELS = {
     "respawn": "DeadPool, in-place respawn",
     "spares": "DeadPool, spares only",
