@@ -188,8 +188,8 @@ def refused_options_page() -> str:
 
 
 def events_page() -> str:
-    """docs/reference/events.md: the schema of RUN_DIR/events.jsonl (`hotswap.events.EVENTS`)."""
-    from megatron_deadpool.hotswap import events
+    """docs/reference/events.md: the schema of RUN_DIR/events.jsonl (`hotswap.coordinator.events.EVENTS`)."""
+    from megatron_deadpool.hotswap.coordinator import events
 
     rows = "\n".join(
         f"| `{name}` | {kind.meaning} | {', '.join(f'`{f}`' for f in kind.fields) or '-'} |"
@@ -204,14 +204,14 @@ def events_page() -> str:
         "meaning or goes away - new kinds and new fields keep it). Every entry has "
         f"{common}: the schema version, the job's id (the same on every line of a job's "
         "coordinators, primary and standby), the wall time (seconds since the epoch) and the "
-        "kind; the fields of each kind follow. Source: `megatron_deadpool/hotswap/events.py`.\n\n"
+        "kind; the fields of each kind follow. Source: `megatron_deadpool/hotswap/coordinator/events.py`.\n\n"
         f"| kind | what it records | fields |\n|---|---|---|\n{rows}\n"
     )
 
 
 def metrics_page() -> str:
     """docs/reference/metrics.md: the Prometheus metrics file and the TensorBoard/W&B scalars."""
-    from megatron_deadpool.hotswap.metrics_file import METRICS
+    from megatron_deadpool.hotswap.report.metrics_file import METRICS
     from megatron_deadpool.megatron_lm.report import SCALARS
 
     metrics = "\n".join(f"| `{n}` | {kind} | {text} |" for n, (kind, text) in METRICS.items())
@@ -223,7 +223,7 @@ def metrics_page() -> str:
         "The Prometheus text exposition format (node_exporter's textfile collector convention), "
         "rewritten atomically (a temporary file in the same folder, then a rename) at every "
         "iteration and every event by the process that hosts the coordinator. A metric with no "
-        "value yet is left out. Source: `megatron_deadpool/hotswap/metrics_file.py`.\n\n"
+        "value yet is left out. Source: `megatron_deadpool/hotswap/report/metrics_file.py`.\n\n"
         f"| metric | type | meaning |\n|---|---|---|\n{metrics}\n"
         "\n## TensorBoard and W&B scalars (Megatron-LM)\n\n"
         "Written through Megatron's own writers on the last rank every "

@@ -5,7 +5,7 @@ when asked; more nodes can join (`AgentsJob.join`). Every process runs in a sess
 and is killed by PID when the job's `with` block ends, whatever happened (the agents' workers by
 their agents, or here).
 
-Used by `hotswap/test_node_agents.py` (the embedded job) and
+Used by `hotswap/coordinator/test_node_agents.py` (the embedded job) and
 `megatron_lm/test_node_agents_mlm.py` (Megatron-LM's pretrain_gpt.py).
 """
 

@@ -31,8 +31,8 @@ if str(TESTS_DIR) not in sys.path:
     sys.path.insert(0, str(TESTS_DIR))
 
 # The launchers a test runs in this process borrow kept fork servers
-# (`hotswap.warm_start.SharedServers`): torch and Megatron are imported once per kind of process
-# and pytest worker, not once per job. tests/hotswap/test_forkserver.py and
+# (`hotswap.launch.warm_start.SharedServers`): torch and Megatron are imported once per kind of process
+# and pytest worker, not once per job. tests/hotswap/launch/test_forkserver.py and
 # tests/embedded/test_warm_start.py test a launcher's own servers, the default.
 os.environ.setdefault("DEADPOOL_WARM_START", "shared")
 
@@ -41,10 +41,10 @@ LONGEST_FIRST = (
     "megatron_lm/test_pretrain_gpt_models.py",
     "megatron_lm/test_pretrain_gpt.py",
     "cluster/test_slurm_lab.py",
-    "hotswap/test_failover.py",
+    "hotswap/coordinator/test_failover.py",
     "bench/test_goodput.py",
     "embedded/test_hotswap.py",
-    "hotswap/test_faults.py",
+    "hotswap/worker/test_faults.py",
     "megatron_lm/test_megatron_lm_failover.py",
     "embedded/test_respawn.py",
     "selftest/test_selftest.py",
@@ -102,7 +102,7 @@ def run_deadpool(
         try:
             out, err = proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
-            from megatron_deadpool.hotswap.liveness import kill_tree
+            from megatron_deadpool.hotswap.coordinator.liveness import kill_tree
 
             kill_tree(proc.pid)
             out, err = proc.communicate()

@@ -2,8 +2,8 @@
 workers (the CPU demo, 4 ranks and a spare, with the tasks' SLURM_PROCID), each in a session of
 its own and killed by PID when the job's `with` block ends, whatever happened.
 
-Used by the cluster-coordinator tests that need no standby (`hotswap/test_frozen_peer.py`,
-`hotswap/test_job_error.py`; with a standby: `standby_job.py`).
+Used by the cluster-coordinator tests that need no standby (`hotswap/worker/test_frozen_peer.py`,
+`hotswap/coordinator/test_job_error.py`; with a standby: `standby_job.py`).
 """
 
 from __future__ import annotations

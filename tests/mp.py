@@ -5,7 +5,7 @@
 The test process hosts a loopback `TCPStore(port=0)`; each child (`sys.executable -c ...`, its
 own session so its whole process group can be killed) is forked from the test session's fork
 server, which imported torch, megatron-core and DeadPool's modules once (`WARM`,
-`hotswap.warm_start`; DEADPOOL_WARM_START=0: fresh interpreters). It connects to the store,
+`hotswap.launch.warm_start`; DEADPOOL_WARM_START=0: fresh interpreters). It connects to the store,
 selects the CPU development mode (`select_device("cpu")`), sets one torch thread, joins a
 gloo default group of `world_size` ranks and calls `target(rank=..., world_size=..., store=...,
 **kwargs)`. The target returns JSON-serialisable data; it travels back through the store as
@@ -42,8 +42,8 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from megatron_deadpool.hotswap.forkserver import Preload
-from megatron_deadpool.hotswap.warm_start import WarmStart
+from megatron_deadpool.hotswap.launch.forkserver import Preload
+from megatron_deadpool.hotswap.launch.warm_start import WarmStart
 
 TESTS_DIR = Path(__file__).resolve().parent
 REPO_ROOT = TESTS_DIR.parent
@@ -95,7 +95,7 @@ def run_world(
     """
     import torch.distributed as dist
 
-    from megatron_deadpool.hotswap.liveness import kill_groups
+    from megatron_deadpool.hotswap.coordinator.liveness import kill_groups
 
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     log_dir = Path(tempfile.mkdtemp(prefix="deadpool-mp-"))

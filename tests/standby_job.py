@@ -1,7 +1,7 @@
 """A job as a cluster runs it, on loopback: a primary and a standby `deadpool coordinator` and
 the job's worker processes, each in its own session; every process is killed by PID at the end.
 
-Used by the failover tests of both jobs (`hotswap/test_failover.py`,
+Used by the failover tests of both jobs (`hotswap/coordinator/test_failover.py`,
 `megatron_lm/test_megatron_lm_failover.py`).
 """
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from megatron_deadpool.hotswap.seal import JobSeal
+from megatron_deadpool.hotswap.protocol.seal import JobSeal
 
 TEST_SECRET = "test-job-secret"
 """The job secret of the tests' stores."""
@@ -40,7 +40,7 @@ class Recording:
 def keys_waited_on(store: Any, call: Any) -> list[str]:
     """The keys a Membership call waits on, without spelling them out here: `call(members)` runs
     against a recording clone of `store` (give it a short timeout; its answer is ignored)."""
-    from megatron_deadpool.hotswap.membership import Membership
+    from megatron_deadpool.hotswap.protocol.membership import Membership
 
     probe = Recording(store.clone())
     call(Membership(probe, "probe", SEAL))

@@ -84,3 +84,21 @@ def test_no_module_is_over_600_lines_of_code() -> None:
     }
     over = {path: n for path, n in sizes.items() if n > MAX_CODE_LINES}
     assert not over, f"split these modules (one concept per file): {over}"
+
+
+MAX_FOLDER_MODULES = 20
+
+
+def test_no_folder_holds_more_than_20_modules() -> None:
+    """A newcomer finds their way in a folder they can read at a glance: past ~20 modules a
+    package is split by role (as `hotswap/` is into protocol, coordinator, worker, report and
+    launch)."""
+    sizes = {
+        str(folder.relative_to(REPO)): sum(
+            1 for p in folder.glob("*.py") if p.name != "__init__.py"
+        )
+        for folder in (REPO / "megatron_deadpool").rglob("*")
+        if folder.is_dir() and (folder / "__init__.py").exists()
+    }
+    over = {folder: n for folder, n in sizes.items() if n > MAX_FOLDER_MODULES}
+    assert not over, f"split these packages by role: {over}"

@@ -58,8 +58,8 @@ def test_reference_names_every_flag_command_and_exit_code() -> None:
 
     for option in REFUSALS:
         assert f"| `{option}` |" in pages["refused-megatron-options.md"], option
-    from megatron_deadpool.hotswap.events import EVENTS
-    from megatron_deadpool.hotswap.metrics_file import METRICS
+    from megatron_deadpool.hotswap.coordinator.events import EVENTS
+    from megatron_deadpool.hotswap.report.metrics_file import METRICS
     from megatron_deadpool.megatron_lm.report import SCALARS
 
     for kind in EVENTS:

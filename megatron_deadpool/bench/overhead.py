@@ -43,7 +43,7 @@ from .report import job_shape, publish, text_row
 from .stats import median, ratio_text
 
 if TYPE_CHECKING:
-    from ..hotswap.local_job import LocalJob
+    from ..hotswap.launch.local_job import LocalJob
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "cpu-demo.yaml"
 """The CPU demo job, used when no --config is given (and present in the source tree)."""

@@ -5,7 +5,7 @@ Two steps run on one core with no communication, and their time grows with the j
 * **replica placement** (`replication/placement.py`), which every process computes at start-up
   and after each recovery: tp=8 pp=4 dp=N/32 with 4 ranks per node, and pure data parallelism
   (tp=1 pp=1 dp=N, one rank per node; Megatron's groups built outside the timed part), k=2;
-* **a standby's rebuild** (`hotswap/rebuild.py`) of the job's state from the survivors'
+* **a standby's rebuild** (`hotswap/coordinator/rebuild.py`) of the job's state from the survivors'
   re-registrations after it took over, with one node (8 ranks) lost.
 
 Targets at 16,384 ranks (the default size): placement under 1 s (NVRx's rank assignment scale
@@ -27,7 +27,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..config.numbers import number_arg
-from ..hotswap.rebuild import Registration, rebuild
+from ..hotswap.coordinator.rebuild import Registration, rebuild
 from ..replication.placement import Layout, place_replicas
 from .report import publish, text_row
 

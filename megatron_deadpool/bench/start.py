@@ -29,7 +29,7 @@ from typing import Any
 
 from ..config.numbers import number_arg
 from ..embedded.launch import WORKER_PRELOAD
-from ..hotswap.warm_start import WarmStart
+from ..hotswap.launch.warm_start import WarmStart
 from .stats import median_ci
 
 _CODE = "import time; {imports}; print(repr(time.time()), flush=True)"

@@ -18,10 +18,10 @@ from typing import TYPE_CHECKING, Any
 
 from ..config.faults import parse_fault
 from ..config.job import JobConfig
-from ..hotswap.liveness import kill_groups
+from ..hotswap.coordinator.liveness import kill_groups
 
 if TYPE_CHECKING:
-    from ..hotswap.local_job import LocalJob
+    from ..hotswap.launch.local_job import LocalJob
 
 
 @dataclasses.dataclass

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..hotswap.timeline import Timeline
+from ..hotswap.report.timeline import Timeline
 from .plots import PHASE_COLORS, pyplot
 
 

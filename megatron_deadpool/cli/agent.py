@@ -7,9 +7,9 @@ One per node (`scripts/slurm/deadpool_launch.sh` with DEADPOOL_RESPAWN_LIMIT sta
 Slurm task per node): it starts the node's `--deadpool-ranks-per-node` processes of the worker
 command - tasks N*R .. N*R+R-1 of the job, actives first, then the `--deadpool-spares` - with
 their RANK and LOCAL_RANK, keeps their snapshots and replicas in the node's memory, and carries
-out the coordinator's respawn orders (`hotswap/node_agent.py`). Our workers (the embedded job's,
+out the coordinator's respawn orders (`hotswap/launch/node_agent.py`). Our workers (the embedded job's,
 Megatron-LM's script through the runner) are forked from an interpreter that imported them once
-(a fork server, `hotswap/warm_start.py`): a respawned process starts without import time. `--node` defaults to Slurm's
+(a fork server, `hotswap/launch/warm_start.py`): a respawned process starts without import time. `--node` defaults to Slurm's
 SLURM_NODEID. With `--deadpool-join` the agent joins a running job instead: it takes a node
 number from the job's store and its processes join as spares (a revived node, or one of another
 allocation: DEADPOOL_JOIN with DEADPOOL_RESPAWN_LIMIT in the sbatch scripts). The job's secret
@@ -28,9 +28,9 @@ from pathlib import Path
 from ..config.numbers import number_arg
 from ..embedded.launch import WORKER_PRELOAD
 from ..errors import ConfigError, CoordinatorUnreachableError, ExitCode
-from ..hotswap.forkserver import Preload
-from ..hotswap.node_agent import NodeAgent, stop_on_term
-from ..hotswap.seal import SECRET_ENV, SECRET_FILE_ENV, JobSeal, job_secret
+from ..hotswap.launch.forkserver import Preload
+from ..hotswap.launch.node_agent import NodeAgent, stop_on_term
+from ..hotswap.protocol.seal import SECRET_ENV, SECRET_FILE_ENV, JobSeal, job_secret
 from ..logs import setup_logging
 from ..megatron_lm.launch import runner_preload
 from .coordinator import add_job_settings, add_world_size, job_settings

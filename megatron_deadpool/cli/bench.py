@@ -15,7 +15,7 @@ import os
 import sys
 from types import ModuleType
 
-from ..hotswap.warm_start import WARM_START_ENV, warm_start_shared
+from ..hotswap.launch.warm_start import WARM_START_ENV, warm_start_shared
 
 # name -> (module, one-line help)
 BENCHES: dict[str, tuple[str, str]] = {
@@ -35,17 +35,17 @@ BENCHES: dict[str, tuple[str, str]] = {
         "megatron_deadpool.bench.goodput",
         "a run through a failure trace: in-place respawn vs spares only vs checkpoint restarts",
     ),
-    "paper": ("megatron_deadpool.bench.paper", "the paper's figures and tables"),
+    "paper": ("megatron_deadpool.bench.reproduce.paper", "the paper's figures and tables"),
     "start": (
         "megatron_deadpool.bench.start",
         "a new worker's start: forked from a warm fork server vs a fresh interpreter",
     ),
     "control-plane": (
-        "megatron_deadpool.bench.control_plane",
+        "megatron_deadpool.bench.scale.control_plane",
         "the coordinator and store protocol against 1,024-16,384 simulated ranks",
     ),
     "store-state": (
-        "megatron_deadpool.bench.store_state",
+        "megatron_deadpool.bench.scale.store_state",
         "the coordinator's store over 100,000 iterations: keys and memory, kept vs pruned",
     ),
     "planning": (

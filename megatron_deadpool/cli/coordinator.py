@@ -6,13 +6,13 @@
 The primary (the first entry of `--deadpool-coordinator`) hosts the job's store there,
 publishes the first roster (ranks 0..W-1 are the initial actives `a{r}`, the next
 `--deadpool-spares` tasks are spares `s{i}`), watches heartbeats, assigns spares and drives
-agreement (`hotswap/coordinator.py`), and writes the event log (`--deadpool-log-dir`). With
+agreement (`hotswap/coordinator/coordinator.py`), and writes the event log (`--deadpool-log-dir`). With
 `--standby` this process is entry N (default 1) instead: it watches the coordinators before it
-and takes the job over when they are lost (`hotswap/standby.py`). Both take the job's own
+and takes the job over when they are lost (`hotswap/coordinator/standby.py`). Both take the job's own
 settings - its YAML's `deadpool:` section, then the same `--deadpool-*` flags the workers get -
 and workers must hold the same job secret: in the environment (`DEADPOOL_JOB_TOKEN`) or in a
 file only its owner can read (`DEADPOOL_JOB_TOKEN_FILE`, mode 0600), never on a command line;
-it seals every value of the store (`hotswap/seal.py`) and is never stored itself.
+it seals every value of the store (`hotswap/protocol/seal.py`) and is never stored itself.
 
 Exit codes: 0 every rank finished (this coordinator ended the job); 3 out of redundancy (the
 survivors saved what they held); 4 a standby found no coordinator of the job to watch; 5 not the
@@ -38,20 +38,20 @@ from ..config.numbers import number_arg
 from ..config.paths import check_writable_dir, check_writable_file
 from ..digest import final_digest
 from ..errors import ConfigError, CoordinatorUnreachableError, ExitCode
-from ..hotswap.coordinator import Coordinator
-from ..hotswap.events import EventLog, job_id
-from ..hotswap.job_status import publish_status
-from ..hotswap.liveness import AgentExits, HeartbeatOnly
-from ..hotswap.membership import Membership, host_store
-from ..hotswap.messages import CoordinatorIdentity, JobError
-from ..hotswap.metrics_file import watch_events
-from ..hotswap.node_agents import StoreAgents
-from ..hotswap.respawn import RespawnBudget
-from ..hotswap.seal import SECRET_ENV, SECRET_FILE_ENV, JobSeal, job_secret
-from ..hotswap.silent_connections import SilentConnections
-from ..hotswap.standby import Standby, StandbyWatch
-from ..hotswap.store_files import reserve_files, store_files_needed
-from ..hotswap.supervisor import CoordinatorOnly, Supervisor
+from ..hotswap.coordinator.coordinator import Coordinator
+from ..hotswap.coordinator.events import EventLog, job_id
+from ..hotswap.coordinator.liveness import AgentExits, HeartbeatOnly
+from ..hotswap.coordinator.node_agents import StoreAgents
+from ..hotswap.coordinator.respawn import RespawnBudget
+from ..hotswap.coordinator.standby import Standby, StandbyWatch
+from ..hotswap.launch.silent_connections import SilentConnections
+from ..hotswap.launch.supervisor import CoordinatorOnly, Supervisor
+from ..hotswap.protocol.membership import Membership, host_store
+from ..hotswap.protocol.messages import CoordinatorIdentity, JobError
+from ..hotswap.protocol.seal import SECRET_ENV, SECRET_FILE_ENV, JobSeal, job_secret
+from ..hotswap.protocol.store_files import reserve_files, store_files_needed
+from ..hotswap.report.job_status import publish_status
+from ..hotswap.report.metrics_file import watch_events
 from ..logs import setup_logging
 
 
@@ -269,7 +269,7 @@ def serve(
     watch: StandbyWatch | None = None,
     each_tick: Callable[[], None] = lambda: None,
 ) -> int:
-    """Coordinate the job until it ends here (`hotswap.supervisor`); the exit code."""
+    """Coordinate the job until it ends here (`hotswap.launch.supervisor`); the exit code."""
 
     def superseded() -> int | None:
         if watch is None or not watch.superseded:

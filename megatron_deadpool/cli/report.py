@@ -24,7 +24,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from ..errors import ConfigError
-    from ..hotswap.timeline import read_timeline, table
+    from ..hotswap.report.timeline import read_timeline, table
 
     if args.json_log is not None:
         import os

@@ -15,7 +15,7 @@ still blocked in one - and before anything waits on a transfer or reads a receiv
    shutdown cannot end (a send under way) raises within `gloo.WAIT_SLICE`.
 
 Afterwards torch knows no process group; handles still held by Megatron's objects are swapped
-for placeholders by `hotswap.rebind.release` and the next generation is created from scratch -
+for placeholders by `hotswap.worker.rebind.release` and the next generation is created from scratch -
 unless the groups are repaired in place (`keep_groups(True)`, set by the driver where
 `devices.reconfigure` chose the repair, gloo on torch >= 2.14): then step 1 is skipped, the
 groups stay known to torch with their connections shut down, and `devices.reconfigure.repair`
@@ -64,7 +64,7 @@ class AbortReport:
     seconds: float
     world_id: int | None
     """`id()` of the default group that was aborted: torch forgets it, but objects still hold
-    it until `hotswap.rebind.release` swaps it for a placeholder named WORLD."""
+    it until `hotswap.worker.rebind.release` swaps it for a placeholder named WORLD."""
 
 
 _LAST: list[AbortReport] = []

@@ -7,7 +7,7 @@ heartbeat thread after each beat (CUDA only; the thread selects the rank's GPU f
 `devices.threads`):
 
 - **the NCCL backends' error state** (`devices.nccl.backend_errors`, read by
-  `hotswap.plan_watch`): a collective of this rank timed out or failed. The plan watch aborts
+  `hotswap.worker.plan_watch`): a collective of this rank timed out or failed. The plan watch aborts
   this rank's groups, so that its main thread raises and recovers like a survivor whose
   collective failed (its recovery reports the failure to the coordinator).
 - **the step's event** (`DeviceWatch`): after every step the main thread records a CUDA event

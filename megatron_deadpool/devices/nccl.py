@@ -61,7 +61,7 @@ sets when a collective of the group timed out (host time since it was enqueued, 
 group's timeout) or NCCL reported an asynchronous error; REMOTE_ERROR comes from a peer's
 watchdog through the store (``TORCH_NCCL_PROPAGATE_ERROR``). With
 ``TORCH_NCCL_ASYNC_ERROR_HANDLING=0`` nothing else acts on it: the heartbeat thread polls it
-(`hotswap.plan_watch`) and aborts, so the main thread blocked behind the failed kernel raises.
+(`hotswap.worker.plan_watch`) and aborts, so the main thread blocked behind the failed kernel raises.
 """
 
 from __future__ import annotations

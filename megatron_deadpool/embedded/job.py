@@ -3,7 +3,7 @@
 Survivors keep their Python objects for the whole run; a spare builds its own when it is
 assigned a slot. The training loop is Megatron's (`gpt.train_step`: forward/backward through
 `get_forward_backward_func`, the distributed optimizer's step, the LR scheduler); around each
-step the driver (`hotswap.driver`) fires injected faults and replicates, and on a peer failure
+step the driver (`hotswap.worker.driver`) fires injected faults and replicates, and on a peer failure
 recovers in place. What is particular to this job is here: the `JobAdapter` answers (its
 objects; a newcomer builds them in its private world before it takes its slot), persistent
 checkpoints, preemption, and the per-iteration records the launcher renders.
@@ -29,9 +29,9 @@ from ..errors import (
     ExitCode,
     OutOfRedundancyError,
 )
-from ..hotswap.driver import Driver
-from ..hotswap.messages import IterationRecord, Roster
-from ..hotswap.weights import sync_params_from_main
+from ..hotswap.protocol.messages import IterationRecord, Roster
+from ..hotswap.worker.driver import Driver
+from ..hotswap.worker.weights import sync_params_from_main
 from ..replication import save_dir, snapshot_set
 from ..replication.snapshot import RankState, Snapshotter
 from . import gpt

@@ -1,7 +1,7 @@
 """Local launcher of the embedded job: actives + spares on this machine, progress, JSON log.
 
 Like torchrun, but nobody is restarted on a failure: the job's store and coordinator are hosted
-in-process (`hotswap.local_job`), one worker process is started per active rank and spare, and
+in-process (`hotswap.launch.local_job`), one worker process is started per active rank and spare, and
 rank 0's per-iteration records are rendered live and written to the JSON log. A caller that
 watches a run (a benchmark) passes `LaunchHooks` and, to run another program in each process,
 `worker_command` and `worker_env`, instead of subclassing.
@@ -26,14 +26,14 @@ from ..config.deadpool import DeadpoolConfig
 from ..config.job import JobConfig
 from ..digest import final_digest
 from ..errors import ConfigError, ExitCode
-from ..hotswap.forkserver import Preload
-from ..hotswap.local_agents import LocalAgents
-from ..hotswap.local_job import LocalJob
-from ..hotswap.messages import OutOfRedundancy
-from ..hotswap.metrics_file import MetricsFile, watch_events
-from ..hotswap.salvage_note import salvage_lines
-from ..hotswap.seal import SECRET_ENV, SECRET_FILE_ENV, job_secret, new_secret
-from ..hotswap.supervisor import Supervisor
+from ..hotswap.launch.forkserver import Preload
+from ..hotswap.launch.local_agents import LocalAgents
+from ..hotswap.launch.local_job import LocalJob
+from ..hotswap.launch.supervisor import Supervisor
+from ..hotswap.protocol.messages import OutOfRedundancy
+from ..hotswap.protocol.seal import SECRET_ENV, SECRET_FILE_ENV, job_secret, new_secret
+from ..hotswap.report.metrics_file import MetricsFile, watch_events
+from ..hotswap.report.salvage_note import salvage_lines
 from ..replication.placement import Layout, place_replicas
 from ..replication.save_dir import choose_resume
 from .iteration_log import IterationLog
@@ -91,7 +91,7 @@ class LocalLauncher:
         """`worker_command`: the program each process runs, before its arguments (default: the
         embedded worker); `worker_env`: the environment it starts from (default: this
         process's); `node_agents`: start one `deadpool agent` per simulated node, which starts
-        and respawns that node's processes, as on a cluster (`hotswap.local_agents`), instead
+        and respawns that node's processes, as on a cluster (`hotswap.launch.local_agents`), instead
         of being every node's agent itself. Refuses (`ConfigError`) agents with DeadPool off."""
         if node_agents and not job.deadpool.enabled:
             raise ConfigError("--node-agents: node agents serve DeadPool; drop --no-deadpool")
@@ -107,7 +107,7 @@ class LocalLauncher:
         self.run_dir = Path(run_dir or job.deadpool.log_dir or tempfile.mkdtemp(prefix="deadpool-"))
         self.timeout_s = timeout_s
         self.progress = Progress(job.train.iters, stream=stream, quiet=quiet)
-        # The job's secret (`hotswap/seal.py`): to the processes in their environment only.
+        # The job's secret (`hotswap/protocol/seal.py`): to the processes in their environment only.
         self.token = job_secret(job.deadpool.job_token) or new_secret()
         self._local: LocalJob | None = None
         self._metrics: MetricsFile | None = None  # --deadpool-metrics-file
@@ -232,7 +232,7 @@ class LocalLauncher:
         return RunResult(returncode=rc, records=log.records, summary=summary, run_dir=self.run_dir)
 
     def _monitor(self, log: IterationLog, t_start: float) -> int:
-        """Supervise the job (`hotswap.supervisor`), rendering rank 0's records as they come."""
+        """Supervise the job (`hotswap.launch.supervisor`), rendering rank 0's records as they come."""
         local = self.local
         coord, membership = local.coordinator, local.membership
         deadpool = self.job.deadpool.enabled

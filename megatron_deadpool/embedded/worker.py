@@ -18,8 +18,8 @@ import torch
 from ..config.job import JobConfig
 from ..config.job_args import add_job_flags, job_from_args
 from ..errors import ConfigError, CoordinatorUnreachableError, ExitCode
-from ..hotswap.messages import member_of
-from ..hotswap.seal import job_secret
+from ..hotswap.protocol.messages import member_of
+from ..hotswap.protocol.seal import job_secret
 from ..logs import setup_logging
 
 
@@ -40,7 +40,9 @@ def main(argv: Sequence[str] | None = None, **hooks: Any) -> int:
             "deadpool-join: a joining process takes its name from the coordinator; " "drop --member"
         )
     member = None if job.deadpool.join else args.member or _member_from_env(job)
-    token = job_secret(job.deadpool.job_token) or ""  # the environment's (`hotswap/seal.py`)
+    token = (
+        job_secret(job.deadpool.job_token) or ""
+    )  # the environment's (`hotswap/protocol/seal.py`)
     torch.set_num_threads(int(os.environ.get("DEADPOOL_THREADS", "1")))
     from .job import EmbeddedJob  # imports megatron-core: only once the input is valid
 

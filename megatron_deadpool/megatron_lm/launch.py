@@ -14,7 +14,7 @@ print as `[deadpool] ...` lines, and so does each of Megatron's checkpoints that
 written (`save.py`); RUN_DIR/summary.json records the outcome, each recovery and those lines.
 Out of redundancy it waits for the survivors to save what survives and exits with code 3. When
 the coordinator finds the job's own error (every rank failing in Megatron's start-up, a spare
-failing as the rank it replaced did: `hotswap/job_error.py`) it prints `JOB ERROR: ...` and the
+failing as the rank it replaced did: `hotswap/coordinator/job_error.py`) it prints `JOB ERROR: ...` and the
 end of that rank's log, stops every process and exits with code 9.
 """
 
@@ -39,14 +39,14 @@ from ..config.paths import check_writable_dir, check_writable_file
 from ..devices.threads import start_thread
 from ..durable import write_durably
 from ..errors import ConfigError, ExitCode
-from ..hotswap.forkserver import Preload
-from ..hotswap.local_agents import LocalAgents
-from ..hotswap.local_job import LocalJob
-from ..hotswap.messages import JobError, OutOfRedundancy, task_of
-from ..hotswap.metrics_file import MetricsFile, watch_events
-from ..hotswap.salvage_note import salvage_lines
-from ..hotswap.seal import SECRET_ENV, SECRET_FILE_ENV, job_secret, new_secret
-from ..hotswap.supervisor import Supervisor
+from ..hotswap.launch.forkserver import Preload
+from ..hotswap.launch.local_agents import LocalAgents
+from ..hotswap.launch.local_job import LocalJob
+from ..hotswap.launch.supervisor import Supervisor
+from ..hotswap.protocol.messages import JobError, OutOfRedundancy, task_of
+from ..hotswap.protocol.seal import SECRET_ENV, SECRET_FILE_ENV, job_secret, new_secret
+from ..hotswap.report.metrics_file import MetricsFile, watch_events
+from ..hotswap.report.salvage_note import salvage_lines
 from ..replication.save_dir import choose_resume
 from .interplay import check_megatron_flags
 from .runner import preparse
@@ -56,7 +56,7 @@ RUNNER_IMPORTS = (
         f"megatron_deadpool.megatron_lm.{name}"
         for name in ("hooks", "log_level", "resume", "session", "workers")
     ),
-    "megatron_deadpool.hotswap.private_world",
+    "megatron_deadpool.hotswap.worker.private_world",
 )
 """What the runner imports once the script calls `pretrain` (preloaded with the script's imports)."""
 
@@ -145,7 +145,7 @@ class MegatronLauncher:
         node_agents: bool = False,
     ) -> None:
         """`node_agents`: one `deadpool agent` per simulated node starts and respawns its
-        processes, as on a cluster (`hotswap.local_agents`), and their output is followed in
+        processes, as on a cluster (`hotswap.launch.local_agents`), and their output is followed in
         their logs; needs --deadpool and --deadpool-ranks-per-node."""
         if nproc < 1:
             raise ConfigError("nproc-per-node: must be >= 1")
@@ -308,7 +308,7 @@ class MegatronLauncher:
             time.sleep(0.2)
 
     def _monitor(self, t0: float) -> int:
-        """Supervise the job (`hotswap.supervisor`)."""
+        """Supervise the job (`hotswap.launch.supervisor`)."""
         local = self.local
 
         def config_error() -> int | None:

@@ -15,8 +15,8 @@ from typing import Any
 
 import torch.distributed as dist
 
-from ..hotswap.adapter import RecoveryRecord
-from ..hotswap.messages import JobStatus
+from ..hotswap.protocol.messages import JobStatus
+from ..hotswap.worker.adapter import RecoveryRecord
 from ..units import human_bytes
 
 

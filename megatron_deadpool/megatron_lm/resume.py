@@ -149,7 +149,7 @@ class Resumer:
     def _restore(
         self, point: SnapshotResume, model: Any, optimizer: Any, scheduler: Any, rank: int
     ) -> None:
-        from ..hotswap.weights import sync_params_from_main
+        from ..hotswap.worker.weights import sync_params_from_main
         from ..replication.snapshot import RankState, Snapshotter, rng_tensors
 
         flat = salvage.read_flat(

@@ -33,7 +33,7 @@ the set is complete, launching the same command with `--load` resumes from it an
 An exception that ends a process inside `pretrain()` is first reported to the coordinator
 (`Driver.report_error`: phase, type, first line, the end of the traceback): an error of
 Megatron's start-up, or a spare's repeat of the error of the rank it replaced, is the job's own
-and ends the job with exit code 9 instead of costing a spare (`hotswap/job_error.py`).
+and ends the job with exit code 9 instead of costing a spare (`hotswap/coordinator/job_error.py`).
 """
 
 from __future__ import annotations
@@ -184,7 +184,7 @@ def _pretrain(pretrain: Callable[..., Any], bound: inspect.BoundArguments) -> An
     if not cfg.enabled:
         return pretrain(*bound.args, **bound.kwargs)
     from ..devices.base import prepare_communication
-    from ..hotswap.seal import job_secret
+    from ..hotswap.protocol.seal import job_secret
     from ..logs import setup_logging
     from . import cpu as megatron_lm_cpu
     from . import hooks as megatron_lm_hooks
@@ -193,7 +193,7 @@ def _pretrain(pretrain: Callable[..., Any], bound: inspect.BoundArguments) -> An
 
     setup_logging(megatron_logging_level(sys.argv[1:], os.environ))
     prepare_communication("cpu" if megatron_lm_cpu.needs_cpu() else "cuda")
-    token = job_secret(cfg.job_token) or ""  # the environment's (`hotswap/seal.py`)
+    token = job_secret(cfg.job_token) or ""  # the environment's (`hotswap/protocol/seal.py`)
     session = MegatronSession(cfg, None if cfg.join else task_from_env(), token)
     global _session_begun
     _session_begun = True

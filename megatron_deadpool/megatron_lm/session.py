@@ -1,12 +1,12 @@
 """DeadPool inside one Megatron-LM process: Megatron's training loop over the hot-swap driver.
 
-The `MegatronSession` is the Megatron-LM job's adapter to `hotswap.driver.Driver` (the
+The `MegatronSession` is the Megatron-LM job's adapter to `hotswap.worker.driver.Driver` (the
 embedded job's is `embedded.job`), driven by Megatron's own training loop through the hooks in
 `hooks.py`:
 
 - `begin()` (before `pretrain()`): connect to the coordinator, heartbeat, and - for a spare -
   wait for a slot. A spare that gets one becomes a *newcomer*: it runs Megatron's start-up in a
-  private world (`hotswap/private_world.py`) positioned at the agreed iteration.
+  private world (`hotswap/worker/private_world.py`) positioned at the agreed iteration.
 - `train_step(...)` wraps Megatron's `train_step`: after each optimizer step the driver
   replicates. When a collective fails, survivors recover *inside* the call
   (`Driver.recovering`: the driver releases every group, agrees on the restore iteration T,
@@ -43,8 +43,8 @@ from ..config.deadpool import DeadpoolConfig
 from ..config.faults import check_faults, parse_fault
 from ..devices import active_device
 from ..errors import ConfigError, DeadpoolRuntimeError, LostAfterTrainingError
-from ..hotswap.driver import Driver
-from ..hotswap.messages import Roster
+from ..hotswap.protocol.messages import Roster
+from ..hotswap.worker.driver import Driver
 from ..replication.placement import RankOrder
 from ..replication.snapshot import RankState
 from . import report as mreport
@@ -137,7 +137,7 @@ class MegatronSession:
         `pretrain_gpt.py` parses and validates Megatron's arguments first): an active rank
         connects, takes its slot of generation 0 and reports `exc` as its start-up error, so
         that the coordinator ends the job instead of handing the slot to a spare
-        (`hotswap/job_error.py`); a spare reports nothing (it held no slot)."""
+        (`hotswap/coordinator/job_error.py`); a spare reports nothing (it held no slot)."""
         d = self._connect()
         if d.member.startswith("a"):
             d.wait_for_slot()  # generation 0's roster names it: at once

@@ -1,7 +1,7 @@
 """Megatron-LM options bound to the communicators of the job's start-up, refused with `--deadpool`.
 
 A hot swap aborts every NCCL communicator and builds the next generation's from scratch
-(`devices.abort`, `hotswap.rebind`). DeadPool rebinds every process-group handle Megatron's
+(`devices.abort`, `hotswap.worker.rebind`). DeadPool rebinds every process-group handle Megatron's
 objects hold, but three options keep state that lives inside the start-up communicators
 themselves, where no handle can be swapped (read in Megatron-LM core_v0.16.1 and core_v0.19.0,
 `megatron/training/arguments.py`, `initialize.py`):

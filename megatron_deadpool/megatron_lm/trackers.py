@@ -10,7 +10,7 @@ is logged next reports only its own values.
 
 The MoE tracker also keeps process-group handles outside `parallel_state` (each entry's
 `reduce_group` and `avg_group`, set by the router in every forward pass): `tracker_roots`
-names it, so that a recovery rebinds those handles with every other (`hotswap/rebind.py`)
+names it, so that a recovery rebinds those handles with every other (`hotswap/worker/rebind.py`)
 instead of leaving a released group referenced until the next forward pass.
 """
 
@@ -62,7 +62,7 @@ _HOLDERS: tuple[tuple[str, str], ...] = (
 
 def tracker_roots() -> list[Any]:
     """The logging trackers of this Megatron release that exist now and may hold process-group
-    handles: roots for `hotswap/rebind.py` (the trackers are module globals no model, DDP or
+    handles: roots for `hotswap/worker/rebind.py` (the trackers are module globals no model, DDP or
     optimizer object leads to)."""
     out = []
     for module_name, name in _HOLDERS:

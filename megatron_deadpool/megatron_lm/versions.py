@@ -22,7 +22,7 @@ What differs, core_v0.16.1 -> core_v0.19.0:
   what they do not know through).
 - 0.19's optimizer answers `has_grad_norm_group` with a world all-reduce on its first step and
   caches the answer; a newcomer's optimizer has no answer yet, so after a swap every rank
-  drops it and computes it again, together (`hotswap.weights.forget_cached_collectives`, for
+  drops it and computes it again, together (`hotswap.worker.weights.forget_cached_collectives`, for
   every job: the embedded job's optimizer is megatron-core's too).
 - 0.19 writes Megatron's common checkpoint state inside the `torch_dist` files instead of
   `common.pt` (nothing DeadPool reads; the tests do).

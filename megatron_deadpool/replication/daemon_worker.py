@@ -7,7 +7,7 @@ rank that finished training never exited, and Slurm killed its task). A
 `concurrent.futures.ThreadPoolExecutor` joins its threads when the interpreter exits, whatever
 `shutdown(wait=False)` said, so one stuck thread held the finished process forever. The
 `DaemonWorker` runs its calls on a daemon thread instead: a call stuck for good is abandoned
-with the process, as the store's abandoned helpers are (`hotswap/connection.py`). The thread
+with the process, as the store's abandoned helpers are (`hotswap/protocol/connection.py`). The thread
 selects the rank's GPU before each call (`devices.threads`): the poster's
 `cudaEventSynchronize` must not make a context on GPU 0.
 """

@@ -1,6 +1,6 @@
 """Snapshots and replicas in memory that outlives the process: a node's segment files.
 
-A node's agent - the launcher (`hotswap.local_job.LocalJob`) for each node it simulates - gives
+A node's agent - the launcher (`hotswap.launch.local_job.LocalJob`) for each node it simulates - gives
 every process it starts on that node a folder in a memory file system (`ENV`, e.g.
 ``/dev/shm/deadpool-XXXX/node1``). A replicator whose process has one keeps its slots in host
 memory there, one file per slot, named by the rank the process holds, the owner of the shard

@@ -3,7 +3,7 @@
 Run inside an allocation (sbatch, salloc; `DEADPOOL_MODE=selftest` in scripts/slurm does it
 with the site's settings): every training run is one job step over all its nodes, one task
 per GPU, the last `--spare-nodes` nodes' tasks the spares, started as deadpool_launch.sh starts
-a job (`hotswap.srun_job`), with the store and coordinator in the selftest's own process on the
+a job (`hotswap.launch.srun_job`), with the store and coordinator in the selftest's own process on the
 batch host. `Allocation.from_env` reads and checks the allocation (pure); `SrunLauncher` is the
 local launcher with its processes moved into that job step.
 """
@@ -19,7 +19,7 @@ from ..config.deadpool import DeadpoolConfig
 from ..config.job import JobConfig
 from ..embedded.launch import LocalLauncher
 from ..errors import ConfigError
-from ..hotswap.srun_job import SrunJob
+from ..hotswap.launch.srun_job import SrunJob
 
 
 @dataclass(frozen=True)

@@ -188,7 +188,7 @@ export MASTER_PORT WORLD_SIZE=$world LOCAL_WORLD_SIZE=$GPUS_PER_NODE
 # two processes checksumming 2 GiB each took 27 s instead of 0.5 s).
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 # The job's secret, new for every job: it seals every value of the coordinator's store
-# (megatron_deadpool/hotswap/seal.py). It reaches the coordinators and the tasks in their
+# (megatron_deadpool/hotswap/protocol/seal.py). It reaches the coordinators and the tasks in their
 # environment only (srun exports it), never on a command line; the one copy on disk is
 # $DEADPOOL_LOG_DIR/job.token, readable by its owner only, for nodes that join the job later.
 # A joining allocation uses the running job's (DEADPOOL_JOB_TOKEN_FILE, read by the tasks).
@@ -350,7 +350,7 @@ if ((DEADPOOL_RESPAWN_LIMIT > 0)); then
         ;;
     esac
     # One agent per node instead (its CPUs: the node's tasks'); it starts the node's processes
-    # with their RANK/LOCAL_RANK and logs task-<t>.log, and respawns them (hotswap/node_agent.py).
+    # with their RANK/LOCAL_RANK and logs task-<t>.log, and respawns them (hotswap/launch/node_agent.py).
     # Each agent is a job step of its own, on its node: a node that comes back while its step
     # is still known (a revived node) makes srun abort the whole step ("io error and missing
     # step"), which would take every node's agent with it.

@@ -17,7 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from megatron_deadpool.bench import interleaved, paper, paper_matrix, plots, report
+from megatron_deadpool.bench import interleaved, plots, report
+from megatron_deadpool.bench.reproduce import paper, paper_matrix
 from megatron_deadpool.bench.overhead import base_job
 from megatron_deadpool.bench.recovery import PHASE_LABELS, Launch
 from megatron_deadpool.bench.stats import ratio_summary
@@ -198,7 +199,8 @@ def test_report_helpers(tmp_path: Path) -> None:
 def test_worker_program_is_passed_not_swapped(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from megatron_deadpool.bench import paper_workers, timed_launch
+    from megatron_deadpool.bench import timed_launch
+    from megatron_deadpool.bench.reproduce import paper_workers
     from megatron_deadpool.embedded import launch
 
     local = launch.LocalLauncher
@@ -220,13 +222,18 @@ def test_worker_program_is_passed_not_swapped(
         launcher._command("a0", "h:1"),
         local(job, run_dir=str(tmp_path))._command("a0", "h:1"),
     ]
-    assert commands[0][:4] == ["py", "-m", "megatron_deadpool.bench.paper_workers", "async"]
+    assert commands[0][:4] == [
+        "py",
+        "-m",
+        "megatron_deadpool.bench.reproduce.paper_workers",
+        "async",
+    ]
     assert commands[1][1:3] == ["-m", "megatron_deadpool.embedded.worker"]
 
 
 def test_worker_entry_needs_a_kind() -> None:
     out = subprocess.run(
-        [sys.executable, "-m", "megatron_deadpool.bench.paper_workers"],
+        [sys.executable, "-m", "megatron_deadpool.bench.reproduce.paper_workers"],
         capture_output=True, text=True, timeout=120, check=False,
     )  # fmt: skip
     assert out.returncode == 1 and "usage" in out.stderr  # sys.exit("usage: ...")

@@ -12,10 +12,10 @@ import pytest
 from procs import wait_until
 from stores import SEAL, Recording
 
-from megatron_deadpool.bench import control_plane
-from megatron_deadpool.bench.sim_ranks import FOREVER_S, survivor_report
-from megatron_deadpool.hotswap.membership import Membership, host_store
-from megatron_deadpool.hotswap.messages import Decision, Plan, Roster
+from megatron_deadpool.bench.scale import control_plane
+from megatron_deadpool.bench.scale.sim_ranks import FOREVER_S, survivor_report
+from megatron_deadpool.hotswap.protocol.membership import Membership, host_store
+from megatron_deadpool.hotswap.protocol.messages import Decision, Plan, Roster
 
 
 def _survivor_ops(survive) -> list[tuple[str, Any]]:
@@ -45,7 +45,7 @@ def _survivor_ops(survive) -> list[tuple[str, Any]]:
 
 @pytest.mark.timeout(240)  # importing recovery imports megatron-core: slow on a busy machine
 def test_simulated_survivor_makes_the_store_calls_of_agree() -> None:
-    from megatron_deadpool.hotswap import recovery
+    from megatron_deadpool.hotswap.worker import recovery
 
     holds = {"local": [5, 6], "0": [5, 6]}
 

@@ -16,8 +16,8 @@ from stores import SEAL
 
 from megatron_deadpool.bench import interleaved, timed_launch
 from megatron_deadpool.errors import ConfigError
-from megatron_deadpool.hotswap.membership import Membership
-from megatron_deadpool.hotswap.memory_store import MemoryStore
+from megatron_deadpool.hotswap.protocol.membership import Membership
+from megatron_deadpool.hotswap.protocol.memory_store import MemoryStore
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -1,6 +1,7 @@
 """`deadpool bench planning`: it times the steps it names at the size it is given, reports each
 against its target, and refuses sizes it cannot lay out. (Whether the steps are right at 16,384
-ranks is tested in tests/replication/test_placement.py and tests/hotswap/test_rebuild.py.)"""
+ranks is tested in tests/replication/test_placement.py and tests/hotswap/coordinator/test_rebuild.py.)
+"""
 
 from __future__ import annotations
 

@@ -12,10 +12,10 @@ from typing import Any
 import pytest
 import torch.distributed as dist
 
-from megatron_deadpool.bench.sim_ranks import RankStore
-from megatron_deadpool.bench.store_wire import Hub, WireStore
-from megatron_deadpool.hotswap.connection import BoundedStore
-from megatron_deadpool.hotswap.membership import ABSENT, host_store
+from megatron_deadpool.bench.scale.sim_ranks import RankStore
+from megatron_deadpool.bench.scale.store_wire import Hub, WireStore
+from megatron_deadpool.hotswap.protocol.connection import BoundedStore
+from megatron_deadpool.hotswap.protocol.membership import ABSENT, host_store
 
 pytestmark = pytest.mark.timeout(60)
 

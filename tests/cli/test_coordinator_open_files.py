@@ -1,10 +1,10 @@
 """`deadpool coordinator` started under the common default soft limit of 1,024 open files serves a
-job of more than 2,048 connections: it raises its own limit (`hotswap/store_files.py`); and it
+job of more than 2,048 connections: it raises its own limit (`hotswap/protocol/store_files.py`); and it
 refuses, with one line naming `ulimit -n` and the number, a job its hard limit cannot hold.
 
 Real connections: store clients held by this test process (one descriptor each, its own soft
 limit raised for them) against the real command, started through `prlimit` with the limits under
-test. The clients are `bench/store_wire.py`'s, which send torch's client's bytes
+test. The clients are `bench/scale/store_wire.py`'s, which send torch's client's bytes
 (tests/bench/test_store_wire.py) without its ~0.1 s per connection (torch's client connects in
 about 100 ms here, which made 2,100 of them take 3.5 minutes)."""
 
@@ -24,11 +24,14 @@ import torch.distributed as dist
 from conftest import REPO_ROOT, deadpool_command
 from procs import free_port, wait_until
 
-from megatron_deadpool.bench.store_wire import Hub, WireStore
+from megatron_deadpool.bench.scale.store_wire import Hub, WireStore
 from megatron_deadpool.config.deadpool import DeadpoolConfig
-from megatron_deadpool.hotswap.connection import open_client
-from megatron_deadpool.hotswap.silent_connections import GRACE_S
-from megatron_deadpool.hotswap.store_files import CONNECTIONS_PER_PROCESS, store_files_needed
+from megatron_deadpool.hotswap.launch.silent_connections import GRACE_S
+from megatron_deadpool.hotswap.protocol.connection import open_client
+from megatron_deadpool.hotswap.protocol.store_files import (
+    CONNECTIONS_PER_PROCESS,
+    store_files_needed,
+)
 
 CLIENTS = 2100
 """Connections the test opens: more than 2,048 (twice the default soft limit)."""

@@ -654,7 +654,7 @@ def test_a_node_of_another_allocation_joins_as_spares_and_takes_over(
 
 REVIVE_ITERS = 400
 """The revive test's run: long enough (about a minute here) for a crashed node to boot again and
-join the job (as hotswap/test_node_agents.py's join test: one failure-free reference for
+join the job (as hotswap/coordinator/test_node_agents.py's join test: one failure-free reference for
 both)."""
 
 

@@ -97,7 +97,7 @@ DISTRIBUTION = {
     "greenlet": "greenlet",
     "transformer_engine": "transformer-engine",
 }
-# Imported only when found (bench/paper_workers.py: the NVRx comparison), never required.
+# Imported only when found (bench/reproduce/paper_workers.py: the NVRx comparison), never required.
 OPTIONAL_UNDECLARED = {"nvidia_resiliency_ext"}
 
 

@@ -121,7 +121,7 @@ def test_the_local_launcher_core_gives_every_process_its_gpu(
     """`LocalJob` (both launchers' core) refuses too few GPUs before starting anything, and
     sets LOCAL_RANK per process: actives first, then spares."""
     from megatron_deadpool.config.deadpool import DeadpoolConfig
-    from megatron_deadpool.hotswap import local_job
+    from megatron_deadpool.hotswap.launch import local_job
 
     cfg = DeadpoolConfig(enabled=True, spares=1)
     monkeypatch.setattr(local_job, "local_gpu_count", lambda: 4)

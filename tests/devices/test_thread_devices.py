@@ -50,9 +50,9 @@ def _rank_on_device_3() -> dict[str, Any]:
     from megatron_deadpool.devices.abort import start_abort
     from megatron_deadpool.devices.base import active_device
     from megatron_deadpool.devices.health import DeviceWatch
-    from megatron_deadpool.hotswap import rebind
-    from megatron_deadpool.hotswap.connection import Heartbeat, open_client
-    from megatron_deadpool.hotswap.membership import Membership, host_store
+    from megatron_deadpool.hotswap.protocol.connection import Heartbeat, open_client
+    from megatron_deadpool.hotswap.protocol.membership import Membership, host_store
+    from megatron_deadpool.hotswap.worker import rebind
     from megatron_deadpool.replication.daemon_worker import DaemonWorker
     from megatron_deadpool.replication.replicator import Replicator
     from megatron_deadpool.replication.verifier import RoundCheck

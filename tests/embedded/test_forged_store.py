@@ -22,7 +22,7 @@ import pytest
 import torch.distributed as dist
 from conftest import TrainRun, train_case
 
-from megatron_deadpool.hotswap.messages import (
+from megatron_deadpool.hotswap.protocol.messages import (
     CoordinatorIdentity,
     Decision,
     EndReport,

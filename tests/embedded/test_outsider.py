@@ -35,7 +35,7 @@ import torch.distributed as dist
 from conftest import TrainRun, run_deadpool, train_case
 from test_forged_store import _store_address
 
-from megatron_deadpool.hotswap.messages import Keys
+from megatron_deadpool.hotswap.protocol.messages import Keys
 from megatron_deadpool.replication import snapshot_set
 
 ITERS = 8

@@ -1,6 +1,6 @@
 """The launcher's own output after an end out of redundancy (exit 3): what the survivors saved
 and the command that resumes from it - which does resume, to the failure-free run's parameters;
-and a `--load` that finds nothing resumable says so (`hotswap/salvage_note.py`)."""
+and a `--load` that finds nothing resumable says so (`hotswap/report/salvage_note.py`)."""
 
 from __future__ import annotations
 

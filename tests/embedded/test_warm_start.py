@@ -1,4 +1,4 @@
-"""`deadpool train` forks its processes from a warm interpreter (`hotswap/warm_start.py`) and
+"""`deadpool train` forks its processes from a warm interpreter (`hotswap/launch/warm_start.py`) and
 trains exactly as with fresh interpreters: a failure run whose spare was forked ends with the
 losses and final digest of a failure-free run of cold-started processes (DEADPOOL_WARM_START=0),
 and says nothing about warm start unless it had to start a process cold."""

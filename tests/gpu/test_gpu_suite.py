@@ -257,7 +257,7 @@ def test_megatron_distributed_optimizer_snapshot_restore_next_step_bitwise(
 ) -> None:
     from megatron_deadpool.digest import rank_digest
     from megatron_deadpool.embedded import gpt
-    from megatron_deadpool.hotswap.weights import sync_params_from_main
+    from megatron_deadpool.hotswap.worker.weights import sync_params_from_main
     from megatron_deadpool.replication.snapshot import (
         RankState,
         Snapshotter,

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from mlm import NEWEST, megatron_lm_tree
 
-from megatron_deadpool.hotswap.warm_start import ForkServer
+from megatron_deadpool.hotswap.launch.warm_start import ForkServer
 
 CODE = """
 import json, sys

@@ -13,7 +13,7 @@ from megatron_deadpool.errors import ConfigError
 
 
 def test_task_index_and_identity(monkeypatch: pytest.MonkeyPatch) -> None:
-    from megatron_deadpool.hotswap.messages import member_of
+    from megatron_deadpool.hotswap.protocol.messages import member_of
     from megatron_deadpool.megatron_lm.session import task_from_env
 
     for name in ("RANK", "SLURM_PROCID"):
@@ -157,7 +157,7 @@ def test_survivors_one_step_apart_are_brought_to_the_later_step(
     completed step 10 and deferred its logging's failure (target 11), rank 1 failed inside step
     10 (target 10); rank 3 is the newcomer. Rank 1 runs step 10 and skips its between-step work
     with a peer's running sums; the newcomer starts at step 11 with a rank-at-11's counters."""
-    from megatron_deadpool.hotswap.messages import Roster
+    from megatron_deadpool.hotswap.protocol.messages import Roster
     from megatron_deadpool.megatron_lm.session import MegatronSession
     from megatron_deadpool.megatron_lm.survivors import SurvivorReport
 

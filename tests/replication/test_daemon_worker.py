@@ -13,7 +13,7 @@ import weakref
 import pytest
 from procs import wait_until
 
-from megatron_deadpool.hotswap.membership import host_store
+from megatron_deadpool.hotswap.protocol.membership import host_store
 from megatron_deadpool.replication.daemon_worker import DaemonWorker
 
 _RANK = """

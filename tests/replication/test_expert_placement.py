@@ -19,7 +19,7 @@ from megatron.core.parallel_state import RankGenerator
 
 from megatron_deadpool.digest import final_digest
 from megatron_deadpool.errors import PlacementError
-from megatron_deadpool.hotswap.messages import LayoutRecord
+from megatron_deadpool.hotswap.protocol.messages import LayoutRecord
 from megatron_deadpool.replication.placement import Layout, RankOrder, place_replicas
 
 ORDERS = pytest.mark.parametrize("order", list(RankOrder))

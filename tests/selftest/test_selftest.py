@@ -16,7 +16,7 @@ from conftest import REPO_ROOT, deadpool_command
 from megatron_deadpool.devices.base import Device
 from megatron_deadpool.devices.memory import ReplicaMemory
 from megatron_deadpool.errors import ConfigError
-from megatron_deadpool.hotswap.srun_job import srun_command
+from megatron_deadpool.hotswap.launch.srun_job import srun_command
 from megatron_deadpool.replication import pack
 from megatron_deadpool.selftest import device_checks, judge
 from megatron_deadpool.selftest.slurm import Allocation

@@ -1,5 +1,5 @@
 """A plan-watch abort while the heartbeat keeps beating, optionally with `DeviceWatch` after
-every beat (as the driver runs it: `hotswap.driver`'s `_after_beat`).
+every beat (as the driver runs it: `hotswap.worker.driver`'s `_after_beat`).
 
 A world of one with ten NCCL groups; the heartbeat thread runs the plan watch (and the device
 watch); the GPU is made busy for seconds and the main thread waits behind it in `.item()`;
@@ -66,11 +66,11 @@ def measure(device_watch: bool) -> tuple[BeatFigures, dict[str, Any]]:
 
     from ...devices import abort, nccl
     from ...devices.health import DeviceWatch
-    from ...hotswap.connection import Heartbeat, open_client
-    from ...hotswap.membership import Membership, host_store
-    from ...hotswap.messages import Plan
-    from ...hotswap.plan_watch import PlanWatch
-    from ...hotswap.seal import JobSeal, new_secret
+    from ...hotswap.protocol.connection import Heartbeat, open_client
+    from ...hotswap.protocol.membership import Membership, host_store
+    from ...hotswap.protocol.messages import Plan
+    from ...hotswap.protocol.seal import JobSeal, new_secret
+    from ...hotswap.worker.plan_watch import PlanWatch
 
     store = host_store("127.0.0.1", 0)
     membership = Membership(store, "a0", JobSeal(new_secret()))

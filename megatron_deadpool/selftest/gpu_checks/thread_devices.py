@@ -65,9 +65,9 @@ def child(rank: int, port: int, out_path: str, kind: str = "cuda") -> None:
     from ...devices import select_device
     from ...devices.health import DeviceWatch
     from ...devices.memory import ReplicaMemory
-    from ...hotswap.connection import Heartbeat, open_client
-    from ...hotswap.membership import Membership, host_store
-    from ...hotswap.seal import JobSeal, new_secret
+    from ...hotswap.protocol.connection import Heartbeat, open_client
+    from ...hotswap.protocol.membership import Membership, host_store
+    from ...hotswap.protocol.seal import JobSeal, new_secret
     from ...replication.placement import Layout, place_replicas
     from ...replication.replicator import Replicator
     from ...replication.snapshot import Snapshotter

@@ -1,0 +1,653 @@
+"""The job's wire messages: every value DeadPool puts in the coordinator's store, as a type.
+
+Each structured value is a frozen dataclass (a `codec.Message`) with one `encode()` and one
+`decode(key, raw)`, which checks every field - its type, then the message's own ranges and
+relations (`validate`) - and raises `ProtocolError` naming the key and the value when it
+cannot read it: no reader ever guesses a message's kind from which fields a dict has, and no
+number from the store is used unchecked. `Keys` holds every key template (NVRx's
+`inprocess/store.py` is the model); `membership.Membership` is the only code that reads or writes
+the store, and it does so with these types. The words are those of `docs/glossary.md`.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+from ...replication.placement import Layout, RankOrder
+from .codec import Message, ProtocolError, require
+
+__all__ = ["Keys", "ProtocolError"]  # and the messages below
+
+
+class Keys:
+    """Every key template of the job's store (format with `.format(...)`); what each holds is
+    in `membership.py`'s docstring."""
+
+    TOKEN = "job/token"
+    LAYOUT = "job/layout"
+    COORDINATOR = "coordinator"
+    READY = "proc/{member}/ready"
+    HEARTBEAT = "hb/{member}"
+    INBOX = "coord/inbox"
+    SPARE_EPOCH = "spares/epoch"
+    SPARE_EPOCH_N = "spares/epoch/{n}"
+    SPARES_NEXT = "spares/next"
+    GENERATION = "gen"
+    ROSTER = "gen{g}/roster"
+    LATEST_PLAN = "plan/latest"
+    PLAN = "gen{g}/plan"
+    HOLDINGS = "gen{g}/holdings/{rank}"
+    HOLDINGS_COUNT = "gen{g}/holdings/count"
+    DECIDED = "gen{g}/decided"
+    SOURCES = "gen{g}/sources"
+    CLAIM = "gen{g}/ready/{rank}"
+    STAMP = "gen{g}/{phase}/{rank}"
+    STAMP_COUNT = "gen{g}/{phase}/count"
+    STALE_REFS = "gen{g}/stale_refs"
+    REPAIR_HANDLES = "gen{g}/repair/{rank}"
+    PROCESS_GROUPS = "gen{g}"
+    OUT_OF_REDUNDANCY = "out_of_redundancy"
+    FAILURES = "failures"
+    FAILURE = "failure/{member}"
+    ERRORS = "errors"
+    ERROR = "error/{number}"
+    JOB_ERROR = "job_error"
+    FINISHED = "finished/{rank}"
+    TRAINING_COMPLETE = "training/complete"
+    END = "end"
+    FAULT = "fault/{member}"
+    FAULT_FIRED = "fault/fired/{index}/{who}"
+    NODE_LOST = "node_lost/{member}"
+    PROGRESS = "progress/last"
+    METRICS = "metrics/g{g}/{iteration}"
+    FINAL_REPLICATION = "replication/final"
+    DIGEST = "digest/{rank}"
+    DONE = "done/{member}"
+    DONE_COUNT = "done/count"
+    PREEMPT = "preempt"
+    PREEMPTED = "preempted"
+    CHECKPOINT_FAILURES = "checkpoint/failures"
+    JOB_STATUS = "job/status"
+    LOAD_TIME = "load/{rank}"
+    SALVAGED = "salvaged/{rank}"
+    SHUTDOWN = "shutdown"
+    REJOIN = "rejoin/{member}"
+    REBUILT = "rebuilt"
+    AGENTS_NEXT = "agents/next"
+    AGENT_BEAT = "agent/{node}/hb"
+    AGENT_ORDERS = "agent/{node}/orders"
+    AGENT_ORDER = "agent/{node}/order/{n}"
+    AGENT_RESPAWNS = "agent/{node}/respawns"
+    AGENT_EXITS = "agents/exits"
+    AGENT_EXIT = "agents/exit/{n}"
+
+    UNSEALED = (
+        INBOX,
+        HEARTBEAT,
+        SPARE_EPOCH,
+        SPARES_NEXT,
+        HOLDINGS_COUNT,
+        STAMP_COUNT,
+        STALE_REFS,
+        FAILURES,
+        ERRORS,
+        DONE_COUNT,
+        FAULT_FIRED,
+        PROCESS_GROUPS,
+        AGENTS_NEXT,
+        AGENT_BEAT,
+        AGENT_ORDERS,
+        AGENT_EXITS,
+    )
+    """What holds no sealed value (`seal.py`): the counters (`add` cannot carry a MAC), the
+    coordinator's wake-up queue, and torch's rendezvous keys under `gen{g}/`."""
+
+
+_FIELD = {"member": r"[a-z]+\d+", "phase": r"[a-z_]+", "who": r"[^/]+"}
+"""What a template's field matches (any other field: a number)."""
+
+
+def _pattern(template: str) -> str:
+    parts = re.split(r"\{(\w+)\}", template)  # text, field, text, field, ..., text
+    return "".join(
+        re.escape(p) if i % 2 == 0 else _FIELD.get(p, r"\d+") for i, p in enumerate(parts)
+    )
+
+
+_SEALED = re.compile(
+    "|".join(
+        _pattern(t)
+        for name, t in vars(Keys).items()
+        if name.isupper() and isinstance(t, str) and t not in Keys.UNSEALED
+    )
+)
+
+
+def holds_sealed(key: str) -> bool:
+    """Whether `key` is one of the job's keys that hold a sealed value (a torch rendezvous key
+    that happens to look like one may match too)."""
+    return _SEALED.fullmatch(key) is not None
+
+
+CLAIMED = "ready"
+"""`gen{g}/ready/{rank}`: the newcomer claimed its slot."""
+GIVEN_UP = "lost"
+"""`gen{g}/ready/{rank}`: the coordinator gave the slot up (the newcomer was lost first)."""
+MOVED_ON = "moved on"
+"""`gen{g}/ready/{rank}`: generation g will not be joined (a newer plan came first)
+before this live newcomer claimed its slot: it takes its slot in the next generation instead."""
+WAKE = "wake"
+"""What a process pushes into the coordinator's inbox (the content is never read)."""
+
+
+# ---------------------------------------------------------------------- reading fields
+
+
+def is_member(name: object) -> bool:
+    """Whether `name` names a member: `a{r}` or `s{i}`."""
+    return isinstance(name, str) and len(name) > 1 and name[0] in "as" and name[1:].isdigit()
+
+
+def member_of(task: int, world_size: int) -> str:
+    """The member name of task index `task`: actives first (ranks 0..W-1), then spares."""
+    return f"a{task}" if task < world_size else f"s{task - world_size}"
+
+
+def task_of(member: str, world_size: int) -> int:
+    """The task index of member `member` (`member_of`'s inverse)."""
+    return int(member[1:]) + (world_size if member.startswith("s") else 0)
+
+
+def _ranks(values: Any, what: str) -> None:
+    require(all(r >= 0 for r in values), f"{what}: a rank below 0")
+
+
+def _slots(slots: dict[int, str], what: str = "slots") -> None:
+    _ranks(slots, what)
+    require(all(is_member(m) for m in slots.values()), f"{what}: a value is not a member name")
+
+
+# ---------------------------------------------------------------------- the job
+@dataclass(frozen=True)
+class LayoutRecord(Message):
+    """`job/layout`: the parallel layout rank 0 publishes, as the coordinator learns it."""
+
+    tp: int
+    pp: int
+    dp: int
+    ranks_per_node: int
+    replicas: int
+    order: RankOrder = RankOrder.TP_DP_PP
+    """Megatron's rank order (absent in a record of a release before it: the default)."""
+    ep: int = 1
+    """Expert-model-parallel size (absent before expert parallelism was supported: 1)."""
+    etp: int | None = None
+    """Expert-tensor-parallel size; None: tp."""
+    cp: int = 1
+    """Context-parallel size (absent before context parallelism was supported: 1)."""
+
+    def validate(self) -> None:
+        require(
+            min(self.tp, self.pp, self.dp, self.ranks_per_node, self.replicas, self.ep, self.cp)
+            >= 1,
+            "sizes >= 1",
+        )
+        require(self.etp is None or self.etp >= 1, "etp >= 1")
+
+    @classmethod
+    def of(cls, layout: Layout, replicas: int) -> LayoutRecord:
+        """The record of `layout` with k = `replicas`."""
+        return cls(
+            layout.tp,
+            layout.pp,
+            layout.dp,
+            layout.ranks_per_node,
+            replicas,
+            layout.order,
+            layout.ep,
+            layout.etp,
+            layout.cp,
+        )
+
+    def layout(self) -> Layout:
+        return Layout(
+            self.tp, self.pp, self.dp, self.ranks_per_node, self.order, self.ep, self.etp, self.cp
+        )
+
+
+@dataclass(frozen=True)
+class CoordinatorIdentity(Message):
+    """`coordinator`: who serves this store - epoch 0 the primary, i the standby at entry i of
+    `--deadpool-coordinator` once it took over - and an id, one per coordinator process."""
+
+    epoch: int
+    id: str
+
+    def validate(self) -> None:
+        require(self.epoch >= 0, "epoch below 0")
+
+
+@dataclass(frozen=True)
+class Announcement(Message):
+    """`proc/{member}/ready`: a member connected, from this host and OS process, on the node
+    whose agent started it (`AGENT_NODE_ENV`; -1: started by no agent)."""
+
+    host: str
+    os_pid: int
+    node: int = -1
+
+
+AGENT_NODE_ENV = "DEADPOOL_NODE"
+"""The job's number of the node whose agent (`deadpool agent`) started this process."""
+
+
+# ---------------------------------------------------------------------- generations
+@dataclass(frozen=True)
+class Roster(Message):
+    """`gen{g}/roster`: generation g's world - which member fills which rank - and, after a
+    recovery, the iteration every rank restores."""
+
+    generation: int
+    world_size: int
+    slots: dict[int, str]
+    restore_iteration: int | None = None
+
+    def validate(self) -> None:
+        require(self.generation >= 0 and self.world_size >= 1, "generation or world size too small")
+        require(all(r < self.world_size for r in self.slots), "a slot beyond the world size")
+        _slots(self.slots)
+
+    def rank_of(self, member: str) -> int | None:
+        for rank, m in self.slots.items():
+            if m == member:
+                return rank
+        return None
+
+    def successor(self, plan: Plan, restore_iteration: int) -> Roster | None:
+        """The roster `plan` (built on this one) leads to, without reading it from the store;
+        None when the plan is built on another roster."""
+        if plan.base != self.generation:
+            return None
+        slots = {**self.slots, **plan.replaced}
+        return Roster(plan.generation, self.world_size, slots, restore_iteration)
+
+
+@dataclass(frozen=True)
+class Plan(Message):
+    """`gen{g}/plan`: a recovery the coordinator planned - the ranks that died, the needy ranks
+    (whose state must come from a holder) and the slots that change from roster `base`."""
+
+    generation: int
+    base: int
+    world_size: int
+    dead: tuple[int, ...]
+    needy: tuple[int, ...]
+    replaced: dict[int, str]
+
+    def validate(self) -> None:
+        require(self.generation > self.base >= 0, "a plan's generation follows its base")
+        _ranks(self.dead + self.needy, "dead or needy")
+        _slots(self.replaced, "replaced")
+
+
+class Verdict(str, Enum):
+    """What the coordinator decided on a plan."""
+
+    ROSTER = "roster"
+    """Agreed: the plan's roster, restoring `Decision.restore_iteration`."""
+    OUT_OF_REDUNDANCY = "out_of_redundancy"
+    """Memory cannot recover: read `out_of_redundancy`, save what survives, stop."""
+    SUPERSEDED = "superseded"
+    """More ranks died: the plan of generation `Decision.superseded_by` replaces this one."""
+
+
+@dataclass(frozen=True)
+class Decision(Message):
+    """`gen{g}/decided`: the coordinator's decision on plan g, which survivors block on."""
+
+    verdict: Verdict
+    restore_iteration: int | None = None
+    superseded_by: int | None = None
+
+    def validate(self) -> None:
+        if self.verdict is Verdict.ROSTER:
+            t = self.restore_iteration
+            require(t is not None and t >= 0, "a roster decision needs its restore iteration")
+        if self.verdict is Verdict.SUPERSEDED:
+            g = self.superseded_by
+            require(g is not None and g >= 1, "superseded needs the generation that supersedes")
+
+    @classmethod
+    def roster(cls, restore_iteration: int) -> Decision:
+        return cls(Verdict.ROSTER, restore_iteration=restore_iteration)
+
+    @classmethod
+    def superseded(cls, generation: int) -> Decision:
+        return cls(Verdict.SUPERSEDED, superseded_by=generation)
+
+    @classmethod
+    def out_of_redundancy(cls) -> Decision:
+        return cls(Verdict.OUT_OF_REDUNDANCY)
+
+
+@dataclass(frozen=True)
+class HoldingsReport(Message):
+    """`gen{g}/holdings/{rank}`: a survivor's report for a recovery - the verified iterations
+    it holds ("local": its own snapshots; "{owner}": replicas it holds), the last step it
+    completed, and the job's own fields (`JobAdapter.recovery_report`, opaque here)."""
+
+    member: str
+    last_completed: int
+    holds: dict[str, tuple[int, ...]]
+    job: dict[str, Any] = field(default_factory=dict)
+
+    def validate(self) -> None:
+        require(is_member(self.member), f"{self.member!r} is not a member name")
+        require(self.last_completed >= 0, "last_completed below 0")
+        owners = [k for k in self.holds if k != "local"]
+        require(all(k.isdigit() for k in owners), "holds: an owner is neither 'local' nor a rank")
+
+
+def decode_holdings(keys: list[str], raws: list[bytes]) -> list[HoldingsReport]:
+    """Many reports at once: one JSON parse of them all (half the CPU of one parse each,
+    measured at 16,384 reports: 31 ms against 68 ms); a bad one is named by its key."""
+    try:
+        parsed = json.loads(b"[" + b",".join(raws) + b"]")
+    except ValueError:  # find the culprit, and name it
+        return [HoldingsReport.decode(k, r) for k, r in zip(keys, raws)]
+    return [HoldingsReport.from_data(k, r, d) for k, r, d in zip(keys, raws, parsed)]
+
+
+@dataclass(frozen=True)
+class Sources(Message):
+    """`gen{g}/sources`: needy rank -> the holder that sends it its shard of the restore
+    iteration (published before the roster)."""
+
+    holders: dict[int, int]
+
+    def validate(self) -> None:
+        _ranks([*self.holders, *self.holders.values()], "holders")
+
+
+# ---------------------------------------------------------------------- the end of a job
+@dataclass(frozen=True)
+class SaveOrder(Message):
+    """What survivors write when memory cannot go on (out of redundancy, or a loss after
+    training completed): the snapshot set of one iteration, and who writes the dead ranks'
+    shards (needy rank -> holder)."""
+
+    iteration: int
+    sources: dict[int, int]
+    complete: bool
+    missing: tuple[int, ...]
+
+    def validate(self) -> None:
+        require(self.iteration >= 0, "iteration below 0")
+        _ranks([*self.sources, *self.sources.values(), *self.missing], "sources or missing")
+
+
+@dataclass(frozen=True)
+class OutOfRedundancy(Message):
+    """`out_of_redundancy`: memory cannot recover a failure (no spare left, or an owner and
+    every holder of its shard lost): the dead and lost ranks, the holders of each lost shard,
+    and what survivors salvage before they stop."""
+
+    reason: str
+    dead_ranks: tuple[int, ...]
+    lost_ranks: tuple[int, ...]
+    lost_shards_holders: dict[int, tuple[int, ...]]
+    save: SaveOrder | None
+
+    def validate(self) -> None:
+        _ranks(self.dead_ranks + self.lost_ranks, "dead or lost ranks")
+
+
+@dataclass(frozen=True)
+class EndReport(Message):
+    """`end`: members lost after training completed - nothing to recompute; the dead ranks,
+    the ranks whose final state is gone with them, and who writes the others' final state."""
+
+    reason: str
+    completed_iteration: int
+    dead_ranks: tuple[int, ...]
+    lost_ranks: tuple[int, ...]
+    save: SaveOrder
+
+    def validate(self) -> None:
+        require(self.completed_iteration >= 0, "completed_iteration below 0")
+        _ranks(self.dead_ranks + self.lost_ranks, "dead or lost ranks")
+
+
+@dataclass(frozen=True)
+class FailureReport(Message):
+    """`failure/{member}`: a survivor saw a collective fail - the report's number (reports are
+    numbered in the order they reach the store), its wall time and the error's first line."""
+
+    number: int
+    time: float
+    why: str
+
+    def validate(self) -> None:
+        require(self.number >= 1, "number below 1")
+
+
+class Phase(str, Enum):
+    """Where in its life a process was when it ended with an error (`ErrorReport`)."""
+
+    WAITING = "waiting"
+    """A spare without a slot."""
+    START_UP = "start-up"
+    """It holds a slot, and no iteration of its own was replicated yet: arguments, imports,
+    data, initialisation, the first steps (a newcomer: its build, before it took the slot)."""
+    TRAINING = "training"
+    RECOVERY = "recovery"
+    """Between a failed collective and its restore."""
+    AFTER_TRAINING = "after training"
+    """Training completed (its last step done and replicated): the final save, evaluation."""
+
+
+@dataclass(frozen=True)
+class ErrorReport(Message):
+    """`error/{number}`: a process ends with an exception no recovery accounts for (not a
+    peer's failure, not one of DeadPool's own verdicts): who, where in its life, the exception's
+    type and first line, and the last lines of its traceback. Numbered in the order reports
+    reach the store (`errors` counts them; the number is the store's, set as it is reported).
+    A process that dies by a signal reports nothing: its death stays a failure to hot-swap."""
+
+    number: int
+    member: str
+    rank: int | None
+    """The rank it held (None: a spare without a slot)."""
+    generation: int
+    """The generation of that rank's roster (-1: none)."""
+    phase: Phase
+    error: str
+    """The exception's type, e.g. `FileNotFoundError`."""
+    message: str
+    """Its first line (empty when it says nothing)."""
+    time: float
+    tail: tuple[str, ...] = ()
+    """The last lines of its traceback."""
+
+    def validate(self) -> None:
+        require(self.number >= 1, "number below 1")
+        require(is_member(self.member), f"{self.member!r} is not a member name")
+        require(self.rank is None or self.rank >= 0, "rank below 0")
+        require(self.generation >= -1, "generation below -1")
+
+    def signature(self) -> tuple[Phase, str, str]:
+        """What makes two errors the same error: phase, type and first line."""
+        return self.phase, self.error, self.message
+
+    def cause(self) -> str:
+        """One line: `rank 2 start-up: FileNotFoundError: ...` (a spare: its member name)."""
+        who = f"rank {self.rank}" if self.rank is not None else f"spare {self.member}"
+        what = f"{self.error}: {self.message}" if self.message else self.error
+        return f"{who} {self.phase.value}: {what}"
+
+
+@dataclass(frozen=True)
+class JobError(Message):
+    """`job_error`: the coordinator's verdict that a failure is the job's own error, not a lost
+    process - a rank failed before replication started, or a newcomer failed as the member it
+    replaced did: the report that names the error, why it is the job's, and the ranks that
+    died with it. No spare takes their slots; the job ends (exit code 9)."""
+
+    reason: str
+    report: ErrorReport
+    dead_ranks: tuple[int, ...]
+
+    def validate(self) -> None:
+        _ranks(self.dead_ranks, "dead ranks")
+
+
+@dataclass(frozen=True)
+class IterationRecord(Message):
+    """`metrics/g{g}/{iteration}`: rank 0's record of one iteration of the embedded job (the
+    launcher's progress line and JSON log)."""
+
+    iteration: int
+    time: float
+    loss: float
+    grad_norm: float | None
+    lr: float
+    iter_time_s: float
+    replication_s: float
+    generation: int
+    committed_iteration: int | None
+    replica_bytes_sent: int
+    replication_parts_s: dict[str, float]
+
+    def validate(self) -> None:
+        require(self.iteration >= 1 and self.generation >= 0, "iteration or generation too small")
+
+
+@dataclass(frozen=True)
+class FinalReplication(Message):
+    """`replication/final`: the globally committed iteration at the end of training."""
+
+    committed_iteration: int | None
+
+
+@dataclass(frozen=True)
+class Preempted(Message):
+    """`preempted`: where training stopped on purpose (SIGTERM, the launcher's request), and
+    whether a checkpoint was saved there."""
+
+    iteration: int
+    saved: bool
+    unsaved: str = ""
+    """Why a checkpoint was to be saved there and was not (a full disk): the one line."""
+
+
+@dataclass(frozen=True)
+class JobStatus(Message):
+    """`job/status`: what the coordinator knows of the job's redundancy, for the ranks' scalars
+    (Megatron's TensorBoard/W&B writers): spares waiting, recoveries and in-place respawns so
+    far, standby coordinators configured and reachable. Rewritten at each event that changes
+    it (`job_status.py`)."""
+
+    spares_available: int
+    recoveries: int
+    respawns: int
+    standbys: int
+    standbys_reachable: int
+
+    def validate(self) -> None:
+        require(
+            min(self.spares_available, self.recoveries, self.respawns, self.standbys_reachable) >= 0
+            and self.standbys_reachable <= self.standbys,
+            "a count below 0, or more standbys reachable than configured",
+        )
+
+
+@dataclass(frozen=True)
+class CheckpointFailures(Message):
+    """`checkpoint/failures`: the periodic checkpoints of the embedded job or of Megatron-LM that
+    could not be written (a full disk, a read-only folder), each iteration's one line."""
+
+    lines: dict[int, str]
+
+
+# ---------------------------------------------------------------------- nodes' agents
+@dataclass(frozen=True)
+class RespawnOrder(Message):
+    """`agent/{node}/order/{n}`: the coordinator's n-th order to node `node`'s agent - start
+    member `member` on that node in the place of `replaces`, which held `rank` (on its GPU,
+    with its memory; it waits for its slot in the next plan, as a spare does)."""
+
+    member: str
+    replaces: str
+    rank: int
+
+    def validate(self) -> None:
+        require(is_member(self.member) and is_member(self.replaces), "not a member name")
+        require(self.rank >= 0, "a rank below 0")
+
+
+@dataclass(frozen=True)
+class ProcessExit(Message):
+    """`agents/exit/{n}`: the n-th exit the nodes' agents saw - `member`, started by node
+    `node`'s agent, ended with `code` (-N: killed by signal N)."""
+
+    member: str
+    code: int
+    node: int
+
+    def validate(self) -> None:
+        require(is_member(self.member), "not a member name")
+        require(self.node >= 0, "a node below 0")
+
+
+@dataclass(frozen=True)
+class RespawnHistory(Message):
+    """`agent/{node}/respawns`: how long ago (seconds, as its agent wrote this) node `node`'s
+    agent carried out each respawn order of the job so far - written to a standby coordinator
+    that took the job over, whose respawn budget (`respawn.py`) then counts them. Ages, not
+    times: no clock travels between hosts."""
+
+    ages: tuple[float, ...]
+
+    def validate(self) -> None:
+        require(all(age >= 0 for age in self.ages), "an age below 0")
+
+
+# ---------------------------------------------------------------------- a standby takes over
+@dataclass(frozen=True)
+class Registration(Message):
+    """`rejoin/{member}`: what one member knows of the job when it re-registers with a standby
+    coordinator that took over (`rebuild.py` rebuilds the job's state from these)."""
+
+    member: str
+    host: str = ""
+    """hostname:OS pid of the process."""
+    rank: int | None = None
+    """Its rank in the newest roster it joined (None: a spare still waiting)."""
+    generation: int = -1
+    """The generation of that roster (-1: none)."""
+    world_size: int | None = None
+    slots: dict[int, str] | None = None
+    """That roster's slots, rank -> member."""
+    restore_iteration: int | None = None
+    last_completed: int = 0
+    """The last training step it completed."""
+    completed: int | None = None
+    """The iteration training completed at, once its last step was done and replicated."""
+    done: bool = False
+    """It finished its work (digest published)."""
+    layout: LayoutRecord | None = None
+    """The layout, once it placed replicas."""
+    plan_seen: int = 0
+    """The newest planned generation it saw (a recovery it may have reported for)."""
+    recovering: bool = False
+    """It was inside a recovery (between a failed collective and its restore)."""
+
+    def validate(self) -> None:
+        require(is_member(self.member), f"{self.member!r} is not a member name")
+        require(self.generation >= -1 and self.last_completed >= 0, "generation or step too small")
+        if self.slots is not None:
+            _slots(self.slots)

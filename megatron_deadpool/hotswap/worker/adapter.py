@@ -1,0 +1,59 @@
+"""The interface between the driver and a job: what the driver asks of the job (`JobAdapter`),
+and what it hands back about each recovery (`RecoveryRecord`).
+
+The embedded GPT job (`embedded.job`) and Megatron-LM's session (`megatron_lm.session`) are the
+two implementations.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from ...replication.snapshot import RankState
+from ..protocol.messages import Roster
+
+
+class JobAdapter(Protocol):
+    """What the driver needs from a job."""
+
+    def roots(self) -> list[Any]:
+        """Every object that holds process-group handles (model chunks, optimizer, scheduler,
+        configs, ...): released on a failure, rebound to the new generation's groups."""
+
+    def rank_state(self) -> RankState:
+        """This rank's optimizer shard and small state (what a snapshot holds)."""
+
+    def model(self) -> list[Any]:
+        """The model chunks (DDP-wrapped): weights re-derived after a restore, digested."""
+
+    def init_model_parallel(self) -> None:
+        """Create Megatron's groups in the current default group (the call the job made at
+        start-up, repeated in every generation)."""
+
+    def after_rejoin(self, roster: Roster) -> None:
+        """A survivor joined a new generation and rebound its objects (before the restore)."""
+
+    def after_restore(self, iteration: int, *, newcomer: bool) -> None:
+        """This rank holds the state of `iteration` again: reposition what the job keeps
+        beside it (data, schedulers, counters); `newcomer`: what its start-up built, not what
+        it trained."""
+
+    def recovery_report(self) -> dict[str, Any]:
+        """Job fields survivors publish with their holdings (others read them back)."""
+
+    def salvage_target(self, iteration: int) -> tuple[str | None, dict[str, Any] | None]:
+        """Out of redundancy: the save directory (None: none) and extra manifest fields."""
+
+
+@dataclass
+class RecoveryRecord:
+    """One recovery as this process saw it (`phases_s`: abort, agree - the release of the old
+    groups included -, join, restore)."""
+
+    generation: int
+    dead: list[int]
+    restore_iteration: int
+    recomputed: int
+    total_s: float
+    phases_s: dict[str, float]

@@ -1,0 +1,806 @@
+"""The driver of one process's hot-swap life cycle, the same for every job.
+
+connect -> wait for a slot -> join a generation (a newcomer: build in a private world, then
+take the slot) -> (train: fire injected faults, replicate after every step) -> on a peer
+failure: release, agree, join the next generation, rebind, restore -> train on -> finish. The
+job - the embedded GPT job (`embedded.job`) or Megatron-LM's training loop
+(`megatron_lm.session`) - owns its training loop and hands it to the driver (`recovering`),
+which catches every peer failure in it, recovers, and lets the job go on from the restore
+iteration; the job plugs its own objects and decisions in through a `JobAdapter`
+(`adapter.py`): which objects hold process-group handles, how Megatron's groups are created,
+what else survivors report and restore. torchft's `Manager` and nvidia-resiliency-ext's
+in-process wrapper are the models: one protocol, thin adapters.
+
+The communication steps of a recovery live in `recovery.py`, the coordinator's decisions in
+`coordinator.py` (pure planning in `restore_plan.py`), the store's keys in `membership.py`,
+injected faults in `injection.py`.
+"""
+
+from __future__ import annotations
+
+import atexit
+import datetime
+import logging
+import signal
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import torch.distributed as dist
+
+from ...config.deadpool import DeadpoolConfig, split_coordinators
+from ...devices import Device, nccl
+from ...devices.abort import bound_aborts, start_abort
+from ...devices.failures import is_peer_failure
+from ...devices.groups import (
+    host_transfer_group,
+    new_host_group,
+    replication_backend,
+    verdict_ahead,
+)
+from ...devices.health import DeviceWatch
+from ...devices.memory import ReplicaMemory
+from ...digest import rank_digest
+from ...errors import (
+    ConfigError,
+    CoordinatorUnreachableError,
+    DeadpoolRuntimeError,
+    LostAfterTrainingError,
+    OutOfRedundancyError,
+    first_line,
+)
+from ...logs import set_context
+from ...replication import segments
+from ...replication.placement import Layout, Placement, RankOrder, place_replicas
+from ...replication.replicator import Replicator
+from ...replication.segments import SegmentHoldings
+from ...replication.snapshot import Snapshotter
+from ..protocol.connection import Heartbeat
+from ..protocol.joining import member_name, unnamed
+from ..protocol.membership import Membership
+from ..protocol.messages import ErrorReport, LayoutRecord, Phase, Registration, Roster
+from ..protocol.seal import JobSeal
+from ..protocol.wakeup import StoreWaiter, spare_wakeups
+from . import group_repair, orphaned, private_world, rebind
+from .adapter import JobAdapter, RecoveryRecord
+from .failover import CoordinatorLink, FailoverStore, host_id
+from .inheritance import Inheritance
+from .injection import FaultInjector
+from .layout_check import check_megatron_groups, megatron_layout
+from .newcomer_claim import claim
+from .plan_watch import PlanWatch
+from .recovery import Recovery, abort_keeping_arrivals, release_groups
+from .weights import forget_cached_collectives, sync_params_from_main
+
+log = logging.getLogger("megatron_deadpool.driver")
+
+T = TypeVar("T")
+
+REPLICATION = "DEADPOOL_REPLICATION"
+"""The name the replication group goes by when its handle is released and rebound."""
+
+HOST_REPLICATION = "DEADPOOL_HOST_REPLICATION"
+"""The same for the data-parallel peers' gloo group of replicas in host memory (CUDA)."""
+
+NOT_THE_JOBS_ERRORS = (
+    ConfigError,  # bad input: exit code 2, its own one line
+    OutOfRedundancyError,
+    LostAfterTrainingError,
+    CoordinatorUnreachableError,
+    dist.DistStoreError,  # the coordinator's store, not the job
+    dist.DistNetworkError,
+)
+"""Errors a process ends with that are no error of the job's (`Driver.report_error`): bad
+input, which has its own exit code, DeadPool's own verdicts and a lost coordinator."""
+
+TRACEBACK_LINES = 12
+"""How many of its traceback's last lines an error report carries (each cut at 240 characters)."""
+
+
+class Driver:
+    """One process of a DeadPool job: its place in the job, replication and recovery."""
+
+    def __init__(
+        self,
+        cfg: DeadpoolConfig,
+        device: Device,
+        *,
+        coordinator: str,
+        token: str,
+        member: str | None = None,
+        task: int | None = None,
+    ) -> None:
+        """`member` (a{r} / s{i}) or `task` (a task index: actives first, then spares; the
+        member name follows once the coordinator's world size is known), or neither with
+        `cfg.join` (a spare joining a running job: its name comes from the coordinator)."""
+        if (member is not None) + (task is not None) != (0 if cfg.join else 1):
+            raise ValueError("give one of member and task (none when joining: see cfg.join)")
+        self.cfg = cfg
+        self.device = device
+        self.coordinator = coordinator
+        self.seal = JobSeal(token)  # the secret stays in this object: never stored, never shown
+        self.member = member or ""
+        self.task = task
+        self.sigterm = threading.Event()
+        self.rank: int | None = None
+        self.generation = 0
+        self.layout: Layout | None = None
+        self.placement: Placement | None = None
+        self.replicator: Replicator | None = None
+        self.repl_group: dist.ProcessGroup | None = None
+        self.host_repl_group: dist.ProcessGroup | None = None  # CUDA, replicas in host memory
+        self.pg_backend = device.backend
+        self.pg_timeout = datetime.timedelta(seconds=cfg.pg_timeout)
+        self.groups = group_repair.InPlace(str(self.pg_backend))  # or rebuilt on a recovery
+        self.committed: int | None = None
+        self.completed: int | None = None  # training completed at this iteration
+        self.last_completed = 0
+        self.resumed_at: int | None = None
+        self.recoveries: list[RecoveryRecord] = []
+        self._inherited = Inheritance(segments.folder())  # a respawned process's
+        # a peer frozen in a collective with us, or (NCCL) a collective that failed silently
+        self.plan_watch = PlanWatch(start_abort, errors=self._collective_errors)
+        self._device_watch: DeviceWatch | None = None  # CUDA: this GPU still completes work
+        self.recovering_now = False  # between a failed collective and the restore
+        self.done = False  # finished its work
+        self._job: JobAdapter | None = None
+        self._roster: Roster | None = None
+        self._membership: Membership | None = None
+        self._heartbeat: Heartbeat | None = None
+        self._faults: FaultInjector | None = None
+        self._link: CoordinatorLink | None = None
+        self._slot_waiter: StoreWaiter | None = None
+
+    # ------------------------------------------------------------------ what it holds
+    @property
+    def membership(self) -> Membership:
+        if self._membership is None:
+            raise DeadpoolRuntimeError("not connected to the coordinator yet (`connect`)")
+        return self._membership
+
+    @property
+    def roster(self) -> Roster:
+        if self._roster is None:
+            raise DeadpoolRuntimeError(f"{self.member or 'this process'} holds no slot yet")
+        return self._roster
+
+    @property
+    def job(self) -> JobAdapter:
+        if self._job is None:
+            raise DeadpoolRuntimeError("the job's objects are not built yet (`bind`)")
+        return self._job
+
+    @property
+    def faults(self) -> FaultInjector:
+        if self._faults is None:
+            raise DeadpoolRuntimeError("not connected to the coordinator yet (`connect`)")
+        return self._faults
+
+    def _rank(self) -> int:
+        if self.rank is None:
+            raise DeadpoolRuntimeError(f"{self.member} holds no rank")
+        return self.rank
+
+    def _layout(self) -> Layout:
+        if self.layout is None:
+            raise DeadpoolRuntimeError("Megatron's groups do not exist yet (`place_replicas`)")
+        return self.layout
+
+    # ------------------------------------------------------------------ start-up
+    def connect(self, world_size: int | None = None) -> None:
+        """Reach the coordinator, check that it serves this job (its token opens with this
+        process's secret), announce this process, start beating.
+        Every connection fails over to a standby coordinator that takes over (`failover.py`).
+        `world_size`: the job's own, which must be the coordinator's."""
+        cfg = self.cfg
+        self._link = link = CoordinatorLink(
+            split_coordinators(self.coordinator),
+            self.seal,
+            connect_timeout=cfg.connect_timeout,
+            op_timeout=min(cfg.heartbeat_timeout, cfg.connect_timeout),
+            rebuild_timeout=2 * cfg.heartbeat_timeout + cfg.connect_timeout,
+            beat_s=cfg.heartbeat_interval,
+            member=lambda: self.member or unnamed(self.task),
+            record=self.rejoin_record,
+        )
+        link.connect()
+        store = FailoverStore(link)
+        membership = Membership(store, self.member or unnamed(self.task), self.seal)
+        membership.check_token()
+        # The coordinator's first roster is the authority on the world size.
+        world = membership.wait_newest_roster(self.cfg.pg_timeout).world_size
+        if world_size is not None and world != world_size:
+            raise ConfigError(
+                f"deadpool-coordinator: the coordinator at {self.coordinator} runs a job of "
+                f"{world} ranks, this process's job has {world_size} (tp*pp*dp); start "
+                f"`deadpool coordinator --world-size {world_size}`"
+            )
+        if not self.member:
+            self.member = member_name(membership, self.task, world)
+            membership = membership.sibling(store, self.member)
+        self._membership = membership
+        self._faults = FaultInjector(cfg.fail, membership)
+        if self.member.startswith("s"):
+            set_context(spare=self.member)
+        membership.announce()
+        bound_aborts(cfg.abort_bound)  # a hung abort ends the process (exit code 7)
+        beat = Heartbeat(membership.sibling(FailoverStore(link)), cfg.heartbeat_interval)
+        self._heartbeat = beat
+        beat.after_beat = self._after_beat
+        beat.start()
+        atexit.register(self.stop_heartbeat)  # whatever way this process ends (`Heartbeat.stop`)
+
+    def _after_beat(self, membership: Membership) -> None:
+        """After each heartbeat (heartbeat thread): the plan watch, then (CUDA) whether this GPU
+        still completes work (`devices.health`: a hung GPU ends the process, exit code 8)."""
+        self.plan_watch(membership)
+        if self._device_watch is not None:
+            self._device_watch(membership)
+
+    def _collective_errors(self) -> list[str]:
+        """This rank's NCCL groups whose collective failed or timed out (`get_error`)."""
+        return nccl.backend_errors() if self.device.kind == "cuda" else []
+
+    def phase(self) -> Phase:
+        """Where this process is in its life (what its error report names)."""
+        if self.rank is None:
+            return Phase.WAITING
+        if self.completed is not None:
+            return Phase.AFTER_TRAINING
+        if self.recovering_now:
+            return Phase.RECOVERY
+        return Phase.START_UP if self.committed is None else Phase.TRAINING
+
+    def report_error(self, exc: BaseException) -> None:
+        """This process ends with `exc`, an error no recovery accounts for: tell the coordinator
+        (`ErrorReport`: phase, the exception's type and first line, the end of its traceback),
+        which tells the job's own error from a lost process (`job_error.py`). Nothing is
+        reported for a peer's failure (the peer's death is the failure), for the errors in
+        `NOT_THE_JOBS_ERRORS`, or before this process reached the coordinator; a report that
+        cannot be delivered is only logged (the exit is seen all the same)."""
+        if self._membership is None or self.is_peer_failure(exc):
+            return
+        if isinstance(exc, NOT_THE_JOBS_ERRORS):
+            return
+        lines = "".join(traceback.format_exception(exc)).splitlines()[-TRACEBACK_LINES:]
+        report = ErrorReport(
+            number=1,  # the store's number replaces it
+            member=self.member,
+            rank=self.rank,
+            generation=self.generation if self.rank is not None else -1,
+            phase=self.phase(),
+            error=type(exc).__name__,
+            message=first_line(exc) if str(exc).strip() else "",
+            time=time.time(),
+            tail=tuple(line[:240] for line in lines),
+        )
+        try:
+            self._membership.report_error(report)
+        except (RuntimeError, OSError) as failed:  # no store: the exit counts as a failure
+            log.warning("could not report this error to the coordinator: %s", first_line(failed))
+
+    def rejoin_record(self) -> Registration:
+        """What this process tells a standby coordinator that took over (read by whichever of
+        its threads first notices the loss)."""
+        roster = self._roster
+        return Registration(
+            member=self.member or unnamed(self.task),
+            host=host_id(),
+            rank=self.rank,
+            generation=roster.generation if roster else -1,
+            world_size=roster.world_size if roster else None,
+            slots=dict(roster.slots) if roster else None,
+            restore_iteration=roster.restore_iteration if roster else None,
+            last_completed=self.last_completed,
+            completed=self.completed,
+            done=self.done,
+            layout=self._layout_record(),
+            plan_seen=self._membership.plan_seen if self._membership else 0,
+            recovering=self.recovering_now,
+        )
+
+    def catch_sigterm(self) -> Any:
+        """From now on SIGTERM (Slurm's time limit, preemption) sets `self.sigterm` instead of
+        ending the process; returns the previous handler."""
+        return signal.signal(signal.SIGTERM, lambda *_: self.sigterm.set())
+
+    def wait_for_slot(self, after: int = -1) -> Roster | None:
+        """Block until a roster names this process; None when the job ends (or SIGTERM)
+        before it needs this spare. A newcomer (a spare taking a slot after the start) then
+        builds its objects in a private world (`build_privately`) and claims its slot as it
+        joins (`take_slot`). `after`: only a roster of a later generation counts."""
+        previous = self.catch_sigterm()
+        try:
+            return self._wait_for_slot(after)
+        finally:
+            signal.signal(signal.SIGTERM, previous)
+            if self._slot_waiter is not None:
+                self._slot_waiter.stop()
+                self._slot_waiter = None
+
+    def _wait_for_slot(self, after: int) -> Roster | None:
+        m, faults = self.membership, self.faults
+        may_fail = faults.waiting_faults(self.member)
+        while True:
+            if m.shutdown_requested() or self.sigterm.is_set():
+                self.stop_heartbeat()
+                log.info("released: the job ended without needing this spare")
+                return None
+            faults.while_waiting(self.member)  # `spare:I@ITER`: a waiting spare fails
+            self._inherited.report(m, self.member)
+            g = m.generation()
+            if g > after:
+                roster = m.roster(g)
+                rank = roster.rank_of(self.member)
+                if rank is not None:
+                    self._take(roster)
+                    return roster
+            if self._slot_waiter is None:  # from now on every roster and the shutdown wake us
+                self._slot_waiter = spare_wakeups(m)
+                continue  # look again: what happened before the waiter started is visible now
+            # Rosters, the shutdown and a plan naming a respawned process wake it; the
+            # timeout is for SIGTERM and faults.
+            self._slot_waiter.wait(0.2 if may_fail else 1.0)
+
+    def _take(self, roster: Roster) -> None:
+        """Become the rank `roster` gives this process (before any group exists)."""
+        self._roster = roster
+        self.generation = roster.generation
+        self.rank = roster.rank_of(self.member)
+        set_context(rank=self.rank, generation=self.generation)
+
+    def bind(self, job: JobAdapter) -> None:
+        """The job's objects exist: from now on failures are recovered around them."""
+        self._job = job
+
+    # ------------------------------------------------------------------ generations
+    def process_group_args(self) -> dict[str, Any]:
+        """`init_process_group` arguments of the current generation's default group."""
+        return {
+            "backend": self.pg_backend,
+            "store": self.membership.process_group_store(self.generation),
+            "rank": self.rank,
+            "world_size": self.roster.world_size,
+            "timeout": self.pg_timeout,
+            **nccl.init_kwargs(self.pg_backend),  # eager communicators (device_id)
+        }
+
+    def join(
+        self, roster: Roster, init_model_parallel: Callable[[], None], *, newcomer: bool = False
+    ) -> None:
+        """Create generation g's default group, Megatron's groups (`init_model_parallel`) and
+        the replication group. A `newcomer` whose groups are repaired in place creates them as
+        the survivors did, reconfigurable, and joins the survivors' (`group_repair.InPlace`)."""
+        self._take(roster)
+        with self.groups.creating(self.membership, roster, self.process_group_args(), newcomer):
+            init_model_parallel()
+            self.place_replicas()
+            if self.cfg.enabled:
+                self.new_replication_group()
+        self.plan_watch.joined(self.generation)
+        log.info(
+            "joined generation %d as rank %d of %d", self.generation, self.rank, roster.world_size
+        )
+
+    def build_privately(
+        self,
+        record: Callable[[dict[str, Any]], None] = lambda kwargs: None,
+        init_model_parallel: Callable[[], None] | None = None,
+    ) -> None:
+        """A newcomer: from now on its job builds its objects in a private world (rank of the
+        roster's world, `private_world`), without the survivors; `init_model_parallel` creates
+        the private default group and Megatron's groups at once (a job whose start-up does that
+        itself passes None; `record` receives its `init_process_group` arguments)."""
+        private_world.enter(self._rank(), self.roster.world_size, record)
+        if init_model_parallel is not None:
+            dist.init_process_group(backend=self.pg_backend)  # the private world's default group
+            init_model_parallel()
+
+    def building_privately(self) -> bool:
+        """Whether this process builds in its private world (a newcomer before `take_slot`)."""
+        return private_world.active()
+
+    def take_slot(self, target: int | None = None) -> int:
+        """A newcomer whose objects exist (built in its private world, `bind` done) takes its
+        slot: it releases the private world's groups, joins the generation its roster names
+        like the survivors, rebinds its objects and restores its shard from the holder; returns
+        the restore iteration T. `target`: the step the job goes on at (T+1 unless the
+        survivors recompute more)."""
+        t0 = time.time()
+        roster = self._claim(self.roster)
+        self.groups.forgetting(self.release)  # the private world's groups go for good
+        private_world.leave()
+        self.join(roster, self.job.init_model_parallel, newcomer=True)
+        self.attach()
+        t_joined = time.time()
+        sources = self.membership.sources(roster.generation).holders
+        held = self._inherited.take(self._rank(), sources)  # a respawn's own snapshot
+        t_iter = self.restore(roster, needy=held is None, newcomer=True, held=held)
+        self._record(roster, target, t0, {"join": t_joined - t0, "restore": time.time() - t_joined})
+        return t_iter
+
+    def _claim(self, roster: Roster) -> Roster:
+        """Claim this newcomer's slot, its objects built (`newcomer_claim.claim`); the roster it
+        joins."""
+        if roster.generation == 0:
+            return roster
+        return claim(self.membership, self.faults, self.member, roster, self.wait_for_slot)
+
+    def place_replicas(
+        self, ranks_per_node: int | None = None, order: RankOrder = RankOrder.TP_DP_PP
+    ) -> Layout:
+        """Megatron's groups exist: the first time, work out the layout from them and `order`
+        (Megatron's rank order, which the job's adapter knows), check that it names the groups
+        Megatron made, and place the replicas (rank 0 of generation 0 publishes the layout for
+        the coordinator). Later calls (each generation's `join`) keep the first layout."""
+        if self.layout is None:
+            layout = megatron_layout(ranks_per_node or self.cfg.ranks_per_node, order)
+            check_megatron_groups(layout, dist.get_rank())
+            self.layout = layout
+            if not self.cfg.enabled:
+                return self.layout
+            self.placement = place_replicas(self.layout, self.cfg.replicas)
+            record = self._layout_record()
+            if self.generation == 0 and self.rank == 0 and record is not None:
+                self.membership.publish_layout(record)
+                log.info("replicas placed: %s", self.placement.describe())
+        return self.layout
+
+    def _layout_record(self) -> LayoutRecord | None:
+        """The layout as the coordinator learns it (None before replicas are placed)."""
+        if self.layout is None or self.placement is None:
+            return None
+        return LayoutRecord.of(self.layout, self.cfg.replicas)
+
+    def new_replication_group(self) -> None:
+        """Create this generation's replication group(s) (every rank, after Megatron's
+        groups; `devices.groups`): the world-wide one, and on CUDA, where replicas may live in
+        host memory, the data-parallel peers' gloo group. Then, with
+        ``DEADPOOL_NCCL_INIT=warm``, set up this rank's communicators (`nccl.warm_groups`)."""
+        self._replica_memory()  # refuses 'gpu' without CUDA before any step
+        backend = replication_backend(self.device)
+        self.repl_group = dist.new_group(backend=backend, timeout=self.pg_timeout)
+        self.host_repl_group = None
+        if host_transfer_group(self.device, self.cfg.replica_device):
+            peers = self._layout().peer_group_of[self._rank()]
+            self.host_repl_group = new_host_group(peers, self.pg_timeout)
+        nccl.warm_groups()
+
+    # ------------------------------------------------------------------ training steps
+    def recovering(
+        self,
+        attempt: Callable[[int | None], T],
+        *,
+        target: int | None = None,
+        pending: BaseException | None = None,
+        on_failure: Callable[[], None] = lambda: None,
+    ) -> T:
+        """The job's training loop with recovery: `attempt(None)` - or, when `pending` (a peer
+        failure the job met between steps) is given, a recovery first - and after every peer
+        failure in it a recovery and `attempt(T)`, T the restore iteration every rank is back
+        at, until an attempt returns. Any other error ends the process as before.
+        `on_failure()` runs as each failure is caught (the job's clean-up of a cut-short step);
+        `target`: the step the job returns to afterwards (`recover`)."""
+        failure, restored = pending, None
+        while True:
+            try:
+                if failure is not None:
+                    restored = self.recover(failure, target=target)
+                    failure = None
+                return attempt(restored)
+            except Exception as exc:
+                if not self.is_peer_failure(exc):
+                    raise
+                on_failure()
+                failure = exc
+
+    def begin_step(self, n: int) -> None:
+        """As step n starts: stop without the coordinator; fire the faults injected at n."""
+        beat = self._heartbeat
+        if beat is not None and beat.lost:
+            raise self.coordinator_lost(beat.lost)
+        self.faults.at_iteration(self._rank(), n, self._layout().ranks_per_node, self.replicator)
+
+    def replicate(self, n: int, verdict: bool | None = None) -> int | None:
+        """After optimizer step n: end the previous round (committed by `verdict`, every
+        rank's agreement carried by the step; None: agree here) and start round n. Returns the
+        globally committed iteration."""
+        if self.replicator is None:
+            self.replicator = self._make_replicator()
+        if verdict is None:  # no step collective carries it: on CUDA agree before the next step
+            self.replicator.verdict_ahead = verdict_ahead(self.device)
+            self.committed = self.replicator.finish_round()
+        else:
+            self.committed = self.replicator.commit(verdict)
+        self.replicator.start_round(n)
+        return self.committed
+
+    def step_completed(self, n: int) -> None:
+        """Step n is done on this rank (on CUDA: its work queued, watched until done)."""
+        if self.device.kind == "cuda":
+            if self._device_watch is None:
+                bound = self.pg_timeout.total_seconds() + self.cfg.heartbeat_timeout
+                self._device_watch = DeviceWatch(bound)
+            self._device_watch.step_done(n)
+        self.last_completed = n
+        if self.rank == 0:
+            self.membership.set_progress(n)
+            if self.resumed_at == n:
+                self.membership.stamp(self.generation, "first_iteration", 0)
+
+    # ------------------------------------------------------------------ recovery
+    def is_peer_failure(self, exc: BaseException) -> bool:
+        """A collective's error because a peer died or hung (`devices.failures`), not an OOM,
+        a CUDA fault, a bug or one of DeadPool's own decisions; after the plan watch aborted
+        this generation's groups, any error but DeadPool's own (`plan_watch`): out of
+        redundancy, raised by a recovery, must end the process, not start another recovery
+        (which would raise it again, a survivor looping on it for good)."""
+        if isinstance(exc, DeadpoolRuntimeError):
+            return False
+        return is_peer_failure(exc) or self.plan_watch.fired is not None
+
+    def recover(self, exc: BaseException, *, target: int | None = None) -> int:
+        """Survivor side of a hot swap after `exc`: release every group, agree on the restore
+        iteration T with the coordinator, join the next generation, rebind, restore T; returns
+        T. `target`: the step the job returns to afterwards (recomputing T+1..target-1)."""
+        t0 = time.time()
+        self.plan_watch.recovering()
+        self.recovering_now = True
+        log.warning("collective failed (%s): entering recovery", first_line(exc))
+        self.membership.report_failure(first_line(exc))
+        # The traceback's frames hold the failed collective's group: drop them, or the group
+        # (and its connections) outlive the release below.
+        traceback.clear_frames(exc.__traceback__)
+        # Repaired in place, every group stays (its connections shut down by the abort).
+        # Rebuilt, the group is handed over in a dict the release empties: no reference may
+        # outlive it.
+        repairing = self.groups.repairs()
+        extra = {} if repairing else self._hand_over_groups()
+        held = abort_keeping_arrivals(self.replicator)
+        self.faults.in_recovery(self._rank(), self.replicator, self.generation + 1)
+        t_released = time.time()
+        released: list[int] = []
+
+        def release() -> None:  # while the coordinator decides, after this rank's report
+            if not repairing:
+                released.append(rebind.release(self._roots(), extra, held))
+
+        steps = self._recovery()
+        roster = steps.agree(
+            self.job.recovery_report(),
+            last_completed=self.last_completed,
+            deadline=t0 + self.cfg.heartbeat_timeout + self.cfg.agreement_timeout,
+            cause=exc,
+            salvage_target=self.job.salvage_target,
+            meanwhile=release,
+        )
+        t_agreed = time.time()
+        if repairing:
+            self._take(roster)
+            self.groups.reconstruct(self.membership, roster, self._rank())
+            self.plan_watch.joined(self.generation)
+        else:
+            self.join(roster, self.job.init_model_parallel)
+            self.attach()
+            log.info("released %d group handles, re-attached the new generation's", released[0])
+        self.job.after_rejoin(roster)
+        t_joined = time.time()
+        self.restore(roster, needy=steps.needy, newcomer=False)
+        self.recovering_now = False
+        self._record(
+            roster,
+            target,
+            t0,
+            {
+                "abort": t_released - t0,
+                "agree": t_agreed - t_released,  # the release of the old groups included
+                "join": t_joined - t_agreed,
+                "restore": time.time() - t_joined,
+            },
+        )
+        assert roster.restore_iteration is not None
+        return roster.restore_iteration
+
+    def check_rebindable(self) -> None:
+        """Once the job's objects exist (`bind`): refuse, in one line, a process group they hold
+        that a recovery could not rebind (not one of Megatron's `parallel_state` groups)."""
+        extra = {REPLICATION: self.repl_group, HOST_REPLICATION: self.host_repl_group}
+        unnamed = rebind.unnamed_groups(self._roots(), extra)
+        if unnamed:
+            raise ConfigError(
+                f"--deadpool cannot protect this run: the job's objects hold {len(unnamed)} "
+                f"process group(s) that are none of Megatron's parallel_state groups "
+                f"({', '.join(unnamed[:3])}), which a hot swap could not rebuild and rebind"
+            )
+
+    def attach(self) -> None:
+        """Put the new generation's groups in every released handle; none may stay stale."""
+        stale: list[str] = []
+        groups = {REPLICATION: self.repl_group, HOST_REPLICATION: self.host_repl_group}
+        n = rebind.attach(self._roots(), groups, stale)
+        self.membership.report_stale_refs(self.generation, len(stale))
+        if stale:
+            raise DeadpoolRuntimeError(
+                f"objects still reference groups of an old generation: {stale[:3]}"
+            )
+        log.info("rebound %d process-group references", n)
+
+    def release(self) -> int:
+        """Release every group handle the job's objects hold (a newcomer's private world)."""
+        return rebind.release(self._roots())
+
+    def restore(
+        self,
+        roster: Roster,
+        *,
+        needy: bool,
+        newcomer: bool,
+        held: SegmentHoldings | None = None,
+    ) -> int:
+        """Bring this rank to the restore iteration T; returns T.
+
+        Holders send the needy ranks their shard of T (verified by its checksum on arrival);
+        the others roll back to their local snapshot of T. Then weights are re-derived from
+        the main params, replication restarts with a round of T (which also re-sends the
+        replicas the dead ranks held), and the job repositions itself (`newcomer`: from what a
+        newcomer's start-up built, not from what this process trained).
+        """
+        t_iter = roster.restore_iteration
+        assert t_iter is not None
+        state = self.job.rank_state()
+        steps = Recovery(self.membership, self.member, self.rank, roster, held or self.replicator)
+        from_holder = steps.exchange_shards(
+            state, self.repl_group, needy=needy, host_group=self.host_repl_group
+        )
+        sync_params_from_main(self.job.model(), state.optimizer)
+        forget_cached_collectives(state.optimizer)
+        self.replicator = self._make_replicator()
+        self.replicator.start_round(t_iter)
+        self.committed = self.replicator.finish_round()
+        self.job.after_restore(t_iter, newcomer=newcomer)
+        self.membership.stamp(self.generation, "restored", self._rank())
+        self.resumed_at = t_iter + 1
+        self.last_completed = t_iter
+        log.info(
+            "restored iteration %d (%s)",
+            t_iter,
+            "from holder" if from_holder else "from local snapshot",
+        )
+        return t_iter
+
+    def _record(
+        self, roster: Roster, target: int | None, t0: float, phases: dict[str, float]
+    ) -> None:
+        t_iter = roster.restore_iteration
+        assert t_iter is not None
+        plan = self.membership.plan(roster.generation)
+        self.recoveries.append(
+            RecoveryRecord(
+                generation=roster.generation,
+                dead=list(plan.dead) if plan else [],
+                restore_iteration=t_iter,
+                recomputed=max(0, (target or t_iter + 1) - 1 - t_iter),
+                total_s=time.time() - t0,
+                phases_s=phases,
+            )
+        )
+
+    def _recovery(self) -> Recovery:
+        """The recovery steps over what this process holds now."""
+        return Recovery(self.membership, self.member, self.rank, self.roster, self.replicator)
+
+    # ------------------------------------------------------------------ the end
+    def finish_training(self, n: int) -> None:
+        """Step n was the last: commit its replication round (a peer failure here is an
+        ordinary one: step n is recomputed after the recovery) and report training complete,
+        so that a loss from now on costs no recovery (`end_failure`)."""
+        for _ in range(2):  # a replica of n that failed its checksum: send the round again
+            if self.drain() == n or self.replicator is None:
+                break
+            self.replicator.start_round(n)
+        self.completed = n
+        if self.cfg.enabled:
+            self.membership.report_finished(self._rank(), n)
+            self.plan_watch.training_completed()
+
+    def training_over(self) -> None:
+        """The job's training loop has ended (after `finish_training`); its final work (final
+        save, evaluation, the last barrier) comes next. Fires `RANK@end` faults."""
+        self.faults.after_training(self._rank())
+
+    def end_failure(self, exc: BaseException, where: str) -> str:
+        """A collective failed after training completed (final save, final report): a peer
+        is gone, but no step is lost. Release the groups, learn from the coordinator who died,
+        save the final state of this rank and the dead ranks' copies it holds under the job's
+        save directory (a complete snapshot set of the completed iteration, when every dead
+        rank's holder survives), and say what was saved. The job's remaining final work, which
+        needs the dead peers, is skipped."""
+        log.warning("collective failed in %s after training completed (%s)", where, first_line(exc))
+        traceback.clear_frames(exc.__traceback__)
+        self.plan_watch.recovering()
+        m = self.membership
+        m.report_failure(first_line(exc))
+        release_groups(self.replicator, self._roots(), self._hand_over_groups())
+        deadline = time.time() + self.cfg.heartbeat_timeout + self.cfg.agreement_timeout
+        report = m.end()
+        while report is None and time.time() < deadline:
+            time.sleep(0.05)
+            report = m.end()
+        if report is None:
+            return (
+                f"training completed at iteration {self.completed}; a collective failed in "
+                f"{where} but the coordinator named no lost process: nothing saved"
+            )
+        saved = self._recovery().salvage(report, self.job.salvage_target)
+        return (
+            f"training completed at iteration {self.completed}; rank(s) "
+            f"{list(report.dead_ranks)} lost afterwards, in {where}: {saved}"
+        )
+
+    def drain(self) -> int | None:
+        """Settle and commit the round in flight (end of training); the committed iteration."""
+        if self.replicator is not None and self.repl_group is not None:
+            self.committed = self.replicator.finish_round()
+        return self.committed
+
+    def finish(self) -> str | None:
+        """Training is over on this rank: drain replication, publish the model digest
+        (None: no model was built), mark the process done."""
+        digest = None
+        if self._job is not None:
+            self.drain()
+            digest = rank_digest(self._job.model())
+            self.membership.publish_digest(self._rank(), digest)
+        self.membership.mark_done()
+        self.done = True
+        self.stop_heartbeat()
+        return digest
+
+    def stop_heartbeat(self) -> None:
+        """No more beats: this process's work is done (its silence is no failure)."""
+        if self._heartbeat is not None:
+            self._heartbeat.stop(self.cfg.heartbeat_interval + self.cfg.heartbeat_timeout)
+
+    def without_coordinator(self) -> None:
+        """No coordinator is left (the primary's and the standby's nodes both lost): a rank
+        saves what it holds (`Recovery.save_held`), then ends the Slurm job (`orphaned`); a
+        process that never joined (a spare, a job that never started) just leaves."""
+        if self.rank is not None and self._job is not None and self._membership is not None:
+            log.error("%s", self._recovery().save_held(self._job.salvage_target))
+            log.error("%s", orphaned.end_slurm_job(self.cfg.coordinators))
+
+    def coordinator_lost(self, why: str) -> CoordinatorUnreachableError:
+        who = f"rank {self.rank}" if self.rank is not None else self.member
+        return CoordinatorUnreachableError(
+            f"lost the coordinator {self.coordinator} ({why.splitlines()[0][:160]}); stopping "
+            f"{who}: without it no failure could be recovered"
+        )
+
+    # ------------------------------------------------------------------ helpers
+    def _roots(self) -> list[Any]:
+        return [*(self._job.roots() if self._job else []), self.replicator]
+
+    def _hand_over_groups(self) -> dict[str, dist.ProcessGroup | None]:
+        """DeadPool's own groups, by name, for `rebind.release` (this object keeps none)."""
+        extra = {REPLICATION: self.repl_group, HOST_REPLICATION: self.host_repl_group}
+        self.repl_group = self.host_repl_group = None
+        return extra
+
+    def _replica_memory(self) -> ReplicaMemory:
+        return ReplicaMemory(self.cfg.replica_device, self.device, segments.folder())
+
+    def _make_replicator(self) -> Replicator:
+        """A new replicator (after a restore: it takes over its predecessor's buffers)."""
+        if self.placement is None or self.repl_group is None:
+            raise DeadpoolRuntimeError("no replication group yet (`join`)")
+        return Replicator(
+            Snapshotter(self.job.rank_state(), self._rank()),
+            self.placement,
+            self._rank(),
+            self.repl_group,
+            self._replica_memory(),
+            previous=self.replicator,
+            host_group=self.host_repl_group,
+        )

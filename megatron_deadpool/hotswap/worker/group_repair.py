@@ -1,0 +1,220 @@
+"""A recovery's reconstruct step when the groups are repaired in place (`devices.reconfigure`).
+
+Survivors keep every `ProcessGroup` object - torch's default group, Megatron's `parallel_state`
+globals and every handle the model, DDP and the optimizer hold, DeadPool's replication group -
+so nothing is released, walked or rebound: their abort only shuts the groups' connections down
+(`devices.abort.keep_groups`), and once the roster of generation g is agreed each process
+publishes its reconfigure handles (`RepairHandles`, sealed like every value of the job, under
+``gen{g}/repair/{rank}``), reads every rank's, and reconfigures each of its groups with uuid g.
+
+A newcomer builds its world as the survivors once did, on the same store prefix (the generation
+the survivors' groups were created in, `RepairHandles.base`, read from a survivor's handles) and
+in the same order - so its groups have the survivors' names and rendezvous keys - but created to
+be reconfigured (`reconfigurable_creation`: nothing connects); it then publishes its handles and
+joins every repaired group. Every wait is bounded (`REPAIR_TIMEOUT_S`): a member lost during the
+repair fails it with `DistBackendError`, a peer failure, and the recovery starts over in the next
+generation (every group is reconnected again, under a new uuid).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import json
+import logging
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch.distributed as dist
+
+from ...devices import reconfigure
+from ...devices.abort import keep_groups
+from ...devices.reconfigure import RepairPlanError
+from ...errors import DeadpoolRuntimeError
+from ..protocol.membership import Membership
+from ..protocol.messages import Roster
+
+log = logging.getLogger(__name__)
+
+REPAIR_TIMEOUT_S = 60.0
+"""Longest wait for the other ranks' handles, and for each group's members while it reconnects."""
+
+
+class InPlace:
+    """One process's way with its groups on a recovery: repaired in place where
+    `devices.reconfigure.choose` says so (then an abort keeps them), else rebuilt; and the
+    generation whose store prefix its groups were created on."""
+
+    def __init__(self, backend: str) -> None:
+        self.base: int | None = None
+        self.choose(backend)
+
+    def choose(self, backend: str) -> None:
+        """Decide for groups of `backend` (again, when the job names its backend later)."""
+        self.choice = reconfigure.choose(backend)
+        keep_groups(self.choice.repair)
+        log.info("process groups on a recovery: %s (%s)", self.choice.way, self.choice.reason)
+
+    def repairs(self, generation: int | None = None) -> bool:
+        """Whether this process's groups are repaired in place: on its next recovery (it has
+        groups), or (`generation`) as a newcomer joining generation g (not the first)."""
+        if generation is not None:
+            return self.choice.repair and generation > 0
+        return self.choice.repair and self.base is not None
+
+    @contextlib.contextmanager
+    def creating(
+        self, membership: Membership, roster: Roster, pg_args: dict[str, Any], newcomer: bool
+    ) -> Iterator[None]:
+        """The default group of `roster`'s generation (`init_process_group` with `pg_args`),
+        then the groups the block creates. A `newcomer` whose groups are repaired in place
+        creates them on the survivors' store prefix, reconfigurable (nothing connects), and
+        joins the survivors' after the block (`reconstruct`); otherwise they are created (and
+        connected) on generation g's prefix, the base of later repairs."""
+        g = roster.generation
+        if not (newcomer and self.repairs(g)):
+            dist.init_process_group(**pg_args)
+            yield
+            self.created(g)
+            return
+        self.base = newcomer_base(membership, roster)
+        with reconfigure.reconfigurable_creation():
+            store = membership.process_group_store(self.base)
+            dist.init_process_group(**{**pg_args, "store": store})
+            yield
+        self.reconstruct(membership, roster, int(pg_args["rank"]), joining=True)
+
+    def created(self, generation: int) -> None:
+        """Its groups were just created, connected, on generation g's store prefix."""
+        self.base = generation
+        log.info("generation %d: world group %s", generation, world_id())
+
+    def forgetting(self, release: Callable[[], object]) -> None:
+        """`release()` with aborts that forget the groups (a newcomer's private world)."""
+        keep_groups(False)
+        try:
+            release()
+        finally:
+            keep_groups(self.choice.repair)
+
+    def reconstruct(
+        self, membership: Membership, roster: Roster, rank: int, *, joining: bool = False
+    ) -> None:
+        """Repair every group of this process in place for `roster` (`repair`): a survivor's
+        reconstruct step, or a newcomer's (`joining`) once its groups exist (`creating`)."""
+        if self.base is None:
+            raise DeadpoolRuntimeError("no process groups to repair: this process never joined")
+        repair(membership, roster.generation, rank, roster.world_size, self.base)
+        log.info(
+            "generation %d: rank %d %s its groups in place (world group %s)",
+            *(roster.generation, rank, "joined" if joining else "repaired", world_id()),
+        )
+
+
+@dataclass(frozen=True)
+class RepairHandles:
+    """What one rank publishes for a repair: its handle of every group it is in (by torch's
+    group name) and the generation whose store prefix its groups were created on."""
+
+    base: int
+    handles: dict[str, str]
+
+    def encode(self) -> str:
+        return json.dumps({"base": self.base, "handles": self.handles}, sort_keys=True)
+
+    @classmethod
+    def decode(cls, rank: int, raw: bytes | None) -> RepairHandles:
+        """Checked before use: `RepairPlanError` naming the rank when it is not one."""
+        if raw is None:
+            raise RepairPlanError(f"rank {rank}'s reconfigure handles are not the job's")
+        try:
+            data = json.loads(raw)
+        except ValueError as exc:
+            raise RepairPlanError(f"rank {rank}'s reconfigure handles are not JSON") from exc
+        base = data.get("base") if isinstance(data, dict) else None
+        if not isinstance(base, int) or isinstance(base, bool) or base < 0:
+            raise RepairPlanError(f"rank {rank}'s reconfigure handles name no base generation")
+        return cls(base, reconfigure.check_handles(rank, data.get("handles")))
+
+
+def publish(membership: Membership, generation: int, rank: int, base: int) -> None:
+    """Publish this process's handles of every group it is in for generation g's repair."""
+    payload = RepairHandles(base, reconfigure.own_handles()).encode()
+    membership.publish_repair_handles(generation, rank, payload)
+
+
+def read(
+    membership: Membership, generation: int, ranks: list[int], timeout_s: float
+) -> dict[int, RepairHandles]:
+    """The handles `ranks` published for generation g; `DistBackendError` when they are not all
+    there within `timeout_s` (a rank was lost: the recovery starts over)."""
+    try:
+        raw = membership.repair_handles(generation, ranks, timeout_s)
+    except dist.DistError as exc:  # the store's timeout
+        raise dist.DistBackendError(
+            f"repairing the process groups of generation {generation}: not every rank "
+            f"published its reconfigure handles within {timeout_s:g}s ({exc})"
+        ) from exc
+    return {r: RepairHandles.decode(r, v) for r, v in zip(ranks, raw)}
+
+
+def base_of(membership: Membership, generation: int, survivor: int, timeout_s: float) -> int:
+    """The generation whose store prefix the survivors' groups were created on (a newcomer
+    creates its own there), from `survivor`'s handles of generation g."""
+    return read(membership, generation, [survivor], timeout_s)[survivor].base
+
+
+def newcomer_base(membership: Membership, roster: Roster) -> int:
+    """The generation whose store prefix the survivors' groups were created on, for a newcomer
+    of `roster`'s generation (from the handles of its first rank that is no newcomer)."""
+    plan = membership.plan(roster.generation)
+    needy = set(plan.needy) if plan is not None else set()
+    survivor = next(r for r in range(roster.world_size) if r not in needy)
+    return base_of(membership, roster.generation, survivor, REPAIR_TIMEOUT_S)
+
+
+def world_id() -> str:
+    """The default group's identity, as the logs show it (the same object after a repair)."""
+    return f"{id(dist.distributed_c10d._get_default_group()):#x}"
+
+
+def repair(
+    membership: Membership,
+    generation: int,
+    rank: int,
+    world_size: int,
+    base: int,
+    timeout_s: float = REPAIR_TIMEOUT_S,
+) -> float:
+    """Publish this process's handles (unless it did), read every rank's, and reconfigure each
+    of this process's groups in place under uuid `generation`; returns the seconds the
+    reconfigures took. A member lost meanwhile: `DistBackendError` within `timeout_s`."""
+    publish(membership, generation, rank, base)
+    t0 = time.perf_counter()
+    published = read(membership, generation, list(range(world_size)), timeout_s)
+    bases = {h.base for h in published.values()}
+    if bases != {base}:
+        raise RepairPlanError(
+            f"generation {generation}: ranks created their groups in different generations "
+            f"{sorted(bases)}: their groups cannot be repaired together"
+        )
+    groups = [(name, list(ranks)) for name, _, ranks in reconfigure.known_groups()]
+    plan = reconfigure.plan_repair(groups, {r: h.handles for r, h in published.items()})
+    try:
+        report = reconfigure.repair(plan, generation, datetime.timedelta(seconds=timeout_s))
+    except RepairPlanError:
+        raise
+    except RuntimeError as exc:
+        raise dist.DistBackendError(
+            f"repairing the process groups of generation {generation} in place failed: "
+            f"{str(exc).splitlines()[0][:200]}"
+        ) from exc
+    log.info(
+        "repaired %d process groups in place in %.3fs (handles read in %.3fs)",
+        report.groups,
+        report.seconds,
+        time.perf_counter() - t0 - report.seconds,
+    )
+    return report.seconds

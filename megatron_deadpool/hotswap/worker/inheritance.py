@@ -1,0 +1,57 @@
+"""What a process respawned in place inherits: its predecessor's segment files.
+
+A process its node's agent starts in a dead one's place (`respawn.py`) waits for its slot as a
+spare does. Its node keeps the dead process's snapshots and replicas in segment files
+(`replication.segments`). While it waits, once the coordinator's plan that names it is out (the
+plan wakes it), it reads what those files hold, verified, and reports it as a survivor reports
+(`Inheritance.report`), so that the coordinator's decision counts its own snapshot and the
+replicas it held; again for a plan that supersedes that one. When it takes its slot, its own
+snapshot restores it unless the coordinator named a holder for it (`Inheritance.take`).
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from ...replication.segments import SegmentHoldings
+from ..protocol.membership import Membership
+from ..protocol.messages import HoldingsReport
+
+log = logging.getLogger("megatron_deadpool.driver")
+
+
+class Inheritance:
+    """A waiting process's view of its node's segment files (`where`: None, none)."""
+
+    def __init__(self, where: Path | None) -> None:
+        self.where = where
+        self.holdings: SegmentHoldings | None = None
+        self.reported = 0  # the newest plan they were reported for
+
+    def report(self, membership: Membership, member: str) -> None:
+        """Report what the files hold for the newest plan, if it names `member` (once per
+        plan; nothing without files)."""
+        if self.where is None:
+            return
+        g = membership.latest_plan()
+        if g <= self.reported:
+            return
+        plan = membership.plan(g)
+        replaced = plan.replaced if plan is not None else {}
+        rank = next((r for r, m in replaced.items() if m == member), None)
+        if rank is None:
+            return
+        if self.holdings is None or self.holdings.rank != rank:
+            self.holdings = SegmentHoldings(self.where, rank)
+        holds = {k: tuple(v) for k, v in self.holdings.holdings().items()}
+        membership.report_holdings(g, rank, HoldingsReport(member, 0, holds))
+        self.reported = g
+        log.info("reported the segments of rank %d for generation %d: %s", rank, g, holds)
+
+    def take(self, rank: int, sources: dict[int, int]) -> SegmentHoldings | None:
+        """What restores `rank` as it takes its slot: the files, unless the coordinator named a
+        holder for it (`sources`: needy rank -> holder); forgotten afterwards (the files become
+        the new replicator's slots)."""
+        held, self.holdings = self.holdings, None
+        return held if held is not None and held.rank == rank and rank not in sources else None

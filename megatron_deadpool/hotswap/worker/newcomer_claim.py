@@ -1,0 +1,67 @@
+"""A recovery's newcomer claims its slot: once its objects are built, right before it joins.
+
+The survivors of generation g wait for every newcomer's claim (`Membership.wait_newcomers`),
+where the coordinator can release them, not inside the generation's rendezvous, which nothing
+but the process-group timeout ends: a newcomer lost while building its objects would hold them
+there past the next plan's agreement timeout (out of redundancy). The coordinator settles a
+slot first when it plans again before the newcomer claimed it (`Coordinator._plan`): a lost
+newcomer's slot is given up - the newcomer, had it lived, stops with an error -, a live one's
+is moved on: the slot is this process's in the next generation, whose roster it waits for and
+claims there (it must keep the rank and restore iteration its objects were built for), or the
+job ended meanwhile and it leaves with exit code 0. `claim_slot` is the claim itself, which a
+survivor the plan counts as a newcomer makes too (`Recovery.agree`).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+from ...errors import DeadpoolRuntimeError, ExitCode
+from ..protocol.membership import Membership
+from ..protocol.messages import CLAIMED, MOVED_ON, Roster
+from .injection import FaultInjector
+
+log = logging.getLogger(__name__)
+
+
+def claim_slot(membership: Membership, g: int, rank: int) -> bool:
+    """Claim `rank`'s slot of generation g: True, claimed; False, moved on (the next plan holds
+    it); given up (the coordinator took this process for lost): an error."""
+    held = membership.claim_slot(g, rank)
+    if held not in (CLAIMED, MOVED_ON):
+        raise DeadpoolRuntimeError(
+            f"the coordinator gave up rank {rank} of generation {g} before this process claimed "
+            "it (it took this process for lost)"
+        )
+    return held == CLAIMED
+
+
+def claim(
+    membership: Membership,
+    faults: FaultInjector,
+    member: str,
+    roster: Roster,
+    wait_for_slot: Callable[[int], Roster | None],
+) -> Roster:
+    """Claim `member`'s slot of `roster` (a recovery's generation); returns the roster it joins.
+    `wait_for_slot(g)`: the next roster after generation g that names it (None: the job
+    ended)."""
+    g, rank = roster.generation, roster.rank_of(member)
+    if rank is None:
+        raise DeadpoolRuntimeError(f"generation {g}'s roster names no slot of {member}")
+    faults.on_assignment(member, rank, g)  # `spare:I@recovery`
+    if claim_slot(membership, g, rank):
+        return roster
+    log.info("generation %d will not be joined: waiting for the next one's roster", g)
+    later = wait_for_slot(g)
+    if later is None:
+        log.info("released: the job ended before this newcomer joined")
+        raise SystemExit(ExitCode.OK)
+    if later.rank_of(member) != rank or later.restore_iteration != roster.restore_iteration:
+        raise DeadpoolRuntimeError(
+            f"generation {later.generation} gives this newcomer rank {later.rank_of(member)} at "
+            f"iteration {later.restore_iteration}, not rank {rank} at "
+            f"{roster.restore_iteration} as it built its objects for"
+        )
+    return claim(membership, faults, member, later, wait_for_slot)

@@ -1,0 +1,49 @@
+"""What a rank publishes for a repair in place (`group_repair.RepairHandles`) is checked before
+use, and `bench recovery` reports how the hot swap's processes reconstruct their groups."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from megatron_deadpool.bench.recovery import groups_way
+from megatron_deadpool.devices.reconfigure import RepairPlanError
+from megatron_deadpool.hotswap.worker.group_repair import RepairHandles
+
+
+def test_handles_round_trip() -> None:
+    sent = RepairHandles(3, {"0": "gloo:1:-1:1:h:5", "7": "gloo:0:3:1:h:5"})
+    assert RepairHandles.decode(1, sent.encode().encode()) == sent
+
+
+@pytest.mark.parametrize(
+    ("raw", "why"),
+    [
+        (None, "not the job's"),
+        (b"{", "not JSON"),
+        (b'{"handles": {}}', "no base generation"),
+        (b'{"base": -1, "handles": {}}', "no base generation"),
+        (b'{"base": true, "handles": {}}', "no base generation"),
+        (b'{"base": 0, "handles": {"0": "nccl:1"}}', "not a gloo handle"),
+        (b'{"base": 0, "handles": []}', "not a mapping"),
+    ],
+)
+def test_bad_handles_name_the_rank(raw: bytes | None, why: str) -> None:
+    with pytest.raises(RepairPlanError, match=f"rank 2.*{why}"):
+        RepairHandles.decode(2, raw)
+
+
+def test_bench_reports_the_way_the_processes_logged(tmp_path: Path) -> None:
+    assert groups_way(tmp_path) == "unknown"
+    line = "12:00:00.000 [deadpool] INFO process groups on a recovery: {}\n"
+    (tmp_path / "a0.log").write_text(line.format("repair (gloo groups reconfigured in place)"))
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "a1.log").write_text(
+        line.format("repair (gloo groups reconfigured in place)")
+    )
+    assert groups_way(tmp_path) == "repair (gloo groups reconfigured in place)"
+    (tmp_path / "a2.log").write_text(line.format("rebuild (DEADPOOL_GROUP_REPAIR=rebuild)"))
+    assert groups_way(tmp_path) == (
+        "rebuild (DEADPOOL_GROUP_REPAIR=rebuild); repair (gloo groups reconfigured in place)"
+    )
