@@ -6,7 +6,7 @@
 Each page is generated, never edited by hand: the CLI from the argparse parsers of every
 `deadpool` command (`cli/main.py`'s registry), every `--deadpool-*` flag from `DeadpoolConfig`,
 the exit codes from `ExitCode`, the Slurm launcher's variables from the header of
-scripts/slurm/deadpool_launch.sh, and the refused Megatron-LM options from `startup_bound.py`.
+scripts/slurm/deadpool_launch.sh, and the refused Megatron-LM options from `megatron_lm/refused.py`.
 tests/test_docs_reference.py regenerates them in memory and fails when a committed page
 differs: a flag or command added without regenerating fails there.
 """
@@ -171,19 +171,20 @@ def launch_variables_page() -> str:
 
 def refused_options_page() -> str:
     """docs/reference/refused-megatron-options.md: the Megatron-LM options `--deadpool` refuses
-    because their state lives in the start-up communicators (`megatron_lm/startup_bound.py`)."""
-    from megatron_deadpool.megatron_lm import startup_bound
+    (`megatron_lm/refused.py`'s table)."""
+    from megatron_deadpool.megatron_lm import refused
 
     rows = "".join(
-        f"| `{name}` | {text.replace('{value}', 'VALUE').replace('|', chr(92) + '|')} |\n"
-        for name, text in startup_bound.REFUSALS.items()
+        f"| `{r.name}` | {r.reason} | "
+        f"{r.message.replace('{value}', 'VALUE').replace('|', chr(92) + '|')} |\n"
+        for r in refused.REFUSALS
     )
-    doc = inspect.cleandoc(startup_bound.__doc__ or "").split("\n\n", 1)[1]
+    doc = inspect.cleandoc(refused.__doc__ or "").split("\n\n", 1)[1]
     return (
         f"# Refused Megatron-LM options\n\n{GENERATED}\nWith `--deadpool`, these Megatron-LM "
         "options are refused before training starts (exit code 2, one line each). From "
-        f"`megatron_deadpool/megatron_lm/startup_bound.py`:\n\n{doc}\n\n"
-        f"| Megatron argument | the refusal |\n|---|---|\n{rows}"
+        f"`megatron_deadpool/megatron_lm/refused.py`:\n\n{doc}\n\n"
+        f"| Megatron argument | why | the refusal |\n|---|---|---|\n{rows}"
     )
 
 

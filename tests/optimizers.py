@@ -9,7 +9,8 @@ their state, and the two Megatron interfaces a `RankState` uses, without Megatro
   `dynamic_grad_scaler()`: Megatron's own `DynamicGradScaler`, built on the CPU.
 - `Scheduler`: the scheduler interface `RankState` uses (Megatron's `OptimizerParamScheduler`).
 - `make_optimizer(kind, seed)` and `set_grads(params, step)`: reproducible parameters,
-  optimizers ("torch-adam", "fused", "fused-fp16") and gradients.
+  optimizers ("torch-adam", "fused", "fused-fp16") and gradients; `stepped_state(seed)`: the
+  `RankState` of a torch Adam after one step, what the replication tests' ranks replicate.
 """
 
 from __future__ import annotations
@@ -147,3 +148,14 @@ def make_optimizer(kind: str, seed: int) -> tuple[list[torch.nn.Parameter], torc
     if kind == "torch-adam":
         return params, torch.optim.Adam(params, lr=1e-2)
     return params, GroupStepAdam(params, fp16_exp_avg=kind == "fused-fp16")
+
+
+def stepped_state(seed: int) -> Any:
+    """The `RankState` (with `Scheduler`) of a "torch-adam" optimizer after one step: Adam's
+    state exists, as a rank's does once it replicates."""
+    from megatron_deadpool.replication.snapshot import RankState
+
+    params, opt = make_optimizer("torch-adam", seed=seed)
+    set_grads(params, 0)
+    opt.step()
+    return RankState(Wrapped(opt), Scheduler())

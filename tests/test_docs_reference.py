@@ -54,10 +54,10 @@ def test_reference_names_every_flag_command_and_exit_code() -> None:
         assert f"\n## deadpool {command}\n" in pages["cli.md"], command
     for code in ExitCode:
         assert f"| {int(code)} | `{code.name}` |" in pages["exit-codes.md"], code
-    from megatron_deadpool.megatron_lm.startup_bound import REFUSALS
+    from megatron_deadpool.megatron_lm.refused import REFUSALS
 
-    for option in REFUSALS:
-        assert f"| `{option}` |" in pages["refused-megatron-options.md"], option
+    for refusal in REFUSALS:
+        assert f"| `{refusal.name}` |" in pages["refused-megatron-options.md"], refusal.name
     from megatron_deadpool.hotswap.coordinator.events import EVENTS
     from megatron_deadpool.hotswap.report.metrics_file import METRICS
     from megatron_deadpool.megatron_lm.report import SCALARS

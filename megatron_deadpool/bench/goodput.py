@@ -49,7 +49,7 @@ from ..errors import ConfigError, ExitCode
 from ..planner.goodput import WAYS
 from .failure_trace import LLAMA3_MIX, failure_trace, kind_of, parse_mix
 from .goodput_model import measured_costs, predict
-from .overhead import base_job
+from .job_options import add_job_options, add_run_limit, base_job
 from .plots import spare_pool
 from .report import job_shape, publish, text_row, yes_no
 from .timed_launch import Launch, launch
@@ -65,16 +65,7 @@ MAX_LAUNCHES = 50
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--config",
-        help="YAML job config (default: configs/cpu-demo.yaml when present, else tp 2 x dp 2)",
-    )
-    parser.add_argument(
-        "--iters",
-        type=number_arg(integer=True, minimum=1),
-        default=120,
-        help="iterations (default 120)",
-    )
+    add_job_options(parser, iters=120, iters_help="iterations")
     parser.add_argument(
         "--failures",
         type=number_arg(integer=True, minimum=1),
@@ -110,13 +101,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--json", dest="json_path", help="write the results as JSON here")
     parser.add_argument("--plot", help="draw the spare pool along each run here (PNG, SVG, ...)")
-    parser.add_argument(
-        "--timeout",
-        type=number_arg(above=0, unit="seconds"),
-        default=900.0,
-        help="wall-clock limit of one launch in s (default 900)",
-    )
-    parser.add_argument("--keep", action="store_true", help="keep run logs and checkpoints")
+    add_run_limit(parser, timeout=900.0, per="launch")
 
 
 # ---------------------------------------------------------------------- the runs

@@ -34,19 +34,17 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..config.job import JobConfig, ParallelConfig, load_job
+from ..config.job import JobConfig
 from ..config.numbers import number_arg
 from ..errors import ConfigError
 from .cpu_use import CpuSampler
 from .interleaved import Launched, Run, check_window, compare, interleave, measured_run
+from .job_options import add_job_options, add_run_limit, base_job
 from .report import job_shape, publish, text_row
 from .stats import median, ratio_text
 
 if TYPE_CHECKING:
     from ..hotswap.launch.local_job import LocalJob
-
-DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "cpu-demo.yaml"
-"""The CPU demo job, used when no --config is given (and present in the source tree)."""
 
 
 @dataclasses.dataclass
@@ -63,16 +61,7 @@ Runner = Callable[[JobConfig, Path], Launched]
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--config",
-        help="YAML job config (default: configs/cpu-demo.yaml when present, else tp 2 x dp 2)",
-    )
-    parser.add_argument(
-        "--iters",
-        type=number_arg(integer=True, minimum=1),
-        default=20,
-        help="iterations per run (default 20)",
-    )
+    add_job_options(parser, iters=20)
     parser.add_argument(
         "--repeats",
         type=number_arg(integer=True, minimum=1),
@@ -92,21 +81,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="spares in the DeadPool-on runs (default: config)",
     )
     parser.add_argument("--json", dest="json_path", help="write the results as JSON here")
-    parser.add_argument(
-        "--timeout",
-        type=number_arg(above=0, unit="seconds"),
-        default=600.0,
-        help="wall-clock limit of one run in s",
-    )
-
-
-def base_job(config: str | None) -> JobConfig:
-    """The job to measure: --config, else the CPU demo, else the tp 2 x dp 2 default."""
-    if config:
-        return load_job(config)
-    if DEFAULT_CONFIG.is_file():
-        return load_job(DEFAULT_CONFIG)
-    return JobConfig(parallel=ParallelConfig(tp=2, pp=1, dp=2))
+    add_run_limit(parser, timeout=600.0, keep=False)
 
 
 def variants(job: JobConfig, iters: int, spares: int | None = None) -> dict[str, JobConfig]:

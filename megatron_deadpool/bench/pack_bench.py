@@ -22,7 +22,6 @@ and 1). Used as ``deadpool bench pack`` and ``python -m megatron_deadpool.bench.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -33,6 +32,7 @@ import torch
 
 from ..config.numbers import number_arg
 from ..replication import pack
+from .report import write_json
 
 DEFAULT_SIZES_MB = (64, 256)
 DEFAULT_REPEATS = 7
@@ -197,8 +197,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(format_table(result))
     print("GB/s: median of repeats (best in brackets); pack/copy uses the medians.")
     if args.json:
-        with open(args.json, "w", encoding="utf-8") as handle:
-            json.dump(result, handle, indent=2)
+        write_json(args.json, result)
     return 0
 
 

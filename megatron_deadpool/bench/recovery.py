@@ -44,7 +44,7 @@ from ..config.faults import check_faults, parse_fault
 from ..config.job import JobConfig
 from ..config.numbers import number_arg
 from ..errors import ConfigError
-from .overhead import base_job
+from .job_options import add_job_options, add_run_limit, base_job
 from .report import job_shape, publish, text_row, yes_no
 from .stats import ratio_summary, ratio_text
 from .timed_launch import Launch, Runner, launch
@@ -68,16 +68,7 @@ PHASE_LABELS = {
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--config",
-        help="YAML job config (default: configs/cpu-demo.yaml when present, else tp 2 x dp 2)",
-    )
-    parser.add_argument(
-        "--iters",
-        type=number_arg(integer=True, minimum=1),
-        default=12,
-        help="iterations per run (default 12)",
-    )
+    add_job_options(parser, iters=12)
     parser.add_argument(
         "--fail",
         default="2@8",
@@ -103,13 +94,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "(default 1)",
     )
     parser.add_argument("--json", dest="json_path", help="write the results as JSON here")
-    parser.add_argument(
-        "--timeout",
-        type=number_arg(above=0, unit="seconds"),
-        default=600.0,
-        help="wall-clock limit of one run in s",
-    )
-    parser.add_argument("--keep", action="store_true", help="keep run logs and checkpoints")
+    add_run_limit(parser, timeout=600.0)
 
 
 # ---------------------------------------------------------------------- jobs

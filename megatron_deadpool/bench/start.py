@@ -18,7 +18,6 @@ printed, and with ``--json FILE`` written. Used as ``deadpool bench start``.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import subprocess
@@ -30,6 +29,7 @@ from typing import Any
 from ..config.numbers import number_arg
 from ..embedded.launch import WORKER_PRELOAD
 from ..hotswap.launch.warm_start import WarmStart
+from .report import write_json
 from .stats import median_ci
 
 _CODE = "import time; {imports}; print(repr(time.time()), flush=True)"
@@ -144,6 +144,5 @@ def run(args: argparse.Namespace) -> int:
         print(_row("warm", result[case]["warm"]))
         print(f"  speedup (median cold / median warm): {result[case]['speedup_median']:.1f}x")
     if args.json:
-        with open(args.json, "w") as out:
-            json.dump(result, out, indent=2)
+        write_json(args.json, result)
     return 0

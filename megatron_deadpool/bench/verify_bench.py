@@ -20,7 +20,6 @@ on a loaded machine the wall time cannot show the split). Used as
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import time
@@ -31,6 +30,7 @@ import torch
 
 from ..config.numbers import number_arg
 from ..replication import pack, parallel_checksum
+from .report import write_json
 
 DEFAULT_SIZES_GIB = (2.0, 9.0)
 DEFAULT_REPEATS = 3
@@ -141,8 +141,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(format_table(result))
     print("median of repeats (best in brackets); every result equal to pack.checksum's")
     if args.json:
-        with open(args.json, "w", encoding="utf-8") as handle:
-            json.dump(result, handle, indent=2)
+        write_json(args.json, result)
     return 0
 
 

@@ -116,16 +116,21 @@ class Soak:
         """Plan episode 1 and check its specs: bad input fails before any (slow) run."""
         iters, world = self.job.train.iters, self.job.parallel.world_size
         rpn, spares = self.job.ranks_per_node, self.job.deadpool.spares
-        specs = plan_chaos(
-            episode_seed(self.settings.seed, 1),
-            iters,
+        specs = self._plan(1)
+        check_faults([parse_fault(x) for x in specs], world, rpn, iters, spares)
+
+    def _plan(self, episode: int) -> list[str]:
+        """The failures of episode `episode` (`plan_chaos`, seeded by the soak's seed and the
+        episode's number)."""
+        return plan_chaos(
+            episode_seed(self.settings.seed, episode),
+            self.job.train.iters,
             self.settings.mtbf_iters,
-            world,
-            rpn,
-            spares,
+            self.job.parallel.world_size,
+            self.job.ranks_per_node,
+            self.job.deadpool.spares,
             self.kinds,
         )
-        check_faults([parse_fault(x) for x in specs], world, rpn, iters, spares)
 
     # ------------------------------------------------------------------ runs
     def _launch(self, job: JobConfig, name: str, limit_s: float, episode: int) -> Any:
@@ -279,15 +284,7 @@ class Soak:
             if self.settings.episodes is not None and n >= self.settings.episodes:
                 break
             n += 1
-            specs = plan_chaos(
-                episode_seed(self.settings.seed, n),
-                iters,
-                self.settings.mtbf_iters,
-                world,
-                rpn,
-                spares,
-                self.kinds,
-            )
+            specs = self._plan(n)
             est = self.estimate(len(specs), ref)
             if est > self._remaining():
                 print(

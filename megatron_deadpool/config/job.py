@@ -26,6 +26,13 @@ def _positive(value: int, where: str) -> None:
     check_number(value, where, integer=True, minimum=1)
 
 
+def _check_divides(divisor: tuple[str, int], size: tuple[str, int]) -> None:
+    """Refuse a `divisor` (name, value) that does not divide `size` (name, value)."""
+    (divisor_name, d), (size_name, n) = divisor, size
+    if n % d:
+        raise ConfigError(f"{divisor_name} ({d}) must divide {size_name} ({n})")
+
+
 @dataclass(kw_only=True)
 class ModelConfig:
     """A GPT-style decoder (Megatron-Core `GPTModel`)."""
@@ -102,11 +109,8 @@ class ModelConfig:
             )
         if self.num_query_groups is not None:
             _positive(self.num_query_groups, "model.num_query_groups")
-            if self.num_attention_heads % self.num_query_groups:
-                raise ConfigError(
-                    f"model.num_query_groups ({self.num_query_groups}) must divide "
-                    f"model.num_attention_heads ({self.num_attention_heads})"
-                )
+            heads = ("model.num_attention_heads", self.num_attention_heads)
+            _check_divides(("model.num_query_groups", self.num_query_groups), heads)
         for name in ("swiglu", "tie_embeddings", "add_bias_linear"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"model.{name}: expected true or false")
@@ -284,21 +288,10 @@ class JobConfig:
     """The site's nodes (optional): the planner's hardware figures and the Slurm defaults."""
 
     def __post_init__(self) -> None:
-        if self.model.num_attention_heads % self.parallel.tp:
-            raise ConfigError(
-                f"parallel.tp ({self.parallel.tp}) must divide model.num_attention_heads "
-                f"({self.model.num_attention_heads})"
-            )
-        if self.model.query_groups % self.parallel.tp:
-            raise ConfigError(
-                f"parallel.tp ({self.parallel.tp}) must divide model.num_query_groups "
-                f"({self.model.query_groups})"
-            )
-        if self.model.ffn % self.parallel.tp:
-            raise ConfigError(
-                f"parallel.tp ({self.parallel.tp}) must divide the MLP hidden size "
-                f"({self.model.ffn})"
-            )
+        m, tp = self.model, ("parallel.tp", self.parallel.tp)
+        _check_divides(tp, ("model.num_attention_heads", m.num_attention_heads))
+        _check_divides(tp, ("model.num_query_groups", m.query_groups))
+        _check_divides(tp, ("the MLP hidden size", m.ffn))
         self._check_experts()
         if (
             self.cluster is not None
@@ -309,11 +302,7 @@ class JobConfig:
                 f"deadpool.ranks_per_node ({self.deadpool.ranks_per_node}) differs from "
                 f"cluster.gpus_per_node ({self.cluster.gpus_per_node}); drop one of them"
             )
-        if self.model.num_layers % self.parallel.pp:
-            raise ConfigError(
-                f"parallel.pp ({self.parallel.pp}) must divide model.num_layers "
-                f"({self.model.num_layers})"
-            )
+        _check_divides(("parallel.pp", self.parallel.pp), ("model.num_layers", m.num_layers))
         if self.parallel.pp > 1 and self.train.num_microbatches < self.parallel.pp:
             raise ConfigError(
                 f"train.num_microbatches ({self.train.num_microbatches}) must be >= parallel.pp "

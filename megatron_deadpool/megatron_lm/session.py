@@ -49,11 +49,10 @@ from ..replication.placement import RankOrder
 from ..replication.snapshot import RankState
 from . import report as mreport
 from . import timers
+from .refused import refused_problems
 from .replay import BatchRecorder, install_recorder, reset_rerun_iterators
-from .startup_bound import startup_bound_problems
 from .survivors import SurvivorReport, peer_ahead, resume_step
 from .trackers import clear_logging_trackers, tracker_roots
-from .unsnapshotted import unsnapshotted_problems
 
 log = logging.getLogger("megatron_deadpool.megatron_lm")
 
@@ -249,10 +248,7 @@ class MegatronSession:
                 "optimizer state, but data-parallel size is 1: no peer can stand in for a "
                 "failed rank; use data-parallel size >= 2 or run without --deadpool"
             )
-        problems += unsnapshotted_problems(a)  # state a step changes outside the snapshot
-        if getattr(a, "rampup_batch_size", None):
-            problems.append("--rampup-batch-size: replaying steps needs a constant batch size")
-        problems += startup_bound_problems(a)  # state inside the start-up communicators
+        problems += refused_problems(a)  # options whose state a hot swap cannot carry
         timeout_s = getattr(a, "distributed_timeout_minutes", 10) * 60
         if self.cfg.heartbeat_timeout >= timeout_s:
             problems.append(

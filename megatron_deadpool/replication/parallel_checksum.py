@@ -110,17 +110,10 @@ def checksum(buf: torch.Tensor, *, threads: int | None = None) -> int:
     if not isinstance(buf, torch.Tensor) or buf.device.type != "cpu":
         where = buf.device if isinstance(buf, torch.Tensor) else type(buf).__name__
         raise pack.PackError(f"parallel checksum: the buffer must be in host memory, not {where}")
-    if buf.dtype != torch.uint8 or buf.dim() != 1 or (buf.numel() > 1 and buf.stride(0) != 1):
-        raise pack.PackError(
-            f"parallel checksum: the buffer must be 1-D contiguous uint8, got {buf.dtype} "
-            f"of shape {tuple(buf.shape)}"
-        )
+    pack._check_flat(buf, "checksum")  # what pack.checksum refuses, in its words
     if buf.numel() % pack.WORD_BYTES:
         raise pack.PackError(f"checksum buffer length {buf.numel()} B is not a multiple of 4")
-    if buf.numel() > pack.MAX_PACKED_BYTES:
-        raise pack.PackError(
-            f"buffer of {buf.numel()} B exceeds the checksum limit of {pack.MAX_PACKED_BYTES} B"
-        )
+    pack._check_size(buf.numel())
     if threads is not None and not 1 <= threads <= MAX_THREADS:
         raise ValueError(f"threads: {threads} is not from 1 to {MAX_THREADS}")
     parts = ranges(buf.numel() // pack.WORD_BYTES, thread_count() if threads is None else threads)

@@ -14,6 +14,11 @@ from conftest import REPO_ROOT, call_deadpool
 MODEL = str(REPO_ROOT / "configs" / "models" / "gpt-65b.yaml")
 PERLMUTTER = str(REPO_ROOT / "configs" / "clusters" / "perlmutter.yaml")
 BASE = ["--cluster", PERLMUTTER, "--tp", "4", "--pp", "8", "--dp", "16"]
+TINY_LINE = [
+    "--num-layers=2", "--hidden-size=64", "--num-attention-heads=4", "--seq-length=64",
+    "--vocab-size=128",
+]  # fmt: skip
+"""A tiny model's Megatron-LM line (argparse keeps an option's last value)."""
 
 
 @pytest.mark.timeout(60)
@@ -167,49 +172,15 @@ def test_megatron_spellings_of_tp_and_pp(capsys: pytest.CaptureFixture[str]) -> 
         (["--dp", "2"], "--model: give a model or job file"),
         (["--model", MODEL, "--context-parallel-size", "2"], "--context-parallel-size 2"),
         (
-            [
-                "--dp",
-                "2",
-                "--tp",
-                "2",
-                "--",
-                "--num-layers=2",
-                "--hidden-size=64",
-                "--num-attention-heads=4",
-                "--seq-length=64",
-                "--vocab-size=128",
-                "--tensor-model-parallel-size=4",
-            ],
+            ["--dp", "2", "--tp", "2", "--", *TINY_LINE, "--tensor-model-parallel-size=4"],
             "--tp 2 contradicts the Megatron-LM line's --tensor-model-parallel-size 4",
         ),
         (["--dp", "2", "--", "--num-layers=2"], "--hidden-size, --num-attention-heads"),
         (
-            [
-                "--dp",
-                "16",
-                "--",
-                "--num-layers=2",
-                "--hidden-size=64",
-                "--num-attention-heads=4",
-                "--seq-length=64",
-                "--vocab-size=128",
-                "--global-batch-size=100",
-            ],
+            ["--dp", "16", "--", *TINY_LINE, "--global-batch-size=100"],
             "global-batch-size (100) must be a multiple of micro-batch-size x dp = 16",
         ),
-        (
-            [
-                "--dp",
-                "2",
-                "--",
-                "--num-layers=2",
-                "--hidden-size=64",
-                "--num-attention-heads=4",
-                "--seq-length=64",
-                "--vocab-size=x",
-            ],
-            "--vocab-size",
-        ),
+        (["--dp", "2", "--", *TINY_LINE, "--vocab-size=x"], "--vocab-size"),
     ],
 )
 def test_bad_megatron_lines_are_one_line_and_exit_2(

@@ -80,15 +80,23 @@ def test_eager_communicators_for_nccl_only(monkeypatch: pytest.MonkeyPatch) -> N
     assert nccl.init_kwargs("gloo") == {}
 
 
-def test_a_process_with_lazy_gloo_connections_is_refused_before_any_group() -> None:
+def _select_device_in_a_fresh_process(setup: str, device: str) -> subprocess.CompletedProcess:
+    """`select_device(device)` in a fresh interpreter after the Python line `setup`; prints the
+    `ConfigError` it raises."""
     code = (
-        "import os; os.environ['TORCH_GLOO_LAZY_INIT'] = '1'\n"
+        f"{setup}\n"
         "from megatron_deadpool.devices import select_device\n"
         "from megatron_deadpool.errors import ConfigError\n"
-        "try:\n    select_device('cpu')\nexcept ConfigError as exc:\n    print(exc)\n"
+        f"try:\n    select_device({device!r})\nexcept ConfigError as exc:\n    print(exc)\n"
     )
-    out = subprocess.run(
+    return subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False
+    )
+
+
+def test_a_process_with_lazy_gloo_connections_is_refused_before_any_group() -> None:
+    out = _select_device_in_a_fresh_process(
+        "import os; os.environ['TORCH_GLOO_LAZY_INIT'] = '1'", "cpu"
     )
     assert out.stdout.startswith("TORCH_GLOO_LAZY_INIT=1: "), out.stdout + out.stderr
 
@@ -234,14 +242,9 @@ def test_a_survivor_reads_no_free_memory(monkeypatch: pytest.MonkeyPatch) -> Non
 
 def test_select_device_refuses_a_spare_without_a_gpu_of_its_own() -> None:
     """`LOCAL_RANK` beyond the node's GPUs: a clear error, not a crash in set_device."""
-    code = (
+    out = _select_device_in_a_fresh_process(
         "import torch, os; torch.cuda.is_available = lambda: True; "
-        "torch.cuda.device_count = lambda: 2; os.environ['LOCAL_RANK'] = '2'\n"
-        "from megatron_deadpool.devices import select_device\n"
-        "from megatron_deadpool.errors import ConfigError\n"
-        "try:\n    select_device('auto')\nexcept ConfigError as exc:\n    print(exc)\n"
-    )
-    out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False
+        "torch.cuda.device_count = lambda: 2; os.environ['LOCAL_RANK'] = '2'",
+        "auto",
     )
     assert "LOCAL_RANK=2: this node has 2 GPUs" in out.stdout, out.stdout + out.stderr

@@ -31,16 +31,7 @@ CASES: dict[str, list[str]] = {
     "ref_pp": ["--pp", "2", "--dp", "2"],
     # One run, two failures: a crash, then a hang (SIGSTOP) of another rank.
     "kill_then_hang": [
-        "--tp",
-        "2",
-        "--dp",
-        "2",
-        "--spares",
-        "2",
-        "--fail",
-        "2@3",
-        "--fail",
-        "1@5:hang",
+        "--tp", "2", "--dp", "2", "--spares", "2", "--fail", "2@3", "--fail", "1@5:hang",
     ],
     "pp_kill": ["--pp", "2", "--dp", "2", "--spares", "1", "--fail", "3@4"],
     "node": ["--tp", "2", "--dp", "2", "--spares", "2", "--fail", "node:1@3"],
@@ -48,65 +39,26 @@ CASES: dict[str, list[str]] = {
     "no_spare": ["--tp", "2", "--dp", "2", "--spares", "0", "--fail", "2@4", "--save", "{ckpt}"],
     # The same with Megatron checkpoints as well: what --load falls back on.
     "no_spare_interval": [
-        "--tp",
-        "2",
-        "--dp",
-        "2",
-        "--spares",
-        "0",
-        "--fail",
-        "2@4",
-        "--save",
-        "{ckpt}",
-        "--save-interval",
-        "2",
+        "--tp", "2", "--dp", "2", "--spares", "0", "--fail", "2@4", "--save", "{ckpt}",
+        "--save-interval", "2",
     ],
     # Rank 2 killed right after training completed (its last step done and replicated).
     "lost_at_end": [
-        "--tp",
-        "2",
-        "--dp",
-        "2",
-        "--spares",
-        "1",
-        "--fail",
-        "2@end",
-        "--save",
-        "{ckpt}",
+        "--tp", "2", "--dp", "2", "--spares", "1", "--fail", "2@end", "--save", "{ckpt}",
     ],
     # Every rank raises as iteration 1 starts: an error of the job's start-up.
     "start_up_error": [
-        "--tp",
-        "2",
-        "--dp",
-        "2",
-        "--spares",
-        "1",
-        "--fail",
-        "node:0@1:raise",
-        "--fail",
+        "--tp", "2", "--dp", "2", "--spares", "1", "--fail", "node:0@1:raise", "--fail",
         "node:1@1:raise",
     ],
     # Rank 2 raises as iteration 4 starts, in whichever process holds it: the spare that takes
     # its slot raises the same.
     "same_error_again": ["--tp", "2", "--dp", "2", "--spares", "2", "--fail", "2@4:raise"],
     "owner_and_holder": [
-        "--tp",
-        "2",
-        "--dp",
-        "2",
-        "--spares",
-        "2",
-        "--fail",
-        "0@3",
-        "--fail",
-        "2@3",
-        "--save",
-        "{ckpt}",
-        "--save-interval",
-        "2",
+        "--tp", "2", "--dp", "2", "--spares", "2", "--fail", "0@3", "--fail", "2@3", "--save",
+        "{ckpt}", "--save-interval", "2",
     ],
-}
+}  # fmt: skip
 
 
 @cache

@@ -25,7 +25,7 @@ Megatron's loss scalers, and context parallelism.
   weights, so the digest pattern asserted here does not hold there); a killed rank there, run
   by hand, was bitwise too.
 - Interleaved pipeline: PP2 x VPP2 x DP2 + a spare (4 layers, one per virtual stage), a killed
-  rank and a hung rank, against the same failure-free run; newest tag only (`NEWEST_ONLY`).
+  rank and a hung rank, against the same failure-free run; newest tag only (`Swap.tags`).
 - Rank order tp-pp-dp (``--use-tp-pp-dp-mapping``): TP1 x PP2 x DP2 on nodes of 2 + a spare. A
   node holds one pipeline (ranks 0 and 1 under tp-pp-dp; under the default order it would hold
   a data-parallel group, which DeadPool refuses), so each rank's replica is on its
@@ -62,6 +62,8 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -79,9 +81,6 @@ from mlm import (
 )
 
 ITERS = 5
-NEWEST_ONLY = pytest.mark.parametrize("tag", [NEWEST])
-"""The interleaved pipeline runs on the newest tag only: each of its runs takes about 50 s on
-2 cores (over the suite's 45 s bound for running a case on both tags)."""
 SPARE = ["--deadpool", "--deadpool-spares", "1", "--use-distributed-optimizer"]
 MODELS: dict[str, list[str]] = {
     "moe": [
@@ -232,16 +231,6 @@ def _killed(tag: str, model: str, tmp: Path, extra: tuple[str, ...] = ()) -> Run
     return run
 
 
-@pytest.mark.timeout(3 * RUN_TIMEOUT)
-@pytest.mark.parametrize("tag", TAGS)
-def test_moe_expert_bias_is_restored_bitwise_after_a_killed_rank(
-    baselines, tag: str, tmp_path: Path
-) -> None:
-    baseline = baselines(tag, "moe")
-    run = _killed(tag, "moe", tmp_path)
-    _assert_same_training(run, baseline)
-
-
 EP_PLACEMENT = (
     "tp 1 x pp 1 x dp 4 (experts: etp 1 x ep 2 x expert dp 2) in rank order tp-dp-pp, 2 rank(s) "
     "per node; owner->holders (data-parallel peers of dense and expert layers under tp-dp-pp on "
@@ -249,6 +238,25 @@ EP_PLACEMENT = (
 )
 """Rank 0's log line of the placement with EP 2: each rank's replica on the rank holding the
 same experts on the other node."""
+ETP_PLACEMENT = (
+    "tp 1 x pp 1 x dp 4 (experts: etp 2 x ep 1 x expert dp 2) in rank order tp-dp-pp, 2 rank(s) "
+    "per node; owner->holders (data-parallel peers of dense and expert layers under tp-dp-pp on "
+    "other nodes): 0->[2], 1->[3], 2->[0], 3->[1]"
+)
+TP_PP_DP_PLACEMENT = (
+    "tp 1 x pp 2 x dp 2 in rank order tp-pp-dp, 2 rank(s) per node; owner->holders "
+    "(data-parallel peers under tp-pp-dp on other nodes): 0->[2], 1->[3], 2->[0], 3->[1]"
+)
+"""Rank 0's log line of the placement: each rank's replica on its data-parallel peer under
+tp-pp-dp, on the other node (under the default order ranks 0 and 1 would be peers)."""
+CP_PLACEMENT = (
+    "tp 1 x cp 2 x pp 1 x dp 2 in rank order tp-dp-pp, 1 rank(s) per node; owner->holders "
+    "(data- and context-parallel peers under tp-dp-pp on other nodes): 0->[1], 1->[2], 2->[3], "
+    "3->[0]"
+)
+"""Rank 0's log line of the placement with CP 2: the distributed optimizer is sharded over the
+'dp-cp' group [0, 1, 2, 3], and rank 2's replica is on rank 3, its context-parallel peer (its
+data-parallel peer is rank 0)."""
 
 
 def _from_the_rank_with_the_same_experts(run: Run, placement: str = EP_PLACEMENT) -> None:
@@ -263,89 +271,6 @@ def _from_the_rank_with_the_same_experts(run: Run, placement: str = EP_PLACEMENT
     assert rec["stale_group_refs"] == 0, rec
 
 
-@pytest.mark.timeout(3 * RUN_TIMEOUT)
-@pytest.mark.parametrize("tag", TAGS)
-def test_moe_expert_parallel_killed_rank_is_restored_from_the_rank_with_its_experts_bitwise(
-    baselines, tag: str, tmp_path: Path
-) -> None:
-    baseline = baselines(tag, "moe-ep")
-    assert EP_PLACEMENT in baseline.text, baseline.describe()
-    run = _killed(tag, "moe-ep", tmp_path)
-    _assert_same_training(run, baseline)
-    _from_the_rank_with_the_same_experts(run)
-
-
-@pytest.mark.timeout(3 * RUN_TIMEOUT)
-@NEWEST_ONLY
-def test_moe_expert_parallel_replicas_skip_the_data_parallel_peer_with_other_experts(
-    baselines, tag: str, tmp_path: Path
-) -> None:
-    """Every rank its own node: the nearest data-parallel peer of rank 2 is rank 3, which holds
-    the other experts (a dense placement's ring would put rank 2's replica there); it goes to
-    rank 0, the rank with the same experts, and the coordinator, which learns the expert layout
-    from rank 0, names rank 0 as the newcomer's source."""
-    baseline = baselines(tag, "moe-ep")
-    run = _killed(tag, "moe-ep", tmp_path, ("--deadpool-ranks-per-node", "1"))
-    _assert_same_training(run, baseline)
-    _from_the_rank_with_the_same_experts(run, EP_PLACEMENT.replace("2 rank(s)", "1 rank(s)"))
-
-
-@pytest.mark.timeout(3 * RUN_TIMEOUT)
-@NEWEST_ONLY
-def test_moe_expert_parallel_hung_rank_is_restored_from_the_rank_with_its_experts_bitwise(
-    baselines, tag: str, tmp_path: Path
-) -> None:
-    run = _hung(tag, "moe-ep", tmp_path)
-    _assert_same_training(run, baselines(tag, "moe-ep"))
-    _from_the_rank_with_the_same_experts(run)
-
-
-ETP_PLACEMENT = (
-    "tp 1 x pp 1 x dp 4 (experts: etp 2 x ep 1 x expert dp 2) in rank order tp-dp-pp, 2 rank(s) "
-    "per node; owner->holders (data-parallel peers of dense and expert layers under tp-dp-pp on "
-    "other nodes): 0->[2], 1->[3], 2->[0], 3->[1]"
-)
-
-
-@pytest.mark.timeout(3 * RUN_TIMEOUT)
-@NEWEST_ONLY
-def test_moe_expert_tensor_parallel_killed_rank_is_restored_from_the_rank_with_its_slices_bitwise(
-    baselines, tag: str, tmp_path: Path
-) -> None:
-    baseline = baselines(tag, "moe-etp")
-    run = _killed(tag, "moe-etp", tmp_path)
-    _assert_same_training(run, baseline)
-    _from_the_rank_with_the_same_experts(run, ETP_PLACEMENT)
-
-
-@pytest.mark.timeout(3 * RUN_TIMEOUT)
-@NEWEST_ONLY
-def test_interleaved_pipeline_killed_rank_is_hot_swapped_bitwise(
-    baselines, tag: str, tmp_path: Path
-) -> None:
-    baseline = baselines(tag, "vpp")
-    run = _killed(tag, "vpp", tmp_path)
-    _assert_same_training(run, baseline)
-
-
-@pytest.mark.timeout(3 * RUN_TIMEOUT)
-@NEWEST_ONLY
-def test_interleaved_pipeline_hung_rank_is_hot_swapped_bitwise(
-    baselines, tag: str, tmp_path: Path
-) -> None:
-    run = _hung(tag, "vpp", tmp_path)
-    _assert_same_training(run, baselines(tag, "vpp"))
-    assert re.search(r"process a2 silent for [\d.]+s \(hung\); killed", run.text), run.describe()
-
-
-TP_PP_DP_PLACEMENT = (
-    "tp 1 x pp 2 x dp 2 in rank order tp-pp-dp, 2 rank(s) per node; owner->holders "
-    "(data-parallel peers under tp-pp-dp on other nodes): 0->[2], 1->[3], 2->[0], 3->[1]"
-)
-"""Rank 0's log line of the placement: each rank's replica on its data-parallel peer under
-tp-pp-dp, on the other node (under the default order ranks 0 and 1 would be peers)."""
-
-
 def _from_data_parallel_peer(run: Run) -> None:
     """The replicas were placed under tp-pp-dp and rank 2's shard came from rank 0; Megatron's
     stages are those of tp-pp-dp too: ranks 0 and 2 (stage 0) end with the same parameters,
@@ -354,86 +279,6 @@ def _from_data_parallel_peer(run: Run) -> None:
     digests = run.summary["param_digests"]
     assert digests["0"] == digests["2"] != digests["1"] == digests["3"]
     assert "agreed: restore iteration" in run.text and "shards from rank 0 -> rank 2" in run.text
-
-
-@pytest.mark.timeout(3 * RUN_TIMEOUT)
-@NEWEST_ONLY
-def test_tp_pp_dp_mapping_killed_rank_is_restored_from_its_data_parallel_peer_bitwise(
-    baselines, tag: str, tmp_path: Path
-) -> None:
-    baseline = baselines(tag, "tppdp")
-    assert TP_PP_DP_PLACEMENT in baseline.text, baseline.describe()
-    run = _killed(tag, "tppdp", tmp_path)
-    _assert_same_training(run, baseline)
-    _from_data_parallel_peer(run)
-
-
-@pytest.mark.timeout(3 * RUN_TIMEOUT)
-@NEWEST_ONLY
-def test_tp_pp_dp_mapping_hung_rank_is_restored_from_its_data_parallel_peer_bitwise(
-    baselines, tag: str, tmp_path: Path
-) -> None:
-    run = _hung(tag, "tppdp", tmp_path)
-    _assert_same_training(run, baselines(tag, "tppdp"))
-    _from_data_parallel_peer(run)
-
-
-def _skipped(line: list[str]) -> int:
-    (field,) = [f for f in line if f.startswith("number of skipped iterations:")]
-    return int(field.split(":")[1])
-
-
-@pytest.mark.timeout(3 * RUN_TIMEOUT)
-@NEWEST_ONLY
-def test_fp16_killed_rank_while_steps_are_skipped_is_hot_swapped_bitwise(
-    baselines, tag: str, tmp_path: Path
-) -> None:
-    """Rank 2 killed as iteration 4 starts: the restore iteration (2) and the recomputed one (3)
-    are skipped for overflow; the scaler's backed-off scale and hysteresis come from the
-    snapshot (the spare's own scaler is at its initial state)."""
-    baseline = baselines(tag, "fp16")
-    lines = logged(baseline)
-    assert [_skipped(lines[it]) > 0 for it in range(1, ITERS + 1)] == [True] * 3 + [False] * 2
-    assert all(not any(f.startswith("lm loss") for f in lines[it]) for it in (1, 2, 3))
-    scales = [f for it in sorted(lines) for f in lines[it] if f.startswith("loss scale")]
-    assert (
-        scales == ["loss scale: 1048576.0", "loss scale: 524288.0"] + ["loss scale: 262144.0"] * 3
-    )
-    run = _killed(tag, "fp16", tmp_path)
-    _assert_same_fp16_training(run, baseline)
-
-
-@pytest.mark.timeout(3 * RUN_TIMEOUT)
-@NEWEST_ONLY
-def test_fp16_hung_rank_after_the_first_real_step_is_hot_swapped_bitwise(
-    baselines, tag: str, tmp_path: Path
-) -> None:
-    """Rank 2 stopped as iteration 5 starts, after the first step that updated (4): Adam's
-    state, created up front when the snapshot layout was fixed at the skipped iteration 1, is
-    rolled back or handed to the spare with the scaler's growth tracker."""
-    run = _hung(tag, "fp16", tmp_path, at=5)
-    _assert_same_fp16_training(run, baselines(tag, "fp16"))
-
-
-@pytest.mark.timeout(3 * RUN_TIMEOUT)
-@NEWEST_ONLY
-def test_fp16_constant_loss_scale_killed_rank_is_hot_swapped_bitwise(
-    baselines, tag: str, tmp_path: Path
-) -> None:
-    baseline = baselines(tag, "fp16-constant")
-    assert all(_skipped(line) == 0 for line in logged(baseline).values())
-    run = _killed(tag, "fp16-constant", tmp_path)
-    _assert_same_fp16_training(run, baseline)
-
-
-CP_PLACEMENT = (
-    "tp 1 x cp 2 x pp 1 x dp 2 in rank order tp-dp-pp, 1 rank(s) per node; owner->holders "
-    "(data- and context-parallel peers under tp-dp-pp on other nodes): 0->[1], 1->[2], 2->[3], "
-    "3->[0]"
-)
-"""Rank 0's log line of the placement with CP 2: the distributed optimizer is sharded over the
-'dp-cp' group [0, 1, 2, 3], and rank 2's replica is on rank 3, its context-parallel peer (its
-data-parallel peer is rank 0)."""
 
 
 def _from_the_context_parallel_peer(run: Run) -> None:
@@ -446,23 +291,118 @@ def _from_the_context_parallel_peer(run: Run) -> None:
     assert rec["stale_group_refs"] == 0, rec
 
 
-@pytest.mark.timeout(3 * RUN_TIMEOUT)
-@pytest.mark.parametrize("tag", TAGS)
-def test_context_parallel_killed_rank_is_restored_from_its_context_parallel_peer_bitwise(
-    baselines, tag: str, tmp_path: Path
-) -> None:
-    baseline = baselines(tag, "cp")
-    assert CP_PLACEMENT in baseline.text, baseline.describe()
-    run = _killed(tag, "cp", tmp_path)
-    _assert_same_training(run, baseline)
-    _from_the_context_parallel_peer(run)
+def _placed(placement: str) -> Callable[[Run], None]:
+    """A check that a run's log shows `placement` (rank 0's line)."""
+
+    def check(run: Run) -> None:
+        assert placement in run.text, run.describe()
+
+    return check
+
+
+def _silence_named(run: Run) -> None:
+    """The launcher named the hung process by its silence and killed it."""
+    assert re.search(r"process a2 silent for [\d.]+s \(hung\); killed", run.text), run.describe()
+
+
+def _skipped(line: list[str]) -> int:
+    (field,) = [f for f in line if f.startswith("number of skipped iterations:")]
+    return int(field.split(":")[1])
+
+
+def _three_skipped_then_two_steps(baseline: Run) -> None:
+    """The FP16 run: iterations 1-3 overflow and are skipped (no lm loss logged), the scale
+    backs off from 2^20 to 2^18, iterations 4 and 5 step."""
+    lines = logged(baseline)
+    assert [_skipped(lines[it]) > 0 for it in range(1, ITERS + 1)] == [True] * 3 + [False] * 2
+    assert all(not any(f.startswith("lm loss") for f in lines[it]) for it in (1, 2, 3))
+    scales = [f for it in sorted(lines) for f in lines[it] if f.startswith("loss scale")]
+    assert (
+        scales == ["loss scale: 1048576.0", "loss scale: 524288.0"] + ["loss scale: 262144.0"] * 3
+    )
+
+
+def _none_skipped(baseline: Run) -> None:
+    """A constant loss scale: no iteration skipped."""
+    assert all(_skipped(line) == 0 for line in logged(baseline).values())
+
+
+def _nothing(run: Run) -> None:
+    """No check beyond bitwise-equal training."""
+
+
+@dataclass(frozen=True)
+class Swap:
+    """Rank 2 of `model` lost and hot-swapped; training must end bitwise equal to the
+    failure-free run's (`_assert_same_training`, every logged field with FP16), and the
+    failure-free run and the swapped run must each pass their own check."""
+
+    name: str
+    model: str
+    hang_at: int | None = None
+    """None: killed as iteration 4 starts (`_killed`); else stopped as that iteration starts
+    (`_hung`)."""
+    extra: tuple[str, ...] = ()
+    """More arguments of the swapped run (`_killed`'s)."""
+    tags: tuple[str, ...] = (NEWEST,)
+    """The tags it runs on: by default the newest only (the interleaved pipeline's runs take
+    about 50 s each on 2 cores, over the suite's 45 s bound for running a case on both tags)."""
+    baseline_check: Callable[[Run], None] = _nothing
+    """What the failure-free run must show, checked before the swapped run."""
+    run_check: Callable[[Run], None] = _nothing
+    """What the swapped run must show."""
+
+
+SWAPS = (
+    Swap("moe-killed", "moe", tags=TAGS),
+    Swap("moe-ep-killed", "moe-ep", tags=TAGS, baseline_check=_placed(EP_PLACEMENT),
+         run_check=_from_the_rank_with_the_same_experts),
+    # Every rank its own node: the nearest data-parallel peer of rank 2 is rank 3, which holds
+    # the other experts (a dense placement's ring would put rank 2's replica there); it goes to
+    # rank 0, the rank with the same experts, and the coordinator, which learns the expert
+    # layout from rank 0, names rank 0 as the newcomer's source.
+    Swap("moe-ep-one-rank-per-node-killed", "moe-ep", extra=("--deadpool-ranks-per-node", "1"),
+         run_check=partial(_from_the_rank_with_the_same_experts,
+                           placement=EP_PLACEMENT.replace("2 rank(s)", "1 rank(s)"))),
+    Swap("moe-ep-hung", "moe-ep", hang_at=4, run_check=_from_the_rank_with_the_same_experts),
+    Swap("moe-etp-killed", "moe-etp",
+         run_check=partial(_from_the_rank_with_the_same_experts, placement=ETP_PLACEMENT)),
+    Swap("vpp-killed", "vpp"),
+    Swap("vpp-hung", "vpp", hang_at=4, run_check=_silence_named),
+    Swap("tppdp-killed", "tppdp", baseline_check=_placed(TP_PP_DP_PLACEMENT),
+         run_check=_from_data_parallel_peer),
+    Swap("tppdp-hung", "tppdp", hang_at=4, run_check=_from_data_parallel_peer),
+    # Killed as iteration 4 starts: the restore iteration (2) and the recomputed one (3) are
+    # skipped for overflow; the scaler's backed-off scale and hysteresis come from the snapshot
+    # (the spare's own scaler is at its initial state).
+    Swap("fp16-killed", "fp16", baseline_check=_three_skipped_then_two_steps),
+    # Stopped as iteration 5 starts, after the first step that updated (4): Adam's state,
+    # created up front when the snapshot layout was fixed at the skipped iteration 1, is rolled
+    # back or handed to the spare with the scaler's growth tracker.
+    Swap("fp16-hung", "fp16", hang_at=5),
+    Swap("fp16-constant-killed", "fp16-constant", baseline_check=_none_skipped),
+    Swap("cp-killed", "cp", tags=TAGS, baseline_check=_placed(CP_PLACEMENT),
+         run_check=_from_the_context_parallel_peer),
+    Swap("cp-hung", "cp", hang_at=4, run_check=_from_the_context_parallel_peer),
+)  # fmt: skip
+"""Every hot swap of this module, named as in its test ids (`{name}-{tag}`)."""
 
 
 @pytest.mark.timeout(3 * RUN_TIMEOUT)
-@NEWEST_ONLY
-def test_context_parallel_hung_rank_is_restored_from_its_context_parallel_peer_bitwise(
-    baselines, tag: str, tmp_path: Path
+@pytest.mark.parametrize(
+    "swap,tag", [pytest.param(s, t, id=f"{s.name}-{t}") for s in SWAPS for t in s.tags]
+)
+def test_a_lost_rank_is_hot_swapped_bitwise(
+    baselines, swap: Swap, tag: str, tmp_path: Path
 ) -> None:
-    run = _hung(tag, "cp", tmp_path)
-    _assert_same_training(run, baselines(tag, "cp"))
-    _from_the_context_parallel_peer(run)
+    baseline = baselines(tag, swap.model)
+    swap.baseline_check(baseline)
+    if swap.hang_at is None:
+        run = _killed(tag, swap.model, tmp_path, swap.extra)
+    else:
+        run = _hung(tag, swap.model, tmp_path, at=swap.hang_at)
+    if swap.model.startswith("fp16"):
+        _assert_same_fp16_training(run, baseline)
+    else:
+        _assert_same_training(run, baseline)
+    swap.run_check(run)

@@ -106,15 +106,15 @@ def test_options_bound_to_the_start_up_communicators_are_refused_in_one_line(
 
 
 def test_every_start_up_bound_option_is_named_when_several_are_given() -> None:
-    from megatron_deadpool.megatron_lm.startup_bound import startup_bound_problems
+    from megatron_deadpool.megatron_lm.refused import refused_problems
 
     args = SimpleNamespace(tp_comm_overlap=True, cuda_graph_impl="local", nccl_ub=True)
-    problems = startup_bound_problems(args)
+    problems = refused_problems(args)
     assert [p.split(":")[0] for p in problems] == [
         "--tp-comm-overlap", "--cuda-graph-impl=local", "--use-nccl-ub"
     ]  # fmt: skip
-    assert startup_bound_problems(SimpleNamespace()) == []  # a release without these options
-    assert startup_bound_problems(SimpleNamespace(cuda_graph_impl=None)) == []
+    assert refused_problems(SimpleNamespace()) == []  # a release without these options
+    assert refused_problems(SimpleNamespace(cuda_graph_impl=None)) == []
 
 
 def test_a_checkpoint_not_saved_says_what_happens_next() -> None:

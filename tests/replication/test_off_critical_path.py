@@ -25,17 +25,6 @@ ROUNDS = 5
 FLIP_ROUND = 2  # rank 1 damages rank 0's replica of this round as it arrives
 
 
-def _state(seed: int) -> Any:
-    from optimizers import Scheduler, Wrapped, make_optimizer, set_grads
-
-    from megatron_deadpool.replication.snapshot import RankState
-
-    params, opt = make_optimizer("torch-adam", seed=seed)
-    set_grads(params, 0)
-    opt.step()
-    return RankState(Wrapped(opt), Scheduler())
-
-
 def _run(repl: Any, rank: int, ahead: bool) -> list[Any]:
     """Rounds 1..ROUNDS as the Megatron-LM hooks drive them: per step, the optimizer step's
     guard (`before_step`), then `finish_round` and `start_round`."""
@@ -54,6 +43,7 @@ def _run(repl: Any, rank: int, ahead: bool) -> list[Any]:
 
 def _paths_rank(*, rank: int, world_size: int, store: Any) -> dict[str, Any]:
     import torch.distributed as dist
+    from optimizers import stepped_state
 
     from megatron_deadpool.devices.base import Device
     from megatron_deadpool.devices.groups import new_host_group
@@ -87,7 +77,7 @@ def _paths_rank(*, rank: int, world_size: int, store: Any) -> dict[str, Any]:
     host = new_host_group(layout.dp_group_of[rank], PG_TIMEOUT)
     memory = ReplicaMemory("cpu", Device("cpu", "gloo"))
     out: dict[str, Any] = {}
-    state = _state(seed=rank)
+    state = stepped_state(seed=rank)
     for name, ahead, host_group in (
         ("sync", False, None),
         ("ahead", True, None),
@@ -133,34 +123,19 @@ def test_verified_off_the_main_thread_and_verdicts_posted_ahead_commit_the_same(
 
 
 def _rebuilt_rank(*, rank: int, world_size: int, store: Any) -> dict[str, Any]:
-    import torch
     import torch.distributed as dist
+    from optimizers import stepped_state
+    from voting_memory import VotingMemory
 
     from megatron_deadpool.replication.placement import Layout, place_replicas
     from megatron_deadpool.replication.replicator import Replicator
     from megatron_deadpool.replication.snapshot import Snapshotter
 
-    class Memory:  # records the vote's inputs; host memory on the CPU
-        segments = None  # no segment files (`replication/segments.py`)
-
-        def __init__(self) -> None:
-            self.asked: list[dict[str, Any]] = []
-
-        def local_choice(self, need: int, *, previous: Any = None, reusable: int = 0) -> str:
-            self.asked.append({"previous": previous, "reusable": reusable})
-            return "host"
-
-        def torch_device(self, choice: str) -> torch.device:
-            return torch.device("cpu")
-
-        def pinned(self, choice: str) -> bool:
-            return False
-
     layout = Layout(tp=1, pp=1, dp=world_size, ranks_per_node=1)
     placement = place_replicas(layout, 1)
     group = dist.new_group(backend="gloo", timeout=PG_TIMEOUT)
-    memory = Memory()
-    state = _state(seed=rank)
+    memory = VotingMemory("host")  # records the vote's inputs
+    state = stepped_state(seed=rank)
     first = Replicator(Snapshotter(state, rank), placement, rank, group, memory)  # type: ignore[arg-type]
     first.start_round(1)
     first.finish_round()

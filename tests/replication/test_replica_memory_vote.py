@@ -7,7 +7,6 @@ import datetime
 from typing import Any
 
 import pytest
-import torch
 from mp import run_world
 
 PG_TIMEOUT = datetime.timedelta(seconds=60)
@@ -49,46 +48,32 @@ def test_a_newcomer_adopts_what_the_survivors_hold() -> None:
     assert Tally.of("host", False, short=True).short == 1
 
 
-def _newcomer_rank(*, rank: int, world_size: int, store: Any) -> dict[str, Any]:
+def _replicator(rank: int, world_size: int, memory: Any, previous: Any = None) -> Any:
+    """A replicator of rank `rank`'s `stepped_state`, one replica per rank of a world of
+    one-rank nodes, its memory `memory`."""
     import torch.distributed as dist
-    from optimizers import Scheduler, Wrapped, make_optimizer, set_grads
+    from optimizers import stepped_state
 
     from megatron_deadpool.replication.placement import Layout, place_replicas
     from megatron_deadpool.replication.replicator import Replicator
-    from megatron_deadpool.replication.snapshot import RankState, Snapshotter
+    from megatron_deadpool.replication.snapshot import Snapshotter
 
-    class Memory:
-        """`ReplicaMemory` as a rank reading `free` GPU bytes would answer; host buffers (the
-        CPU has no GPU memory, the vote is what is tested)."""
-
-        segments = None
-
-        def __init__(self, fresh_vote: str) -> None:
-            self.fresh_vote = fresh_vote
-
-        def local_choice(self, need: int, *, previous: Any = None, reusable: int = 0) -> str:
-            return previous if previous is not None else self.fresh_vote
-
-        def torch_device(self, choice: str) -> torch.device:
-            return torch.device("cpu")
-
-        def pinned(self, choice: str) -> bool:
-            return False
-
-    params, adam = make_optimizer("torch-adam", seed=rank)
-    set_grads(params, 0)
-    adam.step()
-    state = RankState(Wrapped(adam), Scheduler())
     placement = place_replicas(Layout(tp=1, pp=1, dp=world_size, ranks_per_node=1), 1)
     group = dist.new_group(backend="gloo", timeout=PG_TIMEOUT)
-    first = Replicator(Snapshotter(state, rank), placement, rank, group, Memory("gpu"))  # type: ignore[arg-type]
+    return Replicator(Snapshotter(stepped_state(seed=rank), rank), placement, rank, group,
+                      memory, previous=previous)  # fmt: skip
+
+
+def _newcomer_rank(*, rank: int, world_size: int, store: Any) -> dict[str, Any]:
+    from voting_memory import VotingMemory
+
+    first = _replicator(rank, world_size, VotingMemory("gpu"))
     # A recovery: rank 0 survives with its buffers; rank 1's place goes to a newcomer, which
     # reads little free memory (it votes host).
     previous = first if rank == 0 else None
     if rank == 1:
         first.retire()
-    second = Replicator(Snapshotter(state, rank), placement, rank, group, Memory("host"),  # type: ignore[arg-type]
-                        previous=previous)  # fmt: skip
+    second = _replicator(rank, world_size, VotingMemory("host"), previous=previous)
     return {"first": first.choice, "second": second.choice}
 
 
@@ -99,38 +84,14 @@ def test_a_newcomers_host_vote_does_not_move_the_run() -> None:
 
 
 def _short_rank(*, rank: int, world_size: int, store: Any) -> dict[str, Any]:
-    import torch.distributed as dist
-    from optimizers import Scheduler, Wrapped, make_optimizer, set_grads
+    from voting_memory import VotingMemory
 
     from megatron_deadpool.devices.memory import ReplicaMemoryError
-    from megatron_deadpool.replication.placement import Layout, place_replicas
-    from megatron_deadpool.replication.replicator import Replicator
-    from megatron_deadpool.replication.snapshot import RankState, Snapshotter
 
-    class Short:
-        """Rank 1 finds neither GPU replicas nor host replicas' staging buffer fit."""
-
-        segments = None
-
-        def local_choice(self, need: int, *, previous: Any = None, reusable: int = 0) -> str:
-            if rank == 1:
-                raise ReplicaMemoryError("rank 1: neither fits (test)")
-            return "gpu"
-
-        def torch_device(self, choice: str) -> torch.device:
-            return torch.device("cpu")
-
-        def pinned(self, choice: str) -> bool:
-            return False
-
-    params, adam = make_optimizer("torch-adam", seed=rank)
-    set_grads(params, 0)
-    adam.step()
-    state = RankState(Wrapped(adam), Scheduler())
-    placement = place_replicas(Layout(tp=1, pp=1, dp=world_size, ranks_per_node=1), 1)
-    group = dist.new_group(backend="gloo", timeout=PG_TIMEOUT)
+    # Rank 1 finds neither GPU replicas nor host replicas' staging buffer fit.
+    short = ReplicaMemoryError("rank 1: neither fits (test)") if rank == 1 else "gpu"
     try:
-        Replicator(Snapshotter(state, rank), placement, rank, group, Short())  # type: ignore[arg-type]
+        _replicator(rank, world_size, VotingMemory(short))
     except ReplicaMemoryError as exc:
         return {"refused": str(exc)}
     return {"refused": None}

@@ -31,23 +31,20 @@ def _replicator(
     rank: int, world_size: int, replicas: int, seed: int, previous: Any = None, segments: Any = None
 ):
     import torch.distributed as dist
-    from optimizers import Scheduler, Wrapped, make_optimizer, set_grads
+    from optimizers import stepped_state
 
     from megatron_deadpool.devices.base import Device
     from megatron_deadpool.devices.memory import ReplicaMemory
     from megatron_deadpool.replication.placement import Layout, place_replicas
     from megatron_deadpool.replication.replicator import Replicator
-    from megatron_deadpool.replication.snapshot import RankState, Snapshotter
+    from megatron_deadpool.replication.snapshot import Snapshotter
 
-    params, opt = make_optimizer("torch-adam", seed=seed)
-    set_grads(params, 0)
-    opt.step()
-    state = RankState(Wrapped(opt), Scheduler())
+    state = stepped_state(seed)
     layout = Layout(tp=1, pp=1, dp=world_size, ranks_per_node=1)
     group = dist.new_group(backend="gloo", timeout=PG_TIMEOUT)
     memory = ReplicaMemory("cpu", Device("cpu", "gloo"), segments)
     placement = place_replicas(layout, replicas)
-    return Replicator(Snapshotter(state, rank), placement, rank, group, memory, previous), opt
+    return Replicator(Snapshotter(state, rank), placement, rank, group, memory, previous)
 
 
 def _abandon_rank(*, rank: int, world_size: int, store: Any) -> dict[str, Any]:
@@ -57,7 +54,7 @@ def _abandon_rank(*, rank: int, world_size: int, store: Any) -> dict[str, Any]:
     # Only the aborted connections may end the wait on the stopped owner's receive: with this
     # bound, a wait that did not return at once would take 30 s.
     p2p.GLOO_SETTLE_S = 30.0
-    repl, _ = _replicator(rank, world_size, replicas=2, seed=rank)
+    repl = _replicator(rank, world_size, replicas=2, seed=rank)
     repl.start_round(1)
     committed = repl.finish_round()
     if rank == 2:
@@ -111,7 +108,7 @@ def _lost_peer_rank(*, rank: int, world_size: int, store: Any) -> dict[str, Any]
     from megatron_deadpool.devices.abort import abort_groups
     from megatron_deadpool.devices.failures import is_peer_failure
 
-    repl, _ = _replicator(rank, world_size, replicas=1, seed=rank)
+    repl = _replicator(rank, world_size, replicas=1, seed=rank)
     repl.start_round(1)
     committed = repl.finish_round()
     if rank == 1:
@@ -148,11 +145,11 @@ def test_a_peer_seen_lost_as_a_round_is_posted_fails_the_round_where_it_is_waite
 
 
 def _reuse_rank(*, rank: int, world_size: int, store: Any) -> dict[str, Any]:
-    first, _ = _replicator(rank, world_size, replicas=1, seed=rank)
+    first = _replicator(rank, world_size, replicas=1, seed=rank)
     first.start_round(1)
     first.finish_round()
     before = {b.data_ptr() for pair in (first.local, *first.held.values()) for b in pair.buffers}
-    second, _ = _replicator(rank, world_size, replicas=1, seed=rank, previous=first)
+    second = _replicator(rank, world_size, replicas=1, seed=rank, previous=first)
     after = {b.data_ptr() for pair in (second.local, *second.held.values()) for b in pair.buffers}
     second.start_round(2)
     return {
@@ -179,11 +176,11 @@ def _segments_rank(*, rank: int, world_size: int, store: Any) -> dict[str, Any]:
 
     where = Path(tempfile.mkdtemp(prefix="deadpool-segments-test-"))
     try:
-        first, _ = _replicator(rank, world_size, replicas=1, seed=rank, segments=where)
+        first = _replicator(rank, world_size, replicas=1, seed=rank, segments=where)
         first.start_round(1)
         first.finish_round()
         before = {p: b.data_ptr() for p, b in first.files.items()}
-        second, _ = _replicator(rank, world_size, 1, rank, previous=first, segments=where)
+        second = _replicator(rank, world_size, 1, rank, previous=first, segments=where)
         second.start_round(2)
         second.finish_round()
         after = {p: b.data_ptr() for p, b in second.files.items()}

@@ -43,7 +43,7 @@ from typing import Any
 from ...config.numbers import number_arg
 from ...errors import ConfigError
 from .. import plots
-from ..overhead import base_job
+from ..job_options import CONFIG_HELP, add_run_limit, base_job
 from ..report import job_shape, write_json
 from .paper_matrix import MODE_KEYS, failure_free, matrix_jobs
 from .paper_recovery import loss_data, recovery_part
@@ -55,7 +55,7 @@ DEFAULT = {"iters": 26, "interval": 5, "repeats": 6, "recovery_repeats": 6}
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", help="YAML job config (default: configs/cpu-demo.yaml)")
+    parser.add_argument("--config", help=CONFIG_HELP)
     parser.add_argument(
         "--quick",
         action="store_true",
@@ -93,13 +93,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="interpreter with nvidia-resiliency-ext for nvrx_local_1 (default: this one if "
         "it has the package, else $DEADPOOL_NVRX_PYTHON)",
     )
-    parser.add_argument(
-        "--timeout",
-        type=number_arg(above=0, unit="seconds"),
-        default=600.0,
-        help="limit of one run in s",
-    )
-    parser.add_argument("--keep", action="store_true", help="keep run logs and checkpoints")
+    add_run_limit(parser, timeout=600.0)
 
 
 def settings(args: argparse.Namespace) -> dict[str, Any]:

@@ -35,77 +35,31 @@ CASES: dict[str, list[str]] = {
     # Rank 1 holds replicas of ranks 0 and 2 (k=2); rank 0 dies and every copy rank 1 holds
     # rots just before agreement: checksums must catch it and rank 2's copy be used instead.
     "flip_fallback": [
-        "--tp",
-        "1",
-        "--dp",
-        "3",
-        "--deadpool-replicas",
-        "2",
-        "--spares",
-        "1",
-        "--fail",
-        "0@4",
-        "--fail",
-        "1@recovery:flip",
+        "--tp", "1", "--dp", "3", "--deadpool-replicas", "2", "--spares", "1", "--fail", "0@4",
+        "--fail", "1@recovery:flip",
     ],
     # k=1: rank 0 holds the only copy of rank 2's shard; rank 2 dies and that copy rots.
     # (flipped as recovery starts: an earlier flip can miss the in-flight round's copy, which
     # then arrives intact and is rightly used)
     "flip_lost": [
-        "--tp",
-        "2",
-        "--dp",
-        "2",
-        "--spares",
-        "1",
-        "--fail",
-        "2@4",
-        "--fail",
-        "0@recovery:flip",
+        "--tp", "2", "--dp", "2", "--spares", "1", "--fail", "2@4", "--fail", "0@recovery:flip",
     ],
     # A second failure while the first is being recovered.
     "during_recovery": [
-        "--tp",
-        "2",
-        "--dp",
-        "2",
-        "--spares",
-        "2",
-        "--fail",
-        "2@4",
-        "--fail",
-        "1@recovery",
+        "--tp", "2", "--dp", "2", "--spares", "2", "--fail", "2@4", "--fail", "1@recovery",
     ],
     # The spare a recovery picks dies once it built its objects, before it claims the slot:
     # the survivors must not wait for it in a rendezvous (they did, from the spare's pick on,
     # until the claim moved after the build); the coordinator gives the slot up and the next
     # spare takes it.
     "newcomer_lost": [
-        "--tp",
-        "2",
-        "--dp",
-        "2",
-        "--spares",
-        "2",
-        "--fail",
-        "2@4",
-        "--fail",
-        "spare:0@recovery",
+        "--tp", "2", "--dp", "2", "--spares", "2", "--fail", "2@4", "--fail", "spare:0@recovery",
     ],
     # A waiting spare dies; the next failure uses the other one.
     "spare_dies": [
-        "--tp",
-        "2",
-        "--dp",
-        "2",
-        "--spares",
-        "2",
-        "--fail",
-        "spare:0@2",
-        "--fail",
-        "2@4",
+        "--tp", "2", "--dp", "2", "--spares", "2", "--fail", "spare:0@2", "--fail", "2@4",
     ],
-}
+}  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -287,16 +241,12 @@ def test_sigterm_saves_a_checkpoint_and_resumes_exactly(
 ) -> None:
     ckpt, log = tmp_path / "ckpt", tmp_path / "pre.jsonl"
     env = {k: v for k, v in os.environ.items() if k != "PYTHONWARNINGS"}
+    job = ["--tp", "2", "--dp", "2", "--iters", "8"]
     proc = subprocess.Popen(
         [
             *deadpool_command(),
             "train",
-            "--tp",
-            "2",
-            "--dp",
-            "2",
-            "--iters",
-            "8",
+            *job,
             "--save",
             str(ckpt),
             "--json-log",
@@ -323,18 +273,7 @@ def test_sigterm_saves_a_checkpoint_and_resumes_exactly(
     assert summary["preempted"]["saved"] and 3 <= stopped < 8
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == str(stopped)
     resumed = run_deadpool(
-        "train",
-        "--tp",
-        "2",
-        "--dp",
-        "2",
-        "--iters",
-        "8",
-        "--load",
-        str(ckpt),
-        "--json-log",
-        str(tmp_path / "post.jsonl"),
-        timeout=240,
+        "train", *job, "--load", str(ckpt), "--json-log", str(tmp_path / "post.jsonl"), timeout=240
     )
     assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-2000:]
     post = json.loads((tmp_path / "post.jsonl").read_text().splitlines()[-1])
