@@ -101,7 +101,7 @@ class Recovery:
     """Each phase's seconds, as `mark` closes it."""
     released: int = 0
     """How many process-group handles the release swapped (`abort`)."""
-    _release: tuple[list[Any], dict[str, Any], list[list[dist.ProcessGroup]]] | None = field(
+    _release: tuple[list[Any], dict[str, Any] | None, list[list[dist.ProcessGroup]]] | None = field(
         default=None, repr=False
     )
     _marked: float | None = field(default=None, repr=False)
@@ -113,16 +113,15 @@ class Recovery:
         under `roots` and in `groups` is released (`rebind.release`) while the coordinator
         decides (`agree`), or at once by `release`."""
         replicator = self.replicator if isinstance(self.replicator, Replicator) else None
-        held = abort_keeping_arrivals(replicator)
-        if groups is not None:
-            self._release = (roots, groups, held)
+        # The boxed groups live as long as this recovery when nothing is released.
+        self._release = (roots, groups, abort_keeping_arrivals(replicator))
 
     def release(self) -> None:
         """Release the handles `abort` was given (once; nothing when groups are repaired).
         `groups` is emptied so that reference counting frees them here (a group still
         referenced from a frame costs a full garbage collection, ~0.5-2 s on Megatron's heap,
         and is not freed even then)."""
-        if self._release is not None:
+        if self._release is not None and self._release[1] is not None:
             roots, groups, held = self._release
             self._release = None
             self.released = rebind.release(roots, groups, held)
