@@ -3,10 +3,11 @@
 Survivors keep their Python objects for the whole run; a spare builds its own when it is
 assigned a slot. The training loop is Megatron's (`gpt.train_step`: forward/backward through
 `get_forward_backward_func`, the distributed optimizer's step, the LR scheduler); around each
-step the driver (`hotswap.worker.driver`) fires injected faults and replicates, and on a peer failure
-recovers in place. What is particular to this job is here: the `JobAdapter` answers (its
-objects; a newcomer builds them in its private world before it takes its slot), persistent
-checkpoints, preemption, and the per-iteration records the launcher renders.
+step the driver (`hotswap.worker.driver`: `Driver.step`) fires injected faults and replicates,
+and on a peer failure recovers in place (`Driver.train`); its start-up is the driver's
+(`Driver.start`: connect, wait or join, a newcomer's private build). What is particular to this
+job is here: the `JobAdapter` answers (its objects; its groups), persistent checkpoints,
+preemption, and the per-iteration records the launcher renders.
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ from ..errors import (
     ExitCode,
     OutOfRedundancyError,
 )
-from ..hotswap.protocol.messages import IterationRecord, Roster
+from ..hotswap.protocol.messages import IterationRecord
+from ..hotswap.worker.adapter import JobAdapter
 from ..hotswap.worker.driver import Driver
 from ..hotswap.worker.weights import sync_params_from_main
 from ..replication import save_dir, snapshot_set
@@ -50,7 +52,7 @@ def save_checkpoint(job: EmbeddedJob, iteration: int) -> Path:
     return checkpoint.save(job.objs, iteration, job.spec.train.save)
 
 
-class EmbeddedJob:
+class EmbeddedJob(JobAdapter):
     """One process of the embedded job (an active rank, or a spare waiting for a slot)."""
 
     def __init__(
@@ -107,14 +109,10 @@ class EmbeddedJob:
             expert_tensor_parallel_size=p.etp,
         )
 
-    def after_rejoin(self, roster: Roster) -> None:
-        pass  # the RNG states come back with the snapshot (`after_restore`'s iteration)
-
-    def after_restore(self, iteration: int, *, newcomer: bool) -> None:
-        pass  # the data of iteration t is a function of t (`data.iteration_batches`)
-
-    def recovery_report(self) -> dict[str, Any]:
-        return {}
+    def build(self) -> None:
+        """The model and optimizer; RNG states come back with a restored snapshot, and the data
+        of iteration t is a function of t (`data.iteration_batches`): nothing else to restore."""
+        self._objs = gpt.build(self.spec)
 
     def salvage_target(self, iteration: int) -> tuple[str | None, dict[str, Any] | None]:
         return self.spec.train.save, None
@@ -140,33 +138,15 @@ class EmbeddedJob:
         return ExitCode.NO_COORDINATOR
 
     def _run(self) -> ExitCode:
-        d = self.driver
+        d, load = self.driver, self.spec.train.load
         # Slurm's time limit and preemption send SIGTERM: finish the iteration, agree on it
         # with every rank, save (with --save), and exit cleanly.
         d.catch_sigterm()
-        d.connect(self.spec.parallel.world_size)
-        roster = d.wait_for_slot()
+        roster = d.start(self, self.spec.parallel.world_size)
         if roster is None:
             return ExitCode.OK
-        newcomer = roster.generation > 0  # a spare taking a dead rank's slot
-        if newcomer:
-            d.build_privately(init_model_parallel=self.init_model_parallel)
-        else:
-            d.join(roster, self.init_model_parallel)
-        self._objs = gpt.build(self.spec)
-        d.bind(self)
-        start = 1
-        if not newcomer and self.spec.train.load:
-            start = self._load(self.spec.train.load) + 1
-
-        def attempt(restored: int | None) -> None:
-            nonlocal newcomer
-            if newcomer:  # a failure from here on is recovered like a survivor's
-                newcomer = False
-                restored = d.take_slot()
-            self._train_to_end(start if restored is None else restored + 1)
-
-        d.recovering(attempt)
+        start = self._load(load) + 1 if load and roster.generation == 0 else 1
+        d.train(lambda restored: self._train_to_end(start if restored is None else restored + 1))
         d.training_over()
         self._finish()
         return ExitCode.OK
@@ -180,37 +160,31 @@ class EmbeddedJob:
         d, spec = self.driver, self.spec
         it = start - 1
         for it in range(start, spec.train.iters + 1):
-            d.begin_step(it)
-            t0 = time.perf_counter()
-            repl = d.replicator
-            if repl is not None:
-                repl.before_step()
-            step = gpt.train_step(
-                spec, self.objs, it, self._stop_vote(), repl.settle if repl else None
-            )
-            compute_s = time.perf_counter() - t0
-            committed = d.replicate(it, step.replicas_ok) if spec.deadpool.enabled else None
-            self._report(it, step, time.perf_counter() - t0, compute_s, committed)
-            d.step_completed(it)
-            interval = spec.train.save_interval
-            unsaved = ""
-            if (interval and it % interval == 0) or (step.stop and spec.train.save):
-                unsaved = self._save(it, go_on=not step.stop)
-            if step.stop:
-                self.preempted_at = it
-                saved = " (checkpoint saved)" if spec.train.save else ""
-                said = f"preempted: stopping after iteration {it}" + (
-                    f"; {unsaved}" if unsaved else saved
-                )
-                self.preempt_unsaved = said if unsaved else ""
-                log.warning("%s", said)
+            with d.step(it, carries_verdict=True) as s:
+                step = gpt.train_step(spec, self.objs, it, d.stop_requested(), s.settle)
+                s.verdict = step.replicas_ok
+                compute_s = time.perf_counter() - s.started
+            self._report(it, step, time.perf_counter() - s.started, compute_s, s.committed)
+            if self._after_step(it, stop=step.stop):
                 break
         return it
 
-    def _stop_vote(self) -> bool:
-        """This rank votes to stop: it got SIGTERM, or (rank 0) the launcher asked."""
-        d = self.driver
-        return d.sigterm.is_set() or (d.rank == 0 and d.membership.preempt_requested())
+    def _after_step(self, it: int, *, stop: bool) -> bool:
+        """After iteration `it`: a periodic checkpoint, or (`stop`: every rank voted to stop,
+        a preemption) the last one; True when training stops here."""
+        train = self.spec.train
+        unsaved = ""
+        if (train.save_interval and it % train.save_interval == 0) or (stop and train.save):
+            unsaved = self._save(it, go_on=not stop)
+        if stop:
+            self.preempted_at = it
+            saved = " (checkpoint saved)" if train.save else ""
+            said = f"preempted: stopping after iteration {it}" + (
+                f"; {unsaved}" if unsaved else saved
+            )
+            self.preempt_unsaved = said if unsaved else ""
+            log.warning("%s", said)
+        return stop
 
     def _report(
         self,
@@ -232,7 +206,7 @@ class EmbeddedJob:
         if d.rank != 0:
             return
         repl = d.replicator
-        d.membership.publish_metrics(
+        d.report_iteration(
             IterationRecord(
                 iteration=it,
                 time=time.time(),
@@ -251,13 +225,9 @@ class EmbeddedJob:
     def _finish(self) -> None:
         """Training is complete: the final reports, then leave the groups together. A peer
         lost now costs no recovery: what it held survives in its holders' memory."""
-        d = self.driver
-        if d.rank == 0:
-            if d.replicator is not None:
-                d.membership.publish_final_replication(d.committed)
-            if self.preempted_at is not None:
-                saved = bool(self.spec.train.save) and not self.preempt_unsaved
-                d.membership.publish_preempted(self.preempted_at, saved, self.preempt_unsaved)
+        d, at = self.driver, self.preempted_at
+        saved = bool(self.spec.train.save) and not self.preempt_unsaved
+        d.report_end(None if at is None else (at, saved, self.preempt_unsaved))
         self.on_finish()
         try:
             dist.barrier()
@@ -290,8 +260,7 @@ class EmbeddedJob:
             )
             line = f"{exc}; training goes on ({kept})"
             log.warning("%s", line)
-            if self.driver.rank == 0:
-                self.driver.membership.publish_checkpoint_failure(iteration, line)
+            self.driver.report_checkpoint_failure(iteration, line)
             return line
         log.info("saved checkpoint %s in %.2fs", path, time.perf_counter() - t0)
         return ""
@@ -318,6 +287,6 @@ class EmbeddedJob:
             return t
         t0 = time.perf_counter()
         iteration = checkpoint.load(self.objs, root)
-        self.driver.membership.record_load_time(rank, time.perf_counter() - t0)
+        self.driver.report_load_time(time.perf_counter() - t0)
         log.info("loaded checkpoint of iteration %d in %.2fs", iteration, time.perf_counter() - t0)
         return iteration

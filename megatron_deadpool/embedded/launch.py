@@ -29,7 +29,7 @@ from ..errors import ConfigError, ExitCode
 from ..hotswap.launch.forkserver import Preload
 from ..hotswap.launch.local_agents import LocalAgents
 from ..hotswap.launch.local_job import LocalJob
-from ..hotswap.launch.supervisor import Supervisor
+from ..hotswap.launch.monitor import Monitor
 from ..hotswap.protocol.messages import OutOfRedundancy
 from ..hotswap.protocol.seal import SECRET_ENV, SECRET_FILE_ENV, job_secret, new_secret
 from ..hotswap.report.metrics_file import MetricsFile, watch_events
@@ -111,8 +111,9 @@ class LocalLauncher:
         self.token = job_secret(job.deadpool.job_token) or new_secret()
         self._local: LocalJob | None = None
         self._metrics: MetricsFile | None = None  # --deadpool-metrics-file
-        self._unsaved: dict[int, str] = {}
-        """The periodic checkpoints that could not be written, each one's line (shown once)."""
+        train = job.train
+        self.monitor = Monitor(self.progress.event, bool(train.save and train.save_interval))
+        """The supervision loop, and the periodic checkpoints not written (each said once)."""
 
     @property
     def local(self) -> LocalJob:
@@ -253,7 +254,7 @@ class LocalLauncher:
             if self._metrics is not None:
                 self._metrics.on_record(log.records[-1])
             self.progress.iteration(log.records[-1], deadpool)
-            self._show_unsaved()
+            self.monitor.show_unsaved(membership)
             return True
 
         def failed(members: dict[str, int]) -> int:
@@ -264,7 +265,7 @@ class LocalLauncher:
             return ExitCode.FAILED
 
         def finished() -> int:
-            self._show_unsaved()
+            self.monitor.show_unsaved(membership)
             preempted = membership.preempted()
             if preempted is not None:
                 if preempted.unsaved:
@@ -279,17 +280,16 @@ class LocalLauncher:
                 " and saves a checkpoint" if self.job.train.save else ""
             )
 
-        return Supervisor(
+        return self.monitor.run(
             local,
-            limit_s=self.timeout_s - (time.monotonic() - t_start),
-            say=self.progress.event,
+            deadline=t_start + self.timeout_s,
             finished=finished,
             on_failed=failed,
             on_job_error=lambda verdict: local.job_error(verdict, self.progress.event),
             on_tick=show_progress,
             interval_s=0.02,
             preempt=preempt,
-        ).run()
+        )
 
     def _say_salvage(self, oor: OutOfRedundancy) -> None:
         """Out of redundancy: what the survivors saved and how to resume (RUN_DIR/resume.yaml:
@@ -303,17 +303,6 @@ class LocalLauncher:
             resume.write_text(yaml.safe_dump(spec.to_dict(), sort_keys=False))
         for line in salvage_lines(oor, save, f"deadpool train --config {resume}"):
             self.progress.header(line)
-
-    def _show_unsaved(self) -> None:
-        """Say each periodic checkpoint that could not be written, once (rank 0 publishes it
-        before the next iteration's record)."""
-        if not (self.job.train.save and self.job.train.save_interval):
-            return
-        failures = self.local.membership.checkpoint_failures()
-        for iteration, line in sorted(failures.lines.items()) if failures else ():
-            if iteration not in self._unsaved:
-                self._unsaved[iteration] = line
-                self.progress.event(line)
 
     def _first_iteration(self) -> int:
         """1, or the iteration after the checkpoint `--load` resumes from."""
@@ -361,7 +350,9 @@ class LocalLauncher:
             "job_error": coord.job_error.to_dict() if coord.job_error else None,
             "lost_after_training": ended.to_dict() if ended else None,
             "preempted": asdict(preempted) if preempted else None,
-            "checkpoints_not_saved": {str(t): line for t, line in sorted(self._unsaved.items())},
+            "checkpoints_not_saved": {
+                str(t): line for t, line in sorted(self.monitor.unsaved.items())
+            },
             "wall_s": wall_s,
             "median_iter_time_s": (
                 statistics.median(r["iter_time_s"] for r in records) if records else None

@@ -42,7 +42,7 @@ from ..errors import ConfigError, ExitCode
 from ..hotswap.launch.forkserver import Preload
 from ..hotswap.launch.local_agents import LocalAgents
 from ..hotswap.launch.local_job import LocalJob
-from ..hotswap.launch.supervisor import Supervisor
+from ..hotswap.launch.monitor import Monitor
 from ..hotswap.protocol.messages import JobError, OutOfRedundancy, task_of
 from ..hotswap.protocol.seal import SECRET_ENV, SECRET_FILE_ENV, job_secret, new_secret
 from ..hotswap.report.metrics_file import MetricsFile, watch_events
@@ -182,8 +182,9 @@ class MegatronLauncher:
         self.ended = False  # every active rank finished its work (`LocalJob.finished`)
         self.ended_following = False  # the agents' logs read to their end (`_follow_logs`)
         self.metrics: MetricsFile | None = None  # --deadpool-metrics-file
-        self.unsaved: dict[int, str] = {}  # Megatron's checkpoints not saved, each one's line
-        self._next_look = 0.0  # when `_show_unsaved` next reads the store
+        # The supervision loop, and Megatron's checkpoints not saved (each said once).
+        self.monitor = Monitor(lambda text: self._print(f"[deadpool] {text}"), self.cfg.enabled)
+        self._next_look = 0.0  # when the monitor next reads the store for checkpoints not saved
 
     @property
     def local(self) -> LocalJob:
@@ -269,7 +270,7 @@ class MegatronLauncher:
                 self._say_salvage(oor)
         finally:
             with contextlib.suppress(RuntimeError, OSError, ValueError):  # the store is gone
-                self._show_unsaved()
+                self.monitor.show_unsaved(local.membership)
             local.close(grace_s=10 if self.ended else 0)
             self.ended_following = True
             if "agents" in self.threads:
@@ -342,23 +343,22 @@ class MegatronLauncher:
         def look_for_unsaved() -> bool:
             if time.monotonic() >= self._next_look:
                 self._next_look = time.monotonic() + 0.5
-                self._show_unsaved()
+                self.monitor.show_unsaved(local.membership)
                 if self.metrics is not None:  # Megatron's ranks publish no iteration record
                     done = local.membership.progress()
                     if done and done != self.metrics.gauges.iteration:
                         self.metrics.update(iteration=done)
             return False
 
-        return Supervisor(
+        return self.monitor.run(
             local,
-            limit_s=self.timeout_s - (time.monotonic() - t0),
-            say=lambda text: self._print(f"[deadpool] {text}"),
+            deadline=t0 + self.timeout_s,
             finished=finished,
             on_failed=failed,
             on_job_error=job_error,
             on_tick=look_for_unsaved,
             checks=[config_error],
-        ).run()
+        )
 
     def _flush(self, member: str) -> None:
         """Wait (a little) until `member`'s output was forwarded."""
@@ -387,17 +387,6 @@ class MegatronLauncher:
         for line in salvage_lines(oor, save, command):
             self._print(f"[deadpool] {line}")
 
-    def _show_unsaved(self) -> None:
-        """Print each of Megatron's checkpoints that could not be written, once (rank 0
-        publishes its line: `megatron_lm/save.py`)."""
-        if not self.cfg.enabled:
-            return
-        failures = self.local.membership.checkpoint_failures()
-        for iteration, line in sorted(failures.lines.items()) if failures else ():
-            if iteration not in self.unsaved:
-                self.unsaved[iteration] = line
-                self._print(f"[deadpool] {line}")
-
     def _write_summary(self, rc: int, wall_s: float) -> None:
         local = self.local
         coord = local.coordinator if self.cfg.enabled else None
@@ -415,7 +404,9 @@ class MegatronLauncher:
             "out_of_redundancy": oor.to_dict() if oor else None,
             "job_error": job_error.to_dict() if job_error else None,
             "lost_after_training": ended.to_dict() if ended else None,
-            "checkpoints_not_saved": {str(t): line for t, line in sorted(self.unsaved.items())},
+            "checkpoints_not_saved": {
+                str(t): line for t, line in sorted(self.monitor.unsaved.items())
+            },
             "exit_codes": {member: p.poll() for member, p in local.procs.items()},
             # each rank's digest of its final parameters and buffers (`digest.rank_digest`)
             "param_digests": {str(r): d for r, d in local.digests().items()},

@@ -4,16 +4,18 @@ The `MegatronSession` is the Megatron-LM job's adapter to `hotswap.worker.driver
 embedded job's is `embedded.job`), driven by Megatron's own training loop through the hooks in
 `hooks.py`:
 
-- `begin()` (before `pretrain()`): connect to the coordinator, heartbeat, and - for a spare -
-  wait for a slot. A spare that gets one becomes a *newcomer*: it runs Megatron's start-up in a
-  private world (`hotswap/worker/private_world.py`) positioned at the agreed iteration.
-- `train_step(...)` wraps Megatron's `train_step`: after each optimizer step the driver
-  replicates. When a collective fails, survivors recover *inside* the call
-  (`Driver.recovering`: the driver releases every group, agrees on the restore iteration T,
-  joins the next generation, rebinds and restores T), then recompute the steps after T (the
-  data iterator replays their batches) and return the step Megatron asked for. Megatron's loop
-  never notices: survivors never re-run `pretrain()`. A newcomer takes its slot at its first
-  step (`Driver.take_slot`) and restores from the holder of its shard.
+- `begin()` (before `pretrain()`): the driver's start-up (`Driver.start`): connect to the
+  coordinator, heartbeat, and - for a spare - wait for a slot. A spare that gets one becomes a
+  *newcomer*: it runs Megatron's start-up in a private world
+  (`hotswap/worker/private_world.py`) positioned at the agreed iteration. Megatron's own
+  start-up makes the groups (`Driver.init_process_group`, `Driver.groups_made`).
+- `train_step(...)` wraps Megatron's `train_step` in the driver's step (`Driver.step`: after
+  each optimizer step the driver replicates). When a collective fails, survivors recover
+  *inside* the call (`Driver.train`: the driver releases every group, agrees on the restore
+  iteration T, joins the next generation, rebinds and restores T), then recompute the steps
+  after T (the data iterator replays their batches) and return the step Megatron asked for.
+  Megatron's loop never notices: survivors never re-run `pretrain()`. A newcomer takes its
+  slot at its first step (`Driver.train`) and restores from the holder of its shard.
 - Failures seen between steps (in `training_log`, evaluation) are deferred to the next step,
   so that every survivor resumes at the same step; survivors left one step apart by a step's
   partly completed last collective go on at the later one (`survivors.py`).
@@ -30,21 +32,20 @@ launch of the same command with `--load` (`resume.py`), where a full world exist
 from __future__ import annotations
 
 import contextlib
-import datetime
 import logging
 import os
-import time
 import traceback
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 from ..config.deadpool import DeadpoolConfig
-from ..config.faults import check_faults, parse_fault
 from ..devices import active_device
 from ..errors import ConfigError, DeadpoolRuntimeError, LostAfterTrainingError
 from ..hotswap.protocol.messages import Roster
+from ..hotswap.worker.adapter import JobAdapter
 from ..hotswap.worker.driver import Driver
+from ..hotswap.worker.step import Step
 from ..replication.placement import RankOrder
 from ..replication.snapshot import RankState
 from . import report as mreport
@@ -77,7 +78,7 @@ class NewcomerPlan:
     log_state: dict[str, Any] | None = None  # a same-position survivor's training_log sums
 
 
-class MegatronSession:
+class MegatronSession(JobAdapter):
     """DeadPool's state in one Megatron-LM process, and its `JobAdapter` for the driver."""
 
     def __init__(self, cfg: DeadpoolConfig, task: int | None, token: str) -> None:
@@ -102,49 +103,40 @@ class MegatronSession:
         self.reported = 0  # recoveries already printed
         self.total_loss_dict: dict[str, Any] | None = None  # Megatron's training_log sums
         self._log_state_to_load: dict[str, Any] | None = None
+        self._joining_log_state: dict[str, Any] | None = None  # a newcomer's, once restored
         self._held: list[tuple[int, str]] | None = None  # checkpoints not saved, not yet said
         self._behind: int | None = None  # the step whose between-step work this rank skips
         self._do_valid: bool | None = None  # Megatron's args.do_valid while that step skips it
 
     # ------------------------------------------------------------------ start-up
     def begin(self) -> bool:
-        """Connect, heartbeat, wait for a slot; False when this spare was never needed."""
-        d = self._connect()
-        roster = d.wait_for_slot()
-        if roster is None:
-            return False
-        assert d.rank is not None
-        # What Megatron reads: the rank this process fills and the active world (not the tasks).
-        os.environ["RANK"] = str(d.rank)
-        os.environ["WORLD_SIZE"] = str(roster.world_size)
+        """Connect, heartbeat, wait for a slot (`Driver.start`); False when this spare was
+        never needed."""
+        return self._driver().start(self) is not None
+
+    def own_start_up(self) -> bool:
+        return True  # Megatron's `pretrain` makes the groups and objects (`hooks.py`)
+
+    def slot_taken(self, roster: Roster) -> None:
+        """What Megatron reads: the rank this process fills and the active world (not the
+        tasks); a newcomer's plan (`NewcomerPlan`)."""
+        rank = roster.rank_of(self.driver.member)
+        os.environ.update(RANK=str(rank), WORLD_SIZE=str(roster.world_size))
         os.environ.setdefault("LOCAL_RANK", os.environ.get("SLURM_LOCALID", "0"))
         if roster.generation > 0:
-            self.newcomer = self._newcomer_plan(roster)
-            self.joined_late = True
-            d.build_privately(record=self._record_pg_kwargs)
-            log.info(
-                "taking rank %d in generation %d: Megatron start-up in a private world, "
-                "joining at step %d",
-                d.rank,
-                roster.generation,
-                self.newcomer.target,
-            )
-        return True
+            self.newcomer, self.joined_late = self._newcomer_plan(roster), True
+            at = (rank, roster.generation, self.newcomer.target)
+            log.info("taking rank %d in generation %d: Megatron start-up in a private world, "
+                     "joining at step %d", *at)  # fmt: skip
 
     def report_early_error(self, exc: BaseException) -> None:
         """The script raised `exc` before `pretrain()` began this session (core_v0.19.0's
-        `pretrain_gpt.py` parses and validates Megatron's arguments first): an active rank
-        connects, takes its slot of generation 0 and reports `exc` as its start-up error, so
-        that the coordinator ends the job instead of handing the slot to a spare
-        (`hotswap/coordinator/job_error.py`); a spare reports nothing (it held no slot)."""
-        d = self._connect()
-        if d.member.startswith("a"):
-            d.wait_for_slot()  # generation 0's roster names it: at once
-            d.report_error(exc)
-        d.stop_heartbeat()
+        `pretrain_gpt.py` parses and validates Megatron's arguments first): reported as an
+        active rank's start-up error (`Driver.report_early_error`)."""
+        self._driver().report_early_error(exc)
 
-    def _connect(self) -> Driver:
-        """This process's driver, connected to the coordinator and beating."""
+    def _driver(self) -> Driver:
+        """This process's driver (not connected yet)."""
         coordinator = self.cfg.coordinator or os.environ.get("DEADPOOL_COORDINATOR")
         if not coordinator:
             raise ConfigError(
@@ -157,15 +149,12 @@ class MegatronSession:
         self._active = d = Driver(
             self.cfg, active_device(), coordinator=coordinator, token=self.token, task=self.task
         )
-        d.connect()
         return d
 
     def _newcomer_plan(self, roster: Roster) -> NewcomerPlan:
         reports = self._survivor_reports(roster)
         target = resume_step(reports)
-        rank = self.driver.rank
-        assert rank is not None
-        holder = self.driver.membership.sources(roster.generation).holders.get(rank)
+        holder = self.driver.restore_source(roster)
         ahead = peer_ahead(reports, target, () if holder is None else (holder,))
         return NewcomerPlan(
             roster=roster,
@@ -176,16 +165,8 @@ class MegatronSession:
         )
 
     def _survivor_reports(self, roster: Roster) -> dict[int, SurvivorReport]:
-        membership = self.driver.membership
-        plan = membership.plan(roster.generation)
-        needy = set(plan.needy) if plan else set()
-        out = {}
-        for r in range(roster.world_size):
-            if r not in needy:
-                report = membership.holdings(roster.generation, r)
-                if report is not None and "target" in report.job:
-                    out[r] = SurvivorReport.from_dict(report.job)
-        return out
+        reports = self.driver.survivor_reports(roster).items()
+        return {r: SurvivorReport.from_dict(job) for r, job in reports if "target" in job}
 
     @property
     def driver(self) -> Driver:
@@ -201,14 +182,7 @@ class MegatronSession:
                 "--deadpool cannot share Megatron's in-process restart store: turn "
                 "--inprocess-restart off (DeadPool replaces failed ranks itself)"
             )
-        self._record_pg_kwargs(kwargs)
-        real(**{**kwargs, **self.driver.process_group_args()})
-
-    def _record_pg_kwargs(self, kwargs: dict[str, Any]) -> None:
-        """Megatron's backend and timeout, used for every later generation's default group."""
-        self.driver.pg_backend = kwargs.get("backend") or "gloo"
-        self.driver.groups.choose(str(self.driver.pg_backend))  # repaired in place, or rebuilt
-        self.driver.pg_timeout = kwargs.get("timeout") or datetime.timedelta(minutes=10)
+        self.driver.init_process_group(real, kwargs)
 
     def model_parallel_ready(
         self, real: Any, args: tuple, kwargs: dict[str, Any], margs: Any
@@ -219,19 +193,7 @@ class MegatronSession:
         self._check_megatron_args(margs)
         if getattr(margs, "deadpool_job_token", None):  # Megatron saves its args in checkpoints
             margs.deadpool_job_token = "<redacted>"
-        d = self.driver
-        d.device = active_device()
-        layout = d.place_replicas(order=rank_order(margs))
-        check_faults(
-            [parse_fault(spec) for spec in self.cfg.fail],
-            layout.world_size,
-            layout.ranks_per_node,
-            margs.train_iters or 0,
-        )
-        if not d.building_privately():  # a newcomer's groups are made when it joins
-            d.new_replication_group()
-            d.plan_watch.joined(d.generation)  # generation 0's groups: Megatron made them
-            d.groups.created(d.generation)
+        self.driver.groups_made(rank_order(margs), iterations=margs.train_iters or 0)
 
     def init_model_parallel(self) -> None:
         if self.mp_call is None:
@@ -326,6 +288,8 @@ class MegatronSession:
         logging trackers emptied (`trackers.py`)."""
         from megatron.core.rerun_state_machine import RerunState, get_rerun_state_machine
 
+        if newcomer:  # its slot taken (`Driver.take_slot`): a peer's log sums
+            self._log_state_to_load, self._joining_log_state = self._joining_log_state, None
         rsm = get_rerun_state_machine()
         rsm.state = RerunState.NOT_RUNNING_YET
         rsm.current_iteration = iteration
@@ -360,50 +324,31 @@ class MegatronSession:
         return get_args().save, ({"megatron": counters} if counters is not None else None)
 
     # ------------------------------------------------------------------ the training step
-    def train_step(
-        self,
-        real: Any,
-        fwd: Any,
-        data_iterator: Any,
-        model: Any,
-        optimizer: Any,
-        scheduler: Any,
-        config: Any,
-        fb_func: Any,
-        iteration: int,
-    ) -> Any:
-        """Megatron's `train_step(iteration)` (step n = iteration + 1) with replication and
-        in-place recovery; returns step n's result."""
+    def train_step(self, real: Any, *args: Any) -> Any:
+        """Megatron's `train_step(*fixed, iteration)` (`args`: `hooks.STEP_ARGS`' values, then
+        the iteration; step n = iteration + 1) with replication and in-place recovery; returns
+        step n's result."""
+        *fixed, iteration = args
         n = iteration + 1
-        d = self.driver
         self._evaluation_back()
         if self._objs is None:
-            self._bind(model, optimizer, scheduler, config, data_iterator, n)
+            self._bind(fixed, n)
         self._note_counters(n)
         pending, self.pending = self.pending, None
         self.target = n  # the step a recovery returns to (reported to the coordinator)
+        self._joining(n)
         running = timers.running(timers.megatron())
-        call = (real, fwd, data_iterator, model, optimizer, scheduler, config, fb_func)
 
         def attempt(restored: int | None) -> Any:
             """Step n, after the steps since the restore iteration (a recovery's recompute)."""
-            if self.newcomer is not None:
-                self._take_slot(n)
-            d.begin_step(n)
-            while self.next_step < n:  # recomputed: never logged
-                self._run(call, self.next_step)
-                clear_logging_trackers()
-            result = self._run(call, n)
-            if n == self.last_step:  # a failure in here is recovered like any other
-                d.finish_training(n)
-            return result
+            with self.driver.step(n, last=n == self.last_step) as step:
+                while self.next_step < n:  # recomputed: never logged
+                    self._run(real, fixed, step, self.next_step)
+                    clear_logging_trackers()
+                return self._run(real, fixed, step, n)
 
-        return d.recovering(
-            attempt,
-            target=n,
-            pending=pending,
-            on_failure=lambda: timers.restore(timers.megatron(), running),
-        )
+        on_failure = lambda: timers.restore(timers.megatron(), running)
+        return self.driver.train(attempt, target=n, pending=pending, on_failure=on_failure)
 
     @property
     def last_step(self) -> int:
@@ -411,13 +356,13 @@ class MegatronSession:
 
         return get_args().train_iters
 
-    def _bind(self, model, optimizer, scheduler, config, data_iterator, n: int) -> None:
+    def _bind(self, fixed: list[Any], n: int) -> None:
+        _, data_iterator, model, optimizer, scheduler, config, _ = fixed
         self._objs = (model, optimizer, scheduler, config)
         self.data_iterator = data_iterator
         self.recorders = install_recorder(data_iterator)
         self.next_step = n
-        self.driver.bind(self)
-        self.driver.check_rebindable()  # e.g. a group some module made outside parallel_state
+        self.driver.bind(self, check=True)  # e.g. a group some module made outside parallel_state
 
     def _note_counters(self, n: int) -> None:
         """Megatron's counters after step n-1 (train() updates them after each step)."""
@@ -440,35 +385,29 @@ class MegatronSession:
         for old in [k for k in self.counters if k < n - 4]:
             del self.counters[old]
 
-    def _run(self, call: tuple, k: int) -> Any:
+    def _run(self, real: Any, fixed: list[Any], step: Step, k: int) -> Any:
         from megatron.training import get_args
 
-        real, fwd, data_iterator, model, optimizer, scheduler, config, fb_func = call
         for rec in self.recorders:
             rec.begin_step(k)
         get_args().curr_iteration = k - 1
-        result = real(
-            fwd, data_iterator, model, optimizer, scheduler, config, fb_func, iteration=k - 1
-        )
-        t0 = time.perf_counter()
-        self.driver.replicate(k)
-        self.repl_seconds = time.perf_counter() - t0
+        result = real(*fixed, iteration=k - 1)
+        step.done(k)
+        self.repl_seconds = step.replication_s
         self.next_step = k + 1
-        self.driver.step_completed(k)
         return result
 
-    def _take_slot(self, n: int) -> None:
-        """First step of a newcomer: take its slot (`Driver.take_slot`) at the step the
-        survivors resume at, and Megatron's log sums from a peer at the same position."""
-        plan = self.newcomer
-        assert plan is not None
-        self.newcomer = None  # a failure from here on is recovered like a survivor's
+    def _joining(self, n: int) -> None:
+        """First step of a newcomer: the step the survivors resume at, where it takes its slot
+        (`Driver.train`); Megatron's log sums then come from a peer at the same position."""
+        plan, self.newcomer = self.newcomer, None
+        if plan is None:
+            return
         if n != plan.target:
             raise DeadpoolRuntimeError(
                 f"newcomer reached step {n}, the survivors resume at step {plan.target}"
             )
-        self.driver.take_slot(target=n)
-        self._log_state_to_load = plan.log_state
+        self._joining_log_state = plan.log_state
 
     # ------------------------------------------------------------------ between steps
     def training_returned(self, iteration: int) -> None:
@@ -477,14 +416,9 @@ class MegatronSession:
         self._evaluation_back()  # the final evaluation is every rank's
         if self._objs is None:
             return
-        if self.driver.completed is None:
-            try:
-                self.driver.finish_training(iteration)
-            except Exception as exc:
-                if not self.driver.is_peer_failure(exc):
-                    raise
-                self.driver.completed = iteration  # no step to recompute outside the loop
-                self.defer(exc, "the last replication round")
+        failed = self.driver.training_ended(iteration)
+        if failed is not None:  # no step to recompute outside the loop
+            self.defer(failed, "the last replication round")
         self.driver.training_over()
 
     def is_peer_failure(self, exc: BaseException) -> bool:
@@ -547,8 +481,7 @@ class MegatronSession:
 
     def _say_not_saved(self, iteration: int, line: str) -> None:
         log.warning("%s", line)
-        if self.driver.rank == 0:
-            self.driver.membership.publish_checkpoint_failure(iteration, line)
+        self.driver.report_checkpoint_failure(iteration, line)
 
     def before_log(self, total_loss_dict: dict[str, Any]) -> None:
         """Before Megatron's `training_log`: keep a handle on its running sums (a train()
@@ -598,7 +531,7 @@ class MegatronSession:
                 scalars["last-recovery-s"] = d.recoveries[-1].total_s
                 for phase, seconds in d.recoveries[-1].phases_s.items():
                     scalars[f"last-recovery-{phase}-s"] = seconds
-            scalars.update(mreport.status_scalars(d.membership.job_status()))
+            scalars.update(mreport.status_scalars(d.job_status()))
             mreport.write_scalars(iteration, scalars)
 
     def finish(self) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 import sys
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 
@@ -117,6 +118,19 @@ def test_every_start_up_bound_option_is_named_when_several_are_given() -> None:
     assert refused_problems(SimpleNamespace(cuda_graph_impl=None)) == []
 
 
+def _driver(rank: int, membership: object) -> Any:
+    """A driver holding `rank`, its store access `membership` (a stand-in for the calls used)."""
+    from stores import TEST_SECRET
+
+    from megatron_deadpool.devices.base import Device
+    from megatron_deadpool.hotswap.worker.driver import Driver
+
+    cfg = DeadpoolConfig(enabled=True)
+    driver = Driver(cfg, Device("cpu", "gloo"), coordinator="-", token=TEST_SECRET, task=rank)
+    driver.rank, driver._membership = rank, membership  # type: ignore[assignment]
+    return driver
+
+
 def test_a_checkpoint_not_saved_says_what_happens_next() -> None:
     """Megatron's save that failed (save.py): rank 0 hands the line to the launcher, ending
     with what follows - training goes on, it is complete, or Megatron's exit check stops it
@@ -124,13 +138,9 @@ def test_a_checkpoint_not_saved_says_what_happens_next() -> None:
     from megatron_deadpool.megatron_lm.session import MegatronSession
 
     published: dict[int, str] = {}
-    driver = SimpleNamespace(
-        completed=None,
-        rank=0,
-        membership=SimpleNamespace(publish_checkpoint_failure=published.__setitem__),
-    )
+    driver = _driver(0, SimpleNamespace(publish_checkpoint_failure=published.__setitem__))
     session = MegatronSession(DeadpoolConfig(enabled=True), 0, "")
-    session._active = driver  # type: ignore[assignment]
+    session._active = driver
     session.checkpoint_not_saved(2, "L2")
     with session.exit_check() as decided:
         session.checkpoint_not_saved(3, "L3")
@@ -176,7 +186,8 @@ def test_survivors_one_step_apart_are_brought_to_the_later_step(
     def session(rank: int, target: int | None) -> MegatronSession:
         s = MegatronSession(DeadpoolConfig(enabled=True), rank, "token")
         placement = SimpleNamespace(holders=((2,), (3,), (0,), (1,)))
-        s._active = SimpleNamespace(membership=membership, placement=placement, rank=rank)
+        s._active = _driver(rank, membership)
+        s._active.placement = placement
         s.target = target
         return s
 

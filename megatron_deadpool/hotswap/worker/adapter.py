@@ -2,7 +2,8 @@
 and what it hands back about each recovery (`RecoveryRecord`).
 
 The embedded GPT job (`embedded.job`) and Megatron-LM's session (`megatron_lm.session`) are the
-two implementations.
+two implementations. Each subclasses `JobAdapter`, which answers for a job that needs nothing
+particular where it can (`after_rejoin`, `after_restore`, `recovery_report`, the start-up).
 """
 
 from __future__ import annotations
@@ -31,19 +32,40 @@ class JobAdapter(Protocol):
         """Create Megatron's groups in the current default group (the call the job made at
         start-up, repeated in every generation)."""
 
+    def salvage_target(self, iteration: int) -> tuple[str | None, dict[str, Any] | None]:
+        """Out of redundancy: the save directory (None: none) and extra manifest fields."""
+
+    # ------------------------------------------------------------------ start-up
+    def own_start_up(self) -> bool:
+        """Whether the job's own start-up creates the default group, Megatron's groups and
+        its objects (Megatron-LM's `pretrain`, through its hooks: `Driver.init_process_group`,
+        `Driver.groups_made`, `Driver.bind` at its first step). False: the driver creates the
+        groups (`init_model_parallel`), then asks for the objects (`build`) and binds them."""
+        return False
+
+    def slot_taken(self, roster: Roster) -> None:
+        """This process holds a slot of `roster` (a newcomer: generation > 0), before any of
+        its groups exists."""
+        return
+
+    def build(self) -> None:
+        """Build the job's objects in the groups the driver created (`own_start_up` False)."""
+        return
+
+    # ------------------------------------------------------------------ recovery
     def after_rejoin(self, roster: Roster) -> None:
         """A survivor joined a new generation and rebound its objects (before the restore)."""
+        return
 
     def after_restore(self, iteration: int, *, newcomer: bool) -> None:
         """This rank holds the state of `iteration` again: reposition what the job keeps
         beside it (data, schedulers, counters); `newcomer`: what its start-up built, not what
         it trained."""
+        return
 
     def recovery_report(self) -> dict[str, Any]:
         """Job fields survivors publish with their holdings (others read them back)."""
-
-    def salvage_target(self, iteration: int) -> tuple[str | None, dict[str, Any] | None]:
-        """Out of redundancy: the save directory (None: none) and extra manifest fields."""
+        return {}
 
 
 @dataclass

@@ -4,74 +4,72 @@ connect -> wait for a slot -> join a generation (a newcomer: build in a private 
 take the slot) -> (train: fire injected faults, replicate after every step) -> on a peer
 failure: release, agree, join the next generation, rebind, restore -> train on -> finish. The
 job - the embedded GPT job (`embedded.job`) or Megatron-LM's training loop
-(`megatron_lm.session`) - owns its training loop and hands it to the driver (`recovering`),
-which catches every peer failure in it, recovers, and lets the job go on from the restore
-iteration; the job plugs its own objects and decisions in through a `JobAdapter`
-(`adapter.py`): which objects hold process-group handles, how Megatron's groups are created,
-what else survivors report and restore. torchft's `Manager` and nvidia-resiliency-ext's
-in-process wrapper are the models: one protocol, thin adapters.
+(`megatron_lm.session`) - plugs its objects and decisions in through a `JobAdapter`
+(`adapter.py`: which objects hold process-group handles, how Megatron's groups are created,
+what else survivors report and restore) and is driven through four entry points:
 
-The communication steps of a recovery live in `recovery.py`, the coordinator's decisions in
-`coordinator.py` (pure planning in `restore_plan.py`), the store's keys in `membership.py`,
-injected faults in `injection.py`.
+- `start(job)`: connect, wait for a slot, a newcomer's build in its private world; the groups
+  and the job's objects, unless the job's own start-up makes them (Megatron-LM's, hooked:
+  `init_process_group`, `groups_made`, `bind`);
+- `train(attempt)`: the job's training loop, a newcomer's slot taken before its first attempt,
+  every peer failure in it caught, recovered from (one `Recovery` per failure, `recovery.py`)
+  and the loop resumed from the restore iteration;
+- `step(n)`: the context of one training step (faults, replication, progress);
+- the end: `finish_training`, `training_over`, `end_failure`, `finish`.
+
+The job reads what it reports through the driver (`stop_requested`, `report_*`,
+`survivor_reports`), never through its store access. torchft's `Manager` and
+nvidia-resiliency-ext's in-process wrapper are the models: one protocol, thin adapters. The
+coordinator's decisions live in `coordinator/` (pure planning in `restore_plan.py`), the
+store's keys in `membership.py`, injected faults in `injection.py`.
 """
 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import datetime
 import logging
 import signal
 import threading
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 import torch.distributed as dist
 
 from ...config.deadpool import DeadpoolConfig, split_coordinators
-from ...devices import Device, nccl
+from ...config.faults import check_faults, parse_fault
+from ...devices import Device, active_device, nccl
 from ...devices.abort import bound_aborts, start_abort
 from ...devices.failures import is_peer_failure
-from ...devices.groups import (
-    host_transfer_group,
-    new_host_group,
-    replication_backend,
-    verdict_ahead,
-)
 from ...devices.health import DeviceWatch
-from ...devices.memory import ReplicaMemory
 from ...digest import rank_digest
-from ...errors import (
-    ConfigError,
-    CoordinatorUnreachableError,
-    DeadpoolRuntimeError,
-    LostAfterTrainingError,
-    OutOfRedundancyError,
-    first_line,
-)
+from ...errors import ConfigError, CoordinatorUnreachableError, DeadpoolRuntimeError, first_line
 from ...logs import set_context
 from ...replication import segments
-from ...replication.placement import Layout, Placement, RankOrder, place_replicas
+from ...replication.placement import Layout, Placement, RankOrder
 from ...replication.replicator import Replicator
 from ...replication.segments import SegmentHoldings
-from ...replication.snapshot import Snapshotter
 from ..protocol.connection import Heartbeat
 from ..protocol.joining import member_name, unnamed
 from ..protocol.membership import Membership
-from ..protocol.messages import ErrorReport, LayoutRecord, Phase, Registration, Roster
+from ..protocol.messages import Phase, Registration, Roster
 from ..protocol.seal import JobSeal
 from ..protocol.wakeup import StoreWaiter, spare_wakeups
 from . import group_repair, orphaned, private_world, rebind
 from .adapter import JobAdapter, RecoveryRecord
+from .error_report import error_report
 from .failover import CoordinatorLink, FailoverStore, host_id
 from .inheritance import Inheritance
 from .injection import FaultInjector
-from .layout_check import check_megatron_groups, megatron_layout
+from .job_channel import JobChannel
 from .newcomer_claim import claim
 from .plan_watch import PlanWatch
-from .recovery import Recovery, abort_keeping_arrivals, release_groups
+from .recovery import Recovery
+from .replicas import Replicas
+from .step import Step
 from .weights import forget_cached_collectives, sync_params_from_main
 
 log = logging.getLogger("megatron_deadpool.driver")
@@ -84,22 +82,8 @@ REPLICATION = "DEADPOOL_REPLICATION"
 HOST_REPLICATION = "DEADPOOL_HOST_REPLICATION"
 """The same for the data-parallel peers' gloo group of replicas in host memory (CUDA)."""
 
-NOT_THE_JOBS_ERRORS = (
-    ConfigError,  # bad input: exit code 2, its own one line
-    OutOfRedundancyError,
-    LostAfterTrainingError,
-    CoordinatorUnreachableError,
-    dist.DistStoreError,  # the coordinator's store, not the job
-    dist.DistNetworkError,
-)
-"""Errors a process ends with that are no error of the job's (`Driver.report_error`): bad
-input, which has its own exit code, DeadPool's own verdicts and a lost coordinator."""
 
-TRACEBACK_LINES = 12
-"""How many of its traceback's last lines an error report carries (each cut at 240 characters)."""
-
-
-class Driver:
+class Driver(JobChannel, Replicas):
     """One process of a DeadPool job: its place in the job, replication and recovery."""
 
     def __init__(
@@ -145,6 +129,7 @@ class Driver:
         self._device_watch: DeviceWatch | None = None  # CUDA: this GPU still completes work
         self.recovering_now = False  # between a failed collective and the restore
         self.done = False  # finished its work
+        self._newcomer = False  # a spare given a slot after the start, its slot not yet taken
         self._job: JobAdapter | None = None
         self._roster: Roster | None = None
         self._membership: Membership | None = None
@@ -262,20 +247,11 @@ class Driver:
         cannot be delivered is only logged (the exit is seen all the same)."""
         if self._membership is None or self.is_peer_failure(exc):
             return
-        if isinstance(exc, NOT_THE_JOBS_ERRORS):
-            return
-        lines = "".join(traceback.format_exception(exc)).splitlines()[-TRACEBACK_LINES:]
-        report = ErrorReport(
-            number=1,  # the store's number replaces it
-            member=self.member,
-            rank=self.rank,
-            generation=self.generation if self.rank is not None else -1,
-            phase=self.phase(),
-            error=type(exc).__name__,
-            message=first_line(exc) if str(exc).strip() else "",
-            time=time.time(),
-            tail=tuple(line[:240] for line in lines),
+        report = error_report(
+            exc, member=self.member, rank=self.rank, generation=self.generation, phase=self.phase()
         )
+        if report is None:
+            return
         try:
             self._membership.report_error(report)
         except (RuntimeError, OSError) as failed:  # no store: the exit counts as a failure
@@ -300,6 +276,40 @@ class Driver:
             plan_seen=self._membership.plan_seen if self._membership else 0,
             recovering=self.recovering_now,
         )
+
+    def start(self, job: JobAdapter, world_size: int | None = None) -> Roster | None:
+        """Start-up: `connect` (`world_size`: the job's own), wait for a slot (None: the job
+        ended without needing this spare), tell the job its slot (`slot_taken`); a newcomer
+        then builds in its private world. Unless the job's own start-up makes them
+        (`own_start_up`), the groups are created (joined, or the private world's) and the job's
+        objects built and bound. Returns the roster this process holds its slot in."""
+        self.connect(world_size)
+        roster = self.wait_for_slot()
+        if roster is None:
+            return None
+        job.slot_taken(roster)
+        own = job.own_start_up()
+        self._newcomer = roster.generation > 0
+        if self._newcomer:  # its slot is taken before its first attempt (`train`)
+            record = self._adopt if own else (lambda kwargs: None)
+            self.build_privately(record, None if own else job.init_model_parallel)
+        elif not own:
+            self.join(roster, job.init_model_parallel)
+        if not own:
+            job.build()
+            self.bind(job)
+        return roster
+
+    def report_early_error(self, exc: BaseException) -> None:
+        """The job raised `exc` before its start-up began (`start`): an active member connects,
+        takes its slot of generation 0 (named at once) and reports `exc` as its start-up error,
+        so that the coordinator ends the job instead of handing the slot to a spare; a spare
+        reports nothing (it held no slot)."""
+        self.connect()
+        if self.member.startswith("a"):
+            self.wait_for_slot()
+            self.report_error(exc)
+        self.stop_heartbeat()
 
     def catch_sigterm(self) -> Any:
         """From now on SIGTERM (Slurm's time limit, preemption) sets `self.sigterm` instead of
@@ -351,9 +361,12 @@ class Driver:
         self.rank = roster.rank_of(self.member)
         set_context(rank=self.rank, generation=self.generation)
 
-    def bind(self, job: JobAdapter) -> None:
-        """The job's objects exist: from now on failures are recovered around them."""
+    def bind(self, job: JobAdapter, *, check: bool = False) -> None:
+        """The job's objects exist: from now on failures are recovered around them. `check`:
+        refuse a process group they hold that a recovery could not rebind (`check_rebindable`)."""
         self._job = job
+        if check:
+            self.check_rebindable()
 
     # ------------------------------------------------------------------ generations
     def process_group_args(self) -> dict[str, Any]:
@@ -366,6 +379,37 @@ class Driver:
             "timeout": self.pg_timeout,
             **nccl.init_kwargs(self.pg_backend),  # eager communicators (device_id)
         }
+
+    def init_process_group(self, real: Callable[..., None], kwargs: dict[str, Any]) -> None:
+        """Generation 0's default group, created by the job's own start-up (`own_start_up`:
+        Megatron-LM's `init_process_group`, `real`, with its `kwargs`) on the coordinator's
+        store, with the rank and world size of the roster; its backend and timeout are kept for
+        every later generation's default group."""
+        self._adopt(kwargs)
+        real(**{**kwargs, **self.process_group_args()})
+
+    def _adopt(self, kwargs: dict[str, Any]) -> None:
+        """The job's `init_process_group` arguments: its backend (groups repaired in place, or
+        rebuilt, `group_repair.choose`) and timeout become the driver's."""
+        self.pg_backend = kwargs.get("backend") or "gloo"
+        self.groups.choose(str(self.pg_backend))
+        self.pg_timeout = kwargs.get("timeout") or datetime.timedelta(minutes=10)
+
+    def groups_made(self, order: RankOrder, *, iterations: int) -> Layout:
+        """The job's own start-up created Megatron's groups (`own_start_up`; Megatron-LM's
+        `initialize_model_parallel`, in `order`): the device it selected is this process's,
+        replicas are placed, the injected faults checked against the layout and `iterations`,
+        and - unless a newcomer builds in its private world (its groups are made as it joins) -
+        the replication group created and generation 0 counted joined."""
+        self.device = active_device()
+        layout = self.place_replicas(order=order)
+        faults = [parse_fault(spec) for spec in self.cfg.fail]
+        check_faults(faults, layout.world_size, layout.ranks_per_node, iterations)
+        if not self.building_privately():
+            self.new_replication_group()
+            self.plan_watch.joined(self.generation)  # generation 0's groups: the job made them
+            self.groups.created(self.generation)
+        return layout
 
     def join(
         self, roster: Roster, init_model_parallel: Callable[[], None], *, newcomer: bool = False
@@ -414,12 +458,11 @@ class Driver:
         private_world.leave()
         self.join(roster, self.job.init_model_parallel, newcomer=True)
         self.attach()
-        t_joined = time.time()
         sources = self.membership.sources(roster.generation).holders
         held = self._inherited.take(self._rank(), sources)  # a respawn's own snapshot
-        t_iter = self.restore(roster, needy=held is None, newcomer=True, held=held)
-        self._record(roster, target, t0, {"join": t_joined - t0, "restore": time.time() - t_joined})
-        return t_iter
+        rec = self._recovery(roster, held or self.replicator, needy=held is None, started=t0)
+        rec.mark("join")
+        return self.restore(rec, newcomer=True, target=target)
 
     def _claim(self, roster: Roster) -> Roster:
         """Claim this newcomer's slot, its objects built (`newcomer_claim.claim`); the roster it
@@ -428,47 +471,54 @@ class Driver:
             return roster
         return claim(self.membership, self.faults, self.member, roster, self.wait_for_slot)
 
-    def place_replicas(
-        self, ranks_per_node: int | None = None, order: RankOrder = RankOrder.TP_DP_PP
-    ) -> Layout:
-        """Megatron's groups exist: the first time, work out the layout from them and `order`
-        (Megatron's rank order, which the job's adapter knows), check that it names the groups
-        Megatron made, and place the replicas (rank 0 of generation 0 publishes the layout for
-        the coordinator). Later calls (each generation's `join`) keep the first layout."""
-        if self.layout is None:
-            layout = megatron_layout(ranks_per_node or self.cfg.ranks_per_node, order)
-            check_megatron_groups(layout, dist.get_rank())
-            self.layout = layout
-            if not self.cfg.enabled:
-                return self.layout
-            self.placement = place_replicas(self.layout, self.cfg.replicas)
-            record = self._layout_record()
-            if self.generation == 0 and self.rank == 0 and record is not None:
-                self.membership.publish_layout(record)
-                log.info("replicas placed: %s", self.placement.describe())
-        return self.layout
-
-    def _layout_record(self) -> LayoutRecord | None:
-        """The layout as the coordinator learns it (None before replicas are placed)."""
-        if self.layout is None or self.placement is None:
-            return None
-        return LayoutRecord.of(self.layout, self.cfg.replicas)
-
-    def new_replication_group(self) -> None:
-        """Create this generation's replication group(s) (every rank, after Megatron's
-        groups; `devices.groups`): the world-wide one, and on CUDA, where replicas may live in
-        host memory, the data-parallel peers' gloo group. Then, with
-        ``DEADPOOL_NCCL_INIT=warm``, set up this rank's communicators (`nccl.warm_groups`)."""
-        self._replica_memory()  # refuses 'gpu' without CUDA before any step
-        backend = replication_backend(self.device)
-        self.repl_group = dist.new_group(backend=backend, timeout=self.pg_timeout)
-        self.host_repl_group = None
-        if host_transfer_group(self.device, self.cfg.replica_device):
-            peers = self._layout().peer_group_of[self._rank()]
-            self.host_repl_group = new_host_group(peers, self.pg_timeout)
-        nccl.warm_groups()
-
     # ------------------------------------------------------------------ training steps
+    def train(
+        self,
+        attempt: Callable[[int | None], T],
+        *,
+        target: int | None = None,
+        pending: BaseException | None = None,
+        on_failure: Callable[[], None] = lambda: None,
+    ) -> T:
+        """The job's training (`recovering`); a newcomer first takes its slot (`take_slot`:
+        its first attempt is then handed the restore iteration T, and a failure from there on
+        is recovered like a survivor's)."""
+
+        def first(restored: int | None) -> T:
+            if self._newcomer:
+                self._newcomer = False
+                restored = self.take_slot(target)
+            return attempt(restored)
+
+        return self.recovering(first, target=target, pending=pending, on_failure=on_failure)
+
+    @contextlib.contextmanager
+    def step(self, n: int, *, carries_verdict: bool = False, last: bool = False) -> Iterator[Step]:
+        """Training step n. On entry: stop without the coordinator, fire the faults injected at
+        n (`_begin_step`); with `carries_verdict` (the job's step collective carries the
+        replicas' verdict: `Step.settle`, `Step.verdict`) the optimizer waits for the last
+        capture first (`Replicator.before_step`). On exit without an error (unless the job
+        ended it, `Step.done`): replicate step n (DeadPool on) and record it completed; with
+        `last`, training is finished there (`finish_training`)."""
+        self._begin_step(n)
+        started = time.perf_counter()
+        repl = self.replicator if carries_verdict else None
+        if repl is not None:
+            repl.before_step()
+        step = Step(n, started, repl.settle if repl is not None else None, self._end_step)
+        yield step
+        if n not in step.ended:
+            step.done(n)
+        if last:  # a failure in here is recovered like any other
+            self.finish_training(n)
+
+    def _end_step(self, step: Step, k: int) -> None:
+        t0 = time.perf_counter()
+        if self.cfg.enabled:
+            step.committed = self.replicate(k, step.verdict)
+        step.replication_s = time.perf_counter() - t0
+        self._step_completed(k)
+
     def recovering(
         self,
         attempt: Callable[[int | None], T],
@@ -496,28 +546,14 @@ class Driver:
                 on_failure()
                 failure = exc
 
-    def begin_step(self, n: int) -> None:
+    def _begin_step(self, n: int) -> None:
         """As step n starts: stop without the coordinator; fire the faults injected at n."""
         beat = self._heartbeat
         if beat is not None and beat.lost:
             raise self.coordinator_lost(beat.lost)
         self.faults.at_iteration(self._rank(), n, self._layout().ranks_per_node, self.replicator)
 
-    def replicate(self, n: int, verdict: bool | None = None) -> int | None:
-        """After optimizer step n: end the previous round (committed by `verdict`, every
-        rank's agreement carried by the step; None: agree here) and start round n. Returns the
-        globally committed iteration."""
-        if self.replicator is None:
-            self.replicator = self._make_replicator()
-        if verdict is None:  # no step collective carries it: on CUDA agree before the next step
-            self.replicator.verdict_ahead = verdict_ahead(self.device)
-            self.committed = self.replicator.finish_round()
-        else:
-            self.committed = self.replicator.commit(verdict)
-        self.replicator.start_round(n)
-        return self.committed
-
-    def step_completed(self, n: int) -> None:
+    def _step_completed(self, n: int) -> None:
         """Step n is done on this rank (on CUDA: its work queued, watched until done)."""
         if self.device.kind == "cuda":
             if self._device_watch is None:
@@ -545,7 +581,6 @@ class Driver:
         """Survivor side of a hot swap after `exc`: release every group, agree on the restore
         iteration T with the coordinator, join the next generation, rebind, restore T; returns
         T. `target`: the step the job returns to afterwards (recomputing T+1..target-1)."""
-        t0 = time.time()
         self.plan_watch.recovering()
         self.recovering_now = True
         log.warning("collective failed (%s): entering recovery", first_line(exc))
@@ -557,26 +592,18 @@ class Driver:
         # Rebuilt, the group is handed over in a dict the release empties: no reference may
         # outlive it.
         repairing = self.groups.repairs()
-        extra = {} if repairing else self._hand_over_groups()
-        held = abort_keeping_arrivals(self.replicator)
+        rec = self._recovery(self.roster, self.replicator)
+        rec.abort(self._roots(), None if repairing else self._hand_over_groups())
         self.faults.in_recovery(self._rank(), self.replicator, self.generation + 1)
-        t_released = time.time()
-        released: list[int] = []
-
-        def release() -> None:  # while the coordinator decides, after this rank's report
-            if not repairing:
-                released.append(rebind.release(self._roots(), extra, held))
-
-        steps = self._recovery()
-        roster = steps.agree(
+        rec.mark("abort")
+        roster = rec.agree(  # releases the old groups' handles while the coordinator decides
             self.job.recovery_report(),
             last_completed=self.last_completed,
-            deadline=t0 + self.cfg.heartbeat_timeout + self.cfg.agreement_timeout,
+            deadline=rec.started + self.cfg.heartbeat_timeout + self.cfg.agreement_timeout,
             cause=exc,
             salvage_target=self.job.salvage_target,
-            meanwhile=release,
         )
-        t_agreed = time.time()
+        rec.mark("agree")  # the release of the old groups included
         if repairing:
             self._take(roster)
             self.groups.reconstruct(self.membership, roster, self._rank())
@@ -584,24 +611,10 @@ class Driver:
         else:
             self.join(roster, self.job.init_model_parallel)
             self.attach()
-            log.info("released %d group handles, re-attached the new generation's", released[0])
+            log.info("released %d group handles, re-attached the new generation's", rec.released)
         self.job.after_rejoin(roster)
-        t_joined = time.time()
-        self.restore(roster, needy=steps.needy, newcomer=False)
-        self.recovering_now = False
-        self._record(
-            roster,
-            target,
-            t0,
-            {
-                "abort": t_released - t0,
-                "agree": t_agreed - t_released,  # the release of the old groups included
-                "join": t_joined - t_agreed,
-                "restore": time.time() - t_joined,
-            },
-        )
-        assert roster.restore_iteration is not None
-        return roster.restore_iteration
+        rec.mark("join")
+        return self.restore(rec, newcomer=False, target=target)
 
     def check_rebindable(self) -> None:
         """Once the job's objects exist (`bind`): refuse, in one line, a process group they hold
@@ -631,28 +644,21 @@ class Driver:
         """Release every group handle the job's objects hold (a newcomer's private world)."""
         return rebind.release(self._roots())
 
-    def restore(
-        self,
-        roster: Roster,
-        *,
-        needy: bool,
-        newcomer: bool,
-        held: SegmentHoldings | None = None,
-    ) -> int:
-        """Bring this rank to the restore iteration T; returns T.
+    def restore(self, rec: Recovery, *, newcomer: bool, target: int | None = None) -> int:
+        """Bring this rank to the restore iteration T of the recovery's roster; returns T.
 
         Holders send the needy ranks their shard of T (verified by its checksum on arrival);
         the others roll back to their local snapshot of T. Then weights are re-derived from
         the main params, replication restarts with a round of T (which also re-sends the
         replicas the dead ranks held), and the job repositions itself (`newcomer`: from what a
-        newcomer's start-up built, not from what this process trained).
+        newcomer's start-up built, not from what this process trained). The recovery is
+        recorded (`recoveries`; `target`: the step the job returns to).
         """
-        t_iter = roster.restore_iteration
+        t_iter = rec.roster.restore_iteration
         assert t_iter is not None
         state = self.job.rank_state()
-        steps = Recovery(self.membership, self.member, self.rank, roster, held or self.replicator)
-        from_holder = steps.exchange_shards(
-            state, self.repl_group, needy=needy, host_group=self.host_repl_group
+        from_holder = rec.exchange_shards(
+            state, self.repl_group, needy=rec.needy, host_group=self.host_repl_group
         )
         sync_params_from_main(self.job.model(), state.optimizer)
         forget_cached_collectives(state.optimizer)
@@ -668,28 +674,16 @@ class Driver:
             t_iter,
             "from holder" if from_holder else "from local snapshot",
         )
+        self.recovering_now = False
+        rec.mark("restore")
+        self.recoveries.append(rec.record(target))
         return t_iter
 
-    def _record(
-        self, roster: Roster, target: int | None, t0: float, phases: dict[str, float]
-    ) -> None:
-        t_iter = roster.restore_iteration
-        assert t_iter is not None
-        plan = self.membership.plan(roster.generation)
-        self.recoveries.append(
-            RecoveryRecord(
-                generation=roster.generation,
-                dead=list(plan.dead) if plan else [],
-                restore_iteration=t_iter,
-                recomputed=max(0, (target or t_iter + 1) - 1 - t_iter),
-                total_s=time.time() - t0,
-                phases_s=phases,
-            )
-        )
-
-    def _recovery(self) -> Recovery:
-        """The recovery steps over what this process holds now."""
-        return Recovery(self.membership, self.member, self.rank, self.roster, self.replicator)
+    def _recovery(
+        self, roster: Roster, holds: Replicator | SegmentHoldings | None, **more: Any
+    ) -> Recovery:
+        """One recovery of this process, over what it holds now."""
+        return Recovery(self.membership, self.member, self.rank, roster, holds, **more)
 
     # ------------------------------------------------------------------ the end
     def finish_training(self, n: int) -> None:
@@ -704,6 +698,21 @@ class Driver:
         if self.cfg.enabled:
             self.membership.report_finished(self._rank(), n)
             self.plan_watch.training_completed()
+
+    def training_ended(self, n: int) -> BaseException | None:
+        """The job's loop ended after step n outside any step (Megatron-LM's `train()`
+        returned): `finish_training` unless done. A peer failure in it is returned for the job
+        to defer (`end_failure` then: training counts as completed at n, no step to recompute
+        outside the loop)."""
+        if self.completed is None:
+            try:
+                self.finish_training(n)
+            except Exception as exc:
+                if not self.is_peer_failure(exc):
+                    raise
+                self.completed = n
+                return exc
+        return None
 
     def training_over(self) -> None:
         """The job's training loop has ended (after `finish_training`); its final work (final
@@ -720,30 +729,12 @@ class Driver:
         log.warning("collective failed in %s after training completed (%s)", where, first_line(exc))
         traceback.clear_frames(exc.__traceback__)
         self.plan_watch.recovering()
-        m = self.membership
-        m.report_failure(first_line(exc))
-        release_groups(self.replicator, self._roots(), self._hand_over_groups())
+        self.membership.report_failure(first_line(exc))
+        rec = self._recovery(self.roster, self.replicator)
+        rec.abort(self._roots(), self._hand_over_groups())
+        rec.release()
         deadline = time.time() + self.cfg.heartbeat_timeout + self.cfg.agreement_timeout
-        report = m.end()
-        while report is None and time.time() < deadline:
-            time.sleep(0.05)
-            report = m.end()
-        if report is None:
-            return (
-                f"training completed at iteration {self.completed}; a collective failed in "
-                f"{where} but the coordinator named no lost process: nothing saved"
-            )
-        saved = self._recovery().salvage(report, self.job.salvage_target)
-        return (
-            f"training completed at iteration {self.completed}; rank(s) "
-            f"{list(report.dead_ranks)} lost afterwards, in {where}: {saved}"
-        )
-
-    def drain(self) -> int | None:
-        """Settle and commit the round in flight (end of training); the committed iteration."""
-        if self.replicator is not None and self.repl_group is not None:
-            self.committed = self.replicator.finish_round()
-        return self.committed
+        return rec.after_training(self.completed, where, deadline, self.job.salvage_target)
 
     def finish(self) -> str | None:
         """Training is over on this rank: drain replication, publish the model digest
@@ -768,7 +759,8 @@ class Driver:
         saves what it holds (`Recovery.save_held`), then ends the Slurm job (`orphaned`); a
         process that never joined (a spare, a job that never started) just leaves."""
         if self.rank is not None and self._job is not None and self._membership is not None:
-            log.error("%s", self._recovery().save_held(self._job.salvage_target))
+            saved = self._recovery(self.roster, self.replicator).save_held(self._job.salvage_target)
+            log.error("%s", saved)
             log.error("%s", orphaned.end_slurm_job(self.cfg.coordinators))
 
     def coordinator_lost(self, why: str) -> CoordinatorUnreachableError:
@@ -787,20 +779,3 @@ class Driver:
         extra = {REPLICATION: self.repl_group, HOST_REPLICATION: self.host_repl_group}
         self.repl_group = self.host_repl_group = None
         return extra
-
-    def _replica_memory(self) -> ReplicaMemory:
-        return ReplicaMemory(self.cfg.replica_device, self.device, segments.folder())
-
-    def _make_replicator(self) -> Replicator:
-        """A new replicator (after a restore: it takes over its predecessor's buffers)."""
-        if self.placement is None or self.repl_group is None:
-            raise DeadpoolRuntimeError("no replication group yet (`join`)")
-        return Replicator(
-            Snapshotter(self.job.rank_state(), self._rank()),
-            self.placement,
-            self._rank(),
-            self.repl_group,
-            self._replica_memory(),
-            previous=self.replicator,
-            host_group=self.host_repl_group,
-        )

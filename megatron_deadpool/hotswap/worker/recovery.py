@@ -1,22 +1,26 @@
-"""The communication steps of a recovery, in the order the driver (`driver.py`) takes them.
+"""One recovery of one process: the communication steps the driver (`driver.py`) takes through it.
 
-Around the coordinator's decisions (the pure planning of the restore iteration T and the
-replica sources is `restore_plan.py`, run by the coordinator):
+The driver creates one `Recovery` per event - a survivor's peer failure, a newcomer taking its
+slot, a failure after training completed, the loss of every coordinator - from what it holds as
+the event starts, and calls its steps in order; each returns what happened, and the object
+keeps what the next step needs (the roster agreed, whether this rank restores from a holder,
+the phases' times). Around the coordinator's decisions (the pure planning of the restore
+iteration T and the replica sources is `restore_plan.py`, run by the coordinator):
 
-- `release_groups`: abort every group, keep what already arrived of the in-flight replication
-  round, then swap every process-group handle for a placeholder.
+- `Recovery.abort`: abort every group, keep what already arrived of the in-flight replication
+  round; the process-group handles (when groups are rebuilt, not repaired) are swapped for
+  placeholders while the coordinator decides (`agree`).
 - `Recovery.agree`: report what this process holds under the newest plan's generation until a
   roster includes it, blocked on the store (no polling); out of redundancy, salvage and raise.
 - `Recovery.exchange_shards`: bring this rank to T - a needy rank receives its shard from the
   holder the plan names (verified by checksum on arrival), the others roll back to their local
   snapshot and serve the shards they hold for needy ranks.
+- `Recovery.record`: the recovery as this process saw it (`RecoveryRecord`).
 - `Recovery.salvage`: out of redundancy, write this survivor's part of the snapshot set of one
   common iteration (its own snapshot and those it holds for dead ranks; `snapshot_set.py` is
   the format) and the set's manifest as far as it knows it; returns the sentence saying what was
-  saved. `Recovery.save_held`: the same without any coordinator, for every iteration held.
-
-A `Recovery` holds what these steps need of the process that takes them - its store access,
-member name, rank, roster and replicator - as the driver has them when the step starts.
+  saved. `Recovery.after_training`: the same for a peer lost after training completed.
+  `Recovery.save_held`: the same without any coordinator, for every iteration held.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 from typing import Any, TypeVar
@@ -42,6 +46,7 @@ from ...replication.snapshot import RankState, Snapshotter
 from ..protocol.membership import Membership
 from ..protocol.messages import EndReport, HoldingsReport, OutOfRedundancy, Roster, Verdict
 from . import rebind
+from .adapter import RecoveryRecord
 from .newcomer_claim import claim_slot
 
 log = logging.getLogger(__name__)
@@ -74,23 +79,9 @@ def abort_keeping_arrivals(replicator: Replicator | None) -> list[list[dist.Proc
     return held
 
 
-def release_groups(
-    replicator: Replicator | None, roots: list[Any], extra: dict[str, dist.ProcessGroup | None]
-) -> int:
-    """`abort_keeping_arrivals`, then `rebind.release` every group handle under `roots` and the
-    groups in `extra` (by name, e.g. the replication group); returns how many handles were
-    swapped.
-
-    `extra` is emptied: the caller hands its groups over in it and keeps no other reference,
-    so that reference counting frees them here (a group still referenced from a frame costs a
-    full garbage collection, ~0.5-2 s on Megatron's heap, and is not freed even then).
-    """
-    return rebind.release(roots, extra, abort_keeping_arrivals(replicator))
-
-
 @dataclass
 class Recovery:
-    """The recovery steps of one process, over what it holds as a step starts."""
+    """One recovery of one process, over what it holds as the recovery starts."""
 
     membership: Membership
     member: str
@@ -102,7 +93,59 @@ class Recovery:
     """What it holds: its replicator's slots, or (a respawned process) its predecessor's
     segment files."""
     needy: bool = False
-    """Set by `agree`: the roster agreed lists this process's rank as needy."""
+    """Set by `agree`: the roster agreed lists this process's rank as needy (a newcomer: it
+    restores from a holder)."""
+    started: float = field(default_factory=time.time)
+    """When the recovery began (wall clock)."""
+    phases_s: dict[str, float] = field(default_factory=dict)
+    """Each phase's seconds, as `mark` closes it."""
+    released: int = 0
+    """How many process-group handles the release swapped (`abort`)."""
+    _release: tuple[list[Any], dict[str, Any] | None, list[list[dist.ProcessGroup]]] | None = field(
+        default=None, repr=False
+    )
+    _marked: float | None = field(default=None, repr=False)
+
+    def abort(self, roots: list[Any], groups: dict[str, dist.ProcessGroup | None] | None) -> None:
+        """Abort every group, keeping the in-flight round's arrivals (`abort_keeping_arrivals`).
+        `groups`: DeadPool's own groups, by name, handed over (the caller keeps no other
+        reference) when the generation's groups are rebuilt, not repaired: then every handle
+        under `roots` and in `groups` is released (`rebind.release`) while the coordinator
+        decides (`agree`), or at once by `release`."""
+        replicator = self.replicator if isinstance(self.replicator, Replicator) else None
+        # The boxed groups live as long as this recovery when nothing is released.
+        self._release = (roots, groups, abort_keeping_arrivals(replicator))
+
+    def release(self) -> None:
+        """Release the handles `abort` was given (once; nothing when groups are repaired).
+        `groups` is emptied so that reference counting frees them here (a group still
+        referenced from a frame costs a full garbage collection, ~0.5-2 s on Megatron's heap,
+        and is not freed even then)."""
+        if self._release is not None and self._release[1] is not None:
+            roots, groups, held = self._release
+            self._release = None
+            self.released = rebind.release(roots, groups, held)
+
+    def mark(self, phase: str) -> None:
+        """`phase` ends now: its seconds since the previous mark (or the start)."""
+        now = time.time()
+        self.phases_s[phase] = now - (self.started if self._marked is None else self._marked)
+        self._marked = now
+
+    def record(self, target: int | None) -> RecoveryRecord:
+        """The recovery as this process saw it, once restored; `target`: the step the job
+        returns to (recomputing T+1..target-1)."""
+        t_iter = self.roster.restore_iteration
+        assert t_iter is not None
+        plan = self.membership.plan(self.roster.generation)
+        return RecoveryRecord(
+            generation=self.roster.generation,
+            dead=list(plan.dead) if plan else [],
+            restore_iteration=t_iter,
+            recomputed=max(0, (target or t_iter + 1) - 1 - t_iter),
+            total_s=time.time() - self.started,
+            phases_s=dict(self.phases_s),
+        )
 
     def agree(
         self,
@@ -114,9 +157,10 @@ class Recovery:
         salvage_target: SalvageTarget,
         meanwhile: Callable[[], object] = lambda: None,
     ) -> Roster:
-        """Report holdings for the coordinator's plan(s) until a roster includes this process.
-        `meanwhile()` runs once, after the first report, while the coordinator decides (the
-        release of the old groups: it need not delay the report).
+        """Report holdings for the coordinator's plan(s) until a roster includes this process;
+        the roster agreed becomes this recovery's (`roster`, `rank`). After the first report,
+        while the coordinator decides, the old groups' handles are released (`release`: it need
+        not delay the report), and `meanwhile()` runs once.
 
         Reports at once, for the generation after the roster's (the one this process is in),
         without waiting for the coordinator's plan: at thousands of ranks every request a
@@ -150,6 +194,7 @@ class Recovery:
         while True:
             if self.rank is not None:
                 m.report_holdings(g, self.rank, report)
+            self.release()
             meanwhile()
             meanwhile = lambda: None  # once
             decision = None
@@ -197,6 +242,7 @@ class Recovery:
                 f"settled the newcomers' slots of generation {g}",
             )
             if ready:
+                self.roster, self.rank = new, rank
                 return new
             log.warning("generation %d will not be joined (a newcomer was lost first)", g)
             g += 1  # the coordinator settled the unclaimed slots as it planned the next one
@@ -266,6 +312,29 @@ class Recovery:
         Snapshotter.restore_into(state, flat, owner=rank, iteration=t_iter)
         pending.wait()
         return rank in sources
+
+    def after_training(
+        self, completed: int | None, where: str, deadline: float, salvage_target: SalvageTarget
+    ) -> str:
+        """A collective failed in `where` after training completed at `completed` (the groups
+        aborted and released: `abort`, `release`): learn from the coordinator who died (until
+        the wall-clock `deadline`), save this rank's final state and the dead ranks' copies it
+        holds (`salvage`); the sentence saying what was saved."""
+        m = self.membership
+        report = m.end()
+        while report is None and time.time() < deadline:
+            time.sleep(0.05)
+            report = m.end()
+        if report is None:
+            return (
+                f"training completed at iteration {completed}; a collective failed in "
+                f"{where} but the coordinator named no lost process: nothing saved"
+            )
+        saved = self.salvage(report, salvage_target)
+        return (
+            f"training completed at iteration {completed}; rank(s) "
+            f"{list(report.dead_ranks)} lost afterwards, in {where}: {saved}"
+        )
 
     def salvage(self, report: OutOfRedundancy | EndReport, salvage_target: SalvageTarget) -> str:
         """Write this survivor's part of the snapshot set the report's save order names (its
