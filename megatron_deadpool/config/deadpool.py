@@ -135,8 +135,8 @@ class DeadpoolConfig:
     """Write the job's state here in the Prometheus text format (node_exporter's textfile
     collector reads it: name it *.prom in the collector's folder), rewritten atomically at every
     iteration and every event: spares available, recoveries, respawns, committed iteration,
-    replica bytes per iteration, the last recovery's seconds (and its phases'). The process
-    that hosts the coordinator writes it."""
+    replica bytes per iteration, under-replicated shards, the last recovery's seconds (and its
+    phases'). The process that hosts the coordinator writes it."""
 
     job_token: str | None = None
     """Shared secret of this job: it seals every value of the coordinator's store, and a

@@ -400,6 +400,10 @@ class MegatronSession:
             result = self._run(call, n)
             if n == self.last_step:  # a failure in here is recovered like any other
                 d.finish_training(n)
+                if d.rank == 0 and d.replicator is not None:  # its round committed: say so
+                    d.membership.set_progress(
+                        n, d.generation, d.committed, d.replicator.bytes_per_round
+                    )
             return result
 
         return d.recovering(
@@ -602,7 +606,8 @@ class MegatronSession:
                 scalars["last-recovery-s"] = d.recoveries[-1].total_s
                 for phase, seconds in d.recoveries[-1].phases_s.items():
                     scalars[f"last-recovery-{phase}-s"] = seconds
-            scalars.update(mreport.status_scalars(d.membership.job_status()))
+            status = d.membership.job_status()
+            scalars.update(mreport.status_scalars(status, d.generation, d.committed))
             mreport.write_scalars(iteration, scalars)
 
     def finish(self) -> None:

@@ -525,8 +525,9 @@ class Driver:
                 self._device_watch = DeviceWatch(bound)
             self._device_watch.step_done(n)
         self.last_completed = n
-        if self.rank == 0:
-            self.membership.set_progress(n)
+        if self.rank == 0:  # the launchers' metrics files read it (`report/metrics_file.py`)
+            nbytes = self.replicator.bytes_per_round if self.replicator else 0
+            self.membership.set_progress(n, self.generation, self.committed, nbytes)
             if self.resumed_at == n:
                 self.membership.stamp(self.generation, "first_iteration", 0)
 
