@@ -119,10 +119,12 @@ def test_failure_free_run_replicates_every_iteration(shared_runs, tag: str) -> N
         scalars = acc.Scalars("deadpool/committed-iteration")
         assert [(s.step, s.value) for s in scalars][-1] == (ITERS, ITERS)
         assert "lm loss" in acc.Tags()["scalars"]  # Megatron's own, same writer
-        # The coordinator's view (`job/status`): one spare waiting, no respawn, no standby.
-        last = {tag: acc.Scalars(f"deadpool/{tag}")[-1].value
-                for tag in ("spares-available", "respawns", "standbys")}  # fmt: skip
-        assert last == {"spares-available": 1.0, "respawns": 0.0, "standbys": 0.0}, last
+        # The coordinator's view (`job/status`): one spare waiting, no respawn, no standby, no
+        # shard short of replicas.
+        names = ("spares-available", "respawns", "standbys", "under-replicated-shards")
+        last = {name: acc.Scalars(f"deadpool/{name}")[-1].value for name in names}
+        assert last == {"spares-available": 1.0, "respawns": 0.0, "standbys": 0.0,
+                        "under-replicated-shards": 0.0}, last  # fmt: skip
 
 
 @pytest.mark.timeout(3 * RUN_TIMEOUT)
