@@ -97,8 +97,9 @@ Keys (the message type of each structured value in CamelCase):
   preempted                   Preempted: where training stopped on purpose
   checkpoint/failures         CheckpointFailures: the embedded job's periodic checkpoints that
                               could not be written (a full disk), each one's line
-  job/status                  JobStatus: spares waiting, recoveries, respawns, standbys (the
-                              coordinator's, for the ranks' TensorBoard/W&B scalars)
+  job/status                  JobStatus: spares waiting, recoveries, respawns, shards short of
+                              replicas, standbys (the coordinator's, for the ranks'
+                              TensorBoard/W&B scalars)
   load/{rank}                 seconds the rank took to load a persistent checkpoint
   salvaged/{rank}             the rank wrote its part of the out-of-redundancy snapshot set
   shutdown                    set by a launcher or the coordinator: waiting spares leave

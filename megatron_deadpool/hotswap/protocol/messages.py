@@ -564,7 +564,7 @@ class Preempted(Message):
 class JobStatus(Message):
     """`job/status`: what the coordinator knows of the job's redundancy, for the ranks' scalars
     (Megatron's TensorBoard/W&B writers): spares waiting, recoveries and in-place respawns so
-    far, standby coordinators configured and reachable. Rewritten at each event that changes
+    far, standby coordinators configured and reachable, the shards short of replicas. Rewritten at each event that changes
     it (`job_status.py`)."""
 
     spares_available: int
