@@ -64,7 +64,7 @@ def flags_page() -> str:
     import dataclasses
 
     from megatron_deadpool.config.deadpool import DeadpoolConfig
-    from megatron_deadpool.config.flags import add_flags, primary_flag
+    from megatron_deadpool.config.flags import add_flags, primary_flag, yaml_keys
 
     parser = argparse.ArgumentParser(add_help=False)
     add_flags(parser, DeadpoolConfig, prefix="deadpool")
@@ -77,9 +77,11 @@ def flags_page() -> str:
             "(`megatron_deadpool/config/deadpool.py`), the single source of the flags of\n"
             "`deadpool train`, `deadpool megatron-lm`, the Megatron-LM integration "
             "(`pretrain_gpt.py ... --deadpool`) and the `deadpool:` section of a YAML job config\n"
-            "(the key is the field name). Durations are seconds: finite numbers > 0.\n"
+            "(the key is the flag's name with underscores). Durations are seconds: finite numbers "
+            "> 0.\n"
         ),
     ]
+    keys = yaml_keys(DeadpoolConfig)
     for field in dataclasses.fields(DeadpoolConfig):
         flag = primary_flag(DeadpoolConfig, "deadpool", field.name)
         action = actions[flag]
@@ -95,11 +97,17 @@ def flags_page() -> str:
         default = "unset" if action.default in (None, []) else f"`{action.default}`"
         parts.append(
             f"\n## `{flag}`\n\n{action.help}\n\n"
-            f"- value: {kind}\n- default: {default}\n- YAML: `deadpool: {{{field.name}: ...}}`\n"
+            f"- value: {kind}\n- default: {default}\n"
+            f"- YAML: `deadpool: {{{keys[field.name]}: ...}}`\n"
         )
         if older:
             parts.append(
                 "- also accepted (older spelling): " + ", ".join(f"`{o}`" for o in older) + "\n"
+            )
+        if keys[field.name] != field.name:
+            parts.append(
+                f"- also read (older YAML key, with a warning naming the new one): "
+                f"`{field.name}`\n"
             )
     return "".join(parts)
 
@@ -223,8 +231,10 @@ def metrics_page() -> str:
         + "\n## The metrics file (`--deadpool-metrics-file PATH`)\n\n"
         "The Prometheus text exposition format (node_exporter's textfile collector convention), "
         "rewritten atomically (a temporary file in the same folder, then a rename) at every "
-        "iteration and every event by the process that hosts the coordinator. A metric with no "
-        "value yet is left out. Source: `megatron_deadpool/hotswap/report/metrics_file.py`.\n\n"
+        "event and as rank 0 steps (every iteration of `deadpool train`; elsewhere from rank "
+        "0's progress in the store, at most twice a second) by the process that hosts the "
+        "coordinator. A metric with no value yet is left out. Source: "
+        "`megatron_deadpool/hotswap/report/metrics_file.py`.\n\n"
         f"| metric | type | meaning |\n|---|---|---|\n{metrics}\n"
         "\n## TensorBoard and W&B scalars (Megatron-LM)\n\n"
         "Written through Megatron's own writers on the last rank every "

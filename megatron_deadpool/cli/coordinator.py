@@ -51,7 +51,7 @@ from ..hotswap.protocol.messages import CoordinatorIdentity, JobError
 from ..hotswap.protocol.seal import SECRET_ENV, SECRET_FILE_ENV, JobSeal, job_secret
 from ..hotswap.protocol.store_files import reserve_files, store_files_needed
 from ..hotswap.report.job_status import publish_status
-from ..hotswap.report.metrics_file import watch_events
+from ..hotswap.report.metrics_file import follow_progress, watch_events
 from ..logs import setup_logging
 
 
@@ -210,8 +210,12 @@ def run(args: argparse.Namespace) -> int:
         agents=agents,
         respawn=RespawnBudget(cfg.respawn_limit, cfg.respawn_window),
     )
-    if cfg.metrics_file:
+    metrics = (
         watch_events(events, cfg.metrics_file, lambda: len(coord.spares))
+        if cfg.metrics_file
+        else None
+    )
+    progress = follow_progress(metrics, coord.membership.progress_record)  # committed iteration
     say(
         f"listening on {address}, world size {args.world_size}, {cfg.spares} spare(s); "
         f"heartbeat interval {cfg.heartbeat_interval:g}s, timeout {cfg.heartbeat_timeout:g}s, "
@@ -219,7 +223,7 @@ def run(args: argparse.Namespace) -> int:
     )
     deadline = time.monotonic() + args.max_wait
     try:
-        return _run(args, cfg, coord, deadline, events, say)
+        return _run(args, cfg, coord, deadline, events, say, progress)
     finally:
         silent.stop()
         coord.close()
@@ -232,8 +236,10 @@ def _run(
     deadline: float,
     events: EventLog,
     say: Callable[[str], None],
+    progress: Callable[[], None],
 ) -> int:
-    """Serve as the primary, or as a standby once it took the job over; the exit code."""
+    """Serve as the primary, or as a standby once it took the job over (`progress`: each tick);
+    the exit code."""
     if args.standby:
         membership = coord.membership
         standby = Standby(cfg, args.standby, args.world_size, membership, events, say)
@@ -249,7 +255,12 @@ def _run(
             return ExitCode.NO_COORDINATOR
         standby.hand_over(coord, state)
         publish_status(events, coord, standbys=len(cfg.coordinators) - 1 - args.standby)
-        return serve(coord, deadline, say, each_tick=lambda: standby.late_registrations(coord))
+
+        def each_tick() -> None:
+            standby.late_registrations(coord)
+            progress()
+
+        return serve(coord, deadline, say, each_tick=each_tick)
     coord.membership.set_identity(CoordinatorIdentity(0, secrets.token_hex(8)))
     coord.membership.set_token()
     publish_status(events, coord, standbys=len(cfg.coordinators) - 1)
@@ -258,7 +269,7 @@ def _run(
     if len(cfg.coordinators) > 1:
         watch = StandbyWatch(cfg, coord.membership.seal, events, say)
         watch.start()
-    return serve(coord, deadline, say, watch=watch)
+    return serve(coord, deadline, say, watch=watch, each_tick=progress)
 
 
 def serve(

@@ -36,11 +36,13 @@ OPTIONAL_SECONDS = ("agree_timeout", "abort_timeout")
 class DeadpoolConfig:
     """Settings of replication, failure detection and hot swap.
 
-    Words: a *spare rank* (`spares`, --deadpool-spare-ranks) is one spare process, which takes
-    one failed rank's slot; a *spare node* (the Slurm scripts' SPARE_NODES, the selftest's
-    --spare-nodes) is a whole node of them (its ranks per node spare ranks)."""
+    Words: a *spare rank* (the field `spares`, --deadpool-spare-ranks, the YAML key
+    `spare_ranks`) is one spare process, which takes one failed rank's slot; a *spare node*
+    (the Slurm scripts' SPARE_NODES, the selftest's --spare-nodes) is a whole node of them (its
+    ranks per node spare ranks)."""
 
-    # Fields whose flag says more than the field's name (--deadpool-spares still accepted).
+    # Fields whose flag and YAML key say more than the field's name (--deadpool-spares and the
+    # key `spares` still accepted, the key with a warning).
     FLAG_NAMES: ClassVar[dict[str, str]] = {"spares": "spare-ranks"}
 
     enabled: bool = False
@@ -49,7 +51,7 @@ class DeadpoolConfig:
     spares: int = 0
     """Spare ranks: spare processes that start with the job and each replace one failed rank
     at runtime (on a cluster: the spare nodes' processes, spare nodes x ranks per node). Also
-    spelled --deadpool-spares."""
+    spelled --deadpool-spares (and, deprecated, the YAML key `spares`)."""
 
     respawn_limit: int = 2
     """In-place respawns per node within deadpool-respawn-window seconds: a failed process
@@ -133,8 +135,8 @@ class DeadpoolConfig:
     """Write the job's state here in the Prometheus text format (node_exporter's textfile
     collector reads it: name it *.prom in the collector's folder), rewritten atomically at every
     iteration and every event: spares available, recoveries, respawns, committed iteration,
-    replica bytes per iteration, the last recovery's seconds (and its phases'). The process
-    that hosts the coordinator writes it."""
+    replica bytes per iteration, under-replicated shards, the last recovery's seconds (and its
+    phases'). The process that hosts the coordinator writes it."""
 
     job_token: str | None = None
     """Shared secret of this job: it seals every value of the coordinator's store, and a
@@ -143,7 +145,7 @@ class DeadpoolConfig:
     which `ps` shows. Default: one the launcher generates per job."""
 
     def __post_init__(self) -> None:
-        check_number(self.spares, "spares", integer=True, minimum=0)
+        check_number(self.spares, "deadpool-spare-ranks", integer=True, minimum=0)
         check_number(self.replicas, "replicas", integer=True, minimum=1)
         check_number(self.respawn_limit, "deadpool-respawn-limit", integer=True, minimum=0)
         if self.replica_device not in ("auto", "cpu", "gpu"):

@@ -3,7 +3,10 @@
 `add_flags` turns a `kw_only` dataclass into argparse arguments (the field's docstring is
 the help, as Megatron-LM's `argument_utils` does), `from_namespace` reads them back, and
 `from_mapping` builds a dataclass from a YAML section, rejecting unknown keys and wrong types
-with a `ConfigError` that names the key and the expected type.
+with a `ConfigError` that names the key and the expected type. A field that `FLAG_NAMES`
+renames has the same name as its YAML key (`--deadpool-spare-ranks`, `spare_ranks:`); the
+field's own name is still read there, with a one-line warning naming the new key
+(`yaml_keys`, `to_mapping`).
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import dataclasses
 import functools
 import inspect
 import itertools
+import logging
 import textwrap
 import types
 import typing
@@ -23,6 +27,8 @@ from typing import Any, Literal, TypeVar, get_args, get_origin
 from ..errors import ConfigError
 
 T = TypeVar("T")
+
+log = logging.getLogger(__name__)
 
 
 @functools.cache
@@ -132,20 +138,56 @@ def from_namespace(cls: type[T], args: argparse.Namespace, *, prefix: str) -> T:
     return cls(**values)
 
 
+def yaml_keys(cls: type) -> dict[str, str]:
+    """Field name -> its YAML key: the name of its flag (`FLAG_NAMES`) with underscores, else
+    the field's own name (`spares` -> `spare_ranks`, as `--deadpool-spare-ranks`)."""
+    renamed: Mapping[str, str] = getattr(cls, "FLAG_NAMES", {})
+    return {f.name: renamed.get(f.name, f.name).replace("-", "_") for f in dataclasses.fields(cls)}
+
+
+def to_mapping(cls: type, values: Mapping[str, Any]) -> dict[str, Any]:
+    """`values` (field -> value, `dataclasses.asdict` of a `cls`) under their YAML keys, as
+    `from_mapping` reads them back."""
+    keys = yaml_keys(cls)
+    return {keys.get(name, name): value for name, value in values.items()}
+
+
+def _field_values(cls: type, data: dict[str, Any], where: str) -> dict[str, tuple[str, Any]]:
+    """A YAML section's keys as `cls`'s field names (field -> (the key given, its value)): a
+    renamed field's YAML key, or (with a one-line warning naming the new key) its older
+    spelling, the field's own name."""
+    keys = yaml_keys(cls)
+    names = set(keys.values())
+    fields: dict[str, tuple[str, Any]] = {}
+    for key, value in data.items():
+        field = next((f for f, k in keys.items() if k == key), None)
+        if field is None and key in keys and key not in names:  # the older spelling
+            new = keys[key]
+            if new in data:
+                raise ConfigError(
+                    f"{where}.{key}: {key!r} is the older spelling of {new!r}; give only {new!r}"
+                )
+            log.warning("%s.%s: the key %r is deprecated; name it %r", where, key, key, new)
+            field = key
+        if field is None:
+            known = ", ".join(sorted(names))
+            raise ConfigError(f"{where}.{key}: unknown key; known keys are: {known}")
+        fields[field] = (key, value)
+    return fields
+
+
 def from_mapping(cls: type[T], data: Mapping[str, Any] | None, *, where: str) -> T:
-    """Build `cls` from a YAML section; unknown keys and wrong types raise `ConfigError`."""
+    """Build `cls` from a YAML section (its keys `yaml_keys`); unknown keys and wrong types
+    raise `ConfigError`."""
     data = dict(data or {})
     if not isinstance(data, dict):
         raise ConfigError(f"{where}: expected a mapping of keys to values")
     hints = _resolved_hints(cls)
-    names = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
-    for key in data:
-        if key not in names:
-            known = ", ".join(sorted(names))
-            raise ConfigError(f"{where}.{key}: unknown key; known keys are: {known}")
-    for key, value in data.items():
-        data[key] = _coerce(value, hints[key], f"{where}.{key}")
-    return cls(**data)
+    values = {
+        name: _coerce(value, hints[name], f"{where}.{key}")
+        for name, (key, value) in _field_values(cls, data, where).items()
+    }
+    return cls(**values)
 
 
 def _coerce(value: Any, tp: Any, where: str) -> Any:

@@ -17,7 +17,7 @@ from typing import Any, Literal
 from ..errors import ConfigError
 from .cluster import ClusterConfig
 from .deadpool import DeadpoolConfig
-from .flags import from_mapping
+from .flags import from_mapping, to_mapping
 from .numbers import check_number
 from .yaml_file import read_yaml
 
@@ -322,8 +322,12 @@ class JobConfig:
         return self.cluster.gpus_per_node if self.cluster is not None else self.parallel.tp
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain data, for YAML and JSON."""
-        return dataclasses.asdict(self)
+        """Plain data under the YAML keys (`flags.yaml_keys`), for YAML and JSON."""
+        data = dataclasses.asdict(self)
+        for name, cls in SECTIONS.items():
+            if data.get(name) is not None:
+                data[name] = to_mapping(cls, data[name])
+        return data
 
 
 def check_expert_sizes(model: ModelConfig, *, tp: int, ep: int, etp: int | None) -> None:

@@ -271,12 +271,20 @@ class MegatronLauncher:
         finally:
             with contextlib.suppress(RuntimeError, OSError, ValueError):  # the store is gone
                 self.monitor.show_unsaved(local.membership)
+                self._show_progress()  # its last step, however soon after it the job ended
             local.close(grace_s=10 if self.ended else 0)
             self.ended_following = True
             if "agents" in self.threads:
                 self.threads["agents"].join(timeout=2.0)
             self._write_summary(rc, time.monotonic() - t0)
         return rc
+
+    def _show_progress(self) -> None:
+        """Rank 0's progress (`Progress`: iteration, committed iteration, replica bytes) into
+        the metrics file (--deadpool-metrics-file)."""
+        progress = self.local.membership.progress_record() if self.metrics else None
+        if self.metrics is not None and progress is not None:
+            self.metrics.on_progress(progress)
 
     def _start_agents(self, local: LocalAgents, env: dict[str, str]) -> None:
         """One `deadpool agent` per simulated node, with the script's --deadpool-* settings;
@@ -344,10 +352,7 @@ class MegatronLauncher:
             if time.monotonic() >= self._next_look:
                 self._next_look = time.monotonic() + 0.5
                 self.monitor.show_unsaved(local.membership)
-                if self.metrics is not None:  # Megatron's ranks publish no iteration record
-                    done = local.membership.progress()
-                    if done and done != self.metrics.gauges.iteration:
-                        self.metrics.update(iteration=done)
+                self._show_progress()
             return False
 
         return self.monitor.run(

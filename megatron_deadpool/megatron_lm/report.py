@@ -16,6 +16,7 @@ from typing import Any
 import torch.distributed as dist
 
 from ..hotswap.protocol.messages import JobStatus
+from ..hotswap.report.replica_deficit import replicated_again
 from ..hotswap.worker.adapter import RecoveryRecord
 from ..units import human_bytes
 
@@ -65,15 +66,23 @@ def recovery_fields(record: RecoveryRecord) -> list[str]:
     return fields
 
 
-def status_scalars(status: JobStatus | None) -> dict[str, float]:
+def status_scalars(
+    status: JobStatus | None, generation: int = 0, committed: int | None = None
+) -> dict[str, float]:
     """The coordinator's view of the job's redundancy as scalars (none before it published
-    one): spares available, recoveries and in-place respawns so far, standby coordinators
+    one): spares available, recoveries and in-place respawns so far, the shards short of
+    replicas - 0 once this rank, in `generation` and with `committed` its committed iteration,
+    committed a round after the last recovery's restore iteration -, standby coordinators
     configured and reachable."""
     if status is None:
         return {}
+    short = status.under_replicated
+    if replicated_again(generation, committed, status.agreed_generation, status.restore_iteration):
+        short = 0
     return {
         "spares-available": float(status.spares_available),
         "respawns": float(status.respawns),
+        "under-replicated-shards": float(short),
         "standbys": float(status.standbys),
         "standbys-reachable": float(status.standbys_reachable),
     }
@@ -91,6 +100,8 @@ SCALARS: dict[str, str] = {
     "spares-available": "spare processes waiting to take a failed rank's slot (the coordinator's "
     "count)",
     "respawns": "failed processes replaced in place on their own node so far",
+    "under-replicated-shards": "optimizer shards fewer than deadpool-replicas ranks hold a "
+    "committed copy of: those a failure took copies of, until the next committed round",
     "standbys": "standby coordinators configured",
     "standbys-reachable": "standby coordinators the primary reached at its last check",
 }

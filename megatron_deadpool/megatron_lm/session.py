@@ -531,7 +531,7 @@ class MegatronSession(JobAdapter):
                 scalars["last-recovery-s"] = d.recoveries[-1].total_s
                 for phase, seconds in d.recoveries[-1].phases_s.items():
                     scalars[f"last-recovery-{phase}-s"] = seconds
-            scalars.update(mreport.status_scalars(d.job_status()))
+            scalars.update(mreport.status_scalars(d.job_status(), d.generation, d.committed))
             mreport.write_scalars(iteration, scalars)
 
     def finish(self) -> None:

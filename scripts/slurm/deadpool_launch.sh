@@ -248,7 +248,7 @@ join_flag=()
 deadpool_flags=(
     "${join_flag[@]}"
     --deadpool-coordinator "$coordinator"
-    --deadpool-spares "$spares"
+    --deadpool-spare-ranks "$spares"
     --deadpool-replicas "$DEADPOOL_REPLICAS"
     --deadpool-ranks-per-node "$GPUS_PER_NODE"
     --deadpool-log-dir "$DEADPOOL_LOG_DIR"

@@ -27,6 +27,11 @@ def test_metrics_file_and_report_of_a_run_with_a_recovery(
     assert "# TYPE deadpool_recoveries_total counter" in lines
     events = [json.loads(x) for x in (tmp_path / "logs" / "events.jsonl").read_text().splitlines()]
     assert {e["v"] for e in events} == {1} and len({e["job"] for e in events}) == 1
+    # The spare in rank 2's slot held no copy yet: one shard short after the kill, 0 once a
+    # round after the restore iteration committed.
+    (agreed,) = [e for e in events if e["event"] == "agreed"]
+    assert agreed["under_replicated"] == [0], agreed  # rank 2 held rank 0's copy
+    assert "deadpool_under_replicated_shards 0" in lines
     png = tmp_path / "run.png"
     capsys.readouterr()
     rc = call_deadpool("report", str(tmp_path / "logs"), "--json-log", str(tmp_path / "run.jsonl"),

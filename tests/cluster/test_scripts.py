@@ -139,7 +139,7 @@ def test_sbatch_renders_two_active_nodes_and_one_spare(site: str) -> None:
     worker = srun[srun.index("-m") - 1 :]
     assert worker[:4] == ["python", "-m", "megatron_deadpool.embedded.worker", "--config"]
     assert flag(worker, "--config") == "configs/cpu-demo.yaml"
-    assert flag(worker, "--deadpool-spares") == str(gpus)
+    assert flag(worker, "--deadpool-spare-ranks") == str(gpus)
     assert flag(worker, "--deadpool-ranks-per-node") == str(gpus)
     # The task wrapper takes the rank from Slurm.
     assert "RANK=$SLURM_PROCID" in srun[srun.index("-c") + 1]
@@ -152,7 +152,7 @@ def test_sbatch_renders_two_active_nodes_and_one_spare(site: str) -> None:
     program = coord[3:]
     assert program[:4] == ["python", "-m", "megatron_deadpool.cli", "coordinator"]
     assert flag(program, "--world-size") == str(2 * gpus)
-    assert flag(program, "--deadpool-spares") == str(gpus)
+    assert flag(program, "--deadpool-spare-ranks") == str(gpus)
     assert flag(program, "--config") == "configs/cpu-demo.yaml"
     assert flag(program, "--deadpool-coordinator") == flag(worker, "--deadpool-coordinator")
     primary, standby_address = flag(worker, "--deadpool-coordinator").split(",")
@@ -208,7 +208,7 @@ def test_megatron_lm_mode_and_external_coordinator() -> None:
     assert worker[4:8] == ["--num-layers", "80", "--bf16", "--use-distributed-optimizer"]
     assert "--deadpool" in worker
     assert flag(worker, "--deadpool-coordinator") == "login01:31000"
-    assert flag(worker, "--deadpool-spares") == "4"
+    assert flag(worker, "--deadpool-spare-ranks") == "4"
     assert flag(worker, "--deadpool-replicas") == "2"
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import logging
 import re
 from pathlib import Path
 from typing import Any
@@ -41,9 +42,9 @@ pytestmark = pytest.mark.timeout(60)
 @pytest.mark.parametrize(
     "changes,field",
     [
-        ({"spares": -1}, "spares"),
-        ({"spares": "2"}, "spares"),
-        ({"spares": True}, "spares"),
+        ({"spares": -1}, "deadpool-spare-ranks"),
+        ({"spares": "2"}, "deadpool-spare-ranks"),
+        ({"spares": True}, "deadpool-spare-ranks"),
         ({"replicas": 0}, "replicas"),
         ({"replicas": 1.0}, "replicas"),
         ({"replica_device": "tpu"}, "deadpool-replica-device"),
@@ -175,7 +176,7 @@ def test_train_cli_precedence_defaults_then_yaml_then_flags(tmp_path: Path) -> N
                 "model": {"hidden_size": 32, "num_attention_heads": 2},
                 "parallel": {"tp": 2, "dp": 2},
                 "train": {"iters": 5},
-                "deadpool": {"spares": 1, "ranks_per_node": 2},
+                "deadpool": {"spare_ranks": 1, "ranks_per_node": 2},
             }
         )
     )
@@ -252,7 +253,10 @@ def test_yaml_deadpool_section_defaults_to_enabled() -> None:
         ({"parallel": {"tp": True}}, "config.parallel.tp: expected int"),
         ({"train": {"lr": "fast"}}, "config.train.lr: expected float"),
         ({"deadpool": {"enabled": "yes"}}, "config.deadpool.enabled: expected bool"),
+        ({"deadpool": {"spare_ranks": 1.5}}, "config.deadpool.spare_ranks: expected int"),
         ({"deadpool": {"spares": 1.5}}, "config.deadpool.spares: expected int"),
+        ({"deadpool": {"spare_ranks": -1}}, "deadpool-spare-ranks: expected an integer >= 0"),
+        ({"deadpool": {"spares": 1, "spare_ranks": 1}}, "'spares' is the older spelling of"),
         ({"deadpool": {"fail": "2@3"}}, "config.deadpool.fail: expected list"),
         ({"deadpool": {"fail": [3]}}, "config.deadpool.fail[0]: expected str"),
         ({"deadpool": {"replica_device": "tpu"}}, "config.deadpool.replica_device: 'tpu'"),
@@ -294,9 +298,28 @@ def test_load_job_errors(tmp_path: Path) -> None:
         for p in [*REPO.glob("configs/*.yaml"), *REPO.glob("configs/models/*.yaml")]
     ),
 )
-def test_shipped_job_configs_load(path: str) -> None:
+def test_shipped_job_configs_load(path: str, caplog: pytest.LogCaptureFixture) -> None:
     job = load_job(REPO / path)
     assert job.parallel.world_size >= 1
+    assert not caplog.records  # no deprecated key (`spares`) in what we ship
+
+
+def test_spare_ranks_is_the_yaml_key_and_spares_is_read_with_a_warning(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """One word: the YAML key of spare ranks is `spare_ranks`, as --deadpool-spare-ranks; the
+    older key `spares` still reads (old configs and run folders' job.yaml), with one warning
+    line naming the new key; a job writes the new key."""
+    new = job_from_mapping({"deadpool": {"spare_ranks": 3}})
+    assert new.deadpool.spares == 3 and not caplog.records
+    assert new.to_dict()["deadpool"]["spare_ranks"] == 3 and "spares" not in new.to_dict()
+    assert "spares" not in new.to_dict()["deadpool"]
+    with caplog.at_level(logging.WARNING):
+        old = job_from_mapping({"deadpool": {"spares": 3}})
+    assert old == new
+    [record] = caplog.records
+    text = record.getMessage()
+    assert "\n" not in text and "'spares' is deprecated" in text and "'spare_ranks'" in text
 
 
 def test_ranks_per_node_default_order() -> None:

@@ -48,10 +48,12 @@ DEADPOOL_ARGS = ["--deadpool", "--deadpool-spares", "1", "--deadpool-ranks-per-n
 
 
 def _baseline(tag: str, tmp: Path) -> Run:
-    """Failure-free TP2 x DP2 run with DeadPool on, checkpoints at 3 and 6, TensorBoard."""
+    """Failure-free TP2 x DP2 run with DeadPool on, checkpoints at 3 and 6, TensorBoard, a
+    metrics file."""
     tree = megatron_lm_tree(tag)
     args = [*MEGATRON_ARGS, "--use-distributed-optimizer", "--save", str(tmp / "ckpt"),
-            "--save-interval", "3", "--tensorboard-dir", str(tmp / "tb"), *DEADPOOL_ARGS]  # fmt: skip
+            "--save-interval", "3", "--tensorboard-dir", str(tmp / "tb"), *DEADPOOL_ARGS,
+            "--deadpool-metrics-file", str(tmp / "deadpool.prom")]  # fmt: skip
     run = launch(tmp, "baseline", tree / "pretrain_gpt.py", args)
     assert run.returncode == 0, run.describe()
     return run
@@ -99,6 +101,13 @@ def test_failure_free_run_replicates_every_iteration(shared_runs, tag: str) -> N
     assert all(int(c) == int(it) - 1 for it, c in committed[1:-1]) and len(committed) == ITERS
     assert committed[-1] == (str(ITERS), str(ITERS))  # the last step commits its own round
     assert baseline.summary["recoveries"] == []
+    # The metrics file has rank 0's progress as the embedded job's has its records.
+    metrics = (baseline.run_dir.parent / "deadpool.prom").read_text().splitlines()
+    for line in (f"deadpool_iteration {ITERS}", f"deadpool_committed_iteration {ITERS}",
+                 "deadpool_under_replicated_shards 0", "deadpool_spares_available 1"):  # fmt: skip
+        assert line in metrics, metrics
+    (nbytes,) = [x.split()[1] for x in metrics if x.startswith("deadpool_replica_bytes_per_")]
+    assert int(nbytes) > 0
     digests = baseline.summary["param_digests"]
     assert len(digests) == 4 and digests["0"] == digests["2"] and digests["1"] == digests["3"]
     if importlib.util.find_spec("tensorboard") is not None:
@@ -110,10 +119,12 @@ def test_failure_free_run_replicates_every_iteration(shared_runs, tag: str) -> N
         scalars = acc.Scalars("deadpool/committed-iteration")
         assert [(s.step, s.value) for s in scalars][-1] == (ITERS, ITERS)
         assert "lm loss" in acc.Tags()["scalars"]  # Megatron's own, same writer
-        # The coordinator's view (`job/status`): one spare waiting, no respawn, no standby.
-        last = {tag: acc.Scalars(f"deadpool/{tag}")[-1].value
-                for tag in ("spares-available", "respawns", "standbys")}  # fmt: skip
-        assert last == {"spares-available": 1.0, "respawns": 0.0, "standbys": 0.0}, last
+        # The coordinator's view (`job/status`): one spare waiting, no respawn, no standby, no
+        # shard short of replicas.
+        names = ("spares-available", "respawns", "standbys", "under-replicated-shards")
+        last = {name: acc.Scalars(f"deadpool/{name}")[-1].value for name in names}
+        assert last == {"spares-available": 1.0, "respawns": 0.0, "standbys": 0.0,
+                        "under-replicated-shards": 0.0}, last  # fmt: skip
 
 
 @pytest.mark.timeout(3 * RUN_TIMEOUT)
@@ -125,9 +136,18 @@ def test_killed_rank_is_hot_swapped_bitwise(shared_runs, tag: str, tmp_path: Pat
     tree = megatron_lm_tree(tag)
     baseline = shared_runs(tag, "baseline")
     args = [*MEGATRON_ARGS, "--use-distributed-optimizer", "--save", str(tmp_path / "ckpt"),
-            "--save-interval", "3", *DEADPOOL_ARGS, "--deadpool-fail", "2@4"]  # fmt: skip
+            "--save-interval", "3", *DEADPOOL_ARGS, "--deadpool-fail", "2@4",
+            "--deadpool-metrics-file", str(tmp_path / "deadpool.prom")]  # fmt: skip
     run = launch(tmp_path, "swap", tree / "pretrain_gpt.py", args, env=drop_in_flight_env())
     _assert_same_training(run, baseline)
+    # The spare in rank 2's slot held no copy of the shard rank 2 held one of: short until
+    # a round after the restore iteration committed, 0 at the end.
+    events = [json.loads(x) for x in (run.run_dir / "events.jsonl").read_text().splitlines()]
+    (agreed,) = [e for e in events if e["event"] == "agreed"]
+    assert len(agreed["under_replicated"]) == 1, agreed
+    metrics = (tmp_path / "deadpool.prom").read_text().splitlines()
+    assert "deadpool_under_replicated_shards 0" in metrics, metrics
+    assert "deadpool_recoveries_total 1" in metrics and "deadpool_generation 1" in metrics
     (rec,) = run.summary["recoveries"]
     assert rec["dead_ranks"] == [2] and rec["replaced_by"] == {"2": "s0"}
     assert rec["restore_iteration"] == 2 and rec["recomputed_iterations"] == 1

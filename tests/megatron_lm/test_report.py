@@ -29,3 +29,21 @@ def test_a_logged_intervals_sums_are_reset_as_megatron_resets_them() -> None:
     reset_log_sums(sums)
     assert sums["lm loss"].dtype == torch.float and sums["lm loss"].tolist() == [0.0]
     assert [sums[k] for k in ("advanced iterations", "skipped iterations")] == [0, 0]
+
+
+def test_the_short_shards_scalar_is_zero_once_this_rank_committed_past_the_restore() -> None:
+    """`deadpool/under-replicated-shards`: the coordinator's count (job/status) from the
+    recovery agreed in generation 1 at restore iteration 4, until this rank - which knows its
+    own committed iteration first - committed a round after 4 in that generation."""
+    from megatron_deadpool.hotswap.protocol.messages import JobStatus
+    from megatron_deadpool.megatron_lm.report import SCALARS, status_scalars
+
+    status = JobStatus(0, 1, 0, 0, 0, under_replicated=2, agreed_generation=1, restore_iteration=4)
+    short = "under-replicated-shards"
+    assert short in SCALARS and status_scalars(None) == {}
+    assert status_scalars(status, generation=1, committed=4)[short] == 2.0  # restored, not yet
+    assert status_scalars(status, generation=1, committed=None)[short] == 2.0  # a newcomer
+    assert status_scalars(status, generation=0, committed=5)[short] == 2.0  # the old world's
+    assert status_scalars(status, generation=1, committed=5)[short] == 0.0
+    planned = JobStatus(0, 1, 0, 0, 0, under_replicated=2, agreed_generation=2)  # not agreed
+    assert status_scalars(planned, generation=2, committed=9)[short] == 2.0

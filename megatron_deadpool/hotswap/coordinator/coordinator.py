@@ -64,6 +64,7 @@ from .liveness import Liveness
 from .pruning import Pruner
 from .respawn import NodeAgents, RespawnBudget
 from .restore_plan import RestorePlan, plan_restore, plan_salvage
+from .under_replicated import replicas_lost, short_of_replicas
 
 
 @dataclass
@@ -485,7 +486,9 @@ class Coordinator:
         self.membership.expect_reports(generation, self.world_size - len(needy) + len(respawned))
         if rec is not None:  # survivors waiting on the old plan move on to this one
             self.membership.decide(rec.generation, Decision.superseded(generation))
-        self.events("plan", generation=generation, dead=plan.dead, needy=plan.needy, slots=slots)
+        lost = replicas_lost(p, plan.dead) if (p := self.placement()) else []
+        self.events("plan", generation=generation, dead=plan.dead, needy=plan.needy, slots=slots,
+                    replicas_lost=lost)  # fmt: skip
         replaced = ", ".join(
             (
                 f"rank {r} <- {slots[r]}"
@@ -604,6 +607,7 @@ class Coordinator:
             restore_iteration=plan.iteration,
             sources=plan.sources,
             last_completed=last,
+            under_replicated=short_of_replicas(placement, holds, plan.iteration),
         )
         self.say(
             f"agreed: restore iteration {plan.iteration}, "

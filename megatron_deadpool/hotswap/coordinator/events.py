@@ -73,12 +73,15 @@ EVENTS: dict[str, EventKind] = {
         ("rank", "node", "why"),
     ),
     "plan": EventKind(
-        "a recovery planned: the dead ranks, those that need state, the new slots",
-        ("generation", "dead", "needy", "slots"),
+        "a recovery planned: the dead ranks, those that need state, the new slots, the shards "
+        "whose replicas the dead held (replicas_lost: owner ranks)",
+        ("generation", "dead", "needy", "slots", "replicas_lost"),
     ),
     "agreed": EventKind(
-        "the survivors agreed on the iteration every rank restores",
-        ("generation", "restore_iteration", "sources", "last_completed"),
+        "the survivors agreed on the iteration every rank restores; under_replicated: the "
+        "shards (owner ranks) fewer than deadpool-replicas ranks hold a copy of it, until a "
+        "round after it commits",
+        ("generation", "restore_iteration", "sources", "last_completed", "under_replicated"),
     ),
     "agree_timeout": EventKind(
         "survivors that never reported in time, presumed dead", ("generation", "missing")

@@ -87,7 +87,8 @@ Keys (the message type of each structured value in CamelCase):
   fault/{member}              wall time an injected fault struck the member
   fault/fired/{index}/{who}   counter: fault spec `index` fired for rank or member `who`
   node_lost/{member}          a node fault took the node `member` ran on (local launchers)
-  progress/last               the newest iteration rank 0 completed
+  progress/last               Progress: the newest iteration rank 0 completed, its generation,
+                              the committed iteration then, the replica bytes per iteration
   metrics/g{g}/{it}           IterationRecord: rank 0's record of iteration `it` in generation g
   replication/final           FinalReplication: the committed iteration at the end of training
   digest/{rank}               the rank's final digest of parameters and buffers
@@ -96,8 +97,9 @@ Keys (the message type of each structured value in CamelCase):
   preempted                   Preempted: where training stopped on purpose
   checkpoint/failures         CheckpointFailures: the embedded job's periodic checkpoints that
                               could not be written (a full disk), each one's line
-  job/status                  JobStatus: spares waiting, recoveries, respawns, standbys (the
-                              coordinator's, for the ranks' TensorBoard/W&B scalars)
+  job/status                  JobStatus: spares waiting, recoveries, respawns, shards short of
+                              replicas, standbys (the coordinator's, for the ranks'
+                              TensorBoard/W&B scalars)
   load/{rank}                 seconds the rank took to load a persistent checkpoint
   salvaged/{rank}             the rank wrote its part of the out-of-redundancy snapshot set
   shutdown                    set by a launcher or the coordinator: waiting spares leave
@@ -162,6 +164,7 @@ from .messages import (
     Plan,
     Preempted,
     ProcessExit,
+    Progress,
     Registration,
     RespawnHistory,
     RespawnOrder,
@@ -796,11 +799,21 @@ class Membership:
         return self.store.add(Keys.FAULT_FIRED.format(index=index, who=who), 0) > 0
 
     # ------------------------------------------------------------------ progress and results
-    def set_progress(self, iteration: int) -> None:
-        self._set(Keys.PROGRESS, str(iteration))
+    def set_progress(
+        self, iteration: int, generation: int = 0, committed: int | None = None, nbytes: int = 0
+    ) -> None:
+        """Rank 0 completed `iteration` in `generation`; the committed iteration then, and the
+        bytes of replicas it sends per iteration (`Progress`)."""
+        self._set(Keys.PROGRESS, Progress(iteration, generation, committed, nbytes).encode())
 
     def progress(self) -> int:
-        return self._int(Keys.PROGRESS) or 0
+        """The newest iteration rank 0 completed (0 before the first)."""
+        record = self.progress_record()
+        return record.iteration if record is not None else 0
+
+    def progress_record(self) -> Progress | None:
+        value = self._read(Keys.PROGRESS)
+        return None if value is None else Progress.decode(Keys.PROGRESS, value)
 
     def publish_metrics(
         self, record: IterationRecord, retain: int | None = retention.RETAINED_ITERATIONS

@@ -527,6 +527,22 @@ class IterationRecord(Message):
 
 
 @dataclass(frozen=True)
+class Progress(Message):
+    """`progress/last`: the newest iteration rank 0 completed (any job: the driver writes it
+    after every step), in which generation, the globally committed iteration then and the bytes
+    of replicas rank 0 sends per iteration - what a metrics file reports when the job publishes
+    no `IterationRecord` (Megatron-LM)."""
+
+    iteration: int
+    generation: int = 0
+    committed_iteration: int | None = None
+    replica_bytes: int = 0
+
+    def validate(self) -> None:
+        require(min(self.iteration, self.generation, self.replica_bytes) >= 0, "a count below 0")
+
+
+@dataclass(frozen=True)
 class FinalReplication(Message):
     """`replication/final`: the globally committed iteration at the end of training."""
 
@@ -548,7 +564,7 @@ class Preempted(Message):
 class JobStatus(Message):
     """`job/status`: what the coordinator knows of the job's redundancy, for the ranks' scalars
     (Megatron's TensorBoard/W&B writers): spares waiting, recoveries and in-place respawns so
-    far, standby coordinators configured and reachable. Rewritten at each event that changes
+    far, standby coordinators configured and reachable, the shards short of replicas. Rewritten at each event that changes
     it (`job_status.py`)."""
 
     spares_available: int
@@ -556,10 +572,17 @@ class JobStatus(Message):
     respawns: int
     standbys: int
     standbys_reachable: int
+    under_replicated: int = 0
+    """Shards fewer than deadpool-replicas ranks hold a copy of (`report/replica_deficit.py`),
+    from the recovery agreed in `agreed_generation` until a round after its
+    `restore_iteration` commits - which the ranks see first: they count 0 from then on."""
+    agreed_generation: int = 0
+    restore_iteration: int | None = None
 
     def validate(self) -> None:
+        counts = (self.spares_available, self.recoveries, self.respawns, self.standbys_reachable)
         require(
-            min(self.spares_available, self.recoveries, self.respawns, self.standbys_reachable) >= 0
+            min(*counts, self.under_replicated, self.agreed_generation) >= 0
             and self.standbys_reachable <= self.standbys,
             "a count below 0, or more standbys reachable than configured",
         )

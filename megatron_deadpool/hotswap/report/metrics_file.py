@@ -2,10 +2,11 @@
 
 node_exporter's textfile collector (and any scraper of the Prometheus text exposition format)
 reads `--deadpool-metrics-file PATH`. The process that hosts the coordinator writes it: that
-process knows the spares, the recoveries and the respawns first-hand, and it reads rank 0's
-per-iteration record from the job's store anyway (committed iteration, replica bytes) - so one
-writer, on one host, sees everything, and no training rank spends time on it. It is rewritten
-at every event of the coordinator and every iteration record, atomically as the textfile
+process knows the spares, the recoveries, the respawns and the shards short of replicas
+first-hand, and it reads rank 0's progress from the job's store anyway (committed iteration,
+replica bytes: the embedded job's iteration records, any job's `Progress`) - so one writer, on
+one host, sees everything, and no training rank spends time on it. It is rewritten at every
+event of the coordinator and every iteration rank 0 reports, atomically as the textfile
 convention asks: written to a temporary file in the same folder, then renamed over the old.
 
 `render` is pure (a `JobGauges` to text); `MetricsFile` keeps the latest values and writes.
@@ -17,12 +18,15 @@ import math
 import os
 import tempfile
 import threading
+import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from ..coordinator.events import EventLog
+from ..protocol.messages import Progress
+from .replica_deficit import ReplicaDeficit
 
 
 @dataclass(frozen=True)
@@ -39,6 +43,7 @@ class JobGauges:
     last_recovery_seconds: float | None = None
     last_recovery_phases: Mapping[str, float] = field(default_factory=dict)
     out_of_redundancy: bool = False
+    under_replicated_shards: int = 0
 
 
 METRICS: dict[str, tuple[str, str]] = {
@@ -57,6 +62,13 @@ METRICS: dict[str, tuple[str, str]] = {
     "deadpool_replica_bytes_per_iteration": (
         "gauge",
         "Bytes of replicas rank 0 sent in its last iteration.",
+    ),
+    "deadpool_under_replicated_shards": (
+        "gauge",
+        (
+            "Optimizer shards fewer than deadpool-replicas ranks hold a committed copy of: those "
+            "a failure took copies of, until the next committed round re-replicates them."
+        ),
     ),
     "deadpool_last_recovery_seconds": ("gauge", "Wall time of the last recovery, in seconds."),
     "deadpool_last_recovery_phase_seconds": (
@@ -83,6 +95,7 @@ def render(g: JobGauges) -> str:
         "deadpool_recoveries_total": [("", g.recoveries_total)],
         "deadpool_respawns_total": [("", g.respawns_total)],
         "deadpool_generation": [("", g.generation)],
+        "deadpool_under_replicated_shards": [("", g.under_replicated_shards)],
         "deadpool_out_of_redundancy": [("", int(g.out_of_redundancy))],
     }
     optional: Iterable[tuple[str, float | None]] = (
@@ -131,6 +144,7 @@ class MetricsFile:
     def __init__(self, path: str | Path, spares: int) -> None:
         self.path = Path(path)
         self.gauges = JobGauges(spares_available=spares)
+        self.deficit = ReplicaDeficit()
         self._lock = threading.Lock()
         self.write()
 
@@ -145,8 +159,11 @@ class MetricsFile:
             write_atomically(self.path, render(self.gauges))
 
     def on_event(self, entry: Mapping[str, Any]) -> None:
-        """An `EventLog` listener: recoveries, respawns, spares lost, out of redundancy."""
+        """An `EventLog` listener: recoveries, respawns, spares lost, out of redundancy, the
+        shards a failure took copies of."""
         kind = entry.get("event")
+        if self.deficit.on_event(entry):
+            self.update(under_replicated_shards=self.deficit.count)
         if kind == "recovered":
             g = self.gauges
             self.update(
@@ -161,11 +178,31 @@ class MetricsFile:
 
     def on_record(self, record: Mapping[str, Any]) -> None:
         """Rank 0's iteration record (`messages.IterationRecord` as a dict)."""
+        generation = record.get("generation", self.gauges.generation)
+        committed = record.get("committed_iteration")
+        self.deficit.on_committed(generation, committed)
         self.update(
             iteration=record.get("iteration"),
-            committed_iteration=record.get("committed_iteration"),
+            committed_iteration=committed,
             replica_bytes_per_iteration=record.get("replica_bytes_sent"),
-            generation=record.get("generation", self.gauges.generation),
+            generation=generation,
+            under_replicated_shards=self.deficit.count,
+        )
+
+    def on_progress(self, progress: Progress) -> None:
+        """Rank 0's `Progress` (any job; what a Megatron-LM job reports), when it is news."""
+        g = self.gauges
+        if (progress.iteration, progress.generation) == (g.iteration, g.generation) and (
+            progress.committed_iteration == g.committed_iteration
+        ):
+            return
+        self.on_record(
+            {
+                "iteration": progress.iteration,
+                "generation": progress.generation,
+                "committed_iteration": progress.committed_iteration,
+                "replica_bytes_sent": progress.replica_bytes,
+            }
         )
 
 
@@ -180,3 +217,21 @@ def watch_events(events: EventLog, path: str | Path, spares: Callable[[], int]) 
 
     events.listeners.append(listener)
     return metrics
+
+
+def follow_progress(
+    metrics: MetricsFile | None, read: Callable[[], Progress | None], every_s: float = 0.5
+) -> Callable[[], None]:
+    """A function for a supervision loop's ticks: at most every `every_s` seconds, rank 0's
+    `Progress` (`read()`, `Membership.progress_record`) into `metrics` (None: nothing to do)."""
+    next_look = [0.0]
+
+    def tick() -> None:
+        if metrics is None or time.monotonic() < next_look[0]:
+            return
+        next_look[0] = time.monotonic() + every_s
+        progress = read()
+        if progress is not None:
+            metrics.on_progress(progress)
+
+    return tick

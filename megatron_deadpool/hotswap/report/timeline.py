@@ -64,8 +64,8 @@ def initial_spares(run_dir: Path) -> int:
     (`deadpool megatron-lm`); 0 when neither says."""
     job = run_dir / "job.yaml"
     if job.is_file():
-        data = yaml.safe_load(job.read_text()) or {}
-        return int((data.get("deadpool") or {}).get("spares") or 0)
+        section = (yaml.safe_load(job.read_text()) or {}).get("deadpool") or {}
+        return int(section.get("spare_ranks", section.get("spares")) or 0)  # spares: an older run
     summary = run_dir / "summary.json"
     if summary.is_file():
         return int(json.loads(summary.read_text()).get("spares") or 0)

@@ -561,8 +561,9 @@ class Driver(JobChannel, Replicas):
                 self._device_watch = DeviceWatch(bound)
             self._device_watch.step_done(n)
         self.last_completed = n
-        if self.rank == 0:
-            self.membership.set_progress(n)
+        if self.rank == 0:  # the launchers' metrics files read it (`report/metrics_file.py`)
+            nbytes = self.replicator.bytes_per_round if self.replicator else 0
+            self.membership.set_progress(n, self.generation, self.committed, nbytes)
             if self.resumed_at == n:
                 self.membership.stamp(self.generation, "first_iteration", 0)
 
@@ -695,6 +696,10 @@ class Driver(JobChannel, Replicas):
                 break
             self.replicator.start_round(n)
         self.completed = n
+        if self.rank == 0 and self.replicator is not None:  # the metrics file's last commit
+            self.membership.set_progress(
+                n, self.generation, self.committed, self.replicator.bytes_per_round
+            )
         if self.cfg.enabled:
             self.membership.report_finished(self._rank(), n)
             self.plan_watch.training_completed()

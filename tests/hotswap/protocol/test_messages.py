@@ -21,11 +21,13 @@ from megatron_deadpool.hotswap.protocol.messages import (
     HoldingsReport,
     IterationRecord,
     JobError,
+    JobStatus,
     LayoutRecord,
     OutOfRedundancy,
     Phase,
     Plan,
     Preempted,
+    Progress,
     Registration,
     Roster,
     SaveOrder,
@@ -69,6 +71,9 @@ EXAMPLES = [
         plan_seen=2,
         recovering=True,
     ),
+    Progress(iteration=6, generation=1, committed_iteration=5, replica_bytes=405_000),
+    Progress(iteration=1),
+    JobStatus(1, 1, 0, 1, 1, under_replicated=2, agreed_generation=1, restore_iteration=4),
 ]
 ERROR = ErrorReport(3, "a2", 2, 0, Phase.START_UP, "FileNotFoundError", "no /data", 1.7e9, ("x",))
 EXAMPLES += [
