@@ -31,6 +31,7 @@ checksum's own modulus. The tests check values whose sums wrap around many times
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Protocol
 
 import torch
 
@@ -44,6 +45,18 @@ WORD_BYTES = 4
 _MAX_SLAB_ROWS = 1 << 24  # keeps a slab's column sums below 2**55 (exact without wrapping)
 
 
+class Checksummer(Protocol):
+    """What `WholeBufferPlan` checksums with: `DeviceChecksum` (torch ops) or
+    `triton_checksum.TritonChecksum` (one kernel)."""
+
+    nbytes: int
+    kind: str
+    """How it computes, for messages: ``torch ops`` or ``Triton kernel``."""
+
+    def enqueue(self, buf: torch.Tensor, slot: torch.Tensor) -> None:
+        """Enqueue the checksum of `buf` into the int64 [1] `slot`; nothing waits."""
+
+
 class DeviceChecksum:
     """The checksum of buffers of `nbytes` bytes (a multiple of 4) on `device`, enqueued as
     torch ops into an int64 slot; the buffers and slot must stay alive until the ops ran."""
@@ -55,6 +68,7 @@ class DeviceChecksum:
             raise ValueError(f"slab_rows {slab_rows} must be in 1..{_MAX_SLAB_ROWS}")
         self.nbytes = nbytes
         self.device = device
+        self.kind = "torch ops"
         nwords = nbytes // WORD_BYTES
         self.nrows = nwords // ROW_WORDS
         self.slabs = [
@@ -114,7 +128,8 @@ class DeviceChecksum:
 
 class WholeBufferPlan:
     """Pack and unpack of a fixed list of byte `sources` (the tensors' uint8 views and the zero
-    padding between them, in packed order, covering exactly `nbytes`), with `DeviceChecksum`.
+    padding between them, in packed order, covering exactly `nbytes`), checksummed by
+    `checksum` (default: a `DeviceChecksum` with `slab_rows`).
 
     `copies` lists, for unpack, each tensor's byte range in the packed region and its uint8
     view: ``(start, stop, view)``."""
@@ -126,13 +141,18 @@ class WholeBufferPlan:
         nbytes: int,
         device: torch.device,
         slab_rows: int = SLAB_ROWS,
+        checksum: Checksummer | None = None,
     ) -> None:
         if sum(s.numel() for s in sources) != nbytes:
             raise ValueError(f"sources cover {sum(s.numel() for s in sources)} B, not {nbytes}")
+        if checksum is not None and checksum.nbytes != nbytes:
+            raise ValueError(f"the checksum is for {checksum.nbytes} B, the plan packs {nbytes}")
         self.sources = list(sources)
         self.copies = list(copies)
         self.nbytes = nbytes
-        self.checksum = DeviceChecksum(nbytes, device, slab_rows)
+        self.checksum = (
+            checksum if checksum is not None else DeviceChecksum(nbytes, device, slab_rows)
+        )
 
     def pack(self, out: torch.Tensor, slot: torch.Tensor) -> None:
         """Enqueue the copy into ``out[:nbytes]`` and the checksum into `slot`."""
