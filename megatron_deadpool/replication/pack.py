@@ -83,8 +83,9 @@ Three backends compute the same value exactly; callers never see which one ran
   how to get the kernel. The checksum there is one Triton kernel where triton is installed
   (torch's CUDA wheels bring it) and passed its check on the device (`triton_checksum`: the
   words read once, a pack moving 1.5 times the bytes of a plain copy, in three launches), or
-  else three reductions per 64 MiB slab of torch ops (`whole_buffer.DeviceChecksum`: 4.5
-  times a copy's bytes, since torch widens int32 to int64 through a copy of its input);
+  else two torch ops per 64 MiB slab (`whole_buffer.DeviceChecksum`: a float64 conversion
+  and one matrix product, 3.5 times a copy's bytes, since torch widens int32 only through a
+  copy of its input);
   `fallback_checksum` chooses, ``deadpool bench pack --traffic`` counts both.
 """
 

@@ -62,6 +62,22 @@ def test_bench_pack_traffic_prints_the_table_and_writes_json(
     assert pack_bench.main(["--traffic", "--sizes-mb", "1", "--json", str(path)]) == 0
     printed = capsys.readouterr().out
     assert "pack/copy" in printed and "2.00N" in printed
-    (row,) = json.loads(path.read_text())["traffic"]
-    assert row["copy"] == 2.0 and row["copy_ops"] == 1
+    row, *triton = json.loads(path.read_text())["traffic"]  # the Triton row where it runs
+    assert row["checksum_by"] == "torch" and row["copy"] == 2.0 and row["copy_ops"] == 1
     assert row["pack_ratio"] == pytest.approx(row["pack"] / 2)
+    assert [r["checksum_by"] for r in triton] in ([], ["triton"])
+
+
+@torch.library.custom_op("deadpool_test::halve_into", mutates_args=("out",))
+def halve_into(src: torch.Tensor, out: torch.Tensor) -> None:
+    """A custom op whose inside (like Triton's interpreter) makes a temporary of its own."""
+    out.copy_(src.clone()[::2])
+
+
+def test_a_custom_op_counts_by_its_arguments_not_by_what_runs_inside() -> None:
+    """A Triton kernel registered as a custom op reads and writes its arguments; the torch
+    calls that emulate it on the host (Triton's interpreter) are not its traffic."""
+    src, out = torch.ones(N, dtype=torch.uint8), torch.empty(N // 2, dtype=torch.uint8)
+    counted = traffic.measure(lambda: halve_into(src, out))
+    assert counted.by_op == {"deadpool_test::halve_into": [1, N + N // 2]}
+    assert counted.hidden_bytes == 0 and bool((out == 1).all())
