@@ -17,11 +17,18 @@ machine hits all of them alike; the best and the median of the repeats are kept 
 ``pack / copy`` uses the medians. On CPU every size runs once per torch thread count (default
 and 1). Used as ``deadpool bench pack`` and ``python -m megatron_deadpool.bench.pack_bench``;
 ``deadpool bench pack --verify`` runs `verify_bench` instead (a held replica's verification).
+
+``deadpool bench pack --traffic`` times nothing: it counts (`traffic`) the bytes that the torch
+fallback's GPU round (`pack.whole_buffer_plan`: pack, unpack, checksum) moves through memory
+and its number of ops, built on the host - the same ops and shapes as on a GPU, where a round
+is memory-bound and its time follows those bytes - against a plain copy of the same N bytes
+(2N, one op). The figures are exact and the same on every machine.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -32,6 +39,7 @@ import torch
 
 from ..config.numbers import number_arg
 from ..replication import pack
+from . import traffic
 from .report import write_json
 
 DEFAULT_SIZES_MB = (64, 256)
@@ -143,6 +151,67 @@ def run_pack_bench(
     return {"device": str(dev), "torch": torch.__version__, "repeats": repeats, "rows": rows}
 
 
+def traffic_rows(
+    sizes_mb: Sequence[float] = DEFAULT_SIZES_MB, device: str = "cpu"
+) -> list[dict[str, Any]]:
+    """Per size and per checksum the torch fallback can run on `device` (the torch ops always;
+    the Triton kernel where it is usable, on the host only under ``TRITON_INTERPRET=1``): the
+    bytes and ops of one round, counted (`traffic`) on a shard of that size."""
+    dev = torch.device(device)
+    kinds = ["torch"]
+    if dev.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
+        from ..replication import triton_checksum
+
+        if not triton_checksum.unusable(dev):
+            kinds.append("triton")
+    return [_traffic_row(size, dev, kind) for size in sizes_mb for kind in kinds]
+
+
+def _traffic_row(size_mb: float, device: torch.device, kind: str) -> dict[str, Any]:
+    """``pack``, ``unpack`` and ``checksum`` of one round as multiples of N (the packed bytes),
+    ``*_ratio`` against a plain copy's 2N, ``*_ops``, and ``pack_hidden`` (bytes through
+    temporaries the ops allocate themselves, in N)."""
+    plan = pack.whole_buffer_plan(make_shard(int(size_mb * 2**20), device), kind)
+    total = plan.nbytes
+    out = torch.empty(total, dtype=torch.uint8, device=device)
+    slot = torch.zeros(1, dtype=torch.int64, device=device)
+    src = torch.zeros(total, dtype=torch.uint8, device=device)
+    copy = traffic.measure(lambda: out.copy_(src))
+    rounds = {
+        "pack": traffic.measure(lambda: plan.pack(out, slot)),
+        "unpack": traffic.measure(lambda: plan.unpack(out, slot)),
+        "checksum": traffic.measure(lambda: plan.checksum.enqueue(out, slot)),
+    }
+    row: dict[str, Any] = {"size_mb": round(total / 2**20, 3), "nbytes": total, "checksum_by": kind}
+    row["copy"], row["copy_ops"] = copy.nbytes / total, copy.ops
+    for name, counted in rounds.items():
+        row[name] = counted.nbytes / total
+        row[f"{name}_ratio"] = counted.nbytes / copy.nbytes
+        row[f"{name}_ops"] = counted.ops
+    row["pack_hidden"] = rounds["pack"].hidden_bytes / total
+    return row
+
+
+def format_traffic(rows: Sequence[dict[str, Any]]) -> str:
+    """The rows of `traffic_rows` as a fixed-width table."""
+    header = (
+        f"{'size MB':>8} {'checksum':>8} {'copy':>12} {'pack':>16} {'unpack':>16} {'checksum':>16} "
+        f"{'pack/copy':>9} {'hidden':>7}"
+    )
+    lines = [header, "-" * len(header)]
+    for row in rows:
+
+        def cell(name: str, row: dict[str, Any] = row) -> str:
+            return f"{row[name]:6.2f}N {row[name + '_ops']:4d} ops"
+
+        lines.append(
+            f"{row['size_mb']:8.1f} {row['checksum_by']:>8} {row['copy']:5.2f}N {row['copy_ops']:2d} op {cell('pack')} "
+            f"{cell('unpack')} {cell('checksum')} {row['pack_ratio']:9.2f} "
+            f"{row['pack_hidden']:6.2f}N"
+        )
+    return "\n".join(lines)
+
+
 def format_table(result: dict[str, Any]) -> str:
     """The rows of `run_pack_bench` as a fixed-width table (GB/s, medians; best in brackets)."""
     header = (
@@ -164,7 +233,7 @@ def format_table(result: dict[str, Any]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Command line: ``deadpool bench pack [--sizes-mb 64 256] [--json PATH]``."""
+    """Command line: ``deadpool bench pack [--sizes-mb 64 256] [--json PATH] [--traffic]``."""
     parser = argparse.ArgumentParser(
         prog="deadpool bench pack",
         description="Bandwidth of snapshot pack + checksum vs a plain copy of the same bytes.",
@@ -181,6 +250,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON here")
     parser.add_argument(
+        "--traffic",
+        action="store_true",
+        help="instead of timing: count the bytes and ops of the torch fallback's GPU round "
+        "against a plain copy (exact, the same on any machine)",
+    )
+    parser.add_argument(
         "--verify",
         action="store_true",
         help="instead: a held host replica's verification, one core vs DeadPool's checksum "
@@ -193,6 +268,16 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return verify_bench.main([a for a in argv if a != "--verify"])
     args = parser.parse_args(argv)
+    if args.traffic:
+        rows = traffic_rows(args.sizes_mb, args.device)
+        print(format_traffic(rows))
+        print(
+            "Bytes each round's torch ops read and write (N = packed bytes; a plain copy moves "
+            "2N), counted op by op: the torch fallback a GPU without the kernel runs."
+        )
+        if args.json:
+            write_json(args.json, {"torch": torch.__version__, "traffic": rows})
+        return 0
     result = run_pack_bench(args.sizes_mb, args.repeats, args.device, args.threads)
     print(format_table(result))
     print("GB/s: median of repeats (best in brackets); pack/copy uses the medians.")

@@ -78,9 +78,15 @@ Three backends compute the same value exactly; callers never see which one ran
   On the host this runs chunk by chunk like numpy's (cache-sized chunks, combined exactly
   from bounded int64 partial sums and Python integers; the bounds are noted where they are
   used). On a GPU it runs on the whole buffer (`whole_buffer`: one ``torch.cat`` for the
-  copy, three reductions per 64 MiB slab, the combination on the device into a slot, no
-  host sync - so `PackPlan.pack_on_device` works here too), and the first pack of a process
-  logs a warning with its measured cost and how to get the kernel.
+  copy, the checksum on the device into a slot, no host sync - so `PackPlan.pack_on_device`
+  works here too), and the first pack of a process logs a warning with its measured cost and
+  how to get the kernel. The checksum there is one Triton kernel where triton is installed
+  (torch's CUDA wheels bring it) and passed its check on the device (`triton_checksum`: the
+  words read once, a pack moving 1.5 times the bytes of a plain copy, in three launches), or
+  else two torch ops per 64 MiB slab (`whole_buffer.DeviceChecksum`: a float64 conversion
+  and one matrix product, 3.5 times a copy's bytes, since torch widens int32 only through a
+  copy of its input);
+  `fallback_checksum` chooses, ``deadpool bench pack --traffic`` counts both.
 """
 
 from __future__ import annotations
@@ -100,7 +106,7 @@ import torch
 
 from ..devices.cpu import plain_torch
 from . import kernel_build
-from .whole_buffer import DeviceChecksum, WholeBufferPlan
+from .whole_buffer import Checksummer, DeviceChecksum, WholeBufferPlan
 
 log = logging.getLogger(__name__)
 
@@ -472,8 +478,50 @@ class PackPlan:
         return acc.result()
 
 
+CHECKSUMS = ("auto", "torch", "triton")
+"""How the torch fallback checksums: ``triton`` (one kernel, `triton_checksum`), ``torch``
+(whole-buffer torch ops, `whole_buffer.DeviceChecksum`) or ``auto`` (Triton on a CUDA device
+where it passed its check, the torch ops elsewhere)."""
+
+
+def fallback_checksum(nbytes: int, device: torch.device, kind: str = "auto") -> Checksummer:
+    """The torch fallback's checksum of `nbytes`-byte buffers on `device`, by `kind` (one of
+    `CHECKSUMS`); ``triton`` where the kernel cannot run raises `PackError` saying why."""
+    if kind not in CHECKSUMS:
+        raise PackError(f"checksum kind {kind!r} is not one of {', '.join(CHECKSUMS)}")
+    if kind == "torch" or (kind == "auto" and device.type != "cuda"):
+        return DeviceChecksum(nbytes, device)
+    from . import triton_checksum  # imports triton (where it is) only when this needs it
+
+    reason = triton_checksum.unusable(device)
+    if not reason:
+        return triton_checksum.TritonChecksum(nbytes, device)
+    if kind == "triton":
+        raise PackError(
+            f"the Triton checksum cannot run on {device}: {reason}; use checksum 'torch' or "
+            "'auto'"
+        )
+    return DeviceChecksum(nbytes, device)
+
+
+def whole_buffer_plan(tensors: Sequence[torch.Tensor], checksum: str = "auto") -> WholeBufferPlan:
+    """The torch fallback's whole-buffer plan of `tensors` on their own device, whatever the
+    device, checksummed by `checksum` (`fallback_checksum`): what a GPU without the kernel
+    runs, built on the host by benchmarks and tests that count or check it there
+    (`bench.traffic`)."""
+    device = _device_of(tensors)
+    _check_tensors(tensors, device)
+    nbytes = packed_nbytes(tensors)
+    _check_size(nbytes)
+    return _whole_buffer_plan(tensors, packed_offsets(tensors), nbytes, device, checksum)
+
+
 def _whole_buffer_plan(
-    tensors: Sequence[torch.Tensor], offsets: list[int], nbytes: int, device: torch.device
+    tensors: Sequence[torch.Tensor],
+    offsets: list[int],
+    nbytes: int,
+    device: torch.device,
+    checksum: str = "auto",
 ) -> WholeBufferPlan:
     """The torch fallback's whole-buffer plan of `tensors` (for GPU memory; the tests also
     build it on the host to check it against the references)."""
@@ -481,7 +529,8 @@ def _whole_buffer_plan(
     pieces = _pieces(tensors, offsets, nbytes)
     sources = [zeros[: p.stop - p.start] if p.data is None else p.data for p in pieces]
     copies = [(p.start, p.stop, p.data) for p in pieces if p.data is not None]
-    return WholeBufferPlan(sources, copies, nbytes, device)
+    summer = fallback_checksum(nbytes, device, checksum)
+    return WholeBufferPlan(sources, copies, nbytes, device, checksum=summer)
 
 
 _FALLBACK_ANNOUNCED = False
@@ -501,13 +550,18 @@ def _announce_fallback(plan: WholeBufferPlan, out: torch.Tensor, slot: torch.Ten
     end.record()
     end.synchronize()
     status = kernel_status(out.device)
-    log.warning(fallback_message(status, plan.nbytes, start.elapsed_time(end), host_ms))
+    gpu_ms = start.elapsed_time(end)
+    log.warning(fallback_message(status, plan.nbytes, gpu_ms, host_ms, plan.checksum.kind))
 
 
-def fallback_message(status: KernelStatus, nbytes: int, gpu_ms: float, host_ms: float) -> str:
-    """The warning a job logs when it packs GPU memory with the torch fallback."""
+def fallback_message(
+    status: KernelStatus, nbytes: int, gpu_ms: float, host_ms: float, checksum: str = ""
+) -> str:
+    """The warning a job logs when it packs GPU memory with the torch fallback (`checksum`:
+    which checksum it runs, when said)."""
+    how = f"; checksum: {checksum}" if checksum else ""
     return (
-        f"deadpool: replication uses the torch fallback ({status.reason}): a round of "
+        f"deadpool: replication uses the torch fallback ({status.reason}{how}): a round of "
         f"{nbytes / 1e9:.2f} GB costs {gpu_ms:.1f} ms of GPU and {host_ms:.1f} ms of host "
         f"time; fix: {status.fix}"
     )
@@ -563,7 +617,7 @@ def checksum(buf: torch.Tensor, *, one_core: bool = False) -> int:
         return _cuda_checksum(slot)
     if buf.device.type == "cuda":  # the torch fallback on a GPU: whole-buffer ops
         slot = torch.zeros(1, dtype=torch.int64, device=buf.device)
-        DeviceChecksum(buf.numel(), buf.device).enqueue(buf, slot)
+        fallback_checksum(buf.numel(), buf.device).enqueue(buf, slot)
         return _cuda_checksum(slot)
     nwords = buf.numel() // WORD_BYTES
     acc = _accumulator(nwords, backend, buf.device)

@@ -4,8 +4,8 @@ selftest's pack-kernel row and the GPU suite each check, written once.
 On the device: a checksum of a misaligned buffer (starting 1 byte in, a 12-byte tail past 16)
 and a pack of mixed dtypes (fp32, bf16, a bf16 tensor 2 bytes into its storage, an odd-length
 byte tensor) compared with the host's pack of the same tensors, checksum and bytes; an unpack
-into fresh tensors, bitwise; with the fused kernel, the torch fallback's checksum of the packed
-buffer too; timed (optional) against a plain device `copy_` of the same bytes.
+into fresh tensors, bitwise; with the fused kernel, the torch fallback's checksums of the packed
+buffer too (the one it uses, and its torch ops where it uses the Triton kernel); timed (optional) against a plain device `copy_` of the same bytes.
 """
 
 from __future__ import annotations
@@ -71,6 +71,13 @@ def pack_against_host(
             problems.append(
                 f"the torch fallback's checksum {fallback:#x}, the kernel's {checksum:#x}"
             )
+        # The fallback's torch ops too, which the line above skips where triton is installed.
+        slot = torch.zeros(1, dtype=torch.int64, device=out.device)
+        pack.fallback_checksum(out.numel(), out.device, "torch").enqueue(out, slot)
+        torch_ops = int(slot.item()) % 2**64
+        figures["fallback_torch_ops_ok"] = torch_ops == checksum
+        if torch_ops != checksum:
+            problems.append(f"the torch ops' checksum {torch_ops:#x}, the kernel's {checksum:#x}")
     restored = [torch.empty_like(t) for t in tensors]
     if pack.unpack(out, restored) != checksum:
         problems.append("unpack checksum differs from the pack's")
