@@ -200,9 +200,9 @@ def _plan(seen: Deaths, respawns: Mapping[int, RespawnOutcome]) -> list[Action]:
         restored_earlier.pop(rank, None)
         if not no_spare and seen.respawning is not None:
             respawn = _respawn(rank, base[rank], seen.respawning, spent, respawns, actions)
-            if respawn is _AWAIT:  # the order's outcome decides what follows
+            if isinstance(respawn, _Awaiting):  # the order's outcome decides what follows
                 return actions
-            if isinstance(respawn, tuple):
+            if respawn is not None:
                 slots[rank], respawned[rank] = respawn
                 continue
         if spares and not no_spare:
@@ -256,8 +256,11 @@ def _plan(seen: Deaths, respawns: Mapping[int, RespawnOutcome]) -> list[Action]:
     return actions
 
 
-_AWAIT = object()
-"""`_respawn`'s answer while the outcome of its order is not known yet."""
+class _Awaiting:
+    """`_respawn`'s answer while the outcome of its order is not known yet."""
+
+
+_AWAIT = _Awaiting()
 
 
 def _respawn(
@@ -267,7 +270,7 @@ def _respawn(
     spent: dict[int, int],
     outcomes: Mapping[int, RespawnOutcome],
     actions: list[Action],
-) -> tuple[str, int] | object | None:
+) -> tuple[str, int] | _Awaiting | None:
     """A new process in the place of `dead` (which held `rank`) on its node, when that node's
     agent is alive and its budget allows one: (its member name, the node) once the order's
     outcome is known, `_AWAIT` before; None: take a spare. Appends the actions it takes."""
