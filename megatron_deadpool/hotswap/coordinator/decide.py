@@ -168,6 +168,9 @@ def end_after_training(seen: Deaths) -> EndAfterTraining:
 
 
 def _plan(seen: Deaths, respawns: Mapping[int, RespawnOutcome]) -> list[Action]:
+    """The plan of the next generation: the decided recovery's newcomers settled, each dead
+    rank's slot respawned, given a spare or left empty, then `PublishPlan` (a recovery under way
+    is continued: its dead, needy and first failure carry over)."""
     rec, dead = seen.recovery, seen.dead
     base = rec.slots if rec else seen.roster.slots
     all_dead = (rec.dead if rec else set()) | dead
