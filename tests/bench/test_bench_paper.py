@@ -18,9 +18,9 @@ from pathlib import Path
 import pytest
 
 from megatron_deadpool.bench import interleaved, plots, report
-from megatron_deadpool.bench.reproduce import paper, paper_matrix
 from megatron_deadpool.bench.overhead import base_job
 from megatron_deadpool.bench.recovery import PHASE_LABELS, Launch
+from megatron_deadpool.bench.reproduce import paper, paper_matrix
 from megatron_deadpool.bench.stats import ratio_summary
 from megatron_deadpool.errors import ConfigError
 
