@@ -42,7 +42,7 @@ from ..hotswap.coordinator.coordinator import Coordinator
 from ..hotswap.coordinator.events import EventLog, job_id
 from ..hotswap.coordinator.liveness import AgentExits, HeartbeatOnly
 from ..hotswap.coordinator.node_agents import StoreAgents
-from ..hotswap.coordinator.respawn import RespawnBudget
+from ..hotswap.coordinator.settings import CoordinatorSettings
 from ..hotswap.coordinator.standby import Standby, StandbyWatch
 from ..hotswap.launch.silent_connections import SilentConnections
 from ..hotswap.launch.supervisor import CoordinatorOnly, Supervisor
@@ -195,20 +195,13 @@ def run(args: argparse.Namespace) -> int:
             beat_s=cfg.heartbeat_interval,
             exits=exits,
         )
-    coord = Coordinator(
+    coord = Coordinator.from_settings(  # the layout arrives from rank 0 (job/layout)
+        CoordinatorSettings.of(cfg, args.world_size, cfg.spares, suspect_after=cfg.suspect_after),
         membership,
-        args.world_size,
-        None,  # the layout arrives from rank 0 (job/layout)
-        [f"s{i}" for i in range(cfg.spares)],
-        heartbeat_timeout=cfg.heartbeat_timeout,
-        agree_timeout=cfg.agreement_timeout,
-        join_timeout=cfg.join_timeout,
-        suspect_after=cfg.suspect_after,
         liveness=HeartbeatOnly() if agents is None else exits,
         events=events,
         say=say,
         agents=agents,
-        respawn=RespawnBudget(cfg.respawn_limit, cfg.respawn_window),
     )
     metrics = (
         watch_events(events, cfg.metrics_file, lambda: len(coord.spares))

@@ -64,7 +64,7 @@ from ...hotswap.protocol.seal import SECRET_ENV, JobSeal, new_secret
 from ...hotswap.protocol.store_files import RESERVE, reserve_files
 from ...replication.placement import place_replicas
 from ..report import publish, text_row
-from .control_plane_job import SPARES, CostLog, SimLiveness, layout_for, rss_mib
+from .control_plane_job import SPARES, CostLog, SimLiveness, layout_for, rss_mib, settings_for
 from .coordinator_alone import coordinator_alone
 
 
@@ -153,13 +153,10 @@ class Bench:
         self.members = Membership(self.store, "coordinator", JobSeal(self.secret))
         self.liveness = SimLiveness()
         self.costs = CostLog()
-        self.coord = Coordinator(
+        self.coord = Coordinator.from_settings(
+            settings_for(ranks, args.heartbeat_timeout, args.timeout),
             self.members,
-            ranks,
-            place_replicas(self.layout, 1),
-            [f"s{i}" for i in range(SPARES)],
-            heartbeat_timeout=args.heartbeat_timeout,
-            agree_timeout=args.timeout,
+            placement=place_replicas(self.layout, 1),
             liveness=self.liveness,
             events=EventLog(None),
             say=lambda text: print(f"    coordinator: {text[:200]}", file=sys.stderr),

@@ -15,10 +15,19 @@ from pathlib import Path
 
 from ...hotswap.coordinator.coordinator import DecisionCost
 from ...hotswap.coordinator.detector import SweepCost
+from ...hotswap.coordinator.settings import CoordinatorSettings
 from ...replication.placement import Layout
 
 SPARES = 8
 """One node of spares."""
+
+
+def settings_for(ranks: int, heartbeat_timeout: float, timeout: float) -> CoordinatorSettings:
+    """The coordinator's settings at `ranks`: `SPARES` spares, no respawn, `timeout` for the
+    survivors' reports."""
+    return CoordinatorSettings(
+        world_size=ranks, spares=SPARES, heartbeat_timeout=heartbeat_timeout, agree_timeout=timeout
+    )
 
 
 def layout_for(ranks: int) -> Layout:

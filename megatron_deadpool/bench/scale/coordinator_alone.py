@@ -32,7 +32,7 @@ from ...hotswap.protocol.membership import BATCH_KEYS, Membership, host_store
 from ...hotswap.protocol.messages import HoldingsReport, Keys
 from ...hotswap.protocol.seal import JobSeal, new_secret
 from ...replication.placement import place_replicas
-from .control_plane_job import SPARES, CostLog, SimLiveness, layout_for, rss_mib
+from .control_plane_job import CostLog, SimLiveness, layout_for, rss_mib, settings_for
 
 
 def _multi_set(store: Any, keys: list[str], values: list[str]) -> None:
@@ -49,13 +49,10 @@ def coordinator_alone(ranks: int, args: argparse.Namespace, sweeps: int = 9) -> 
     rss0 = rss_mib()
     liveness, costs, clock = SimLiveness(), CostLog(), ManualClock()
     seal = JobSeal(new_secret())
-    coord = Coordinator(
+    coord = Coordinator.from_settings(
+        settings_for(ranks, args.heartbeat_timeout, args.timeout),
         Membership(store, "coordinator", seal),
-        ranks,
-        placement,
-        [f"s{i}" for i in range(SPARES)],
-        heartbeat_timeout=args.heartbeat_timeout,
-        agree_timeout=args.timeout,
+        placement=placement,
         liveness=liveness,
         events=EventLog(None),
         clock=clock,

@@ -1,9 +1,11 @@
-"""The coordinator's decisions: who takes which slot, the restore iteration, the end.
+"""The coordinator: who takes which slot, the restore iteration, the end; it looks, decides, acts.
 
 It runs inside the local launchers (`local_job.py`, where it can also see process exits and
 kill a hung process) or on its own on a cluster's batch host (`deadpool coordinator`), where
 heartbeats and the processes' own reports are its signals. Who is dead is the failure
-detector's part (`detector.py`); each `tick()` then:
+detector's part (`detector.py`); each `tick()` reads what it needs from the store, its clock
+and the nodes' agents into plain values, decides with the pure functions of `decide.py` and
+hands the actions they come to to its executor (`execute.py`), which writes and reports them:
   1. for members that died since the last tick: when a death is the job's own error - a rank
      that reported an exception before replication started, a newcomer that failed as the
      member it replaced did (`job_error.judge`) - the verdict that ends the job (`JobError`, no
@@ -36,66 +38,33 @@ from __future__ import annotations
 import gc
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Protocol
 
-from ...errors import ExitCode
 from ...replication.placement import Placement, place_replicas
 from ..protocol.joining import Joiners, next_spare_number
 from ..protocol.membership import Membership
-from ..protocol.messages import (
-    Decision,
-    EndReport,
-    HoldingsReport,
-    JobError,
-    OutOfRedundancy,
-    Plan,
-    Roster,
-    SaveOrder,
-    Sources,
-)
+from ..protocol.messages import EndReport, JobError, OutOfRedundancy, Roster
 from ..protocol.store_protocol import ServingStore
 from ..protocol.wakeup import StoreWaiter, coordinator_inbox
+from .actions import OrderRespawn, PendingRecovery
 from .clock import Clock, SystemClock
+from .decide import (
+    Deaths,
+    NodeState,
+    Respawning,
+    RespawnOutcome,
+    decide_agreement,
+    decide_deaths,
+    late_newcomers,
+)
 from .detector import FailureDetector, SweepObserver
 from .events import EventLog
-from .job_error import judge
+from .execute import CoordinatorState, Executor
 from .liveness import Liveness
 from .pruning import Pruner
 from .respawn import NodeAgents, RespawnBudget
-from .restore_plan import RestorePlan, plan_restore, plan_salvage
-from .under_replicated import replicas_lost, short_of_replicas
-
-
-@dataclass
-class PendingRecovery:
-    """One recovery in progress (re-planned with a larger dead set if more ranks die)."""
-
-    generation: int
-    dead: set[int]
-    slots: dict[int, str]
-    needy: set[int]
-    t_failure: float
-    failure_evidence: str
-    """What `t_failure` is: an injected fault's own stamp, or the last heartbeat seen (the
-    failure happened at or after it: `detect` is then an upper bound)."""
-    t_detect: float
-    t_plan: float
-    planned_at: float
-    """When it was planned, on the monotonic clock (the agreement timeout runs from here)."""
-    prev_last_iteration: int = 0
-    no_spare: str = ""
-    """Why this recovery can only save what survives (no spare left), if so."""
-    respawned: dict[int, int] = field(default_factory=dict)
-    """rank -> node, for the dead ranks whose node respawned a process in place."""
-    restored_earlier: dict[int, int | None] = field(default_factory=dict)
-    """rank -> the node that respawned its newcomer (None: a spare), for the newcomers of an
-    earlier plan of this recovery that restored before a death continued it (reported only;
-    the newcomer is still the rank's slot)."""
-    t_agreed: float | None = None
-    agreed_at: float | None = None
-    """When it was decided, on the monotonic clock (the join timeout runs from here)."""
-    restore_iteration: int | None = None
+from .settings import CoordinatorSettings
 
 
 @dataclass(frozen=True)
@@ -113,16 +82,6 @@ class DecisionObserver(Protocol):
 
 class CoordinatorObserver(SweepObserver, DecisionObserver, Protocol):
     """What a benchmark watches: every heartbeat sweep, every decision."""
-
-
-@dataclass
-class _Outcome:
-    """What the job came to, as far as the coordinator decides it."""
-
-    recoveries: list[dict[str, Any]] = field(default_factory=list)
-    out_of_redundancy: OutOfRedundancy | None = None
-    ended: EndReport | None = None
-    job_error: JobError | None = None
 
 
 class Coordinator:
@@ -148,8 +107,9 @@ class Coordinator:
         agents: NodeAgents | None = None,
         respawn: RespawnBudget | None = None,
     ) -> None:
-        """`placement` None: learnt from the layout rank 0 publishes. `join_timeout`: how
-        long a newcomer may take to claim its slot once decided (`_late_newcomers`).
+        """(Launchers, `deadpool coordinator` and the benchmarks build one from their settings:
+        `from_settings`.) `placement` None: learnt from the layout rank 0 publishes.
+        `join_timeout`: how long a newcomer may take to claim its slot once decided.
         `sweep_interval`, `suspect_after`: see `FailureDetector`. `say` prints a line for the
         user. `agents` and `respawn`: a failed rank's node starts its replacement while
         `respawn` allows (`respawn.py`); without them every failed rank takes a spare."""
@@ -174,55 +134,89 @@ class Coordinator:
             observer=observer,
         )
         self._placement = placement
-        self._spares = list(spares)
-        self._roster = Roster(0, world_size, {r: f"a{r}" for r in range(world_size)})
-        self._recovery: PendingRecovery | None = None
-        self._outcome = _Outcome()
+        self._state = CoordinatorState(
+            Roster(0, world_size, {r: f"a{r}" for r in range(world_size)}), list(spares)
+        )
         self._handled: set[str] = set()  # dead members a plan already accounts for
-        self._replaced: dict[str, str] = {}  # newcomer -> the member whose slot it took
-        self._next_generation = 1
         self._inbox: StoreWaiter | None = None
         self._pruner = Pruner(membership)
         self._agents = agents
         self._respawn = respawn if agents is not None else None
-        self._respawned: set[str] = set()  # members a node's agent started in a failed one's place
-        self._joiners = Joiners(next_spare_number(self._spares))
+        self._act = Executor(
+            self._state, membership, self.detector, events, say, self.clock, agents, self._respawn
+        )
+        self._joiners = Joiners(next_spare_number(spares))
+
+    @classmethod
+    def from_settings(
+        cls,
+        settings: CoordinatorSettings,
+        membership: Membership,
+        *,
+        liveness: Liveness,
+        events: EventLog,
+        placement: Placement | None = None,
+        say: Callable[[str], None] = lambda text: None,
+        agents: NodeAgents | None = None,
+        clock: Clock | None = None,
+        observer: CoordinatorObserver | None = None,
+    ) -> Coordinator:
+        """The coordinator of the job `settings` describe (its spares s0.., respawns through
+        `agents` within the settings' budget); the rest as for `Coordinator(...)`."""
+        return cls(
+            membership,
+            settings.world_size,
+            placement,
+            settings.spare_names,
+            heartbeat_timeout=settings.heartbeat_timeout,
+            agree_timeout=settings.agree_timeout,
+            join_timeout=settings.join_timeout,
+            liveness=liveness,
+            events=events,
+            say=say,
+            sweep_interval=settings.sweep_interval,
+            suspect_after=settings.suspect_after,
+            clock=clock,
+            observer=observer,
+            agents=agents,
+            respawn=RespawnBudget(settings.respawn_limit, settings.respawn_window),
+        )
 
     # ------------------------------------------------------------------ what launchers read
     @property
     def roster(self) -> Roster:
         """The newest published roster."""
-        return self._roster
+        return self._state.roster
 
     @property
     def spares(self) -> tuple[str, ...]:
         """The spares still waiting, in the order they take slots."""
-        return tuple(self._spares)
+        return tuple(self._state.spares)
 
     @property
     def recovering(self) -> bool:
         """A recovery is planned and not complete (every rank restored)."""
-        return self._recovery is not None
+        return self._state.recovery is not None
 
     @property
     def recoveries(self) -> list[dict[str, Any]]:
         """Each completed recovery: dead ranks, replacements, restore iteration, phases."""
-        return list(self._outcome.recoveries)
+        return list(self._state.recoveries)
 
     @property
     def out_of_redundancy(self) -> OutOfRedundancy | None:
         """Why memory could not recover a failure, once it could not (the job then ends)."""
-        return self._outcome.out_of_redundancy
+        return self._state.out_of_redundancy
 
     @property
     def job_error(self) -> JobError | None:
         """The job's own error, once a death was one (the job then ends; no spare is spent)."""
-        return self._outcome.job_error
+        return self._state.job_error
 
     @property
     def ended(self) -> EndReport | None:
         """Members lost after training completed, once any was."""
-        return self._outcome.ended
+        return self._state.ended
 
     @property
     def dead(self) -> frozenset[str]:
@@ -237,9 +231,9 @@ class Coordinator:
     def start(self) -> None:
         """Publish generation 0's roster (ranks 0..W-1 are a0..a{W-1})."""
         self.membership.number_spares_from(self._joiners.seen)
-        self.membership.publish_roster(self._roster)
+        self.membership.publish_roster(self._state.roster)
         self.detector.watch(self._live())
-        self.events("roster", generation=0, slots=self._roster.slots)
+        self.events("roster", generation=0, slots=self._state.roster.slots)
 
     def adopt(
         self,
@@ -256,9 +250,9 @@ class Coordinator:
         or after it, most likely with its node)."""
         if lost_at is not None:
             self.detector.lost_at(list(dead), lost_at)
-        self._roster = roster
-        self._spares = list(spares)
-        self._next_generation = next_generation
+        self._state.roster = roster
+        self._state.spares = list(spares)
+        self._state.next_generation = next_generation
         self._pruner = Pruner(self.membership, first=roster.generation)  # nothing older here
         known = [*spares, *roster.slots.values(), *dead]
         self._joiners = Joiners(next_spare_number(known))
@@ -279,16 +273,16 @@ class Coordinator:
         with a standby late); it takes a slot after those already waiting."""
         if self.knows(member):
             return
-        self._spares.append(member)
+        self._state.spares.append(member)
         self.detector.watch([member])
-        self.events(event, member=member, spares=len(self._spares))
+        self.events(event, member=member, spares=len(self._state.spares))
 
     def knows(self, member: str) -> bool:
         """Whether `member` is in the job: waiting, in a slot, or dead."""
         return (
-            member in self._spares
+            member in self._state.spares
             or member in self.dead
-            or member in self._roster.slots.values()
+            or member in self._state.roster.slots.values()
             or member in self._slots().values()  # a planned newcomer (a respawn: `joining.py`)
         )
 
@@ -297,17 +291,17 @@ class Coordinator:
         reported its work done, as seen through the store: a cluster's coordinator sees no
         process exit."""
         gone = self.after_work
-        waiting = [m for m in self._roster.slots.values() if m not in gone]
+        waiting = [m for m in self._state.roster.slots.values() if m not in gone]
         # The count first: one round trip per call, whatever the size of the job.
         done = self.membership.done_count() >= len(waiting) and self.membership.all_done(waiting)
-        return self._recovery is None and done
+        return self._state.recovery is None and done
 
     def salvage_outstanding(self) -> list[int]:
         """Out of redundancy: the surviving ranks that have neither saved their part of the
         snapshot set nor fallen silent (the store must serve them until they have)."""
-        report = self._outcome.out_of_redundancy
+        report = self._state.out_of_redundancy
         dead = set(report.dead_ranks) if report else set()
-        pending = {r: m for r, m in self._roster.slots.items() if r not in dead}
+        pending = {r: m for r, m in self._state.roster.slots.items() if r not in dead}
         silent = self.detector.silent_among(list(pending.values()))
         return [
             r
@@ -340,7 +334,7 @@ class Coordinator:
         fresh = self.detector.dead - self._handled
         if fresh:  # something died since the last tick: look at the slots (O(world) once)
             self._lost(fresh)
-        rec = self._recovery
+        rec = self._state.recovery
         if rec is not None and not self._ended():
             if rec.t_agreed is None:
                 # No garbage collection while deciding: at 16,384 ranks the decision makes some
@@ -351,10 +345,10 @@ class Coordinator:
                     self._try_agree()
                 finally:
                     gc.enable()
-            if self._recovery is not None and self._recovery.t_agreed is not None:
+            if self._state.recovery is not None and self._state.recovery.t_agreed is not None:
                 self._late_newcomers()
                 self._track_phases()
-        if self._recovery is None:
+        if self._state.recovery is None:
             self._pruner.step()
 
     def _look_for_joiners(self) -> None:
@@ -362,26 +356,28 @@ class Coordinator:
         found = self._joiners.look(self.membership, self.clock.monotonic(), self.knows)
         for member in found.joined:
             self.add_spare(member, event="spare_joined")
-            self.say(f"{member} joined the spare pool ({len(self._spares)} spare(s) waiting)")
+            waiting = len(self._state.spares)
+            self.say(f"{member} joined the spare pool ({waiting} spare(s) waiting)")
         for member, why in found.abandoned.items():
             self.events("join_abandoned", member=member, why=why)
 
     def _ended(self) -> bool:
         """The job ended by a decision: out of redundancy, or the job's own error."""
-        return self._outcome.out_of_redundancy is not None or self._outcome.job_error is not None
+        return self._state.out_of_redundancy is not None or self._state.job_error is not None
 
     def _live(self) -> list[str]:
         """The members watched: spares and the current (or planned) slots, not dead ones."""
-        members = dict.fromkeys([*self._spares, *self._slots().values()])
+        members = dict.fromkeys([*self._state.spares, *self._slots().values()])
         return [m for m in members if not self.detector.is_dead(m)]
 
     def _slots(self) -> dict[int, str]:
-        return self._recovery.slots if self._recovery else self._roster.slots
+        return self._state.recovery.slots if self._state.recovery else self._state.roster.slots
 
     def _lost(self, fresh: frozenset[str]) -> None:
-        for member in [m for m in self._spares if m in fresh]:
-            self._spares.remove(member)
-            self.events("spare_lost", member=member, spares_left=len(self._spares))
+        state = self._state
+        for member in [m for m in state.spares if m in fresh]:
+            state.spares.remove(member)
+            self.events("spare_lost", member=member, spares_left=len(state.spares))
         slots = self._slots()
         dead = {r for r, m in slots.items() if m in fresh}
         placement = self.placement() if dead else None
@@ -391,156 +387,92 @@ class Coordinator:
                 dead, slots, lambda r: node.domain_ranks(node.domain(r)), self._handled
             )
         self._handled.update(fresh | {slots[r] for r in dead})
-        self._pruner.died(self._next_generation, sorted(fresh))
+        self._pruner.died(state.next_generation, sorted(fresh))
         if not dead or self._ended():
             return
+        seen = self._deaths(frozenset(dead), placement)
+        outcomes: dict[int, RespawnOutcome] = {}
+        done = 0
+        while True:  # decide; a respawn order's outcome goes into the decision again
+            actions = decide_deaths(seen, outcomes)
+            for action in actions[done:]:
+                done += 1
+                if isinstance(action, OrderRespawn):
+                    outcomes[action.rank] = self._act.respawn(action)
+                    break
+                self._act(action)
+            else:
+                return
+
+    # ------------------------------------------------------------------ what it looks at
+    def _deaths(self, dead: frozenset[int], placement: Placement | None) -> Deaths:
+        """What the decision on `dead` needs: the coordinator's own record and what it reads
+        from the store, its clock and the nodes' agents now."""
+        state, rec = self._state, self._state.recovery
+        base = self._slots()
         # A respawn runs on the same node and GPU: the same error again there proves nothing
         # about the job (a bad GPU repeats too); only a spare elsewhere repeating it does.
-        chain = {new: old for new, old in self._replaced.items() if new not in self._respawned}
-        verdict = judge({r: slots[r] for r in dead}, self.detector.error_reports(), chain)
-        if verdict is not None:
-            self._end_job_error(verdict)
-            return
-        completed = self.membership.training_complete() if self._recovery is None else None
-        if completed is None:
-            self._plan(dead)
-        else:
-            self._end(dead, completed)
-
-    # ------------------------------------------------------------------ deciding
-    def _plan(self, dead: set[int]) -> None:
-        rec, now = self._recovery, self.clock.time()
-        base = rec.slots if rec else self._roster.slots
-        all_dead = (rec.dead if rec else set()) | dead
-        slots = dict(base)
-        needy = set(rec.needy) if rec else set()
-        no_spare = rec.no_spare if rec else ""
-        respawned = dict(rec.respawned) if rec else {}
-        restored_earlier = dict(rec.restored_earlier) if rec else {}
-        if rec is not None and rec.t_agreed is not None:  # decided; not everyone joined yet
-            # Its survivors wait for every newcomer's claim (`wait_newcomers`); it will not be
-            # joined now: settle every slot not claimed yet, so that they move on to this plan
-            # - a newcomer lost is given up, a live one takes its slot in this plan instead.
-            # A newcomer that restored already holds its state and its owners' replicas: it
-            # survives into this plan and reports (one restoring after this read stays needy:
-            # it claims its slot again as it agrees, `Recovery.agree`).
-            for rank in sorted(rec.needy):
-                if rank in dead:
-                    self.membership.give_up_slot(rec.generation, rank)
-                elif self.membership.stamp_time(rec.generation, "restored", rank) is not None:
-                    needy.discard(rank)
-                    restored_earlier[rank] = respawned.pop(rank, None)
-                else:
-                    self.membership.move_slot_on(rec.generation, rank)
-        for rank in sorted(dead):
-            needy.add(rank)
-            respawned.pop(rank, None)
-            restored_earlier.pop(rank, None)
-            respawn = None if no_spare else self._respawn_in_place(rank, base[rank])
-            if respawn is not None:
-                slots[rank], respawned[rank] = respawn
-            elif self._spares and not no_spare:
-                slots[rank] = self._take_spare()
-            else:  # nothing can take the slot: agree anyway, to save what survives
-                no_spare = f"no spare left to replace rank(s) {sorted(all_dead)}"
-                continue
-            self._replaced[slots[rank]] = base[rank]
-        generation = self._next_generation
-        self._next_generation += 1
-        if rec is not None:
-            t_failure, evidence, t_detect = rec.t_failure, rec.failure_evidence, rec.t_detect
-        else:
-            t_failure, evidence = self.detector.failure_time([base[r] for r in dead])
-            t_detect = now
-        self._recovery = PendingRecovery(
-            generation=generation,
-            dead=all_dead,
-            slots=slots,
-            needy=needy,
-            t_failure=t_failure,
-            failure_evidence=evidence,
-            t_detect=t_detect,
-            t_plan=now,
-            planned_at=self.clock.monotonic(),
-            prev_last_iteration=self.membership.progress(),
-            no_spare=no_spare,
-            respawned=respawned,
-            restored_earlier=restored_earlier,
-        )
-        # What every survivor reads: the changes to the published roster, not all the slots
-        # (16,384 survivors reading 200 KB each would keep the store busy for seconds).
-        published = self._roster.slots
-        plan = Plan(
-            generation=generation,
-            base=self._roster.generation,
+        chain = {new: old for new, old in state.replaced.items() if new not in state.respawned}
+        # Read in the order the decision uses them (so the store sees the reads it saw before
+        # the decisions were split from the acts).
+        errors = self.detector.error_reports()
+        completed = self.membership.training_complete() if rec is None else None
+        now = self.clock.time()  # detected (before any wait for a node's agent's verdict)
+        restored: set[int] = set()
+        if rec is not None and rec.t_agreed is not None:  # its newcomers that restored already
+            restored = {
+                rank
+                for rank in sorted(rec.needy - dead)
+                if self.membership.stamp_time(rec.generation, "restored", rank) is not None
+            }
+        no_spare = rec is not None and bool(rec.no_spare)
+        respawning = None if no_spare else self._respawning([base[r] for r in sorted(dead)])
+        failure = (0.0, "")
+        if rec is None:
+            failure = self.detector.failure_time([base[r] for r in sorted(dead)])
+        return Deaths(
+            dead=dead,
             world_size=self.world_size,
-            dead=tuple(sorted(all_dead)),
-            needy=tuple(sorted(needy)),
-            replaced={r: m for r, m in slots.items() if published[r] != m},
+            roster=state.roster,
+            recovery=rec,
+            next_generation=state.next_generation,
+            spares=tuple(state.spares),
+            beaten=frozenset(s for s in state.spares if self.detector.has_beaten(s)),
+            errors=errors,
+            chain=chain,
+            completed=completed,
+            restored=frozenset(restored),
+            respawning=respawning,
+            placement=placement,
+            ended=state.ended,
+            failure=failure,
+            now=now,
+            monotonic=self.clock.monotonic(),
+            progress=self.membership.progress(),
         )
-        self.membership.publish_plan(plan)
-        if respawned:  # a respawned process waits as spares do: it reports once it sees the plan
-            self.membership.wake_spares()
-        # Survivors report without waiting for the plan: some reports may be in already.
-        # ... and the processes respawned in place, from their segment files (they report too).
-        self.membership.expect_reports(generation, self.world_size - len(needy) + len(respawned))
-        if rec is not None:  # survivors waiting on the old plan move on to this one
-            self.membership.decide(rec.generation, Decision.superseded(generation))
-        lost = replicas_lost(p, plan.dead) if (p := self.placement()) else []
-        self.events("plan", generation=generation, dead=plan.dead, needy=plan.needy, slots=slots,
-                    replicas_lost=lost)  # fmt: skip
-        replaced = ", ".join(
-            (
-                f"rank {r} <- {slots[r]}"
-                + (f" (respawned on node {respawned[r]})" if r in respawned else "")
-                if slots[r] != base[r]
-                else f"rank {r}: no spare"
-            )
-            for r in sorted(dead)
-        )
-        self.say(f"recovery: generation {generation}, dead ranks {sorted(all_dead)}; {replaced}")
 
-    def _take_spare(self) -> str:
-        """The first spare whose heartbeat was seen, else the first: a spare still starting up
-        (a refill, a joining one) would make the survivors wait for its start-up - and for
-        ever if it never ends, as no heartbeat judges a process that never beat."""
-        member = next((s for s in self._spares if self.detector.has_beaten(s)), self._spares[0])
-        self._spares.remove(member)
-        return member
-
-    def _respawn_in_place(self, rank: int, dead: str) -> tuple[str, int] | None:
-        """A new process in the place of `dead` (which held `rank`) on its node, when that
-        node's agent is alive and its respawn budget allows one: its member name and the node;
-        None: take a spare."""
-        if self._agents is None or self._respawn is None or self.placement() is None:
+    def _respawning(self, dead: list[str]) -> Respawning | None:
+        """What the nodes of `dead` members can respawn now; None: no respawn at all (no
+        agents, or no layout yet: nothing was ever replicated)."""
+        agents, budget = self._agents, self._respawn
+        if agents is None or budget is None or self.placement() is None:
             return None
-        node, now = self._agents.node_of(dead), self.clock.monotonic()
-        if not self._agents.alive(node):
-            self.events("respawn_refused", rank=rank, node=node, why="node lost")
-            return None
-        if not self._respawn.recalled(node):  # its respawns for a coordinator this one replaced
-            history = self.membership.respawn_history(node)
-            self._respawn.recall(node, history.ages if history else (), now)
-        if not self._respawn.allows(node, now):
-            self.events("respawn_refused", rank=rank, node=node, why="respawn limit reached")
-            self.say(
-                f"node {node}: {self._respawn.used(node)} respawn(s) within "
-                f"{self._respawn.window:g}s (deadpool-respawn-limit): no respawn for rank {rank}"
-            )
-            return None
-        try:
-            member = self._agents.respawn(rank, dead, node)
-        except OSError as exc:  # the node cannot start a process (fork server, limits): a spare
-            self.events("respawn_refused", rank=rank, node=node, why=f"cannot start one: {exc}")
-            return None
-        self._respawn.spend(node, now)
-        self._respawned.add(member)
-        self.detector.watch([member])
-        self.events("respawned", rank=rank, node=node, member=member, replaces=dead)
-        return member, node
+        node_of = {member: agents.node_of(member) for member in dead}
+        nodes: dict[int, NodeState] = {}
+        now = self.clock.monotonic()
+        for node in dict.fromkeys(node_of.values()):
+            if not agents.alive(node):
+                nodes[node] = NodeState(alive=False)
+                continue
+            if not budget.recalled(node):  # its respawns for a coordinator this one replaced
+                history = self.membership.respawn_history(node)
+                budget.recall(node, history.ages if history else (), now)
+            budget.allows(node, now)  # forgets the respawns older than the window
+            nodes[node] = NodeState(alive=True, recent=budget.used(node))
+        return Respawning(budget.limit, budget.window, node_of, nodes)
 
     def _try_agree(self) -> None:
-        rec = self._recovery
+        rec = self._state.recovery
         assert rec is not None
         g = rec.generation
         survivors = [r for r in range(self.world_size) if r not in rec.needy]
@@ -564,143 +496,13 @@ class Coordinator:
                     )
             return
         cpu0, t0 = time.thread_time(), time.time()
-        self._agree(rec, holdings)
+        placement = self.placement()
+        n = self._state.next_generation
+        self._act(decide_agreement(rec, holdings, placement, self.world_size, n))
         if self.observer is not None:
             self.observer.decided(
                 DecisionCost(t_start=t0, cpu_s=time.thread_time() - cpu0, wall_s=time.time() - t0)
             )
-
-    def _agree(self, rec: PendingRecovery, holdings: dict[int, HoldingsReport]) -> None:
-        g = rec.generation
-        last = max([rec.prev_last_iteration] + [h.last_completed for h in holdings.values()])
-        rec.prev_last_iteration = last
-        holds = {r: h.holds for r, h in holdings.items()}
-        placement = self.placement()
-        if placement is None:  # failed during start-up: nothing was ever replicated
-            self._end_out_of_redundancy(
-                f"rank(s) {sorted(rec.dead)} failed before replication started: nothing in "
-                "memory to recover from (see their logs)",
-                lost_ranks=sorted(rec.dead),
-            )
-            return
-        plan = plan_restore(placement, holds, rec.needy, rec.respawned)
-        if rec.no_spare or not plan.ok:
-            survivors = {r: h for r, h in holds.items() if r not in rec.needy}  # they save
-            self._end_out_of_redundancy(
-                rec.no_spare or plan.reason,
-                lost_ranks=plan.lost_ranks,
-                dead=sorted(rec.dead),
-                save=self._save_order(placement, plan, survivors, rec.needy),
-            )
-            return
-        assert plan.iteration is not None
-        rec.t_agreed, rec.agreed_at = self.clock.time(), self.clock.monotonic()
-        rec.restore_iteration = plan.iteration
-        roster = Roster(g, self.world_size, rec.slots, restore_iteration=plan.iteration)
-        self.membership.publish_sources(g, Sources(plan.sources))
-        self.membership.publish_roster(roster)
-        self.membership.decide(g, Decision.roster(plan.iteration))
-        self._roster = roster
-        self.events(
-            "agreed",
-            generation=g,
-            restore_iteration=plan.iteration,
-            sources=plan.sources,
-            last_completed=last,
-            under_replicated=short_of_replicas(placement, holds, plan.iteration),
-        )
-        self.say(
-            f"agreed: restore iteration {plan.iteration}, "
-            + (
-                "shards from " + ", ".join(f"rank {h} -> rank {n}" for n, h in plan.sources.items())
-                if plan.sources
-                else "every rank from its own snapshot"
-            )
-        )
-
-    def _save_order(
-        self,
-        placement: Placement,
-        plan: RestorePlan,
-        holds: dict[int, dict[str, tuple[int, ...]]],
-        needy: set[int],
-    ) -> SaveOrder | None:
-        """What survivors write before stopping: one common iteration, and who writes what."""
-        salvage = plan_salvage(placement, holds, needy, plan)
-        if salvage is None:
-            return None
-        return SaveOrder(
-            iteration=salvage.iteration,
-            sources=dict(salvage.sources),
-            complete=salvage.complete,
-            missing=tuple(salvage.missing(needy)),
-        )
-
-    def _end_out_of_redundancy(
-        self,
-        reason: str,
-        *,
-        lost_ranks: list[int],
-        dead: list[int] | None = None,
-        save: SaveOrder | None = None,
-    ) -> None:
-        placement = self.placement()
-        holders = placement.holders if placement is not None else None
-        report = OutOfRedundancy(
-            reason=reason,
-            dead_ranks=tuple(dead if dead is not None else lost_ranks),
-            lost_ranks=tuple(lost_ranks),
-            lost_shards_holders={r: tuple(holders[r]) if holders else () for r in lost_ranks},
-            save=save,
-        )
-        self._outcome.out_of_redundancy = report
-        # Survivors waiting on the current plan, and those that report for the next
-        # generation, see the decision.
-        generations = [self._next_generation]
-        if self._recovery is not None:
-            generations.append(self._recovery.generation)
-        self.membership.publish_out_of_redundancy(report, generations)
-        self.events("out_of_redundancy", **report.to_dict())
-        self.say(f"OUT OF REDUNDANCY: {reason}")
-
-    def _end_job_error(self, verdict: JobError) -> None:
-        """The job's own error: no plan, no spare; the job ends (the launchers stop it)."""
-        self._outcome.job_error = verdict
-        self.membership.publish_job_error(verdict)
-        self.events("job_error", **verdict.to_dict())
-        self.say(f"JOB ERROR: {verdict.report.cause()}")
-        self.say(f"{verdict.reason}; no spare used: fix the job (exit code {ExitCode.JOB_ERROR:d})")
-
-    def _end(self, dead: set[int], completed: int) -> None:
-        """Ranks lost after training completed: no recovery (nothing to recompute); the
-        survivors are told who died and who holds each dead rank's final state, to save it."""
-        earlier = self._outcome.ended
-        all_dead = sorted(set(earlier.dead_ranks if earlier else ()) | dead)
-        placement = self.placement()
-        sources: dict[int, int] = {}
-        for rank in all_dead:
-            holders = placement.holders[rank] if placement else ()
-            alive = [h for h in holders if h not in all_dead]
-            if alive:
-                sources[rank] = alive[0]
-        lost = tuple(r for r in all_dead if r not in sources)
-        report = EndReport(
-            reason=f"rank(s) {all_dead} lost after training completed at iteration {completed}",
-            completed_iteration=completed,
-            dead_ranks=tuple(all_dead),
-            lost_ranks=lost,
-            save=SaveOrder(iteration=completed, sources=sources, complete=not lost, missing=lost),
-        )
-        self._outcome.ended = report
-        for rank in dead:
-            self.detector.mark_after_work(self._roster.slots[rank])
-        self.membership.publish_end(report)
-        self.events("lost_after_training", **report.to_dict())
-        self.say(
-            f"rank(s) {sorted(dead)} lost after training completed at iteration {completed}: "
-            "nothing to recompute"
-            + (f"; the final state of rank(s) {list(lost)} is gone with them" if lost else "")
-        )
 
     def placement(self) -> Placement | None:
         """The job's placement; a cluster coordinator learns the layout from rank 0 (None
@@ -713,27 +515,29 @@ class Coordinator:
         return self._placement
 
     def _late_newcomers(self) -> None:
-        """A newcomer that has not claimed its slot a join timeout after the decision is taken
-        for lost (killed where the launcher can): the survivors wait for every claim, so one
-        stuck in its build - alive, beating - would hold them for ever. The next plan gives
-        its slot to another spare."""
-        rec = self._recovery
+        """Newcomers that have not claimed their slot a join timeout after the decision are
+        taken for lost (killed where the launcher can: `decide.late_newcomers`)."""
+        rec = self._state.recovery
         assert rec is not None and rec.agreed_at is not None
-        if self.clock.monotonic() - rec.agreed_at <= self.join_timeout:
+        waited = self.clock.monotonic() - rec.agreed_at
+        if waited <= self.join_timeout:
             return
-        for rank in sorted(rec.needy):
-            member = rec.slots[rank]
-            if not self.detector.is_dead(member) and not self.membership.claimed(
-                rec.generation, rank
-            ):
-                self.detector.condemn(
-                    member,
-                    f"did not take rank {rank}'s slot within {self.join_timeout:g}s of the "
-                    "decision (deadpool-join-timeout)",
-                )
+        for action in late_newcomers(
+            rec, waited, self.join_timeout, self.detector.dead, self._claimed(rec)
+        ):
+            self._act(action)
+
+    def _claimed(self, rec: PendingRecovery) -> frozenset[int]:
+        """The newcomers' slots of `rec` claimed so far (read for the live newcomers only)."""
+        return frozenset(
+            rank
+            for rank in sorted(rec.needy)
+            if not self.detector.is_dead(rec.slots[rank])
+            and self.membership.claimed(rec.generation, rank)
+        )
 
     def _track_phases(self) -> None:
-        rec = self._recovery
+        rec = self._state.recovery
         assert rec is not None and rec.t_agreed is not None and rec.restore_iteration is not None
         g, ranks, m = rec.generation, list(range(self.world_size)), self.membership
         # The counts are hints anyone can add to: the stamps confirm them, read once the counts
@@ -772,7 +576,7 @@ class Coordinator:
             "stale_group_refs": m.stale_refs(g),
             "total_s": round(first - rec.t_failure, 4),
         }
-        self._outcome.recoveries.append(record)
+        self._state.recoveries.append(record)
         self._pruner.completed(g)
         self.events("recovered", **record)
         self.say(
@@ -780,4 +584,4 @@ class Coordinator:
             + ", ".join(f"{k} {v:.2f}s" for k, v in record["phases_s"].items())
             + f"; recomputed {record['recomputed_iterations']} iteration(s)"
         )
-        self._recovery = None
+        self._state.recovery = None

@@ -1,6 +1,6 @@
 """Is a failure the job's own error - one no spare can fix - or a lost process to hot-swap?
 
-Pure: the coordinator's decision (`coordinator.py`) over the error reports it read. A process
+Pure: part of the coordinator's decisions (`decide.py`) over the error reports it read. A process
 that ends with an exception of its own reports it (`messages.ErrorReport`: its phase, the
 exception's type and first line; `Driver.report_error`); one that dies by a signal reports
 nothing. A death is the job's own error when

@@ -17,7 +17,8 @@ that takes the job over goes on counting from where the lost one was (`recall`: 
 tells it how long ago it respawned processes), not afresh.
 
 Pure bookkeeping (an injectable clock); who can start a process where is `NodeAgents`, the
-coordinator's way to reach the agents (`coordinator.py` decides, a launcher or agent acts).
+coordinator's way to reach the agents (`decide.py` decides, `execute.py` orders, a launcher or
+agent acts).
 """
 
 from __future__ import annotations

@@ -34,7 +34,8 @@ from ...replication.placement import Placement
 from ..coordinator.coordinator import Coordinator
 from ..coordinator.events import EventLog, job_id
 from ..coordinator.liveness import Liveness, ProcessLiveness, kill_groups
-from ..coordinator.respawn import NodeAgents, RespawnBudget
+from ..coordinator.respawn import NodeAgents
+from ..coordinator.settings import CoordinatorSettings
 from ..protocol.membership import Membership, host_store
 from ..protocol.messages import JobError, task_of
 from ..protocol.seal import JobSeal
@@ -111,20 +112,17 @@ class LocalJob:
         self.membership.set_token()
         events = EventLog(run_dir / "events.jsonl", job=job_id(token))
         events("store", address=self.address)  # where the job's store listens (for tools)
-        self.coordinator = Coordinator(
+        settings = CoordinatorSettings.of(
+            cfg, world_size, self.spares, suspect_after=self._suspect_after()
+        )
+        self.coordinator = Coordinator.from_settings(
+            settings,
             self.membership,
-            world_size,
-            placement,
-            [f"s{i}" for i in range(self.spares)],
-            heartbeat_timeout=cfg.heartbeat_timeout,
-            agree_timeout=cfg.agreement_timeout,
-            join_timeout=cfg.join_timeout,
             liveness=self._liveness(),
-            suspect_after=self._suspect_after(),
             events=events,
+            placement=placement,
             say=say,
             agents=self._node_agents(placement),
-            respawn=RespawnBudget(cfg.respawn_limit, cfg.respawn_window),
         )
         publish_status(events, self.coordinator, standbys=0)
         self.coordinator.start()
