@@ -228,7 +228,7 @@ class Recovery:
                 )
             self.needy = rank in plan.needy
             # Needy although it survived: it restored as the previous generation's newcomer
-            # after the coordinator planned g (`Coordinator._plan` counts the restores it saw);
+            # after the coordinator planned g (`decide.decide_deaths` counts the restores it saw);
             # it claims its slot as a newcomer would, and restores from a holder.
             if self.needy:
                 if not claim_slot(m, g, rank):
