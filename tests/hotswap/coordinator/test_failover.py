@@ -35,7 +35,7 @@ def _config(folder: Path, spares: int = 2, **train: Any) -> Path:
             {
                 "parallel": {"tp": 2, "pp": 1, "dp": 2},
                 "train": {"iters": ITERS, **train},
-                "deadpool": {"spares": spares, "replicas": 1, "ranks_per_node": 2},
+                "deadpool": {"spare_ranks": spares, "replicas": 1, "ranks_per_node": 2},
             }
         )
     )
