@@ -41,8 +41,8 @@ from typing import Any, Protocol
 
 from ...errors import ExitCode
 from ...replication.placement import Placement, place_replicas
+from ..protocol.coordinator_view import CoordinatorView
 from ..protocol.joining import Joiners, next_spare_number
-from ..protocol.membership import Membership
 from ..protocol.messages import (
     Decision,
     EndReport,
@@ -129,7 +129,7 @@ class Coordinator:
 
     def __init__(
         self,
-        membership: Membership,
+        membership: CoordinatorView,
         world_size: int,
         placement: Placement | None,
         spares: list[str],

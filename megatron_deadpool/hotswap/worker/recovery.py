@@ -39,8 +39,8 @@ from ...replication.replicator import Replicator
 from ...replication.segments import SegmentHoldings
 from ...replication.shard_exchange import start_shard_exchange
 from ...replication.snapshot import RankState, Snapshotter
-from ..protocol.membership import Membership
 from ..protocol.messages import EndReport, HoldingsReport, OutOfRedundancy, Roster, Verdict
+from ..protocol.worker_view import WorkerView
 from . import rebind
 from .newcomer_claim import claim_slot
 
@@ -92,7 +92,7 @@ def release_groups(
 class Recovery:
     """The recovery steps of one process, over what it holds as a step starts."""
 
-    membership: Membership
+    membership: WorkerView
     member: str
     rank: int | None
     """Its rank (None: a spare that holds none)."""
