@@ -10,11 +10,12 @@ and its reporting of rejected values. A member is `a{r}` (the initial active of 
 `s{i}` (spare i); g is a generation (0 at start, +1 per planned recovery). The words:
 `docs/glossary.md`.
 
-Here: the job's token and layout, who announced itself, the newest generation and its roster,
-the plans, the waiting spares' wake-ups and names, the verdicts everyone stops on (out of
-redundancy, the job's own error, the end, the shutdown), progress and the job's status; and
-the values a worker writes that a standby coordinator writes again when it rebuilds the job's
-state from the re-registrations (the layout, done, finished, progress).
+Here: the coordinator's inbox (any process wakes it), the job's token and layout, who announced
+itself, the newest generation and its roster, the plans and survivors' holdings, the waiting
+spares' wake-ups and names, the verdicts everyone stops on (out of redundancy, the job's own
+error, the end, the shutdown), progress and the job's status; and the values a worker writes
+that a standby coordinator writes again when it rebuilds the job's state from the
+re-registrations (the layout, done, finished, progress).
 """
 
 from __future__ import annotations
