@@ -6,7 +6,8 @@
 Each page is generated, never edited by hand: the CLI from the argparse parsers of every
 `deadpool` command (`cli/main.py`'s registry), every `--deadpool-*` flag from `DeadpoolConfig`,
 the exit codes from `ExitCode`, the Slurm launcher's variables from the header of
-scripts/slurm/deadpool_launch.sh, and the refused Megatron-LM options from `megatron_lm/refused.py`.
+scripts/slurm/deadpool_launch.sh, the refused Megatron-LM options from `megatron_lm/refused.py`,
+and the store's keys from `messages.Keys`.
 tests/test_docs_reference.py regenerates them in memory and fails when a committed page
 differs: a flag or command added without regenerating fails there.
 """
@@ -244,6 +245,66 @@ def metrics_page() -> str:
     )
 
 
+KEY_KINDS = ("sealed", "counter", "queue", "torch")
+"""The kinds a key's documentation line starts with (`messages.Keys`)."""
+
+
+def _key_docs() -> list[tuple[str, str, list[str]]]:
+    """(template, what it holds, [kind, writes, reads, kept]) of every `messages.Keys` template,
+    from the docstring under it; ValueError when one is undocumented, or its line is not
+    `KIND | writes: ... | reads: ... | kept: ...`, or its kind contradicts `Keys.UNSEALED`."""
+    from megatron_deadpool.hotswap.protocol.messages import Keys
+
+    tree = ast.parse(textwrap.dedent(inspect.getsource(Keys)))
+    body = tree.body[0].body  # type: ignore[attr-defined]
+    raw = {
+        stmt.targets[0].id: inspect.cleandoc(nxt.value.value)
+        for stmt, nxt in itertools.pairwise(body)
+        if isinstance(stmt, ast.Assign)
+        and isinstance(stmt.targets[0], ast.Name)
+        and isinstance(nxt, ast.Expr)
+        and isinstance(nxt.value, ast.Constant)
+        and isinstance(nxt.value.value, str)
+    }
+    out = []
+    for name, template in vars(Keys).items():
+        if not name.isupper() or not isinstance(template, str):
+            continue
+        what, _, line = raw.get(name, "").rpartition("\n\n")
+        fields = [" ".join(f.split()) for f in line.split("|")]
+        labels = [f.split(":", 1)[0] for f in fields[1:]]
+        if len(fields) != 4 or fields[0] not in KEY_KINDS or labels != ["writes", "reads", "kept"]:
+            raise ValueError(
+                f"Keys.{name}: document it under its template, ending with a line "
+                "'KIND | writes: WHO | reads: WHO | kept: HOW LONG' (KIND one of "
+                f"{', '.join(KEY_KINDS)})"
+            )
+        if (fields[0] == "sealed") == (template in Keys.UNSEALED):
+            raise ValueError(f"Keys.{name}: documented {fields[0]}, but Keys.UNSEALED says not")
+        kind = [fields[0]] + [f.split(":", 1)[1].strip() for f in fields[1:]]
+        out.append((template, " ".join(what.split()), kind))
+    return out
+
+
+def store_keys_page() -> str:
+    """docs/reference/store-keys.md: every key of the job's store, from `messages.Keys`."""
+    from megatron_deadpool.hotswap.protocol import messages
+
+    doc = inspect.cleandoc(messages.Keys.__doc__ or "").split("\n\n", 1)[1]
+    rows = "".join(
+        f"| `{template}` | {kind} | {writes} | {reads} | {kept} | {what} |\n"
+        for template, what, (kind, writes, reads, kept) in _key_docs()
+    )
+    return (
+        f"# Store keys\n\n{GENERATED}\nEvery key DeadPool reads or writes in the job's store "
+        "(the coordinator's TCPStore), from the key templates of "
+        "`megatron_deadpool/hotswap/protocol/messages.py` (`Keys`), where each is documented "
+        f"once.\n\n{' '.join(doc.split())}\n\n"
+        "| key | kind | written by | read by | kept | what it holds |\n"
+        f"|---|---|---|---|---|---|\n{rows}"
+    )
+
+
 PAGES: dict[str, Callable[[], str]] = {
     "events.md": events_page,
     "metrics.md": metrics_page,
@@ -252,6 +313,7 @@ PAGES: dict[str, Callable[[], str]] = {
     "exit-codes.md": exit_codes_page,
     "launch-variables.md": launch_variables_page,
     "refused-megatron-options.md": refused_options_page,
+    "store-keys.md": store_keys_page,
 }
 """docs/reference/NAME -> the function that writes it."""
 

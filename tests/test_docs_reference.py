@@ -1,7 +1,7 @@
 """The docs site's reference pages (docs/reference/*.md) are what scripts/gen_reference.py writes
 from the code today: a `deadpool` command, a flag, a `--deadpool-*` field, an exit code, a
-launcher variable or a refused Megatron-LM option added or changed without regenerating the
-pages fails here (run
+launcher variable, a refused Megatron-LM option or a store key added or changed without
+regenerating the pages fails here (run
 `PYTHONPATH=$PWD .venv/bin/python scripts/gen_reference.py`)."""
 
 from __future__ import annotations
@@ -58,6 +58,11 @@ def test_reference_names_every_flag_command_and_exit_code() -> None:
 
     for refusal in REFUSALS:
         assert f"| `{refusal.name}` |" in pages["refused-megatron-options.md"], refusal.name
+    from megatron_deadpool.hotswap.protocol.messages import Keys
+
+    templates = [t for n, t in vars(Keys).items() if n.isupper() and isinstance(t, str)]
+    for template in templates:
+        assert f"| `{template}` |" in pages["store-keys.md"], template
     from megatron_deadpool.hotswap.coordinator.events import EVENTS
     from megatron_deadpool.hotswap.report.metrics_file import METRICS
     from megatron_deadpool.megatron_lm.report import SCALARS

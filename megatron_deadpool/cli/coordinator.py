@@ -46,9 +46,11 @@ from ..hotswap.coordinator.settings import CoordinatorSettings
 from ..hotswap.coordinator.standby import Standby, StandbyWatch
 from ..hotswap.launch.silent_connections import SilentConnections
 from ..hotswap.launch.supervisor import CoordinatorOnly, Supervisor
-from ..hotswap.protocol.membership import Membership, host_store
+from ..hotswap.protocol.coordinator_view import CoordinatorView
+from ..hotswap.protocol.membership import host_store
 from ..hotswap.protocol.messages import CoordinatorIdentity, JobError
 from ..hotswap.protocol.seal import SECRET_ENV, SECRET_FILE_ENV, JobSeal, job_secret
+from ..hotswap.protocol.sealed_store import SealedStore
 from ..hotswap.protocol.store_files import reserve_files, store_files_needed
 from ..hotswap.report.job_status import publish_status
 from ..hotswap.report.metrics_file import follow_progress, watch_events
@@ -168,7 +170,7 @@ def run(args: argparse.Namespace) -> int:
     def say(text: str) -> None:
         print(f"deadpool {role}: {text}", flush=True)
 
-    membership = Membership(store, role, seal)
+    membership = CoordinatorView(SealedStore(store, role, seal))
     log_dir = Path(cfg.log_dir) if cfg.log_dir else None
     if log_dir:
         log_dir.mkdir(parents=True, exist_ok=True)
@@ -310,7 +312,7 @@ def serve(
     return code
 
 
-def _digests(membership: Membership, world_size: int) -> tuple[str | None, dict[str, str]]:
+def _digests(membership: CoordinatorView, world_size: int) -> tuple[str | None, dict[str, str]]:
     """The job's parameter digest as `deadpool train` reports it (any member's digest stands for
     its group of ranks holding the same weights, `Layout.peer_groups`: a rank lost after
     training completed costs none), and each rank's."""

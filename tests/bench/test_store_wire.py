@@ -15,7 +15,8 @@ import torch.distributed as dist
 from megatron_deadpool.bench.scale.sim_ranks import RankStore
 from megatron_deadpool.bench.scale.store_wire import Hub, WireStore
 from megatron_deadpool.hotswap.protocol.connection import BoundedStore
-from megatron_deadpool.hotswap.protocol.membership import ABSENT, host_store
+from megatron_deadpool.hotswap.protocol.membership import host_store
+from megatron_deadpool.hotswap.protocol.sealed_store import ABSENT
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -66,7 +67,7 @@ def _calls(store: Any) -> list[Any]:
     run(lambda: store.wait(["k"], datetime.timedelta(seconds=5)))
     run(lambda: store.multi_get(["k", "c"]))
     run(lambda: store.compare_set("k", "value", "other"))
-    run(lambda: store.compare_set("gone", ABSENT, ABSENT))  # `Membership._peek`
+    run(lambda: store.compare_set("gone", ABSENT, ABSENT))  # `SealedStore.peek`
     run(lambda: store.compare_set("slot", "", "ready"))
     run(lambda: store.queue_push("inbox", "holdings 1"))
     run(lambda: store.delete_key("k"))

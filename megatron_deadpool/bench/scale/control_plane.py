@@ -59,8 +59,9 @@ from ...hotswap.coordinator.coordinator import Coordinator
 from ...hotswap.coordinator.events import EventLog
 from ...hotswap.coordinator.liveness import kill_groups
 from ...hotswap.launch.supervisor import TICK_S
-from ...hotswap.protocol.membership import BATCH_KEYS, Membership, host_store
+from ...hotswap.protocol.membership import Membership, host_store
 from ...hotswap.protocol.seal import SECRET_ENV, JobSeal, new_secret
+from ...hotswap.protocol.sealed_store import BATCH_KEYS
 from ...hotswap.protocol.store_files import RESERVE, reserve_files
 from ...replication.placement import place_replicas
 from ..report import publish, text_row

@@ -28,9 +28,10 @@ import torch.distributed as dist
 from ...hotswap.coordinator.clock import ManualClock
 from ...hotswap.coordinator.coordinator import Coordinator
 from ...hotswap.coordinator.events import EventLog
-from ...hotswap.protocol.membership import BATCH_KEYS, Membership, host_store
+from ...hotswap.protocol.membership import Membership, host_store
 from ...hotswap.protocol.messages import HoldingsReport, Keys
 from ...hotswap.protocol.seal import JobSeal, new_secret
+from ...hotswap.protocol.sealed_store import BATCH_KEYS
 from ...replication.placement import place_replicas
 from .control_plane_job import CostLog, SimLiveness, layout_for, rss_mib, settings_for
 

@@ -1,7 +1,7 @@
 """What the coordinator records of a recovery, and the actions its decisions come to.
 
 The decisions (`decide.py`) are pure: they return these actions, and the executor
-(`execute.py`) performs them - the store writes through the coordinator's `Membership`, the
+(`execute.py`) performs them - the store writes through the coordinator's `CoordinatorView`, the
 orders to the nodes' agents, the events and the lines for the user - in the order given.
 `PendingRecovery` is the coordinator's record of the recovery under way: a plan makes a new
 one, the agreement and the phase stamps fill it in.

@@ -42,8 +42,8 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from ...replication.placement import Placement, place_replicas
+from ..protocol.coordinator_view import CoordinatorView
 from ..protocol.joining import Joiners, next_spare_number
-from ..protocol.membership import Membership
 from ..protocol.messages import EndReport, JobError, OutOfRedundancy, Roster
 from ..protocol.store_protocol import ServingStore
 from ..protocol.wakeup import StoreWaiter, coordinator_inbox
@@ -89,7 +89,7 @@ class Coordinator:
 
     def __init__(
         self,
-        membership: Membership,
+        membership: CoordinatorView,
         world_size: int,
         placement: Placement | None,
         spares: list[str],
@@ -151,7 +151,7 @@ class Coordinator:
     def from_settings(
         cls,
         settings: CoordinatorSettings,
-        membership: Membership,
+        membership: CoordinatorView,
         *,
         liveness: Liveness,
         events: EventLog,

@@ -26,7 +26,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from ..protocol.membership import Membership
+from ..protocol.coordinator_view import CoordinatorView
 from ..protocol.messages import ErrorReport
 from ..protocol.numbered import numbers_to_read
 from .clock import Clock
@@ -56,7 +56,7 @@ class FailureDetector:
 
     def __init__(
         self,
-        membership: Membership,
+        membership: CoordinatorView,
         liveness: Liveness,
         *,
         heartbeat_timeout: float,

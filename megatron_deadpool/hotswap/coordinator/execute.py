@@ -1,6 +1,6 @@
 """The coordinator's executor: it performs what the decisions (`decide.py`) came to.
 
-Each action becomes the coordinator's store writes (through its `Membership`), an order to a
+Each action becomes the coordinator's store writes (through its `CoordinatorView`), an order to a
 node's agent, its events and the lines the user reads - in the order of the actions, as the
 coordinator made them before its decisions were split from its acts - and updates
 `CoordinatorState`, the coordinator's record of the job (its roster, spares, recovery under
@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ...errors import ExitCode
-from ..protocol.membership import Membership
+from ..protocol.coordinator_view import CoordinatorView
 from ..protocol.messages import Decision, EndReport, JobError, OutOfRedundancy, Roster, Sources
 from .actions import (
     Action,
@@ -64,7 +64,7 @@ class Executor:
     def __init__(
         self,
         state: CoordinatorState,
-        membership: Membership,
+        membership: CoordinatorView,
         detector: FailureDetector,
         events: EventLog,
         say: Callable[[str], None],

@@ -1,6 +1,6 @@
 """Heartbeat ages on the coordinator's own clock.
 
-A process's heartbeat is a counter it increments (`Membership.heartbeat`); no clock travels.
+A process's heartbeat is a counter it increments (`WorkerView.heartbeat`); no clock travels.
 The coordinator reads every counter in one batched sweep and notes, on its own monotonic
 clock, when it last saw each one change: a process's age is the time since then. Clock skew
 between hosts (or a wall clock stepped by NTP) therefore cannot make a live process look hung

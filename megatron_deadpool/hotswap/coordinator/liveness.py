@@ -18,7 +18,7 @@ from typing import Protocol
 
 import psutil
 
-from ..protocol.membership import Membership
+from ..protocol.coordinator_view import CoordinatorView
 
 
 class Liveness(Protocol):
@@ -88,9 +88,9 @@ class HeartbeatOnly:
 
 class AgentExits:
     """A coordinator whose nodes run `deadpool agent`: the exits the agents report
-    (`Membership.process_exits`, one store request per look when none is new)."""
+    (`CoordinatorView.process_exits`, one store request per look when none is new)."""
 
-    def __init__(self, membership: Membership) -> None:
+    def __init__(self, membership: CoordinatorView) -> None:
         self.membership = membership
         self.seen = 0
         self.codes: dict[str, int] = {}

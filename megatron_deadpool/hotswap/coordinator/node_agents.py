@@ -27,7 +27,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from ..protocol.membership import Membership
+from ..protocol.coordinator_view import CoordinatorView
 from ..protocol.messages import RespawnOrder, task_of
 from .liveness import AgentExits
 
@@ -43,7 +43,7 @@ class StoreAgents:
 
     def __init__(
         self,
-        membership: Membership,
+        membership: CoordinatorView,
         *,
         world_size: int,
         processes: int,

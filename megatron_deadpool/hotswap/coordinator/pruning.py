@@ -9,15 +9,16 @@ alone are one per rank and group).
 
 from __future__ import annotations
 
-from ..protocol.membership import BATCH_KEYS, Membership
+from ..protocol.coordinator_view import CoordinatorView
 from ..protocol.numbered import WINDOW
 from ..protocol.retention import member_keys, prunable_below, prunable_wake_ups, wake_up_keys
+from ..protocol.sealed_store import BATCH_KEYS
 
 
 class Pruner:
     """Generations whose keys are deleted once a later generation is complete."""
 
-    def __init__(self, membership: Membership, first: int = 0) -> None:
+    def __init__(self, membership: CoordinatorView, first: int = 0) -> None:
         """`first`: the oldest generation whose keys may be in the store."""
         self.membership = membership
         self.first = first

@@ -31,9 +31,10 @@ from ...config.deadpool import DeadpoolConfig
 from ...devices.threads import DeviceThread, start_thread
 from ...errors import CoordinatorUnreachableError
 from ..protocol.connection import STORE_ERRORS, BoundedStore, open_client
-from ..protocol.membership import Membership
+from ..protocol.coordinator_view import CoordinatorView
 from ..protocol.messages import CoordinatorIdentity, Registration, member_of
 from ..protocol.seal import JobSeal
+from ..protocol.sealed_store import SealedStore
 from .coordinator import Coordinator
 from .events import EventLog
 from .rebuild import Rebuilt, rebuild
@@ -48,23 +49,23 @@ class PeerWatch:
     def __init__(self, seal: JobSeal, op_timeout: float) -> None:
         self.seal = seal
         self.op_timeout = op_timeout
-        self.clients: dict[str, Membership] = {}
+        self.clients: dict[str, CoordinatorView] = {}
 
-    def probe(self, address: str) -> tuple[bool, Membership | None]:
+    def probe(self, address: str) -> tuple[bool, CoordinatorView | None]:
         """(whether the store at `address` answers, a client of it if it serves this job)."""
         try:
             membership = self.clients.get(address)
             if membership is None:
                 client = open_client(address, max(0.5, min(2.0, self.op_timeout)))
                 store = BoundedStore(client, self.op_timeout)
-                membership = Membership(store, "coordinator", self.seal)
+                membership = CoordinatorView(SealedStore(store, "coordinator", self.seal))
                 self.clients[address] = membership
             return True, membership if membership.serves_job() else None
         except STORE_ERRORS:
             self.clients.pop(address, None)
             return False, None
 
-    def ended(self, address: str, membership: Membership) -> bool | None:
+    def ended(self, address: str, membership: CoordinatorView) -> bool | None:
         """Whether the job ended at the coordinator at `address` (`membership`: its client);
         None when it stopped answering since its probe (frozen or lost in between)."""
         try:
@@ -73,7 +74,7 @@ class PeerWatch:
             self.clients.pop(address, None)
             return None
 
-    def serving(self, addresses: list[str]) -> tuple[str, Membership] | None:
+    def serving(self, addresses: list[str]) -> tuple[str, CoordinatorView] | None:
         """The first of `addresses` that serves this job, with a client of it."""
         for address in addresses:
             membership = self.probe(address)[1]
@@ -105,7 +106,7 @@ class Standby:
         cfg: DeadpoolConfig,
         index: int,
         world_size: int,
-        membership: Membership,
+        membership: CoordinatorView,
         events: EventLog,
         say: Callable[[str], None],
     ) -> None:

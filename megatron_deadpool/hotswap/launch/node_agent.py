@@ -51,9 +51,9 @@ from pathlib import Path
 from ...errors import CoordinatorUnreachableError, first_line
 from ...replication import segments
 from ..coordinator.liveness import kill_groups
+from ..protocol.agent_view import AgentView
 from ..protocol.connection import STORE_ERRORS, BoundedStore, open_client
 from ..protocol.joining import next_spare_number
-from ..protocol.membership import Membership
 from ..protocol.messages import (
     AGENT_NODE_ENV,
     Announcement,
@@ -65,6 +65,7 @@ from ..protocol.messages import (
     task_of,
 )
 from ..protocol.seal import JobSeal
+from ..protocol.sealed_store import SealedStore
 from .forkserver import Preload
 from .warm_start import ForkedProcess, WarmStart
 
@@ -137,7 +138,7 @@ class NodeAgent:
             tempfile.mkdtemp(prefix="deadpool-node-", dir=shm if shm.is_dir() else None)
         )
         self.started: dict[str, Started] = {}  # member name (joining{i}: not known yet)
-        self.membership: Membership | None = None
+        self.membership: AgentView | None = None
         self.address = ""  # the coordinator's that serves the job (`_connect`)
         self.orders_seen = 0
         self._respawned_at: list[float] = []  # monotonic times of the orders carried out
@@ -229,13 +230,13 @@ class NodeAgent:
         return [name for name, s in self.started.items() if s.proc.poll() is None]
 
     # ------------------------------------------------------------------ the coordinator
-    def _connect(self) -> Membership | None:
+    def _connect(self) -> AgentView | None:
         """The coordinator serving the job (the first listed that does), or None; one that
         took the job over from another is told what that one knew (`_hand_over`)."""
         for address in self.coordinators:
             try:
                 store = BoundedStore(open_client(address, 2.0), max(2.0, self.beat_s * 4))
-                membership = Membership(store, f"agent{self.node}", self.seal)
+                membership = AgentView(SealedStore(store, f"agent{self.node}", self.seal))
                 if membership.serves_job():
                     if self.address and address != self.address:
                         self._hand_over(membership, address)
@@ -245,7 +246,7 @@ class NodeAgent:
                 continue
         return None
 
-    def _hand_over(self, membership: Membership, address: str) -> None:
+    def _hand_over(self, membership: AgentView, address: str) -> None:
         """A standby took the job over: what the lost coordinator knew from this agent, told
         again before the first beat there (a beat makes the node eligible for respawns). Its
         orders are numbered afresh; every exit is reported again (the lost coordinator may

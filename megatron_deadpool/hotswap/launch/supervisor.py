@@ -28,7 +28,7 @@ from typing import Protocol
 
 from ...errors import ExitCode
 from ..coordinator.coordinator import Coordinator
-from ..protocol.membership import Membership
+from ..protocol.coordinator_view import CoordinatorView
 from ..protocol.messages import JobError
 
 
@@ -43,7 +43,7 @@ class Supervised(Protocol):
         """DeadPool on: the coordinator decides what a failure means."""
 
     @property
-    def membership(self) -> Membership: ...
+    def membership(self) -> CoordinatorView: ...
 
     def tick(self) -> None: ...
 
@@ -146,7 +146,7 @@ class CoordinatorOnly:
         return True
 
     @property
-    def membership(self) -> Membership:
+    def membership(self) -> CoordinatorView:
         return self._coordinator.membership
 
     def tick(self) -> None:

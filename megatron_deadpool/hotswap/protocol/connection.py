@@ -27,14 +27,13 @@ import socket
 import threading
 import time
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 
 import torch.distributed as dist
 
 from ...config.deadpool import parse_host_port
 from ...devices.threads import DeviceThread, select_rank_device
 from ...errors import CoordinatorUnreachableError
-from .membership import Membership
 
 log = logging.getLogger(__name__)
 
@@ -213,17 +212,26 @@ class BoundedStore:
         return False
 
 
-class Heartbeat(DeviceThread):
+class Beats(Protocol):
+    """What a heartbeat thread calls (`worker_view.WorkerView`)."""
+
+    def heartbeat(self) -> None: ...
+
+
+B = TypeVar("B", bound=Beats)
+
+
+class Heartbeat(DeviceThread, Generic[B]):
     """Publishes this process's heartbeat on its own store connection (`store`)."""
 
-    def __init__(self, membership: Membership, interval: float) -> None:
+    def __init__(self, membership: B, interval: float) -> None:
         """`membership`: on a store connection of the heartbeat's own."""
         super().__init__(name="deadpool-heartbeat", daemon=True)
         self.membership = membership
         self.interval = interval
         self.stopped = threading.Event()
         self.lost: str | None = None  # why the coordinator became unreachable, if it did
-        self.after_beat: Callable[[Membership], None] | None = None  # e.g. `PlanWatch`
+        self.after_beat: Callable[[B], None] | None = None  # e.g. `PlanWatch`
 
     def stop(self, timeout_s: float) -> None:
         """No more beats; wait up to `timeout_s` for the one in flight. A process must not exit
@@ -245,7 +253,7 @@ class Heartbeat(DeviceThread):
                 self.lost = str(exc).splitlines()[0][:200]
                 return
 
-    def _after_beat(self, after_beat: Callable[[Membership], None]) -> None:
+    def _after_beat(self, after_beat: Callable[[B], None]) -> None:
         """Run `after_beat`; a store error goes up (the coordinator is lost), any other error
         is logged and the next beat comes as usual."""
         try:

@@ -3,7 +3,7 @@ coordinator finds them.
 
 A joining process - on a repaired node, or a node of another allocation - connects to the
 coordinator's store with the job's secret, takes the next spare name from the counter
-`spares/next` (`Membership.claim_spare_name`) and announces itself as that member, sealed; then
+`spares/next` (`StoreView.claim_spare_name`) and announces itself as that member, sealed; then
 it waits like any spare. The coordinator looks at the counter at most every `LOOK_S` seconds
 (one round trip while nobody joins) and adds a claimed name to the spare pool once its sealed
 announcement is there. The counter cannot be sealed (it is a counter): a stranger who bumps it
@@ -17,8 +17,8 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from .membership import Membership
 from .messages import member_of
+from .store_view import StoreView
 
 log = logging.getLogger("megatron_deadpool.driver")
 
@@ -51,7 +51,7 @@ class Joiners:
     """Claimed names not announced yet -> when they were first seen (monotonic seconds)."""
     last_look: float | None = None
 
-    def look(self, membership: Membership, now: float, known: Callable[[str], bool]) -> JoinOutcome:
+    def look(self, membership: StoreView, now: float, known: Callable[[str], bool]) -> JoinOutcome:
         """At most every `LOOK_S`: the names claimed since the last look, and which of the
         pending ones announced themselves (`known`: members the coordinator has already, e.g.
         a spare a local launcher added itself)."""
@@ -84,7 +84,7 @@ class Joiners:
         return out
 
 
-def member_name(membership: Membership, task: int | None, world: int) -> str:
+def member_name(membership: StoreView, task: int | None, world: int) -> str:
     """A process's member name once it knows the job's world size: from its task index
     (actives first, then spares), or, for a process joining the running job (no task), the
     next spare name from the job's store."""

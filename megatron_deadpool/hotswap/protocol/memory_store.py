@@ -1,6 +1,6 @@
-"""An in-memory store that answers the calls `Membership` makes exactly as torch's TCPStore does.
+"""An in-memory store that answers the calls `SealedStore` makes exactly as torch's TCPStore does.
 
-For running the coordinator (and any `Membership` code) without a server: its decisions are
+For running the coordinator (and any role view's code) without a server: its decisions are
 unit-tested on it in milliseconds (`tests/hotswap/coordinator/test_decisions.py`). What "exactly" means is
 held to torch's `TCPStore` by one conformance test (`tests/hotswap/protocol/test_store_conformance.py`,
 every behaviour below checked on both): values are bytes (text is UTF-8 encoded); `get`,

@@ -5,8 +5,11 @@ Each structured value is a frozen dataclass (a `codec.Message`) with one `encode
 relations (`validate`) - and raises `ProtocolError` naming the key and the value when it
 cannot read it: no reader ever guesses a message's kind from which fields a dict has, and no
 number from the store is used unchecked. `Keys` holds every key template (NVRx's
-`inprocess/store.py` is the model); `membership.Membership` is the only code that reads or writes
-the store, and it does so with these types. The words are those of `docs/glossary.md`.
+`inprocess/store.py` is the model), each documented under its template: who writes it, who
+reads it, whether it is sealed, how long it is kept. The role views over `sealed_store` (the
+worker's, the coordinator's, an agent's: `store_view.py` and its subclasses) are the only code
+that reads or writes the store, and they do so with these types. The words are those of
+`docs/glossary.md`.
 """
 
 from __future__ import annotations
@@ -24,66 +27,314 @@ __all__ = ["Keys", "ProtocolError"]  # and the messages below
 
 
 class Keys:
-    """Every key template of the job's store (format with `.format(...)`); what each holds is
-    in `membership.py`'s docstring."""
+    """Every key template of the job's store (format with `.format(...)`), documented once, here.
+
+    Under each template: what its value is (the message type of a structured value in
+    CamelCase, `messages.py`), then one line `KIND | writes: WHO | reads: WHO | kept: HOW LONG`.
+    KIND is `sealed` (a value sealed with the job's secret, `seal.py`: a value that is not the
+    job's is treated as absent), `counter` (`add`: it cannot carry a MAC, and only ever wakes or
+    hurries a reader of sealed values), `queue` or `torch` (torch's own rendezvous keys). A
+    member is `a{r}` (the initial active of rank r) or `s{i}` (spare i); g is a generation (0 at
+    start, +1 per planned recovery). What "kept" means - which keys are deleted, and when - is
+    `retention.py`'s: "its generation" is until generation g + 2 is complete, "its member" as
+    long as the generation that planned for the member's death. The role views
+    read and write them (`store_view.py`, `worker_view.py`, `coordinator_view.py`,
+    `agent_view.py`); docs/reference/store-keys.md is generated from these docstrings.
+    """
 
     TOKEN = "job/token"
+    """Proof that the store serves this job: a value sealed with the job's secret (the secret
+    itself is never stored); a process whose secret cannot open it is refused.
+
+    sealed | writes: the coordinator (a standby as it takes over) | reads: every process as it
+    connects, a standby probing its peers | kept: the job's life (a standby that does not take
+    over after all deletes its own)"""
     LAYOUT = "job/layout"
+    """LayoutRecord: the parallel layout.
+
+    sealed | writes: rank 0 of generation 0 (a standby's rebuild again) | reads: the coordinator
+    | kept: the job's life"""
     COORDINATOR = "coordinator"
+    """CoordinatorIdentity: who serves this store - epoch 0 the primary, i the standby at entry
+    i of --deadpool-coordinator once it took over. Set before job/token: a store without the
+    token serves no job (yet).
+
+    sealed | writes: the coordinator | reads: workers and agents failing over to a standby |
+    kept: the job's life"""
     READY = "proc/{member}/ready"
+    """Announcement: the member's host, OS pid and agent's node, once it connected.
+
+    sealed | writes: the member | reads: the coordinator (joined spares), the nodes' agents |
+    kept: its member"""
     HEARTBEAT = "hb/{member}"
+    """The member's beats: +1 per beat, 0 before the first. No clock travels: the coordinator
+    times each change on its own monotonic clock (`heartbeats.py`), so clock skew between
+    hosts cannot make a live process look hung.
+
+    counter | writes: the member's heartbeat thread; the coordinator creates it at 0 | reads:
+    the coordinator | kept: its member"""
     INBOX = "coord/inbox"
+    """Wake-ups for the coordinator (a report it waits for is complete): it blocks on the
+    queue instead of polling.
+
+    queue | writes: a process whose report completes what the coordinator waits for | reads:
+    the coordinator | kept: until popped"""
     SPARE_EPOCH = "spares/epoch"
+    """The number of events waiting spares must look at (a roster, the shutdown).
+
+    counter | writes: the coordinator (a launcher's shutdown too) | reads: waiting spares, the
+    coordinator's pruning | kept: the job's life"""
     SPARE_EPOCH_N = "spares/epoch/{n}"
+    """Appears with event n: waiting spares block on the next one instead of polling.
+
+    sealed | writes: whoever counted event n in spares/epoch | reads: waiting spares | kept:
+    until the roster after the next one"""
     SPARES_NEXT = "spares/next"
+    """The number of the next spare member s{i}, set to the job's initial spares by the
+    coordinator; a process that joins a running job (`--deadpool-join`) takes its name from it.
+    A joined spare counts once its sealed announcement (proc/{member}/ready) is there, so
+    bumping the counter gives a stranger nothing.
+
+    counter | writes: the coordinator and the nodes' agents (numbering from), joining
+    processes (taking a name) | reads: the coordinator, the nodes' agents | kept: the job's
+    life"""
     GENERATION = "gen"
+    """The newest generation with a published roster.
+
+    sealed | writes: the coordinator | reads: every process | kept: the job's life"""
     ROSTER = "gen{g}/roster"
+    """Roster: which member fills which rank, the restore iteration.
+
+    sealed | writes: the coordinator | reads: every worker, the nodes' agents, launchers |
+    kept: its generation (generation 0's for good)"""
     LATEST_PLAN = "plan/latest"
+    """The newest planned generation (a recovery, or the end out of redundancy): a survivor's
+    plan watch aborts its groups when it passes the survivor's generation.
+
+    sealed | writes: the coordinator | reads: the workers' plan watch | kept: the job's life"""
     PLAN = "gen{g}/plan"
+    """Plan: dead and needy ranks, the slots that change from roster `base`.
+
+    sealed | writes: the coordinator | reads: survivors and newcomers | kept: its generation"""
     HOLDINGS = "gen{g}/holdings/{rank}"
+    """HoldingsReport: a survivor's verified snapshots and replicas, its last completed step,
+    the job's own fields.
+
+    sealed | writes: the survivor of `rank` | reads: the coordinator, a newcomer inheriting the
+    job's fields | kept: its generation"""
     HOLDINGS_COUNT = "gen{g}/holdings/count"
+    """The number of those reports; once the coordinator planned g, less the reports it waits
+    for (`expect_reports`): the report that brings it to 0 is the last one, and wakes the
+    coordinator.
+
+    counter | writes: survivors (+1), the coordinator (-expected) | reads: the coordinator |
+    kept: its generation"""
     DECIDED = "gen{g}/decided"
+    """Decision on plan g, which survivors block on: the roster (with its restore iteration),
+    out of redundancy, or superseded by a newer plan.
+
+    sealed | writes: the coordinator | reads: survivors | kept: its generation"""
     SOURCES = "gen{g}/sources"
+    """Sources: needy rank -> holder, for the restore iteration.
+
+    sealed | writes: the coordinator | reads: newcomers and the holders | kept: its
+    generation"""
     CLAIM = "gen{g}/ready/{rank}"
+    """`ready`: the newcomer of a needy rank claimed its slot, its objects built, as it joins;
+    `lost`: the coordinator gave the slot up first (the newcomer died before claiming it);
+    `moved on`: the generation will not be joined (a newer plan came first) and the live
+    newcomer takes its slot in the next one. Survivors wait for these before joining, so that
+    none waits in a rendezvous for a newcomer that will never come. Set by compare-and-set:
+    the first of the newcomer and the coordinator wins.
+
+    sealed | writes: the newcomer, or the coordinator | reads: survivors, the coordinator |
+    kept: its generation"""
     STAMP = "gen{g}/{phase}/{rank}"
+    """The wall time `rank` reached a phase of generation g: joined, restored, first_iteration
+    (rank 0 only).
+
+    sealed | writes: the rank | reads: the coordinator | kept: its generation"""
     STAMP_COUNT = "gen{g}/{phase}/count"
+    """How many ranks stamped the phase.
+
+    counter | writes: the ranks, with their stamps | reads: the coordinator | kept: its
+    generation"""
     STALE_REFS = "gen{g}/stale_refs"
+    """Old-generation group handles ranks found left after rebinding (must stay 0).
+
+    counter | writes: every rank | reads: the coordinator | kept: its generation"""
     REPAIR_HANDLES = "gen{g}/repair/{rank}"
+    """RepairHandles: the rank's reconfigure handles of its groups and the generation they were
+    created in (`group_repair.py`).
+
+    sealed | writes: the rank | reads: the other ranks of the repair | kept: its generation"""
     PROCESS_GROUPS = "gen{g}"
+    """The prefix of torch's own rendezvous keys of generation g's process groups
+    (`process_group_store`).
+
+    torch | writes: torch, in every rank | reads: torch, in every rank | kept: its
+    generation"""
     OUT_OF_REDUNDANCY = "out_of_redundancy"
+    """OutOfRedundancy: why memory cannot recover, what is lost, what survivors save.
+
+    sealed | writes: the coordinator | reads: every worker, launchers | kept: the job's life"""
     FAILURES = "failures"
+    """Survivors that saw a collective fail (the coordinator then suspects silent ranks sooner
+    than the heartbeat timeout).
+
+    counter | writes: survivors | reads: the coordinator | kept: the job's life"""
     FAILURE = "failure/{member}"
+    """FailureReport: what the survivor saw fail, numbered by `failures`.
+
+    sealed | writes: the survivor | reads: the coordinator | kept: its member"""
     ERRORS = "errors"
+    """Processes that ended with an error of their own.
+
+    counter | writes: those processes | reads: the coordinator | kept: the job's life"""
     ERROR = "error/{number}"
+    """ErrorReport n: who, in which phase, the exception and the end of its traceback (a
+    process that dies by a signal reports nothing).
+
+    sealed | writes: the process, numbered by `errors` | reads: the coordinator | kept: the
+    job's life"""
     JOB_ERROR = "job_error"
+    """JobError: the coordinator's verdict that a failure is the job's own error (no spare
+    takes the slots; the job ends).
+
+    sealed | writes: the coordinator | reads: workers, launchers | kept: the job's life"""
     FINISHED = "finished/{rank}"
+    """The iteration the rank finished training at (replicated).
+
+    sealed | writes: the rank (a standby's rebuild again) | reads: - (the record;
+    training/complete is what is read) | kept: the job's life"""
     TRAINING_COMPLETE = "training/complete"
+    """The iteration training completed at (every rank's last step done and replicated: a later
+    loss needs no recomputation).
+
+    sealed | writes: every rank as it finishes | reads: the coordinator | kept: the job's
+    life"""
     END = "end"
+    """EndReport: members lost after training completed, who writes their final state.
+
+    sealed | writes: the coordinator | reads: every worker | kept: the job's life"""
     FAULT = "fault/{member}"
+    """The wall time an injected fault struck the member.
+
+    sealed | writes: the member | reads: the coordinator, benchmarks | kept: the job's life"""
     FAULT_FIRED = "fault/fired/{index}/{who}"
+    """How often fault spec `index` fired for rank or member `who` (it fires once per job).
+
+    counter | writes: the members a fault spec names | reads: those members, benchmarks |
+    kept: the job's life"""
     NODE_LOST = "node_lost/{member}"
+    """A node fault took the node `member` ran on (local launchers).
+
+    sealed | writes: the member | reads: local launchers, the nodes' agents | kept: the job's
+    life"""
     PROGRESS = "progress/last"
+    """Progress: the newest iteration rank 0 completed, its generation, the committed iteration
+    then, the replica bytes per iteration.
+
+    sealed | writes: rank 0 (a standby's rebuild again) | reads: the coordinator, workers'
+    fault injection, launchers | kept: the job's life"""
     METRICS = "metrics/g{g}/{iteration}"
+    """IterationRecord: rank 0's record of iteration `iteration` in generation g.
+
+    sealed | writes: rank 0 | reads: the local launcher's progress display | kept: the newest
+    `RETAINED_ITERATIONS` of its generation, and its generation"""
     FINAL_REPLICATION = "replication/final"
+    """FinalReplication: the committed iteration at the end of training.
+
+    sealed | writes: rank 0 | reads: the local launcher | kept: the job's life"""
     DIGEST = "digest/{rank}"
+    """The rank's final digest of parameters and buffers.
+
+    sealed | writes: the rank | reads: the coordinator's host, launchers | kept: the job's
+    life"""
     DONE = "done/{member}"
+    """The wall time the member finished its work.
+
+    sealed | writes: the member (a standby's rebuild again) | reads: the coordinator | kept:
+    its member"""
     DONE_COUNT = "done/count"
+    """How many members finished their work (a hint: the done/ stamps decide).
+
+    counter | writes: the members, with their stamps | reads: the coordinator | kept: the job's
+    life"""
     PREEMPT = "preempt"
+    """Stop after the current iteration.
+
+    sealed | writes: a launcher, the coordinator's host | reads: the workers | kept: the job's
+    life"""
     PREEMPTED = "preempted"
+    """Preempted: where training stopped on purpose.
+
+    sealed | writes: rank 0 | reads: launchers | kept: the job's life"""
     CHECKPOINT_FAILURES = "checkpoint/failures"
+    """CheckpointFailures: the embedded job's periodic checkpoints that could not be written (a
+    full disk), each one's line.
+
+    sealed | writes: rank 0 | reads: rank 0, the local launcher | kept: the newest
+    `RETAINED_CHECKPOINT_FAILURES` lines"""
     JOB_STATUS = "job/status"
+    """JobStatus: spares waiting, recoveries, respawns, shards short of replicas, standbys (for
+    the ranks' TensorBoard/W&B scalars).
+
+    sealed | writes: the coordinator | reads: the ranks, launchers | kept: the job's life"""
     LOAD_TIME = "load/{rank}"
+    """Seconds the rank took to load a persistent checkpoint.
+
+    sealed | writes: the rank | reads: benchmarks | kept: the job's life"""
     SALVAGED = "salvaged/{rank}"
+    """The rank wrote its part of the out-of-redundancy snapshot set.
+
+    sealed | writes: the rank | reads: the coordinator | kept: the job's life"""
     SHUTDOWN = "shutdown"
+    """Waiting spares leave.
+
+    sealed | writes: a launcher, the coordinator's host | reads: waiting spares, the nodes'
+    agents, a standby | kept: the job's life"""
     REJOIN = "rejoin/{member}"
+    """Registration: a member's re-registration with a standby that took over; task{i} for a
+    process that does not know its member name yet (task i: actives first, then spares).
+
+    sealed | writes: every process that lost the coordinator | reads: the standby | kept: the
+    job's life (a standby that does not take over after all deletes those it got)"""
     REBUILT = "rebuilt"
+    """The standby rebuilt the job's state from the re-registrations.
+
+    sealed | writes: the standby | reads: the processes re-registering, a standby taking over |
+    kept: the job's life"""
     AGENTS_NEXT = "agents/next"
+    """The number of the next node whose agent joins the running job, set to the job's initial
+    node count by the coordinator.
+
+    counter | writes: the coordinator, joining agents | reads: joining agents | kept: the job's
+    life"""
     AGENT_BEAT = "agent/{node}/hb"
+    """Node `node`'s agent's beats (`deadpool agent`), as hb/ counts a process's.
+
+    counter | writes: the agent | reads: the coordinator | kept: the job's life"""
     AGENT_ORDERS = "agent/{node}/orders"
+    """How many orders the coordinator gave that node's agent.
+
+    counter | writes: the coordinator | reads: the agent | kept: the job's life"""
     AGENT_ORDER = "agent/{node}/order/{n}"
+    """RespawnOrder n: start a process there in a failed one's place.
+
+    sealed | writes: the coordinator | reads: the agent | kept: the job's life"""
     AGENT_RESPAWNS = "agent/{node}/respawns"
+    """RespawnHistory: the node's respawns so far, for a coordinator that took the job over.
+
+    sealed | writes: the agent | reads: the coordinator | kept: the job's life"""
     AGENT_EXITS = "agents/exits"
+    """How many exits the agents saw.
+
+    counter | writes: the agents | reads: the coordinator | kept: the job's life"""
     AGENT_EXIT = "agents/exit/{n}"
+    """ProcessExit n: a process an agent started ended, with its code.
+
+    sealed | writes: the agents | reads: the coordinator | kept: the job's life"""
 
     UNSEALED = (
         INBOX,

@@ -1,5 +1,5 @@
 """How long the job's store keeps what it is given: which per-iteration and per-generation keys
-may go, and when (pure; the deletes are `Membership`'s).
+may go, and when (pure; the deletes are the role views').
 
 Without it two kinds of keys grow for the life of a job (the coordinator's memory with them):
   - `metrics/g{g}/{it}`, rank 0's record of every iteration (~380 bytes each). The writer keeps a
@@ -20,7 +20,7 @@ Without it two kinds of keys grow for the life of a job (the coordinator's memor
     their current generation's (`driver.py`, `recovery.py`, `megatron_lm/session.py`), a standby
     rebuilds from re-registrations (`rebuild.py`), and no group of an older generation is used
     after rebinding. Kept for good: generation 0's roster (one key; a starting process reads the
-    job's world size from the newest roster, `Membership.wait_newest_roster`).
+    job's world size from the newest roster, `StoreView.wait_newest_roster`).
   - the spares' wake-up keys `spares/epoch/{n}`, one per roster: at the same time, those before
     the previous roster's (`prunable_wake_ups`). A spare's waiter walks through them in order; one
     a whole recovery behind would wait on a deleted key, and its spare still looks at the store

@@ -1,7 +1,7 @@
 """The calls DeadPool makes on the job's store, as typing protocols: what torch's `TCPStore`, its
 prefix views, the bounded and failover clients (`connection.py`, `failover.py`), the benchmark's
-wire client and the in-memory store of the unit tests all answer alike (`Membership` reads and
-writes the job's keys through them)."""
+wire client and the in-memory store of the unit tests all answer alike (`sealed_store.SealedStore`
+reads and writes the job's keys through them)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from typing import Protocol, runtime_checkable
 
 
 class StoreLike(Protocol):
-    """The calls a member makes on the job's store through `Membership`: torch's `TCPStore`
+    """The calls a member makes on the job's store through `SealedStore`: torch's `TCPStore`
     (and its prefix views), the bounded and failover clients of `connection.py` and
     `failover.py`, the benchmark's wire client (`bench/scale/store_wire.py`) and the in-memory store
     of the unit tests (`memory_store.py`) all answer them alike."""

@@ -20,25 +20,58 @@ from __future__ import annotations
 import datetime
 import threading
 from collections.abc import Callable
+from typing import Generic, Protocol, Self, TypeVar
 
 import torch.distributed as dist
 
 from ...devices.threads import DeviceThread, select_rank_device
-from .membership import Membership
+from .store_protocol import StoreLike
 
 BLOCK_S = 24 * 3600.0
 """Longest single blocking store call of a waiter thread."""
 
 
-class StoreWaiter(DeviceThread):
+class Connected(Protocol):
+    """A role view a waiter can open a connection of its own for (`store_view.StoreView`)."""
+
+    @property
+    def store(self) -> StoreLike: ...
+
+    def sibling(self, store: StoreLike, member: str | None = None) -> Self: ...
+
+
+class InboxView(Connected, Protocol):
+    """What the coordinator's inbox waiter calls (`coordinator_view.CoordinatorView`)."""
+
+    def next_message(self) -> None: ...
+
+    def notify_coordinator(self) -> None: ...
+
+
+class SpareView(Connected, Protocol):
+    """What a waiting spare's waiter calls (`worker_view.WorkerView`)."""
+
+    def spare_epoch(self) -> int: ...
+
+    def wait_spare_epoch(self, n: int, timeout_s: float) -> bool: ...
+
+    def wake_spares(self) -> None: ...
+
+
+V = TypeVar("V", bound=Connected)
+I = TypeVar("I", bound=InboxView)
+S = TypeVar("S", bound=SpareView)
+
+
+class StoreWaiter(DeviceThread, Generic[V]):
     """Calls `block(membership)` (True: something happened) in a loop; sets `event` on news.
 
     `unblock()` (on another connection) makes a pending `block` return: `stop` uses it."""
 
     def __init__(
         self,
-        membership: Membership,
-        block: Callable[[Membership], bool],
+        membership: V,
+        block: Callable[[V], bool],
         unblock: Callable[[], None],
         name: str,
     ) -> None:
@@ -81,7 +114,7 @@ class StoreWaiter(DeviceThread):
             self.join(timeout_s)
 
 
-def _own_connection(membership: Membership) -> Membership:
+def _own_connection(membership: V) -> V:
     """A connection of its own to the same server (torch's `clone`; a bounded client's clone
     is a plain one), for a thread that blocks in it."""
     clone = getattr(membership.store, "clone", None)
@@ -92,10 +125,10 @@ def _own_connection(membership: Membership) -> Membership:
     return membership.sibling(store)
 
 
-def coordinator_inbox(membership: Membership) -> StoreWaiter:
+def coordinator_inbox(membership: I) -> StoreWaiter[I]:
     """A started waiter that wakes the coordinator on every `notify_coordinator`."""
 
-    def block(m: Membership) -> bool:
+    def block(m: I) -> bool:
         m.next_message()
         return True
 
@@ -109,7 +142,7 @@ def coordinator_inbox(membership: Membership) -> StoreWaiter:
     return waiter
 
 
-def spare_wakeups(membership: Membership) -> StoreWaiter:
+def spare_wakeups(membership: S) -> StoreWaiter[S]:
     """A started waiter that wakes a waiting spare on every roster and on the shutdown.
 
     Created before the spare first looks at the store: it waits for the events after the epoch
@@ -117,7 +150,7 @@ def spare_wakeups(membership: Membership) -> StoreWaiter:
     """
     seen = membership.spare_epoch()
 
-    def block(m: Membership) -> bool:
+    def block(m: S) -> bool:
         nonlocal seen
         if not m.wait_spare_epoch(seen + 1, BLOCK_S):
             return False

@@ -54,10 +54,11 @@ from ...replication.replicator import Replicator
 from ...replication.segments import SegmentHoldings
 from ..protocol.connection import Heartbeat
 from ..protocol.joining import member_name, unnamed
-from ..protocol.membership import Membership
 from ..protocol.messages import Phase, Registration, Roster
 from ..protocol.seal import JobSeal
+from ..protocol.sealed_store import SealedStore
 from ..protocol.wakeup import StoreWaiter, spare_wakeups
+from ..protocol.worker_view import WorkerView
 from . import group_repair, orphaned, private_world, rebind
 from .adapter import JobAdapter, RecoveryRecord
 from .error_report import error_report
@@ -132,7 +133,7 @@ class Driver(JobChannel, Replicas):
         self._newcomer = False  # a spare given a slot after the start, its slot not yet taken
         self._job: JobAdapter | None = None
         self._roster: Roster | None = None
-        self._membership: Membership | None = None
+        self._membership: WorkerView | None = None
         self._heartbeat: Heartbeat | None = None
         self._faults: FaultInjector | None = None
         self._link: CoordinatorLink | None = None
@@ -140,7 +141,7 @@ class Driver(JobChannel, Replicas):
 
     # ------------------------------------------------------------------ what it holds
     @property
-    def membership(self) -> Membership:
+    def membership(self) -> WorkerView:
         if self._membership is None:
             raise DeadpoolRuntimeError("not connected to the coordinator yet (`connect`)")
         return self._membership
@@ -192,7 +193,7 @@ class Driver(JobChannel, Replicas):
         )
         link.connect()
         store = FailoverStore(link)
-        membership = Membership(store, self.member or unnamed(self.task), self.seal)
+        membership = WorkerView(SealedStore(store, self.member or unnamed(self.task), self.seal))
         membership.check_token()
         # The coordinator's first roster is the authority on the world size.
         world = membership.wait_newest_roster(self.cfg.pg_timeout).world_size
@@ -217,7 +218,7 @@ class Driver(JobChannel, Replicas):
         beat.start()
         atexit.register(self.stop_heartbeat)  # whatever way this process ends (`Heartbeat.stop`)
 
-    def _after_beat(self, membership: Membership) -> None:
+    def _after_beat(self, membership: WorkerView) -> None:
         """After each heartbeat (heartbeat thread): the plan watch, then (CUDA) whether this GPU
         still completes work (`devices.health`: a hung GPU ends the process, exit code 8)."""
         self.plan_watch(membership)

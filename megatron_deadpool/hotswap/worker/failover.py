@@ -16,7 +16,7 @@ in order, again and again within `--deadpool-connect-timeout`:
     `record` callback: rank, generation and roster, progress, layout, ...) - and wait until it
     has rebuilt the job's state from every survivor's registration (`standby.py`); then go on.
 Then the failed operation is repeated on the new connection. Process groups of later generations
-rendezvous on the new store (`Membership.process_group_store`).
+rendezvous on the new store (`WorkerView.process_group_store`).
 """
 
 from __future__ import annotations
@@ -33,9 +33,10 @@ import torch.distributed as dist
 
 from ...errors import CoordinatorUnreachableError, first_line
 from ..protocol.connection import STORE_ERRORS, BoundedStore, open_client
-from ..protocol.membership import Membership
 from ..protocol.messages import CoordinatorIdentity, Registration
 from ..protocol.seal import JobSeal
+from ..protocol.sealed_store import SealedStore
+from ..protocol.worker_view import WorkerView
 
 log = logging.getLogger("megatron_deadpool.failover")
 
@@ -158,7 +159,7 @@ class CoordinatorLink:
         )
         raise CoordinatorUnreachableError(self.failed)
 
-    def _rejoin(self, membership: Membership, address: str, t_lost: float) -> bool:
+    def _rejoin(self, membership: WorkerView, address: str, t_lost: float) -> bool:
         """Re-register with the standby at `address`, then wait until it rebuilt the job's
         state; False if it did not (it withdrew: the primary answers again)."""
         t_found = time.time()
@@ -190,12 +191,12 @@ class CoordinatorLink:
 
     def _probe(
         self, address: str
-    ) -> tuple[Membership, bool | None, CoordinatorIdentity | None] | str:
+    ) -> tuple[WorkerView, bool | None, CoordinatorIdentity | None] | str:
         """(a client of the store at `address`, whether it serves this job - None: no job -,
         its identity), or why not."""
         try:
             store = BoundedStore(open_client(address, self.attempt_s), self.op_timeout)
-            membership = Membership(store, self.member(), self.seal)
+            membership = WorkerView(SealedStore(store, self.member(), self.seal))
             return membership, membership.serves_job(), membership.identity()
         except STORE_ERRORS as exc:
             return f"{address}: {first_line(exc)}"

@@ -33,8 +33,8 @@ from ...devices import reconfigure
 from ...devices.abort import keep_groups
 from ...devices.reconfigure import RepairPlanError
 from ...errors import DeadpoolRuntimeError
-from ..protocol.membership import Membership
 from ..protocol.messages import Roster
+from ..protocol.worker_view import WorkerView
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +66,7 @@ class InPlace:
 
     @contextlib.contextmanager
     def creating(
-        self, membership: Membership, roster: Roster, pg_args: dict[str, Any], newcomer: bool
+        self, membership: WorkerView, roster: Roster, pg_args: dict[str, Any], newcomer: bool
     ) -> Iterator[None]:
         """The default group of `roster`'s generation (`init_process_group` with `pg_args`),
         then the groups the block creates. A `newcomer` whose groups are repaired in place
@@ -100,7 +100,7 @@ class InPlace:
             keep_groups(self.choice.repair)
 
     def reconstruct(
-        self, membership: Membership, roster: Roster, rank: int, *, joining: bool = False
+        self, membership: WorkerView, roster: Roster, rank: int, *, joining: bool = False
     ) -> None:
         """Repair every group of this process in place for `roster` (`repair`): a survivor's
         reconstruct step, or a newcomer's (`joining`) once its groups exist (`creating`)."""
@@ -139,14 +139,14 @@ class RepairHandles:
         return cls(base, reconfigure.check_handles(rank, data.get("handles")))
 
 
-def publish(membership: Membership, generation: int, rank: int, base: int) -> None:
+def publish(membership: WorkerView, generation: int, rank: int, base: int) -> None:
     """Publish this process's handles of every group it is in for generation g's repair."""
     payload = RepairHandles(base, reconfigure.own_handles()).encode()
     membership.publish_repair_handles(generation, rank, payload)
 
 
 def read(
-    membership: Membership, generation: int, ranks: list[int], timeout_s: float
+    membership: WorkerView, generation: int, ranks: list[int], timeout_s: float
 ) -> dict[int, RepairHandles]:
     """The handles `ranks` published for generation g; `DistBackendError` when they are not all
     there within `timeout_s` (a rank was lost: the recovery starts over)."""
@@ -160,13 +160,13 @@ def read(
     return {r: RepairHandles.decode(r, v) for r, v in zip(ranks, raw)}
 
 
-def base_of(membership: Membership, generation: int, survivor: int, timeout_s: float) -> int:
+def base_of(membership: WorkerView, generation: int, survivor: int, timeout_s: float) -> int:
     """The generation whose store prefix the survivors' groups were created on (a newcomer
     creates its own there), from `survivor`'s handles of generation g."""
     return read(membership, generation, [survivor], timeout_s)[survivor].base
 
 
-def newcomer_base(membership: Membership, roster: Roster) -> int:
+def newcomer_base(membership: WorkerView, roster: Roster) -> int:
     """The generation whose store prefix the survivors' groups were created on, for a newcomer
     of `roster`'s generation (from the handles of its first rank that is no newcomer)."""
     plan = membership.plan(roster.generation)
@@ -181,7 +181,7 @@ def world_id() -> str:
 
 
 def repair(
-    membership: Membership,
+    membership: WorkerView,
     generation: int,
     rank: int,
     world_size: int,

@@ -15,8 +15,8 @@ import logging
 from pathlib import Path
 
 from ...replication.segments import SegmentHoldings
-from ..protocol.membership import Membership
 from ..protocol.messages import HoldingsReport
+from ..protocol.worker_view import WorkerView
 
 log = logging.getLogger("megatron_deadpool.driver")
 
@@ -29,7 +29,7 @@ class Inheritance:
         self.holdings: SegmentHoldings | None = None
         self.reported = 0  # the newest plan they were reported for
 
-    def report(self, membership: Membership, member: str) -> None:
+    def report(self, membership: WorkerView, member: str) -> None:
         """Report what the files hold for the newest plan, if it names `member` (once per
         plan; nothing without files)."""
         if self.where is None:

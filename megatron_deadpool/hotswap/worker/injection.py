@@ -9,7 +9,7 @@ The driver calls one method at each point of a process's life where a fault can 
   - `after_training`  a rank right after training completed (`RANK@end`).
 Which specs hit whom is `config.faults` (pure); each spec fires once per job, whoever holds the
 slot - not again for the process that takes it over, nor when a step is recomputed - which the
-store counts (`Membership.fire_once`). A fault strikes as SIGKILL (`kill`: a crash), SIGSTOP
+store counts (`WorkerView.fire_once`). A fault strikes as SIGKILL (`kill`: a crash), SIGSTOP
 (`hang`: alive but silent) or by flipping a bit in every replica the rank holds (`flip`:
 memory corruption that checksums must catch); the time it struck is stamped in the store, so
 that the coordinator measures detection from it. `raise` is the exception: a deterministic
@@ -33,7 +33,7 @@ from ...config.faults import (
     spare_faults,
 )
 from ...replication.replicator import Replicator
-from ..protocol.membership import Membership
+from ..protocol.worker_view import WorkerView
 
 log = logging.getLogger("megatron_deadpool.injection")
 
@@ -48,7 +48,7 @@ class InjectedError(RuntimeError):
 class FaultInjector:
     """The `--deadpool-fail` specs of one process, fired at their points."""
 
-    def __init__(self, specs: Sequence[str], membership: Membership) -> None:
+    def __init__(self, specs: Sequence[str], membership: WorkerView) -> None:
         self.specs = list(specs)
         self.membership = membership
 

@@ -13,8 +13,8 @@ import threading
 from typing import Any
 
 from ...replication.replicator import Replicator
-from ..protocol.membership import Membership
 from ..protocol.messages import IterationRecord, JobStatus, Roster
+from ..protocol.worker_view import WorkerView
 
 
 class JobChannel:
@@ -26,7 +26,7 @@ class JobChannel:
     committed: int | None
 
     @property
-    def membership(self) -> Membership:
+    def membership(self) -> WorkerView:
         """This process's store access (`Driver.membership`)."""
         raise NotImplementedError
 

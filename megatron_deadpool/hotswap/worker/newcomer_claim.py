@@ -1,6 +1,6 @@
 """A recovery's newcomer claims its slot: once its objects are built, right before it joins.
 
-The survivors of generation g wait for every newcomer's claim (`Membership.wait_newcomers`),
+The survivors of generation g wait for every newcomer's claim (`WorkerView.wait_newcomers`),
 where the coordinator can release them, not inside the generation's rendezvous, which nothing
 but the process-group timeout ends: a newcomer lost while building its objects would hold them
 there past the next plan's agreement timeout (out of redundancy). The coordinator settles a
@@ -18,14 +18,14 @@ import logging
 from collections.abc import Callable
 
 from ...errors import DeadpoolRuntimeError, ExitCode
-from ..protocol.membership import Membership
 from ..protocol.messages import CLAIMED, MOVED_ON, Roster
+from ..protocol.worker_view import WorkerView
 from .injection import FaultInjector
 
 log = logging.getLogger(__name__)
 
 
-def claim_slot(membership: Membership, g: int, rank: int) -> bool:
+def claim_slot(membership: WorkerView, g: int, rank: int) -> bool:
     """Claim `rank`'s slot of generation g: True, claimed; False, moved on (the next plan holds
     it); given up (the coordinator took this process for lost): an error."""
     held = membership.claim_slot(g, rank)
@@ -38,7 +38,7 @@ def claim_slot(membership: Membership, g: int, rank: int) -> bool:
 
 
 def claim(
-    membership: Membership,
+    membership: WorkerView,
     faults: FaultInjector,
     member: str,
     roster: Roster,

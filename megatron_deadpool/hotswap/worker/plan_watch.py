@@ -46,7 +46,7 @@ import time
 from collections.abc import Callable
 
 from ...devices.gloo import connections
-from ..protocol.membership import Membership
+from ..protocol.worker_view import WorkerView
 
 log = logging.getLogger(__name__)
 
@@ -101,7 +101,7 @@ class PlanWatch:
         with self._lock:
             self._after_training = True
 
-    def __call__(self, membership: Membership) -> None:
+    def __call__(self, membership: WorkerView) -> None:
         """One look (on the heartbeat thread, with its own store connection)."""
         g, after_training = self._generation, self._after_training
         if g is None:

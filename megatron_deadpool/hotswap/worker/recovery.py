@@ -43,8 +43,8 @@ from ...replication.replicator import Replicator
 from ...replication.segments import SegmentHoldings
 from ...replication.shard_exchange import start_shard_exchange
 from ...replication.snapshot import RankState, Snapshotter
-from ..protocol.membership import Membership
 from ..protocol.messages import EndReport, HoldingsReport, OutOfRedundancy, Roster, Verdict
+from ..protocol.worker_view import WorkerView
 from . import rebind
 from .adapter import RecoveryRecord
 from .newcomer_claim import claim_slot
@@ -83,7 +83,7 @@ def abort_keeping_arrivals(replicator: Replicator | None) -> list[list[dist.Proc
 class Recovery:
     """One recovery of one process, over what it holds as the recovery starts."""
 
-    membership: Membership
+    membership: WorkerView
     member: str
     rank: int | None
     """Its rank (None: a spare that holds none)."""

@@ -25,8 +25,8 @@ from ...replication import segments
 from ...replication.placement import Layout, Placement, RankOrder, place_replicas
 from ...replication.replicator import Replicator
 from ...replication.snapshot import Snapshotter
-from ..protocol.membership import Membership
 from ..protocol.messages import LayoutRecord
+from ..protocol.worker_view import WorkerView
 from .adapter import JobAdapter
 from .layout_check import check_megatron_groups, megatron_layout
 
@@ -49,7 +49,7 @@ class Replicas:
     committed: int | None
 
     @property
-    def membership(self) -> Membership:
+    def membership(self) -> WorkerView:
         """This process's store access (`Driver.membership`)."""
         raise NotImplementedError
 

@@ -17,7 +17,7 @@ from decisions_job import Job
 from stores import SEAL, TEST_SECRET
 
 from megatron_deadpool.errors import ConfigError, JobTokenError
-from megatron_deadpool.hotswap.protocol import membership
+from megatron_deadpool.hotswap.protocol import sealed_store
 from megatron_deadpool.hotswap.protocol.membership import Membership
 from megatron_deadpool.hotswap.protocol.memory_store import MemoryStore
 from megatron_deadpool.hotswap.protocol.messages import (
@@ -158,7 +158,7 @@ def test_values_replayed_from_another_key_or_generation_are_rejected(
         Keys.DECIDED.format(g=2),
         Keys.PREEMPT,
     }
-    monkeypatch.setattr(membership, "FORGED_WAIT_S", 0.1)
+    monkeypatch.setattr(sealed_store, "FORGED_WAIT_S", 0.1)
     with pytest.raises(ForgedValue, match="gen1/roster"):  # a read that must return, gives up
         m.roster(1)
 

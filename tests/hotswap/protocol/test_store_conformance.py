@@ -17,9 +17,10 @@ import pytest
 import torch.distributed as dist
 from stores import SEAL
 
-from megatron_deadpool.hotswap.protocol.membership import ABSENT, Membership
+from megatron_deadpool.hotswap.protocol.membership import Membership
 from megatron_deadpool.hotswap.protocol.memory_store import MemoryStore
 from megatron_deadpool.hotswap.protocol.messages import CLAIMED, GIVEN_UP
+from megatron_deadpool.hotswap.protocol.sealed_store import ABSENT
 
 TIMEOUT = datetime.timedelta(seconds=0.5)
 
@@ -132,9 +133,9 @@ def test_queues(store: Any) -> None:
 def test_membership_reads_the_same_on_both(store: Any) -> None:
     """`Membership`'s one-request read (a compare-and-set no value matches) and its counters."""
     m = Membership(store, "a0", SEAL)
-    assert m._peek("nothing") is None and not store.check(["nothing"])
+    assert m.core.peek("nothing") is None and not store.check(["nothing"])
     store.set("k", "v")
-    assert m._peek("k") == b"v"
+    assert m.core.peek("k") == b"v"
     assert store.compare_set("k", ABSENT, ABSENT) == b"v"
     assert m.claim_slot(1, 2) == CLAIMED
     m.give_up_slot(1, 2)  # a claim that came first stands

@@ -15,7 +15,7 @@ import pytest
 from decisions_job import AGREE_TIMEOUT, Job
 from stores import SEAL
 
-from megatron_deadpool.hotswap.protocol import membership
+from megatron_deadpool.hotswap.protocol import sealed_store
 from megatron_deadpool.hotswap.protocol.membership import Membership
 from megatron_deadpool.hotswap.protocol.memory_store import MemoryStore
 from megatron_deadpool.hotswap.protocol.messages import CLAIMED, Decision, Keys
@@ -78,7 +78,7 @@ def test_a_fast_stranger_cannot_make_a_newcomer_give_its_slot_up() -> None:
 def test_a_stranger_that_never_stops_ends_the_claim_with_a_stated_error(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(membership, "FORGED_WAIT_S", 0.2)
+    monkeypatch.setattr(sealed_store, "FORGED_WAIT_S", 0.2)
     store = MemoryStore()
     key = Keys.CLAIM.format(g=1, rank=2)
     m = Membership(RacingStranger(store, key, rounds=10**9), "s0", SEAL)  # type: ignore[arg-type]
