@@ -97,8 +97,10 @@ DISTRIBUTION = {
     "greenlet": "greenlet",
     "transformer_engine": "transformer-engine",
 }
-# Imported only when found (bench/reproduce/paper_workers.py: the NVRx comparison), never required.
-OPTIONAL_UNDECLARED = {"nvidia_resiliency_ext"}
+# Imported only when found, never required: NVRx (bench/reproduce/paper_workers.py: the NVRx
+# comparison) and triton (replication/triton_checksum.py: torch's CUDA wheels bring it; without
+# it the GPU fallback checksums with torch ops).
+OPTIONAL_UNDECLARED = {"nvidia_resiliency_ext", "triton"}
 
 
 def imported_modules() -> set[str]:
