@@ -61,7 +61,7 @@ from ..protocol.connection import Heartbeat
 from ..protocol.joining import member_name, unnamed
 from ..protocol.membership import Membership
 from ..protocol.messages import ErrorReport, LayoutRecord, Phase, Registration, Roster
-from ..protocol.seal import JobSeal
+from ..protocol.seal import JobSeal, job_binding
 from ..protocol.wakeup import StoreWaiter, spare_wakeups
 from . import group_repair, orphaned, private_world, rebind
 from .adapter import JobAdapter, RecoveryRecord
@@ -120,7 +120,8 @@ class Driver:
         self.cfg = cfg
         self.device = device
         self.coordinator = coordinator
-        self.seal = JobSeal(token)  # the secret stays in this object: never stored, never shown
+        # The secret stays in this object: never stored, never shown; bound to this run's id.
+        self.seal = JobSeal(token, job_binding())
         self.member = member or ""
         self.task = task
         self.sigterm = threading.Event()
@@ -207,7 +208,7 @@ class Driver:
         )
         link.connect()
         store = FailoverStore(link)
-        membership = Membership(store, self.member or unnamed(self.task), self.seal)
+        membership = Membership(store, self.member or unnamed(self.task), link.store_seal)
         membership.check_token()
         # The coordinator's first roster is the authority on the world size.
         world = membership.wait_newest_roster(self.cfg.pg_timeout).world_size
