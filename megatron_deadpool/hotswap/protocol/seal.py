@@ -149,9 +149,10 @@ def job_binding(env: Mapping[str, str] = os.environ) -> str:
     1-128 printable characters."""
     job = env.get(JOB_ID_ENV, "")
     if job and (len(job) > JOB_ID_CHARS or not job.isprintable()):
+        shown = repr(job) if len(job) <= 40 else repr(job[:40]) + "..."
         raise ConfigError(
-            f"{JOB_ID_ENV}: {job[:40]!r}... is not an id of 1-{JOB_ID_CHARS} printable "
-            "characters; give every process of the job the id its launcher printed"
+            f"{JOB_ID_ENV}: {shown} is not an id of 1-{JOB_ID_CHARS} printable characters; "
+            "give every process of the job the id its launcher printed"
         )
     return job
 
