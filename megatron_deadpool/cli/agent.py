@@ -30,7 +30,7 @@ from ..embedded.launch import WORKER_PRELOAD
 from ..errors import ConfigError, CoordinatorUnreachableError, ExitCode
 from ..hotswap.launch.forkserver import Preload
 from ..hotswap.launch.node_agent import NodeAgent, stop_on_term
-from ..hotswap.protocol.seal import SECRET_ENV, SECRET_FILE_ENV, JobSeal, job_secret
+from ..hotswap.protocol.seal import SECRET_ENV, SECRET_FILE_ENV, JobSeal, job_binding, job_secret
 from ..logs import setup_logging
 from ..megatron_lm.launch import runner_preload
 from .coordinator import add_job_settings, add_world_size, job_settings
@@ -79,7 +79,7 @@ def run(args: argparse.Namespace) -> int:
         world_size=args.world_size,
         processes=args.world_size + cfg.spares,
         coordinators=cfg.coordinators,
-        seal=JobSeal(secret),
+        seal=JobSeal(secret, job_binding()),
         log_dir=Path(cfg.log_dir),
         beat_s=cfg.heartbeat_interval,
         connect_timeout=cfg.connect_timeout,

@@ -49,7 +49,7 @@ from ..hotswap.launch.supervisor import CoordinatorOnly, Supervisor
 from ..hotswap.protocol.coordinator_view import CoordinatorView
 from ..hotswap.protocol.membership import host_store
 from ..hotswap.protocol.messages import CoordinatorIdentity, JobError
-from ..hotswap.protocol.seal import SECRET_ENV, SECRET_FILE_ENV, JobSeal, job_secret
+from ..hotswap.protocol.seal import SECRET_ENV, SECRET_FILE_ENV, JobSeal, job_binding, job_secret
 from ..hotswap.protocol.sealed_store import SealedStore
 from ..hotswap.protocol.store_files import reserve_files, store_files_needed
 from ..hotswap.report.job_status import publish_status
@@ -154,7 +154,7 @@ def run(args: argparse.Namespace) -> int:
             f"deadpool-job-token: the {role_name(args.standby)} needs the job's secret ({whose}): "
             f"set {SECRET_ENV} or {SECRET_FILE_ENV}"
         )
-    seal = JobSeal(secret)
+    seal = JobSeal(secret, job_binding(), store=args.standby)  # this store's own (`seal.py`)
     role = role_name(args.standby)
     need = store_files_needed(args.world_size, cfg.spares)
     reserve_files(

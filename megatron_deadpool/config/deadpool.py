@@ -71,8 +71,9 @@ class DeadpoolConfig:
     join: bool = False
     """Join a running job as a spare (a repaired node, or a node of another allocation): this
     process takes the next spare name from the job's coordinator (--deadpool-coordinator
-    HOST:PORT, the job's secret in DEADPOOL_JOB_TOKEN or DEADPOOL_JOB_TOKEN_FILE) instead of one
-    from RANK/SLURM_PROCID, and waits for a slot like the spares that started with the job."""
+    HOST:PORT, the job's secret in DEADPOOL_JOB_TOKEN or DEADPOOL_JOB_TOKEN_FILE, its run id in
+    DEADPOOL_JOB_ID) instead of one from RANK/SLURM_PROCID, and waits for a slot like the spares
+    that started with the job."""
 
     replicas: int = 1
     """Remote replicas k of each rank's optimizer shard, each on a peer in another failure

@@ -55,7 +55,12 @@
 #                       starting a job, every task of this allocation joins that job as a
 #                       spare (--deadpool-join; a repaired node, or nodes of another
 #                       allocation). Needs the job's secret: DEADPOOL_JOB_TOKEN_FILE=<the
-#                       job's DEADPOOL_LOG_DIR>/job.token (the job prints the whole command)
+#                       job's DEADPOOL_LOG_DIR>/job.token, and its run id DEADPOOL_JOB_ID
+#                       (the job prints the whole command)
+#   DEADPOOL_JOB_ID     the run's id, which every value of its stores is sealed for: a value
+#                       copied from another run with the same secret (a requeued job, a kept
+#                       token file) is refused (slurm-<SLURM_JOB_ID>.<SLURM_RESTART_COUNT>
+#                       when this script starts the coordinator; else as given, none if unset)
 #   DEADPOOL_STANDBY    HOST:PORT of the standby coordinator, "none" for none
 #                       (the allocation's last node, DEADPOOL_PORT; none on one node)
 #   DEADPOOL_END_GRACE  seconds the tasks get to end on their own once the coordinator
@@ -148,6 +153,9 @@ if [ -n "$DEADPOOL_JOIN" ]; then
     [ -n "${DEADPOOL_JOB_TOKEN:-}${DEADPOOL_JOB_TOKEN_FILE:-}" ] ||
         die "DEADPOOL_JOIN needs the running job's secret: DEADPOOL_JOB_TOKEN_FILE=<its" \
             "DEADPOOL_LOG_DIR>/job.token"
+    [ -n "${DEADPOOL_JOB_ID+set}" ] ||
+        die "DEADPOOL_JOIN needs the running job's run id: DEADPOOL_JOB_ID=<the id it printed>" \
+            "(empty if its coordinator was given none)"
     SPARE_NODES=0 # every node of this allocation joins as spares
 fi
 active_nodes=$((nnodes - SPARE_NODES))
@@ -194,6 +202,14 @@ export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 # A joining allocation uses the running job's (DEADPOOL_JOB_TOKEN_FILE, read by the tasks).
 if [ -z "$DEADPOOL_JOIN" ]; then
     export DEADPOOL_JOB_TOKEN=${DEADPOOL_JOB_TOKEN:-$(od -An -tx1 -N32 /dev/urandom | tr -d ' \n')}
+fi
+# The run's id: every value of the job's stores is sealed for it as well, so that nothing copied
+# from another run with the same secret (this job before a requeue, a kept token file) counts.
+# New for every run of a coordinator this script starts; else the one given (the coordinator's).
+if ((start_coordinator)); then
+    export DEADPOOL_JOB_ID=${DEADPOOL_JOB_ID:-slurm-${SLURM_JOB_ID:-0}.${SLURM_RESTART_COUNT:-0}}
+elif [ -n "${DEADPOOL_JOB_ID+set}" ]; then
+    export DEADPOOL_JOB_ID
 fi
 for name in $DEADPOOL_SITE_ENV; do
     [ -n "${!name+set}" ] || die "site variable $name is listed in DEADPOOL_SITE_ENV but unset"
@@ -433,7 +449,8 @@ echo "deadpool_launch: $nnodes nodes = $active_nodes active + $SPARE_NODES spare
     "world size $world, $spares spare ranks, coordinator $coordinator, logs $DEADPOOL_LOG_DIR"
 
 if dry_run; then
-    for name in MASTER_ADDR MASTER_PORT WORLD_SIZE LOCAL_WORLD_SIZE OMP_NUM_THREADS $DEADPOOL_SITE_ENV; do
+    for name in MASTER_ADDR MASTER_PORT WORLD_SIZE LOCAL_WORLD_SIZE OMP_NUM_THREADS \
+        ${DEADPOOL_JOB_ID+DEADPOOL_JOB_ID} $DEADPOOL_SITE_ENV; do
         echo "DRY-RUN env: $name=${!name}"
     done
     ((start_coordinator == 0)) || show coordinator "${coordinator_cmd[@]}"
@@ -454,7 +471,7 @@ mkdir -p "$DEADPOOL_LOG_DIR"
 if ((start_coordinator)); then
     (umask 077 && printf '%s\n' "$DEADPOOL_JOB_TOKEN" >"$DEADPOOL_LOG_DIR/job.token")
     echo "deadpool_launch: to add nodes to this job as spares (a repaired node, another" \
-        "allocation): DEADPOOL_JOIN=$coordinator" \
+        "allocation): DEADPOOL_JOIN=$coordinator DEADPOOL_JOB_ID=$DEADPOOL_JOB_ID" \
         "DEADPOOL_JOB_TOKEN_FILE=$DEADPOOL_LOG_DIR/job.token sbatch --nodes=N <this sbatch file>"
 fi
 coordinator_pid=

@@ -251,10 +251,11 @@ def test_a_quote_in_megatron_args_is_refused_and_two_ways_too() -> None:
 def test_a_joining_allocation_starts_only_spares_that_join_the_running_job() -> None:
     """DEADPOOL_JOIN: no coordinator, no standby; every task of the allocation (3 nodes x 4
     GPUs here, none of them kept as spare nodes) runs with --deadpool-join."""
-    status, cmds, _, err = render(
+    status, cmds, env, err = render(
         "scripts/slurm/perlmutter.sbatch",
         DEADPOOL_JOIN="nid000100:29400,nid000199:29400",
         DEADPOOL_JOB_TOKEN_FILE="/home/u/logs/deadpool-17/job.token",
+        DEADPOOL_JOB_ID="slurm-17.0",
     )
     assert status == 0, err
     assert "coordinator" not in cmds and "standby" not in cmds
@@ -263,6 +264,7 @@ def test_a_joining_allocation_starts_only_spares_that_join_the_running_job() -> 
     worker = srun[srun.index("-m") - 1 :]
     assert "--deadpool-join" in worker
     assert flag(worker, "--deadpool-coordinator") == "nid000100:29400,nid000199:29400"
+    assert env["DEADPOOL_JOB_ID"] == "slurm-17.0"  # the running job's run, not this allocation's
 
 
 @pytest.mark.timeout(30)
@@ -270,13 +272,33 @@ def test_a_joining_allocation_starts_only_spares_that_join_the_running_job() -> 
     ("env", "message"),
     [
         ({}, "needs the running job's secret"),
+        ({"DEADPOOL_JOB_TOKEN_FILE": "t"}, "needs the running job's run id: DEADPOOL_JOB_ID"),
         ({"DEADPOOL_JOB_TOKEN_FILE": "t", "DEADPOOL_COORDINATOR": "h:1"}, "give one"),
-        ({"DEADPOOL_JOB_TOKEN_FILE": "t", "DEADPOOL_MODE": "selftest"}, "DEADPOOL_MODE"),
+        (
+            {"DEADPOOL_JOB_TOKEN_FILE": "t", "DEADPOOL_JOB_ID": "", "DEADPOOL_MODE": "selftest"},
+            "DEADPOOL_MODE",
+        ),
     ],
 )
 def test_a_joining_allocation_refuses_what_cannot_join(env: dict[str, str], message: str) -> None:
     status, _, _, err = render("scripts/slurm/perlmutter.sbatch", DEADPOOL_JOIN="h:1", **env)
     assert status == 2 and message in err, err
+
+
+@pytest.mark.timeout(30)
+def test_each_run_of_a_job_gets_its_own_run_id() -> None:
+    """The run id every value of the job's stores is sealed for (`seal.py`): the Slurm job's
+    id and restart count when this script starts the coordinator - a requeued job's values do
+    not open in the next run even with the same secret -; a coordinator started elsewhere: the
+    one given, none if none is."""
+    _, _, env, err = render("scripts/slurm/perlmutter.sbatch")
+    assert env["DEADPOOL_JOB_ID"] == "slurm-4242.0", err
+    _, _, env, err = render("scripts/slurm/perlmutter.sbatch", SLURM_RESTART_COUNT="2")
+    assert env["DEADPOOL_JOB_ID"] == "slurm-4242.2", err
+    _, _, env, err = render("scripts/slurm/perlmutter.sbatch", DEADPOOL_JOB_ID="mine")
+    assert env["DEADPOOL_JOB_ID"] == "mine", err
+    status, _, env, err = render("scripts/slurm/perlmutter.sbatch", DEADPOOL_COORDINATOR="h:1")
+    assert status == 0 and "DEADPOOL_JOB_ID" not in env, err
 
 
 @pytest.mark.timeout(30)
@@ -567,6 +589,7 @@ def test_a_joining_allocations_agents_join_the_job() -> None:
         DEADPOOL_RESPAWN_LIMIT="1",
         DEADPOOL_JOIN="n1:29400",
         DEADPOOL_JOB_TOKEN_FILE="/tmp/x",
+        DEADPOOL_JOB_ID="slurm-1.0",
     )
     assert status == 0, err
     argv = cmds["agent 0"]

@@ -626,7 +626,8 @@ def test_a_node_of_another_allocation_joins_as_spares_and_takes_over(
             write_job(tmp_path / "join"),
             ["n4"],
             DEADPOOL_JOIN=join[1],
-            DEADPOOL_JOB_TOKEN_FILE=join[2],
+            DEADPOOL_JOB_ID=join[2],
+            DEADPOOL_JOB_TOKEN_FILE=join[3],
         )
         while len([e for e in job.events() if e["event"] == "spare_joined"]) < 2:
             assert time.time() < deadline, f"{joining.describe()}\n{job.describe()}"
@@ -687,7 +688,8 @@ def test_node_agents_a_crashed_node_revived_joins_with_its_agent_and_takes_over_
     lab.revive("n2")  # the join below waits in Slurm's queue until n2 is back
     config = write_job(tmp_path / "join", iters=REVIVE_ITERS)
     joining = submit(lab, tmp_path / "join-logs", "vista", config, ["n2"], DEADPOOL_JOIN=join[1],
-                     DEADPOOL_JOB_TOKEN_FILE=join[2], DEADPOOL_RESPAWN_LIMIT="1")  # fmt: skip
+                     DEADPOOL_JOB_ID=join[2], DEADPOOL_JOB_TOKEN_FILE=join[3],
+                     DEADPOOL_RESPAWN_LIMIT="1")  # fmt: skip
 
     def joined() -> list[str]:
         return sorted(e["member"] for e in job.events() if e["event"] == "spare_joined")
@@ -712,7 +714,7 @@ def test_node_agents_a_crashed_node_revived_joins_with_its_agent_and_takes_over_
     assert joining.wait_end()["JobState"] == "COMPLETED", joining.describe()
 
 
-JOIN_LINE = r"DEADPOOL_JOIN=(\S+) DEADPOOL_JOB_TOKEN_FILE=(\S+)"
+JOIN_LINE = r"DEADPOOL_JOIN=(\S+) DEADPOOL_JOB_ID=(\S*) DEADPOOL_JOB_TOKEN_FILE=(\S+)"
 """The job's line that says how to add nodes to it."""
 
 

@@ -32,6 +32,7 @@ from megatron_deadpool.hotswap.protocol.messages import (
     Plan,
     SaveOrder,
 )
+from megatron_deadpool.hotswap.protocol.seal import ForgedValue, JobSeal, new_job_id
 
 ITERS = 8
 ARGS = ["--tp", "2", "--dp", "2", "--spares", "1"]
@@ -64,8 +65,8 @@ REPLAYED = {
 """Then, once training runs: key -> the key whose genuine (sealed) value is copied into it."""
 
 
-def _store_address(run_dir: Path, timeout_s: float = 120.0) -> str:
-    """Where the run's store listens: the launcher's `store` event."""
+def _store_event(run_dir: Path, timeout_s: float = 120.0) -> dict[str, Any]:
+    """Where the run's store listens, and the run's id: the launcher's `store` event."""
     events = run_dir / "events.jsonl"
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -73,9 +74,14 @@ def _store_address(run_dir: Path, timeout_s: float = 120.0) -> str:
             for line in events.read_text().splitlines():
                 entry = json.loads(line)
                 if entry["event"] == "store":
-                    return str(entry["address"])
+                    return dict(entry)
         time.sleep(0.05)
     raise AssertionError(f"no store event in {events}")
+
+
+def _store_address(run_dir: Path, timeout_s: float = 120.0) -> str:
+    """Where the run's store listens."""
+    return str(_store_event(run_dir, timeout_s)["address"])
 
 
 def _wait_keys(client: dist.TCPStore, keys: list[str], timeout_s: float = 120.0) -> None:
@@ -117,7 +123,8 @@ class Stranger(threading.Thread):
             self.error = exc
 
     def _attack(self) -> None:
-        host, port = _store_address(self.run_dir).rsplit(":", 1)
+        store = _store_event(self.run_dir)
+        host, port = store["address"].rsplit(":", 1)
         client = dist.TCPStore(
             host, int(port), is_master=False, timeout=datetime.timedelta(seconds=60)
         )
@@ -138,6 +145,7 @@ class Stranger(threading.Thread):
         self.seen = {
             "token": client.get(Keys.TOKEN),
             "secret": _secret_of(pids["a0"]),
+            "run": store["run"],
             "pids": pids,
             "command_lines": _command_lines(),
         }
@@ -174,3 +182,10 @@ def test_a_stranger_on_the_store_cannot_steer_the_job(
     for pid, cmdline in stranger.seen["command_lines"].items():
         assert secret.encode() not in cmdline, (pid, cmdline.replace(b"\0", b" ")[:300])
     assert set(stranger.seen["pids"].values()) <= set(stranger.seen["command_lines"])
+    # The store's seals are bound to this run (the launcher's new run id, which it gave its
+    # processes): the same secret with no run id, or another run's, opens nothing of it.
+    token, run = stranger.seen["token"], stranger.seen["run"]
+    assert JobSeal(secret, run).open(Keys.TOKEN, token) == b"job"
+    for other in ("", new_job_id()):
+        with pytest.raises(ForgedValue):
+            JobSeal(secret, other).open(Keys.TOKEN, token)

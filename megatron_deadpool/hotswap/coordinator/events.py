@@ -41,7 +41,11 @@ _RECOVERY = ("generation", "dead_ranks", "replaced_by", "respawned", "restore_it
 _ERROR = ("number", "member", "rank", "generation", "phase", "error", "message", "time", "tail")
 
 EVENTS: dict[str, EventKind] = {
-    "store": EventKind("where the job's store listens (a launcher on this machine)", ("address",)),
+    "store": EventKind(
+        "where the job's store listens (a launcher on this machine), and the run's id its "
+        "values are sealed for (DEADPOOL_JOB_ID: a process that joins the job needs it)",
+        ("address", "run"),
+    ),
     "settings": EventKind(
         "a coordinator process started with these timeouts (seconds)",
         (

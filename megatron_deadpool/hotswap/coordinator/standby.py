@@ -44,11 +44,15 @@ JOINED_SCAN_S = 1.0
 
 
 class PeerWatch:
-    """Bounded store clients of the job's other coordinators."""
+    """Bounded store clients of the job's other coordinators, each store opened with its own
+    seal (its entry's in `coordinators`: a value copied there from another store proves
+    nothing)."""
 
-    def __init__(self, seal: JobSeal, op_timeout: float) -> None:
+    def __init__(self, seal: JobSeal, op_timeout: float, coordinators: list[str]) -> None:
+        """`coordinators`: the job's `--deadpool-coordinator` list, primary first."""
         self.seal = seal
         self.op_timeout = op_timeout
+        self.coordinators = coordinators
         self.clients: dict[str, CoordinatorView] = {}
 
     def probe(self, address: str) -> tuple[bool, CoordinatorView | None]:
@@ -58,7 +62,8 @@ class PeerWatch:
             if membership is None:
                 client = open_client(address, max(0.5, min(2.0, self.op_timeout)))
                 store = BoundedStore(client, self.op_timeout)
-                membership = CoordinatorView(SealedStore(store, "coordinator", self.seal))
+                seal = self.seal.for_store(self.coordinators.index(address))
+                membership = CoordinatorView(SealedStore(store, "coordinator", seal))
                 self.clients[address] = membership
             return True, membership if membership.serves_job() else None
         except STORE_ERRORS:
@@ -119,7 +124,9 @@ class Standby:
         self.membership = membership
         self.events = events
         self.say = say
-        self.watch = PeerWatch(membership.seal, max(0.5, min(2.0, cfg.heartbeat_timeout / 4)))
+        self.watch = PeerWatch(
+            membership.seal, max(0.5, min(2.0, cfg.heartbeat_timeout / 4)), cfg.coordinators
+        )
         self.spares = [f"s{i}" for i in range(cfg.spares)]
         self.members = [f"a{r}" for r in range(world_size)] + self.spares
         # Where each process re-registers: under its member name, or its task index when it
@@ -184,9 +191,9 @@ class Standby:
         self.membership.set_identity(CoordinatorIdentity(self.index, secrets.token_hex(8)))
         self.membership.set_token()
         self.events("taking_over", epoch=self.index)
-        answering = PeerWatch(self.membership.seal, self.watch.op_timeout).watch_in_background(
-            self.earlier, cfg.heartbeat_interval
-        )
+        answering = PeerWatch(
+            self.membership.seal, self.watch.op_timeout, cfg.coordinators
+        ).watch_in_background(self.earlier, cfg.heartbeat_interval)
         first_active: float | None = None
         while True:
             self._read_registrations()
@@ -321,7 +328,9 @@ class StandbyWatch(DeviceThread):
         super().__init__(name="deadpool-standby-watch", daemon=True)
         self.cfg = cfg
         self.standbys = cfg.coordinators[1:]
-        self.watch = PeerWatch(seal, max(0.5, min(2.0, cfg.heartbeat_timeout / 4)))
+        self.watch = PeerWatch(
+            seal, max(0.5, min(2.0, cfg.heartbeat_timeout / 4)), cfg.coordinators
+        )
         self.events = events
         self.say = say
         self.superseded: str | None = None

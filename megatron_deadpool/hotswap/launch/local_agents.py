@@ -25,6 +25,7 @@ from ..coordinator.liveness import AgentExits, Liveness, kill_tree
 from ..coordinator.node_agents import StoreAgents
 from ..coordinator.respawn import NodeAgents
 from ..protocol.messages import task_of
+from ..protocol.seal import JOB_ID_ENV
 from .local_job import LocalJob
 
 AGENT_COMMAND = [sys.executable, "-m", "megatron_deadpool.cli", "agent"]
@@ -86,7 +87,11 @@ class LocalAgents(LocalJob):
             with open(self.run_dir / f"agent{node}.out", "w") as out:
                 self.agents.append(
                     subprocess.Popen(
-                        cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
+                        cmd,
+                        stdout=out,
+                        stderr=subprocess.STDOUT,
+                        env={**env, JOB_ID_ENV: self.job},  # the run's, for its processes too
+                        start_new_session=True,
                     )
                 )
 

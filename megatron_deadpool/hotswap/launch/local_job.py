@@ -38,7 +38,7 @@ from ..coordinator.respawn import NodeAgents
 from ..coordinator.settings import CoordinatorSettings
 from ..protocol.membership import Membership, host_store
 from ..protocol.messages import JobError, task_of
-from ..protocol.seal import JobSeal
+from ..protocol.seal import JOB_ID_ENV, JobSeal, job_binding, new_job_id
 from ..protocol.store_files import reserve_files, store_files_needed
 from ..report.job_status import publish_status
 from .forkserver import Preload
@@ -108,10 +108,13 @@ class LocalJob:
         self.silent = SilentConnections(need)
         store = host_store(host, 0, keepalive_s=cfg.store_keepalive, on_listen=self.silent.watch)
         self.address = f"{host}:{store.port}"
-        self.membership = Membership(store, "launcher", JobSeal(token))
+        # This run's id (`seal.py`): the environment's, else a new one; every process this
+        # launcher starts gets it in its environment (`spawn`), with the secret.
+        self.job = job_binding() or new_job_id()
+        self.membership = Membership(store, "launcher", JobSeal(token, self.job))
         self.membership.set_token()
         events = EventLog(run_dir / "events.jsonl", job=job_id(token))
-        events("store", address=self.address)  # where the job's store listens (for tools)
+        events("store", address=self.address, run=self.job)  # where it listens (for tools)
         settings = CoordinatorSettings.of(
             cfg, world_size, self.spares, suspect_after=self._suspect_after()
         )
@@ -181,7 +184,7 @@ class LocalJob:
             own[segments.ENV] = str(folder)
         self.procs[member] = self.starter.start(  # type: ignore[assignment]  # Popen-like
             cmd,
-            {**env, **own},
+            {**env, JOB_ID_ENV: self.job, **own},
             output,
             preload=preload,
             server_env=common,

@@ -233,10 +233,11 @@ class NodeAgent:
     def _connect(self) -> AgentView | None:
         """The coordinator serving the job (the first listed that does), or None; one that
         took the job over from another is told what that one knew (`_hand_over`)."""
-        for address in self.coordinators:
+        for index, address in enumerate(self.coordinators):
             try:
                 store = BoundedStore(open_client(address, 2.0), max(2.0, self.beat_s * 4))
-                membership = AgentView(SealedStore(store, f"agent{self.node}", self.seal))
+                seal = self.seal.for_store(index)  # each store its own (`seal.py`)
+                membership = AgentView(SealedStore(store, f"agent{self.node}", seal))
                 if membership.serves_job():
                     if self.address and address != self.address:
                         self._hand_over(membership, address)

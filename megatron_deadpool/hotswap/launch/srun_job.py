@@ -23,6 +23,7 @@ from pathlib import Path
 from ...devices.gpus import GpuAssignment
 from ..coordinator.liveness import HeartbeatOnly, Liveness
 from ..protocol.messages import task_of
+from ..protocol.seal import JOB_ID_ENV
 from .local_job import LocalJob
 
 # Each task's RANK and LOCAL_RANK, expanded in the task (as deadpool_launch.sh does).
@@ -101,7 +102,11 @@ class SrunJob(LocalJob):
         )
         with open(self.run_dir / "srun.log", "w") as log:  # srun's own lines
             self.srun = subprocess.Popen(
-                cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+                cmd,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env={**env, JOB_ID_ENV: self.job},  # the run's id (`seal.py`)
+                start_new_session=True,
             )
 
     def finished(self) -> bool:

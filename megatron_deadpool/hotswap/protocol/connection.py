@@ -153,7 +153,7 @@ class BoundedStore:
         """Set, confirmed: the answer to the `check` after it means the server applied it."""
 
         def confirmed(c: Any) -> None:
-            c.set(key, value)
+            c.set(key, self._outgoing(key, value))
             c.check([key])
 
         self._call(confirmed)
@@ -163,7 +163,7 @@ class BoundedStore:
         add's answer confirms the set, so no check follows it (`store_protocol.ConfirmedSets`)."""
 
         def both(c: Any) -> int:
-            c.set(key, value)
+            c.set(key, self._outgoing(key, value))
             return int(c.add(counter, amount))
 
         return self._call(both)
@@ -181,7 +181,7 @@ class BoundedStore:
         return self._call(lambda c: c.delete_key(key))
 
     def compare_set(self, key: str, expected: str, desired: str) -> bytes:
-        return self._call(lambda c: c.compare_set(key, expected, desired))
+        return self._call(lambda c: c.compare_set(key, expected, self._outgoing(key, desired)))
 
     def multi_get(self, keys: list[str]) -> list[bytes]:
         return self._call(lambda c: c.multi_get(keys))
@@ -210,6 +210,11 @@ class BoundedStore:
     def _moved(self) -> bool:
         """The answer is no longer wanted (a failover client moved to another coordinator)."""
         return False
+
+    def _outgoing(self, key: str, value: str) -> str:
+        """`value` as it is written to `key` on this attempt (a failover client seals it again
+        for the store it now goes to)."""
+        return value
 
 
 class Beats(Protocol):

@@ -10,6 +10,17 @@ what it writes and opens what it reads (`ForgedValue` when the MAC does not matc
 treats a rejected value as absent and reports it once; nothing DeadPool acts on is read any
 other way.
 
+A seal is bound to the job's run and to the store it is written for, not only to the key: its
+HMAC key is derived from the secret, the job id (`DEADPOOL_JOB_ID`, which every process of the
+run is given out of band: by its launcher, or by `deadpool_launch.sh` from Slurm's job id and
+restart count) and the store's place in the job's `--deadpool-coordinator` list (0 the
+primary's, i the standby at entry i). So a value copied from another store of the same run (the
+primary's into a standby's), from another run that reuses the secret (a requeued Slurm job, a
+token file kept between runs) or from an earlier run's store does not open either. Nothing of the
+binding is read from a store: an outsider could copy that as well. A process that talks to
+several of the job's stores (a worker failing over, a standby watching the primary, a node's
+agent) opens each with that store's seal (`for_store`).
+
 The secret never enters the store nor a command line: a launcher generates one per job
 (`new_secret`) and gives it to its processes in the environment (`DEADPOOL_JOB_TOKEN`), or in
 a file only its owner may read (`DEADPOOL_JOB_TOKEN_FILE`, mode 0600: the Slurm scripts');
@@ -26,9 +37,11 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import json
 import os
 import secrets
 import stat
+from collections.abc import Mapping
 from pathlib import Path
 
 from ...errors import ConfigError
@@ -39,6 +52,12 @@ SECRET_ENV = "DEADPOOL_JOB_TOKEN"
 
 SECRET_FILE_ENV = "DEADPOOL_JOB_TOKEN_FILE"
 """The environment variable that names a file holding it (mode 0600, owner only)."""
+
+JOB_ID_ENV = "DEADPOOL_JOB_ID"
+"""The environment variable that holds the job's run id (`job_binding`)."""
+
+JOB_ID_CHARS = 128
+"""The longest run id."""
 
 MAC_CHARS = 64
 """A sealed value's prefix: the HMAC-SHA256 in hex."""
@@ -52,14 +71,28 @@ class ForgedValue(ProtocolError):
 
 
 class JobSeal:
-    """Seals and opens store values with the job's secret (never stored, never shown)."""
+    """Seals and opens store values with the job's secret (never stored, never shown), for one
+    run of the job (`job`) and one of its stores (`store`)."""
 
-    def __init__(self, secret: str) -> None:
+    def __init__(self, secret: str, job: str = "", store: int = 0) -> None:
         """`secret` empty: a process given none, which no job's store will accept (launchers
         and `deadpool coordinator` never run a job without one): it is refused as it connects
-        (`Membership.check_token`), after its coordinator's address was checked."""
+        (`Membership.check_token`), after its coordinator's address was checked. `job`: the
+        run's id (`job_binding`; empty: none given, the secret alone tells runs apart);
+        `store`: the store's entry in `--deadpool-coordinator` (0: the primary's, or the store
+        a launcher hosts)."""
         # A key of its own, derived from the secret: the secret itself is never MAC material.
-        key = hashlib.sha256(b"deadpool store seal\0" + secret.encode()).digest()
+        self._bind(hashlib.sha256(b"deadpool store seal\0" + secret.encode()).digest(), job, store)
+
+    def _bind(self, root: bytes, job: str, store: int) -> None:
+        if store < 0:
+            raise ValueError(f"JobSeal: store {store}: an entry of --deadpool-coordinator, >= 0")
+        self._root = root
+        self.job = job
+        self.store = store
+        # The MAC key of this run and store: HMAC of the binding under the secret's key.
+        binding = json.dumps(["deadpool store binding", job, store]).encode()
+        key = hmac.new(root, binding, hashlib.sha256).digest()
         # HMAC (RFC 2104) with its inner and outer hashes keyed once and copied for each MAC:
         # the same MAC as `hmac.new(key, message, sha256)` in a quarter of `hmac.digest`'s CPU
         # (which looks the digest up by name on every call): ~1 us for a survivor's report.
@@ -68,7 +101,15 @@ class JobSeal:
         self._outer = hashlib.sha256(bytes(b ^ 0x5C for b in block))
 
     def __repr__(self) -> str:
-        return "JobSeal(<secret>)"
+        return f"JobSeal(<secret>, job={self.job!r}, store={self.store})"
+
+    def for_store(self, store: int) -> JobSeal:
+        """The seal of the same job and run for the store at entry `store` of
+        `--deadpool-coordinator` (a standby's: its own, so nothing copied between the job's
+        stores opens)."""
+        other = JobSeal.__new__(JobSeal)
+        other._bind(self._root, self.job, store)
+        return other
 
     def _mac(self, key: str, payload: bytes) -> bytes:
         inner = self._inner.copy()
@@ -81,19 +122,44 @@ class JobSeal:
         """`payload` as stored under `key`: its MAC, then the payload."""
         return self._mac(key, payload.encode()).decode() + payload
 
-    def open(self, key: str, raw: str | bytes) -> bytes:
-        """The payload `raw` carries, read from `key`; `ForgedValue` when its MAC is not this
-        job's for this key."""
+    def verifies(self, key: str, raw: str | bytes) -> bool:
+        """Whether `raw` carries this seal's MAC for `key`."""
         data = raw.encode() if isinstance(raw, str) else raw
         mac, payload = data[:MAC_CHARS], data[MAC_CHARS:]
-        if len(data) < MAC_CHARS or not hmac.compare_digest(mac, self._mac(key, payload)):
+        return len(data) >= MAC_CHARS and hmac.compare_digest(mac, self._mac(key, payload))
+
+    def open(self, key: str, raw: str | bytes) -> bytes:
+        """The payload `raw` carries, read from `key`; `ForgedValue` when its MAC is not this
+        job's for this key, this run and this store."""
+        data = raw.encode() if isinstance(raw, str) else raw
+        if not self.verifies(key, data):
             shown = read_text(data)
             shown = shown if len(shown) <= 120 else shown[:120] + "..."
             raise ForgedValue(
                 f"store key {key}: rejected {shown!r}: it does not carry this job's MAC for this "
-                "key (forged, altered, or copied from another key or generation)"
+                "key and store (forged, altered, or copied from another key, generation, store or "
+                "run of the job)"
             )
-        return payload
+        return data[MAC_CHARS:]
+
+
+def job_binding(env: Mapping[str, str] = os.environ) -> str:
+    """The job's run id every process of it is given out of band (`DEADPOOL_JOB_ID`); empty
+    when none is (the secret alone then tells runs apart). `ConfigError` for an id that is not
+    1-128 printable characters."""
+    job = env.get(JOB_ID_ENV, "")
+    if job and (len(job) > JOB_ID_CHARS or not job.isprintable()):
+        shown = repr(job) if len(job) <= 40 else repr(job[:40]) + "..."
+        raise ConfigError(
+            f"{JOB_ID_ENV}: {shown} is not an id of 1-{JOB_ID_CHARS} printable characters; "
+            "give every process of the job the id its launcher printed"
+        )
+    return job
+
+
+def new_job_id() -> str:
+    """A fresh run id, for a launcher whose environment gives none."""
+    return "run-" + secrets.token_hex(8)
 
 
 def new_secret() -> str:

@@ -100,8 +100,9 @@ class StoreView:
         coordinator, or a store whose token someone else wrote)."""
         if not self.serves_job():
             raise JobTokenError(
-                f"deadpool-job-token: this process's secret does not match the coordinator's "
-                f"job; give it the job's DEADPOOL_JOB_TOKEN or DEADPOOL_JOB_TOKEN_FILE "
+                f"deadpool-job-token: this process's secret or run id (DEADPOOL_JOB_ID="
+                f"{self.core.seal.job!r}) does not match the coordinator's job; give it the job's "
+                f"DEADPOOL_JOB_TOKEN or DEADPOOL_JOB_TOKEN_FILE and DEADPOOL_JOB_ID "
                 f"(member {self.core.member})"
             )
 

@@ -55,7 +55,7 @@ from ...replication.segments import SegmentHoldings
 from ..protocol.connection import Heartbeat
 from ..protocol.joining import member_name, unnamed
 from ..protocol.messages import Phase, Registration, Roster
-from ..protocol.seal import JobSeal
+from ..protocol.seal import JobSeal, job_binding
 from ..protocol.sealed_store import SealedStore
 from ..protocol.wakeup import StoreWaiter, spare_wakeups
 from ..protocol.worker_view import WorkerView
@@ -105,7 +105,8 @@ class Driver(JobChannel, Replicas):
         self.cfg = cfg
         self.device = device
         self.coordinator = coordinator
-        self.seal = JobSeal(token)  # the secret stays in this object: never stored, never shown
+        # The secret stays in this object: never stored, never shown; bound to this run's id.
+        self.seal = JobSeal(token, job_binding())
         self.member = member or ""
         self.task = task
         self.sigterm = threading.Event()
@@ -193,7 +194,9 @@ class Driver(JobChannel, Replicas):
         )
         link.connect()
         store = FailoverStore(link)
-        membership = WorkerView(SealedStore(store, self.member or unnamed(self.task), self.seal))
+        membership = WorkerView(
+            SealedStore(store, self.member or unnamed(self.task), link.store_seal)
+        )
         membership.check_token()
         # The coordinator's first roster is the authority on the world size.
         world = membership.wait_newest_roster(self.cfg.pg_timeout).world_size

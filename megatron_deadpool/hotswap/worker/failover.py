@@ -17,6 +17,14 @@ in order, again and again within `--deadpool-connect-timeout`:
     has rebuilt the job's state from every survivor's registration (`standby.py`); then go on.
 Then the failed operation is repeated on the new connection. Process groups of later generations
 rendezvous on the new store (`WorkerView.process_group_store`).
+
+Each of the job's stores has its own seal (`seal.py`: entry i of the list, i's): a store is
+probed with its entry's seal, so a `job/token` or `coordinator` copied from another store of the
+job (the primary's into a standby's that has not taken over) proves nothing there, and the
+coordinator answering again is the one whose identity the same entry's store holds, sealed for
+that store. Every connection of the process seals and opens with the seal of the store serving
+now (`LinkSeal`); a sealed write repeated on a successor's store after a failover is sealed
+again for it (`CoordinatorLink.rebind`).
 """
 
 from __future__ import annotations
@@ -64,6 +72,10 @@ class CoordinatorLink:
         `task{i}`) and its re-registration, when needed."""
         self.addresses = list(addresses)
         self.seal = seal
+        # Each listed store's seal (its entry's), and the serving one's (`LinkSeal`).
+        self.seals = [seal.for_store(index) for index in range(len(self.addresses))]
+        self.current = self.seals[0]
+        self.store_seal: JobSeal = LinkSeal(self)
         self.connect_timeout = connect_timeout
         self.op_timeout = op_timeout
         self.rebuild_timeout = rebuild_timeout
@@ -85,8 +97,8 @@ class CoordinatorLink:
         deadline = time.monotonic() + self.connect_timeout
         while True:
             why = ""
-            for address in self.addresses:
-                found = self._probe(address)
+            for index, address in enumerate(self.addresses):
+                found = self._probe(index)
                 if isinstance(found, str):
                     why = found
                     continue
@@ -101,6 +113,7 @@ class CoordinatorLink:
                 if taking_over and not self._rejoin(membership, address, time.time()):
                     continue  # (a standby taking the job over counts those who register)
                 self.address, self.identity = address, identity
+                self.current = self.seals[index]
                 return
             if time.monotonic() > deadline:
                 raise CoordinatorUnreachableError(
@@ -134,8 +147,8 @@ class CoordinatorLink:
         log.warning("lost the coordinator %s (%s): looking for it or a standby", lost, why)
         deadline = time.monotonic() + self.connect_timeout
         while time.monotonic() <= deadline:
-            for address in self.addresses:
-                found = self._probe(address)
+            for index, address in enumerate(self.addresses):
+                found = self._probe(index)
                 if isinstance(found, str) or not found[1]:
                     continue  # unreachable, a standby that has not taken over, or another job
                 membership, _, identity = found
@@ -150,6 +163,7 @@ class CoordinatorLink:
                 else:
                     continue  # an older coordinator (restarted, or one that stood down)
                 self.address = address
+                self.current = self.seals[index]
                 self.switches += 1
                 return
             time.sleep(0.2)
@@ -190,16 +204,65 @@ class CoordinatorLink:
         return True
 
     def _probe(
-        self, address: str
+        self, index: int
     ) -> tuple[WorkerView, bool | None, CoordinatorIdentity | None] | str:
-        """(a client of the store at `address`, whether it serves this job - None: no job -,
-        its identity), or why not."""
+        """(a client of the store of entry `index`, opened with that store's seal; whether it
+        serves this job - None: no job -; its identity), or why not. An identity of another
+        entry's coordinator is refused (rejected and logged like a forged value): only entry
+        i's coordinator serves entry i's store (epoch i)."""
+        address = self.addresses[index]
         try:
             store = BoundedStore(open_client(address, self.attempt_s), self.op_timeout)
-            membership = WorkerView(SealedStore(store, self.member(), self.seal))
-            return membership, membership.serves_job(), membership.identity()
+            membership = WorkerView(SealedStore(store, self.member(), self.seals[index]))
+            serves, identity = membership.serves_job(), membership.identity()
         except STORE_ERRORS as exc:
             return f"{address}: {first_line(exc)}"
+        if identity is not None and identity.epoch != index:
+            why = (
+                f"{address}: its coordinator's identity names entry {identity.epoch} of "
+                f"--deadpool-coordinator, not this store's entry {index}: refused"
+            )
+            log.warning("%s", why)
+            return why
+        return membership, serves, identity
+
+    def rebind(self, key: str, value: str) -> str:
+        """`value`, about to be written to `key` of the store serving now: a value sealed for
+        another of the job's stores (sealed before a failover, its write repeated after it) is
+        sealed again for this one; anything else (this store's, unsealed) as it is."""
+        current = self.current
+        if len(self.seals) == 1 or current.verifies(key, value):
+            return value
+        for seal in self.seals:
+            if seal is not current and seal.verifies(key, value):
+                return current.seal(key, seal.open(key, value).decode())
+        return value
+
+
+class LinkSeal(JobSeal):
+    """The seal of whichever store a `CoordinatorLink` serves now: a process's connections
+    follow the link from store to store (`FailoverStore`), and so does what seals and opens
+    their values."""
+
+    def __init__(self, link: CoordinatorLink) -> None:
+        # No JobSeal state of its own (no super().__init__): every call goes to the link's.
+        self.link = link
+        self.job = link.seal.job
+
+    def __repr__(self) -> str:
+        return f"LinkSeal({self.link.current!r})"
+
+    def for_store(self, store: int) -> JobSeal:
+        return self.link.seals[store]
+
+    def seal(self, key: str, payload: str) -> str:
+        return self.link.current.seal(key, payload)
+
+    def verifies(self, key: str, raw: str | bytes) -> bool:
+        return self.link.current.verifies(key, raw)
+
+    def open(self, key: str, raw: str | bytes) -> bytes:
+        return self.link.current.open(key, raw)
 
 
 class FailoverStore(BoundedStore):
@@ -214,6 +277,9 @@ class FailoverStore(BoundedStore):
 
     def _moved(self) -> bool:
         return self.link.switches != self.seen  # another connection found the coordinator gone
+
+    def _outgoing(self, key: str, value: str) -> str:
+        return self.link.rebind(key, value)  # sealed for the store it now goes to
 
     def _call(self, fn: Callable[[Any], T], extra_s: float = 0.0) -> T:
         if self._moved():  # another connection of this process found the coordinator gone

@@ -231,7 +231,7 @@ def test_an_agent_tells_a_standby_that_took_the_job_over_what_the_lost_coordinat
         [sys.executable, "-c", serve], stdout=subprocess.PIPE, start_new_session=True
     )
     standby_store = host_store("127.0.0.1", 0)
-    standby = Membership(standby_store, "coordinator", SEAL)
+    standby = Membership(standby_store, "coordinator", SEAL.for_store(1))  # entry 1
     agent = NodeAgent(
         [sys.executable, "-c", "import time; time.sleep(60)"],
         place=0, per_node=2, world_size=2, processes=2, seal=SEAL, log_dir=tmp_path,

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import json
 import os
 import stat
 from pathlib import Path
@@ -47,7 +48,9 @@ def test_a_seal_opens_only_for_its_key_and_payload_with_the_same_secret() -> Non
     sealed = SEAL.seal("gen1/plan", PLAN.encode())
     assert SEAL.open("gen1/plan", sealed.encode()) == PLAN.encode().encode()
     assert TEST_SECRET not in sealed and TEST_SECRET not in repr(SEAL)
-    key = hashlib.sha256(b"deadpool store seal\0" + TEST_SECRET.encode()).digest()
+    root = hashlib.sha256(b"deadpool store seal\0" + TEST_SECRET.encode()).digest()
+    binding = json.dumps(["deadpool store binding", "", 0]).encode()  # no run id, store 0
+    key = hmac.new(root, binding, hashlib.sha256).digest()
     message = b"gen1/plan\0" + PLAN.encode().encode()  # HMAC-SHA256 of key name and payload
     assert sealed[:64] == hmac.new(key, message, hashlib.sha256).hexdigest()
     altered = sealed.replace('"dead": [2]', '"dead": [1]')

@@ -31,12 +31,14 @@ SEAL = JobSeal(TOKEN)
 
 class Server:
     """A coordinator's store on loopback, reached through a TCP relay whose `stop()` closes
-    every connection and refuses new ones, as the coordinator's crash would."""
+    every connection and refuses new ones, as the coordinator's crash would; `index`: its entry
+    in the job's coordinator list (its values sealed for it: `seal.py`)."""
 
-    def __init__(self) -> None:
+    def __init__(self, index: int = 0) -> None:
+        self.index = index
         self.store = host_store("127.0.0.1", 0)
         backend = ("127.0.0.1", self.store.port)
-        self.membership = Membership(self.store, "coordinator", SEAL)
+        self.membership = Membership(self.store, "coordinator", SEAL.for_store(index))
         self.relay = socket.create_server(("127.0.0.1", 0))
         self.address = f"127.0.0.1:{self.relay.getsockname()[1]}"
         self.sockets: list[socket.socket] = []
@@ -64,7 +66,7 @@ class Server:
 
     def serve(self, epoch: int, nonce: str, token: str = TOKEN) -> None:
         """Serve the job of secret `token` (another job's: `token` other than `TOKEN`)."""
-        serving = Membership(self.store, "coordinator", JobSeal(token))
+        serving = Membership(self.store, "coordinator", JobSeal(token).for_store(self.index))
         serving.set_identity(CoordinatorIdentity(epoch, nonce))
         serving.set_token()
 
@@ -102,7 +104,7 @@ def link(addresses: list[str], connect_timeout: float = 20.0, **kw: Any) -> Coor
 
 @pytest.mark.timeout(60)
 def test_a_standby_that_has_not_taken_over_is_never_joined() -> None:
-    primary, standby = Server(), Server()
+    primary, standby = Server(0), Server(1)
     primary.stop()  # the primary is gone; the standby serves no job (no token)
     t0 = time.monotonic()
     with pytest.raises(CoordinatorUnreachableError, match="serves no job yet"):
@@ -132,13 +134,13 @@ def test_another_jobs_coordinator_is_refused() -> None:
 
 @pytest.mark.timeout(120)
 def test_a_process_re_registers_with_the_standby_that_took_over() -> None:
-    primary, standby = Server(), Server()
+    primary, standby = Server(0), Server(1)
     primary.serve(0, "primary")
     primary.membership.set_progress(7)
     records = [Registration(member="a2", rank=2, generation=0, last_completed=7)]
     lk = link([primary.address, standby.address], record=lambda: records[-1])
     lk.connect()
-    membership = Membership(FailoverStore(lk), "a2", SEAL)
+    membership = Membership(FailoverStore(lk), "a2", lk.store_seal)
     assert membership.progress() == 7 and lk.identity == CoordinatorIdentity(0, "primary")
 
     def take_over() -> None:  # what `Standby` does, by hand
@@ -164,18 +166,18 @@ def test_a_process_re_registers_with_the_standby_that_took_over() -> None:
     assert standby.membership.registration("a2") == records[-1]
     assert standby.membership.announced("a2")  # announced itself there
     # A second connection of the same process (its heartbeat's) follows without searching.
-    beat = Membership(FailoverStore(lk), "a2", SEAL)
+    beat = Membership(FailoverStore(lk), "a2", lk.store_seal)
     beat.heartbeat()
     assert lk.switches == 1
 
 
 @pytest.mark.timeout(60)
 def test_a_blip_reconnects_to_the_same_coordinator_without_re_registering() -> None:
-    primary, standby = Server(), Server()
+    primary, standby = Server(0), Server(1)
     primary.serve(0, "primary")
     lk = link([primary.address, standby.address])
     lk.connect()
-    membership = Membership(FailoverStore(lk), "a2", SEAL)
+    membership = Membership(FailoverStore(lk), "a2", lk.store_seal)
     membership.set_progress(3)
     primary.cut()
     assert membership.progress() == 3  # answered by the same coordinator on a new connection
@@ -202,7 +204,7 @@ def test_a_store_that_stops_answering_is_given_up_on_in_bounded_time() -> None:
 
 @pytest.mark.timeout(60)
 def test_standby_withdraws_when_the_primary_answers_before_anyone_came(tmp_path: Any) -> None:
-    primary, standby = Server(), Server()
+    primary, standby = Server(0), Server(1)
     primary.serve(0, "primary")
     cfg = DeadpoolConfig(
         coordinator=f"{primary.address},{standby.address}",
@@ -229,10 +231,54 @@ def test_a_primary_that_freezes_between_the_probe_and_the_next_read_is_silence()
     request; the read's timeout ended the standby (exit 1) instead of counting as silence."""
     primary = Server()
     primary.serve(0, "primary")
-    watch = PeerWatch(SEAL, 0.5)
+    watch = PeerWatch(SEAL, 0.5, [primary.address])
     found = watch.serving([primary.address])
     assert found is not None and watch.ended(*found) is False
     primary.freeze()
     assert watch.ended(*found) is None  # not an error: it did not answer this time
     assert primary.address not in watch.clients  # the next probe opens a fresh client
     assert watch.serving([primary.address]) is None
+
+
+@pytest.mark.timeout(60)
+def test_the_primarys_token_and_identity_copied_to_a_standby_are_not_the_primary_again(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """An outsider copies the primary's sealed `job/token` and `coordinator` into the store of
+    a standby that has not taken over. Sealed for the primary's store only, they do not open
+    there: when the primary is lost, the standby is not taken for the primary answering again
+    (the process would carry on against a store of nothing), and the copied identity is
+    rejected and logged. (Before seals were bound to their store, the process moved to it.)"""
+    primary, standby = Server(0), Server(1)
+    primary.serve(0, "primary")
+    outsider = dist.TCPStore("127.0.0.1", standby.store.port, is_master=False)
+    for key in ("job/token", "coordinator"):
+        outsider.set(key, primary.store.get(key))
+    lk = link([primary.address, standby.address], connect_timeout=3.0)
+    lk.connect()
+    membership = Membership(FailoverStore(lk), "a2", lk.store_seal)
+    membership.set_progress(3)
+    primary.stop()
+    with caplog.at_level("WARNING"), pytest.raises(CoordinatorUnreachableError):
+        membership.progress()
+    assert lk.address == primary.address and lk.switches == 0
+    assert any("store key coordinator: rejected" in r.getMessage() for r in caplog.records)
+    assert standby.membership.registration("a2") is None
+
+
+@pytest.mark.timeout(60)
+def test_a_write_repeated_on_the_standbys_store_is_sealed_for_it() -> None:
+    """A value sealed for the primary's store, whose write is repeated on the standby's after a
+    failover, is sealed again for the standby's store (`CoordinatorLink.rebind`); a value of
+    no store of the job goes as it is."""
+    lk = link(["127.0.0.1:1", "127.0.0.1:2"])
+    sealed_for_primary = SEAL.seal("digest/2", "d")
+    assert lk.rebind("digest/2", sealed_for_primary) == sealed_for_primary
+    lk.current = lk.seals[1]  # the standby serves now
+    again = lk.rebind("digest/2", sealed_for_primary)
+    assert again != sealed_for_primary
+    assert SEAL.for_store(1).open("digest/2", again) == b"d"
+    assert lk.store_seal.open("digest/2", again) == b"d"
+    assert lk.rebind("digest/2", "plain") == "plain"
+    forged = JobSeal("another job").for_store(1).seal("digest/2", "d")
+    assert lk.rebind("digest/2", forged) == forged
