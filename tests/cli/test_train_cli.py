@@ -17,7 +17,7 @@ BAD_INPUT: dict[str, tuple[list[str], str]] = {
     "replica-device": (["--deadpool-replica-device", "tpu"], "--deadpool-replica-device"),
     "iters-not-int": (["--iters", "many"], "--iters"),
     "tp-zero": (["--tp", "0"], "parallel.tp"),
-    "spares-negative": (["--spares", "-1"], "spares"),
+    "spares-negative": (["--spares", "-1"], "spare-ranks"),
     "world-vs-ranks-per-node": (
         ["--tp", "2", "--dp", "3", "--ranks-per-node", "4"],
         "ranks-per-node",

@@ -43,6 +43,7 @@ import logging
 import sys
 import threading
 import time
+import traceback
 from collections.abc import Callable
 
 from ...devices.gloo import connections
@@ -142,4 +143,10 @@ class PlanWatch:
         )
         for handler in logging.getLogger().handlers:
             handler.flush()
+        # The main thread's first: faulthandler writes at most 100 threads, newest first, so in
+        # a process with more (data loaders, pools) the oldest - the main thread - is cut off.
+        main = sys._current_frames().get(threading.main_thread().ident or -1)
+        if main is not None:
+            stack = "".join(traceback.format_stack(main))
+            sys.stderr.write(f"Main thread (most recent call last):\n{stack}\n")
         faulthandler.dump_traceback(file=sys.stderr, all_threads=True)

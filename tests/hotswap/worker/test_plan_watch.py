@@ -97,6 +97,33 @@ def test_a_main_thread_still_out_of_recovery_after_the_abort_gets_its_stack_logg
 
 
 @pytest.mark.timeout(30)
+def test_the_main_threads_stack_is_shown_in_a_process_of_many_threads(
+    membership: Membership, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """faulthandler writes at most 100 threads, newest first: in a process with more (data
+    loaders, pools) the main thread - the one stuck - would be cut off."""
+    release = threading.Event()
+    idle = [threading.Thread(target=release.wait, daemon=True) for _ in range(120)]
+    for thread in idle:
+        thread.start()
+    try:
+        watch = PlanWatch(lambda: None, stuck_s=0.2)
+        watch.joined(0)
+        membership.publish_plan(PLAN)
+        watch(membership)
+        watch(membership)
+        time.sleep(0.3)
+        watch(membership)
+        err = capfd.readouterr().err
+        main = err.split("Main thread (most recent call last):", 1)[-1].split("\n\n", 1)[0]
+        assert "test_plan_watch.py" in main, err[:2000]
+    finally:
+        release.set()
+        for thread in idle:
+            thread.join(timeout=5)
+
+
+@pytest.mark.timeout(30)
 def test_a_main_thread_that_enters_recovery_first_is_left_alone(membership: Membership) -> None:
     watch, aborts = _watch()
     watch.joined(0)
