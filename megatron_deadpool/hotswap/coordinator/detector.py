@@ -95,6 +95,7 @@ class FailureDetector:
         self._errors: dict[str, ErrorReport] = {}  # member -> the first error it reported
         self._errors_counted = 0  # error reports counted by the store so far
         self._errors_unread: set[int] = set()  # counted, not published yet when last looked
+        self._errors_read: set[int] = set()  # the numbers a report was read at
 
     # ------------------------------------------------------------------ what it knows
     @property
@@ -173,17 +174,20 @@ class FailureDetector:
         return dict(self._errors)
 
     def _read_errors(self) -> list[ErrorReport]:
-        """The reports published since the last read (one round trip when there are none)."""
+        """The reports published since the last read (one round trip when there are none; a
+        counter a stranger moved back is read from there on: `numbered.py`)."""
         count = self.membership.error_count()
         numbers = numbers_to_read(self._errors_counted, count, self._errors_unread)
+        numbers = [n for n in numbers if n not in self._errors_read]
         self._errors_unread &= set(numbers)  # (the newest few: `numbered.py`)
-        self._errors_counted = max(self._errors_counted, count)
+        self._errors_counted = max(count, 0)
         new = []
         for number in numbers:
             report = self.membership.error_report(number)
             if report is None:  # counted by the store, not published yet: look again later
                 self._errors_unread.add(number)
                 continue
+            self._errors_read.add(number)
             self._errors_unread.discard(number)
             self._errors.setdefault(report.member, report)
             new.append(report)

@@ -46,9 +46,10 @@ class AgentView(StoreView):
 
     def report_exit(self, exit: ProcessExit) -> None:
         """An agent saw a process it started exit (the coordinator need not wait for its
-        silence)."""
-        n = self.core.add(Keys.AGENT_EXITS, 1)
-        self.core.set(Keys.AGENT_EXIT.format(n=n), exit.encode())
+        silence), under a number no exit holds yet (`SealedStore.append`)."""
+        self.core.append(
+            Keys.AGENT_EXITS, lambda n: Keys.AGENT_EXIT.format(n=n), lambda n: exit.encode()
+        )
 
     def node_lost(self, member: str) -> bool:
         """Whether a node fault took the node `member` ran on."""

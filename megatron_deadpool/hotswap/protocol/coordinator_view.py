@@ -214,10 +214,17 @@ class CoordinatorView(StoreView):
         return self.core.count(Keys.ERRORS)
 
     def error_report(self, number: int) -> ErrorReport | None:
-        """Report `number` (None: counted, not published yet)."""
+        """Report `number` (None: counted, not published yet, or not the job's). A report whose
+        own number is not the one it is read under is rejected, as a forged value is."""
         key = Keys.ERROR.format(number=number)
         value = self.core.read(key)
-        return None if value is None else ErrorReport.decode(key, value)
+        if value is None:
+            return None
+        report = ErrorReport.decode(key, value)
+        if report.number != number:
+            self.core.reject(key, value, f"store key {key}: rejected report {report.number}")
+            return None
+        return report
 
     def publish_job_error(self, verdict: JobError) -> None:
         """The verdict that a failure is the job's own error: the job ends."""
@@ -296,9 +303,13 @@ class CoordinatorView(StoreView):
         return self.core.add(Keys.AGENT_BEAT.format(node=node), 0)
 
     def order_respawn(self, node: int, order: RespawnOrder) -> None:
-        """Give node `node`'s agent its next order."""
-        n = self.core.add(Keys.AGENT_ORDERS.format(node=node), 1)
-        self.core.set(Keys.AGENT_ORDER.format(node=node, n=n), order.encode())
+        """Give node `node`'s agent its next order (under a number no order holds yet:
+        `SealedStore.append`)."""
+        self.core.append(
+            Keys.AGENT_ORDERS.format(node=node),
+            lambda n: Keys.AGENT_ORDER.format(node=node, n=n),
+            lambda n: order.encode(),
+        )
 
     def respawn_history(self, node: int) -> RespawnHistory | None:
         """Node `node`'s respawns under earlier coordinators, if its agent wrote them here."""

@@ -188,12 +188,16 @@ class Keys:
 
     sealed | writes: the survivor | reads: the coordinator | kept: its member"""
     ERRORS = "errors"
-    """Processes that ended with an error of their own.
+    """Processes that ended with an error of their own: the numbers of error/{number}. Only
+    hands numbers out: a writer takes the first empty one from it (`SealedStore.append`: a
+    number below 1 or already written moves it on), and the reader reads past a counter moved
+    back or far ahead (`numbered.py`).
 
     counter | writes: those processes | reads: the coordinator | kept: the job's life"""
     ERROR = "error/{number}"
     """ErrorReport n: who, in which phase, the exception and the end of its traceback (a
-    process that dies by a signal reports nothing).
+    process that dies by a signal reports nothing). Written only where no value is, with its
+    own number inside.
 
     sealed | writes: the process, numbered by `errors` | reads: the coordinator | kept: the
     job's life"""
@@ -316,11 +320,13 @@ class Keys:
 
     counter | writes: the agent | reads: the coordinator | kept: the job's life"""
     AGENT_ORDERS = "agent/{node}/orders"
-    """How many orders the coordinator gave that node's agent.
+    """How many orders the coordinator gave that node's agent: the numbers of its orders, handed
+    out as errors hands out the error reports' (`SealedStore.append`, `numbered.py`).
 
     counter | writes: the coordinator | reads: the agent | kept: the job's life"""
     AGENT_ORDER = "agent/{node}/order/{n}"
-    """RespawnOrder n: start a process there in a failed one's place.
+    """RespawnOrder n: start a process there in a failed one's place (written only where no
+    value is).
 
     sealed | writes: the coordinator | reads: the agent | kept: the job's life"""
     AGENT_RESPAWNS = "agent/{node}/respawns"
@@ -328,11 +334,13 @@ class Keys:
 
     sealed | writes: the agent | reads: the coordinator | kept: the job's life"""
     AGENT_EXITS = "agents/exits"
-    """How many exits the agents saw.
+    """How many exits the agents saw: the numbers of their reports, handed out as errors hands
+    out the error reports' (`SealedStore.append`, `numbered.py`).
 
     counter | writes: the agents | reads: the coordinator | kept: the job's life"""
     AGENT_EXIT = "agents/exit/{n}"
-    """ProcessExit n: a process an agent started ended, with its code.
+    """ProcessExit n: a process an agent started ended, with its code (written only where no
+    value is).
 
     sealed | writes: the agents | reads: the coordinator | kept: the job's life"""
 

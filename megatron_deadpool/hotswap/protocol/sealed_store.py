@@ -46,6 +46,10 @@ FORGED_WAIT_S = 300.0
 """How long a read that must return a value (`roster`, `sources`) waits for the job's own value
 to replace a rejected one before it gives up (`ForgedValue`)."""
 
+APPEND_ATTEMPTS = 40
+"""Numbers an `append` tries before it gives up (each after a jump twice the last: 2**39 past
+where it started)."""
+
 REJECTIONS_REMEMBERED = 4096
 """Rejected (key, value) pairs remembered so that each is reported once."""
 
@@ -60,6 +64,7 @@ class SealedStore:
         self._set_then_add = store.set_then_add if isinstance(store, ConfirmedSets) else None
         self.on_rejected: Callable[[str, str], None] | None = None  # (key, why): e.g. an event
         self._rejected: set[tuple[str, bytes]] = set()
+        self._taken: dict[str, set[int]] = {}  # counter -> numbers a value was read at
 
     def sibling(self, store: StoreLike, member: str | None = None) -> SealedStore:
         """Another access to a store of the same job (another connection, or as `member`), which
@@ -94,6 +99,32 @@ class SealedStore:
     def add(self, counter: str, amount: int) -> int:
         """Add `amount` to `counter` (unsealed: created at 0 if missing); its new value."""
         return int(self.store.add(counter, amount))
+
+    def append(
+        self, counter: str, key_of: Callable[[int], str], payload_of: Callable[[int], str]
+    ) -> int:
+        """Write the next value of the list `counter` numbers: take a number from `counter`,
+        then put `payload_of(n)` in `key_of(n)` only if that key is empty (compare-and-set);
+        the number written. A number below 1 or a key already written (a stranger moved the
+        counter back, or wrote there) moves the counter on - past 0 at once, then by jumps
+        that double - so that no value already written is overwritten, and a reader of the
+        list (`numbered.py`) finds the value at or below the counter. `ForgedValue` after
+        `APPEND_ATTEMPTS` numbers taken, never a loop. The honest path: one add and one
+        compare-and-set."""
+        n, jump = int(self.store.add(counter, 1)), 1
+        for _ in range(APPEND_ATTEMPTS):
+            if n >= 1:
+                key = key_of(n)
+                desired = self.seal.seal(key, payload_of(n)).encode()
+                if self.store.compare_set(key, "", desired) == desired:  # type: ignore[arg-type]
+                    return n
+                n, jump = int(self.store.add(counter, jump)), jump * 2
+            else:
+                n = int(self.store.add(counter, 1 - n))
+        raise ForgedValue(
+            f"store key {counter}: no free number after {APPEND_ATTEMPTS} tries (the counter "
+            f"stands at {n}): a stranger is writing the numbers ahead of it"
+        )
 
     def count(self, key: str) -> int:
         """A counter's value (0, and created, if it did not exist)."""
@@ -230,13 +261,19 @@ class SealedStore:
         """The values numbered by `counter` after the first `seen`: how many were read now,
         and (key, opened value) of those that arrived. A number given out and not written yet
         is read the next time, unless a later one is written (a stranger's bump of the counter
-        holds nothing up); a forged value is dropped, and logged."""
-        numbers = numbers_to_read(seen, self.store.add(counter, 0), set())  # `numbered.py`
+        holds nothing up); a forged value is dropped, and logged. A counter moved back below
+        `seen` (`numbered.py`) is read from there, and a number this store read a value at
+        before is never read again (the job's values are never overwritten: `append`)."""
+        count = int(self.store.add(counter, 0))
+        taken = self._taken.setdefault(counter, set())
+        numbers = [n for n in numbers_to_read(seen, count, set()) if n not in taken]
         raws = [(n, self.peek(key_of(n))) for n in numbers]
         while raws and raws[-1][1] is None:  # not written yet
             raws.pop()
-        opened = [(key_of(n), None if r is None else self.open(key_of(n), r)) for n, r in raws]
-        return (raws[-1][0] if raws else seen), [(k, v) for k, v in opened if v is not None]
+        opened = [(n, None if r is None else self.open(key_of(n), r)) for n, r in raws]
+        taken.update(n for n, v in opened if v is not None)
+        last = raws[-1][0] if raws else (seen if count >= seen else max(count, 0))
+        return last, [(key_of(n), v) for n, v in opened if v is not None]
 
     # ------------------------------------------------------------------ the serving store
     def serving(self) -> ServingStore:

@@ -158,10 +158,14 @@ class WorkerView(StoreView):
         self.core.set(Keys.FAILURE.format(member=self.core.member), report.encode())
 
     def report_error(self, report: ErrorReport) -> None:
-        """This process ends with `report`'s error: numbered by the store (`errors`), then
-        published under its number, and the coordinator woken."""
-        number = self.core.add(Keys.ERRORS, 1)
-        self.core.set(Keys.ERROR.format(number=number), replace(report, number=number).encode())
+        """This process ends with `report`'s error: numbered by the store (`errors`), published
+        under a number no report holds yet (`SealedStore.append`: a stranger's add to the
+        counter cannot make it overwrite one, nor hide it), and the coordinator woken."""
+        self.core.append(
+            Keys.ERRORS,
+            lambda n: Keys.ERROR.format(number=n),
+            lambda n: replace(report, number=n).encode(),
+        )
         self.notify_coordinator()
 
     # ------------------------------------------------------------------ injected faults
