@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from . import retention
-from .codec import read_float, read_int, read_text
+from .codec import ProtocolError, read_float, read_int, read_text
 from .messages import (
     CLAIMED,
     GIVEN_UP,
@@ -194,8 +194,30 @@ class CoordinatorView(StoreView):
         return [read_float(k, v) for k, v in zip(keys, payloads) if v is not None]
 
     def stale_refs(self, generation: int) -> int:
-        """Old-generation handles all ranks found after rebinding into generation g."""
-        return self.core.count(Keys.STALE_REFS.format(g=generation))
+        """Old-generation handles all ranks found after rebinding into generation g: the sum
+        of the ranks' sealed counts, read only when the total's counter (a hint: one request)
+        says there are some; a counter the sealed counts do not confirm is rejected and
+        reported, as a forged value is."""
+        counter = Keys.STALE_REFS.format(g=generation)
+        hint = self.core.count(counter)
+        if hint == 0:
+            return 0
+        prefix = Keys.STALE_REF.format(g=generation, rank="")
+        keys = [k for k in self.core.serving().list_keys() if k.startswith(prefix)]
+        total = 0
+        for key in keys:
+            value = self.core.read(key)
+            if value is None:
+                continue
+            try:
+                count = read_int(key, value, minimum=1)
+            except ProtocolError as exc:
+                self.core.reject(key, value, str(exc))
+                continue
+            total += count
+        if total != hint:
+            self.core.reject(counter, str(hint).encode(), f"store key {counter}: rejected {hint}")
+        return total
 
     # ------------------------------------------------------ failures, errors and verdicts
     def failure_number(self, member: str) -> int:

@@ -160,9 +160,16 @@ class Keys:
     counter | writes: the ranks, with their stamps | reads: the coordinator | kept: its
     generation"""
     STALE_REFS = "gen{g}/stale_refs"
-    """Old-generation group handles ranks found left after rebinding (must stay 0).
+    """Old-generation group handles ranks found left after rebinding (must stay 0): a hint
+    only, which the ranks' gen{g}/stale_refs/{rank} confirm (a stranger's add to it is
+    rejected, and reported, where they do not).
 
-    counter | writes: every rank | reads: the coordinator | kept: its generation"""
+    counter | writes: a rank that found some | reads: the coordinator | kept: its generation"""
+    STALE_REF = "gen{g}/stale_refs/{rank}"
+    """How many old-generation group handles the rank found left after rebinding into
+    generation g (written only when some are: the rank then ends with an error).
+
+    sealed | writes: the rank | reads: the coordinator | kept: its generation"""
     REPAIR_HANDLES = "gen{g}/repair/{rank}"
     """RepairHandles: the rank's reconfigure handles of its groups and the generation they were
     created in (`group_repair.py`).

@@ -146,9 +146,13 @@ class WorkerView(StoreView):
         self.core.store.wait(keys, datetime.timedelta(seconds=wait_s))
         return self.core.payloads(keys)
 
-    def report_stale_refs(self, generation: int, count: int) -> None:
-        """Add a rank's count of old-generation handles left after rebinding to g's total."""
-        self.core.add(Keys.STALE_REFS.format(g=generation), count)
+    def report_stale_refs(self, generation: int, rank: int, count: int) -> None:
+        """`rank` found `count` old-generation handles left after rebinding into generation g:
+        when any, its sealed count, then added to g's total (a hint the coordinator confirms
+        with the sealed counts); nothing when none."""
+        if count > 0:
+            self.core.set(Keys.STALE_REF.format(g=generation, rank=rank), str(count))
+            self.core.add(Keys.STALE_REFS.format(g=generation), count)
 
     # ------------------------------------------------------------------ failures and errors
     def report_failure(self, why: str) -> None:

@@ -1,11 +1,13 @@
-"""A stranger's add to the counter that numbers a list hides no value and overwrites none.
+"""A stranger's add to a counter hides no value, overwrites none and reports nothing false.
 
 Error reports (`errors` / `error/{n}`), the agents' orders (`agent/{node}/orders` /
 `agent/{node}/order/{n}`) and the agents' exits (`agents/exits` / `agents/exit/{n}`) are
 numbered by a counter anyone can add to. Moved back, it once handed the next writer a number
 already written and read: the writer overwrote a sealed value and the reader, past that number,
 never saw the new one. Writers now claim an empty number (`SealedStore.append`); readers
-(`numbered.py`) see every value with the counter moved back, far ahead, or both.
+(`numbered.py`) see every value with the counter moved back, far ahead, or both. The count of
+stale group handles (`gen{g}/stale_refs`) is a hint the ranks' sealed counts confirm: a
+stranger's add no longer makes a clean recovery report stale handles.
 """
 
 from __future__ import annotations
@@ -148,3 +150,31 @@ def test_a_stranger_that_squats_every_number_ends_the_write_with_a_stated_error(
     with pytest.raises(ForgedValue, match="no free number"):
         write(Membership(squatter, "a1", SEAL))  # type: ignore[arg-type]
     assert squatter.adds <= sealed_store.APPEND_ATTEMPTS + 1
+
+
+def test_a_strangers_add_to_the_stale_handles_count_reports_none_on_a_clean_recovery() -> None:
+    job = Job(spares=1)
+    job.tick()
+    job.decided("a2")
+    job.store.add(Keys.STALE_REFS.format(g=1), 5)
+    job.complete(1)
+    (recovered,) = job.events.of("recovered")
+    assert recovered["stale_group_refs"] == 0
+    assert Keys.STALE_REFS.format(g=1) in {e["key"] for e in job.events.of("rejected_value")}
+
+
+def test_the_ranks_sealed_counts_of_stale_handles_are_what_the_coordinator_reports() -> None:
+    store = MemoryStore()
+    coord = Membership(store, "coordinator", SEAL)
+    rejected: list[str] = []
+    coord.on_rejected = lambda key, why: rejected.append(key)
+    Membership(store.clone(), "a1", SEAL).report_stale_refs(1, 1, 2)
+    Membership(store.clone(), "a3", SEAL).report_stale_refs(1, 3, 1)
+    Membership(store.clone(), "a0", SEAL).report_stale_refs(1, 0, 0)  # none: nothing written
+    assert coord.stale_refs(1) == 3 and rejected == []
+    store.add(Keys.STALE_REFS.format(g=1), -5)  # the stranger
+    assert coord.stale_refs(1) == 3
+    store.add(Keys.STALE_REFS.format(g=1), 15)
+    store.set(Keys.STALE_REF.format(g=1, rank=2), "7")  # unsealed
+    assert coord.stale_refs(1) == 3
+    assert set(rejected) == {Keys.STALE_REFS.format(g=1), Keys.STALE_REF.format(g=1, rank=2)}
