@@ -26,8 +26,8 @@ class AgentView(StoreView):
         return self.core.add(Keys.AGENTS_NEXT, 1) - 1
 
     def agent_beat(self, node: int) -> None:
-        """One beat of node `node`'s agent."""
-        self.core.add(Keys.AGENT_BEAT.format(node=node), 1)
+        """One beat of node `node`'s agent (its next beat number, sealed, as a process's)."""
+        self.core.beat(Keys.AGENT_BEAT.format(node=node))
 
     def respawn_orders(self, node: int, seen: int) -> tuple[int, list[RespawnOrder]]:
         """Node `node`'s orders after the first `seen`: how many were read now, and those that

@@ -74,15 +74,16 @@ class CoordinatorView(StoreView):
 
     # ------------------------------------------------------------------ members
     def watch_heartbeats(self, members: Sequence[str]) -> None:
-        """Create the counters of `members` at 0 where missing (an existing count is kept), so
-        that `heartbeat_counts` never waits for a key."""
+        """Create the beat keys of `members` with beat 0 where missing (an existing beat is
+        kept), so that `heartbeat_counts` never waits for a key."""
         for member in members:
-            self.core.add(Keys.HEARTBEAT.format(member=member), 0)
+            self.core.start_beats(Keys.HEARTBEAT.format(member=member))
 
     def heartbeat_counts(self, members: Sequence[str]) -> list[int]:
-        """The beat counters of `members` (watched first), in batched requests."""
-        keys = [Keys.HEARTBEAT.format(member=m) for m in members]
-        return [read_int(k, v) for k, v in zip(keys, self.core.multi_get(keys))]
+        """The newest beat number of each of `members` (watched first), in batched requests: a
+        value that is not the job's, or a beat number below one seen before, is no beat (and
+        is reported once, `SealedStore.beat_number`)."""
+        return self.core.beat_numbers([Keys.HEARTBEAT.format(member=m) for m in members])
 
     def is_done(self, member: str) -> bool:
         """Whether `member` finished its work."""
@@ -321,8 +322,10 @@ class CoordinatorView(StoreView):
             self.core.add(Keys.AGENTS_NEXT, first)
 
     def agent_beat_count(self, node: int) -> int:
-        """Node `node`'s agent's beat counter (0: never beat), in one request."""
-        return self.core.add(Keys.AGENT_BEAT.format(node=node), 0)
+        """Node `node`'s agent's newest beat number (0: never beat), in one request (as
+        `heartbeat_counts` reads a process's)."""
+        key = Keys.AGENT_BEAT.format(node=node)
+        return self.core.beat_number(key, self.core.peek(key))
 
     def order_respawn(self, node: int, order: RespawnOrder) -> None:
         """Give node `node`'s agent its next order (under a number no order holds yet:

@@ -67,11 +67,13 @@ class Keys:
     sealed | writes: the member | reads: the coordinator (joined spares), the nodes' agents |
     kept: its member"""
     HEARTBEAT = "hb/{member}"
-    """The member's beats: +1 per beat, 0 before the first. No clock travels: the coordinator
-    times each change on its own monotonic clock (`heartbeats.py`), so clock skew between
-    hosts cannot make a live process look hung.
+    """The member's newest beat number (0 before the first), set, not added, so that a
+    stranger's add cannot beat for a hung process: a value that is not the job's or a number
+    below one seen before is no beat (`SealedStore.beat_number`). No clock travels: the
+    coordinator times each new number on its own monotonic clock (`heartbeats.py`), so clock
+    skew between hosts cannot make a live process look hung.
 
-    counter | writes: the member's heartbeat thread; the coordinator creates it at 0 | reads:
+    sealed | writes: the member's heartbeat thread; the coordinator creates it at 0 | reads:
     the coordinator | kept: its member"""
     INBOX = "coord/inbox"
     """Wake-ups for the coordinator (a report it waits for is complete): it blocks on the
@@ -323,9 +325,10 @@ class Keys:
     counter | writes: the coordinator, joining agents | reads: joining agents | kept: the job's
     life"""
     AGENT_BEAT = "agent/{node}/hb"
-    """Node `node`'s agent's beats (`deadpool agent`), as hb/ counts a process's.
+    """Node `node`'s agent's newest beat number (`deadpool agent`), as hb/{member} holds a
+    process's.
 
-    counter | writes: the agent | reads: the coordinator | kept: the job's life"""
+    sealed | writes: the agent | reads: the coordinator | kept: the job's life"""
     AGENT_ORDERS = "agent/{node}/orders"
     """How many orders the coordinator gave that node's agent: the numbers of its orders, handed
     out as errors hands out the error reports' (`SealedStore.append`, `numbered.py`).
@@ -353,7 +356,6 @@ class Keys:
 
     UNSEALED = (
         INBOX,
-        HEARTBEAT,
         SPARE_EPOCH,
         SPARES_NEXT,
         HOLDINGS_COUNT,
@@ -365,7 +367,6 @@ class Keys:
         FAULT_FIRED,
         PROCESS_GROUPS,
         AGENTS_NEXT,
-        AGENT_BEAT,
         AGENT_ORDERS,
         AGENT_EXITS,
     )

@@ -53,8 +53,9 @@ class WorkerView(StoreView):
         self.heartbeat()
 
     def heartbeat(self) -> None:
-        """One beat: this member's counter + 1 (no clock is sent)."""
-        self.core.add(Keys.HEARTBEAT.format(member=self.core.member), 1)
+        """One beat: this member's next beat number, sealed (no clock is sent; one round trip,
+        which notices a lost coordinator)."""
+        self.core.beat(Keys.HEARTBEAT.format(member=self.core.member))
 
     def mark_done(self) -> None:
         """This member finished its work."""
