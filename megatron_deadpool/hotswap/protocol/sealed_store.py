@@ -70,7 +70,8 @@ class SealedStore:
         self._set_then_add = store.set_then_add if isinstance(store, ConfirmedSets) else None
         self.on_rejected: Callable[[str, str], None] | None = None  # (key, why): e.g. an event
         self._rejected: set[tuple[str, bytes]] = set()
-        self._taken: dict[str, set[int]] = {}  # counter -> numbers a value was read at
+        self._taken: dict[str, tuple[int, set[int]]] = {}  # counter -> (the `seen` returned,
+        # the numbers a value was read at)
         self._beats_sent: dict[str, tuple[bytes, int]] = {}  # key -> (value, number) last beat
         self._beats_seen: dict[str, tuple[bytes, int]] = {}  # key -> (value, newest number)
 
@@ -320,9 +321,12 @@ class SealedStore:
         is read the next time, unless a later one is written (a stranger's bump of the counter
         holds nothing up); a forged value is dropped, and logged. A counter moved back below
         `seen` (`numbered.py`) is read from there, and a number this store read a value at
-        before is never read again (the job's values are never overwritten: `append`)."""
+        before is not read again by a reader that goes on from what this call returned (the
+        job's values are never overwritten: `append`); another `seen` starts the reading over."""
         count = int(self.store.add(counter, 0))
-        taken = self._taken.setdefault(counter, set())
+        returned, taken = self._taken.get(counter, (seen, set()))
+        if returned != seen:  # another reader, or one that starts over
+            taken = set()
         numbers = [n for n in numbers_to_read(seen, count, set()) if n not in taken]
         raws = [(n, self.peek(key_of(n))) for n in numbers]
         while raws and raws[-1][1] is None:  # not written yet
@@ -330,6 +334,7 @@ class SealedStore:
         opened = [(n, None if r is None else self.open(key_of(n), r)) for n, r in raws]
         taken.update(n for n, v in opened if v is not None)
         last = raws[-1][0] if raws else (seen if count >= seen else max(count, 0))
+        self._taken[counter] = (last, taken)
         return last, [(key_of(n), v) for n, v in opened if v is not None]
 
     # ------------------------------------------------------------------ the serving store
