@@ -4,7 +4,7 @@ No training: the coordinator (`hotswap.coordinator.coordinator.Coordinator`, its
 process as `deadpool coordinator` does) at each size, in two settings:
 
 - **coordinator alone** (`coordinator_alone.py`, every `--ranks` size, `--failures` times,
-  medians): one client writes what the ranks would (beat counters, every survivor's report)
+  medians): one client writes what the ranks would (beats, every survivor's report)
   in bulk, so the coordinator's own work is timed: a heartbeat sweep (keys, store requests,
   CPU), crash noticed -> plan published, every report in -> roster published.
 - **with simulated ranks** (`--sim-ranks` sizes): simulated ranks (`sim_ranks.py`, several

@@ -1,7 +1,7 @@
 """The coordinator's own cost at a job size, the ranks' side written in bulk (`deadpool bench
 control-plane`'s first part).
 
-One client writes what the ranks would (beat counters, then every survivor's report) with
+One client writes what the ranks would (beats, then every survivor's report) with
 batched `multi_set`s, so that what is timed is the coordinator and its store requests alone: a
 heartbeat sweep, the tick that notices a crash and publishes the plan, and the tick that reads
 every report, decides and publishes the roster. Not the ranks' traffic (the simulated ranks,
@@ -72,7 +72,7 @@ def coordinator_alone(ranks: int, args: argparse.Namespace, sweeps: int = 9) -> 
         members = [*coord.roster.slots.values(), *coord.spares]
         keys = [Keys.HEARTBEAT.format(member=m) for m in members]
         for beat in range(1, sweeps + 2):  # every counter moves between sweeps
-            _multi_set(writer, keys, [str(beat)] * len(keys))
+            _multi_set(writer, keys, [seal.seal(k, str(beat)) for k in keys])
             writer.check(keys[-1:])  # the sets are one-way: a round trip orders them first
             clock.advance(coord.detector.sweep_interval)  # a sweep is due
             coord.tick()

@@ -7,7 +7,7 @@ Four signals, looked at once per `look()` (the coordinator's tick):
   - exits the launcher saw (`liveness.Liveness`; none on a cluster): a member that exits with an
     error before it finished its work is dead; one that finished first is noted as lost after
     its work, which needs no recovery;
-  - heartbeats: every watched member's beat counter, read in one batched sweep every
+  - heartbeats: every watched member's beat number, read in one batched sweep every
     `sweep_interval` and timed on the coordinator's own monotonic clock (`heartbeats.py`); a
     member silent for the heartbeat timeout is hung (killed where the launcher can, so that its
     sockets close and its peers unblock);
@@ -85,7 +85,7 @@ class FailureDetector:
         self._dead: dict[str, str] = {}  # member -> why
         self._finished: set[str] = set()  # finished their work: silent on purpose
         self._after_work: set[str] = set()  # exited after their work was done
-        self._watched: set[str] = set()  # members whose heartbeat counter exists
+        self._watched: set[str] = set()  # members whose heartbeat key exists
         self._next_sweep = 0.0
         self._failures_seen = 0
         self._suspicion_base = 0  # failure reports seen before the current suspicion
@@ -95,6 +95,7 @@ class FailureDetector:
         self._errors: dict[str, ErrorReport] = {}  # member -> the first error it reported
         self._errors_counted = 0  # error reports counted by the store so far
         self._errors_unread: set[int] = set()  # counted, not published yet when last looked
+        self._errors_read: set[int] = set()  # the numbers a report was read at
 
     # ------------------------------------------------------------------ what it knows
     @property
@@ -146,7 +147,7 @@ class FailureDetector:
         self._after_work.add(member)
 
     def watch(self, members: Sequence[str]) -> None:
-        """Make sure `members`' heartbeat counters exist (read in every sweep from now on)."""
+        """Make sure `members`' heartbeat keys exist (read in every sweep from now on)."""
         new = [m for m in members if m not in self._watched]
         if new:
             self.membership.watch_heartbeats(new)
@@ -173,17 +174,20 @@ class FailureDetector:
         return dict(self._errors)
 
     def _read_errors(self) -> list[ErrorReport]:
-        """The reports published since the last read (one round trip when there are none)."""
+        """The reports published since the last read (one round trip when there are none; a
+        counter a stranger moved back is read from there on: `numbered.py`)."""
         count = self.membership.error_count()
         numbers = numbers_to_read(self._errors_counted, count, self._errors_unread)
+        numbers = [n for n in numbers if n not in self._errors_read]
         self._errors_unread &= set(numbers)  # (the newest few: `numbered.py`)
-        self._errors_counted = max(self._errors_counted, count)
+        self._errors_counted = max(count, 0)
         new = []
         for number in numbers:
             report = self.membership.error_report(number)
             if report is None:  # counted by the store, not published yet: look again later
                 self._errors_unread.add(number)
                 continue
+            self._errors_read.add(number)
             self._errors_unread.discard(number)
             self._errors.setdefault(report.member, report)
             new.append(report)
@@ -213,7 +217,7 @@ class FailureDetector:
                 self.mark_dead(member, f"exited with code {code}")
 
     def _sweep(self, live: Sequence[str], now: float) -> None:
-        """Read every watched heartbeat counter (batched) and name the silent members: silent
+        """Read every watched heartbeat (batched) and name the silent members: silent
         for the heartbeat timeout, or - while a reported failure is unexplained - for
         `suspect_after`, unless the member itself reported the failure (it is alive)."""
         cpu0, proc0, t0 = time.thread_time(), time.process_time(), time.perf_counter()

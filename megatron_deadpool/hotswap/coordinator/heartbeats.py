@@ -1,7 +1,9 @@
 """Heartbeat ages on the coordinator's own clock.
 
-A process's heartbeat is a counter it increments (`WorkerView.heartbeat`); no clock travels.
-The coordinator reads every counter in one batched sweep and notes, on its own monotonic
+A process's heartbeat is its beat number, sealed and set one higher each beat
+(`WorkerView.heartbeat`; what the coordinator reads is the newest number that opens,
+`SealedStore.beat_number`, so a stranger's value is no beat); no clock travels. The coordinator
+reads every beat in one batched sweep and notes, on its own monotonic
 clock, when it last saw each one change: a process's age is the time since then. Clock skew
 between hosts (or a wall clock stepped by NTP) therefore cannot make a live process look hung
 nor a hung one alive, and the time of the last change bounds when a silent process stopped.

@@ -26,8 +26,8 @@ class AgentView(StoreView):
         return self.core.add(Keys.AGENTS_NEXT, 1) - 1
 
     def agent_beat(self, node: int) -> None:
-        """One beat of node `node`'s agent."""
-        self.core.add(Keys.AGENT_BEAT.format(node=node), 1)
+        """One beat of node `node`'s agent (its next beat number, sealed, as a process's)."""
+        self.core.beat(Keys.AGENT_BEAT.format(node=node))
 
     def respawn_orders(self, node: int, seen: int) -> tuple[int, list[RespawnOrder]]:
         """Node `node`'s orders after the first `seen`: how many were read now, and those that
@@ -46,9 +46,10 @@ class AgentView(StoreView):
 
     def report_exit(self, exit: ProcessExit) -> None:
         """An agent saw a process it started exit (the coordinator need not wait for its
-        silence)."""
-        n = self.core.add(Keys.AGENT_EXITS, 1)
-        self.core.set(Keys.AGENT_EXIT.format(n=n), exit.encode())
+        silence), under a number no exit holds yet (`SealedStore.append`)."""
+        self.core.append(
+            Keys.AGENT_EXITS, lambda n: Keys.AGENT_EXIT.format(n=n), lambda n: exit.encode()
+        )
 
     def node_lost(self, member: str) -> bool:
         """Whether a node fault took the node `member` ran on."""

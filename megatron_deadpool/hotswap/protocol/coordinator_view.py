@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from . import retention
-from .codec import read_float, read_int, read_text
+from .codec import ProtocolError, read_float, read_int, read_text
 from .messages import (
     CLAIMED,
     GIVEN_UP,
@@ -74,15 +74,16 @@ class CoordinatorView(StoreView):
 
     # ------------------------------------------------------------------ members
     def watch_heartbeats(self, members: Sequence[str]) -> None:
-        """Create the counters of `members` at 0 where missing (an existing count is kept), so
-        that `heartbeat_counts` never waits for a key."""
+        """Create the beat keys of `members` with beat 0 where missing (an existing beat is
+        kept), so that `heartbeat_counts` never waits for a key."""
         for member in members:
-            self.core.add(Keys.HEARTBEAT.format(member=member), 0)
+            self.core.start_beats(Keys.HEARTBEAT.format(member=member))
 
     def heartbeat_counts(self, members: Sequence[str]) -> list[int]:
-        """The beat counters of `members` (watched first), in batched requests."""
-        keys = [Keys.HEARTBEAT.format(member=m) for m in members]
-        return [read_int(k, v) for k, v in zip(keys, self.core.multi_get(keys))]
+        """The newest beat number of each of `members` (watched first), in batched requests: a
+        value that is not the job's, or a beat number below one seen before, is no beat (and
+        is reported once, `SealedStore.beat_number`)."""
+        return self.core.beat_numbers([Keys.HEARTBEAT.format(member=m) for m in members])
 
     def is_done(self, member: str) -> bool:
         """Whether `member` finished its work."""
@@ -194,8 +195,30 @@ class CoordinatorView(StoreView):
         return [read_float(k, v) for k, v in zip(keys, payloads) if v is not None]
 
     def stale_refs(self, generation: int) -> int:
-        """Old-generation handles all ranks found after rebinding into generation g."""
-        return self.core.count(Keys.STALE_REFS.format(g=generation))
+        """Old-generation handles all ranks found after rebinding into generation g: the sum
+        of the ranks' sealed counts, read only when the total's counter (a hint: one request)
+        says there are some; a counter the sealed counts do not confirm is rejected and
+        reported, as a forged value is."""
+        counter = Keys.STALE_REFS.format(g=generation)
+        hint = self.core.count(counter)
+        if hint == 0:
+            return 0
+        prefix = Keys.STALE_REF.format(g=generation, rank="")
+        keys = [k for k in self.core.serving().list_keys() if k.startswith(prefix)]
+        total = 0
+        for key in keys:
+            value = self.core.read(key)
+            if value is None:
+                continue
+            try:
+                count = read_int(key, value, minimum=1)
+            except ProtocolError as exc:
+                self.core.reject(key, value, str(exc))
+                continue
+            total += count
+        if total != hint:
+            self.core.reject(counter, str(hint).encode(), f"store key {counter}: rejected {hint}")
+        return total
 
     # ------------------------------------------------------ failures, errors and verdicts
     def failure_number(self, member: str) -> int:
@@ -214,10 +237,17 @@ class CoordinatorView(StoreView):
         return self.core.count(Keys.ERRORS)
 
     def error_report(self, number: int) -> ErrorReport | None:
-        """Report `number` (None: counted, not published yet)."""
+        """Report `number` (None: counted, not published yet, or not the job's). A report whose
+        own number is not the one it is read under is rejected, as a forged value is."""
         key = Keys.ERROR.format(number=number)
         value = self.core.read(key)
-        return None if value is None else ErrorReport.decode(key, value)
+        if value is None:
+            return None
+        report = ErrorReport.decode(key, value)
+        if report.number != number:
+            self.core.reject(key, value, f"store key {key}: rejected report {report.number}")
+            return None
+        return report
 
     def publish_job_error(self, verdict: JobError) -> None:
         """The verdict that a failure is the job's own error: the job ends."""
@@ -292,13 +322,19 @@ class CoordinatorView(StoreView):
             self.core.add(Keys.AGENTS_NEXT, first)
 
     def agent_beat_count(self, node: int) -> int:
-        """Node `node`'s agent's beat counter (0: never beat), in one request."""
-        return self.core.add(Keys.AGENT_BEAT.format(node=node), 0)
+        """Node `node`'s agent's newest beat number (0: never beat), in one request (as
+        `heartbeat_counts` reads a process's)."""
+        key = Keys.AGENT_BEAT.format(node=node)
+        return self.core.beat_number(key, self.core.peek(key))
 
     def order_respawn(self, node: int, order: RespawnOrder) -> None:
-        """Give node `node`'s agent its next order."""
-        n = self.core.add(Keys.AGENT_ORDERS.format(node=node), 1)
-        self.core.set(Keys.AGENT_ORDER.format(node=node, n=n), order.encode())
+        """Give node `node`'s agent its next order (under a number no order holds yet:
+        `SealedStore.append`)."""
+        self.core.append(
+            Keys.AGENT_ORDERS.format(node=node),
+            lambda n: Keys.AGENT_ORDER.format(node=node, n=n),
+            lambda n: order.encode(),
+        )
 
     def respawn_history(self, node: int) -> RespawnHistory | None:
         """Node `node`'s respawns under earlier coordinators, if its agent wrote them here."""

@@ -67,11 +67,13 @@ class Keys:
     sealed | writes: the member | reads: the coordinator (joined spares), the nodes' agents |
     kept: its member"""
     HEARTBEAT = "hb/{member}"
-    """The member's beats: +1 per beat, 0 before the first. No clock travels: the coordinator
-    times each change on its own monotonic clock (`heartbeats.py`), so clock skew between
-    hosts cannot make a live process look hung.
+    """The member's newest beat number (0 before the first), set, not added, so that a
+    stranger's add cannot beat for a hung process: a value that is not the job's or a number
+    below one seen before is no beat (`SealedStore.beat_number`). No clock travels: the
+    coordinator times each new number on its own monotonic clock (`heartbeats.py`), so clock
+    skew between hosts cannot make a live process look hung.
 
-    counter | writes: the member's heartbeat thread; the coordinator creates it at 0 | reads:
+    sealed | writes: the member's heartbeat thread; the coordinator creates it at 0 | reads:
     the coordinator | kept: its member"""
     INBOX = "coord/inbox"
     """Wake-ups for the coordinator (a report it waits for is complete): it blocks on the
@@ -160,9 +162,16 @@ class Keys:
     counter | writes: the ranks, with their stamps | reads: the coordinator | kept: its
     generation"""
     STALE_REFS = "gen{g}/stale_refs"
-    """Old-generation group handles ranks found left after rebinding (must stay 0).
+    """Old-generation group handles ranks found left after rebinding (must stay 0): a hint
+    only, which the ranks' gen{g}/stale_refs/{rank} confirm (a stranger's add to it is
+    rejected, and reported, where they do not).
 
-    counter | writes: every rank | reads: the coordinator | kept: its generation"""
+    counter | writes: a rank that found some | reads: the coordinator | kept: its generation"""
+    STALE_REF = "gen{g}/stale_refs/{rank}"
+    """How many old-generation group handles the rank found left after rebinding into
+    generation g (written only when some are: the rank then ends with an error).
+
+    sealed | writes: the rank | reads: the coordinator | kept: its generation"""
     REPAIR_HANDLES = "gen{g}/repair/{rank}"
     """RepairHandles: the rank's reconfigure handles of its groups and the generation they were
     created in (`group_repair.py`).
@@ -188,12 +197,16 @@ class Keys:
 
     sealed | writes: the survivor | reads: the coordinator | kept: its member"""
     ERRORS = "errors"
-    """Processes that ended with an error of their own.
+    """Processes that ended with an error of their own: the numbers of error/{number}. Only
+    hands numbers out: a writer takes the first empty one from it (`SealedStore.append`: a
+    number below 1 or already written moves it on), and the reader reads past a counter moved
+    back or far ahead (`numbered.py`).
 
     counter | writes: those processes | reads: the coordinator | kept: the job's life"""
     ERROR = "error/{number}"
     """ErrorReport n: who, in which phase, the exception and the end of its traceback (a
-    process that dies by a signal reports nothing).
+    process that dies by a signal reports nothing). Written only where no value is, with its
+    own number inside.
 
     sealed | writes: the process, numbered by `errors` | reads: the coordinator | kept: the
     job's life"""
@@ -312,15 +325,18 @@ class Keys:
     counter | writes: the coordinator, joining agents | reads: joining agents | kept: the job's
     life"""
     AGENT_BEAT = "agent/{node}/hb"
-    """Node `node`'s agent's beats (`deadpool agent`), as hb/ counts a process's.
+    """Node `node`'s agent's newest beat number (`deadpool agent`), as hb/{member} holds a
+    process's.
 
-    counter | writes: the agent | reads: the coordinator | kept: the job's life"""
+    sealed | writes: the agent | reads: the coordinator | kept: the job's life"""
     AGENT_ORDERS = "agent/{node}/orders"
-    """How many orders the coordinator gave that node's agent.
+    """How many orders the coordinator gave that node's agent: the numbers of its orders, handed
+    out as errors hands out the error reports' (`SealedStore.append`, `numbered.py`).
 
     counter | writes: the coordinator | reads: the agent | kept: the job's life"""
     AGENT_ORDER = "agent/{node}/order/{n}"
-    """RespawnOrder n: start a process there in a failed one's place.
+    """RespawnOrder n: start a process there in a failed one's place (written only where no
+    value is).
 
     sealed | writes: the coordinator | reads: the agent | kept: the job's life"""
     AGENT_RESPAWNS = "agent/{node}/respawns"
@@ -328,17 +344,18 @@ class Keys:
 
     sealed | writes: the agent | reads: the coordinator | kept: the job's life"""
     AGENT_EXITS = "agents/exits"
-    """How many exits the agents saw.
+    """How many exits the agents saw: the numbers of their reports, handed out as errors hands
+    out the error reports' (`SealedStore.append`, `numbered.py`).
 
     counter | writes: the agents | reads: the coordinator | kept: the job's life"""
     AGENT_EXIT = "agents/exit/{n}"
-    """ProcessExit n: a process an agent started ended, with its code.
+    """ProcessExit n: a process an agent started ended, with its code (written only where no
+    value is).
 
     sealed | writes: the agents | reads: the coordinator | kept: the job's life"""
 
     UNSEALED = (
         INBOX,
-        HEARTBEAT,
         SPARE_EPOCH,
         SPARES_NEXT,
         HOLDINGS_COUNT,
@@ -350,7 +367,6 @@ class Keys:
         FAULT_FIRED,
         PROCESS_GROUPS,
         AGENTS_NEXT,
-        AGENT_BEAT,
         AGENT_ORDERS,
         AGENT_EXITS,
     )

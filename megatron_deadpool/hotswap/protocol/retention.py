@@ -25,7 +25,7 @@ Without it two kinds of keys grow for the life of a job (the coordinator's memor
     the previous roster's (`prunable_wake_ups`). A spare's waiter walks through them in order; one
     a whole recovery behind would wait on a deleted key, and its spare still looks at the store
     every second.
-  - a dead member's own keys (`member_keys`: its heartbeat counter, announcement, failure report
+  - a dead member's own keys (`member_keys`: its heartbeat, announcement, failure report
     and done stamp), which would grow with every failure a long run meets (each respawn and
     each joined spare is a new member): at the same time as the generation keys, those of the
     members whose death was planned for in a generation before g - 1. Nothing reads them by

@@ -27,8 +27,9 @@ a file only its owner may read (`DEADPOOL_JOB_TOKEN_FILE`, mode 0600: the Slurm 
 `job_secret` reads it, the same way in every process (`--deadpool-job-token` still sets it,
 but puts it on a command line where `ps` shows it).
 
-What a MAC cannot cover (README, "Trust model"): counters (`add`: heartbeats, report
-counters, wake-ups), whose atomic increments cannot carry one; torch's own rendezvous keys of
+What a MAC cannot cover (README, "Trust model"): counters (`add`: report counters, the
+numbers of numbered lists, wake-ups), whose atomic increments cannot carry one (heartbeats are
+sealed beat numbers, set, not counted); torch's own rendezvous keys of
 the process groups (`gen{g}/...` of `Membership.process_group_store`) and the gloo/NCCL
 traffic itself; and a client that deletes keys or floods the store.
 """

@@ -6,7 +6,9 @@ of the key and the payload) and opens every value it reads. A value that is not 
 forged, altered, or copied from another key or generation - is treated as absent, reported
 once (a warning, and `on_rejected`, e.g. the coordinator's event `rejected_value`), and never
 acted on; a reader that waits for such a key polls until the job's own value replaces it.
-Counters (`add`) cannot carry a MAC: they only ever wake or hurry a reader of sealed values.
+Counters (`add`) cannot carry a MAC: they only ever wake or hurry a reader of sealed values,
+or hand out the numbers of a numbered list, whose writer claims an empty number (`append`).
+A beat is a sealed beat number, set, not added (`beat`, `beat_numbers`).
 
 A read is one request (`peek`); a process that waits for a key blocks on the server (a WAIT)
 and then reads it: two requests, where torch's `get` after a wait would make three. Nothing
@@ -46,6 +48,14 @@ FORGED_WAIT_S = 300.0
 """How long a read that must return a value (`roster`, `sources`) waits for the job's own value
 to replace a rejected one before it gives up (`ForgedValue`)."""
 
+APPEND_ATTEMPTS = 40
+"""Numbers an `append` tries before it gives up (each after a jump twice the last: 2**39 past
+where it started)."""
+
+BEAT_ATTEMPTS = 3
+"""Compare-and-sets a beat tries before it sets its value outright (a key that holds another
+process's beat, a stranger's value, or none)."""
+
 REJECTIONS_REMEMBERED = 4096
 """Rejected (key, value) pairs remembered so that each is reported once."""
 
@@ -60,6 +70,10 @@ class SealedStore:
         self._set_then_add = store.set_then_add if isinstance(store, ConfirmedSets) else None
         self.on_rejected: Callable[[str, str], None] | None = None  # (key, why): e.g. an event
         self._rejected: set[tuple[str, bytes]] = set()
+        self._taken: dict[str, tuple[int, set[int]]] = {}  # counter -> (the `seen` returned,
+        # the numbers a value was read at)
+        self._beats_sent: dict[str, tuple[bytes, int]] = {}  # key -> (value, number) last beat
+        self._beats_seen: dict[str, tuple[bytes, int]] = {}  # key -> (value, newest number)
 
     def sibling(self, store: StoreLike, member: str | None = None) -> SealedStore:
         """Another access to a store of the same job (another connection, or as `member`), which
@@ -94,6 +108,81 @@ class SealedStore:
     def add(self, counter: str, amount: int) -> int:
         """Add `amount` to `counter` (unsealed: created at 0 if missing); its new value."""
         return int(self.store.add(counter, amount))
+
+    def append(
+        self, counter: str, key_of: Callable[[int], str], payload_of: Callable[[int], str]
+    ) -> int:
+        """Write the next value of the list `counter` numbers: take a number from `counter`,
+        then put `payload_of(n)` in `key_of(n)` only if that key is empty (compare-and-set);
+        the number written. A number below 1 or a key already written (a stranger moved the
+        counter back, or wrote there) moves the counter on - past 0 at once, then by jumps
+        that double - so that no value already written is overwritten, and a reader of the
+        list (`numbered.py`) finds the value at or below the counter. `ForgedValue` after
+        `APPEND_ATTEMPTS` numbers taken, never a loop. The honest path: one add and one
+        compare-and-set."""
+        n, jump = int(self.store.add(counter, 1)), 1
+        for _ in range(APPEND_ATTEMPTS):
+            if n >= 1:
+                key = key_of(n)
+                desired = self.seal.seal(key, payload_of(n)).encode()
+                if self.store.compare_set(key, "", desired) == desired:  # type: ignore[arg-type]
+                    return n
+                n, jump = int(self.store.add(counter, jump)), jump * 2
+            else:
+                n = int(self.store.add(counter, 1 - n))
+        raise ForgedValue(
+            f"store key {counter}: no free number after {APPEND_ATTEMPTS} tries (the counter "
+            f"stands at {n}): a stranger is writing the numbers ahead of it"
+        )
+
+    def beat(self, key: str) -> int:
+        """One beat in `key`: the next beat number, sealed and set (not added: a stranger's add
+        cannot beat for a hung process), one compare-and-set when this access wrote the key's
+        value last. Numbers go on from the newest of the job's in the key (another access's
+        or an earlier process's beats of the same party, a coordinator's 0); a key that holds
+        none of ours, or none at all (pruned, or a store failed over to), is written from this
+        access's own count. The number written."""
+        expected, n = self._beats_sent.get(key, (b"", 0))
+        desired = self.seal.seal(key, str(n + 1))
+        for _ in range(BEAT_ATTEMPTS):
+            desired = self.seal.seal(key, str(n + 1))
+            raw = self.store.compare_set(key, expected, desired)  # type: ignore[arg-type]
+            if raw == desired.encode():
+                break
+            if expected and raw == expected:  # the key is missing: create it
+                expected = b""
+                continue
+            value = self.open(key, raw)  # (reported once when not the job's)
+            n = max(n, _beat_number(value))
+            expected = raw
+        else:
+            self.store.set(key, desired)
+        self._beats_sent[key] = (desired.encode(), n + 1)
+        return n + 1
+
+    def start_beats(self, key: str) -> None:
+        """Create `key` with the beat number 0 unless it holds a value (one request)."""
+        self.store.compare_set(key, "", self.seal.seal(key, "0"))
+
+    def beat_number(self, key: str, raw: bytes | None) -> int:
+        """The newest beat number read from `key` so far, `raw` its value now (None: missing):
+        a value that is not the job's, or a number below one read before (a replay of an
+        earlier beat), is no beat, and reported once as a forged value is. 0: never beat."""
+        seen = self._beats_seen.get(key)
+        if raw is None or (seen is not None and seen[0] == raw):
+            return 0 if seen is None else seen[1]
+        newest = 0 if seen is None else seen[1]
+        value = self.open(key, raw)
+        n = _beat_number(value) if value is not None else newest
+        if n < newest:
+            self.reject(key, raw, f"store key {key}: rejected beat {n}, after beat {newest}")
+        self._beats_seen[key] = (raw, max(n, newest))
+        return max(n, newest)
+
+    def beat_numbers(self, keys: Sequence[str]) -> list[int]:
+        """`beat_number` of each of `keys` (which must all exist), in batched requests; only
+        a value that changed since the last read is opened."""
+        return [self.beat_number(k, raw) for k, raw in zip(keys, self.multi_get(keys))]
 
     def count(self, key: str) -> int:
         """A counter's value (0, and created, if it did not exist)."""
@@ -230,13 +319,23 @@ class SealedStore:
         """The values numbered by `counter` after the first `seen`: how many were read now,
         and (key, opened value) of those that arrived. A number given out and not written yet
         is read the next time, unless a later one is written (a stranger's bump of the counter
-        holds nothing up); a forged value is dropped, and logged."""
-        numbers = numbers_to_read(seen, self.store.add(counter, 0), set())  # `numbered.py`
+        holds nothing up); a forged value is dropped, and logged. A counter moved back below
+        `seen` (`numbered.py`) is read from there, and a number this store read a value at
+        before is not read again by a reader that goes on from what this call returned (the
+        job's values are never overwritten: `append`); another `seen` starts the reading over."""
+        count = int(self.store.add(counter, 0))
+        returned, taken = self._taken.get(counter, (seen, set()))
+        if returned != seen:  # another reader, or one that starts over
+            taken = set()
+        numbers = [n for n in numbers_to_read(seen, count, set()) if n not in taken]
         raws = [(n, self.peek(key_of(n))) for n in numbers]
         while raws and raws[-1][1] is None:  # not written yet
             raws.pop()
-        opened = [(key_of(n), None if r is None else self.open(key_of(n), r)) for n, r in raws]
-        return (raws[-1][0] if raws else seen), [(k, v) for k, v in opened if v is not None]
+        opened = [(n, None if r is None else self.open(key_of(n), r)) for n, r in raws]
+        taken.update(n for n, v in opened if v is not None)
+        last = raws[-1][0] if raws else (seen if count >= seen else max(count, 0))
+        self._taken[counter] = (last, taken)
+        return last, [(key_of(n), v) for n, v in opened if v is not None]
 
     # ------------------------------------------------------------------ the serving store
     def serving(self) -> ServingStore:
@@ -244,3 +343,11 @@ class SealedStore:
         if not isinstance(self.store, ServingStore):
             raise TypeError(f"{type(self.store).__name__} is a client, not the serving store")
         return self.store
+
+
+def _beat_number(payload: bytes | None) -> int:
+    """A beat number in a payload of the job's (0 for none, or for one that is no number)."""
+    try:
+        return max(0, int(payload)) if payload is not None else 0
+    except ValueError:
+        return 0

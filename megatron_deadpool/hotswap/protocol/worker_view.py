@@ -53,8 +53,9 @@ class WorkerView(StoreView):
         self.heartbeat()
 
     def heartbeat(self) -> None:
-        """One beat: this member's counter + 1 (no clock is sent)."""
-        self.core.add(Keys.HEARTBEAT.format(member=self.core.member), 1)
+        """One beat: this member's next beat number, sealed (no clock is sent; one round trip,
+        which notices a lost coordinator)."""
+        self.core.beat(Keys.HEARTBEAT.format(member=self.core.member))
 
     def mark_done(self) -> None:
         """This member finished its work."""
@@ -146,9 +147,13 @@ class WorkerView(StoreView):
         self.core.store.wait(keys, datetime.timedelta(seconds=wait_s))
         return self.core.payloads(keys)
 
-    def report_stale_refs(self, generation: int, count: int) -> None:
-        """Add a rank's count of old-generation handles left after rebinding to g's total."""
-        self.core.add(Keys.STALE_REFS.format(g=generation), count)
+    def report_stale_refs(self, generation: int, rank: int, count: int) -> None:
+        """`rank` found `count` old-generation handles left after rebinding into generation g:
+        when any, its sealed count, then added to g's total (a hint the coordinator confirms
+        with the sealed counts); nothing when none."""
+        if count > 0:
+            self.core.set(Keys.STALE_REF.format(g=generation, rank=rank), str(count))
+            self.core.add(Keys.STALE_REFS.format(g=generation), count)
 
     # ------------------------------------------------------------------ failures and errors
     def report_failure(self, why: str) -> None:
@@ -158,10 +163,14 @@ class WorkerView(StoreView):
         self.core.set(Keys.FAILURE.format(member=self.core.member), report.encode())
 
     def report_error(self, report: ErrorReport) -> None:
-        """This process ends with `report`'s error: numbered by the store (`errors`), then
-        published under its number, and the coordinator woken."""
-        number = self.core.add(Keys.ERRORS, 1)
-        self.core.set(Keys.ERROR.format(number=number), replace(report, number=number).encode())
+        """This process ends with `report`'s error: numbered by the store (`errors`), published
+        under a number no report holds yet (`SealedStore.append`: a stranger's add to the
+        counter cannot make it overwrite one, nor hide it), and the coordinator woken."""
+        self.core.append(
+            Keys.ERRORS,
+            lambda n: Keys.ERROR.format(number=n),
+            lambda n: replace(report, number=n).encode(),
+        )
         self.notify_coordinator()
 
     # ------------------------------------------------------------------ injected faults

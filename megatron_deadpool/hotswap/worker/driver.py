@@ -638,7 +638,7 @@ class Driver(JobChannel, Replicas):
         stale: list[str] = []
         groups = {REPLICATION: self.repl_group, HOST_REPLICATION: self.host_repl_group}
         n = rebind.attach(self._roots(), groups, stale)
-        self.membership.report_stale_refs(self.generation, len(stale))
+        self.membership.report_stale_refs(self.generation, self._rank(), len(stale))
         if stale:
             raise DeadpoolRuntimeError(
                 f"objects still reference groups of an old generation: {stale[:3]}"

@@ -26,3 +26,9 @@ def test_agents_exits_are_read_past_a_strangers_add() -> None:
     agent.report_exit(ProcessExit("a2", -9, 0))
     seen, exits = coordinator.process_exits(0)
     assert [e.member for e in exits] == ["a1", "a2"] and seen == 10**9 + 2
+
+
+def test_a_counter_moved_back_is_read_up_to_it_and_never_below_one() -> None:
+    assert numbers_to_read(100, 3, set()) == [1, 2, 3]
+    assert numbers_to_read(100, 90, set()) == list(range(90 - WINDOW + 1, 91))
+    assert numbers_to_read(5, -(10**9), {4}) == [4]

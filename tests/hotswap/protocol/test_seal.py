@@ -234,7 +234,7 @@ def test_every_key_but_counters_and_rendezvous_holds_a_sealed_value() -> None:
     )
     assert not any(
         holds_sealed(k)
-        for k in ["hb/a1", "gen3/holdings/count", "failures", "spares/epoch", "gen3/0//cpu//0/1"]
+        for k in ["errors", "gen3/holdings/count", "failures", "spares/epoch", "gen3/0//cpu//0/1"]
     )
 
 
