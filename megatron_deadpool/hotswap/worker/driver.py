@@ -565,11 +565,16 @@ class Driver(JobChannel, Replicas):
                 self._device_watch = DeviceWatch(bound)
             self._device_watch.step_done(n)
         self.last_completed = n
-        if self.rank == 0:  # the launchers' metrics files read it (`report/metrics_file.py`)
-            nbytes = self.replicator.bytes_per_round if self.replicator else 0
-            self.membership.set_progress(n, self.generation, self.committed, nbytes)
+        if self.rank == 0:
+            self._publish_progress(n)
             if self.resumed_at == n:
                 self.membership.stamp(self.generation, "first_iteration", 0)
+
+    def _publish_progress(self, n: int) -> None:
+        """Rank 0's `Progress` after step n - the committed iteration and replica bytes now -
+        which the launchers' metrics files read (`report/metrics_file.py`)."""
+        nbytes = self.replicator.bytes_per_round if self.replicator else 0
+        self.membership.set_progress(n, self.generation, self.committed, nbytes)
 
     # ------------------------------------------------------------------ recovery
     def is_peer_failure(self, exc: BaseException) -> bool:
@@ -700,10 +705,8 @@ class Driver(JobChannel, Replicas):
                 break
             self.replicator.start_round(n)
         self.completed = n
-        if self.rank == 0 and self.replicator is not None:  # the metrics file's last commit
-            self.membership.set_progress(
-                n, self.generation, self.committed, self.replicator.bytes_per_round
-            )
+        if self.rank == 0 and self.replicator is not None:  # its round committed since
+            self._publish_progress(n)
         if self.cfg.enabled:
             self.membership.report_finished(self._rank(), n)
             self.plan_watch.training_completed()
