@@ -37,10 +37,6 @@ def print_last(*fields: str) -> None:
         print(megatron_line(*fields), flush=True)
 
 
-def print_any(*fields: str) -> None:
-    print(megatron_line(*fields), flush=True)
-
-
 def replication_fields(
     iteration: int, total: int, committed: int | None, nbytes: int, seconds: float
 ) -> list[str]:
