@@ -116,6 +116,14 @@ def _pids() -> Iterator[int]:
             yield int(entry)
 
 
+def _state(pid: int) -> str | None:
+    """A process's state letter (R running, S sleeping, T stopped, ...); None once it is gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return None
+
+
 def _pid_ns(pid: int) -> str | None:
     try:
         return os.readlink(f"/proc/{pid}/ns/pid")
@@ -593,6 +601,13 @@ class Lab:
                 except ProcessLookupError:
                     pass
                 stopped.add(pid)
+            # A signal is delivered when its process next runs: wait until each one has
+            # stopped (then a fork it was in has returned, and the next listing shows the child).
+            self._wait(
+                lambda pids=fresh: all(_state(p) in (None, "T", "t", "Z", "X") for p in pids),
+                10,
+                f"node {name}: processes still running 10 s after SIGSTOP",
+            )
         self._node(name)["frozen"] = True
         self._save()
         return len(stopped)

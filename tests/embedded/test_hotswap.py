@@ -110,14 +110,16 @@ def _check_recovered(case: str, reference: dict, root: str, dead: list[list[int]
 def test_killed_then_hung_ranks_are_replaced_bitwise(root: str, tp_reference: dict) -> None:
     summary = _check_recovered("kill_then_hang", tp_reference, root, [[2], [1]])
     assert [r["generation"] for r in summary["recoveries"]] == [1, 2]
-    _, hang = summary["recoveries"]
-    assert hang["phases_s"]["detect"] >= 2.5  # heartbeat timeout is 3 s
     events = (Path(root) / "kill_then_hang" / "logs" / "events.jsonl").read_text()
     dead = [json.loads(x)["why"] for x in events.splitlines() if '"process_dead"' in x]
     # The crash is seen by the launcher as the process exits, not by a heartbeat timeout (how
     # long detection takes: `deadpool bench recovery`, its "detect failure" row).
     assert len(dead) == 2 and dead[0] == "exited with code -9", dead
-    assert dead[1].endswith("(hung); killed"), dead
+    # The hang only by the heartbeat timeout (3 s): declared after that long a silence. (The
+    # recovery's `detect` phase runs from the fault's stamp, which can come up to a heartbeat
+    # interval after the last beat, so it may be shorter than the timeout.)
+    silent = re.fullmatch(r"silent for (\d+\.\d)s \(hung\); killed", dead[1])
+    assert silent and float(silent[1]) >= 3.0, dead
 
 
 @pytest.mark.timeout(600)
