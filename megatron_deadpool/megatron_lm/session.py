@@ -36,7 +36,6 @@ import logging
 import os
 import traceback
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from typing import Any
 
 from ..config.deadpool import DeadpoolConfig
@@ -52,7 +51,7 @@ from . import report as mreport
 from . import timers
 from .refused import refused_problems
 from .replay import BatchRecorder, install_recorder, reset_rerun_iterators
-from .survivors import SurvivorReport, peer_ahead, resume_step
+from .survivors import NewcomerPlan, SurvivorReport, newcomer_plan, peer_ahead, resume_step
 from .trackers import clear_logging_trackers, tracker_roots
 
 log = logging.getLogger("megatron_deadpool.megatron_lm")
@@ -67,19 +66,10 @@ def task_from_env() -> int:
     return int(text)
 
 
-@dataclass
-class NewcomerPlan:
-    """What a spare taking a slot must know before Megatron's start-up."""
-
-    roster: Roster
-    target: int  # the step every survivor is about to return to Megatron
-    counters: dict[str, dict[str, float]]  # step -> Megatron's sample/FLOP counters after it
-    flags: tuple[bool, bool, bool]  # Megatron's args.do_train, do_valid, do_test
-    log_state: dict[str, Any] | None = None  # a same-position survivor's training_log sums
-
-
 class MegatronSession(JobAdapter):
     """DeadPool's state in one Megatron-LM process, and its `JobAdapter` for the driver."""
+
+    owns_start_up = True  # Megatron's `pretrain` makes the groups and objects (`hooks.py`)
 
     def __init__(self, cfg: DeadpoolConfig, task: int | None, token: str) -> None:
         """`task`: this process's task index (`task_from_env`); None for a process joining a
@@ -89,7 +79,6 @@ class MegatronSession(JobAdapter):
         self.token = token
         self._active: Driver | None = None
         self.newcomer: NewcomerPlan | None = None
-        self.joined_late = False  # a spare that took a slot after the start
         self.mp_call: tuple[Any, tuple, dict] | None = None
         self._objs: tuple[Any, Any, Any, Any] | None = None
         self.extra_roots: list[Any] = []
@@ -114,19 +103,13 @@ class MegatronSession(JobAdapter):
         never needed."""
         return self._driver().start(self) is not None
 
-    def own_start_up(self) -> bool:
-        return True  # Megatron's `pretrain` makes the groups and objects (`hooks.py`)
-
     def slot_taken(self, roster: Roster) -> None:
-        """What Megatron reads: the rank this process fills and the active world (not the
-        tasks); a newcomer's plan (`NewcomerPlan`)."""
-        rank = roster.rank_of(self.driver.member)
-        os.environ.update(RANK=str(rank), WORLD_SIZE=str(roster.world_size))
-        os.environ.setdefault("LOCAL_RANK", os.environ.get("SLURM_LOCALID", "0"))
+        """A newcomer's plan (`NewcomerPlan`): where the survivors stand."""
         if roster.generation > 0:
-            self.newcomer, self.joined_late = self._newcomer_plan(roster), True
-            at = (rank, roster.generation, self.newcomer.target)
-            log.info("taking rank %d in generation %d: Megatron start-up in a private world, "
+            reports, holder = self._survivor_reports(roster), self.driver.restore_source(roster)
+            self.newcomer = newcomer_plan(roster, reports, holder)
+            at = (os.environ["RANK"], roster.generation, self.newcomer.target)
+            log.info("taking rank %s in generation %d: Megatron start-up in a private world, "
                      "joining at step %d", *at)  # fmt: skip
 
     def report_early_error(self, exc: BaseException) -> None:
@@ -151,19 +134,6 @@ class MegatronSession(JobAdapter):
         )
         return d
 
-    def _newcomer_plan(self, roster: Roster) -> NewcomerPlan:
-        reports = self._survivor_reports(roster)
-        target = resume_step(reports)
-        holder = self.driver.restore_source(roster)
-        ahead = peer_ahead(reports, target, () if holder is None else (holder,))
-        return NewcomerPlan(
-            roster=roster,
-            target=target,
-            counters=ahead.counters,
-            flags=ahead.flags,
-            log_state=ahead.log_state,
-        )
-
     def _survivor_reports(self, roster: Roster) -> dict[int, SurvivorReport]:
         reports = self.driver.survivor_reports(roster).items()
         return {r: SurvivorReport.from_dict(job) for r, job in reports if "target" in job}
@@ -173,6 +143,11 @@ class MegatronSession(JobAdapter):
         if self._active is None:
             raise DeadpoolRuntimeError("--deadpool's session has not begun (`begin`)")
         return self._active
+
+    @property
+    def joined_late(self) -> bool:
+        """A spare that took a slot after the start."""
+        return self.driver.joined_late
 
     # ------------------------------------------------------------------ Megatron's start-up
     def init_process_group(self, real: Any, kwargs: dict[str, Any]) -> None:

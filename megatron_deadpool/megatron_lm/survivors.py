@@ -13,7 +13,8 @@ The job then goes on at the later step (`resume_step`): a rank one step behind r
 usual and skips step n's between-step work (`MegatronSession.skips_between_steps`) - the ranks
 ahead left it behind in the old generation, and its collectives would meet nobody - and takes
 the running sums of a rank ahead (`peer_ahead`), as a newcomer, which starts at the later step,
-does. Pure functions over the reports.
+does. A newcomer's start-up is planned from the same reports (`newcomer_plan`). Pure functions
+over the reports.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from ..errors import DeadpoolRuntimeError
+from ..hotswap.protocol.messages import Roster
 
 
 @dataclass(frozen=True)
@@ -77,3 +79,25 @@ def peer_ahead(
     if not ahead:
         raise DeadpoolRuntimeError(f"no survivor reports step {step}")
     return next((ahead[r] for r in preferred if r in ahead), ahead[min(ahead)])
+
+
+@dataclass
+class NewcomerPlan:
+    """What a spare taking a slot must know before Megatron's start-up."""
+
+    roster: Roster
+    target: int  # the step every survivor is about to return to Megatron
+    counters: dict[str, dict[str, float]]  # step -> Megatron's sample/FLOP counters after it
+    flags: tuple[bool, bool, bool]  # Megatron's args.do_train, do_valid, do_test
+    log_state: dict[str, Any] | None = None  # a same-position survivor's training_log sums
+
+
+def newcomer_plan(
+    roster: Roster, reports: Mapping[int, SurvivorReport], holder: int | None
+) -> NewcomerPlan:
+    """A newcomer of `roster` starts at the survivors' resume step with the counters, flags
+    and `training_log` sums of a survivor there: `holder` (the rank it restores from) if it
+    is, else the lowest rank there."""
+    target = resume_step(reports)
+    ahead = peer_ahead(reports, target, () if holder is None else (holder,))
+    return NewcomerPlan(roster, target, ahead.counters, ahead.flags, ahead.log_state)

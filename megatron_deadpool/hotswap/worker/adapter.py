@@ -36,12 +36,12 @@ class JobAdapter(Protocol):
         """Out of redundancy: the save directory (None: none) and extra manifest fields."""
 
     # ------------------------------------------------------------------ start-up
-    def own_start_up(self) -> bool:
-        """Whether the job's own start-up creates the default group, Megatron's groups and
-        its objects (Megatron-LM's `pretrain`, through its hooks: `Driver.init_process_group`,
-        `Driver.groups_made`, `Driver.bind` at its first step). False: the driver creates the
-        groups (`init_model_parallel`), then asks for the objects (`build`) and binds them."""
-        return False
+    owns_start_up: bool = False
+    """Whether the job's own start-up creates the default group, Megatron's groups and its
+    objects (Megatron-LM's `pretrain`, through its hooks: `Driver.init_process_group`,
+    `Driver.groups_made`, `Driver.bind` at its first step); the driver then exports the slot as
+    torch's environment (RANK, WORLD_SIZE, LOCAL_RANK) first. False: the driver creates the
+    groups (`init_model_parallel`), then asks for the objects (`build`) and binds them."""
 
     def slot_taken(self, roster: Roster) -> None:
         """This process holds a slot of `roster` (a newcomer: generation > 0), before any of
@@ -49,7 +49,7 @@ class JobAdapter(Protocol):
         return
 
     def build(self) -> None:
-        """Build the job's objects in the groups the driver created (`own_start_up` False)."""
+        """Build the job's objects in the groups the driver created (`owns_start_up` False)."""
         return
 
     # ------------------------------------------------------------------ recovery

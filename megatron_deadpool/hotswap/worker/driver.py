@@ -30,6 +30,7 @@ import atexit
 import contextlib
 import datetime
 import logging
+import os
 import signal
 import threading
 import time
@@ -132,6 +133,7 @@ class Driver(JobChannel, Replicas):
         self.recovering_now = False  # between a failed collective and the restore
         self.done = False  # finished its work
         self._newcomer = False  # a spare given a slot after the start, its slot not yet taken
+        self.joined_late = False  # a spare given a slot after the start
         self._job: JobAdapter | None = None
         self._roster: Roster | None = None
         self._membership: WorkerView | None = None
@@ -285,15 +287,17 @@ class Driver(JobChannel, Replicas):
         """Start-up: `connect` (`world_size`: the job's own), wait for a slot (None: the job
         ended without needing this spare), tell the job its slot (`slot_taken`); a newcomer
         then builds in its private world. Unless the job's own start-up makes them
-        (`own_start_up`), the groups are created (joined, or the private world's) and the job's
+        (`owns_start_up`), the groups are created (joined, or the private world's) and the job's
         objects built and bound. Returns the roster this process holds its slot in."""
         self.connect(world_size)
         roster = self.wait_for_slot()
         if roster is None:
             return None
+        own = job.owns_start_up
+        if own:
+            self._export_slot(roster)
         job.slot_taken(roster)
-        own = job.own_start_up()
-        self._newcomer = roster.generation > 0
+        self._newcomer = self.joined_late = roster.generation > 0
         if self._newcomer:  # its slot is taken before its first attempt (`train`)
             record = self._adopt if own else (lambda kwargs: None)
             self.build_privately(record, None if own else job.init_model_parallel)
@@ -303,6 +307,14 @@ class Driver(JobChannel, Replicas):
             job.build()
             self.bind(job)
         return roster
+
+    def _export_slot(self, roster: Roster) -> None:
+        """torch's environment for this process's slot, which a job's own start-up reads
+        (Megatron's `initialize_megatron`): RANK, WORLD_SIZE (the active world, not the tasks),
+        LOCAL_RANK unless set (SLURM_LOCALID, else 0)."""
+        rank = roster.rank_of(self.member)
+        os.environ.update(RANK=str(rank), WORLD_SIZE=str(roster.world_size))
+        os.environ.setdefault("LOCAL_RANK", os.environ.get("SLURM_LOCALID", "0"))
 
     def report_early_error(self, exc: BaseException) -> None:
         """The job raised `exc` before its start-up began (`start`): an active member connects,
@@ -385,7 +397,7 @@ class Driver(JobChannel, Replicas):
         }
 
     def init_process_group(self, real: Callable[..., None], kwargs: dict[str, Any]) -> None:
-        """Generation 0's default group, created by the job's own start-up (`own_start_up`:
+        """Generation 0's default group, created by the job's own start-up (`owns_start_up`:
         Megatron-LM's `init_process_group`, `real`, with its `kwargs`) on the coordinator's
         store, with the rank and world size of the roster; its backend and timeout are kept for
         every later generation's default group."""
@@ -400,7 +412,7 @@ class Driver(JobChannel, Replicas):
         self.pg_timeout = kwargs.get("timeout") or datetime.timedelta(minutes=10)
 
     def groups_made(self, order: RankOrder, *, iterations: int) -> Layout:
-        """The job's own start-up created Megatron's groups (`own_start_up`; Megatron-LM's
+        """The job's own start-up created Megatron's groups (`owns_start_up`; Megatron-LM's
         `initialize_model_parallel`, in `order`): the device it selected is this process's,
         replicas are placed, the injected faults checked against the layout and `iterations`,
         and - unless a newcomer builds in its private world (its groups are made as it joins) -
