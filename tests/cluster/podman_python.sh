@@ -12,15 +12,16 @@
 #   CONTAINERS_CONF, CONTAINERS_STORAGE_CONF  podman's settings and storage (the lab's own:
 #                     scripts/slurm/lab.py's Lab.podman_env)
 #
-# Why each option (each one's absence seen in the lab first):
-#   --env-host  podman passes none of the caller's environment by default; DeadPool's
+# Why each option (podman 4.3.1 on this project's machine, without it):
+#   --env-host  podman passes none of the caller's environment (RANK was empty inside); DeadPool's
 #               processes need the launcher's (RANK, MASTER_ADDR, SLURM_*, DEADPOOL_JOB_TOKEN -
 #               which must stay off command lines: never -e NAME=VALUE for it)
 #   --init      python is otherwise process 1 of the container's PID namespace, which ignores
 #               every signal it has no handler for: the SIGTERM podman passes on from Slurm
 #               (scancel, the time limit) left it running
 #   --net host, --ipc host  the node's network (the coordinator's port, torch.distributed,
-#               the node's hostname) and its /dev/shm (the snapshots a node's processes keep)
+#               the node's hostname) and its /dev/shm (the snapshots a node's processes keep;
+#               without --ipc host the container had a /dev/shm of its own, 64 MB)
 #   -w "$PWD"   the task's working directory (the submit folder)
 #   --rm        nothing of the container stays once it ends
 #   exec        podman's exit status is python's (128 + N when signal N ended it), which the
