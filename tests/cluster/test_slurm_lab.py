@@ -615,6 +615,10 @@ def test_in_podman_containers_a_training_node_killed_the_spare_node_takes_over(
     assert recovered["restore_iteration"] >= FAIL_AT
     assert_trained_like(job, reference)
     assert record["JobState"] == "COMPLETED" and record["ExitCode"] == "0:0", job.describe()
+    # The coordinators' exit statuses came through podman: the verdict, and the standby's
+    # "not the job's coordinator" (5).
+    assert "the coordinator exited with status 0" in job.text("batch.out"), job.describe()
+    assert job.text("standby.status").strip() == "5", job.describe()
     processes, running = container_leftovers(lab)
     assert processes == [], processes
     # Listed still: n2's two, which died with their node before podman could end them (the
