@@ -76,7 +76,12 @@
 #   DEADPOOL_VENV       virtual environment to activate
 #   DEADPOOL_SITE_ENV   names of the site's network/NCCL variables to pass on       (site)
 #   SRUN_EXTRA_ARGS     more srun flags, split on whitespace                        (site)
-#   PYTHON              Python interpreter                                           (python)
+#   PYTHON              Python interpreter, or a wrapper that runs it in a container
+#                       (docs/how-to/containers.md); every process uses it     (python)
+#   DEADPOOL_COORDINATOR_PYTHON  the coordinators' Python (the primary on this host, the
+#                       standby in its own job step): the host's when only the workers and
+#                       agents run in a container (pyxis' --container-image in
+#                       SRUN_EXTRA_ARGS, which the standby's step does not get)      (PYTHON)
 #   DEADPOOL_INJECT     arguments for scripts/inject_failure.sh, e.g.
 #                       "--node-index 1 --at-iteration 20"; empty: no injected failure
 #   DEADPOOL_DRY_RUN    1: print instead of running                                  (0)
@@ -125,6 +130,7 @@ export DEADPOOL_END_GRACE DEADPOOL_NODE_DOWN_WAIT # the tasks read them too
 : "${DEADPOOL_SITE_ENV:=}"
 : "${SRUN_EXTRA_ARGS:=}"
 : "${PYTHON:=python}"
+: "${DEADPOOL_COORDINATOR_PYTHON:=$PYTHON}"
 : "${DEADPOOL_INJECT:=}"
 
 # The folder of scripts/ this launcher is in: the repository's, or the installed package's copy
@@ -330,7 +336,8 @@ if [ "$DEADPOOL_MODE" = baseline ]; then # the same active GPUs, nothing else
 fi
 
 coordinator_cmd=(bash "$scripts_dir/slurm/deadpool_coordinator.sh" coordinator
-    "$PYTHON" -m megatron_deadpool.cli coordinator --world-size "$world" "${job_settings[@]}")
+    "$DEADPOOL_COORDINATOR_PYTHON" -m megatron_deadpool.cli coordinator --world-size "$world"
+    "${job_settings[@]}")
 standby_cmd=()
 if ((start_coordinator)) && [ "$coordinator" != "$primary" ]; then
     standby_address=${coordinator#*,}
@@ -343,8 +350,8 @@ if ((start_coordinator)) && [ "$coordinator" != "$primary" ]; then
         --output="$DEADPOOL_LOG_DIR/standby-step.log"
         --export="ALL,DEADPOOL_JOB_LOG=${job_log:-$DEADPOOL_LOG_DIR/standby-step.log}"
         bash "$scripts_dir/slurm/deadpool_coordinator.sh" standby
-        "$PYTHON" -m megatron_deadpool.cli coordinator --world-size "$world" "${job_settings[@]}"
-        --standby)
+        "$DEADPOOL_COORDINATOR_PYTHON" -m megatron_deadpool.cli coordinator --world-size "$world"
+        "${job_settings[@]}" --standby)
 fi
 
 # One task per GPU; the survivors of a failure must keep running, so: no kill on a bad exit,

@@ -31,6 +31,10 @@ The nodes accept the site options of scripts/slurm/*.sbatch unchanged: partition
 (default), gh and gh-dev (Vista), `--gpus-per-node` up to --gpus-per-node fake GPUs per node,
 `--constraint=gpu`, any `-A` and `--qos` (accounting is off).
 
+Containers on the nodes: `install_packages(CONTAINER_PACKAGES, CONTAINER_PROGRAMS)` installs
+podman 4.3, and `Lab.podman_env()` gives it storage and state of the lab's own, in the state
+folder (tests/cluster/podman_python.sh runs a process in a container with it).
+
 Standard library only (the tests import it); Linux, root, Debian's Slurm 22.05 packages.
 Errors are one line `lab: error: ...` and exit code 2.
 """
@@ -42,6 +46,7 @@ import hashlib
 import ipaddress
 import json
 import os
+import resource
 import secrets
 import shutil
 import signal
@@ -57,6 +62,11 @@ from typing import Any
 
 PACKAGES = ["slurmctld", "slurmd", "slurm-client", "munge"]
 PROGRAMS = ["slurmctld", "slurmd", "munged", "sbatch", "scontrol", "sinfo", "squeue", "srun"]
+CONTAINER_PACKAGES = ["podman", "runc", "catatonit"]
+"""A container runtime for the lab's nodes (`install_packages(CONTAINER_PACKAGES, ...)`): Debian's
+podman 4.3, with runc (crun refuses a machine whose cgroup v2 hierarchy holds a controller while
+v1 is mounted: "cgroups in hybrid mode not supported") and catatonit (`podman run --init`)."""
+CONTAINER_PROGRAMS = ["podman", "runc", "catatonit"]
 STATE_ENV = "DEADPOOL_LAB_DIR"
 """The environment variable naming the lab's state folder when `--state` is not given."""
 TOKEN_ENV = "DEADPOOL_LAB_TOKEN"
@@ -231,18 +241,21 @@ def unavailable() -> str | None:
     return None
 
 
-def missing_programs() -> list[str]:
-    return [p for p in PROGRAMS if shutil.which(p) is None]
+def missing_programs(programs: Sequence[str] = PROGRAMS) -> list[str]:
+    return [p for p in programs if shutil.which(p) is None]
 
 
-def install_packages() -> None:
-    """apt-get install Debian's Slurm and munge packages; no service is started by it."""
-    if not missing_programs():
+def install_packages(
+    packages: Sequence[str] = PACKAGES, programs: Sequence[str] = PROGRAMS
+) -> None:
+    """apt-get install Debian's Slurm and munge packages (or `packages`, which provide
+    `programs`: CONTAINER_PACKAGES) when a program is missing; no service is started by it."""
+    if not missing_programs(programs):
         return
     if shutil.which("apt-get") is None:
         raise LabError(
-            f"missing {', '.join(missing_programs())} and no apt-get: install Slurm "
-            f"({' '.join(PACKAGES)}) by hand"
+            f"missing {', '.join(missing_programs(programs))} and no apt-get: install "
+            f"{' '.join(packages)} by hand"
         )
     env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
     policy = Path("/usr/sbin/policy-rc.d")  # keeps the packages from starting system daemons
@@ -253,15 +266,16 @@ def install_packages() -> None:
     try:
         _run(["apt-get", "update", "-qq"], env=env, timeout=600)
         _run(
-            ["apt-get", "install", "-y", "-qq", "--no-install-recommends", *PACKAGES],
+            ["apt-get", "install", "-y", "-qq", "--no-install-recommends", *packages],
             env=env,
             timeout=1200,
         )
     finally:
         if created:
             policy.unlink()
-    if missing_programs():
-        raise LabError(f"still missing after apt-get install: {', '.join(missing_programs())}")
+    if missing_programs(programs):
+        missing = ", ".join(missing_programs(programs))
+        raise LabError(f"still missing after apt-get install: {missing}")
 
 
 # ---------------------------------------------------------------------- the lab
@@ -303,6 +317,43 @@ class Lab:
     def env(self) -> dict[str, str]:
         """What Slurm's commands need to reach this lab's controller (and lab.py its folder)."""
         return {"SLURM_CONF": str(self.conf), STATE_ENV: str(self.dir)}
+
+    def podman_env(self) -> dict[str, str]:
+        """What podman needs to run containers on this lab's nodes, all its state in the lab's
+        folder (removed with it by `down`): its settings (CONTAINERS_CONF) and storage
+        (CONTAINERS_STORAGE_CONF), file locks, runc's state (a shim adds runc's --root) - none
+        in this machine's /var/lib/containers, /run or /dev/shm. Written on the first call."""
+        d = self.dir / "podman"
+        if not d.exists():
+            d.mkdir(mode=0o700)
+            _write_private(d / "runc", f'#!/bin/sh\nexec runc --root {d}/runc-state "$@"\n'.encode(),
+                           0o700)  # fmt: skip
+            # Limits podman can set: it asks for nofile 1048576 by default, refused without
+            # CAP_SYS_RESOURCE (a sandbox's root), and lowers its own nproc to 32768 first.
+            nofile = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+            nproc = resource.getrlimit(resource.RLIMIT_NPROC)[1]
+            nproc = 32768 if nproc == resource.RLIM_INFINITY else min(nproc, 32768)
+            conf = [
+                "# Written by scripts/slurm/lab.py: podman on the lab's nodes (Lab.podman_env).",
+                "[containers]",
+                f'default_ulimits = ["nofile={nofile}:{nofile}", "nproc={nproc}:{nproc}"]',
+                "[engine]",
+                'cgroup_manager = "cgroupfs"',
+                'events_logger = "file"',
+                'lock_type = "file"',
+                f'tmp_dir = "{d}/tmp"',
+                'runtime = "lab"',
+                "[engine.runtimes]",
+                f'lab = ["{d}/runc"]',
+            ]
+            _write_private(d / "containers.conf", ("\n".join(conf) + "\n").encode())
+            storage = ["[storage]", 'driver = "overlay"', f'graphroot = "{d}/root"',
+                       f'runroot = "{d}/run"']  # fmt: skip
+            _write_private(d / "storage.conf", ("\n".join(storage) + "\n").encode())
+        return {
+            "CONTAINERS_CONF": str(d / "containers.conf"),
+            "CONTAINERS_STORAGE_CONF": str(d / "storage.conf"),
+        }
 
     def nodes(self) -> list[str]:
         return list(self.state.get("nodes", {}))
@@ -640,6 +691,21 @@ class Lab:
             raise LabError(f"node {name} is running: crash it first")
         self._start_node(name)
 
+    def _remove_container_cgroups(self) -> None:
+        """The cgroups of the containers podman ran on this lab's nodes (`podman_env`): podman
+        removes a container's own when it ends, but not when its node crashed with it."""
+        listed = self.dir / "podman" / "root" / "overlay-containers" / "containers.json"
+        try:
+            ids = [c["id"] for c in json.loads(listed.read_text())]
+        except (OSError, ValueError, KeyError, TypeError):
+            return
+        for cid in ids:
+            for folder in Path("/sys/fs/cgroup").glob(f"*/libpod_parent/libpod-{cid}"):
+                try:
+                    folder.rmdir()  # only once empty: every process of it died with its node
+                except OSError:
+                    pass
+
     # -------------------------------------------------------------- status, down
     def status(self) -> str:
         if not self.state.get("procs"):
@@ -676,6 +742,7 @@ class Lab:
             _run(["ip", "link", "del", link], check=False)
         for netns in self.state.get("netns", []):
             _run(["ip", "netns", "del", netns], check=False)
+        self._remove_container_cgroups()
         self.state = {}
         if os.path.lexists(self.dir):  # checked private when this object was made
             shutil.rmtree(self.dir)

@@ -6,7 +6,8 @@ and mount namespace), submits a shipped sbatch file unchanged (only `--nodes 3
 in CPU mode - 2 active nodes + 1 spare node, 2 tasks each, TP2 x DP2 - polls squeue, and tears
 the whole lab down whatever happens. Results are compared bit for bit with `deadpool train` on
 one machine. Skipped, with the reason, without root or network namespaces; the lab installs
-Debian's Slurm packages when they are missing.
+Debian's Slurm packages when they are missing, and podman for the container tests (the job's
+processes in podman containers: docs/how-to/containers.md).
 """
 
 from __future__ import annotations
@@ -504,6 +505,153 @@ def test_training_node_killed_mid_run_the_spare_node_takes_over(
     # srun ends non-zero (two tasks were killed); the job's status is the coordinator's verdict.
     assert "srun exited with status 137" in job.text("batch.out")
     assert record["JobState"] == "COMPLETED" and record["ExitCode"] == "0:0", job.describe()
+
+
+# ---------------------------------------------------------------------- containers
+PODMAN_PYTHON = ROOT / "tests" / "cluster" / "podman_python.sh"
+"""The PYTHON wrapper of docs/how-to/containers.md's podman recipe, the host's root as the image."""
+
+
+@pytest.fixture(scope="module")
+def podman_host(lab_host: None) -> None:
+    """podman 4.3 (with runc and catatonit), installed as the lab installs Slurm (apt-get);
+    skipped, saying so, only on a machine that has neither them nor apt-get."""
+    missing = labmod.missing_programs(labmod.CONTAINER_PROGRAMS)
+    if missing and shutil.which("apt-get") is None:
+        pytest.skip(f"no {', '.join(missing)} and no apt-get to install them")
+    labmod.install_packages(labmod.CONTAINER_PACKAGES, labmod.CONTAINER_PROGRAMS)
+
+
+def container_env(lab: Any, folder: Path, *, coordinators_inside: bool) -> dict[str, str]:
+    """What `submit` adds for a job whose processes run in podman containers: PYTHON is the
+    wrapper for every process, or (coordinators outside) for the workers and agents only."""
+    env = {**lab.podman_env(), "PYTHON": str(PODMAN_PYTHON), "CONTAINER_PYTHON": sys.executable,
+           "CONTAINER_MOUNTS": str(folder)}  # fmt: skip
+    if not coordinators_inside:
+        env["DEADPOOL_COORDINATOR_PYTHON"] = sys.executable
+    return env
+
+
+@dataclass(frozen=True)
+class Seen:
+    """One Python process of a job, as the host sees it on a lab node."""
+
+    node: str
+    role: str  # worker, agent or coordinator (the primary or the standby)
+    pid_ns: str
+    contained: bool  # its PID namespace is not its node's, its cgroup a podman container's
+
+
+def job_pythons(lab: Any, job_id: str) -> list[Seen]:
+    """Every Python process of job `job_id` on the lab's nodes: those sharing a node's network
+    namespace (a container with --net host does), in a container's PID namespace or not."""
+    seen = []
+    for node in lab.nodes():
+        init = lab.state["nodes"][node]["init"]["pid"]
+        node_net, node_pid = (os.readlink(f"/proc/{init}/ns/{ns}") for ns in ("net", "pid"))
+        for pid in labmod._pids():
+            try:
+                if os.readlink(f"/proc/{pid}/ns/net") != node_net:
+                    continue
+                if not Path(f"/proc/{pid}/comm").read_text().startswith("python"):
+                    continue
+                environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+                cmd = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+                pid_ns = os.readlink(f"/proc/{pid}/ns/pid")
+                cgroup = Path(f"/proc/{pid}/cgroup").read_text()
+            except OSError:  # it ended meanwhile
+                continue
+            if f"SLURM_JOB_ID={job_id}".encode() not in environ:
+                continue
+            # (an agent's command line ends with its workers')
+            role = next(r for r, mark in (("agent", "\0agent\0"), ("coordinator", "\0coordinator\0"),
+                        ("worker", ".worker\0"), ("other", "")) if mark in cmd)  # fmt: skip
+            contained = pid_ns != node_pid and "/libpod-" in cgroup
+            seen.append(Seen(node, role, pid_ns, contained))
+    return sorted(seen, key=lambda p: (p.node, p.role))
+
+
+def container_leftovers(lab: Any) -> tuple[list[str], list[str]]:
+    """podman, conmon and catatonit processes left on the lab's nodes; the containers the lab's
+    podman still lists as running."""
+    left = []
+    for node in lab.nodes():
+        for pid in lab.node_pids(node):
+            try:
+                comm = Path(f"/proc/{pid}/comm").read_text().strip()
+            except OSError:
+                continue
+            if comm in ("podman", "conmon", "catatonit"):
+                left.append(f"{node}: {comm} {pid}")
+    env = {**os.environ, **lab.podman_env()}
+    running = subprocess.run(["podman", "ps", "--no-trunc", "--format", "{{.ID}} {{.Command}}"], env=env,
+                             capture_output=True, text=True, timeout=60, check=True)  # fmt: skip
+    return left, running.stdout.splitlines()
+
+
+@pytest.mark.timeout(2 * JOB_TIMEOUT + 300)
+def test_in_podman_containers_a_training_node_killed_the_spare_node_takes_over(
+    lab: Any, podman_host: None, reference: dict[str, Any], tmp_path: Path
+) -> None:
+    """Every process in a container (PYTHON the podman wrapper: the coordinator on the batch
+    host, the standby, the workers): n2 dies whole mid-run, its containers with it; the spare
+    node's containers take ranks 2 and 3, and training ends like the failure-free run. No
+    container outlives the job on the nodes that survived."""
+    env = container_env(lab, tmp_path, coordinators_inside=True)
+    job = submit(lab, tmp_path / "logs", "vista", write_job(tmp_path), **env)
+    job.wait_for_iteration(FAIL_AT, JOB_TIMEOUT)
+    seen = job_pythons(lab, job.id)
+    placed = [(p.node, p.role) for p in seen]
+    assert placed == [("n1", "coordinator"), ("n1", "worker"), ("n1", "worker"),
+                      ("n2", "worker"), ("n2", "worker"),
+                      ("n3", "coordinator"), ("n3", "worker"), ("n3", "worker")], seen  # fmt: skip
+    assert all(p.contained for p in seen), seen
+    assert len({p.pid_ns for p in seen}) == len(seen), seen  # one container each
+    lab.crash("n2")
+    record = job.wait_end()
+    recovered = job.event("recovered")
+    assert recovered is not None and recovered["dead_ranks"] == [2, 3], job.describe()
+    assert sorted(recovered["replaced_by"].values()) == ["s0", "s1"]
+    assert recovered["restore_iteration"] >= FAIL_AT
+    assert_trained_like(job, reference)
+    assert record["JobState"] == "COMPLETED" and record["ExitCode"] == "0:0", job.describe()
+    # The coordinators' exit statuses came through podman: the verdict, and the standby's
+    # "not the job's coordinator" (5).
+    assert "the coordinator exited with status 0" in job.text("batch.out"), job.describe()
+    assert job.text("standby.status").strip() == "5", job.describe()
+    processes, running = container_leftovers(lab)
+    assert processes == [], processes
+    # Listed still: n2's two, which died with their node before podman could end them (the
+    # lab's storage goes with the lab; a node's runroot is empty after a reboot).
+    assert len(running) == 2 and all(".worker" in c for c in running), running
+
+
+@pytest.mark.timeout(2 * JOB_TIMEOUT + 300)
+def test_coordinators_outside_the_container_agents_and_workers_inside(
+    lab: Any, podman_host: None, reference: dict[str, Any], tmp_path: Path
+) -> None:
+    """As pyxis runs a job: the coordinators on the host (DEADPOOL_COORDINATOR_PYTHON, the
+    host's Python), each node's agent in a container (PYTHON the wrapper), and the workers an
+    agent starts in its container (the wrapper, run inside, runs Python there). Failure-free,
+    like the run on one machine."""
+    env = container_env(lab, tmp_path, coordinators_inside=False)
+    job = submit(lab, tmp_path / "logs", "vista", write_job(tmp_path), DEADPOOL_RESPAWN_LIMIT="1",
+                 **env)  # fmt: skip
+    job.wait_for_iteration(FAIL_AT, JOB_TIMEOUT)
+    seen = job_pythons(lab, job.id)
+    placed = [(p.node, p.role, p.contained) for p in seen]
+    expected = [("n1", "agent", True), ("n1", "coordinator", False), ("n1", "worker", True),
+                ("n1", "worker", True), ("n2", "agent", True), ("n2", "worker", True),
+                ("n2", "worker", True), ("n3", "agent", True), ("n3", "coordinator", False),
+                ("n3", "worker", True), ("n3", "worker", True)]  # fmt: skip
+    assert placed == expected, seen
+    for node in ("n1", "n2", "n3"):  # a node's workers run in its agent's container
+        assert len({p.pid_ns for p in seen if p.node == node and p.role != "coordinator"}) == 1
+    record = job.wait_end()
+    assert job.event("recovered") is None, job.describe()
+    assert_trained_like(job, reference)
+    assert record["JobState"] == "COMPLETED" and record["ExitCode"] == "0:0", job.describe()
+    assert container_leftovers(lab) == ([], [])
 
 
 @pytest.fixture
