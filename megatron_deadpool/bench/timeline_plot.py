@@ -41,6 +41,10 @@ def draw_timeline(tl: Timeline, path: str | Path, title: str = "") -> None:
         how = ", ".join(text for n, text in ((respawns, "respawn"), (spares, "spare")) if n)
         top.annotate(f"{rec.get('total_s', 0):.2f}s\n{how}", (rec["t"], top_y * 0.5),
                      fontsize=8, xytext=(3, 6), textcoords="offset points")  # fmt: skip
+    if not tl.committed:  # a run folder without iteration records (`deadpool megatron-lm`'s)
+        top.annotate("committed iteration: no per-iteration records in the run folder "
+                     "(give --json-log)", (0.01, 0.95), xycoords="axes fraction", fontsize=8,
+                     va="top", ha="left")  # fmt: skip
     top.set_ylabel("iteration")
     top.legend(loc="lower right", fontsize=8)
     top.set_title(title or "DeadPool run: committed iteration, failures and recoveries")

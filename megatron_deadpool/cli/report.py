@@ -2,7 +2,8 @@
 
 Reads what a run left in its folder (`deadpool train --run-dir`, `deadpool megatron-lm
 --run-dir`, a Slurm job's --deadpool-log-dir): the coordinator's events, the spares it started
-with, and rank 0's iteration records where `--json-log` gives them. Prints the failures,
+with, and rank 0's iteration records (`iterations.jsonl`, which `deadpool train` writes into its
+run folder, or the file `--json-log` names). Prints the failures,
 recoveries with their phases and the spares left as a table; `--plot` draws them with the
 committed iteration as a PNG (matplotlib, the `plots` extra).
 """
@@ -17,7 +18,9 @@ from ..config.paths import check_writable_file
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("run_dir", metavar="RUN_DIR", help="the run's folder (its events.jsonl)")
     parser.add_argument(
-        "--json-log", help="the run's per-iteration records (deadpool train --json-log)"
+        "--json-log",
+        help="the run's per-iteration records (deadpool train --json-log; default: RUN_DIR's "
+        "iterations.jsonl, which deadpool train writes)",
     )
     parser.add_argument("--plot", metavar="FILE", help="draw the timeline into this PNG")
 

@@ -2,46 +2,68 @@
 
 A recovery that restores an earlier iteration than the last one shown rewinds the records; the
 iterations trained again then replace theirs, in memory and in the JSON log, so the log holds
-exactly one line per iteration, in order, as the summary's losses do (`--json-log`).
+exactly one line per iteration, in order, as the summary's losses do: the run folder's
+`iterations.jsonl` (what `deadpool report` reads) and `--json-log`'s file.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import sys
 from typing import Any, TextIO
 
 
 class IterationLog:
     """Records of iterations `first`, `first + 1`, ... (the next one is `next_iteration`)."""
 
-    def __init__(self, first: int, file: TextIO | None = None) -> None:
+    def __init__(self, first: int, *files: TextIO) -> None:
         self.first = first
         self.records: list[dict[str, Any]] = []
-        self._file = file
-        self._offsets: list[int] = []  # where each record's line starts in the file
+        self._files = list(files)
+        self._offsets: list[list[int]] = []  # where each record's line starts in each file
 
     @property
     def next_iteration(self) -> int:
         return self.first + len(self.records)
 
     def append(self, record: dict[str, Any]) -> None:
-        """Add the record of `next_iteration`, and its line to the file."""
+        """Add the record of `next_iteration`, and its line to the files."""
         self.records.append(record)
-        if self._file:
-            self._offsets.append(self._file.tell())
-            self._file.write(json.dumps(record) + "\n")
-            self._file.flush()
+        self._offsets.append([f.tell() if not f.closed else 0 for f in self._files])
+        self.write(record)
 
     def rewind(self, restore_iteration: int) -> None:
         """Drop the records after `restore_iteration`: they will be trained again."""
         keep = max(0, restore_iteration + 1 - self.first)
-        if self._file and keep < len(self._offsets):
-            self._file.seek(self._offsets[keep])
-            self._file.truncate()
+        if keep < len(self._offsets):
+            for f, offset in zip(self._files, self._offsets[keep]):
+                if f.closed:
+                    continue
+                try:
+                    f.seek(offset)
+                    f.truncate()
+                except OSError as exc:
+                    self._lost(f, exc)
         del self.records[keep:]
         del self._offsets[keep:]
 
     def write(self, line: dict[str, Any]) -> None:
-        """A last line that is not an iteration's record (the summary)."""
-        if self._file:
-            self._file.write(json.dumps(line) + "\n")
+        """A line to every file (a record; last, the summary)."""
+        for f in self._open():
+            try:
+                f.write(json.dumps(line) + "\n")
+                f.flush()
+            except OSError as exc:
+                self._lost(f, exc)
+
+    def _open(self) -> list[TextIO]:
+        return [f for f in self._files if not f.closed]
+
+    @staticmethod
+    def _lost(f: TextIO, exc: OSError) -> None:
+        """A file that cannot be written (a full disk) is closed, with one line on stderr: the
+        run goes on, its records in memory."""
+        print(f"deadpool: cannot write {f.name} ({exc}): its records stop here", file=sys.stderr)
+        with contextlib.suppress(OSError):
+            f.close()

@@ -34,6 +34,7 @@ from ..hotswap.protocol.messages import OutOfRedundancy
 from ..hotswap.protocol.seal import SECRET_ENV, SECRET_FILE_ENV, job_secret, new_secret
 from ..hotswap.report.metrics_file import MetricsFile, watch_events
 from ..hotswap.report.salvage_note import salvage_lines
+from ..hotswap.report.timeline import ITERATIONS_FILE
 from ..replication.placement import Layout, place_replicas
 from ..replication.save_dir import choose_resume
 from .iteration_log import IterationLog
@@ -205,11 +206,13 @@ class LocalLauncher:
         t_start = time.monotonic()
         self.hooks.started(local)
         self._start()
-        # Closed in the `finally` below, after the monitor loop that writes it.
-        if self.json_log:
-            Path(self.json_log).parent.mkdir(parents=True, exist_ok=True)
-        log_file = open(self.json_log, "w") if self.json_log else None  # noqa: SIM115
-        log = IterationLog(self._first_iteration(), log_file)
+        # The records go to the run folder (`deadpool report` reads them) and --json-log;
+        # closed in the `finally` below, after the monitor loop that writes them.
+        paths = [self.run_dir / ITERATIONS_FILE, *([Path(self.json_log)] if self.json_log else [])]
+        for path in paths:
+            path.parent.mkdir(parents=True, exist_ok=True)
+        log_files = [open(path, "w") for path in paths]  # noqa: SIM115
+        log = IterationLog(self._first_iteration(), *log_files)
         self._sigterm = False
 
         def on_sigterm(*_: object) -> None:
@@ -228,8 +231,8 @@ class LocalLauncher:
             signal.signal(signal.SIGTERM, previous)
             # The job's own error: the survivors wait on peers that are gone; nothing to save.
             local.close(grace_s=0.0 if rc == ExitCode.JOB_ERROR else 10.0)
-            if log_file:
-                log_file.close()
+            for f in log_files:
+                f.close()
         return RunResult(returncode=rc, records=log.records, summary=summary, run_dir=self.run_dir)
 
     def _monitor(self, log: IterationLog, t_start: float) -> int:

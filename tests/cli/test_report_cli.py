@@ -41,3 +41,9 @@ def test_metrics_file_and_report_of_a_run_with_a_recovery(
     assert "process_dead" in out and "recovered" in out and "(1 spare(s), 0 respawn(s))" in out
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert call_deadpool("report", str(tmp_path)) == 2  # no events.jsonl there
+    # Without --json-log: the run folder's own iteration records (written by deadpool train).
+    capsys.readouterr()
+    assert call_deadpool("report", str(tmp_path / "logs")) == 0
+    assert f"committed iteration at the end: {records[-1]['committed_iteration']}" in (
+        capsys.readouterr().out
+    )

@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from megatron_deadpool.embedded.iteration_log import IterationLog
 
 
@@ -53,3 +55,21 @@ def test_without_a_file_only_the_records_rewind() -> None:
     log.rewind(0)
     log.write({"event": "summary"})
     assert log.records == [] and log.next_iteration == 1
+
+
+def test_a_file_that_cannot_be_written_is_dropped_and_the_others_go_on(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A full disk under one of the files (/dev/full: every write fails with ENOSPC): one line
+    on stderr, the run's records go on in memory and in the other file, rewinds included."""
+    with open("/dev/full", "w") as full, open(tmp_path / "log.jsonl", "w+") as ok:
+        log = IterationLog(1, full, ok)
+        for i in (1, 2, 3):
+            log.append({"iteration": i})
+        log.rewind(1)
+        log.append({"iteration": 2, "again": True})
+        assert full.closed and not ok.closed
+        ok.seek(0)
+        assert [json.loads(x) for x in ok] == [{"iteration": 1}, {"iteration": 2, "again": True}]
+    assert [r["iteration"] for r in log.records] == [1, 2]
+    assert capsys.readouterr().err.count("cannot write /dev/full") == 1

@@ -2,9 +2,9 @@
 spares, the committed iteration - for `deadpool report`'s table and picture.
 
 Reads the coordinator's event log (`events.jsonl`, schema `events.EVENTS`), the spares the job
-started with (`job.yaml` of `deadpool train`, `summary.json` of `deadpool megatron-lm`) and,
-where given, rank 0's per-iteration records (`deadpool train --json-log`). Pure reading: no
-store, no process.
+started with (`job.yaml` of `deadpool train`, `summary.json` of `deadpool megatron-lm`) and
+rank 0's per-iteration records (`ITERATIONS_FILE`, which `deadpool train` writes into its run
+folder, or a `--json-log` file given). Pure reading: no store, no process.
 """
 
 from __future__ import annotations
@@ -17,6 +17,9 @@ from typing import Any
 import yaml
 
 from ...errors import ConfigError
+
+ITERATIONS_FILE = "iterations.jsonl"
+"""Rank 0's per-iteration records in a `deadpool train` run folder (as `--json-log` has them)."""
 
 
 @dataclass(frozen=True)
@@ -73,9 +76,12 @@ def initial_spares(run_dir: Path) -> int:
 
 
 def read_timeline(run_dir: str | Path, iterations: str | Path | None = None) -> Timeline:
-    """The timeline of the run in `run_dir` (`iterations`: its --json-log, if any).
-    `ConfigError` when the folder holds no event log."""
+    """The timeline of the run in `run_dir` (`iterations`: its per-iteration records, by
+    default the folder's `ITERATIONS_FILE` if there is one). `ConfigError` when the folder holds
+    no event log."""
     folder = Path(run_dir)
+    if iterations is None and (folder / ITERATIONS_FILE).is_file():
+        iterations = folder / ITERATIONS_FILE
     events_path = folder / "events.jsonl"
     if not events_path.is_file():
         raise ConfigError(
