@@ -17,7 +17,7 @@ def draw_timeline(tl: Timeline, path: str | Path, title: str = "") -> None:
     plt = pyplot()
 
     fig, (top, bottom) = plt.subplots(
-        2, 1, sharex=True, figsize=(9, 5), gridspec_kw={"height_ratios": [3, 1]}
+        2, 1, sharex=True, figsize=(10.5, 5), gridspec_kw={"height_ratios": [3, 1]}
     )
     if tl.committed:
         xs, ys = zip(*tl.committed)
@@ -46,7 +46,7 @@ def draw_timeline(tl: Timeline, path: str | Path, title: str = "") -> None:
                      "(give --json-log)", (0.01, 0.95), xycoords="axes fraction", fontsize=8,
                      va="top", ha="left")  # fmt: skip
     top.set_ylabel("iteration")
-    top.legend(loc="lower right", fontsize=8)
+    top.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8)  # beside: no data hidden
     top.set_title(title or "DeadPool run: committed iteration, failures and recoveries")
     end = max([t for t, _ in tl.committed] + [r.t for r in tl.rows] + [1.0])
     steps = [*tl.spares, (end, tl.spares[-1][1])] if tl.spares else [(0.0, 0), (end, 0)]
