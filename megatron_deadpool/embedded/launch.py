@@ -209,6 +209,7 @@ class LocalLauncher:
         # The records go to the run folder (`deadpool report` reads them) and --json-log;
         # closed in the `finally` below, after the monitor loop that writes them.
         paths = [self.run_dir / ITERATIONS_FILE, *([Path(self.json_log)] if self.json_log else [])]
+        paths = list({path.resolve(): path for path in paths}.values())  # the same file once
         for path in paths:
             path.parent.mkdir(parents=True, exist_ok=True)
         log_files = [open(path, "w") for path in paths]  # noqa: SIM115
