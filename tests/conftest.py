@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from collections.abc import Callable
@@ -277,6 +278,13 @@ def megatron_lm_failure_free(
         return MegatronLMReference(run["digests"], iterations)
 
     return get
+
+
+def hung_silence_s(why: str) -> float | None:
+    """The silence a process was killed after as hung, from its `process_dead` event's `why`
+    ("silent for 3.2s (hung); killed"); None for any other death."""
+    found = re.fullmatch(r"silent for (\d+\.\d)s \(hung\); killed", why)
+    return float(found[1]) if found else None
 
 
 def assert_out_of_redundancy(

@@ -258,10 +258,10 @@ def test_lab_nodes_are_separate_machines(lab: Any) -> None:
     # freeze/thaw: every process of the node stops, and only those.
     n3 = lab.node_pids("n3")
     assert lab.freeze("n3") == len(n3) >= 2
-    assert {_state(p) for p in lab.node_pids("n3")} == {"T"}
-    assert "T" not in {_state(p) for p in lab.node_pids("n2")}
+    assert {labmod._state(p) for p in lab.node_pids("n3")} == {"T"}
+    assert "T" not in {labmod._state(p) for p in lab.node_pids("n2")}
     assert lab.thaw("n3") == len(n3)
-    assert "T" not in {_state(p) for p in lab.node_pids("n3")}
+    assert "T" not in {labmod._state(p) for p in lab.node_pids("n3")}
     # crash: the whole node, and nothing else, is gone.
     lab.crash("n3")
     assert lab.node_pids("n3") == [] and len(lab.node_pids("n2")) >= 2
@@ -384,21 +384,18 @@ def test_lab_refuses_to_run_without_root() -> None:
 
 
 # ---------------------------------------------------------------------- inject_failure.sh
-def _state(pid: int) -> str:
-    """A process's state letter: R running, S sleeping, T stopped, ..."""
-    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-
-
 def _job_processes(lab: Any, node: str, job_id: str) -> dict[int, str]:
     """PID -> state (R, S, T, ...) of job `job_id`'s task processes on `node`."""
     found = {}
     for pid in lab.node_pids(node):
         try:
             environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-            if f"SLURM_JOB_ID={job_id}".encode() in environ and b"SLURM_STEP_ID=0" in environ:
-                found[pid] = _state(pid)
         except OSError:  # it ended meanwhile
             continue
+        ours = f"SLURM_JOB_ID={job_id}".encode() in environ and b"SLURM_STEP_ID=0" in environ
+        state = labmod._state(pid) if ours else None  # None also once it ended meanwhile
+        if state is not None:
+            found[pid] = state
     return found
 
 

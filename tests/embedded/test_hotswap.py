@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import TrainRun, assert_out_of_redundancy, run_deadpool, train_case
+from conftest import TrainRun, assert_out_of_redundancy, hung_silence_s, run_deadpool, train_case
 
 from megatron_deadpool.devices import reconfigure
 
@@ -118,8 +118,8 @@ def test_killed_then_hung_ranks_are_replaced_bitwise(root: str, tp_reference: di
     # The hang only by the heartbeat timeout (3 s): declared after that long a silence. (The
     # recovery's `detect` phase runs from the fault's stamp, which can come up to a heartbeat
     # interval after the last beat, so it may be shorter than the timeout.)
-    silent = re.fullmatch(r"silent for (\d+\.\d)s \(hung\); killed", dead[1])
-    assert silent and float(silent[1]) >= 3.0, dead
+    silence = hung_silence_s(dead[1])
+    assert silence is not None and silence >= 3.0, dead
 
 
 @pytest.mark.timeout(600)
