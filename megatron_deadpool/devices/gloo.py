@@ -97,17 +97,17 @@ def socket_fds() -> dict[int, int]:
     return out
 
 
-def _new_connections(before: set[int], exclude_port: int | None) -> set[int]:
+def _new_connections(before: set[int], exclude_ports: set[int | None]) -> set[int]:
     """Inodes of this process's connected TCP sockets that are not in `before` and not to or
-    from `exclude_port` (the store's). Each new socket is asked itself, through a duplicate of
-    its descriptor (`_ends`): reading /proc/net/tcp instead cost ~7 ms a read, 0.85 s over
-    Megatron's ~60 groups of a generation."""
+    from one of `exclude_ports` (the stores'). Each new socket is asked itself, through a
+    duplicate of its descriptor (`_ends`): reading /proc/net/tcp instead cost ~7 ms a read,
+    0.85 s over Megatron's ~60 groups of a generation."""
     found: set[int] = set()
     for fd, inode in socket_fds().items():
         if inode in before:
             continue
         ends = _ends(fd)
-        if ends is not None and exclude_port not in (ends[0][1], ends[1][1]):
+        if ends is not None and not exclude_ports & {ends[0][1], ends[1][1]}:
             found.add(inode)
     return found
 
@@ -161,27 +161,35 @@ def track_connections() -> None:
 
     @functools.wraps(real)
     def helper(group_size: int, group_rank: int, ranks: Any, backend: Any, store: Any, *a, **k):
-        if "gloo" not in str(backend) or group_rank is None or group_size == 1:
-            # no connection to record: another backend, a group this process is not in, or
-            # a group of one
+        if (
+            "gloo" not in str(backend)
+            or group_rank is None
+            or group_size == 1
+            or k.get("enable_reconfigure")
+        ):
+            # no connection to record: another backend, a group this process is not in, a
+            # group of one, or one created to be reconfigured (it connects at its repair,
+            # which records them: `devices.reconfigure.repair`)
             return real(group_size, group_rank, ranks, backend, store, *a, **k)
         name = str(a[0] if a else k.get("group_name", "?"))
-        with recording(name, _store_port(store)):
+        with recording(name, {_store_port(store)}):
             return real(group_size, group_rank, ranks, backend, store, *a, **k)
 
     c10d._new_process_group_helper = helper  # type: ignore[assignment]
 
 
 @contextlib.contextmanager
-def recording(name: str, store_port: int | None) -> Iterator[None]:
-    """Record the connections a gloo group opens inside the block under `name` (its creation,
-    or its repair in place: `devices.reconfigure`), never those to or from `store_port`; the
-    waits of this process are normal again from now on (it has live groups)."""
+def recording(name: str, store_ports: set[int | None]) -> Iterator[None]:
+    """Record the connections gloo groups open inside the block under `name` (a group's
+    creation, or the repair in place of all of them: `devices.reconfigure`), never those to or
+    from `store_ports`; the waits of this process are normal again from now on (it has live
+    groups). Two scans of the descriptor table, whatever the block does: one per group of a
+    repair cost ~1 ms each on 2 cores, a third of the repair of Megatron's 25 groups."""
     _ABORTED.clear()  # the next generation's groups: their waits are normal again
     before = set(socket_fds().values())
     yield
     with _LOCK:
-        for inode in _new_connections(before, store_port):
+        for inode in _new_connections(before, store_ports):
             _TRACKED[inode] = name
 
 

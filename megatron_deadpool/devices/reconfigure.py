@@ -205,16 +205,18 @@ def repair(plan: Sequence[GroupRepair], uuid: int, timeout: datetime.timedelta) 
     if uuid < 0:
         raise ValueError(f"uuid={uuid}: a reconfigure uuid must be >= 0 (-1 means none yet)")
     by_name = {name: pg for name, pg, _ in known_groups()}
+    missing = [step.name for step in plan if step.name not in by_name]
+    if missing:
+        raise RepairPlanError(f"this process has no group {missing[0]!r} to repair")
+    stores = {gloo.store_port(by_name[step.name]) for step in plan}
     t0 = time.perf_counter()
-    for step in plan:
-        pg = by_name.get(step.name)
-        if pg is None:
-            raise RepairPlanError(f"this process has no group {step.name!r} to repair")
-        with gloo.recording(step.name, gloo.store_port(pg)):
+    with gloo.recording(f"repair {uuid}", stores):
+        for step in plan:
+            pg = by_name[step.name]
             work = _api(dist)._reconfigure(uuid, list(step.handles), group=pg, timeout=timeout)
-        # gloo connects inside the call and hands back a completed work, whose wait() with a
-        # bound (`gloo.interruptible_waits`) torch does not implement: its future is done.
-        work.get_future().wait()
+            # gloo connects inside the call and hands back a completed work, whose wait() with
+            # a bound (`gloo.interruptible_waits`) torch does not implement: its future is done.
+            work.get_future().wait()
     return RepairReport(len(plan), time.perf_counter() - t0)
 
 
