@@ -114,6 +114,9 @@ class EmbeddedJob(JobAdapter):
         of iteration t is a function of t (`data.iteration_batches`): nothing else to restore."""
         self._objs = gpt.build(self.spec)
 
+    def discard(self) -> None:
+        self._objs = None
+
     def salvage_target(self, iteration: int) -> tuple[str | None, dict[str, Any] | None]:
         return self.spec.train.save, None
 

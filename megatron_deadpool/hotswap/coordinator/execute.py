@@ -139,7 +139,9 @@ class Executor:
         self.state.next_generation = plan.generation + 1
         self.state.recovery = rec
         m.publish_plan(plan)
-        if rec.respawned:  # a respawned process waits as spares do: it reports once it sees it
+        # The spares and respawned processes it names wait for it: a respawned one reports
+        # what its node's files hold, each builds its objects while the survivors agree.
+        if plan.replaced:
             m.wake_spares()
         # Survivors report without waiting for the plan: some reports may be in already.
         m.expect_reports(plan.generation, action.expect_reports)

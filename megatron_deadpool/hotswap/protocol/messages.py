@@ -534,7 +534,7 @@ class Roster(Message):
                 return rank
         return None
 
-    def successor(self, plan: Plan, restore_iteration: int) -> Roster | None:
+    def successor(self, plan: Plan, restore_iteration: int | None) -> Roster | None:
         """The roster `plan` (built on this one) leads to, without reading it from the store;
         None when the plan is built on another roster."""
         if plan.base != self.generation:

@@ -143,7 +143,8 @@ def coordinator_inbox(membership: I) -> StoreWaiter[I]:
 
 
 def spare_wakeups(membership: S) -> StoreWaiter[S]:
-    """A started waiter that wakes a waiting spare on every roster and on the shutdown.
+    """A started waiter that wakes a waiting spare on every roster, every plan naming a spare
+    and on the shutdown.
 
     Created before the spare first looks at the store: it waits for the events after the epoch
     it read, in order, so an event between that look and the wait is not missed.

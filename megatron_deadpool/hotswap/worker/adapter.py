@@ -52,6 +52,10 @@ class JobAdapter(Protocol):
         """Build the job's objects in the groups the driver created (`owns_start_up` False)."""
         return
 
+    def discard(self) -> None:
+        """Drop the objects `build` made (a spare's rehearsal: `newcomer_build.rehearse`)."""
+        return
+
     # ------------------------------------------------------------------ recovery
     def after_rejoin(self, roster: Roster) -> None:
         """A survivor joined a new generation and rebound its objects (before the restore)."""

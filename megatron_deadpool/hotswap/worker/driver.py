@@ -29,6 +29,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import datetime
+import functools
 import logging
 import os
 import signal
@@ -60,17 +61,17 @@ from ..protocol.seal import JobSeal, job_binding
 from ..protocol.sealed_store import SealedStore
 from ..protocol.wakeup import StoreWaiter, spare_wakeups
 from ..protocol.worker_view import WorkerView
-from . import group_repair, orphaned, private_world, rebind
+from . import group_repair, newcomer_build, orphaned, private_world, rebind
 from .adapter import JobAdapter, RecoveryRecord
 from .error_report import error_report
 from .failover import CoordinatorLink, FailoverStore, host_id
 from .inheritance import Inheritance
 from .injection import FaultInjector
 from .job_channel import JobChannel
+from .newcomer_build import NewcomerBuild
 from .newcomer_claim import claim
 from .plan_watch import PlanWatch
 from .recovery import Recovery
-from .replicas import Replicas
 from .step import Step
 from .weights import forget_cached_collectives, sync_params_from_main
 
@@ -85,7 +86,7 @@ HOST_REPLICATION = "DEADPOOL_HOST_REPLICATION"
 """The same for the data-parallel peers' gloo group of replicas in host memory (CUDA)."""
 
 
-class Driver(JobChannel, Replicas):
+class Driver(JobChannel, NewcomerBuild):
     """One process of a DeadPool job: its place in the job, replication and recovery."""
 
     def __init__(
@@ -141,6 +142,8 @@ class Driver(JobChannel, Replicas):
         self._faults: FaultInjector | None = None
         self._link: CoordinatorLink | None = None
         self._slot_waiter: StoreWaiter | None = None
+        self._while_waiting: Callable[[WorkerView], None] | None = None  # a spare's head start
+        self._world_size = 0  # the job's, as the coordinator's first roster says (`connect`)
 
     # ------------------------------------------------------------------ what it holds
     @property
@@ -208,6 +211,7 @@ class Driver(JobChannel, Replicas):
                 f"{world} ranks, this process's job has {world_size} (tp*pp*dp); start "
                 f"`deadpool coordinator --world-size {world_size}`"
             )
+        self._world_size = world
         if not self.member:
             self.member = member_name(membership, self.task, world)
             membership = membership.sibling(store, self.member)
@@ -288,23 +292,39 @@ class Driver(JobChannel, Replicas):
         ended without needing this spare), tell the job its slot (`slot_taken`); a newcomer
         then builds in its private world. Unless the job's own start-up makes them
         (`owns_start_up`), the groups are created (joined, or the private world's) and the job's
-        objects built and bound. Returns the roster this process holds its slot in."""
+        objects built and bound - a spare's head start first (`newcomer_build`: its rehearsal while
+        no plan names it, its build as soon as one does). Returns the roster this process holds
+        its slot in."""
         self.connect(world_size)
-        roster = self.wait_for_slot()
+        own = job.owns_start_up
+        head = None
+        if not own and not self.member.startswith("a"):
+            head = newcomer_build.HeadStart(
+                self._newcomer_build(job), lambda: self._drop_build(job)
+            )
+            if newcomer_build.planned_roster(self.membership, self.member) is None:
+                build = functools.partial(self._build_private, job)
+                args = (self._world_size, str(self.pg_backend), build, head.drop)
+                newcomer_build.rehearse(job, self.groups, *args)
+            self._while_waiting = lambda m: head.on_plan(m, self.member)
+        try:
+            roster = self.wait_for_slot()
+        finally:
+            self._while_waiting = None
         if roster is None:
             return None
-        own = job.owns_start_up
         if own:
             self._export_slot(roster)
         job.slot_taken(roster)
         self._newcomer = self.joined_late = roster.generation > 0
-        if self._newcomer:  # its slot is taken before its first attempt (`train`)
-            record = self._adopt if own else (lambda kwargs: None)
-            self.build_privately(record, None if own else job.init_model_parallel)
+        if self._newcomer and head is not None:  # its slot is taken at its first attempt
+            head.build(roster, self.member)
+        elif self._newcomer:
+            self.build_privately(self._rank(), roster.world_size, self._adopt)
         elif not own:
             self.join(roster, job.init_model_parallel)
-        if not own:
             job.build()
+        if not own:
             self.bind(job)
         return roster
 
@@ -363,10 +383,12 @@ class Driver(JobChannel, Replicas):
                 if rank is not None:
                     self._take(roster)
                     return roster
+            if self._while_waiting is not None:  # a plan naming it: its head start's build
+                self._while_waiting(m)
             if self._slot_waiter is None:  # from now on every roster and the shutdown wake us
                 self._slot_waiter = spare_wakeups(m)
                 continue  # look again: what happened before the waiter started is visible now
-            # Rosters, the shutdown and a plan naming a respawned process wake it; the
+            # Rosters, the shutdown and a plan naming a spare or respawned process wake it; the
             # timeout is for SIGTERM and faults.
             self._slot_waiter.wait(0.2 if may_fail else 1.0)
 
@@ -444,24 +466,6 @@ class Driver(JobChannel, Replicas):
             "joined generation %d as rank %d of %d", self.generation, self.rank, roster.world_size
         )
 
-    def build_privately(
-        self,
-        record: Callable[[dict[str, Any]], None] = lambda kwargs: None,
-        init_model_parallel: Callable[[], None] | None = None,
-    ) -> None:
-        """A newcomer: from now on its job builds its objects in a private world (rank of the
-        roster's world, `private_world`), without the survivors; `init_model_parallel` creates
-        the private default group and Megatron's groups at once (a job whose start-up does that
-        itself passes None; `record` receives its `init_process_group` arguments)."""
-        private_world.enter(self._rank(), self.roster.world_size, record)
-        if init_model_parallel is not None:
-            dist.init_process_group(backend=self.pg_backend)  # the private world's default group
-            init_model_parallel()
-
-    def building_privately(self) -> bool:
-        """Whether this process builds in its private world (a newcomer before `take_slot`)."""
-        return private_world.active()
-
     def take_slot(self, target: int | None = None) -> int:
         """A newcomer whose objects exist (built in its private world, `bind` done) takes its
         slot: it releases the private world's groups, joins the generation its roster names
@@ -470,13 +474,18 @@ class Driver(JobChannel, Replicas):
         survivors recompute more)."""
         t0 = time.time()
         roster = self._claim(self.roster)
-        self.groups.forgetting(self.release)  # the private world's groups go for good
-        private_world.leave()
-        self.join(roster, self.job.init_model_parallel, newcomer=True)
-        self.attach()
+        self._take(roster)
+        if self.groups.join_ahead(self.membership, roster, self._rank()):
+            self.plan_watch.joined(self.generation)
+        else:  # the private world's groups (or those created ahead) go for good
+            held = self.groups.forgetting(rebind.forget)
+            private_world.leave()
+            self.join(roster, self.job.init_model_parallel, newcomer=True)
+            stale: list[str] = []  # the forgotten groups -> the real ones of their names
+            self._rebound(rebind.swap(self._roots(), held, stale=stale), stale)
         sources = self.membership.sources(roster.generation).holders
-        held = self._inherited.take(self._rank(), sources)  # a respawn's own snapshot
-        rec = self._recovery(roster, held or self.replicator, needy=held is None, started=t0)
+        own = self._inherited.take(self._rank(), sources)  # a respawn's own snapshot
+        rec = self._recovery(roster, own or self.replicator, needy=own is None, started=t0)
         rec.mark("join")
         return self.restore(rec, newcomer=True, target=target)
 
@@ -654,17 +663,16 @@ class Driver(JobChannel, Replicas):
         """Put the new generation's groups in every released handle; none may stay stale."""
         stale: list[str] = []
         groups = {REPLICATION: self.repl_group, HOST_REPLICATION: self.host_repl_group}
-        n = rebind.attach(self._roots(), groups, stale)
+        self._rebound(rebind.attach(self._roots(), groups, stale), stale)
+
+    def _rebound(self, n: int, stale: list[str]) -> None:
+        """`n` group handles were rebound, `stale` still found: reported; none may stay."""
         self.membership.report_stale_refs(self.generation, self._rank(), len(stale))
         if stale:
             raise DeadpoolRuntimeError(
                 f"objects still reference groups of an old generation: {stale[:3]}"
             )
         log.info("rebound %d process-group references", n)
-
-    def release(self) -> int:
-        """Release every group handle the job's objects hold (a newcomer's private world)."""
-        return rebind.release(self._roots())
 
     def restore(self, rec: Recovery, *, newcomer: bool, target: int | None = None) -> int:
         """Bring this rank to the restore iteration T of the recovery's roster; returns T.

@@ -25,7 +25,7 @@ import logging
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch.distributed as dist
 
@@ -37,9 +37,16 @@ from ..protocol.messages import Roster
 from ..protocol.worker_view import WorkerView
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 REPAIR_TIMEOUT_S = 60.0
 """Longest wait for the other ranks' handles, and for each group's members while it reconnects."""
+
+PREDICTED_BASE = 0
+"""The generation on whose store prefix survivors' groups were created, as a newcomer predicts it
+to create its own before the survivors publish it (`InPlace.creating_ahead`): a job whose groups
+are repaired in place creates them once, in generation 0, and every newcomer creates its own on
+the same prefix. Checked as the newcomer joins (`InPlace.join_ahead`)."""
 
 
 class InPlace:
@@ -49,6 +56,7 @@ class InPlace:
 
     def __init__(self, backend: str) -> None:
         self.base: int | None = None
+        self.ahead: int | None = None  # a newcomer's groups, created ahead on this base
         self.choose(backend)
 
     def choose(self, backend: str) -> None:
@@ -66,7 +74,11 @@ class InPlace:
 
     @contextlib.contextmanager
     def creating(
-        self, membership: WorkerView, roster: Roster, pg_args: dict[str, Any], newcomer: bool
+        self,
+        membership: WorkerView,
+        roster: Roster,
+        pg_args: dict[str, Any],
+        newcomer: bool,
     ) -> Iterator[None]:
         """The default group of `roster`'s generation (`init_process_group` with `pg_args`),
         then the groups the block creates. A `newcomer` whose groups are repaired in place
@@ -86,16 +98,48 @@ class InPlace:
             yield
         self.reconstruct(membership, roster, int(pg_args["rank"]), joining=True)
 
+    @contextlib.contextmanager
+    def creating_ahead(self, membership: WorkerView, pg_args: dict[str, Any]) -> Iterator[None]:
+        """A newcomer whose groups are repaired in place, before it claims its slot: the
+        default group (`pg_args`) and the groups the block creates, reconfigurable, on the
+        prefix of `PREDICTED_BASE` - nothing connects or waits on another process; joined as
+        it takes its slot (`join_ahead`)."""
+        with reconfigure.reconfigurable_creation():
+            dist.init_process_group(
+                **{**pg_args, "store": membership.process_group_store(PREDICTED_BASE)}
+            )
+            yield
+        self.ahead = PREDICTED_BASE
+
+    def join_ahead(self, membership: WorkerView, roster: Roster, rank: int) -> bool:
+        """Join the survivors' groups of `roster` with the groups created ahead, when they were
+        created on the survivors' prefix (True); False when none were, or (one line says so)
+        on another prefix than the survivors': the caller creates them again."""
+        ahead, self.ahead = self.ahead, None
+        if ahead is None:
+            return False
+        base = newcomer_base(membership, roster)
+        if base != ahead:
+            log.warning(
+                "the survivors' groups were created in generation %d, not %d as predicted: "
+                "creating this newcomer's groups again",
+                *(base, ahead),
+            )
+            return False
+        self.base = base
+        self.reconstruct(membership, roster, rank, joining=True)
+        return True
+
     def created(self, generation: int) -> None:
         """Its groups were just created, connected, on generation g's store prefix."""
         self.base = generation
         log.info("generation %d: world group %s", generation, world_id())
 
-    def forgetting(self, release: Callable[[], object]) -> None:
-        """`release()` with aborts that forget the groups (a newcomer's private world)."""
+    def forgetting(self, forget: Callable[[], T]) -> T:
+        """`forget()` with aborts that forget the groups (a newcomer's private world)."""
         keep_groups(False)
         try:
-            release()
+            return forget()
         finally:
             keep_groups(self.choice.repair)
 

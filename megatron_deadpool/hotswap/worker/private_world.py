@@ -11,10 +11,11 @@ group with rank r of W, where every collective returns at once with this rank's 
 asks for explicit gloo groups, which a fake world cannot create, so while the private world
 stands `new_group` is told to use the world's own (fake) backend.
 
-At its first training step the newcomer releases every fake group handle its objects hold
-(`rebind.release`), joins the real generation like the survivors do, and `rebind.attach`
-puts the real groups in their place (`Driver.take_slot`): from then on its objects are
-indistinguishable from a survivor's.
+Then torch forgets the private world while the objects keep its groups (`rebind.forget`), the
+newcomer creates its real groups - as it takes its slot, or (`newcomer_build`) as soon as a plan names
+it, before the agreement - and `rebind.swap` puts the real group of the same name in place of
+each private one, in one walk (`Driver.take_slot`, `Driver._create_ahead`): from then on its
+objects are indistinguishable from a survivor's.
 """
 
 from __future__ import annotations
@@ -60,8 +61,8 @@ def enter(
 
 
 def leave() -> None:
-    """Restore the real `init_process_group` and `new_group` (the fake world itself is
-    destroyed by `rebind.release`)."""
+    """Restore the real `init_process_group` and `new_group` (torch forgets the fake world
+    itself in `rebind.forget`)."""
     if not _ORIGINAL:
         return
     dist.init_process_group = _ORIGINAL.pop("init")

@@ -9,7 +9,9 @@ graceful destroy with a dead peer; gloo connections shut down): peers blocked on
 are unblocked at once, and with no reference left the old groups are freed. Once the new
 generation's default group exists and Megatron's groups are re-created in their fixed order,
 `attach` puts the new group of the same name in every slot, so no object keeps a handle to an
-aborted group.
+aborted group. A newcomer's private world needs neither the placeholders nor the abort's care
+(its fake groups have no connection and no peer): torch forgets it while the objects keep its
+groups (`forget`), and once the real groups exist `swap` puts them in place, in one walk.
 `stale_group_refs` is the check: every group reachable from the objects must belong to the
 current world. `unnamed_groups` is the check before the first failure: a group the objects hold
 that is none of `parallel_state`'s (a module or library that made a group of its own) has no
@@ -50,6 +52,29 @@ _ATOMS = (
     types.ModuleType,
     types.BuiltinFunctionType,
 )
+
+
+_KINDS: dict[type, tuple[bool, bool]] = {}
+"""type -> (an atom the walk does not enter, a process group): each type asked once. torch >=
+2.14 answers `isinstance(x, ProcessGroup)` in Python (`CustomClassBaseMeta.__instancecheck__`),
+~1 us a value: a third of a walk over Megatron's ~23,000 values. Per type, which that answer is
+for every object the walk meets (its per-instance case is torch.compile's tracing stand-in)."""
+
+
+def _kind(value: Any) -> tuple[bool, bool]:
+    """(atom, process group) for `value`'s type."""
+    kind = _KINDS.get(type(value))
+    if kind is None:
+        kind = _KINDS[type(value)] = (
+            isinstance(value, _ATOMS),
+            isinstance(value, dist.ProcessGroup),
+        )
+    return kind
+
+
+def is_group(value: Any) -> bool:
+    """Whether `value` is a process group."""
+    return _kind(value)[1]
 
 
 def group_globals() -> dict[str, Any]:
@@ -115,20 +140,22 @@ def _walk(root: Any, visit: Callable[[Any], Any | None]) -> None:
         replacement = visit(value)
         if replacement is not None:
             return replacement
-        if isinstance(value, tuple) and not isinstance(value, _ATOMS):
+        if _kind(value)[0]:
+            return value
+        if isinstance(value, tuple):
             items = [fix(v) for v in value]
             if any(a is not b for a, b in zip(items, value)):
                 try:
                     return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
                 except TypeError:
                     return value
-        if not isinstance(value, _ATOMS) and id(value) not in seen:
+        if id(value) not in seen:
             stack.append(value)
         return value
 
     while stack:
         obj = stack.pop()
-        if id(obj) in seen or isinstance(obj, _ATOMS):
+        if id(obj) in seen or _kind(obj)[0]:
             continue
         seen.add(id(obj))
         if isinstance(obj, dict):
@@ -154,7 +181,7 @@ def _walk(root: Any, visit: Callable[[Any], Any | None]) -> None:
                     cell.cell_contents = fix(cell.cell_contents)
                 except ValueError:  # empty cell
                     pass
-        elif isinstance(obj, dist.ProcessGroup):
+        elif is_group(obj):
             continue
         else:
             attrs = getattr(obj, "__dict__", None)
@@ -196,7 +223,7 @@ def release(
 
     def visit(value: Any) -> Any | None:
         nonlocal count
-        if isinstance(value, dist.ProcessGroup):
+        if is_group(value):
             count += 1
             alive.append(weakref.ref(value))
             return GroupSlot(names.get(id(value), f"unknown:{id(value):#x}"))
@@ -258,7 +285,66 @@ def attach(
                 return None
             count += 1
             return groups[value.name]
-        if stale is not None and isinstance(value, dist.ProcessGroup) and id(value) not in live:
+        if stale is not None and is_group(value) and id(value) not in live:
+            stale.append(f"{value!r} (id {id(value):#x})")
+        return None
+
+    for root in roots:
+        _walk(root, visit)
+    if missing:
+        raise RuntimeError(f"no new group for released handles: {sorted(set(missing))}")
+    return count
+
+
+Held = dict[int, tuple[str, dist.ProcessGroup]]
+"""id -> (name, group) of a world torch forgot while objects still hold its groups (`forget`)."""
+
+
+def forget() -> Held:
+    """A newcomer's private world goes: torch forgets its groups (an abort: `devices.abort`
+    with `keep_groups(False)`) and `parallel_state` drops them, while the objects built in it
+    keep their handles - returned by id with their names (`group_names`), and held (so no id
+    is reused) until `swap` puts the real world's groups of the same names in their place.
+    One walk over the objects instead of `release`'s and `attach`'s two: a private world's
+    groups (torch's fake backend) have no connections to close and no peer waits on them."""
+    names = group_names()
+    held = {
+        id(pg): (names.get(id(pg), f"unknown:{id(pg):#x}"), pg)
+        for pg in dist.distributed_c10d._world.pg_map
+    }
+    abort_groups()
+    ps.destroy_model_parallel()
+    for name in group_globals():  # see `release`
+        setattr(ps, name, None)
+    return held
+
+
+def swap(
+    roots: Iterable[Any],
+    held: Held,
+    extra: dict[str, Any] | None = None,
+    stale: list[str] | None = None,
+) -> int:
+    """Replace every group of the forgotten world (`forget`) in `roots` by the current world's
+    group of its name; returns how many. With `stale`, the same walk appends what
+    `stale_group_refs` would report."""
+    groups = groups_by_name(extra)
+    live = {id(pg) for pg in dist.distributed_c10d._world.pg_map}
+    count = 0
+    missing: list[str] = []
+
+    def visit(value: Any) -> Any | None:
+        nonlocal count
+        if not is_group(value):
+            return None
+        if id(value) in held:
+            name = held[id(value)][0]
+            if name not in groups:
+                missing.append(name)
+                return None
+            count += 1
+            return groups[name]
+        if stale is not None and id(value) not in live:
             stale.append(f"{value!r} (id {id(value):#x})")
         return None
 
@@ -275,7 +361,7 @@ def stale_group_refs(roots: Iterable[Any]) -> list[str]:
     stale: list[str] = []
 
     def visit(value: Any) -> Any | None:
-        if isinstance(value, dist.ProcessGroup) and id(value) not in live:
+        if is_group(value) and id(value) not in live:
             stale.append(f"{value!r} (id {id(value):#x})")
         return None
 
@@ -292,7 +378,7 @@ def unnamed_groups(roots: Iterable[Any], extra: dict[str, Any] | None = None) ->
     found: dict[int, str] = {}
 
     def visit(value: Any) -> Any | None:
-        if isinstance(value, dist.ProcessGroup) and id(value) not in names:
+        if is_group(value) and id(value) not in names:
             try:
                 ranks = dist.get_process_group_ranks(value)
             except (RuntimeError, ValueError):  # not a group of this world

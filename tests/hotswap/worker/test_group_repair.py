@@ -47,3 +47,23 @@ def test_bench_reports_the_way_the_processes_logged(tmp_path: Path) -> None:
     assert groups_way(tmp_path) == (
         "rebuild (DEADPOOL_GROUP_REPAIR=rebuild); repair (gloo groups reconfigured in place)"
     )
+
+
+def test_groups_created_ahead_on_another_prefix_than_the_survivors_are_created_again() -> None:
+    """A newcomer predicts the prefix the survivors' groups were created on (generation 0); when
+    the survivors' handles name another, it does not join with what it created ahead: its caller
+    creates them again (`InPlace.join_ahead` is False), and once only."""
+    from decisions_job import Job
+
+    from megatron_deadpool.hotswap.worker.group_repair import PREDICTED_BASE, InPlace
+
+    job = Job(spares=1)
+    job.decided("a2")  # plan 1 and its roster: s0 takes rank 2
+    roster = job.m("s0").roster(1)
+    handles = RepairHandles(PREDICTED_BASE + 3, {"0": "gloo:0:-1:0:h:5"})
+    job.m("a0").publish_repair_handles(1, 0, handles.encode())
+    groups = InPlace("gloo")
+    assert not groups.join_ahead(job.m("s0"), roster, 2)  # nothing created ahead
+    groups.ahead = PREDICTED_BASE
+    assert not groups.join_ahead(job.m("s0"), roster, 2)
+    assert groups.ahead is None and groups.base is None
