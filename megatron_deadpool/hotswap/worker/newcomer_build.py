@@ -17,9 +17,8 @@ builds its own, `owns_start_up`, and gets neither), is the rest of this module:
   rehearsal ~14 and ~8 ms. So a spare, once connected and not yet needed, builds the job's
   objects for rank 0 in a private world, creates the groups as a newcomer whose groups are
   repaired in place would (`reconfigurable_creation`, on a store of its own: nothing connects),
-  moves its objects onto them, and drops all of it: torch forgets the groups (`rebind.forget`),
-  the job its objects (`JobAdapter.discard`). A failure while it rehearses waits for the
-  rehearsal.
+  and drops all of it: torch forgets the groups (`rebind.forget`), the job its objects
+  (`JobAdapter.discard`). A failure while it rehearses waits for the rehearsal.
 - **the build at the plan** (`HeadStart.on_plan`): the coordinator's plan names the spare that
   takes each dead rank's slot before the survivors' reports fix the restore iteration and the
   roster is published (the agreement). What a newcomer builds depends on its rank alone, so the
@@ -68,35 +67,38 @@ def rehearse(
     build: Callable[[int, int], None],
     drop: Callable[[], None],
 ) -> None:
-    """Build as rank 0 (`build(rank, world_size)`: in a private world) and - where groups are
-    repaired in place - create the real groups as a newcomer would (reconfigurable, on a store
-    of its own: nothing connects) and move the objects onto them; then drop everything
-    (`drop`). A rehearsal that fails costs a takeover its first time's costs, nothing else (one
-    line says so)."""
+    """Build as rank 0 (`build(rank, world_size)`: in a private world) and drop it (`drop`);
+    then - where groups are repaired in place - create the groups as a newcomer would
+    (reconfigurable, on a store of its own: nothing connects) and let torch forget them. A
+    rehearsal that fails costs a takeover its first time's costs, nothing else (one line says
+    so).
+
+    What the process holds before it is frozen out of the garbage collector first (`gc.freeze`:
+    a later collection - in a takeover - need not walk it). No collection here: a full one holds
+    the GIL throughout, and on a loaded node it kept a spare's heartbeat silent past the
+    coordinator's timeout (3 s in the Slurm lab). The dropped objects are collected when Python
+    collects; they hold no gloo group (whose destructor joins threads), only the private world's
+    fake ones."""
     t0 = time.perf_counter()
+    gc.freeze()
     try:
         try:
             build(REHEARSAL_RANK, world_size)
-            if groups.choice.repair:
-                private = groups.forgetting(rebind.forget)
-                private_world.leave()
-                with reconfigure.reconfigurable_creation():
-                    dist.init_process_group(
-                        backend=backend,
-                        store=dist.HashStore(),
-                        rank=REHEARSAL_RANK,
-                        world_size=world_size,
-                        timeout=datetime.timedelta(seconds=60),
-                    )
-                    job.init_model_parallel()
-                rebind.swap(job.roots(), private)
         finally:
             drop()
-            # What it built is garbage in reference cycles (Megatron's modules), holding gloo
-            # groups whose destructors join threads: collected now, not in a takeover; what
-            # stays (imports, caches) is frozen out of every later collection.
-            gc.collect()
-            gc.freeze()
+        if groups.choice.repair:
+            with reconfigure.reconfigurable_creation():
+                dist.init_process_group(
+                    backend=backend,
+                    store=dist.HashStore(),
+                    rank=REHEARSAL_RANK,
+                    world_size=world_size,
+                    timeout=datetime.timedelta(seconds=60),
+                )
+                try:
+                    job.init_model_parallel()
+                finally:
+                    groups.forgetting(rebind.forget)
     except Exception as exc:  # noqa: BLE001 - an optimisation: the real build meets it again
         log.warning("a spare's rehearsal failed (%s); a takeover pays its first build", exc)
         return
