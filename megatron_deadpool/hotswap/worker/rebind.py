@@ -272,6 +272,18 @@ def attach(
 
     With `stale`, the same walk also appends what `stale_group_refs` would report (one walk
     over Megatron's objects instead of two)."""
+    return _put_back(roots, lambda v: v.name if isinstance(v, GroupSlot) else None, extra, stale)
+
+
+def _put_back(
+    roots: Iterable[Any],
+    name_of: Callable[[Any], str | None],
+    extra: dict[str, Any] | None,
+    stale: list[str] | None,
+) -> int:
+    """Replace each value in `roots` that `name_of` names by the current world's group of that
+    name; returns how many. With `stale`, also list the groups met that are not the current
+    world's."""
     groups = groups_by_name(extra)
     live = {id(pg) for pg in dist.distributed_c10d._world.pg_map}
     count = 0
@@ -279,12 +291,13 @@ def attach(
 
     def visit(value: Any) -> Any | None:
         nonlocal count
-        if isinstance(value, GroupSlot):
-            if value.name not in groups:
-                missing.append(value.name)
+        name = name_of(value)
+        if name is not None:
+            if name not in groups:
+                missing.append(name)
                 return None
             count += 1
-            return groups[value.name]
+            return groups[name]
         if stale is not None and is_group(value) and id(value) not in live:
             stale.append(f"{value!r} (id {id(value):#x})")
         return None
@@ -328,31 +341,11 @@ def swap(
     """Replace every group of the forgotten world (`forget`) in `roots` by the current world's
     group of its name; returns how many. With `stale`, the same walk appends what
     `stale_group_refs` would report."""
-    groups = groups_by_name(extra)
-    live = {id(pg) for pg in dist.distributed_c10d._world.pg_map}
-    count = 0
-    missing: list[str] = []
 
-    def visit(value: Any) -> Any | None:
-        nonlocal count
-        if not is_group(value):
-            return None
-        if id(value) in held:
-            name = held[id(value)][0]
-            if name not in groups:
-                missing.append(name)
-                return None
-            count += 1
-            return groups[name]
-        if stale is not None and id(value) not in live:
-            stale.append(f"{value!r} (id {id(value):#x})")
-        return None
+    def name_of(value: Any) -> str | None:
+        return held[id(value)][0] if is_group(value) and id(value) in held else None
 
-    for root in roots:
-        _walk(root, visit)
-    if missing:
-        raise RuntimeError(f"no new group for released handles: {sorted(set(missing))}")
-    return count
+    return _put_back(roots, name_of, extra, stale)
 
 
 def stale_group_refs(roots: Iterable[Any]) -> list[str]:
