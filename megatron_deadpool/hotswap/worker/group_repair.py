@@ -74,11 +74,7 @@ class InPlace:
 
     @contextlib.contextmanager
     def creating(
-        self,
-        membership: WorkerView,
-        roster: Roster,
-        pg_args: dict[str, Any],
-        newcomer: bool,
+        self, membership: WorkerView, roster: Roster, pg_args: dict[str, Any], newcomer: bool
     ) -> Iterator[None]:
         """The default group of `roster`'s generation (`init_process_group` with `pg_args`),
         then the groups the block creates. A `newcomer` whose groups are repaired in place
