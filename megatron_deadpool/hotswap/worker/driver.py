@@ -142,7 +142,6 @@ class Driver(JobChannel, NewcomerBuild):
         self._faults: FaultInjector | None = None
         self._link: CoordinatorLink | None = None
         self._slot_waiter: StoreWaiter | None = None
-        self._while_waiting: Callable[[WorkerView], None] | None = None  # a spare's head start
         self._world_size = 0  # the job's, as the coordinator's first roster says (`connect`)
 
     # ------------------------------------------------------------------ what it holds
@@ -306,11 +305,7 @@ class Driver(JobChannel, NewcomerBuild):
                 build = functools.partial(self._build_private, job)
                 args = (self._world_size, str(self.pg_backend), build, head.drop)
                 newcomer_build.rehearse(job, self.groups, *args)
-            self._while_waiting = lambda m: head.on_plan(m, self.member)
-        try:
-            roster = self.wait_for_slot()
-        finally:
-            self._while_waiting = None
+        roster = self.wait_for_slot(meanwhile=head.on_plan if head else None)
         if roster is None:
             return None
         if own:
@@ -352,21 +347,27 @@ class Driver(JobChannel, NewcomerBuild):
         ending the process; returns the previous handler."""
         return signal.signal(signal.SIGTERM, lambda *_: self.sigterm.set())
 
-    def wait_for_slot(self, after: int = -1) -> Roster | None:
+    def wait_for_slot(
+        self, after: int = -1, meanwhile: Callable[[WorkerView, str], None] | None = None
+    ) -> Roster | None:
         """Block until a roster names this process; None when the job ends (or SIGTERM)
         before it needs this spare. A newcomer (a spare taking a slot after the start) then
         builds its objects in a private world (`build_privately`) and claims its slot as it
-        joins (`take_slot`). `after`: only a roster of a later generation counts."""
+        joins (`take_slot`). `after`: only a roster of a later generation counts;
+        `meanwhile(membership, member)`: each time it looks, before it waits (a spare's head
+        start, `HeadStart.on_plan`)."""
         previous = self.catch_sigterm()
         try:
-            return self._wait_for_slot(after)
+            return self._wait_for_slot(after, meanwhile)
         finally:
             signal.signal(signal.SIGTERM, previous)
             if self._slot_waiter is not None:
                 self._slot_waiter.stop()
                 self._slot_waiter = None
 
-    def _wait_for_slot(self, after: int) -> Roster | None:
+    def _wait_for_slot(
+        self, after: int, meanwhile: Callable[[WorkerView, str], None] | None
+    ) -> Roster | None:
         m, faults = self.membership, self.faults
         may_fail = faults.waiting_faults(self.member)
         while True:
@@ -383,8 +384,8 @@ class Driver(JobChannel, NewcomerBuild):
                 if rank is not None:
                     self._take(roster)
                     return roster
-            if self._while_waiting is not None:  # a plan naming it: its head start's build
-                self._while_waiting(m)
+            if meanwhile is not None:  # a plan naming it: its head start's build
+                meanwhile(m, self.member)
             if self._slot_waiter is None:  # from now on every roster and the shutdown wake us
                 self._slot_waiter = spare_wakeups(m)
                 continue  # look again: what happened before the waiter started is visible now

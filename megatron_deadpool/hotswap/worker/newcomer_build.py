@@ -105,10 +105,12 @@ def rehearse(
     log.info("rehearsed a newcomer's build and groups in %.2fs", time.perf_counter() - t0)
 
 
-def planned_roster(membership: WorkerView, member: str) -> Roster | None:
-    """The roster the newest plan leads to (its restore iteration not yet agreed) if it names
-    `member` for a slot, else None."""
-    g = membership.latest_plan()
+def planned_roster(
+    membership: WorkerView, member: str, generation: int | None = None
+) -> Roster | None:
+    """The roster the newest plan (or plan `generation`) leads to - its restore iteration not
+    yet agreed - if it names `member` for a slot, else None."""
+    g = membership.latest_plan() if generation is None else generation
     plan = membership.plan(g) if g > 0 else None
     if plan is None or member not in plan.replaced.values():
         return None
@@ -134,7 +136,7 @@ class HeadStart:
         if g <= self._plan_seen:
             return
         self._plan_seen = g
-        roster = planned_roster(membership, member)
+        roster = planned_roster(membership, member, g)
         if roster is None:  # a later plan that no longer names it: what it built goes
             if self.built_for is not None:
                 self.drop()

@@ -233,12 +233,7 @@ def release(
         _walk(root, visit)
     if extra:
         extra.clear()  # the caller's handles go too: nothing may keep a released group alive
-    abort_groups()  # first: destroy_model_parallel would destroy its gloo groups gracefully
-    ps.destroy_model_parallel()
-    # destroy_model_parallel (0.16.1) leaves a few globals set, e.g.
-    # _INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP(_GLOO): clear whatever still holds a group.
-    for name in group_globals():
-        setattr(ps, name, None)
+    _abort_world()
     _free_in_parallel(boxes)
     # Usually reference counting alone frees the groups; a cycle needs the collector, and a
     # full collection costs ~0.5 s on Megatron's heap, so go step by step.
@@ -254,6 +249,17 @@ def release(
             left,
         )
     return count
+
+
+def _abort_world() -> None:
+    """Abort every group of this process (`devices.abort_groups`) and let `parallel_state`
+    drop them."""
+    abort_groups()  # first: destroy_model_parallel would destroy its gloo groups gracefully
+    ps.destroy_model_parallel()
+    # destroy_model_parallel (0.16.1) leaves a few globals set, e.g.
+    # _INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP(_GLOO): clear whatever still holds a group.
+    for name in group_globals():
+        setattr(ps, name, None)
 
 
 def _free_in_parallel(boxes: list[list[dist.ProcessGroup]]) -> None:
@@ -325,10 +331,7 @@ def forget() -> Held:
         id(pg): (names.get(id(pg), f"unknown:{id(pg):#x}"), pg)
         for pg in dist.distributed_c10d._world.pg_map
     }
-    abort_groups()
-    ps.destroy_model_parallel()
-    for name in group_globals():  # see `release`
-        setattr(ps, name, None)
+    _abort_world()
     return held
 
 
