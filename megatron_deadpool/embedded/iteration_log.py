@@ -4,6 +4,10 @@ A recovery that restores an earlier iteration than the last one shown rewinds th
 iterations trained again then replace theirs, in memory and in the JSON log, so the log holds
 exactly one line per iteration, in order, as the summary's losses do: the run folder's
 `iterations.jsonl` (what `deadpool report` reads) and `--json-log`'s file.
+
+Rank 0 publishes each record under its generation. A recovery agreed before the launcher read
+the records up to the restore iteration leaves them under an earlier generation (the new one
+trains from the iteration after): `generations_to_read` says where to look.
 """
 
 from __future__ import annotations
@@ -12,6 +16,17 @@ import contextlib
 import json
 import sys
 from typing import Any, TextIO
+
+
+def generations_to_read(
+    iteration: int, generation: int, restore_iteration: int, last_read: int
+) -> range:
+    """Where the record of `iteration` may be, newest first: the current `generation`'s, and -
+    an iteration at or before its `restore_iteration`, trained before the recovery - every
+    generation back to `last_read` (the generation of the last record read): the newest that
+    published it trained it last."""
+    oldest = min(last_read, generation) if iteration <= restore_iteration else generation
+    return range(generation, oldest - 1, -1)
 
 
 class IterationLog:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_deadpool.embedded.iteration_log import IterationLog
+from megatron_deadpool.embedded.iteration_log import IterationLog, generations_to_read
 
 
 def _lines(path: Path) -> list[dict]:
@@ -73,3 +73,39 @@ def test_a_file_that_cannot_be_written_is_dropped_and_the_others_go_on(
         assert [json.loads(x) for x in ok] == [{"iteration": 1}, {"iteration": 2, "again": True}]
     assert [r["iteration"] for r in log.records] == [1, 2]
     assert capsys.readouterr().err.count("cannot write /dev/full") == 1
+
+
+def _read_all(
+    published: dict[tuple[int, int], str], log_from: int, upto: int, generation: int, restore: int
+) -> list[str]:
+    """What the launcher shows of `published` ((generation, iteration) -> record), reading as
+    it does (`generations_to_read`) from iteration `log_from` to `upto`."""
+    shown, last_read = [], 0
+    for it in range(log_from, upto + 1):
+        where = generations_to_read(it, generation, restore, last_read)
+        g = next((g for g in where if (g, it) in published), None)
+        if g is None:
+            break
+        shown.append(published[g, it])
+        last_read = g
+    return shown
+
+
+def test_records_before_the_restore_iteration_are_read_from_the_generation_that_trained_them() -> (
+    None
+):
+    # generation 0 trained 1..3 (3 not committed everywhere), generation 1 restored 2 and
+    # trained 3..4 before a second recovery; generation 2 restored 4 and trained 5. The launcher
+    # had shown nothing yet: each record comes from the newest generation that published it.
+    published = {(0, 1): "1@g0", (0, 2): "2@g0", (0, 3): "3@g0", (1, 3): "3@g1",
+                 (1, 4): "4@g1", (1, 5): "5@g1", (2, 5): "5@g2"}  # fmt: skip
+    assert _read_all(published, 1, 5, generation=2, restore=4) == [
+        "1@g0",
+        "2@g0",
+        "3@g1",
+        "4@g1",
+        "5@g2",
+    ]
+    # after the restore iteration only the current generation's records count
+    assert list(generations_to_read(5, 2, 4, last_read=0)) == [2]
+    assert list(generations_to_read(4, 2, 4, last_read=1)) == [2, 1]
