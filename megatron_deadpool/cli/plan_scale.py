@@ -119,7 +119,13 @@ def _costs(
     terms = {t.name: t for t in rec.terms}
     recover = sum(
         terms[n].seconds
-        for n in ("agree", "repair communicators", "newcomer joins", "transfer shard")
+        for n in (
+            "agree",
+            "newcomer builds",
+            "repair communicators",
+            "newcomer joins",
+            "transfer shard",
+        )
     )
     state = (dp.weights_bytes + dp.optimizer_shard_bytes) * gpus
     save = (
@@ -158,7 +164,7 @@ def _costs(
     first = (
         f"  costs at {gpus:,} GPUs: detect a crash {hb:g} s / a lost node or hang {timeout:g} s "
         "[configured: heartbeat interval / timeout]; recover "
-        f"{recover:.2f} s = agree + repair + join + transfer [the table]; a respawn the same (the "
+        f"{recover:.2f} s = agree + build + repair + join + transfer [the table]; a respawn the same (the "
         "node agent's fork server has torch imported); failed iteration "
         f"{costs.iteration_s:.2f} s [computed]"
     )

@@ -42,6 +42,14 @@ to 2.03 s at 1,024 (ANCHORS.md)."""
 SHRINK_SOURCE = "NeMo-RL PR #3186: ncclCommShrink 1.38 s at 32 GPUs .. 2.03 s at 1,024"
 NCCL_INIT_S = 55.0
 NCCL_INIT_SOURCE = "NVIDIA/nccl#1646: 55 s to initialize communicators on a DGX B200"
+BUILD_S_PER_B_PARAMS = 5.0
+"""Seconds a newcomer's start-up takes per billion parameters on its GPU: Megatron-LM's model
+(`get_model`), DDP buffers and optimizer built again for the slot it takes. Assumed: nothing
+published times it per parameter; it brackets two published logs (`BUILD_SOURCE`)."""
+BUILD_SOURCE = (
+    "NVIDIA/Megatron-LM PR #6750: get_model 55-60 s for MoE pipeline chunks of several billion "
+    "parameters each; NVIDIA/nccl#743: model-and-optimizer-setup 0.29 s for BERT (~0.3 B)"
+)
 PGTRANSPORT_GB_S = 12 / 5
 """torchft's PGTransport moved 12 GB in ~5 s (peer-to-peer live recovery): a cross-check of the
 transfer term at an achieved, not a line-rate, bandwidth."""
@@ -106,7 +114,8 @@ class ScaleRecovery:
     restore_bytes: int
     """What the newcomer receives (bf16 weights + optimizer shard)."""
     terms: tuple[Term, ...]
-    """detect, agree, repair, newcomer joins, transfer, failed iteration - in that order."""
+    """detect, agree, newcomer builds, repair, newcomer joins, transfer, failed iteration - in
+    that order."""
     rebuild: Term
     """The communicator term if groups are rebuilt (abort + full init) instead of repaired."""
     detect_node_s: float
@@ -177,6 +186,7 @@ def scale_terms(
     bandwidth = c.inter_node_gb_s_per_gpu * network_efficiency
     transfer = report.recovery.restore_bytes / (bandwidth * GB)
     it = report.per_iteration.compute_s
+    params_b = report.per_gpu.params / 1e9
     terms = (
         Term(
             "detect",
@@ -191,6 +201,14 @@ def scale_terms(
             "measured here",
             f"`{measured.COMMAND}`, 2026-11-27, 2-core CPU, at {sizes} ranks (log2 in "
             "between, the smallest's below): an upper bound",
+        ),
+        Term(
+            "newcomer builds",
+            params_b * BUILD_S_PER_B_PARAMS,
+            "assumed",
+            f"{params_b:.2f} B parameters on its GPU x {BUILD_S_PER_B_PARAMS:g} s per billion: "
+            "Megatron-LM's start-up for its slot, after the agreement (the embedded job's starts "
+            f"at the plan: sooner by the agreement); bracketed by {BUILD_SOURCE}",
         ),
         Term(
             "repair communicators",

@@ -12,6 +12,7 @@ from megatron_deadpool.config.cluster import load_cluster
 from megatron_deadpool.config.job import load_job
 from megatron_deadpool.planner import measured
 from megatron_deadpool.planner.at_scale import (
+    BUILD_S_PER_B_PARAMS,
     COMPARISONS,
     KINDS,
     SIZES,
@@ -26,6 +27,7 @@ PERLMUTTER = load_cluster(ROOT / "configs" / "clusters" / "perlmutter.yaml")
 NAMES = [
     "detect",
     "agree",
+    "newcomer builds",
     "repair communicators",
     "newcomer joins",
     "transfer shard",
@@ -33,8 +35,8 @@ NAMES = [
 ]
 
 
-def report_65b(gbs: int = 1024) -> PlanReport:
-    model = load_job(ROOT / "configs" / "models" / "gpt-65b.yaml").model
+def report_65b(gbs: int = 1024, name: str = "gpt-65b") -> PlanReport:
+    model = load_job(ROOT / "configs" / "models" / f"{name}.yaml").model
     layout = Layout(tp=4, pp=8, dp=16, ranks_per_node=4)
     return plan(
         model,
@@ -86,8 +88,23 @@ def test_verdict_names_the_term_that_misses_the_target() -> None:
     big = {s.gpus: s for s in recovery_at_scale(report_65b(1024))[0]}[1024]
     assert big.total_s > 10 and "failed iteration" in big.verdict()
     assert big.verdict().startswith("misses the 10 s target at 1,024 GPUs")
-    small = {s.gpus: s for s in recovery_at_scale(report_65b(128))[0]}[1024]
+    # 65B at 2 B parameters per GPU: its newcomer's start-up alone takes ~10 s
+    at_128 = {s.gpus: s for s in recovery_at_scale(report_65b(128))[0]}[1024]
+    assert "newcomer builds" in at_128.verdict()
+    small = {s.gpus: s for s in recovery_at_scale(report_65b(128, "gpt-13b"))[0]}[1024]
     assert small.total_s <= 10 and small.verdict().startswith("meets")
+
+
+def test_the_newcomers_build_grows_with_the_parameters_on_its_gpu() -> None:
+    big, small = (
+        {s.gpus: s for s in recovery_at_scale(report_65b(name=m))[0]}[1024]
+        for m in ("gpt-65b", "gpt-13b")
+    )
+    for s, report in ((big, report_65b()), (small, report_65b(name="gpt-13b"))):
+        build = s.term("newcomer builds")
+        assert build.kind == "assumed" and "#6750" in build.source and "nccl#743" in build.source
+        assert build.seconds == pytest.approx(report.per_gpu.params / 1e9 * BUILD_S_PER_B_PARAMS)
+    assert big.term("newcomer builds").seconds > 4 * small.term("newcomer builds").seconds
 
 
 def test_sizes_tp_x_pp_does_not_divide_are_skipped_with_the_reason() -> None:
