@@ -215,7 +215,8 @@ def scale_terms(
             shrink,
             "cited" if not outside else "assumed",
             f"{SHRINK_SOURCE} (log2 in between; past that range extrapolated: assumed); "
-            "Megatron's groups repaired together (assumed)",
+            "Megatron's groups repaired together (assumed); DeadPool repairs gloo groups in "
+            "place, not NCCL's yet: a GPU job pays the rebuild line below today",
         ),
         Term(
             "newcomer joins",
@@ -245,7 +246,8 @@ def scale_terms(
         "rebuild communicators",
         NCCL_INIT_S,
         "cited",
-        f"{NCCL_INIT_SOURCE} (abort + full init, what a rebuild pays)",
+        f"{NCCL_INIT_SOURCE} (abort + full init, what a rebuild pays: DeadPool's way with "
+        "NCCL groups today)",
     )
     lay = report.layout
     return ScaleRecovery(
