@@ -358,9 +358,11 @@ def combine(results: list[dict[str, Any]]) -> dict[str, Any]:
         out[f"{side}_recovery_s"] = statistics.median(r[f"{side}_recovery_s"] for r in results)
         out[f"{side}_recovery_runs_s"] = [r[f"{side}_recovery_s"] for r in results]
         out[f"{side}_recomputed_runs"] = [r[f"{side}_recomputed"] for r in results]
+        out[f"{side}_phases_runs_s"] = {
+            k: [r[f"{side}_phases_s"][k] for r in results] for k in results[0][f"{side}_phases_s"]
+        }
         out[f"{side}_phases_s"] = {
-            k: statistics.median(r[f"{side}_phases_s"][k] for r in results)
-            for k in results[0][f"{side}_phases_s"]
+            k: statistics.median(v) for k, v in out[f"{side}_phases_runs_s"].items()
         }
     out["speedup"] = out["restart_recovery_s"] / out["deadpool_recovery_s"]
     out["speedup_runs"] = [r["restart_recovery_s"] / r["deadpool_recovery_s"] for r in results]
@@ -377,6 +379,19 @@ def phase_rows(result: dict[str, Any], cell: Callable[[float], str]) -> list[lis
     that side)."""
     sides = (result["deadpool_phases_s"], result["restart_phases_s"])
     return [[PHASE_LABELS[k], *(cell(d[k]) if k in d else "-" for d in sides)] for k in PHASE_ORDER]
+
+
+def spread_lines(result: dict[str, Any]) -> list[str]:
+    """Each repeat's hot swap, in total and by phase (the medians' spread: a figure near a
+    target is read with it)."""
+
+    def runs(values: list[float]) -> str:
+        return "/".join(f"{v:.3f}" for v in values)
+
+    phases = result["deadpool_phases_runs_s"]
+    lines = [f"hot swap per repeat (s): total {runs(result['deadpool_recovery_runs_s'])}"]
+    lines += [f"  {PHASE_LABELS[k]:<36}{runs(phases[k])}" for k in PHASE_ORDER if k in phases]
+    return lines
 
 
 def table(result: dict[str, Any]) -> list[str]:
@@ -424,6 +439,7 @@ def table(result: dict[str, Any]) -> list[str]:
     runs = ", ".join(f"{x:.1f}x" for x in result["speedup_runs"])
     lines.insert(0, f"medians of {repeats} repeats (each repeat's counts separated by /)")
     lines.append(f"speedup of the hot swap per repeat: {runs}")
+    lines += spread_lines(result)
     lines.append(
         f"speedup of the hot swap, median: {ratio_text(result['speedup_ratio'], 1)}; "
         f"lowest {min(result['speedup_runs']):.1f}x"

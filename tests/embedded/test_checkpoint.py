@@ -316,3 +316,7 @@ def test_bench_recovery_repeats_report_medians_and_the_speedups_interval(
     assert data["speedup_ratio"]["ci"] == pytest.approx([speedup, speedup])
     assert data["deadpool_recomputed_runs"] == [0] * 6
     assert f"median: {speedup:.1f}x (95% CI" in printed and "0/0/0/0/0/0" in printed
+    # every repeat's phases beside the medians (the fake launches all take the same)
+    assert data["deadpool_phases_runs_s"]["reconstruct"] == pytest.approx([0.3] * 6)
+    assert "hot swap per repeat (s): total " + "/".join(["1.050"] * 6) in printed
+    assert "reconstruct process groups" in printed.split("hot swap per repeat (s)")[1]
