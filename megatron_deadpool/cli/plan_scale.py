@@ -164,8 +164,8 @@ def _costs(
     first = (
         f"  costs at {gpus:,} GPUs: detect a crash {hb:g} s / a lost node or hang {timeout:g} s "
         "[configured: heartbeat interval / timeout]; recover "
-        f"{recover:.2f} s = agree + build + repair + join + transfer [the table]; a respawn the same (the "
-        "node agent's fork server has torch imported); failed iteration "
+        f"{recover:.2f} s = agree + build + repair + join + transfer [the table]; a respawn the "
+        "same (the node agent's fork server has torch imported); failed iteration "
         f"{costs.iteration_s:.2f} s [computed]"
     )
     every = f"{interval / 60:.1f} min" if interval >= 60 else format_seconds(interval)
