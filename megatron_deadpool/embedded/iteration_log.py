@@ -7,7 +7,8 @@ exactly one line per iteration, in order, as the summary's losses do: the run fo
 
 Rank 0 publishes each record under its generation. A recovery agreed before the launcher read
 the records up to the restore iteration leaves them under an earlier generation (the new one
-trains from the iteration after): `generations_to_read` says where to look.
+trains from the iteration after): `IterationLog.next_record` follows the roster's generations
+and looks where `generations_to_read` says.
 """
 
 from __future__ import annotations
@@ -15,7 +16,10 @@ from __future__ import annotations
 import contextlib
 import json
 import sys
-from typing import Any, TextIO
+from collections.abc import Callable
+from typing import Any, TextIO, TypeVar
+
+R = TypeVar("R")
 
 
 def generations_to_read(
@@ -37,13 +41,32 @@ class IterationLog:
         self.records: list[dict[str, Any]] = []
         self._files = list(files)
         self._offsets: list[list[int]] = []  # where each record's line starts in each file
+        self.generation = 0
+        """The roster generation the records follow (`next_record`)."""
+        self._last_read = 0  # the generation of the last record appended
 
     @property
     def next_iteration(self) -> int:
         return self.first + len(self.records)
 
+    def next_record(
+        self, generation: int, restore_iteration: int, read: Callable[[int, int], R | None]
+    ) -> R | None:
+        """The record of `next_iteration` for the roster of `generation` (restoring
+        `restore_iteration`), read with `read(generation, iteration)` where it may be
+        (`generations_to_read`); None while none is published. A new generation first rewinds
+        the records to its restore iteration."""
+        if generation != self.generation:
+            self.generation = generation
+            self.rewind(restore_iteration)
+        it = self.next_iteration
+        where = generations_to_read(it, generation, restore_iteration, self._last_read)
+        return next(filter(None, (read(g, it) for g in where)), None)
+
     def append(self, record: dict[str, Any]) -> None:
-        """Add the record of `next_iteration`, and its line to the files."""
+        """Add the record of `next_iteration` (of the generation its ``generation`` names), and
+        its line to the files."""
+        self._last_read = int(record.get("generation", self._last_read))
         self.records.append(record)
         self._offsets.append([f.tell() if not f.closed else 0 for f in self._files])
         self.write(record)

@@ -37,7 +37,7 @@ from ..hotswap.report.salvage_note import salvage_lines
 from ..hotswap.report.timeline import ITERATIONS_FILE
 from ..replication.placement import Layout, place_replicas
 from ..replication.save_dir import choose_resume
-from .iteration_log import IterationLog, generations_to_read
+from .iteration_log import IterationLog
 from .progress import Progress
 
 WORKER_PRELOAD = Preload(("megatron_deadpool.embedded.worker", "megatron_deadpool.embedded.job"))
@@ -241,27 +241,18 @@ class LocalLauncher:
         local = self.local
         coord, membership = local.coordinator, local.membership
         deadpool = self.job.deadpool.enabled
-        shown = {"generation": 0, "read": 0}  # the roster's generation; the last record's
 
         def show_progress() -> bool:
             """Spares added, the display rewound after a recovery, the next record shown;
             True when a record was shown (look for the next one at once)."""
             while deadpool and self.replenish_spares and len(coord.spares) < local.spares:
                 local.add_spare(self._spawn)  # as a cluster's scheduler would add nodes
-            roster = coord.roster
-            restore = roster.restore_iteration or 0
-            if roster.generation != shown["generation"]:  # a recovery agreed: rewind
-                shown["generation"] = roster.generation
-                log.rewind(restore)
-            where = generations_to_read(
-                log.next_iteration, roster.generation, restore, shown["read"]
-            )
-            rec = next(
-                filter(None, (membership.metrics(g, log.next_iteration) for g in where)), None
+            roster = coord.roster  # a recovery agreed: the records rewind to its restore
+            rec = log.next_record(
+                roster.generation, roster.restore_iteration or 0, membership.metrics
             )
             if rec is None:
                 return False
-            shown["read"] = rec.generation
             log.append(rec.to_dict())
             if self._metrics is not None:
                 self._metrics.on_record(log.records[-1])

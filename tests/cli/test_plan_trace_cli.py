@@ -63,8 +63,15 @@ def test_llama3_trace_three_ettrs_and_the_plot(
     text = capsys.readouterr().out
     assert "goodput over llama3: 419 interruptions in 1296 h" in text
     assert "meets the 0.99 target" in text
-    data = json.loads(out.read_text())["goodput"]
+    plan = json.loads(out.read_text())
+    data = plan["goodput"]
     ways = data["ways"]
+    # a recovery costs what the table's terms at the trace's size add up to, the build included
+    at = next(s for s in plan["recovery_at_scale"]["sizes"] if s["gpus"] == 16384)
+    terms = {t["name"]: t["seconds"] for t in at["terms"]}
+    recover = ("agree", "newcomer builds", "repair communicators", "newcomer joins")
+    want = sum(terms[n] for n in (*recover, "transfer shard"))
+    assert terms["newcomer builds"] > 0 and data["costs"]["recover_s"] == pytest.approx(want)
     assert data["gpus"] == 16384 and data["trace"]["interruptions"] == 419
     assert ways["respawn"]["ettr"] >= 0.99
     assert ways["respawn"]["ettr"] >= ways["spares"]["ettr"] > ways["restart"]["ettr"]

@@ -18,6 +18,7 @@ Single-process tests cover the marker file (Megatron-LM's `latest_checkpointed_i
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 from pathlib import Path
 from typing import Any
@@ -223,10 +224,14 @@ def _fake_launch(digests: dict[str, str]) -> Any:
             for k, i in enumerate(iterations)
         ]
 
+    hot_swaps = itertools.count()
+
     def launch(job: Any, run_dir: Path, stop_on_failure: bool, timeout_s: float) -> Launch:
         iters, failed_at = job.train.iters, T0 + 0.1 * (FAIL_AT - 1) + 0.05
         if job.deadpool.enabled:  # hot swap: 1.05 s of phases, then iteration 8 takes 0.1 s
-            phases = {"detect": 0.1, "agree": 0.5, "reconstruct": 0.3, "restore": 0.05}
+            # the n-th hot swap reconstructs in 0.3 + n/100 s, agrees in n/100 s less
+            n = next(hot_swaps) / 100
+            phases = {"detect": 0.1, "agree": 0.5 - n, "reconstruct": 0.3 + n, "restore": 0.05}
             rec = {"phases_s": {**phases, "first_iteration": 0.1}, "restore_iteration": 7}
             rec.update(recomputed_iterations=0, total_s=1.05)
             records = recs(range(1, FAIL_AT), T0) + recs(
@@ -317,6 +322,10 @@ def test_bench_recovery_repeats_report_medians_and_the_speedups_interval(
     assert data["deadpool_recomputed_runs"] == [0] * 6
     assert f"median: {speedup:.1f}x (95% CI" in printed and "0/0/0/0/0/0" in printed
     # every repeat's phases beside the medians (the fake launches all take the same)
-    assert data["deadpool_phases_runs_s"]["reconstruct"] == pytest.approx([0.3] * 6)
-    assert "hot swap per repeat (s): total " + "/".join(["1.050"] * 6) in printed
-    assert "reconstruct process groups" in printed.split("hot swap per repeat (s)")[1]
+    reconstruct = [0.3 + n / 100 for n in range(6)]
+    assert data["deadpool_phases_runs_s"]["reconstruct"] == pytest.approx(reconstruct)
+    assert data["deadpool_phases_s"]["reconstruct"] == pytest.approx(0.325)  # their median
+    spread = printed.split("hot swap per repeat (s): ")[1]
+    assert spread.startswith("total " + "/".join(["1.050"] * 6))
+    runs = "/".join(f"{x:.3f}" for x in reconstruct)
+    assert f"reconstruct process groups          {runs}" in spread

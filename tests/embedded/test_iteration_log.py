@@ -75,37 +75,61 @@ def test_a_file_that_cannot_be_written_is_dropped_and_the_others_go_on(
     assert capsys.readouterr().err.count("cannot write /dev/full") == 1
 
 
-def _read_all(
-    published: dict[tuple[int, int], str], log_from: int, upto: int, generation: int, restore: int
-) -> list[str]:
-    """What the launcher shows of `published` ((generation, iteration) -> record), reading as
-    it does (`generations_to_read`) from iteration `log_from` to `upto`."""
-    shown, last_read = [], 0
-    for it in range(log_from, upto + 1):
-        where = generations_to_read(it, generation, restore, last_read)
-        g = next((g for g in where if (g, it) in published), None)
-        if g is None:
-            break
-        shown.append(published[g, it])
-        last_read = g
+class _Store:
+    """Rank 0's published records ((generation, iteration) -> record), as the launcher reads
+    them (`membership.metrics`)."""
+
+    def __init__(self) -> None:
+        self.records: dict[tuple[int, int], dict] = {}
+
+    def publish(self, generation: int, *iterations: int) -> None:
+        for it in iterations:
+            self.records[generation, it] = {"iteration": it, "generation": generation}
+
+    def read(self, generation: int, iteration: int) -> dict | None:
+        return self.records.get((generation, iteration))
+
+
+def _follow(log: IterationLog, store: _Store, generation: int, restore: int) -> list[tuple]:
+    """What the launcher shows now (`LocalLauncher._monitor`): every record it can read for
+    the roster of `generation`, as (iteration, generation)."""
+    shown = []
+    while (rec := log.next_record(generation, restore, store.read)) is not None:
+        log.append(rec)
+        shown.append((rec["iteration"], rec["generation"]))
     return shown
 
 
-def test_records_before_the_restore_iteration_are_read_from_the_generation_that_trained_them() -> (
-    None
-):
-    # generation 0 trained 1..3 (3 not committed everywhere), generation 1 restored 2 and
-    # trained 3..4 before a second recovery; generation 2 restored 4 and trained 5. The launcher
-    # had shown nothing yet: each record comes from the newest generation that published it.
-    published = {(0, 1): "1@g0", (0, 2): "2@g0", (0, 3): "3@g0", (1, 3): "3@g1",
-                 (1, 4): "4@g1", (1, 5): "5@g1", (2, 5): "5@g2"}  # fmt: skip
-    assert _read_all(published, 1, 5, generation=2, restore=4) == [
-        "1@g0",
-        "2@g0",
-        "3@g1",
-        "4@g1",
-        "5@g2",
-    ]
-    # after the restore iteration only the current generation's records count
-    assert list(generations_to_read(5, 2, 4, last_read=0)) == [2]
+def test_records_before_the_restore_iteration_come_from_the_generation_that_trained_them() -> None:
+    store, log = _Store(), IterationLog(1)
+    store.publish(0, 1)
+    assert _follow(log, store, 0, 0) == [(1, 0)]
+    # generation 0 trains 2 and 3, then a rank dies; recoveries are agreed faster than the
+    # launcher reads: generation 1 restores 2 and trains 3 and 4, a second death, generation 2
+    # restores 4 and trains 5 - before the launcher reads anything more
+    store.publish(0, 2, 3)
+    store.publish(1, 3, 4)
+    store.publish(2, 5)
+    assert _follow(log, store, 2, 4) == [(2, 0), (3, 1), (4, 1), (5, 2)]
+    # only the current generation's record counts after the restore iteration: 6 of
+    # generation 1 (trained before it died, rolled back) is never shown
+    store.publish(1, 6)
+    assert _follow(log, store, 2, 4) == []
+    store.publish(2, 6)
+    assert _follow(log, store, 2, 4) == [(6, 2)]
+    # a recovery that restores before what was shown: the records rewind, and 6 and 7 come from
+    # the generation that trains them again
+    store.publish(2, 7)
+    assert _follow(log, store, 3, 5) == []  # generation 3 has published nothing yet
+    assert [r["iteration"] for r in log.records] == [1, 2, 3, 4, 5]
+    store.publish(3, 6, 7)
+    assert _follow(log, store, 3, 5) == [(6, 3), (7, 3)]
+    assert [(r["iteration"], r["generation"]) for r in log.records] == [
+        (1, 0), (2, 0), (3, 1), (4, 1), (5, 2), (6, 3), (7, 3),
+    ]  # fmt: skip
+
+
+def test_where_a_record_is_looked_for() -> None:
+    assert list(generations_to_read(5, 2, 4, last_read=0)) == [2]  # after the restore iteration
     assert list(generations_to_read(4, 2, 4, last_read=1)) == [2, 1]
+    assert list(generations_to_read(3, 0, 0, last_read=0)) == [0]  # no recovery yet
