@@ -116,17 +116,7 @@ def _costs(
 ) -> tuple[Costs, list[str]]:
     """The goodput model's costs for `report`'s job at `gpus` GPUs, with their sources."""
     dp = report.per_gpu
-    terms = {t.name: t for t in rec.terms}
-    recover = sum(
-        terms[n].seconds
-        for n in (
-            "agree",
-            "newcomer builds",
-            "repair communicators",
-            "newcomer joins",
-            "transfer shard",
-        )
-    )
+    recover = rec.recover_s
     state = (dp.weights_bytes + dp.optimizer_shard_bytes) * gpus
     save = (
         args.checkpoint_save_s
@@ -149,7 +139,7 @@ def _costs(
         detect_hang_s=timeout,
         recover_s=recover,
         respawn_s=recover,
-        iteration_s=terms["failed iteration"].seconds,
+        iteration_s=rec.term("failed iteration").seconds,
         restart_s=args.restart_s,
         checkpoint_interval_s=interval,
         checkpoint_save_s=save,

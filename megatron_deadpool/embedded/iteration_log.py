@@ -41,8 +41,7 @@ class IterationLog:
         self.records: list[dict[str, Any]] = []
         self._files = list(files)
         self._offsets: list[list[int]] = []  # where each record's line starts in each file
-        self.generation = 0
-        """The roster generation the records follow (`next_record`)."""
+        self._generation = 0  # the roster generation the records follow (`next_record`)
         self._last_read = 0  # the generation of the last record appended
 
     @property
@@ -56,8 +55,8 @@ class IterationLog:
         `restore_iteration`), read with `read(generation, iteration)` where it may be
         (`generations_to_read`); None while none is published. A new generation first rewinds
         the records to its restore iteration."""
-        if generation != self.generation:
-            self.generation = generation
+        if generation != self._generation:
+            self._generation = generation
             self.rewind(restore_iteration)
         it = self.next_iteration
         where = generations_to_read(it, generation, restore_iteration, self._last_read)

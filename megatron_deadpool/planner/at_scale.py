@@ -127,6 +127,12 @@ class ScaleRecovery:
         return sum(t.seconds for t in self.terms if t.name != "failed iteration")
 
     @property
+    def recover_s(self) -> float:
+        """From the failure's detection until training runs again (all terms but detect and
+        the failed iteration): what the goodput model charges a recovery."""
+        return sum(t.seconds for t in self.terms if t.name not in ("detect", "failed iteration"))
+
+    @property
     def total_s(self) -> float:
         """Until the failed iteration has been computed again."""
         return sum(t.seconds for t in self.terms)
