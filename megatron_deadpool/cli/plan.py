@@ -37,12 +37,12 @@ from ..planner.at_scale import SIZES, recovery_at_scale
 from ..planner.capacity import (
     PlanReport,
     Recompute,
-    RecoveryModel,
     Workload,
     format_seconds,
     plan,
 )
 from ..planner.megatron_line import MegatronLine, parse_megatron_line
+from ..planner.recovery_terms import RECONSTRUCT
 from ..planner.trace import load_trace
 from ..replication.placement import Layout, RankOrder
 from .plan_scale import (
@@ -324,7 +324,6 @@ def run(args: argparse.Namespace) -> int:
         cluster=cluster,
         workload=workload,
         deadpool=job.deadpool,
-        constants=RecoveryModel(),
     )
     if args.megatron_args:
         print(shlex.join(megatron_args(model, layout, workload, job.train)))
@@ -580,14 +579,22 @@ def format_report(report: PlanReport, *, title: str = "") -> str:
         _traffic(it.dp_comm_bytes),
         f"in {format_seconds(it.dp_comm_s)} (upper bound)",
     )
+    f = r.failure
+    parts = " + ".join(f"{t.seconds:.1f} {t.name}" for t in f.terms if t.name in RECONSTRUCT)
     for name, rec in (("crash", r.recovery), ("hang", r.recovery_hang)):
         head(
             "recovery" if name == "crash" else "",
             f"{name}: {rec.total_s:.1f} s = detect {rec.detect_s:.1f} + agree "
-            f"{rec.agree_s:.1f} + reconstruct {rec.reconstruct_s:.1f} + restore "
-            f"{rec.restore_s:.2f} (training resumes after {rec.resume_s:.1f} s) + first "
-            f"iteration {rec.first_iteration_s:.1f} (estimate)",
+            f"{rec.agree_s:.2f} + reconstruct {rec.reconstruct_s:.1f} + restore "
+            f"{rec.restore_s:.2f} (training resumes after {rec.resume_s:.1f} s) + failed "
+            f"iteration {rec.first_iteration_s:.1f}",
         )
+    head("", f"reconstruct: {parts}, the groups repaired in place (gloo's are today)")
+    head(
+        "",
+        f"NCCL groups rebuilt, as today: reconstruct {f.rebuilt_reconstruct_s:.1f} s, crash "
+        f"{f.rebuild_total_s:.1f} s; each term's source: the table below",
+    )
     head(
         "",
         f"restore: a newcomer receives {_traffic(r.recovery.restore_bytes)} (bf16 weights + "

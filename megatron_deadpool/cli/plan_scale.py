@@ -17,16 +17,10 @@ from pathlib import Path
 from typing import Any
 
 from ..config.cluster import GB
-from ..planner.at_scale import (
-    COMPARISONS,
-    TARGET_GPUS,
-    TARGET_S,
-    ScaleRecovery,
-    recovery_at_scale,
-    scale_terms,
-)
-from ..planner.capacity import PlanReport, RecoveryModel, format_seconds
+from ..planner.at_scale import COMPARISONS, TARGET_GPUS, recovery_at_scale
+from ..planner.capacity import PlanReport, format_seconds
 from ..planner.goodput import LABELS, WAYS, Costs, simulate, young_interval_s
+from ..planner.recovery_terms import TARGET_S, RecoveryTerms
 from ..planner.trace import Trace
 
 RESTART_S = 600.0
@@ -38,7 +32,7 @@ Models", Section 3.3.1)."""
 ETTR_TARGET = 0.99
 
 
-def scale_dict(scaled: list[ScaleRecovery], skipped: list[str]) -> dict[str, Any]:
+def scale_dict(scaled: list[RecoveryTerms], skipped: list[str]) -> dict[str, Any]:
     """The recovery table as plain data (JSON)."""
     return {
         "sizes": [
@@ -61,7 +55,7 @@ def scale_dict(scaled: list[ScaleRecovery], skipped: list[str]) -> dict[str, Any
     }
 
 
-def format_scale(scaled: list[ScaleRecovery], skipped: list[str]) -> list[str]:
+def format_scale(scaled: list[RecoveryTerms], skipped: list[str]) -> list[str]:
     """The recovery table as text: a column per size, a source per term."""
     lines = [
         "",
@@ -112,7 +106,7 @@ def format_scale(scaled: list[ScaleRecovery], skipped: list[str]) -> list[str]:
 
 
 def _costs(
-    report: PlanReport, rec: ScaleRecovery, trace: Trace, args: argparse.Namespace, gpus: int
+    report: PlanReport, rec: RecoveryTerms, trace: Trace, args: argparse.Namespace, gpus: int
 ) -> tuple[Costs, list[str]]:
     """The goodput model's costs for `report`'s job at `gpus` GPUs, with their sources."""
     dp = report.per_gpu
@@ -175,17 +169,7 @@ def trace_goodput(
     lay = report.layout
     gpus = trace.gpus or lay.world_size
     scaled, _ = recovery_at_scale(report, (gpus,))
-    rec = (
-        scaled[0]
-        if scaled
-        else scale_terms(
-            report,
-            lay.world_size,
-            detect_s=report.recovery.detect_s,
-            detect_node_s=report.recovery_hang.detect_s,
-            network_efficiency=RecoveryModel().network_efficiency,
-        )
-    )
+    rec = scaled[0] if scaled else report.failure
     gpus = rec.gpus
     costs, notes = _costs(report, rec, trace, args, gpus)
     results = {way: simulate(trace, way, costs, report.spares, lay.ranks_per_node) for way in WAYS}

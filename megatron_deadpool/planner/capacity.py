@@ -39,13 +39,11 @@ layer's dispatched tokens, k copies per token, are not added).
 Time model: an iteration computes 6 x params x tokens FLOPs (8 with full recompute) at
 `mfu` of the GPUs' peak; the replication of k shards per GPU runs over the GPU's share of its
 node's NICs; the data-parallel gradient reduce-scatter (fp32) and parameter all-gather (bf16)
-are counted as inter-node traffic too (an upper bound). Recovery phases: detect (crash: one
-heartbeat interval; hang: the heartbeat timeout), agree (the coordinator's work at the job's
-size, measured by `deadpool bench control-plane`: `measured.py`), reconstruct (a new world and
-Megatron's groups, growing with log2 of the world size), restore (a newcomer's bf16 weights from
-a data-parallel peer and its shard from a holder, over the network), first iteration (the
-recomputed iteration plus communicator warm-up). The remaining constants are in
-`RecoveryModel`: estimates, not measured (they need GPUs and a cluster).
+are counted as inter-node traffic too (an upper bound). Recovery: the terms of
+`recovery_terms.node_failure` at the job's own size, each with its source - the same function as
+the table at 512, 1,024 and 16,384 GPUs (`at_scale`) - grouped into phases (`RecoveryPhases`):
+detect, agree, reconstruct (the newcomer's build, the repair, its join), restore (the transfer)
+and the failed iteration.
 """
 
 from __future__ import annotations
@@ -60,9 +58,9 @@ from ..config.deadpool import DeadpoolConfig
 from ..config.job import JobConfig, ModelConfig, ParallelConfig, TrainConfig
 from ..errors import ConfigError
 from ..replication.placement import Layout, RankOrder, place_replicas
-from . import measured
 from .coverage import NodeCoverage, node_coverage
 from .paramcount import ParamCount, count_params
+from .recovery_terms import NETWORK_EFFICIENCY, Job, RecoveryTerms, node_failure
 
 WEIGHT_BYTES = 2
 GRAD_BYTES = 4
@@ -95,27 +93,6 @@ class Workload:
             raise ConfigError(f"mfu: must be in (0, 1], got {self.mfu}")
         if self.recompute not in ("none", "selective", "full"):
             raise ConfigError(f"recompute: {self.recompute!r} is not none, selective or full")
-
-
-@dataclass(frozen=True, kw_only=True)
-class RecoveryModel:
-    """Constants of the recovery-time estimate (not measured, except `agree_s`'s default)."""
-
-    agree_s: float | None = None
-    """Survivors report and the coordinator fixes the dead set and restore iteration in the
-    store; None: the figure measured at the job's size (`measured.agree_s`)."""
-
-    reconstruct_base_s: float = 2.0
-    """Abort old groups, new default group, Megatron's groups: fixed part."""
-
-    reconstruct_per_doubling_s: float = 1.0
-    """Reconstruction time added per doubling of the world size (communicator set-up)."""
-
-    network_efficiency: float = 0.8
-    """Share of the NIC bandwidth a bulk transfer achieves."""
-
-    first_iteration_overhead_s: float = 2.0
-    """Extra time of the first iteration after a swap (lazy communicator connections)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -237,7 +214,7 @@ class RecoveryPhases:
     """Survivors agree on the dead set and the restore iteration."""
 
     reconstruct_s: float
-    """New world and Megatron groups with spares in the dead slots."""
+    """The newcomer's build, the groups' repair and its join (`recovery_terms.RECONSTRUCT`)."""
 
     restore_s: float
     """Newcomers receive weights and shards; survivors roll back."""
@@ -246,7 +223,19 @@ class RecoveryPhases:
     """What one newcomer receives: its bf16 weights and its optimizer shard (both parts)."""
 
     first_iteration_s: float
-    """The recomputed iteration plus warm-up."""
+    """The failed iteration computed again."""
+
+    @classmethod
+    def of(cls, failure: RecoveryTerms, *, detect_s: float) -> RecoveryPhases:
+        """The phases of `failure`'s terms, detected after `detect_s`."""
+        return cls(
+            detect_s=detect_s,
+            agree_s=failure.term("agree").seconds,
+            reconstruct_s=failure.reconstruct_s,
+            restore_s=failure.term("transfer shard").seconds,
+            restore_bytes=failure.restore_bytes,
+            first_iteration_s=failure.term("failed iteration").seconds,
+        )
 
     @property
     def resume_s(self) -> float:
@@ -281,6 +270,9 @@ class PlanReport:
     spares: int
     """Spare ranks."""
 
+    deadpool: DeadpoolConfig
+    """DeadPool's settings planned with (its heartbeat: detection)."""
+
     params: int
     """Distinct model parameters."""
 
@@ -298,6 +290,9 @@ class PlanReport:
 
     recovery_hang: RecoveryPhases
     """Recovery after a hang (found by the heartbeat timeout)."""
+
+    failure: RecoveryTerms
+    """`recovery`'s terms, each with its source."""
 
     coverage: NodeCoverage
     """Node failures the placement survives."""
@@ -355,6 +350,8 @@ class PlanReport:
             "recovery": {
                 "crash": _phases(self.recovery),
                 "hang": _phases(self.recovery_hang),
+                "terms": [dataclasses.asdict(t) for t in self.failure.terms],
+                "rebuilt_total_s": self.failure.rebuild_total_s,
             },
             "failures": {
                 **dataclasses.asdict(self.coverage),
@@ -394,7 +391,6 @@ def plan(
     cluster: ClusterConfig,
     workload: Workload,
     deadpool: DeadpoolConfig | None = None,
-    constants: RecoveryModel = RecoveryModel(),
 ) -> PlanReport:
     """Plan `model` on `layout` with k = `replicas` and `spares` spare ranks on `cluster`.
 
@@ -471,9 +467,10 @@ def plan(
         fits_host=host_node <= cluster.usable_host_bytes,
     )
 
-    net = cluster.inter_node_gb_s_per_gpu * GB * constants.network_efficiency
+    net = cluster.inter_node_gb_s_per_gpu * GB * NETWORK_EFFICIENCY
     tokens = workload.global_batch_size * model.seq_length
-    flops = (8 if workload.recompute == "full" else 6) * counts.active * tokens
+    per_param_token = 8 if workload.recompute == "full" else 6
+    flops = per_param_token * counts.active * tokens
     compute_s = flops / (layout.world_size * cluster.gpu_tflops * 1e12 * workload.mfu)
     dense_p = per_gpu.params - per_gpu.expert_params
     dp_bytes = (GRAD_BYTES + WEIGHT_BYTES) * (
@@ -494,23 +491,26 @@ def plan(
         overlap_headroom=compute_s / replication_s if replication_s else math.inf,
     )
 
-    reconstruct = constants.reconstruct_base_s + constants.reconstruct_per_doubling_s * math.log2(
-        layout.world_size + spares
-    )
-    restore = (weights + shard) / net  # a newcomer's bf16 weights and both optimizer shards
-    if not per_gpu.fits_gpu:  # snapshots in host memory: survivors copy theirs back
-        restore = max(restore, per_iteration.snapshot_copy_s)
-    first = compute_s + constants.first_iteration_overhead_s
-    world = layout.world_size + spares
-    crash = RecoveryPhases(
+    failure = node_failure(
+        Job(
+            gpus=layout.world_size,
+            spares=spares,
+            layout=f"tp {layout.tp} x pp {layout.pp} x dp {layout.dp}",
+            params_per_gpu=per_gpu.params,
+            restore_bytes=weights + shard,  # a newcomer's bf16 weights and both shards
+            host_copy_s=None if per_gpu.fits_gpu else per_iteration.snapshot_copy_s,
+            iteration_s=compute_s,
+            active_params=counts.active,
+            flops_per_param_token=per_param_token,
+            tokens=tokens,
+            mfu=workload.mfu,
+        ),
+        cluster,
         detect_s=deadpool.heartbeat_interval,
-        agree_s=measured.agree_s(world) if constants.agree_s is None else constants.agree_s,
-        reconstruct_s=reconstruct,
-        restore_s=restore,
-        restore_bytes=weights + shard,
-        first_iteration_s=first,
+        detect_node_s=deadpool.heartbeat_timeout,
     )
-    hang = dataclasses.replace(crash, detect_s=deadpool.heartbeat_timeout)
+    crash = RecoveryPhases.of(failure, detect_s=deadpool.heartbeat_interval)
+    hang = RecoveryPhases.of(failure, detect_s=deadpool.heartbeat_timeout)
     report = PlanReport(
         model=model,
         layout=layout,
@@ -518,12 +518,14 @@ def plan(
         workload=workload,
         replicas=k,
         spares=spares,
+        deadpool=deadpool,
         params=counts.total,
         active_params=counts.active,
         per_gpu=per_gpu,
         per_iteration=per_iteration,
         recovery=crash,
         recovery_hang=hang,
+        failure=failure,
         coverage=node_coverage(placement),
     )
     report.warnings.extend(_warnings(report))

@@ -65,6 +65,12 @@ def test_cli_writes_json_with_the_documented_keys(
         "restore_s",
         "first_iteration_s",
     }
+    terms = {t["name"]: t for t in data["recovery"]["terms"]}  # the crash line's, with sources
+    assert sum(t["seconds"] for t in terms.values()) == pytest.approx(
+        data["recovery"]["crash"]["total_s"]
+    )
+    assert all(t["source"] for t in terms.values()) and "newcomer builds" in terms
+    assert data["recovery"]["rebuilt_total_s"] > data["recovery"]["crash"]["total_s"]
     assert data["failures"]["survives_any_node"] is True
     assert any("crosses nodes" in w for w in data["warnings"])  # tp 8 > 4 GPUs per node
 

@@ -1,25 +1,22 @@
-"""Recovery at 512, 1,024 and 16,384 GPUs (megatron_deadpool/planner/at_scale.py): every term
-carries a kind and a source, the cited figures are the published ones, the measured one is
-`bench control-plane`'s, and the verdict names the term that misses the 10 s target."""
+"""Recovery at 512, 1,024 and 16,384 GPUs (megatron_deadpool/planner/at_scale.py,
+recovery_terms.py): every term carries a kind and a source, the cited figures are the published
+ones, the measured one is `bench control-plane`'s, the verdict names the term that misses the
+10 s target, and the plan's own recovery line is the table's column at its size."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
 
 from megatron_deadpool.config.cluster import load_cluster
+from megatron_deadpool.config.deadpool import DeadpoolConfig
 from megatron_deadpool.config.job import load_job
 from megatron_deadpool.planner import measured
-from megatron_deadpool.planner.at_scale import (
-    BUILD_S_PER_B_PARAMS,
-    COMPARISONS,
-    KINDS,
-    SIZES,
-    recovery_at_scale,
-    shrink_s,
-)
+from megatron_deadpool.planner.at_scale import COMPARISONS, SIZES, recovery_at_scale
 from megatron_deadpool.planner.capacity import PlanReport, Workload, plan
+from megatron_deadpool.planner.recovery_terms import BUILD_S_PER_B_PARAMS, KINDS, shrink_s
 from megatron_deadpool.replication.placement import Layout
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -35,7 +32,9 @@ NAMES = [
 ]
 
 
-def report_65b(gbs: int = 1024, name: str = "gpt-65b") -> PlanReport:
+def report_65b(
+    gbs: int = 1024, name: str = "gpt-65b", deadpool: DeadpoolConfig | None = None, **cluster: float
+) -> PlanReport:
     model = load_job(ROOT / "configs" / "models" / f"{name}.yaml").model
     layout = Layout(tp=4, pp=8, dp=16, ranks_per_node=4)
     return plan(
@@ -43,8 +42,9 @@ def report_65b(gbs: int = 1024, name: str = "gpt-65b") -> PlanReport:
         layout,
         replicas=1,
         spares=4,
-        cluster=PERLMUTTER,
+        cluster=dataclasses.replace(PERLMUTTER, **cluster),
         workload=Workload(global_batch_size=gbs),
+        deadpool=deadpool,
     )
 
 
@@ -56,7 +56,7 @@ def test_every_term_at_every_size_has_a_kind_and_a_source() -> None:
         for t in (*s.terms, s.rebuild):
             assert t.kind in KINDS and t.source and t.seconds >= 0
         assert s.term("agree").kind == "measured here"
-        assert s.term("agree").seconds == measured.agree_s(s.gpus)
+        assert s.term("agree").seconds == measured.agree_s(s.gpus + 4)  # and the 4 spares
         assert measured.COMMAND in s.term("agree").source
         assert s.term("newcomer joins").kind == "assumed"  # no published ncclCommGrow figure
         assert s.total_s == pytest.approx(sum(t.seconds for t in s.terms))
@@ -65,9 +65,51 @@ def test_every_term_at_every_size_has_a_kind_and_a_source() -> None:
     assert by_size[1024].term("repair communicators").kind == "cited"
     assert by_size[1024].term("repair communicators").seconds == 2.03  # NeMo-RL #3186
     assert by_size[16384].term("repair communicators").kind == "assumed"  # extrapolated
-    assert by_size[16384].term("agree").seconds == 1.300
+    assert by_size[16384].term("agree").seconds == pytest.approx(1.300 * 16388 / 16384)
     assert "#3186" in by_size[512].term("repair communicators").source
     assert "nccl#1646" in by_size[512].rebuild.source and by_size[512].rebuild.seconds == 55
+
+
+def test_the_plans_recovery_line_is_the_tables_column_at_its_size() -> None:
+    """`deadpool plan`'s crash and hang lines and the table are one model: at the plan's own
+    size (512 GPUs here) every phase is the sum of the table's terms, and the DeadPool settings
+    planned with (the heartbeat) reach every column."""
+    beat = DeadpoolConfig(enabled=True, heartbeat_interval=2.0, heartbeat_timeout=20.0)
+    report = report_65b(deadpool=beat)
+    scaled, _ = recovery_at_scale(report)
+    own = scaled[0]
+    assert own.gpus == report.layout.world_size == 512 and own == report.failure
+    crash, hang = report.recovery, report.recovery_hang
+    assert crash.total_s == pytest.approx(own.total_s)
+    assert crash.resume_s == pytest.approx(own.downtime_s)
+    assert crash.reconstruct_s == pytest.approx(
+        sum(
+            own.term(t).seconds
+            for t in ("newcomer builds", "repair communicators", "newcomer joins")
+        )
+    )
+    assert crash.restore_s == own.term("transfer shard").seconds
+    assert crash.first_iteration_s == own.term("failed iteration").seconds
+    assert crash.detect_s == 2.0 and hang.detect_s == 20.0 and own.detect_node_s == 20.0
+    assert hang.total_s - crash.total_s == pytest.approx(18.0)
+    assert {s.term("detect").seconds for s in scaled} == {2.0}
+    assert own.rebuild_total_s == pytest.approx(
+        own.total_s - own.reconstruct_s + own.term("newcomer builds").seconds + 55.0
+    )
+
+
+def test_snapshots_in_host_memory_make_the_restore_their_copy_back() -> None:
+    """A job whose snapshots do not fit the GPU keeps them in host memory: a survivor's copy
+    back to the GPU is the restore when it is slower than the newcomer's transfer."""
+    on_gpu = report_65b()
+    on_host = report_65b(gpu_memory_gib=20.0, host_device_gb_s=0.5)
+    assert on_gpu.per_gpu.fits_gpu and not on_host.per_gpu.fits_gpu
+    copy = on_host.per_iteration.snapshot_copy_s
+    transfer = on_host.failure.term("transfer shard")
+    assert copy > on_gpu.failure.term("transfer shard").seconds
+    assert transfer.seconds == copy == on_host.recovery.restore_s
+    assert "copy back at 0.5 GB/s" in transfer.source
+    assert "copy back" not in on_gpu.failure.term("transfer shard").source
 
 
 def test_the_plan_at_each_size_keeps_tp_pp_and_the_batch_per_replica() -> None:
