@@ -84,10 +84,11 @@ def format_scale(scaled: list[RecoveryTerms], skipped: list[str]) -> list[str]:
         ("= with the iteration", lambda s: s.total_s),
     ):
         lines.append(f"  {label:<22}" + "".join(f"{f'{value(s):.2f} s':>{width}}" for s in scaled))
-    extra = scaled[0].detect_node_s - scaled[0].term("detect").seconds
+    first = scaled[0]
     lines.append(
-        f"  a lost node or a hang is found after the heartbeat timeout instead "
-        f"({scaled[0].detect_node_s:g} s): +{extra:g} s on each column [configured]"
+        f"  a lost node or a hang is found after the heartbeat timeout ({first.detect_node_s:g} s)"
+        f" and its blocked survivors stopped by the plan watch ({first.stop_node_s:g} s) instead:"
+        f" +{first.node_delay_s:.2f} s on each column [configured, computed]"
     )
     rebuild = scaled[0].rebuild
     lines.append(
@@ -125,12 +126,12 @@ def _costs(
         interval = young_interval_s(save, mtbf)
         interval = interval if interval != float("inf") else trace.duration_h * 3600
         why = f"Young's optimum sqrt(2 x {format_seconds(save)} x MTBF {mtbf / 3600:.2f} h) (CACM 1974)"
-    hb = report.recovery.detect_s
-    timeout = report.recovery_hang.detect_s
+    hb = rec.term("detect").seconds
+    node = hb + rec.node_delay_s
     costs = Costs(
         detect_process_s=hb,
-        detect_node_s=timeout,
-        detect_hang_s=timeout,
+        detect_node_s=node,
+        detect_hang_s=node,
         recover_s=recover,
         respawn_s=recover,
         iteration_s=rec.term("failed iteration").seconds,
@@ -146,9 +147,10 @@ def _costs(
     )
     restart_why = "Meta FT-HSDP's 10-min stall" if args.restart_s == RESTART_S else "--restart-s"
     first = (
-        f"  costs at {gpus:,} GPUs: detect a crash {hb:g} s / a lost node or hang {timeout:g} s "
-        "[configured: heartbeat interval / timeout]; recover "
-        f"{recover:.2f} s = agree + build + repair + join + transfer [the table]; a respawn the "
+        f"  costs at {gpus:,} GPUs: detect a crash {hb:g} s / a lost node or hang {node:.2f} s "
+        "[configured: heartbeat interval / timeout and the plan watch's 2 beats, less a crash's "
+        f"survivors stop]; recover {recover:.2f} s = survivors stop + agree + build + repair + "
+        "join + transfer [the table]; a respawn the "
         "same (the node agent's fork server has torch imported); failed iteration "
         f"{costs.iteration_s:.2f} s [computed]"
     )

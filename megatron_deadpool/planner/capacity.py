@@ -210,6 +210,10 @@ class RecoveryPhases:
     detect_s: float
     """Until the failure is published."""
 
+    stop_s: float
+    """Until the last survivor has stopped training (a failed collective, or its groups aborted
+    by the plan watch)."""
+
     agree_s: float
     """Survivors agree on the dead set and the restore iteration."""
 
@@ -226,10 +230,11 @@ class RecoveryPhases:
     """The failed iteration computed again."""
 
     @classmethod
-    def of(cls, failure: RecoveryTerms, *, detect_s: float) -> RecoveryPhases:
-        """The phases of `failure`'s terms, detected after `detect_s`."""
+    def of(cls, failure: RecoveryTerms, *, node: bool = False) -> RecoveryPhases:
+        """The phases of `failure`'s terms; `node`: a lost node or a hang instead of a crash."""
         return cls(
-            detect_s=detect_s,
+            detect_s=failure.detect_node_s if node else failure.term("detect").seconds,
+            stop_s=failure.stop_node_s if node else failure.term("survivors stop").seconds,
             agree_s=failure.term("agree").seconds,
             reconstruct_s=failure.reconstruct_s,
             restore_s=failure.term("transfer shard").seconds,
@@ -240,7 +245,7 @@ class RecoveryPhases:
     @property
     def resume_s(self) -> float:
         """From the failure until training runs again (all phases but the first iteration)."""
-        return self.detect_s + self.agree_s + self.reconstruct_s + self.restore_s
+        return self.detect_s + self.stop_s + self.agree_s + self.reconstruct_s + self.restore_s
 
     @property
     def total_s(self) -> float:
@@ -506,11 +511,11 @@ def plan(
             mfu=workload.mfu,
         ),
         cluster,
-        detect_s=deadpool.heartbeat_interval,
-        detect_node_s=deadpool.heartbeat_timeout,
+        heartbeat_interval=deadpool.heartbeat_interval,
+        heartbeat_timeout=deadpool.heartbeat_timeout,
     )
-    crash = RecoveryPhases.of(failure, detect_s=deadpool.heartbeat_interval)
-    hang = RecoveryPhases.of(failure, detect_s=deadpool.heartbeat_timeout)
+    crash = RecoveryPhases.of(failure)
+    hang = RecoveryPhases.of(failure, node=True)
     report = PlanReport(
         model=model,
         layout=layout,

@@ -1,7 +1,8 @@
 """A node failure's recovery, term by term, each with where its figure comes from.
 
 `node_failure(...)` breaks one crashed rank's replacement into the terms of a DeadPool recovery
-at one size; `deadpool plan`'s recovery line (`capacity.plan`) and its table at 512, 1,024 and
+at one size (detect, survivors stop, agree, newcomer builds, repair, newcomer joins, transfer,
+failed iteration); `deadpool plan`'s recovery line (`capacity.plan`) and its table at 512, 1,024 and
 16,384 GPUs (`at_scale`) are both this function, so the two cannot disagree. Each term carries
 its kind (`Term.kind`):
 
@@ -66,6 +67,19 @@ class Term:
     """The command, citation or arithmetic behind it."""
 
 
+def survivors_stop_s(iteration_s: float, heartbeat_interval: float) -> float:
+    """After a crash is detected, until the last survivor has stopped training (worst case).
+
+    A survivor that shares no collective with the dead rank before the data-parallel gradient
+    sync computes on to the end of its iteration (`iteration_s` after the failure at most),
+    unless its plan watch aborts its groups first (`hotswap/worker/plan_watch.py`: it sees the
+    plan at its next beat and aborts one beat later; the plan follows the detection, one beat).
+    A lost node or a hang leaves survivors blocked, no error reaching them: only the watch
+    stops them (`RecoveryTerms.stop_node_s`)."""
+    watch = 3 * heartbeat_interval  # detection, the beat that sees the plan, the one that aborts
+    return max(0.0, min(iteration_s, watch) - heartbeat_interval)
+
+
 @dataclass(frozen=True)
 class RecoveryTerms:
     """A crashed rank's replacement at one size, term by term."""
@@ -76,12 +90,20 @@ class RecoveryTerms:
     restore_bytes: int
     """What the newcomer receives (bf16 weights + optimizer shard)."""
     terms: tuple[Term, ...]
-    """detect, agree, newcomer builds, repair, newcomer joins, transfer, failed iteration - in
-    that order."""
+    """detect, survivors stop, agree, newcomer builds, repair, newcomer joins, transfer, failed
+    iteration - in that order."""
     rebuild: Term
     """The communicator term if groups are rebuilt (abort + full init) instead of repaired."""
     detect_node_s: float
     """Detection of a lost node or a hang (the heartbeat timeout) instead of a crash's."""
+    stop_node_s: float
+    """Survivors stop after a lost node or a hang (two beats of the plan watch) instead."""
+
+    @property
+    def node_delay_s(self) -> float:
+        """What a lost node or a hang adds to a crash's recovery (detection and stop)."""
+        crash = self.term("detect").seconds + self.term("survivors stop").seconds
+        return self.detect_node_s + self.stop_node_s - crash
 
     @property
     def downtime_s(self) -> float:
@@ -173,10 +195,12 @@ class Job:
 
 
 def node_failure(
-    job: Job, cluster: ClusterConfig, *, detect_s: float, detect_node_s: float
+    job: Job, cluster: ClusterConfig, *, heartbeat_interval: float, heartbeat_timeout: float
 ) -> RecoveryTerms:
-    """The terms of one crashed rank's replacement in `job` on `cluster`; `detect_s`: the
-    heartbeat interval, `detect_node_s`: the heartbeat timeout (a lost node or a hang)."""
+    """The terms of one crashed rank's replacement in `job` on `cluster`, with DeadPool's
+    heartbeat (a crash is detected within one interval, a lost node or a hang after the
+    timeout)."""
+    beat = heartbeat_interval
     ranks = job.gpus + job.spares
     sizes = ", ".join(f"{n:,}" for n in sorted(measured.AGREE_S))
     shrink, outside = shrink_s(job.gpus)
@@ -198,10 +222,18 @@ def node_failure(
     terms = (
         Term(
             "detect",
-            detect_s,
+            beat,
             "configured",
-            f"--deadpool-heartbeat-interval {detect_s:g} s: a crash is known within one beat "
+            f"--deadpool-heartbeat-interval {beat:g} s: a crash is known within one beat "
             "(a hang: --deadpool-heartbeat-timeout)",
+        ),
+        Term(
+            "survivors stop",
+            survivors_stop_s(job.iteration_s, beat),
+            "computed",
+            "worst case: a survivor with no collective to share with the dead rank before the "
+            f"gradient sync computes to its iteration's end ({job.iteration_s:.2f} s), unless "
+            "its plan watch aborts its groups first (2 beats after the detection)",
         ),
         Term(
             "agree",
@@ -256,5 +288,6 @@ def node_failure(
         restore_bytes=job.restore_bytes,
         terms=terms,
         rebuild=rebuild,
-        detect_node_s=detect_node_s,
+        detect_node_s=heartbeat_timeout,
+        stop_node_s=2 * beat,
     )

@@ -69,9 +69,11 @@ def test_llama3_trace_three_ettrs_and_the_plot(
     # a recovery costs what the table's terms at the trace's size add up to, the build included
     at = next(s for s in plan["recovery_at_scale"]["sizes"] if s["gpus"] == 16384)
     terms = {t["name"]: t["seconds"] for t in at["terms"]}
-    recover = ("agree", "newcomer builds", "repair communicators", "newcomer joins")
-    want = sum(terms[n] for n in (*recover, "transfer shard"))
+    recover = ("survivors stop", "agree", "newcomer builds", "repair communicators")
+    want = sum(terms[n] for n in (*recover, "newcomer joins", "transfer shard"))
     assert terms["newcomer builds"] > 0 and data["costs"]["recover_s"] == pytest.approx(want)
+    # a lost node: the heartbeat timeout and the plan watch's 2 beats instead of a crash's stop
+    assert data["costs"]["detect_node_s"] == pytest.approx(10 + 2 - terms["survivors stop"])
     assert data["gpus"] == 16384 and data["trace"]["interruptions"] == 419
     assert ways["respawn"]["ettr"] >= 0.99
     assert ways["respawn"]["ettr"] >= ways["spares"]["ettr"] > ways["restart"]["ettr"]

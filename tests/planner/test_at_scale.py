@@ -16,13 +16,19 @@ from megatron_deadpool.config.job import load_job
 from megatron_deadpool.planner import measured
 from megatron_deadpool.planner.at_scale import COMPARISONS, SIZES, recovery_at_scale
 from megatron_deadpool.planner.capacity import PlanReport, Workload, plan
-from megatron_deadpool.planner.recovery_terms import BUILD_S_PER_B_PARAMS, KINDS, shrink_s
+from megatron_deadpool.planner.recovery_terms import (
+    BUILD_S_PER_B_PARAMS,
+    KINDS,
+    shrink_s,
+    survivors_stop_s,
+)
 from megatron_deadpool.replication.placement import Layout
 
 ROOT = Path(__file__).resolve().parents[2]
 PERLMUTTER = load_cluster(ROOT / "configs" / "clusters" / "perlmutter.yaml")
 NAMES = [
     "detect",
+    "survivors stop",
     "agree",
     "newcomer builds",
     "repair communicators",
@@ -81,6 +87,7 @@ def test_the_plans_recovery_line_is_the_tables_column_at_its_size() -> None:
     assert own.gpus == report.layout.world_size == 512 and own == report.failure
     crash, hang = report.recovery, report.recovery_hang
     assert crash.total_s == pytest.approx(own.total_s)
+    assert crash.stop_s == own.term("survivors stop").seconds
     assert crash.resume_s == pytest.approx(own.downtime_s)
     assert crash.reconstruct_s == pytest.approx(
         sum(
@@ -91,11 +98,26 @@ def test_the_plans_recovery_line_is_the_tables_column_at_its_size() -> None:
     assert crash.restore_s == own.term("transfer shard").seconds
     assert crash.first_iteration_s == own.term("failed iteration").seconds
     assert crash.detect_s == 2.0 and hang.detect_s == 20.0 and own.detect_node_s == 20.0
-    assert hang.total_s - crash.total_s == pytest.approx(18.0)
+    assert hang.stop_s == own.stop_node_s == 4.0  # blocked survivors: the plan watch's 2 beats
+    assert hang.total_s - crash.total_s == pytest.approx(own.node_delay_s)
+    assert own.node_delay_s == pytest.approx(20.0 + 4.0 - 2.0 - crash.stop_s)
     assert {s.term("detect").seconds for s in scaled} == {2.0}
     assert own.rebuild_total_s == pytest.approx(
         own.total_s - own.reconstruct_s + own.term("newcomer builds").seconds + 55.0
     )
+
+
+def test_survivors_stop_at_their_iterations_end_or_by_the_plan_watch() -> None:
+    """After a crash's detection (one beat), a survivor that meets no collective with the dead
+    rank computes on to its iteration's end, unless the plan watch aborts it first: it sees the
+    plan one beat later and aborts the beat after (`plan_watch.py`)."""
+    assert survivors_stop_s(0.5, 1.0) == 0.0  # its iteration ended before the detection
+    assert survivors_stop_s(1.6, 1.0) == pytest.approx(0.6)  # to its iteration's end
+    assert survivors_stop_s(12.9, 1.0) == 2.0  # the watch: 2 beats after the detection
+    assert survivors_stop_s(12.9, 0.5) == 1.0
+    long = report_65b()  # 12.9 s iterations at 512 GPUs: the watch stops the survivors
+    stop = long.failure.term("survivors stop")
+    assert long.per_iteration.compute_s > 3 and stop.seconds == 2.0 and stop.kind == "computed"
 
 
 def test_snapshots_in_host_memory_make_the_restore_their_copy_back() -> None:
