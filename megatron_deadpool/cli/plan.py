@@ -585,8 +585,8 @@ def format_report(report: PlanReport, *, title: str = "") -> str:
         head(
             "recovery" if name == "crash" else "",
             f"{name}: {rec.total_s:.1f} s = detect {rec.detect_s:.1f} + survivors stop "
-            f"{rec.stop_s:.1f} + agree {rec.agree_s:.2f} + reconstruct {rec.reconstruct_s:.1f} + restore "
-            f"{rec.restore_s:.2f} (training resumes after {rec.resume_s:.1f} s) + failed "
+            f"{rec.stop_s:.1f} + agree {rec.agree_s:.2f} + reconstruct {rec.reconstruct_s:.1f} + "
+            f"restore {rec.restore_s:.2f} (training resumes after {rec.resume_s:.1f} s) + failed "
             f"iteration {rec.first_iteration_s:.1f}",
         )
     head("", f"reconstruct: {parts}, the groups repaired in place (gloo's are today)")

@@ -42,8 +42,8 @@ node's NICs; the data-parallel gradient reduce-scatter (fp32) and parameter all-
 are counted as inter-node traffic too (an upper bound). Recovery: the terms of
 `recovery_terms.node_failure` at the job's own size, each with its source - the same function as
 the table at 512, 1,024 and 16,384 GPUs (`at_scale`) - grouped into phases (`RecoveryPhases`):
-detect, agree, reconstruct (the newcomer's build, the repair, its join), restore (the transfer)
-and the failed iteration.
+detect, survivors stop, agree, reconstruct (the newcomer's build, the repair, its join), restore
+(the transfer) and the failed iteration.
 """
 
 from __future__ import annotations

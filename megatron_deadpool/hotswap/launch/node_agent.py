@@ -13,9 +13,10 @@ allocation) - each with its `RANK`, `LOCAL_RANK` (its GPU) and its log `task-{t}
     (`replaces`) is killed if it still runs (a hung one), and a new one starts on its GPU with
     its folder, under the order's member name; it restores from its own snapshot, and no spare
     node is spent;
-  - reports each exit of a process it started (`agents/exit/{n}`, a `ProcessExit`), so that
-    the coordinator knows of a crash within a beat (`liveness.AgentExits`), not after the
-    peers' failure reports and a silence;
+  - reports each exit of a process it started (`agents/exit/{n}`, a `ProcessExit`) as it
+    happens - it waits between beats on the processes' pidfds, not a fixed sleep - and wakes
+    the coordinator, so that a crash is known in milliseconds (`liveness.AgentExits`), not a
+    beat later or after the peers' failure reports and a silence;
   - follows the job to a standby coordinator that took it over (the first of
     `--deadpool-coordinator` that serves the job), and tells it what the lost one knew: the
     exits it saw (again: they may not have been acted on), when it respawned processes (the
@@ -36,8 +37,10 @@ process struck by one kills the node's other processes, deletes its memory and S
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import select
 import shutil
 import signal
 import socket
@@ -67,13 +70,17 @@ from ..protocol.messages import (
 from ..protocol.seal import JobSeal
 from ..protocol.sealed_store import SealedStore
 from .forkserver import Preload
-from .warm_start import ForkedProcess, WarmStart
+from .warm_start import ForkedProcess, WarmStart, exit_fd
 
 log = logging.getLogger("megatron_deadpool.agent")
 
 PER_PROCESS_ENV = ("RANK", "SLURM_PROCID", "LOCAL_RANK", "SLURM_LOCALID", segments.ENV,
                    AGENT_NODE_ENV)  # fmt: skip
 """Variables that differ between the node's processes: not given to their fork server."""
+
+EXIT_CODE_S = 1.0
+"""Longest wait for the exit code of a process seen ending (a forked one's comes from its fork
+server, which reaps it; the code is then reported at a later look)."""
 
 NOT_JOINING = "--no-deadpool-join"
 """Appended to a joined node's command for a respawned process: it has its name already."""
@@ -88,6 +95,15 @@ class Started:
     folder: Path
     reported: bool = False
     """Its exit was reported to the coordinator serving the job now."""
+    exit_fd: int | None = None
+    """Readable once it ended (`warm_start.exit_fd`): the agent's pause ends then; None once it
+    did, or where the process was gone before the agent could open one."""
+
+    def ended(self) -> None:
+        """It ended: stop waiting for it (`NodeAgent._pause`)."""
+        if self.exit_fd is not None:
+            os.close(self.exit_fd)
+            self.exit_fd = None
 
 
 class NodeAgent:
@@ -185,7 +201,7 @@ class NodeAgent:
             proc = self.starter.start(
                 self.cmd + extra, env, out, preload=self.preload, server_env=self.server_env
             )
-        self.started[name] = Started(proc, gpu, folder)
+        self.started[name] = Started(proc, gpu, folder, exit_fd=exit_fd(proc))
         log.info("node %d: started %s (task %d, GPU %d, pid %d)", self.node, name, task, gpu,
                  proc.pid)  # fmt: skip
 
@@ -292,20 +308,43 @@ class NodeAgent:
         agent with it."""
         if self.membership is None:
             return False
+        reported = False
         try:
             for name, started in self.started.items():
                 code = started.proc.poll()
                 if code is None or started.reported:
                     continue
+                started.ended()
                 member = self._member_of(name, started)
                 if member is not None and self.membership.node_lost(member):
                     return True
                 if member is not None:
                     self.membership.report_exit(ProcessExit(member, code, self.node))
+                    reported = True
                 started.reported = True
+            if reported:  # the coordinator acts on it now, not at its next tick
+                self.membership.notify_coordinator()
         except STORE_ERRORS:
             pass  # reported at the next look
         return False
+
+    def _pause(self, seconds: float) -> None:
+        """Wait `seconds` between looks, less when a process this agent started ends: its exit
+        is reported at once, not up to a beat later (a crash's detection on a cluster)."""
+        waiting = {
+            s.exit_fd: s for s in self.started.values() if s.exit_fd is not None and not s.reported
+        }
+        if not waiting:
+            time.sleep(seconds)
+            return
+        poller = select.poll()  # not select: a node's descriptors may pass 1,024
+        for fd in waiting:
+            poller.register(fd, select.POLLIN)
+        for fd, _ in poller.poll(seconds * 1e3):
+            started = waiting[fd]
+            started.ended()  # readable for good: not waited for again
+            with contextlib.suppress(subprocess.TimeoutExpired):  # then: at a later look
+                started.proc.wait(timeout=EXIT_CODE_S)
 
     def _job_over(self) -> bool:
         try:
@@ -341,13 +380,15 @@ class NodeAgent:
                     not self.running() or now - over_since > self.grace_s
                 ):
                     return 0
-                time.sleep(self.beat_s)
+                self._pause(self.beat_s)
         finally:
             self.close()
 
     def close(self) -> None:
         """Kill what is left of the node's processes and delete their folders."""
         kill_groups([s.proc for s in self.started.values()])  # type: ignore[misc]  # Popen-like
+        for started in self.started.values():
+            started.ended()
         self.starter.close()  # after the processes it forked: it reports their exits
         shutil.rmtree(self.root, ignore_errors=True)
 

@@ -105,6 +105,11 @@ class ForkedProcess:
         if self.poll() is None:
             self._server.signal(self._id, sig)
 
+    def exit_fd(self) -> int | None:
+        """A pidfd of the process (a copy the caller closes), readable once it ended; None once
+        its exit was read (`poll`)."""
+        return self._server.exit_fd(self._id)
+
     def terminate(self) -> None:
         self.send_signal(signal.SIGTERM)
 
@@ -309,6 +314,12 @@ class ForkServer:
             return UNKNOWN_EXIT
         return None
 
+    def exit_fd(self, rid: int) -> int | None:
+        """A copy of process `rid`'s pidfd (the caller closes it); None once its exit was read."""
+        with self._cond:
+            pidfd = self._pidfds.get(rid)
+            return None if pidfd is None else os.dup(pidfd)
+
     def signal(self, rid: int, sig: int) -> None:
         with self._cond:
             pidfd = self._pidfds.get(rid)
@@ -361,6 +372,20 @@ def same_interpreter(command: str, python: str) -> bool:
     return a == b or (
         os.path.dirname(a) == os.path.dirname(b) and os.path.realpath(a) == os.path.realpath(b)
     )
+
+
+def exit_fd(proc: ForkedProcess | subprocess.Popen) -> int | None:
+    """A descriptor that becomes readable when `proc` (started by `WarmStart.start`) ends - a
+    pidfd, the caller's to close - so that a launcher can wait for any of its processes to end
+    (`select.poll`) instead of polling them; None where the process is already gone."""
+    if isinstance(proc, ForkedProcess):
+        return proc.exit_fd()
+    if proc.returncode is not None:
+        return None
+    try:  # our child, not reaped yet (returncode unset): its pid is still its own
+        return os.pidfd_open(proc.pid)
+    except ProcessLookupError:
+        return None
 
 
 def _cold(

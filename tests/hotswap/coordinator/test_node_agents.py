@@ -15,6 +15,7 @@ import re
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -26,7 +27,9 @@ from stores import SEAL
 
 from megatron_deadpool.hotswap.coordinator.liveness import AgentExits
 from megatron_deadpool.hotswap.coordinator.node_agents import BEATS_AWAITED, UNKNOWN, StoreAgents
+from megatron_deadpool.hotswap.launch.forkserver import Preload
 from megatron_deadpool.hotswap.launch.node_agent import NodeAgent
+from megatron_deadpool.hotswap.launch.warm_start import ForkedProcess
 from megatron_deadpool.hotswap.protocol.connection import BoundedStore, open_client
 from megatron_deadpool.hotswap.protocol.membership import Membership, host_store
 from megatron_deadpool.hotswap.protocol.memory_store import MemoryStore
@@ -211,6 +214,49 @@ def test_a_process_that_died_before_it_announced_here_is_placed_by_its_exit() ->
     assert agents.node_of("s5") == UNKNOWN
     agent.report_exit(ProcessExit("s5", -9, 1))
     assert exits.exits() == {"s5": -9} and agents.node_of("s5") == 1
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("warm", [False, True], ids=["cold", "forked"])
+def test_an_agent_reports_an_exit_as_it_happens_and_wakes_the_coordinator(
+    tmp_path: Path, warm: bool
+) -> None:
+    """A beat of 30 s: the agent's pause between looks ends when one of its processes ends
+    (its pidfd; a forked process's a copy of the one its fork server passed), the next look
+    reports the exit and wakes the coordinator (its inbox); a pause with nothing ending lasts
+    its time. Fresh interpreters and processes forked from a fork server alike."""
+    store = host_store("127.0.0.1", 0)
+    coord = Membership(store, "coordinator", SEAL)
+    coord.set_token()
+    agent = NodeAgent(
+        [sys.executable, "-c", "import time; time.sleep(60)"],
+        place=0, per_node=2, world_size=2, processes=2, seal=SEAL, log_dir=tmp_path,
+        coordinators=[f"127.0.0.1:{store.port}"], beat_s=30.0, connect_timeout=10.0,
+        preload=Preload(("time",)) if warm else None,
+    )  # fmt: skip
+    try:
+        agent.start()
+        procs = {name: s.proc for name, s in agent.started.items()}
+        assert set(procs) == {"a0", "a1"}
+        assert all(isinstance(p, ForkedProcess) == warm for p in procs.values())
+        t0 = time.monotonic()
+        agent._pause(0.3)  # nothing ends: the whole pause
+        assert time.monotonic() - t0 >= 0.3
+        assert store.queue_len(Keys.INBOX) == 0
+        os.kill(procs["a1"].pid, signal.SIGKILL)
+        t0 = time.monotonic()
+        agent._pause(30.0)
+        assert time.monotonic() - t0 < 10.0  # the exit, not the beat
+        assert agent._look()
+        assert coord.process_exits(0)[1] == [ProcessExit("a1", -9, 0)]
+        assert store.queue_len(Keys.INBOX) == 1  # the coordinator woken
+        assert agent.started["a1"].exit_fd is None and agent.started["a0"].exit_fd is not None
+        t0 = time.monotonic()
+        agent._pause(0.3)  # a1's exit, reported, no longer ends a pause
+        assert time.monotonic() - t0 >= 0.3
+    finally:
+        agent.close()
+    assert all(s.exit_fd is None for s in agent.started.values())
 
 
 @pytest.mark.timeout(60)
