@@ -584,8 +584,8 @@ def format_report(report: PlanReport, *, title: str = "") -> str:
     for name, rec in (("crash", r.recovery), ("hang", r.recovery_hang)):
         head(
             "recovery" if name == "crash" else "",
-            f"{name}: {rec.total_s:.1f} s = detect {rec.detect_s:.1f} + survivors stop "
-            f"{rec.stop_s:.1f} + agree {rec.agree_s:.2f} + reconstruct {rec.reconstruct_s:.1f} + "
+            f"{name}: {rec.total_s:.1f} s = detect {rec.detect_s:.2f} + survivors stop "
+            f"{rec.stop_s:.2f} + agree {rec.agree_s:.2f} + reconstruct {rec.reconstruct_s:.1f} + "
             f"restore {rec.restore_s:.2f} (training resumes after {rec.resume_s:.1f} s) + failed "
             f"iteration {rec.first_iteration_s:.1f}",
         )

@@ -147,9 +147,9 @@ def _costs(
     )
     restart_why = "Meta FT-HSDP's 10-min stall" if args.restart_s == RESTART_S else "--restart-s"
     first = (
-        f"  costs at {gpus:,} GPUs: detect a crash {hb:g} s / a lost node or hang {node:.2f} s "
-        "[configured: heartbeat interval / timeout and the plan watch's 2 beats, less a crash's "
-        f"survivors stop]; recover {recover:.2f} s = survivors stop + agree + build + repair + "
+        f"  costs at {gpus:,} GPUs: detect a crash {hb:g} s [measured: its node agent's report] "
+        f"/ a lost node or hang {node:.2f} s [configured: the heartbeat timeout and the plan "
+        f"watch's 2 beats, less a crash's survivors stop]; recover {recover:.2f} s = survivors stop + agree + build + repair + "
         "join + transfer [the table]; a respawn the "
         "same (the node agent's fork server has torch imported); failed iteration "
         f"{costs.iteration_s:.2f} s [computed]"

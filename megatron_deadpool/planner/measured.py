@@ -18,6 +18,17 @@ the smallest's; above the largest it grows in proportion to the world (one repor
 
 Re-measure on the machine that will host the coordinator and replace `AGREE_S` with the
 median `failure_to_roster_s` of each size in the JSON's "simulated" section.
+
+`AGENT_DETECT_S`: seconds from a process's crash until the coordinator names it dead, when a
+node agent started it (the Slurm scripts' default): the agent waits on its processes' pidfds and
+reports the exit at once, waking the coordinator (`hotswap/launch/node_agent.py`). Measured with
+bench recovery's job (`deadpool bench recovery --keep` writes it) run by node agents, a SIGKILL
+at iteration 8, the injected fault's stamp to the coordinator's `process_dead` event:
+
+    deadpool train --config JOB --node-agents
+
+(6 runs: 0.027-0.081 s, median 0.039 s; before the agents waited on pidfds, 0.24-0.86 s with a
+1 s beat). A GPU process's exit also tears its CUDA context down first: not included.
 Pure data and arithmetic: no torch, no communication.
 """
 
@@ -33,6 +44,10 @@ COMMAND = "deadpool bench control-plane --ranks 1024 4096 16384 --json cp.json"
 
 AGREE_S: dict[int, float] = {1024: 0.076, 4096: 0.338, 16384: 1.300}
 """world size -> failure -> roster published (s), simulated ranks."""
+
+AGENT_DETECT_S = 0.039
+"""A crashed process -> named dead, through its node agent (s): median of 6 runs, 2026-11-29."""
+AGENT_DETECT_COMMAND = "deadpool train --config JOB --node-agents"
 
 
 def agree_s(world: int) -> float:

@@ -72,7 +72,9 @@ def test_llama3_trace_three_ettrs_and_the_plot(
     recover = ("survivors stop", "agree", "newcomer builds", "repair communicators")
     want = sum(terms[n] for n in (*recover, "newcomer joins", "transfer shard"))
     assert terms["newcomer builds"] > 0 and data["costs"]["recover_s"] == pytest.approx(want)
-    # a lost node: the heartbeat timeout and the plan watch's 2 beats instead of a crash's stop
+    # a lost node: the heartbeat timeout and the plan watch's 2 beats instead of a crash's
+    # detection and stop
+    assert data["costs"]["detect_process_s"] == terms["detect"]
     assert data["costs"]["detect_node_s"] == pytest.approx(10 + 2 - terms["survivors stop"])
     assert data["gpus"] == 16384 and data["trace"]["interruptions"] == 419
     assert ways["respawn"]["ettr"] >= 0.99
