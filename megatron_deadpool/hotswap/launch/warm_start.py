@@ -377,14 +377,14 @@ def same_interpreter(command: str, python: str) -> bool:
 def exit_fd(proc: ForkedProcess | subprocess.Popen) -> int | None:
     """A descriptor that becomes readable when `proc` (started by `WarmStart.start`) ends - a
     pidfd, the caller's to close - so that a launcher can wait for any of its processes to end
-    (`select.poll`) instead of polling them; None where the process is already gone."""
+    (`select.poll`) instead of polling them; None where there is none (the process is gone)."""
     if isinstance(proc, ForkedProcess):
         return proc.exit_fd()
     if proc.returncode is not None:
         return None
     try:  # our child, not reaped yet (returncode unset): its pid is still its own
         return os.pidfd_open(proc.pid)
-    except ProcessLookupError:
+    except OSError:  # gone, or a kernel before 5.3 (no pidfds): its exit is found by polling
         return None
 
 
