@@ -5,7 +5,9 @@ The same job meets the same failure twice:
 (a) **DeadPool hot swap**: DeadPool on with spares; a spare takes the failed rank's slot (in-place
     respawn off: `deadpool bench goodput` measures respawns) and the survivors roll back to the
     last replicated iteration. Phases from the run's summary
-    (`recoveries`: detect, agree, reconstruct, restore, first iteration).
+    (`recoveries`: detect, agree, reconstruct, restore, first iteration). With `--node-agents`
+    the hot swap runs the way the Slurm scripts run a job: one `deadpool agent` per simulated
+    node starts its processes and reports a crash the moment it happens (its detection).
 (b) **Restart baseline**: DeadPool off, persistent Megatron checkpoints every `--save-interval`
     iterations (`--save DIR`); the failure kills the job; the launcher stops every process (as
     torchrun does on a worker failure) and the whole job is relaunched at once with
@@ -92,6 +94,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
         default=1,
         help="measure the pair N times: medians, and the speedup's 95%% interval from 6 on "
         "(default 1)",
+    )
+    parser.add_argument(
+        "--node-agents",
+        action="store_true",
+        help="run the hot swap as the Slurm scripts do: one `deadpool agent` per simulated node "
+        "(it reports a crash at once); the restart baseline as before",
     )
     parser.add_argument("--json", dest="json_path", help="write the results as JSON here")
     add_run_limit(parser, timeout=600.0)
@@ -432,6 +440,8 @@ def table(result: dict[str, Any]) -> list[str]:
     if stall is not None:
         lines.append(f"the restart run's first persistent save held training up {stall:.2f}s")
     lines.append(f"process groups on the hot swap: {result.get('process_groups', 'unknown')}")
+    if result.get("node_agents"):
+        lines.append("the hot swap launched by node agents: one `deadpool agent` per node")
     repeats = result.get("repeats", 1)
     if repeats == 1:
         lines.append(f"speedup of the hot swap: {result['speedup']:.1f}x")
@@ -475,7 +485,11 @@ def run(args: argparse.Namespace, runner: Runner | None = None) -> int:
         flush=True,
     )
     results = []
-    runner = runner or (lambda j, d, stop: launch(j, d, stop, args.timeout))
+    runner = runner or (
+        lambda j, d, stop: launch(
+            j, d, stop, args.timeout, node_agents=args.node_agents and j.deadpool.enabled
+        )
+    )
     try:
         for rep in range(1, args.repeats + 1):
             if args.repeats > 1:
@@ -496,6 +510,7 @@ def run(args: argparse.Namespace, runner: Runner | None = None) -> int:
     except RuntimeError as exc:
         print(f"deadpool bench recovery: {exc}", file=sys.stderr)
         return 1
+    result["node_agents"] = args.node_agents
     publish(table(result), result, args.json_path)
     if not args.keep:
         shutil.rmtree(work_dir, ignore_errors=True)

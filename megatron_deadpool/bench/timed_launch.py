@@ -79,7 +79,10 @@ class _Stamps:
 
     def ended(self, local: LocalJob) -> None:
         m = local.membership
-        faults = [t for t in map(m.fault_time, local.procs) if t is not None]
+        # Every member at start and every process started since (node agents' processes are
+        # not this launcher's: `procs` holds the agents then).
+        members = sorted({*local.members, *local.procs})
+        faults = [t for t in map(m.fault_time, members) if t is not None]
         loads = [t for t in map(m.load_time, range(self.world_size)) if t is not None]
         self.failed_at = min(faults) if faults else None
         self.load_s = max(loads) if loads else None

@@ -21,14 +21,16 @@ median `failure_to_roster_s` of each size in the JSON's "simulated" section.
 
 `AGENT_DETECT_S`: seconds from a process's crash until the coordinator names it dead, when a
 node agent started it (the Slurm scripts' default): the agent waits on its processes' pidfds and
-reports the exit at once, waking the coordinator (`hotswap/launch/node_agent.py`). Measured with
-bench recovery's job (`deadpool bench recovery --keep` writes it) run by node agents, a SIGKILL
-at iteration 8, the injected fault's stamp to the coordinator's `process_dead` event:
+reports the exit at once, waking the coordinator (`hotswap/launch/node_agent.py`). Measured by
+`bench recovery`'s hot swap run by node agents (TP2xDP2, a SIGKILL at iteration 8; the injected
+fault's stamp to the coordinator's `process_dead`, its "detect failure" row):
 
-    deadpool train --config JOB --node-agents
+    deadpool bench recovery --node-agents --repeats 6
 
-(6 runs: 0.027-0.081 s, median 0.039 s; before the agents waited on pidfds, 0.24-0.86 s with a
-1 s beat). A GPU process's exit also tears its CUDA context down first: not included.
+(2026-11-29, Python 3.12, torch 2.14.1: 0.032-0.074 s, median 0.045 s; before the agents waited
+on pidfds, `deadpool train --node-agents` gave 0.24-0.86 s with a 1 s beat). A GPU process's
+exit also tears its CUDA context down first: not included.
+
 Pure data and arithmetic: no torch, no communication.
 """
 
@@ -45,9 +47,9 @@ COMMAND = "deadpool bench control-plane --ranks 1024 4096 16384 --json cp.json"
 AGREE_S: dict[int, float] = {1024: 0.076, 4096: 0.338, 16384: 1.300}
 """world size -> failure -> roster published (s), simulated ranks."""
 
-AGENT_DETECT_S = 0.039
-"""A crashed process -> named dead, through its node agent (s): median of 6 runs, 2026-11-29."""
-AGENT_DETECT_COMMAND = "deadpool train --config JOB --node-agents"
+AGENT_DETECT_S = 0.045
+"""A crashed process -> named dead, through its node agent (s): median of 6 repeats."""
+AGENT_DETECT_COMMAND = "deadpool bench recovery --node-agents --repeats 6"
 
 
 def agree_s(world: int) -> float:

@@ -226,10 +226,10 @@ def node_failure(
             "detect",
             detect,
             "measured here",
-            f"`{measured.AGENT_DETECT_COMMAND}` (bench recovery's job, a SIGKILL): the node agent "
-            "reports the exit at once, median of 6 runs on a 2-core CPU, 2026-11-29; a GPU "
-            "process's teardown not included; without agents (DEADPOOL_RESPAWN_LIMIT=0) within "
-            f"one beat, --deadpool-heartbeat-interval {beat:g} s",
+            f"`{measured.AGENT_DETECT_COMMAND}` (a SIGKILL): the node agent reports the exit at "
+            "once, the median on a 2-core CPU, 2026-11-29; a GPU process's teardown not "
+            "included; without agents (DEADPOOL_RESPAWN_LIMIT=0) within one beat, "
+            f"--deadpool-heartbeat-interval {beat:g} s",
         ),
         Term(
             "survivors stop",

@@ -214,8 +214,9 @@ def test_load_without_checkpoint_says_so(tmp_path: Path) -> None:
 FAIL_AT, INTERVAL, T0 = 8, 5, 1000.0
 
 
-def _fake_launch(digests: dict[str, str]) -> Any:
-    """Stands in for the bench's launches; iteration i of generation 0 ends at T0 + i / 10."""
+def _fake_launch(digests: dict[str, str], agents: list[tuple[str, bool]] | None = None) -> Any:
+    """Stands in for the bench's launches; iteration i of generation 0 ends at T0 + i / 10.
+    `agents`: gets (which run, whether node agents launched it) for every launch."""
     from megatron_deadpool.bench.recovery import Launch
 
     def recs(iterations: range, start: float) -> list[dict[str, Any]]:
@@ -226,7 +227,11 @@ def _fake_launch(digests: dict[str, str]) -> Any:
 
     hot_swaps = itertools.count()
 
-    def launch(job: Any, run_dir: Path, stop_on_failure: bool, timeout_s: float) -> Launch:
+    def launch(
+        job: Any, run_dir: Path, stop_on_failure: bool, timeout_s: float, node_agents: bool = False
+    ) -> Launch:
+        if agents is not None:
+            agents.append((run_dir.name, node_agents))
         iters, failed_at = job.train.iters, T0 + 0.1 * (FAIL_AT - 1) + 0.05
         if job.deadpool.enabled:  # hot swap: 1.05 s of phases, then iteration 8 takes 0.1 s
             # the n-th hot swap reconstructs in 0.3 + n/100 s, agrees in n/100 s less
@@ -275,6 +280,34 @@ def _bench_recovery(
     args = ["--fail", f"2@{FAIL_AT}", "--save-interval", str(INTERVAL), "--json", str(out)]
     rc = cli.main(["bench", "recovery", *args, *extra])
     return rc, json.loads(out.read_text()) if rc == 0 else None
+
+
+@pytest.mark.timeout(60)
+def test_bench_recovery_runs_the_hot_swap_by_node_agents_when_asked(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    """--node-agents: the hot swap is launched by one agent per simulated node (as the Slurm
+    scripts run a job), the reference and the restart baseline as without; said in the table
+    and the JSON."""
+    from megatron_deadpool.bench import recovery
+    from megatron_deadpool.cli import main as cli
+
+    for flag, hot in ((), False), (("--node-agents",), True):
+        agents: list[tuple[str, bool]] = []
+        fake = _fake_launch({"deadpool": "ref", "restart": "ref"}, agents)
+        monkeypatch.setattr(recovery, "launch", fake)
+        out = tmp_path / "recovery.json"
+        argv = ["--fail", f"2@{FAIL_AT}", "--save-interval", str(INTERVAL), "--json", str(out)]
+        assert cli.main(["bench", "recovery", *argv, *flag]) == 0
+        assert dict(agents) == {
+            "reference": False,
+            "deadpool": hot,
+            "restart_fail": False,
+            "restart_resume": False,
+        }
+        assert json.loads(out.read_text())["node_agents"] is hot
+        said = "launched by node agents" in capsys.readouterr().out
+        assert said is hot
 
 
 @pytest.mark.timeout(60)
