@@ -126,7 +126,7 @@ def test_launch_hooks_stamp_stop_everyone_and_read_the_store(tmp_path: Path) -> 
         for m, cmd in (("a0", sleeper), ("a1", with_helper), ("s0", sleeper))
     }
     helper = int(procs["a1"].stdout.readline())  # type: ignore[union-attr]
-    local = SimpleNamespace(procs=procs, membership=members)
+    local = SimpleNamespace(procs=procs, members=list(procs), membership=members)
     try:
         stamps = timed_launch._Stamps(stop_on_failure=True, world_size=2)
         t0 = time.time()
@@ -144,6 +144,11 @@ def test_launch_hooks_stamp_stop_everyone_and_read_the_store(tmp_path: Path) -> 
         calm = timed_launch._Stamps(stop_on_failure=False, world_size=2)
         calm.failed(local, {"a1": 1})  # type: ignore[arg-type]
         assert calm.detected_at is None and calm.stopped_at is None
+        # Under node agents the launcher's processes are the agents: the members' stamps count.
+        by_agents = SimpleNamespace(procs={"agent0": procs["a0"]}, members=list(procs),
+                                    membership=members)  # fmt: skip
+        calm.ended(by_agents)  # type: ignore[arg-type]
+        assert calm.failed_at == stamps.failed_at
     finally:
         for p in procs.values():
             p.kill()
