@@ -149,9 +149,9 @@ def _costs(
     first = (
         f"  costs at {gpus:,} GPUs: detect a crash {hb:g} s [measured: its node agent's report] "
         f"/ a lost node or hang {node:.2f} s [configured: the heartbeat timeout and the plan "
-        f"watch's 2 beats, less a crash's survivors stop]; recover {recover:.2f} s = survivors stop + agree + build + repair + "
-        "join + transfer [the table]; a respawn the "
-        "same (the node agent's fork server has torch imported); failed iteration "
+        f"watch's 2 beats, less a crash's survivors stop]; recover {recover:.2f} s = survivors "
+        "stop + agree + build + repair + join + transfer [the table]; a respawn the same (the "
+        "node agent's fork server has torch imported); failed iteration "
         f"{costs.iteration_s:.2f} s [computed]"
     )
     every = f"{interval / 60:.1f} min" if interval >= 60 else format_seconds(interval)

@@ -290,20 +290,24 @@ class PlanReport:
     per_iteration: PerIteration
     """Per-iteration work and traffic."""
 
-    recovery: RecoveryPhases
-    """Recovery after a crash (processes or node die)."""
-
-    recovery_hang: RecoveryPhases
-    """Recovery after a hang (found by the heartbeat timeout)."""
-
     failure: RecoveryTerms
-    """`recovery`'s terms, each with its source."""
+    """A crashed rank's replacement, term by term, each with its source."""
 
     coverage: NodeCoverage
     """Node failures the placement survives."""
 
     warnings: list[str] = field(default_factory=list)
     """Problems found: memory that does not fit, replication that cannot hide, too few spares."""
+
+    @property
+    def recovery(self) -> RecoveryPhases:
+        """Recovery after a crash (processes or node die): `failure`'s terms as phases."""
+        return RecoveryPhases.of(self.failure)
+
+    @property
+    def recovery_hang(self) -> RecoveryPhases:
+        """Recovery after a hang or a lost node (found by the heartbeat timeout)."""
+        return RecoveryPhases.of(self.failure, node=True)
 
     @property
     def nodes(self) -> int:
@@ -514,8 +518,6 @@ def plan(
         heartbeat_interval=deadpool.heartbeat_interval,
         heartbeat_timeout=deadpool.heartbeat_timeout,
     )
-    crash = RecoveryPhases.of(failure)
-    hang = RecoveryPhases.of(failure, node=True)
     report = PlanReport(
         model=model,
         layout=layout,
@@ -528,8 +530,6 @@ def plan(
         active_params=counts.active,
         per_gpu=per_gpu,
         per_iteration=per_iteration,
-        recovery=crash,
-        recovery_hang=hang,
         failure=failure,
         coverage=node_coverage(placement),
     )
