@@ -8,7 +8,7 @@
     python3 scripts/slurm/lab.py crash n2                # the whole node dies at once
     python3 scripts/slurm/lab.py freeze n2 | thaw n2     # SIGSTOP / SIGCONT all its processes
     python3 scripts/slurm/lab.py cut n2 | uncut n2       # off / back on the network
-    python3 scripts/slurm/lab.py revive n2               # boot a crashed node again
+    python3 scripts/slurm/lab.py revive n2 [--favoured]  # boot a crashed node again
     python3 scripts/slurm/lab.py down                    # everything the lab created, by PID
 
 Each node nI is a `slurmd -N nI` in its own network, PID, UTS and mount namespace: a veth
@@ -72,6 +72,8 @@ STATE_ENV = "DEADPOOL_LAB_DIR"
 TOKEN_ENV = "DEADPOOL_LAB_TOKEN"
 """Set, to the lab's secret, in the environment of every process the lab starts."""
 SUBNETS = ipaddress.ip_network("10.213.0.0/16")  # the lab takes the first free /24 in it
+FAVOURED_WEIGHT = 16
+"""A favoured node's CPU weight, in multiples of the default (`Lab.revive`)."""
 
 NODE_SCRIPT = """#!/bin/bash
 # Process 1 of lab node $1's PID namespace (written by lab.py): name the node, give it the
@@ -120,6 +122,25 @@ def _alive(rec: dict[str, int] | None) -> bool:
     return fields is not None and int(fields[19]) == rec["start"] and fields[0] != "Z"
 
 
+def _read(path: Path) -> str:
+    try:
+        return path.read_text()
+    except OSError:
+        return ""
+
+
+def _remove_cgroup(folder: Path) -> None:
+    """Remove an empty cgroup of the lab's (its processes may take a moment to leave it)."""
+    deadline = time.monotonic() + 5
+    while folder.exists():
+        try:
+            folder.rmdir()
+        except OSError:
+            if time.monotonic() > deadline:
+                return  # still in use: left, named in the state no more
+            time.sleep(0.05)
+
+
 def _pids() -> Iterator[int]:
     for entry in os.listdir("/proc"):
         if entry.isdigit():
@@ -157,6 +178,7 @@ def _signal(rec: dict[str, int] | None, sig: int, token: str | None) -> bool:
     """Send `sig` to a recorded process if it is still that process and the lab's own."""
     if not _ours(rec, token):
         return False
+    assert rec is not None  # _ours: a record
     try:
         os.kill(rec["pid"], sig)
     except ProcessLookupError:
@@ -399,7 +421,7 @@ class Lab:
         for sub in ("munge", "ctld", "spool", "log", "run", "dev"):
             (self.dir / sub).mkdir(mode=0o700, exist_ok=True)
         self.state = {"tag": self.tag, "token": secrets.token_hex(16), "procs": {}, "nodes": {},
-                      "links": [], "netns": []}  # fmt: skip
+                      "links": [], "netns": [], "cgroups": []}  # fmt: skip
         self._save()
         try:
             self._network(nodes)
@@ -557,9 +579,11 @@ class Lab:
             f"slurmctld did not come up (see {self.dir}/log/slurmctld.log)",
         )
 
-    def _start_node(self, name: str) -> None:
+    def _start_node(self, name: str, favoured: bool = False) -> None:
         node = self._node(name)
+        enter = ["sh", "-c", 'echo $$ > "$0" && exec "$@"', self._favour(name)] if favoured else []
         cmd = [
+            *enter,  # it execs: proc.pid stays the launcher, process 1's parent
             "nsenter",
             f"--net=/run/netns/{node['netns']}",
             "unshare",
@@ -685,11 +709,37 @@ class Lab:
             node["cut"] = True
         self._save()
 
-    def revive(self, name: str) -> None:
-        """Boot a crashed node again; Slurm returns it to service when its slurmd registers."""
+    def revive(self, name: str, favoured: bool = False) -> None:
+        """Boot a crashed node again; Slurm returns it to service when its slurmd registers.
+
+        `favoured`: every process of the node gets this machine's CPUs before the other nodes'
+        (`_favour`), as a machine of its own would have its own CPUs, where all the nodes share
+        a few cores."""
         if self.node_pids(name):
             raise LabError(f"node {name} is running: crash it first")
-        self._start_node(name)
+        self._start_node(name, favoured)
+
+    def _favour(self, name: str) -> str:
+        """A CPU cgroup of the lab's own for node `name`, with FAVOURED_WEIGHT times the
+        default weight (a node's processes inherit it; Slurm's tasks too: the lab's TaskPlugin
+        leaves them where slurmd is); its `cgroup.procs` file. Niceness would not do: under
+        autogroup scheduling it orders processes only within their session, and a node's span
+        several (a node revived at nice -10 joined a busy job no sooner)."""
+        v1, v2 = Path("/sys/fs/cgroup/cpu"), Path("/sys/fs/cgroup")
+        if (v1 / "cgroup.procs").exists():  # cgroup v1's cpu hierarchy
+            folder, knob, weight = v1 / f"dplab{self.tag}-{name}", "cpu.shares", 1024
+        elif "cpu" in _read(v2 / "cgroup.controllers").split():
+            if "cpu" not in _read(v2 / "cgroup.subtree_control").split():
+                (v2 / "cgroup.subtree_control").write_text("+cpu")
+            folder, knob, weight = v2 / f"dplab{self.tag}-{name}", "cpu.weight", 100
+        else:
+            raise LabError("a favoured node needs a cgroup CPU controller; this machine has none")
+        folder.mkdir(exist_ok=True)
+        if str(folder) not in self.state.setdefault("cgroups", []):
+            self.state["cgroups"].append(str(folder))
+            self._save()
+        (folder / knob).write_text(str(FAVOURED_WEIGHT * weight))
+        return str(folder / "cgroup.procs")
 
     def _remove_container_cgroups(self) -> None:
         """The cgroups of the containers podman ran on this lab's nodes (`podman_env`): podman
@@ -743,6 +793,8 @@ class Lab:
         for netns in self.state.get("netns", []):
             _run(["ip", "netns", "del", netns], check=False)
         self._remove_container_cgroups()
+        for folder in self.state.get("cgroups", []):  # empty: their processes are gone
+            _remove_cgroup(Path(folder))
         self.state = {}
         if os.path.lexists(self.dir):  # checked private when this object was made
             shutil.rmtree(self.dir)
@@ -775,6 +827,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         ("revive", "boot a crashed node again"),
     ):
         sub.add_parser(name, help=text).add_argument("node", help="n1, n2, ...")
+    sub.choices["revive"].add_argument(
+        "--favoured", action="store_true", help="its processes get the CPUs before other nodes'"
+    )
     sub.add_parser("down", help="stop and remove everything the lab created")
     args = parser.parse_args(argv)
     try:
@@ -801,6 +856,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             lab.down()
         elif args.command in ("cut", "uncut"):
             lab.cut(args.node, up=args.command == "uncut")
+        elif args.command == "revive":
+            lab.revive(args.node, args.favoured)
         else:
             result = getattr(lab, args.command)(args.node)
             if isinstance(result, int):

@@ -50,6 +50,22 @@ labmod = _load_lab()
 
 
 # ---------------------------------------------------------------------- the lab
+@pytest.fixture(autouse=True)
+def sigterm_tears_labs_down() -> Iterator[None]:
+    """SIGTERM to the process running a test (a run stopped from outside) raises an interrupt
+    in it, so that the `finally` blocks and fixtures that take its lab down still run: its
+    daemons, namespaces and cgroups are not left behind."""
+
+    def interrupt(signum: int, _frame: object) -> None:
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 @pytest.fixture(scope="module")
 def lab_host() -> None:
     """Skip without root or namespaces; install Slurm once when missing."""
@@ -819,9 +835,13 @@ def test_node_agents_a_crashed_node_revived_joins_with_its_agent_and_takes_over_
                  DEADPOOL_RESPAWN_LIMIT="1")  # fmt: skip
     deadline = time.time() + 2 * JOB_TIMEOUT
 
+    joining: Any = None
+
     def until(what: str, condition: Callable[[], object]) -> None:
         while not condition():
-            assert time.time() < deadline and job.state() is not None, f"{what}\n{job.describe()}"
+            if time.time() > deadline or job.state() is None:
+                more = "" if joining is None else f"\n--- the join\n{joining.describe()}"
+                raise AssertionError(f"{what}\n{job.describe()}{more}\n{lab.status()}")
             time.sleep(0.2)
 
     until("the join line", lambda: re.search(JOIN_LINE, job.text("batch.out")))
@@ -830,7 +850,10 @@ def test_node_agents_a_crashed_node_revived_joins_with_its_agent_and_takes_over_
     job.wait_for_iteration(FAIL_AT, JOB_TIMEOUT)
     lab.crash("n2")
     until("the first recovery", lambda: job.event("recovered"))
-    lab.revive("n2")  # the join below waits in Slurm's queue until n2 is back
+    # The join below waits in Slurm's queue until n2 is back. n2 boots on the 2 cores the job's
+    # four processes (and the suite's other worker) keep busy: its processes get them first, as
+    # a node has CPUs of its own, or its fork server's imports can outlast the training (CI).
+    lab.revive("n2", favoured=True)
     config = write_job(tmp_path / "join", iters=REVIVE_ITERS)
     joining = submit(lab, tmp_path / "join-logs", "vista", config, ["n2"], DEADPOOL_JOIN=join[1],
                      DEADPOOL_JOB_ID=join[2], DEADPOOL_JOB_TOKEN_FILE=join[3],
