@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """A real multi-node Slurm cluster on one machine: try the cluster scripts, then break nodes.
 
-    python3 scripts/slurm/lab.py up --nodes 3            # as root; prints its state folder
+    python3 scripts/slurm/lab.py up --nodes 3 [--favoured n3]  # as root; prints its folder
     export DEADPOOL_LAB_DIR=/tmp/dplab-XXXXXXXX          # (or --state DIR on every command)
     eval "$(python3 scripts/slurm/lab.py env)"           # SLURM_CONF for sbatch, squeue, ...
     python3 scripts/slurm/lab.py status
@@ -393,14 +393,24 @@ class Lab:
         return _run(cmd, check=check, env=env, timeout=timeout).stdout
 
     # -------------------------------------------------------------- up
-    def up(self, nodes: int, gpus_per_node: int = 4, cpus_per_node: int = 128) -> None:
-        """Install Slurm if missing, then bring up the controller and `nodes` nodes."""
+    def up(
+        self,
+        nodes: int,
+        gpus_per_node: int = 4,
+        cpus_per_node: int = 128,
+        favoured: Sequence[str] = (),
+    ) -> None:
+        """Install Slurm if missing, then bring up the controller and `nodes` nodes; those named
+        in `favoured` get the CPUs first (`revive`)."""
         if nodes < 1 or nodes > 200:
             raise LabError(f"--nodes: between 1 and 200, got {nodes}")
         if gpus_per_node < 0 or gpus_per_node > 64:
             raise LabError(f"--gpus-per-node: between 0 and 64, got {gpus_per_node}")
         if cpus_per_node < 1:
             raise LabError(f"--cpus-per-node: at least 1, got {cpus_per_node}")
+        unknown = sorted(set(favoured) - {f"n{i}" for i in range(1, nodes + 1)})
+        if unknown:
+            raise LabError(f"--favoured: no node {unknown[0]} among n1..n{nodes}")
         reason = unavailable()
         if reason:
             raise LabUnavailable(reason)
@@ -429,7 +439,7 @@ class Lab:
             self._start_munge()
             self._start_controller()
             for name in self.nodes():
-                self._start_node(name)
+                self._start_node(name, name in favoured)
             self.wait_idle(self.nodes(), timeout=60)
         except BaseException:
             self.down()
@@ -816,6 +826,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     up.add_argument("--nodes", type=int, required=True)
     up.add_argument("--gpus-per-node", type=int, default=4, help="fake GPUs (gres) per node")
     up.add_argument("--cpus-per-node", type=int, default=128, help="CPUs Slurm believes")
+    up.add_argument(
+        "--favoured", default="", help="nodes whose processes get the CPUs first (n2,n4)"
+    )
     sub.add_parser("env", help="print `export SLURM_CONF=...` for this lab")
     sub.add_parser("status", help="daemons, nodes and Slurm's view of them")
     for name, text in (
@@ -844,7 +857,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         else:
             lab = Lab(args.state)
         if args.command == "up":
-            lab.up(args.nodes, args.gpus_per_node, args.cpus_per_node)
+            favoured = [n for n in args.favoured.split(",") if n]
+            try:
+                lab.up(args.nodes, args.gpus_per_node, args.cpus_per_node, favoured)
+            except LabError:
+                if args.state is None:  # the folder made for it: nothing is left behind
+                    lab.down()
+                raise
             print(lab.status())
             print(f'next: export {STATE_ENV}={lab.dir}; eval "$(python3 {sys.argv[0]} env)"')
         elif args.command == "env":

@@ -774,7 +774,9 @@ def test_a_node_of_another_allocation_joins_as_spares_and_takes_over(
     the joining allocation ends with the job."""
     lab = labmod.Lab.fresh()
     try:
-        lab.up(nodes=4, gpus_per_node=4)
+        # n4 joins while the job starts and must be in before its 30 iterations end: its
+        # processes get the 2 shared cores first, as a node of its own has its own CPUs.
+        lab.up(nodes=4, gpus_per_node=4, favoured=["n4"])
         job = submit(lab, tmp_path / "logs", "vista", write_job(tmp_path), ["n1", "n2", "n3"])
         deadline = time.time() + JOB_TIMEOUT
         while not (join := re.search(JOIN_LINE, job.text("batch.out"))):
