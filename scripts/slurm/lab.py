@@ -740,6 +740,8 @@ class Lab:
             folder, knob, weight = v1 / f"dplab{self.tag}-{name}", "cpu.shares", 1024
         elif "cpu" in _read(v2 / "cgroup.controllers").split():
             if "cpu" not in _read(v2 / "cgroup.subtree_control").split():
+                # the root's controller, machine-wide: left enabled by `down` (untested here,
+                # a cgroup v1 machine)
                 (v2 / "cgroup.subtree_control").write_text("+cpu")
             folder, knob, weight = v2 / f"dplab{self.tag}-{name}", "cpu.weight", 100
         else:
