@@ -44,6 +44,10 @@ BENCHES: dict[str, tuple[str, str]] = {
         "megatron_deadpool.bench.scale.control_plane",
         "the coordinator and store protocol against 1,024-16,384 simulated ranks",
     ),
+    "plan-wake": (
+        "megatron_deadpool.bench.scale.plan_wake",
+        "a plan's wake-up of every survivor's plan waiter at 1,024-16,384 ranks",
+    ),
     "store-state": (
         "megatron_deadpool.bench.scale.store_state",
         "the coordinator's store over 100,000 iterations: keys and memory, kept vs pruned",

@@ -87,8 +87,8 @@ def format_scale(scaled: list[RecoveryTerms], skipped: list[str]) -> list[str]:
     first = scaled[0]
     lines.append(
         f"  a lost node or a hang is found after the heartbeat timeout ({first.detect_node_s:g} s)"
-        f" and its blocked survivors stopped by the plan watch ({first.stop_node_s:g} s) instead:"
-        f" +{first.node_delay_s:.2f} s on each column [configured, computed]"
+        f" and its blocked survivors stopped by their plan waiters ({first.stop_node_s:.2f} s)"
+        f" instead: +{first.node_delay_s:.2f} s on each column [configured, measured here]"
     )
     rebuild = scaled[0].rebuild
     lines.append(
@@ -148,8 +148,8 @@ def _costs(
     restart_why = "Meta FT-HSDP's 10-min stall" if args.restart_s == RESTART_S else "--restart-s"
     first = (
         f"  costs at {gpus:,} GPUs: detect a crash {hb:g} s [measured: its node agent's report] "
-        f"/ a lost node or hang {node:.2f} s [configured: the heartbeat timeout and the plan "
-        f"watch's 2 beats, less a crash's survivors stop]; recover {recover:.2f} s = survivors "
+        f"/ a lost node or hang {node:.2f} s [configured: the heartbeat timeout; measured: the "
+        f"plan waiters' wake-up, less a crash's survivors stop]; recover {recover:.2f} s = survivors "
         "stop + agree + build + repair + join + transfer [the table]; a respawn the same (the "
         "node agent's fork server has torch imported); failed iteration "
         f"{costs.iteration_s:.2f} s [computed]"

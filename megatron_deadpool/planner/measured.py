@@ -31,6 +31,19 @@ fault's stamp to the coordinator's `process_dead`, its "detect failure" row):
 on pidfds, `deadpool train --node-agents` gave 0.24-0.86 s with a 1 s beat). A GPU process's
 exit also tears its CUDA context down first: not included.
 
+`PLAN_WAKE_S`: seconds from the coordinator's plan until the last survivor's plan waiter woke
+(`hotswap/worker/plan_waiter.py`: a crash's survivors stop training then, not at their next
+collective with the dead rank), in a job of `world` processes: the coordinator publishes the plan
+through its real code (`publish_plan`, one sealed wake-up key per member) on the store it hosts,
+and waiter processes hold one blocked WAIT per survivor (`bench/scale/plan_wake.py`; median of 3
+plans per size) - on the same 2 cores, so an upper bound:
+
+    deadpool bench plan-wake --ranks 1024 4096 16384
+
+(2026-11-29, Python 3.11, torch 2.13, 4 waiter processes: 0.103-0.131 s at 1,024, 0.177-0.201 s
+at 4,096, 0.667-0.938 s at 16,384; the coordinator's `publish_plan` itself 0.04-0.11 s.)
+Interpolated like `AGREE_S`.
+
 Pure data and arithmetic: no torch, no communication.
 """
 
@@ -52,14 +65,32 @@ AGENT_DETECT_S = 0.045
 AGENT_DETECT_COMMAND = "deadpool bench recovery --node-agents --repeats 6"
 
 
+PLAN_WAKE_S: dict[int, float] = {1024: 0.120, 4096: 0.186, 16384: 0.743}
+"""world size -> the plan published -> every survivor's plan waiter woken (s)."""
+PLAN_WAKE_COMMAND = "deadpool bench plan-wake --ranks 1024 4096 16384"
+PLAN_WAKE_DATE = "2026-11-29"
+
+
 def agree_s(world: int) -> float:
     """The measured agreement time for `world` processes (see the module docstring)."""
-    sizes = sorted(AGREE_S)
+    return _at(AGREE_S, world)
+
+
+def plan_wake_s(world: int) -> float:
+    """The measured plan wake-up for `world` processes (see the module docstring)."""
+    return _at(PLAN_WAKE_S, world)
+
+
+def _at(figures: dict[int, float], world: int) -> float:
+    """`figures` (world size -> seconds) at `world`: log2-interpolated between the measured
+    sizes, the smallest's below them, in proportion to the world above them (one request per
+    rank)."""
+    sizes = sorted(figures)
     if world <= sizes[0]:
-        return AGREE_S[sizes[0]]
+        return figures[sizes[0]]
     if world >= sizes[-1]:
-        return AGREE_S[sizes[-1]] * world / sizes[-1]
+        return figures[sizes[-1]] * world / sizes[-1]
     hi = next(i for i, n in enumerate(sizes) if n >= world)
     lo_n, hi_n = sizes[hi - 1], sizes[hi]
     frac = (math.log2(world) - math.log2(lo_n)) / (math.log2(hi_n) - math.log2(lo_n))
-    return AGREE_S[lo_n] + frac * (AGREE_S[hi_n] - AGREE_S[lo_n])
+    return figures[lo_n] + frac * (figures[hi_n] - figures[lo_n])

@@ -67,18 +67,17 @@ class Term:
     """The command, citation or arithmetic behind it."""
 
 
-def survivors_stop_s(iteration_s: float, detect_s: float, heartbeat_interval: float) -> float:
+def survivors_stop_s(iteration_s: float, detect_s: float, wake_s: float) -> float:
     """After a crash is detected (`detect_s` after it), until the last survivor has stopped
     training (worst case).
 
     A survivor that shares no collective with the dead rank before the data-parallel gradient
     sync computes on to the end of its iteration (`iteration_s` after the failure at most),
-    unless its plan watch aborts its groups first (`hotswap/worker/plan_watch.py`: it sees the
-    plan - published at the detection - at its next beat and aborts one beat later). A lost
-    node or a hang leaves survivors blocked, no error reaching them: only the watch stops them
+    unless its plan waiter stops it first (`hotswap/worker/plan_waiter.py`: it wakes `wake_s`
+    after the plan, published at the detection, and its plan watch aborts its groups). A lost
+    node or a hang leaves survivors blocked, no error reaching them: only the waiter stops them
     (`RecoveryTerms.stop_node_s`)."""
-    watch = detect_s + 2 * heartbeat_interval  # the beat that sees the plan, the one that aborts
-    return max(0.0, min(iteration_s, watch) - detect_s)
+    return max(0.0, min(iteration_s, detect_s + wake_s) - detect_s)
 
 
 @dataclass(frozen=True)
@@ -98,7 +97,7 @@ class RecoveryTerms:
     detect_node_s: float
     """Detection of a lost node or a hang (the heartbeat timeout) instead of a crash's."""
     stop_node_s: float
-    """Survivors stop after a lost node or a hang (two beats of the plan watch) instead."""
+    """Survivors stop after a lost node or a hang (their plan waiters wake) instead."""
 
     @property
     def node_delay_s(self) -> float:
@@ -205,6 +204,8 @@ def node_failure(
     detect = measured.AGENT_DETECT_S
     ranks = job.gpus + job.spares
     sizes = ", ".join(f"{n:,}" for n in sorted(measured.AGREE_S))
+    wake = measured.plan_wake_s(ranks)
+    wake_sizes = ", ".join(f"{n:,}" for n in sorted(measured.PLAN_WAKE_S))
     shrink, outside = shrink_s(job.gpus)
     bandwidth = cluster.inter_node_gb_s_per_gpu * NETWORK_EFFICIENCY
     transfer = job.restore_bytes / (bandwidth * GB)
@@ -233,11 +234,14 @@ def node_failure(
         ),
         Term(
             "survivors stop",
-            survivors_stop_s(job.iteration_s, detect, beat),
-            "computed",
+            survivors_stop_s(job.iteration_s, detect, wake),
+            "measured here",
             "worst case: a survivor with no collective to share with the dead rank before the "
             f"gradient sync computes to its iteration's end ({job.iteration_s:.2f} s), unless "
-            "its plan watch aborts its groups first (2 beats after the detection)",
+            f"its plan waiter wakes first: `{measured.PLAN_WAKE_COMMAND}`, "
+            f"{measured.PLAN_WAKE_DATE}, 2-core CPU, the plan -> the last of {wake_sizes} "
+            "survivors woken (log2 in between, the smallest's below); its read of the plan and "
+            "the abort's start not included",
         ),
         Term(
             "agree",
@@ -293,5 +297,5 @@ def node_failure(
         terms=terms,
         rebuild=rebuild,
         detect_node_s=heartbeat_timeout,
-        stop_node_s=2 * beat,
+        stop_node_s=wake,
     )

@@ -348,6 +348,34 @@ class Replicator:
         self.timings.update(wait=t1 - t0, verify=time.perf_counter() - t1)
         return ok
 
+    def wait_in_flight(self, timeout_s: float) -> bool:
+        """From another thread: wait up to `timeout_s` until the in-flight round's transfers
+        ended - arrived or failed - and (host replicas) the worker thread verified them; whether
+        they did (True too with no round in flight). It changes nothing: `settle` or `abandon`
+        still takes the round on the main thread. An abort that waits for this first does not
+        cut off a replica still arriving, which `abandon` would then not keep."""
+        deadline = time.monotonic() + timeout_s
+        findings, works = self._findings, self._works
+        if findings is not None:
+            try:
+                findings.exception(timeout=timeout_s)
+            except FutureTimeout:
+                return False
+            return True
+        if isinstance(works, Future):
+            try:
+                works = works.result(timeout=timeout_s)
+            except FutureTimeout:
+                return False
+            except Exception:  # noqa: BLE001 - posting failed: nothing is in flight
+                return True
+        for work in works:
+            while not work.is_completed():
+                if time.monotonic() >= deadline:
+                    return False
+                time.sleep(0.001)
+        return True
+
     def _flip_in_transit(self) -> int | None:
         """Fault injection: damage the replica of the owner `flip_bit_on_arrival` named
         before it is verified; returns that owner."""

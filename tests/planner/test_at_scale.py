@@ -99,30 +99,33 @@ def test_the_plans_recovery_line_is_the_tables_column_at_its_size() -> None:
     assert crash.first_iteration_s == own.term("failed iteration").seconds
     detect = measured.AGENT_DETECT_S  # a crash: its node agent reports the exit at once
     assert crash.detect_s == detect and hang.detect_s == 20.0 and own.detect_node_s == 20.0
-    assert crash.stop_s == pytest.approx(4.0)  # 12.9 s iterations: the watch, 2 beats of 2 s
-    assert hang.stop_s == own.stop_node_s == 4.0  # blocked survivors: the plan watch's 2 beats
+    wake = measured.plan_wake_s(512 + 4)  # with the spares
+    assert crash.stop_s == pytest.approx(wake)  # 12.9 s iterations: the plan waiter stops them
+    assert hang.stop_s == own.stop_node_s == wake  # blocked survivors: the plan waiter too
     assert hang.total_s - crash.total_s == pytest.approx(own.node_delay_s)
-    assert own.node_delay_s == pytest.approx(20.0 + 4.0 - detect - crash.stop_s)
+    assert own.node_delay_s == pytest.approx(20.0 + wake - detect - crash.stop_s)
     assert {s.term("detect").seconds for s in scaled} == {detect}
-    assert all(s.term("survivors stop").seconds == pytest.approx(4.0) for s in scaled)
+    assert [s.term("survivors stop").seconds for s in scaled] == [
+        pytest.approx(measured.plan_wake_s(s.gpus + 4)) for s in scaled
+    ]
     assert own.rebuild_total_s == pytest.approx(
         own.total_s - own.reconstruct_s + own.term("newcomer builds").seconds + 55.0
     )
 
 
-def test_survivors_stop_at_their_iterations_end_or_by_the_plan_watch() -> None:
+def test_survivors_stop_at_their_iterations_end_or_when_their_plan_waiter_wakes() -> None:
     """After a crash's detection, a survivor that meets no collective with the dead rank
-    computes on to its iteration's end, unless the plan watch aborts it first: it sees the plan
-    (published at the detection) at its next beat and aborts the beat after (`plan_watch.py`)."""
-    assert survivors_stop_s(0.5, 1.0, 1.0) == 0.0  # its iteration ended before the detection
+    computes on to its iteration's end, unless its plan waiter stops it first: it wakes as the
+    plan (published at the detection) reaches it (`plan_waiter.py`, `bench plan-wake`)."""
+    assert survivors_stop_s(0.5, 1.0, 0.01) == 0.0  # its iteration ended before the detection
     assert survivors_stop_s(1.6, 1.0, 1.0) == pytest.approx(0.6)  # to its iteration's end
-    assert survivors_stop_s(1.6, 0.04, 1.0) == pytest.approx(1.56)
-    assert survivors_stop_s(12.9, 0.04, 1.0) == pytest.approx(2.0)  # the watch: 2 beats later
-    assert survivors_stop_s(12.9, 0.04, 0.5) == pytest.approx(1.0)
-    long = report_65b()  # 12.9 s iterations at 512 GPUs: the watch stops the survivors
+    assert survivors_stop_s(1.6, 0.04, 2.0) == pytest.approx(1.56)
+    assert survivors_stop_s(12.9, 0.04, 0.05) == pytest.approx(0.05)  # the waiter woke
+    long = report_65b()  # 12.9 s iterations at 512 GPUs: the plan waiter stops the survivors
     stop = long.failure.term("survivors stop")
-    assert long.per_iteration.compute_s > 3 and stop.kind == "computed"
-    assert stop.seconds == pytest.approx(2.0)
+    assert long.per_iteration.compute_s > 3 and stop.kind == "measured here"
+    assert stop.seconds == pytest.approx(measured.plan_wake_s(516))
+    assert measured.PLAN_WAKE_COMMAND in stop.source
     detect = long.failure.term("detect")
     assert detect.kind == "measured here" and detect.seconds == measured.AGENT_DETECT_S
     assert measured.AGENT_DETECT_COMMAND in detect.source

@@ -7,6 +7,9 @@
   nothing waits on the stopped rank (the group timeout is 60 s).
 - A peer seen lost as a round is posted fails the round where it is waited for, not as it is
   posted.
+- A survivor's plan waiter waits for the in-flight round's transfers to end before it aborts
+  (`Replicator.wait_in_flight`): a round that ended is kept after the abort; a stopped owner's
+  transfer bounds the wait.
 - A replicator built after a recovery takes over its predecessor's buffers: no second set.
 - A recovery's shard exchange (one table all-reduce, one batched round): needy ranks receive
   exactly the bytes their holders send, of different sizes.
@@ -66,6 +69,9 @@ def _abandon_rank(*, rank: int, world_size: int, store: Any) -> dict[str, Any]:
     peer = 1 - rank
     wait_until(lambda: _landed(repl, peer, 2), 60, f"rank {peer}'s replica of round 2")
     t0 = time.monotonic()
+    ended = repl.wait_in_flight(0.5)  # the stopped owner's receive has not ended
+    waited = time.monotonic() - t0
+    t0 = time.monotonic()
     abort_groups()
     salvaged = repl.abandon()
     seconds = time.monotonic() - t0
@@ -74,6 +80,8 @@ def _abandon_rank(*, rank: int, world_size: int, store: Any) -> dict[str, Any]:
         "salvaged": salvaged,
         "seconds": seconds,
         "holdings": repl.holdings(),
+        "ended": ended,
+        "waited": waited,
     }
 
 
@@ -99,7 +107,35 @@ def test_abandon_after_abort_keeps_only_completed_receives() -> None:
         assert r["committed"] == 1, r
         assert r["salvaged"] == [peer], r
         assert r["seconds"] < 5.0, r  # never waited on the stopped owner
+        assert r["ended"] is False and 0.5 <= r["waited"] < 5.0, r  # the plan waiter's bound
         assert r["holdings"] == {"local": [1, 2], str(peer): [1, 2], "2": [1]}, r
+
+
+def _settled_rank(*, rank: int, world_size: int, store: Any) -> dict[str, Any]:
+    from megatron_deadpool.devices.abort import abort_groups
+
+    repl = _replicator(rank, world_size, replicas=1, seed=rank)
+    repl.start_round(1)
+    repl.finish_round()
+    repl.start_round(2)
+    t0 = time.monotonic()
+    ended = repl.wait_in_flight(30.0)  # what a survivor's plan waiter does before it aborts
+    waited = time.monotonic() - t0
+    in_flight = repl._round
+    store.set(f"settled{rank}", "1")
+    store.wait([f"settled{1 - rank}"])
+    abort_groups()
+    return {"ended": ended, "waited": waited, "in_flight": in_flight, "kept": repl.abandon()}
+
+
+@pytest.mark.timeout(150)
+def test_a_round_whose_transfers_ended_is_waited_for_and_kept_after_the_abort() -> None:
+    """`wait_in_flight` returns once the round's transfers ended (the worker thread verified
+    them), leaves the round in flight, and the abort after it keeps the peer's replica."""
+    results = run_world("test_replicator_failures:_settled_rank", 2, timeout=120)
+    for rank, r in enumerate(results):
+        assert r["ended"] is True and r["waited"] < 10.0, r
+        assert r["in_flight"] == 2 and r["kept"] == [1 - rank], r
 
 
 def _lost_peer_rank(*, rank: int, world_size: int, store: Any) -> dict[str, Any]:

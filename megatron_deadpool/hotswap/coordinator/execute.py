@@ -143,6 +143,9 @@ class Executor:
         # what its node's files hold, each builds its objects while the survivors agree.
         if plan.replaced:
             m.wake_spares()
+        # Then every member of the roster the survivors joined: their plan waiters stop them
+        # now, not at their next collective with the dead (most of an iteration at worst).
+        m.wake_plan_waiters([plan.generation], self._roster_members())
         # Survivors report without waiting for the plan: some reports may be in already.
         m.expect_reports(plan.generation, action.expect_reports)
         if action.supersedes is not None:  # survivors waiting on the old plan move on to this
@@ -168,6 +171,10 @@ class Executor:
         self.say(
             f"recovery: generation {plan.generation}, dead ranks {sorted(rec.dead)}; {replaced}"
         )
+
+    def _roster_members(self) -> list[str]:
+        """The members of the newest roster: the processes a plan's wake-up may stop."""
+        return sorted(set(self.state.roster.slots.values()))
 
     def _agree(self, action: Agree) -> None:
         rec, roster, m = self.state.recovery, action.roster, self.membership
@@ -204,7 +211,9 @@ class Executor:
         self.state.out_of_redundancy = report
         # Survivors waiting on the current plan, and those that report for the next
         # generation, see the decision.
-        self.membership.publish_out_of_redundancy(report, list(action.generations))
+        self.membership.publish_out_of_redundancy(
+            report, list(action.generations), wake=self._roster_members()
+        )
         self.events("out_of_redundancy", **report.to_dict())
         self.say(f"OUT OF REDUNDANCY: {report.reason}")
 

@@ -70,6 +70,11 @@ class MemoryStore:
             self._data.values[key] = _bytes(value)
             self._data.changed.notify_all()
 
+    def multi_set(self, keys: list[str], values: list[str | bytes]) -> None:
+        with self._data.changed:
+            self._data.values.update(zip(keys, map(_bytes, values), strict=True))
+            self._data.changed.notify_all()
+
     def get(self, key: str) -> bytes:
         return self._when(lambda v: v.get(key), [key])
 

@@ -114,6 +114,16 @@ class Keys:
     plan watch aborts its groups when it passes the survivor's generation.
 
     sealed | writes: the coordinator | reads: the workers' plan watch | kept: the job's life"""
+    PLAN_WAKE = "gen{g}/wake/{member}"
+    """Appears with plan g for each member of the roster the survivors joined: a survivor's
+    plan waiter (`worker/plan_waiter.py`) blocks on its own key of the generation after the one
+    it joined and so sees the plan within a store round trip (the driver then stops it,
+    `Driver._on_plan_wake`); the member sets it itself to end its waiter. Only its existence is
+    read.
+
+    sealed | writes: the coordinator (right after the plan and the spares' wake-up, one batched
+    request per `BATCH_KEYS`), the member (ending its waiter) | reads: the member's plan waiter
+    | kept: its generation"""
     PLAN = "gen{g}/plan"
     """Plan: dead and needy ranks, the slots that change from roster `base`.
 

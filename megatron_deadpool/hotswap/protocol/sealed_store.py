@@ -87,6 +87,14 @@ class SealedStore:
         """Put `value` in `key`, sealed."""
         self.store.set(key, self.seal.seal(key, value))
 
+    def set_many(self, keys: Sequence[str], value: str) -> None:
+        """Put `value` in every one of `keys`, sealed: the serving store's batched requests
+        (`BATCH_KEYS` keys each)."""
+        store = self.serving()
+        for i in range(0, len(keys), BATCH_KEYS):
+            batch = list(keys[i : i + BATCH_KEYS])
+            store.multi_set(batch, [self.seal.seal(k, value) for k in batch])
+
     def set_counted(self, key: str, value: str, counter: str) -> int:
         """Set `key`, then add one to `counter` (after the value is in: a reader that sees the
         count finds it); the counter's new value. One request less on a client whose sets

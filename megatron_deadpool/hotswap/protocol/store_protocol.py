@@ -37,11 +37,13 @@ class StoreLike(Protocol):
 @runtime_checkable
 class ServingStore(StoreLike, Protocol):
     """What the coordinator's own store answers besides (the coordinator's inbox, the keys of
-    finished generations)."""
+    finished generations, the survivors' wake-ups)."""
 
     def queue_pop(self, key: str) -> bytes: ...
 
     def list_keys(self) -> list[str]: ...
+
+    def multi_set(self, keys: list[str], values: list[str]) -> None: ...
 
 
 @runtime_checkable

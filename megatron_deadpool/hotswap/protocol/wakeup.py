@@ -114,7 +114,7 @@ class StoreWaiter(DeviceThread, Generic[V]):
             self.join(timeout_s)
 
 
-def _own_connection(membership: V) -> V:
+def own_connection(membership: V) -> V:
     """A connection of its own to the same server (torch's `clone`; a bounded client's clone
     is a plain one), for a thread that blocks in it."""
     clone = getattr(membership.store, "clone", None)
@@ -133,7 +133,7 @@ def coordinator_inbox(membership: I) -> StoreWaiter[I]:
         return True
 
     waiter = StoreWaiter(
-        _own_connection(membership),
+        own_connection(membership),
         block,
         membership.notify_coordinator,
         "deadpool-coordinator-inbox",
@@ -160,7 +160,7 @@ def spare_wakeups(membership: S) -> StoreWaiter[S]:
 
     # Unblocking wakes every waiting spare once: harmless, each only looks at the store again.
     waiter = StoreWaiter(
-        _own_connection(membership), block, membership.wake_spares, "deadpool-spare-wakeup"
+        own_connection(membership), block, membership.wake_spares, "deadpool-spare-wakeup"
     )
     waiter.start()
     return waiter

@@ -82,6 +82,15 @@ class WorkerView(StoreView):
         """Block until generation g is planned (True), or `timeout_s` passed."""
         return self.core.wait_read(Keys.PLAN.format(g=generation), timeout_s) is not None
 
+    def wait_plan_wake(self, generation: int, timeout_s: float) -> bool:
+        """Block until this member's wake-up of plan g appears (True), or `timeout_s` passed."""
+        key = Keys.PLAN_WAKE.format(g=generation, member=self.core.member)
+        return self.core.wait(key, timeout_s=timeout_s)
+
+    def wake_plan_waiter(self, generation: int) -> None:
+        """End this member's plan waiter blocked on plan g's wake-up (`wait_plan_wake`)."""
+        self.core.set(Keys.PLAN_WAKE.format(g=generation, member=self.core.member), "1")
+
     def wait_decision(self, generation: int, timeout_s: float) -> Decision | None:
         """Block until plan g is decided; None on timeout."""
         key = Keys.DECIDED.format(g=generation)

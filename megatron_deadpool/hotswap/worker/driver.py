@@ -70,12 +70,18 @@ from .injection import FaultInjector
 from .job_channel import JobChannel
 from .newcomer_build import NewcomerBuild
 from .newcomer_claim import claim
+from .plan_waiter import PlanWaiter
 from .plan_watch import PlanWatch
 from .recovery import Recovery
 from .step import Step
 from .weights import forget_cached_collectives, sync_params_from_main
 
 log = logging.getLogger("megatron_deadpool.driver")
+
+ROUND_SETTLE_S = 1.0
+"""Longest wait, after a plan woke this survivor, for its in-flight round's transfers to end
+before its groups are aborted (a transfer with a dead peer fails at once on gloo; on NCCL it
+ends only with the abort)."""
 
 T = TypeVar("T")
 
@@ -139,6 +145,10 @@ class Driver(JobChannel, NewcomerBuild):
         self._roster: Roster | None = None
         self._membership: WorkerView | None = None
         self._heartbeat: Heartbeat | None = None
+        self._plan_waiter: PlanWaiter | None = None
+        self._compute_lock = threading.Lock()
+        self._computing = False  # in a step's compute (`step`), where a plan stops it at once
+        self._plan_at_next_step = False  # a plan woke the waiter between steps
         self._faults: FaultInjector | None = None
         self._link: CoordinatorLink | None = None
         self._slot_waiter: StoreWaiter | None = None
@@ -224,7 +234,27 @@ class Driver(JobChannel, NewcomerBuild):
         self._heartbeat = beat
         beat.after_beat = self._after_beat
         beat.start()
+        waiter = PlanWaiter(membership, self._on_plan_wake)
+        self._plan_waiter = self.plan_watch.waiter = waiter
+        waiter.start()
         atexit.register(self.stop_heartbeat)  # whatever way this process ends (`Heartbeat.stop`)
+
+    def _on_plan_wake(self, membership: WorkerView) -> None:
+        """A plan after this rank's generation appeared (plan waiter's thread). In a step's
+        compute: once the in-flight replication round's transfers ended (at most
+        `ROUND_SETTLE_S`: the replicas that arrived are kept), the plan watch at once - this
+        survivor stops now. Between steps (its optimizer step done, replicating it, or the
+        job's own work between steps) the step is not cut short: a survivor behind the dead
+        rank may still complete it, and the abort waits for the next step's start
+        (`_begin_step`)."""
+        with self._compute_lock:
+            if not self._computing:
+                self._plan_at_next_step = True
+                return
+        replicator = self.replicator
+        if replicator is not None and not replicator.wait_in_flight(ROUND_SETTLE_S):
+            log.info("the in-flight round did not end within %gs of the plan", ROUND_SETTLE_S)
+        self.plan_watch(membership, at_once=True)
 
     def _after_beat(self, membership: WorkerView) -> None:
         """After each heartbeat (heartbeat thread): the plan watch, then (CUDA) whether this GPU
@@ -532,7 +562,11 @@ class Driver(JobChannel, NewcomerBuild):
         if repl is not None:
             repl.before_step()
         step = Step(n, started, repl.settle if repl is not None else None, self._end_step)
-        yield step
+        try:
+            yield step
+        finally:
+            with self._compute_lock:
+                self._computing = False
         if n not in step.ended:
             step.done(n)
         if last:  # a failure in here is recovered like any other
@@ -573,10 +607,16 @@ class Driver(JobChannel, NewcomerBuild):
                 failure = exc
 
     def _begin_step(self, n: int) -> None:
-        """As step n starts: stop without the coordinator; fire the faults injected at n."""
+        """As step n starts: stop without the coordinator; stop for a plan that woke the plan
+        waiter between steps (`_on_plan_wake`); fire the faults injected at n."""
         beat = self._heartbeat
         if beat is not None and beat.lost:
             raise self.coordinator_lost(beat.lost)
+        with self._compute_lock:
+            planned, self._plan_at_next_step = self._plan_at_next_step, False
+            self._computing = True
+        if planned:
+            self.plan_watch(self.membership, at_once=True)  # starts the abort, if still due
         self.faults.at_iteration(self._rank(), n, self._layout().ranks_per_node, self.replicator)
 
     def _step_completed(self, n: int) -> None:
@@ -783,7 +823,10 @@ class Driver(JobChannel, NewcomerBuild):
         return digest
 
     def stop_heartbeat(self) -> None:
-        """No more beats: this process's work is done (its silence is no failure)."""
+        """No more beats, no plan waited for: this process's work is done (its silence is no
+        failure)."""
+        if self._plan_waiter is not None:
+            self._plan_waiter.stop()
         if self._heartbeat is not None:
             self._heartbeat.stop(self.cfg.heartbeat_interval + self.cfg.heartbeat_timeout)
 

@@ -17,6 +17,14 @@ that is between collectives, in code that would not expect torch's groups to van
 training completed the same holds for the coordinator's end report (a peer lost in the job's
 final work: its last barrier, the final save).
 
+A survivor that is not blocked is stopped sooner: its plan waiter (`plan_waiter.py`) wakes the
+moment the plan appears and calls the watch `at_once`, which aborts without that beat - a
+crash's survivors that share no collective with the dead rank before the gradient sync would
+otherwise compute on to it. Every code path of the main thread already meets an abort wherever
+it lands (the beat makes that less likely, not impossible): any error after it is taken for the
+failure (`Driver.is_peer_failure`), between steps too (`megatron_lm.hooks.wrap_between_steps`).
+The heartbeat's look stays: it catches a plan the waiter missed (its store connection lost).
+
 On NCCL a collective that failed or timed out does not raise either (blocking wait is off): its
 backend only records the error (`devices.nccl.backend_errors`, polled here through `errors`),
 and the main thread waits behind the failed kernel. That is the second reason to abort: the main
@@ -45,6 +53,7 @@ import threading
 import time
 import traceback
 from collections.abc import Callable
+from typing import Protocol
 
 from ...devices.gloo import connections
 from ..protocol.worker_view import WorkerView
@@ -55,6 +64,12 @@ STUCK_S = 30.0
 """Seconds after the abort within which the main thread should have entered recovery (a
 collective of an aborted group raises at once; a slow host may take some seconds); past
 them every thread's stack goes to the log."""
+
+
+class Waiter(Protocol):
+    """What wakes the watch as the next generation's plan appears (`plan_waiter.PlanWaiter`)."""
+
+    def watch(self, generation: int) -> None: ...
 
 
 class PlanWatch:
@@ -85,12 +100,15 @@ class PlanWatch:
         self._after_training = False
         self._noticed: str | None = None  # seen one beat ago, not acted on yet
         self.fired: str | None = None  # why the groups were aborted in this generation
+        self.waiter: Waiter | None = None  # wakes the watch as a plan appears (`plan_waiter`)
 
     def joined(self, generation: int) -> None:
         """The main thread joined `generation`: watch for the next one's plan."""
         with self._lock:
             self._generation, self._noticed, self.fired = generation, None, None
             self._stacks_shown = False
+        if self.waiter is not None:
+            self.waiter.watch(generation)
 
     def recovering(self) -> None:
         """The main thread releases the groups itself: nothing to watch until it joins."""
@@ -102,8 +120,9 @@ class PlanWatch:
         with self._lock:
             self._after_training = True
 
-    def __call__(self, membership: WorkerView) -> None:
-        """One look (on the heartbeat thread, with its own store connection)."""
+    def __call__(self, membership: WorkerView, at_once: bool = False) -> None:
+        """One look (on the heartbeat thread, or with `at_once` on the plan waiter's: a plan
+        aborts without the beat's grace; each with its own store connection)."""
         g, after_training = self._generation, self._after_training
         if g is None:
             return
@@ -117,7 +136,7 @@ class PlanWatch:
             why, kind = "the coordinator reported a peer lost after training completed", "end"
         elif self._errors is not None and (failed := self._errors()):
             why, kind = f"a collective of this rank failed ({', '.join(failed[:3])})", "error"
-        if kind is None or kind != self._noticed:
+        if kind is None or (kind != self._noticed and not (at_once and kind == "plan")):
             self._noticed = kind  # the main thread gets one beat to get there first
             return
         with self._lock:

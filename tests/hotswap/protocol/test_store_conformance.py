@@ -81,6 +81,25 @@ def test_a_wait_returns_when_another_connection_sets_the_key(store: Any) -> None
     thread.join()
 
 
+def test_multi_set_sets_every_key_and_wakes_a_wait_on_one_of_them(store: Any) -> None:
+    other = store.clone()
+    other.set_timeout(datetime.timedelta(seconds=5))
+    woke: list[float] = []
+
+    def wait() -> None:
+        other.wait(["m/b"], datetime.timedelta(seconds=5))
+        woke.append(time.monotonic())
+
+    waited = threading.Thread(target=wait)
+    waited.start()
+    time.sleep(0.1)
+    t0 = time.monotonic()
+    store.multi_set(["m/a", "m/b"], ["1", b"\x00"])
+    waited.join(5)
+    assert woke and woke[0] - t0 < 1.0
+    assert store.multi_get(["m/a", "m/b"]) == [b"1", b"\x00"]
+
+
 def test_add_creates_counts_and_check_sees_it(store: Any) -> None:
     assert not store.check(["c"])
     assert store.add("c", 0) == 0

@@ -1,0 +1,106 @@
+"""A survivor stopped the moment the coordinator plans a recovery, not at its next collective
+with the dead rank.
+
+After a crash only the ranks that share a collective with the dead one meet the failure at once;
+a survivor with none to share before the data-parallel gradient sync computes on to it - most of
+an iteration (seconds at scale), with the CPU or GPU a newcomer's build could use - and the
+agreement waits for its report. The heartbeat's plan watch (`plan_watch.py`) would stop it only
+two beats after the plan. `PlanWaiter` is a thread on a store connection of its own that blocks
+on this member's wake-up key of the generation after the one it joined (`Keys.PLAN_WAKE`, which
+the coordinator sets for every member of that roster as it publishes a plan); when the key
+appears it calls the driver (`Driver._on_plan_wake`), which - the main thread in a step's compute
+- runs the plan watch at once (`PlanWatch.__call__(..., at_once=True)`): it aborts this rank's
+groups unless the main thread entered recovery first. Between steps the abort waits for the next
+step's start: a survivor behind the dead rank may still complete the step whose optimizer step
+it has done (its replication round: the replicas of that iteration), which an abort would cost
+it - one more iteration recomputed by everyone. `deadpool bench plan-wake` measures the wake-up at 1,024-16,384 ranks.
+
+One wait per generation joined: `watch(generation)` (the driver, as it joins) names the next key;
+after a wake-up the thread waits for the next `watch`. `stop()` sets the key it blocks on itself
+(no other process waits there), so that it never returns from torch while the interpreter shuts
+down. A lost store connection (the coordinator's host gone: its standby takes over) ends the
+thread; the heartbeat's plan watch still sees plans, a beat later.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+
+from ...devices.threads import DeviceThread, select_rank_device
+from ..protocol.connection import STORE_ERRORS
+from ..protocol.wakeup import BLOCK_S, own_connection
+from ..protocol.worker_view import WorkerView
+
+log = logging.getLogger(__name__)
+
+
+class PlanWaiter(DeviceThread):
+    """Calls `on_plan(membership)` (on its own connection) each time the plan of the generation
+    after the one named by `watch` appears."""
+
+    def __init__(self, membership: WorkerView, on_plan: Callable[[WorkerView], None]) -> None:
+        """`membership`: this member's view (the thread blocks on a connection of its own;
+        `stop` sets the key through `membership`'s)."""
+        super().__init__(name="deadpool-plan-waiter", daemon=True)
+        self._waker = membership
+        self.membership = own_connection(membership)
+        self.on_plan = on_plan
+        self._cond = threading.Condition()
+        self._next: int | None = None  # the generation whose wake-up to wait for next
+        self._blocked_on: int | None = None
+        self._stopping = False
+        self.lost: str | None = None  # why the store connection failed, if it did
+
+    def watch(self, generation: int) -> None:
+        """This process joined `generation`: wait for the next one's plan."""
+        with self._cond:
+            self._next = generation + 1
+            self._cond.notify()
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        """End the thread: set the key it blocks on, and wait for it."""
+        with self._cond:
+            self._stopping = True
+            blocked_on = self._blocked_on
+            self._cond.notify()
+        if blocked_on is not None and self.lost is None:
+            try:
+                self._waker.wake_plan_waiter(blocked_on)
+            except STORE_ERRORS:  # the store is gone: the blocked call fails on its own
+                pass
+        if self.is_alive() and threading.current_thread() is not self:
+            self.join(timeout_s)
+
+    def run(self) -> None:
+        while True:
+            with self._cond:
+                while self._next is None and not self._stopping:
+                    self._cond.wait()
+                if self._stopping or self._next is None:
+                    return
+                generation, self._next = self._next, None
+                self._blocked_on = generation
+            try:
+                woke = self.membership.wait_plan_wake(generation, BLOCK_S)
+            except STORE_ERRORS as exc:  # the store is gone
+                self.lost = str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
+                log.info("the plan waiter lost its store connection (%s)", self.lost)
+                return
+            with self._cond:
+                self._blocked_on = None
+                if self._stopping:
+                    return
+                if not woke and self._next is None:
+                    self._next = generation  # a day without a plan: wait again
+            if woke:
+                self._on_plan()
+
+    def _on_plan(self) -> None:
+        """Run `on_plan`; an error is logged (the heartbeat's plan watch still looks)."""
+        select_rank_device()  # known by now, if not when the thread started
+        try:
+            self.on_plan(self.membership)
+        except Exception as exc:  # noqa: BLE001 - the heartbeat's watch is the fallback
+            log.error("after a plan's wake-up: %s", str(exc).splitlines()[0][:200])
