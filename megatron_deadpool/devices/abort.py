@@ -12,7 +12,7 @@ still blocked in one - and before anything waits on a transfer or reads a receiv
 2. gloo: shut down the connections of every gloo group (`devices.gloo`): a collective blocked
    on a dead or SIGSTOPped peer raises at once instead of at the group's timeout (gloo's
    `abort()`, called in step 1, does nothing); in CPU mode a wait on a collective the
-   shutdown cannot end (a send under way) raises at once too (`gloo.interruptible_waits`).
+   shutdown cannot end (a send under way) raises within `gloo.WAIT_SLICE`.
 
 Afterwards torch knows no process group; handles still held by Megatron's objects are swapped
 for placeholders by `hotswap.worker.rebind.release` and the next generation is created from scratch -

@@ -26,11 +26,9 @@ collective) or for good (`isend`'s `wait()`). Measured: a 256 MB `isend` to a pe
 stopped reading stays blocked after `abort_groups`; seen in CI as a survivor whose main thread
 stayed in a tensor-parallel all-reduce of Megatron's backward after its abort, its peer's
 connection closed, until the coordinator presumed it dead. So, in CPU mode (where every group is
-gloo), `interruptible_waits()` makes a wait on a collective without a bound of its own wait for
-either the operation's future or the abort (`shutdown_connections` wakes it), and raise
-`DistBackendError` when the abort came first (from `shutdown_connections` until a group is
-created again). It used to poll in 200 ms slices: a survivor the plan waiter stopped in the
-middle of a tensor-parallel all-reduce entered its recovery up to 200 ms late. Not covered: a
+gloo), `interruptible_waits()` makes a wait on a collective without a bound of its own wait in
+slices of `WAIT_SLICE`, and raise `DistBackendError` after a slice once this process's groups
+were aborted (from `shutdown_connections` until a group is created again). Not covered: a
 point-to-point operation (and gloo's `reduce_scatter_tensor`), whose timed wait would fail the
 connection (`interruptible_waits`); a receive under way is not failed either (gloo keeps it
 as the pair's current read). Not on GPUs: an NCCL operation's `wait(timeout)` blocks the CPU
@@ -57,7 +55,11 @@ _LOCK = threading.Lock()
 _TRACKED: dict[int, str] = {}  # socket inode -> the group that opened it
 _INSTALLED: dict[str, Callable[..., Any]] = {}
 _ABORTED = threading.Event()  # set by the abort, cleared when a group is created again
-_WAITING: set[threading.Event] = set()  # the interruptible waits under way: the abort sets them
+
+WAIT_SLICE = datetime.timedelta(milliseconds=200)
+"""How long an interruptible wait blocks before it looks whether the groups were aborted."""
+
+_SLICE_OVER = "Operation timed out!"
 """The first line of what torch's `Work.wait(timeout)` raises when the timeout passed (no other
 effect: the operation goes on, a later wait returns its result; torch 2.13 and 2.14)."""
 
@@ -198,13 +200,15 @@ def store_port(group: dist.ProcessGroup) -> int | None:
 
 def interruptible_waits() -> None:
     """From now on `Work.wait()` without a timeout of its own, on a collective, raises
-    `DistBackendError` as soon as this process's groups are aborted, instead of waiting for an
-    operation that gloo will never finish (module docstring; CPU mode only). Idempotent.
+    `DistBackendError` within `WAIT_SLICE` of this process's groups being aborted, instead of
+    waiting for an operation that gloo will never finish (module docstring; CPU mode only).
+    Idempotent.
 
-    Such a wait blocks on an event that the operation's future (its done callback) or the abort
-    (`shutdown_connections`) sets, whichever comes first; the operation itself is left alone.
-    Not for an operation without a future (a point-to-point one; on gloo also
-    `reduce_scatter_tensor`): its wait is left as it is."""
+    Such a wait goes in slices of torch's own timed wait, which leaves the operation alone. Not
+    for an operation without a future (a point-to-point one; on gloo also
+    `reduce_scatter_tensor`): torch hands its timeout to gloo, which fails the connection when it
+    passes (measured: "Timed out waiting 200ms for send operation" on a send under way), so its
+    wait is left as it is."""
     if "wait" in _INSTALLED:
         return
     real = dist.Work.wait
@@ -215,27 +219,17 @@ def interruptible_waits() -> None:
     def wait(self: dist.Work, timeout: datetime.timedelta = no_bound) -> bool:
         if timeout != no_bound or not _has_future(self):
             return real(self, timeout)
-        finished, woken = threading.Event(), threading.Event()
-
-        def done(_: Any) -> None:
-            finished.set()
-            woken.set()
-
-        with _LOCK:
-            _WAITING.add(woken)
-        try:
-            self.get_future().add_done_callback(done)
-            if not _ABORTED.is_set():  # else the abort came before this wait was listed
-                woken.wait()
-        finally:
-            with _LOCK:
-                _WAITING.discard(woken)
-        if not finished.is_set():
-            raise dist.DistBackendError(
-                "this process's process groups were aborted while it waited on a gloo "
-                "operation its peers' loss left unfinished"
-            )
-        return real(self)
+        while True:
+            try:
+                return real(self, WAIT_SLICE)
+            except RuntimeError as exc:
+                if str(exc).partition("\n")[0] != _SLICE_OVER:  # then torch's C++ stack
+                    raise
+            if _ABORTED.is_set():
+                raise dist.DistBackendError(
+                    "this process's process groups were aborted while it waited on a gloo "
+                    "operation its peers' loss left unfinished"
+                )
 
     dist.Work.wait = wait  # type: ignore[method-assign]
 
@@ -269,8 +263,6 @@ def shutdown_connections() -> int:
     with _LOCK:
         targets = dict(_TRACKED)
         _TRACKED.clear()
-        for waiting in _WAITING:  # interruptible waits end now (`interruptible_waits`)
-            waiting.set()
     for fd, inode in socket_fds().items():
         if inode not in targets:
             continue

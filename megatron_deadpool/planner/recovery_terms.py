@@ -238,7 +238,8 @@ def node_failure(
             "measured here",
             "worst case: a survivor with no collective to share with the dead rank before the "
             f"gradient sync computes to its iteration's end ({job.iteration_s:.2f} s), unless "
-            f"its plan waiter wakes first: `{measured.PLAN_WAKE_COMMAND}`, "
+            f"its plan waiter wakes first (NCCL's abort; unverified on a GPU): "
+            f"`{measured.PLAN_WAKE_COMMAND}`, "
             f"{measured.PLAN_WAKE_DATE}, 2-core CPU, the plan -> the last of {wake_sizes} "
             "survivors woken (log2 in between, the smallest's below); its read of the plan and "
             "the abort's start not included",

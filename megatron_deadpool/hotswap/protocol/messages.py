@@ -117,8 +117,8 @@ class Keys:
     PLAN_WAKE = "gen{g}/wake/{member}"
     """Appears with plan g for each member of the roster the survivors joined: a survivor's
     plan waiter (`worker/plan_waiter.py`) blocks on its own key of the generation after the one
-    it joined and so sees the plan within a store round trip (the driver then stops it,
-    `Driver._on_plan_wake`); the member sets it itself to end its waiter. Only its existence is
+    it joined and so sees the plan within a store round trip (the driver then stops it:
+    `plan_waiter.PlanStop`); the member sets it itself to end its waiter. Only its existence is
     read.
 
     sealed | writes: the coordinator (right after the plan and the spares' wake-up, one batched

@@ -70,18 +70,13 @@ from .injection import FaultInjector
 from .job_channel import JobChannel
 from .newcomer_build import NewcomerBuild
 from .newcomer_claim import claim
-from .plan_waiter import PlanWaiter
+from .plan_waiter import PlanStop, PlanWaiter
 from .plan_watch import PlanWatch
 from .recovery import Recovery
 from .step import Step
 from .weights import forget_cached_collectives, sync_params_from_main
 
 log = logging.getLogger("megatron_deadpool.driver")
-
-ROUND_SETTLE_S = 1.0
-"""Longest wait, after a plan woke this survivor, for its in-flight round's transfers to end
-before its groups are aborted (a transfer with a dead peer fails at once on gloo; on NCCL it
-ends only with the abort)."""
 
 T = TypeVar("T")
 
@@ -146,9 +141,7 @@ class Driver(JobChannel, NewcomerBuild):
         self._membership: WorkerView | None = None
         self._heartbeat: Heartbeat | None = None
         self._plan_waiter: PlanWaiter | None = None
-        self._compute_lock = threading.Lock()
-        self._computing = False  # in a step's compute (`step`), where a plan stops it at once
-        self._plan_at_next_step = False  # a plan woke the waiter between steps
+        self._plan_stop = PlanStop()  # where a plan that woke the waiter stops this process
         self._faults: FaultInjector | None = None
         self._link: CoordinatorLink | None = None
         self._slot_waiter: StoreWaiter | None = None
@@ -240,21 +233,12 @@ class Driver(JobChannel, NewcomerBuild):
         atexit.register(self.stop_heartbeat)  # whatever way this process ends (`Heartbeat.stop`)
 
     def _on_plan_wake(self, membership: WorkerView) -> None:
-        """A plan after this rank's generation appeared (plan waiter's thread). In a step's
-        compute: once the in-flight replication round's transfers ended (at most
-        `ROUND_SETTLE_S`: the replicas that arrived are kept), the plan watch at once - this
-        survivor stops now. Between steps (its optimizer step done, replicating it, or the
-        job's own work between steps) the step is not cut short: a survivor behind the dead
-        rank may still complete it, and the abort waits for the next step's start
-        (`_begin_step`)."""
-        with self._compute_lock:
-            if not self._computing:
-                self._plan_at_next_step = True
-                return
-        replicator = self.replicator
-        if replicator is not None and not replicator.wait_in_flight(ROUND_SETTLE_S):
-            log.info("the in-flight round did not end within %gs of the plan", ROUND_SETTLE_S)
-        self.plan_watch(membership, at_once=True)
+        """A plan after this rank's generation appeared (plan waiter's thread): in a step's
+        compute on NCCL, the plan watch at once once the in-flight round's transfers ended (the
+        replicas that arrived are kept); else at the next step's start (`PlanStop`)."""
+        if self._plan_stop.woke(at_once=self.device.kind == "cuda"):
+            self._plan_stop.settle(self.replicator)
+            self.plan_watch(membership, at_once=True)
 
     def _after_beat(self, membership: WorkerView) -> None:
         """After each heartbeat (heartbeat thread): the plan watch, then (CUDA) whether this GPU
@@ -565,8 +549,7 @@ class Driver(JobChannel, NewcomerBuild):
         try:
             yield step
         finally:
-            with self._compute_lock:
-                self._computing = False
+            self._plan_stop.step_ends()
         if n not in step.ended:
             step.done(n)
         if last:  # a failure in here is recovered like any other
@@ -612,10 +595,7 @@ class Driver(JobChannel, NewcomerBuild):
         beat = self._heartbeat
         if beat is not None and beat.lost:
             raise self.coordinator_lost(beat.lost)
-        with self._compute_lock:
-            planned, self._plan_at_next_step = self._plan_at_next_step, False
-            self._computing = True
-        if planned:
+        if self._plan_stop.step_begins():
             self.plan_watch(self.membership, at_once=True)  # starts the abort, if still due
         self.faults.at_iteration(self._rank(), n, self._layout().ranks_per_node, self.replicator)
 

@@ -8,10 +8,10 @@ agreement waits for its report. The heartbeat's plan watch (`plan_watch.py`) wou
 two beats after the plan. `PlanWaiter` is a thread on a store connection of its own that blocks
 on this member's wake-up key of the generation after the one it joined (`Keys.PLAN_WAKE`, which
 the coordinator sets for every member of that roster as it publishes a plan); when the key
-appears it calls the driver (`Driver._on_plan_wake`), which - the main thread in a step's compute
-- runs the plan watch at once (`PlanWatch.__call__(..., at_once=True)`): it aborts this rank's
-groups unless the main thread entered recovery first. Between steps the abort waits for the next
-step's start: a survivor behind the dead rank may still complete the step whose optimizer step
+appears it calls the driver (`Driver._on_plan_wake`), which - the main thread in a step's compute,
+on NCCL (`PlanStop`) - runs the plan watch at once (`PlanWatch.__call__(..., at_once=True)`): it
+aborts this rank's groups unless the main thread entered recovery first. Between steps, and on
+gloo, the abort waits for the next step's start: a survivor behind the dead rank may still complete the step whose optimizer step
 it has done (its replication round: the replicas of that iteration), which an abort would cost
 it - one more iteration recomputed by everyone. `deadpool bench plan-wake` measures the wake-up at 1,024-16,384 ranks.
 
@@ -27,6 +27,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
+from typing import Protocol
 
 from ...devices.threads import DeviceThread, select_rank_device
 from ..protocol.connection import STORE_ERRORS
@@ -34,6 +35,64 @@ from ..protocol.wakeup import BLOCK_S, own_connection
 from ..protocol.worker_view import WorkerView
 
 log = logging.getLogger(__name__)
+
+ROUND_SETTLE_S = 1.0
+"""Longest wait, after a plan woke a survivor in a step's compute, for its in-flight round's
+transfers to end before its groups are aborted (a transfer with a dead peer fails at once on
+gloo; on NCCL it ends only with the abort)."""
+
+
+class InFlight(Protocol):
+    """A replication round that may be in flight (`replication.replicator.Replicator`)."""
+
+    def wait_in_flight(self, timeout_s: float) -> bool: ...
+
+
+class PlanStop:
+    """Where a plan that woke the plan waiter stops the main thread: in a step's compute at once
+    where the device's abort ends a collective under way cleanly (`woke`); else, and between
+    steps, at the next step's start (`step_begins`) - a survivor behind the dead rank may still
+    complete the step whose optimizer step it has done. The driver marks the steps
+    (`step_begins`, `step_ends`).
+
+    At once only on NCCL (`ncclCommAbort` ends the kernels of every operation under way, the
+    plan watch's abort of a hung peer's survivors relies on it). On gloo an abort in the middle
+    of a collective with live peers can leave a send under way that gloo neither completes nor
+    fails (`devices/gloo.py`): measured, a rank entering its recovery 200 ms late (its wait's
+    slice), and once - in the suite, torch 2.13, groups rebuilt - a survivor that never reached
+    the next generation; so a CPU survivor in compute goes on to its next collective with the
+    dead rank, as before."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._computing = False
+        self._at_next_step = False
+
+    def woke(self, at_once: bool) -> bool:
+        """(The waiter's thread) a plan appeared: whether to stop now - in a step's compute,
+        where the abort may cut a collective (`at_once`) - else at the next step's start."""
+        with self._lock:
+            now = self._computing and at_once
+            self._at_next_step = not now
+            return now
+
+    def settle(self, replicator: InFlight | None) -> None:
+        """Before stopping now: wait until the in-flight round's transfers ended (at most
+        `ROUND_SETTLE_S`), so that `abandon` keeps the replicas that arrived."""
+        if replicator is not None and not replicator.wait_in_flight(ROUND_SETTLE_S):
+            log.info("the in-flight round did not end within %gs of the plan", ROUND_SETTLE_S)
+
+    def step_begins(self) -> bool:
+        """(The main thread) a step's compute begins: whether a plan woke the waiter since the
+        last step's compute ended (stop now)."""
+        with self._lock:
+            planned, self._at_next_step, self._computing = self._at_next_step, False, True
+            return planned
+
+    def step_ends(self) -> None:
+        """(The main thread) the step's compute ended (or failed)."""
+        with self._lock:
+            self._computing = False
 
 
 class PlanWaiter(DeviceThread):

@@ -16,7 +16,7 @@ from stores import SEAL
 
 from megatron_deadpool.hotswap.protocol.membership import Membership, host_store
 from megatron_deadpool.hotswap.protocol.messages import Keys, Plan
-from megatron_deadpool.hotswap.worker.plan_waiter import PlanWaiter
+from megatron_deadpool.hotswap.worker.plan_waiter import ROUND_SETTLE_S, PlanStop, PlanWaiter
 from megatron_deadpool.hotswap.worker.plan_watch import PlanWatch
 
 PLAN = Plan(generation=1, base=0, world_size=4, dead=(2,), needy=(2,), replaced={2: "s0"})
@@ -121,3 +121,30 @@ def test_the_coordinator_wakes_every_member_of_its_roster_as_it_plans() -> None:
         if job.m().core.present(Keys.PLAN_WAKE.format(g=1, member=m))
     ]
     assert woken == ["a0", "a1", "a2", "a3"]  # the roster's members; the spares wait otherwise
+
+
+def test_a_plan_stops_a_step_in_compute_at_once_and_between_steps_at_the_next_one() -> None:
+    stop = PlanStop()
+    assert stop.woke(at_once=True) is False  # no step yet (not started, or between steps)
+    assert stop.step_begins() is True  # so the next step's start stops it
+    assert stop.woke(at_once=True) is True  # in the compute (NCCL): at once
+    stop.step_ends()
+    assert stop.step_begins() is False  # nothing woke it between these steps
+    assert stop.woke(at_once=False) is False  # in the compute on gloo: not at once
+    stop.step_ends()
+    assert stop.step_begins() is True  # but at the next step's start
+    stop.step_ends()
+    assert stop.woke(at_once=True) is False and stop.step_begins() is True
+
+
+def test_settle_waits_for_the_round_in_flight_at_most_its_bound() -> None:
+    waits: list[float] = []
+
+    class Round:
+        def wait_in_flight(self, timeout_s: float) -> bool:
+            waits.append(timeout_s)
+            return False
+
+    PlanStop().settle(Round())
+    PlanStop().settle(None)
+    assert waits == [ROUND_SETTLE_S]
