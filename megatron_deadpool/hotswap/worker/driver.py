@@ -591,12 +591,15 @@ class Driver(JobChannel, NewcomerBuild):
 
     def _begin_step(self, n: int) -> None:
         """As step n starts: stop without the coordinator; stop for a plan that woke the plan
-        waiter between steps (`_on_plan_wake`); fire the faults injected at n."""
+        waiter between steps or on gloo (`_on_plan_wake`: a peer failure, which the job's
+        recovery loop takes); fire the faults injected at n."""
         beat = self._heartbeat
         if beat is not None and beat.lost:
             raise self.coordinator_lost(beat.lost)
-        if self._plan_stop.step_begins():
-            self.plan_watch(self.membership, at_once=True)  # starts the abort, if still due
+        if self._plan_stop.step_begins() and self.plan_watch.planned_after(self.membership):
+            # Before any collective of the step: the recovery aborts the groups itself, with
+            # nothing under way (on gloo an abort in a collective can leave a send unfinished).
+            raise dist.DistBackendError(f"a recovery was planned before step {n}: not started")
         self.faults.at_iteration(self._rank(), n, self._layout().ranks_per_node, self.replicator)
 
     def _step_completed(self, n: int) -> None:

@@ -111,6 +111,11 @@ class PlanWatch:
         if self.waiter is not None:
             self.waiter.watch(generation)
 
+    def planned_after(self, membership: WorkerView) -> bool:
+        """Whether a generation after the one the main thread joined is planned (one read)."""
+        g = self._generation
+        return g is not None and membership.latest_plan() > g
+
     def recovering(self) -> None:
         """The main thread releases the groups itself: nothing to watch until it joins."""
         with self._lock:

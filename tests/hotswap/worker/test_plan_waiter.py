@@ -148,3 +148,17 @@ def test_settle_waits_for_the_round_in_flight_at_most_its_bound() -> None:
     PlanStop().settle(Round())
     PlanStop().settle(None)
     assert waits == [ROUND_SETTLE_S]
+
+
+def test_planned_after_is_a_plan_past_the_joined_generation(coordinator: Membership) -> None:
+    """What the driver reads at a step's start before it raises (`Driver._begin_step`)."""
+    watch = PlanWatch(lambda: None)
+    assert not watch.planned_after(coordinator)  # nothing joined
+    watch.joined(0)
+    assert not watch.planned_after(coordinator)
+    coordinator.publish_plan(PLAN)
+    assert watch.planned_after(coordinator)
+    watch.recovering()
+    assert not watch.planned_after(coordinator)
+    watch.joined(1)
+    assert not watch.planned_after(coordinator)
