@@ -32,16 +32,17 @@ on pidfds, `deadpool train --node-agents` gave 0.24-0.86 s with a 1 s beat). A G
 exit also tears its CUDA context down first: not included.
 
 `PLAN_WAKE_S`: seconds from the coordinator's plan until the last survivor's plan waiter woke
-(`hotswap/worker/plan_waiter.py`: a crash's survivors stop training then, not at their next
-collective with the dead rank), in a job of `world` processes: the coordinator publishes the plan
-through its real code (`publish_plan`, one sealed wake-up key per member) on the store it hosts,
+(`hotswap/worker/plan_waiter.py`: on NCCL a crash's survivors stop training then, not at their
+next collective with the dead rank), in a job of `world` processes: the coordinator publishes the
+plan through its real code (`publish_plan`, then `wake_plan_waiters`: one sealed wake-up key per
+member) on the store it hosts,
 and waiter processes hold one blocked WAIT per survivor (`bench/scale/plan_wake.py`; median of 3
 plans per size) - on the same 2 cores, so an upper bound:
 
     deadpool bench plan-wake --ranks 1024 4096 16384
 
 (2026-11-29, Python 3.11, torch 2.13, 4 waiter processes: 0.103-0.131 s at 1,024, 0.177-0.201 s
-at 4,096, 0.667-0.938 s at 16,384; the coordinator's `publish_plan` itself 0.04-0.11 s.)
+at 4,096, 0.667-0.938 s at 16,384; the coordinator's two calls themselves 0.04-0.11 s.)
 Interpolated like `AGREE_S`.
 
 Pure data and arithmetic: no torch, no communication.

@@ -211,9 +211,8 @@ class Executor:
         self.state.out_of_redundancy = report
         # Survivors waiting on the current plan, and those that report for the next
         # generation, see the decision.
-        self.membership.publish_out_of_redundancy(
-            report, list(action.generations), wake=self._roster_members()
-        )
+        self.membership.publish_out_of_redundancy(report, list(action.generations))
+        self.membership.wake_plan_waiters(action.generations, self._roster_members())
         self.events("out_of_redundancy", **report.to_dict())
         self.say(f"OUT OF REDUNDANCY: {report.reason}")
 

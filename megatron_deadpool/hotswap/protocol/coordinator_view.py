@@ -113,17 +113,14 @@ class CoordinatorView(StoreView):
         """The coordinator's decision on plan g."""
         self.core.set(Keys.DECIDED.format(g=generation), decision.encode())
 
-    def publish_out_of_redundancy(
-        self, report: OutOfRedundancy, generations: list[int], wake: Sequence[str] = ()
-    ) -> None:
+    def publish_out_of_redundancy(self, report: OutOfRedundancy, generations: list[int]) -> None:
         """Memory cannot recover: the report, the decision on each of `generations` (survivors
         waiting on their plans see it), and the newest of them as the latest plan (survivors
-        blocked in a collective are released by their plan watch, those of `wake` at once)."""
+        blocked in a collective are released by their plan watch)."""
         self.core.set(Keys.OUT_OF_REDUNDANCY, report.encode())
         for g in generations:
             self.decide(g, Decision.out_of_redundancy())
         self.core.set(Keys.LATEST_PLAN, str(max(generations)))
-        self.wake_plan_waiters(generations, wake)
 
     def wake_plan_waiters(self, generations: Sequence[int], members: Sequence[str]) -> None:
         """The plan waiters of `members` woken: their wake-up keys of `generations`

@@ -7,13 +7,14 @@ an iteration (seconds at scale), with the CPU or GPU a newcomer's build could us
 agreement waits for its report. The heartbeat's plan watch (`plan_watch.py`) would stop it only
 two beats after the plan. `PlanWaiter` is a thread on a store connection of its own that blocks
 on this member's wake-up key of the generation after the one it joined (`Keys.PLAN_WAKE`, which
-the coordinator sets for every member of that roster as it publishes a plan); when the key
-appears it calls the driver (`Driver._on_plan_wake`), which - the main thread in a step's compute,
-on NCCL (`PlanStop`) - runs the plan watch at once (`PlanWatch.__call__(..., at_once=True)`): it
-aborts this rank's groups unless the main thread entered recovery first. Between steps, and on
-gloo, the abort waits for the next step's start: a survivor behind the dead rank may still complete the step whose optimizer step
-it has done (its replication round: the replicas of that iteration), which an abort would cost
-it - one more iteration recomputed by everyone. `deadpool bench plan-wake` measures the wake-up at 1,024-16,384 ranks.
+the coordinator sets for every member of that roster right after it publishes a plan); when the
+key appears it calls the driver (`Driver._on_plan_wake`), which - the main thread in a step's
+compute, on NCCL (`PlanStop`) - runs the plan watch at once (`PlanWatch.__call__(...,
+at_once=True)`): it aborts this rank's groups unless the main thread entered recovery first.
+Between steps, and on gloo, the stop waits for the next step's start: a survivor behind the dead
+rank may still complete the step whose optimizer step it has done (its replication round: the
+replicas of that iteration), which an abort would cost it - one more iteration recomputed by
+everyone. `deadpool bench plan-wake` measures the wake-up at 1,024-16,384 ranks.
 
 One wait per generation joined: `watch(generation)` (the driver, as it joins) names the next key;
 after a wake-up the thread waits for the next `watch`. `stop()` sets the key it blocks on itself
