@@ -29,8 +29,10 @@ experimental); for gloo (torch's ``ProcessGroupGloo::reconfigure``, read in its 
 
 So survivors keep their `ProcessGroup` objects - Megatron's module globals and every handle the
 model, DDP and the optimizer hold stay valid, nothing is walked or rebound - and the repair of
-a generation is one reconfigure per group, in the order the groups were created (every member
-takes them in that order, as at creation: no cycle of waits).
+a generation is one reconfigure per group, in two parts (`split_by_members`): the groups no
+newcomer is in, which the survivors repair while the newcomers still build, then the others,
+each part in the order the groups were created (every member takes any two groups it shares
+with another in the same order: no cycle of waits).
 
 `choose` decides, from what the running torch offers and the backend, whether a recovery
 repairs (`Choice.repair`) or falls back to the rebuild of a new generation (torch < 2.14, NCCL,
@@ -45,7 +47,7 @@ import datetime
 import functools
 import os
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -188,6 +190,22 @@ def plan_repair(
             raise RepairPlanError(f"group {name!r}: two members published the same handle")
         out.append(GroupRepair(name, tuple(ranks), tuple(listed)))
     return out
+
+
+def split_by_members(
+    groups: Sequence[tuple[str, Sequence[int]]], ranks: Collection[int]
+) -> tuple[list[tuple[str, Sequence[int]]], list[tuple[str, Sequence[int]]]]:
+    """`groups` (name, global ranks; in creation order) split into those none of `ranks` is in
+    and the others, each part in creation order. Pure.
+
+    Survivors repair the first part while the newcomers (`ranks`) still build, and the second
+    once they joined; a newcomer is in the second part's groups only. So every process takes
+    any two groups it shares with another in the same order - a first part's group before a
+    second part's, creation order within a part - and no two wait on each other."""
+    apart = set(ranks)
+    without = [(name, members) for name, members in groups if not apart & set(members)]
+    with_them = [(name, members) for name, members in groups if apart & set(members)]
+    return without, with_them
 
 
 @dataclass(frozen=True)

@@ -72,6 +72,29 @@ def test_each_group_lists_its_members_handles_in_group_rank_order() -> None:
     ]
 
 
+def test_groups_without_the_newcomers_come_first_in_one_order_every_process_shares() -> None:
+    """TP2xDP2 with rank 2 replaced: each survivor repairs the groups rank 2 is not in while it
+    builds; every process then takes the groups it shares with another in the same order (no
+    two wait on each other), the newcomer only the second part."""
+    groups = [("w", [0, 1, 2, 3]), ("tp0", [0, 1]), ("tp1", [2, 3]), ("dp0", [0, 2])]
+    groups += [("dp1", [1, 3]), ("one0", [0]), ("one2", [2])]
+    without, with_them = reconfigure.split_by_members(groups, {2})
+    assert [n for n, _ in without] == ["tp0", "dp1", "one0"]
+    assert [n for n, _ in with_them] == ["w", "tp1", "dp0", "one2"]
+
+    def order(rank: int) -> list[str]:  # what `group_repair.repair` does, in two calls
+        own = [(n, members) for n, members in groups if rank in members]
+        first, second = reconfigure.split_by_members(own, {2})
+        return [n for n, _ in (second if rank == 2 else first + second)]
+
+    for rank in range(4):
+        for other in range(4):
+            shared = [n for n in order(rank) if n in order(other)]
+            assert shared == [n for n in order(other) if n in order(rank)], (rank, other)
+    assert order(2) == ["w", "tp1", "dp0", "one2"]
+    assert reconfigure.split_by_members(groups, set()) == (groups, [])
+
+
 def test_a_missing_or_repeated_handle_is_named() -> None:
     with pytest.raises(RepairPlanError, match="rank 1 published no reconfigure handles"):
         reconfigure.plan_repair([("0", [0, 1])], {0: {"0": "gloo:0"}})
@@ -153,12 +176,22 @@ def _child(rank: int, port: int, role: str, repair_timeout_s: float) -> None:
         store.set(f"handles/{rank}", json.dumps(rc.own_handles()))
         if role == "lost spare":  # dies after it published its handles, before the repair
             os._exit(0)
-        handles = {r: rc.check_handles(r, json.loads(store.get(f"handles/{r}"))) for r in range(3)}
-        plan = rc.plan_repair([(n, list(rs)) for n, _, rs in rc.known_groups()], handles)
+
+        def handles(ranks: list[int]) -> dict[int, dict[str, str]]:
+            return {r: rc.check_handles(r, json.loads(store.get(f"handles/{r}"))) for r in ranks}
+
+        groups = [(n, list(rs)) for n, _, rs in rc.known_groups()]
+        bound = datetime.timedelta(seconds=repair_timeout_s)
+        result["repaired"] = 0
+        if role == "survivor":  # the groups without rank 2 first, before its spare even starts
+            ahead, groups = rc.split_by_members(groups, {2})
+            result["repaired"] = rc.repair(rc.plan_repair(ahead, handles([0, 1])), 1, bound).groups
+            result["ahead"] = result["repaired"]
+            store.set(f"ahead/{rank}", "1")
+        plan = rc.plan_repair(groups, handles([0, 1, 2]))
         t0 = time.perf_counter()
         try:
-            report = rc.repair(plan, 1, datetime.timedelta(seconds=repair_timeout_s))
-            result["repaired"] = report.groups
+            result["repaired"] += rc.repair(plan, 1, bound).groups
         except RuntimeError as exc:
             result["repair_error"] = str(exc).splitlines()[0][:160]
             result["repair_s"] = time.perf_counter() - t0
@@ -222,6 +255,9 @@ def _run(spare_comes: bool, repair_timeout_s: float) -> dict[str, dict[str, Any]
         os.killpg(procs[2].pid, signal.SIGKILL)
         procs[2].wait(30)
         store.set("victim/killed", "1")
+        while not store.check(["ahead/0", "ahead/1"]):  # without the spare: it starts after
+            assert time.monotonic() < deadline, "the survivors never repaired their own group"
+            time.sleep(0.05)
         role = "spare" if spare_comes else "lost spare"
         procs.append(_start(2, store.port, role, repair_timeout_s))
         out = {f"survivor{r}": _result(store, "survivor", r, deadline) for r in (0, 1)}
@@ -249,6 +285,7 @@ def test_survivors_keep_their_group_objects_and_a_spare_joins_them_in_place() ->
         assert out[who]["failed"] is not None, "the victim's death must fail a collective"
         assert out[who]["before"] == out[who]["after"], out[who]
     assert out["survivor0"]["repaired"] == 2 and out["survivor1"]["repaired"] == 3
+    assert out["survivor0"]["ahead"] == out["survivor1"]["ahead"] == 1  # [0, 1]
     assert out["spare"]["repaired"] == 2 and out["spare"]["rank"] == 2
 
 

@@ -5,7 +5,11 @@ globals and every handle the model, DDP and the optimizer hold, DeadPool's repli
 so nothing is released, walked or rebound: their abort only shuts the groups' connections down
 (`devices.abort.keep_groups`), and once the roster of generation g is agreed each process
 publishes its reconfigure handles (`RepairHandles`, sealed like every value of the job, under
-``gen{g}/repair/{rank}``), reads every rank's, and reconfigures each of its groups with uuid g.
+``gen{g}/repair/{rank}``), reads its groups' members', and reconfigures each of its groups with
+uuid g. A survivor does it in two parts: the groups no newcomer is in as soon as the roster is
+agreed, while the newcomers still build and claim their slots (`InPlace.repair_ahead`, called
+by `Recovery.agree`), the others once they have (`InPlace.reconstruct`) - so that after the
+claims only the newcomers' groups are left to repair.
 
 A newcomer builds its world as the survivors once did, on the same store prefix (the generation
 the survivors' groups were created in, `RepairHandles.base`, read from a survivor's handles) and
@@ -23,7 +27,7 @@ import datetime
 import json
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -57,6 +61,7 @@ class InPlace:
     def __init__(self, backend: str) -> None:
         self.base: int | None = None
         self.ahead: int | None = None  # a newcomer's groups, created ahead on this base
+        self._repaired_ahead: tuple[int, frozenset[str]] = (-1, frozenset())  # `repair_ahead`'s
         self.choose(backend)
 
     def choose(self, backend: str) -> None:
@@ -139,14 +144,34 @@ class InPlace:
         finally:
             keep_groups(self.choice.repair)
 
+    def repair_ahead(
+        self, membership: WorkerView, roster: Roster, rank: int, newcomers: frozenset[int]
+    ) -> None:
+        """A survivor of `roster`, its restore iteration agreed, while the `newcomers` still
+        build and claim their slots: repair now the groups none of them is in (with the other
+        survivors, who do the same), the rest in `reconstruct` once they joined."""
+        if self.base is None:
+            raise DeadpoolRuntimeError("no process groups to repair: this process never joined")
+        names = repair(membership, roster.generation, rank, self.base, newcomers=newcomers)
+        self._repaired_ahead = (roster.generation, names)
+
     def reconstruct(
         self, membership: WorkerView, roster: Roster, rank: int, *, joining: bool = False
     ) -> None:
-        """Repair every group of this process in place for `roster` (`repair`): a survivor's
-        reconstruct step, or a newcomer's (`joining`) once its groups exist (`creating`)."""
+        """Repair every group of this process in place for `roster` (`repair`) but those it
+        repaired ahead for the same generation (`repair_ahead`): a survivor's reconstruct step,
+        or a newcomer's (`joining`) once its groups exist (`creating`)."""
         if self.base is None:
             raise DeadpoolRuntimeError("no process groups to repair: this process never joined")
-        repair(membership, roster.generation, rank, roster.world_size, self.base)
+        g, done = self._repaired_ahead
+        self._repaired_ahead = (-1, frozenset())
+        repair(
+            membership,
+            roster.generation,
+            rank,
+            self.base,
+            done=done if g == roster.generation else frozenset(),
+        )
         log.info(
             "generation %d: rank %d %s its groups in place (world group %s)",
             *(roster.generation, rank, "joined" if joining else "repaired", world_id()),
@@ -224,23 +249,35 @@ def repair(
     membership: WorkerView,
     generation: int,
     rank: int,
-    world_size: int,
     base: int,
     timeout_s: float = REPAIR_TIMEOUT_S,
-) -> float:
-    """Publish this process's handles (unless it did), read every rank's, and reconfigure each
-    of this process's groups in place under uuid `generation`; returns the seconds the
-    reconfigures took. A member lost meanwhile: `DistBackendError` within `timeout_s`."""
-    publish(membership, generation, rank, base)
+    *,
+    newcomers: frozenset[int] | None = None,
+    done: frozenset[str] = frozenset(),
+) -> frozenset[str]:
+    """Publish this process's handles (unless it repaired groups of generation g already:
+    `done`), read its groups' members', and reconfigure each of its groups but `done` in place
+    under uuid `generation`; returns the names of the groups reconfigured. `newcomers`: only
+    the groups none of them is in (a survivor's repair ahead, `InPlace.repair_ahead`). A member
+    lost meanwhile: `DistBackendError` within `timeout_s`."""
+    if not done:
+        publish(membership, generation, rank, base)
+    groups: list[tuple[str, Sequence[int]]] = [
+        (name, ranks) for name, _, ranks in reconfigure.known_groups() if name not in done
+    ]
+    if newcomers is not None:
+        groups = reconfigure.split_by_members(groups, newcomers)[0]
+    if not groups:
+        return frozenset()
     t0 = time.perf_counter()
-    published = read(membership, generation, list(range(world_size)), timeout_s)
+    members = sorted({r for _, ranks in groups for r in ranks})
+    published = read(membership, generation, members, timeout_s)
     bases = {h.base for h in published.values()}
     if bases != {base}:
         raise RepairPlanError(
             f"generation {generation}: ranks created their groups in different generations "
             f"{sorted(bases)}: their groups cannot be repaired together"
         )
-    groups = [(name, list(ranks)) for name, _, ranks in reconfigure.known_groups()]
     plan = reconfigure.plan_repair(groups, {r: h.handles for r, h in published.items()})
     try:
         report = reconfigure.repair(plan, generation, datetime.timedelta(seconds=timeout_s))
@@ -252,9 +289,10 @@ def repair(
             f"{str(exc).splitlines()[0][:200]}"
         ) from exc
     log.info(
-        "repaired %d process groups in place in %.3fs (handles read in %.3fs)",
+        "repaired %d process groups in place in %.3fs (handles read in %.3fs)%s",
         report.groups,
         report.seconds,
         time.perf_counter() - t0 - report.seconds,
+        " before the newcomers joined" if newcomers is not None else "",
     )
-    return report.seconds
+    return frozenset(step.name for step in plan)

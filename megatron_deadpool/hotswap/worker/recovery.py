@@ -156,6 +156,7 @@ class Recovery:
         cause: BaseException,
         salvage_target: SalvageTarget,
         meanwhile: Callable[[], object] = lambda: None,
+        before_newcomers: Callable[[Roster, frozenset[int]], object] | None = None,
     ) -> Roster:
         """Report holdings for the coordinator's plan(s) until a roster includes this process;
         the roster agreed becomes this recovery's (`roster`, `rank`). After the first report,
@@ -174,6 +175,10 @@ class Recovery:
         that (its slot given up by the coordinator) leads to the next plan instead of a
         rendezvous that would wait for it until the process groups' timeout. A process the
         plan counts as a newcomer claims its slot too (`needy`).
+
+        `before_newcomers(roster, newcomers)`: what a survivor that keeps its slot does once a
+        roster is agreed, before it waits for the newcomers' claims (the repair of the groups
+        none of them is in, `InPlace.repair_ahead`).
 
         `job_report` is published with the holdings (e.g. Megatron's counters): what the
         replicator holds, or nothing for a process without a slot (the coordinator reads only
@@ -237,6 +242,8 @@ class Recovery:
                 log.info(
                     "generation %d restores rank %d from a holder (planned as a newcomer)", g, rank
                 )
+            elif before_newcomers is not None:
+                before_newcomers(new, frozenset(plan.needy))
             ready = _waited(  # a newcomer claims its slot, or is given up when it dies
                 partial(m.wait_newcomers, g, plan.needy, DECISION_WAIT_S),
                 f"settled the newcomers' slots of generation {g}",
