@@ -463,7 +463,10 @@ def test_inject_failure_signals_only_its_jobs_processes_at_an_iteration(
     stop = subprocess.run([*inject, "--signal", "STOP", "--at-iteration", "3"], env=env,
                           capture_output=True, text=True, timeout=30, check=False)  # fmt: skip
     assert stop.returncode == 0, stop.stderr
-    assert set(_job_processes(lab, "n2", target).values()) == {"T"}, stop.stdout
+    deadline = time.time() + 5  # a SIGSTOP takes effect once its target next runs
+    while set(_job_processes(lab, "n2", target).values()) != {"T"}:
+        assert time.time() < deadline, (stop.stdout, _job_processes(lab, "n2", target))
+        time.sleep(0.05)
     assert "T" not in _job_processes(lab, "n2", other).values()
     assert "T" not in _job_processes(lab, "n1", target).values()
     kill = subprocess.run([*inject, "--signal", "KILL", "--at-iteration", "5"], env=env,

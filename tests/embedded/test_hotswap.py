@@ -393,5 +393,7 @@ def test_survivors_repair_their_groups_in_place_and_stay_bitwise(
             assert first is not None and m.group(1) == first.group(1), (name, m.group(0))
             repairs += 1
     assert repairs == 3 + 3  # three survivors in each of the two recoveries
+    # Each of them first repaired, with the other survivors, the groups no newcomer is in.
+    assert text.count("before the newcomers joined") == 3 + 3, text[-3000:]
     newcomers = re.findall(r"generation (\d): rank (\d) joined its groups in place", text)
     assert sorted(newcomers) == [("1", "2"), ("2", "1")]

@@ -657,7 +657,11 @@ class Driver(JobChannel, NewcomerBuild):
             deadline=rec.started + self.cfg.heartbeat_timeout + self.cfg.agreement_timeout,
             cause=exc,
             salvage_target=self.job.salvage_target,
-            before_newcomers=self._repair_ahead if repairing else None,
+            before_newcomers=(
+                functools.partial(self.groups.repair_ahead, self.membership, taken=self._take)
+                if repairing
+                else None
+            ),
         )
         rec.mark("agree")  # the release of the old groups included (and a repair ahead)
         if repairing:
@@ -671,18 +675,6 @@ class Driver(JobChannel, NewcomerBuild):
         self.job.after_rejoin(roster)
         rec.mark("join")
         return self.restore(rec, newcomer=False, target=target)
-
-    def _repair_ahead(self, roster: Roster, newcomers: frozenset[int]) -> None:
-        """Repair the groups no newcomer of `roster` is in while they build (`InPlace`). Failed
-        - a member lost - this process takes `roster` first, as after a failed repair: the
-        next recovery is for the generation after it, whose groups are all repaired again."""
-        rank = roster.rank_of(self.member)
-        assert rank is not None
-        try:
-            self.groups.repair_ahead(self.membership, roster, rank, newcomers)
-        except dist.DistBackendError:
-            self._take(roster)
-            raise
 
     def check_rebindable(self) -> None:
         """Once the job's objects exist (`bind`): refuse, in one line, a process group they hold

@@ -145,14 +145,26 @@ class InPlace:
             keep_groups(self.choice.repair)
 
     def repair_ahead(
-        self, membership: WorkerView, roster: Roster, rank: int, newcomers: frozenset[int]
+        self,
+        membership: WorkerView,
+        roster: Roster,
+        rank: int,
+        newcomers: frozenset[int],
+        *,
+        taken: Callable[[Roster], None],
     ) -> None:
-        """A survivor of `roster`, its restore iteration agreed, while the `newcomers` still
-        build and claim their slots: repair now the groups none of them is in (with the other
-        survivors, who do the same), the rest in `reconstruct` once they joined."""
+        """A survivor, `rank` of `roster` (its restore iteration agreed), while the `newcomers`
+        still build and claim their slots: repair now the groups none of them is in (with the
+        other survivors, who do the same), the rest in `reconstruct` once they joined. Failed -
+        a member lost - the process takes `roster` first (`taken`), as after a failed repair:
+        the next recovery is for the generation after it, which repairs every group again."""
         if self.base is None:
             raise DeadpoolRuntimeError("no process groups to repair: this process never joined")
-        names = repair(membership, roster.generation, rank, self.base, newcomers=newcomers)
+        try:
+            names = repair(membership, roster.generation, rank, self.base, newcomers=newcomers)
+        except dist.DistBackendError:
+            taken(roster)
+            raise
         self._repaired_ahead = (roster.generation, names)
 
     def reconstruct(

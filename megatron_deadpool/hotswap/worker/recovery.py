@@ -156,7 +156,7 @@ class Recovery:
         cause: BaseException,
         salvage_target: SalvageTarget,
         meanwhile: Callable[[], object] = lambda: None,
-        before_newcomers: Callable[[Roster, frozenset[int]], object] | None = None,
+        before_newcomers: Callable[[Roster, int, frozenset[int]], object] | None = None,
     ) -> Roster:
         """Report holdings for the coordinator's plan(s) until a roster includes this process;
         the roster agreed becomes this recovery's (`roster`, `rank`). After the first report,
@@ -176,9 +176,9 @@ class Recovery:
         rendezvous that would wait for it until the process groups' timeout. A process the
         plan counts as a newcomer claims its slot too (`needy`).
 
-        `before_newcomers(roster, newcomers)`: what a survivor that keeps its slot does once a
-        roster is agreed, before it waits for the newcomers' claims (the repair of the groups
-        none of them is in, `InPlace.repair_ahead`).
+        `before_newcomers(roster, rank, newcomers)`: what a survivor that keeps its slot (`rank`
+        of the roster) does once a roster is agreed, before it waits for the newcomers' claims
+        (the repair of the groups none of them is in, `InPlace.repair_ahead`).
 
         `job_report` is published with the holdings (e.g. Megatron's counters): what the
         replicator holds, or nothing for a process without a slot (the coordinator reads only
@@ -243,7 +243,7 @@ class Recovery:
                     "generation %d restores rank %d from a holder (planned as a newcomer)", g, rank
                 )
             elif before_newcomers is not None:
-                before_newcomers(new, frozenset(plan.needy))
+                before_newcomers(new, rank, frozenset(plan.needy))
             ready = _waited(  # a newcomer claims its slot, or is given up when it dies
                 partial(m.wait_newcomers, g, plan.needy, DECISION_WAIT_S),
                 f"settled the newcomers' slots of generation {g}",
