@@ -65,6 +65,9 @@ def run(args: argparse.Namespace) -> int:
     from ..errors import ConfigError
 
     refuse_torchrun(os.environ, "megatron-lm")
+    from ..devices import gloo
+
+    gloo.check_settings()  # what every process would refuse, refused once here
     if args.nnodes != 1:
         raise ConfigError(
             f"--nnodes: {args.nnodes}; `deadpool megatron-lm` starts the ranks of one machine "

@@ -49,6 +49,9 @@ def run(args: argparse.Namespace) -> int:
         job.deadpool.spares,
     )
     check_paths(job, args)
+    from ..devices import gloo
+
+    gloo.check_settings()  # what every process would refuse, refused once here
     # Imports megatron-core: only once the input is valid.
     from ..embedded.launch import LocalLauncher
 

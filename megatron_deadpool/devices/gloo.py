@@ -65,7 +65,8 @@ effect: the operation goes on, a later wait returns its result; torch 2.13 and 2
 
 
 def check_settings(environ: MutableMapping[str, str] | None = None) -> None:
-    """Refuse settings under which a gloo group's connections are not made at its creation."""
+    """Refuse settings under which a gloo group's connections are not made at its creation, or
+    every group gets a gloo helper group no spare can build (torch's DETAIL debug level)."""
     env = os.environ if environ is None else environ
     value = env.get("TORCH_GLOO_LAZY_INIT", "")
     if value.strip().lower() in ("1", "true", "yes", "on"):
@@ -73,6 +74,17 @@ def check_settings(environ: MutableMapping[str, str] | None = None) -> None:
             f"TORCH_GLOO_LAZY_INIT={value}: DeadPool unblocks gloo collectives with a dead or "
             "stopped peer by shutting down the connections a group opens at its creation; "
             "unset it"
+        )
+    debug = env.get("TORCH_DISTRIBUTED_DEBUG", "")
+    if debug.strip().upper() == "DETAIL":
+        # Measured: torch 2.13 fails a spare's private world ("fn INTERNAL ASSERT FAILED ...
+        # Not implemented"), torch 2.14.1 crashes the spare (SIGSEGV) - every spare, so the
+        # first failure ends the job out of redundancy.
+        raise ConfigError(
+            f"TORCH_DISTRIBUTED_DEBUG={debug}: torch then wraps every process group in a "
+            "checking wrapper with a gloo helper group, which a spare cannot create in the "
+            "world of its own it builds in (torch fails or crashes every spare); use "
+            "TORCH_DISTRIBUTED_DEBUG=INFO or unset it"
         )
 
 

@@ -236,6 +236,9 @@ def prepare() -> None:
         cfg = preparse(sys.argv[1:])
         if cfg.enabled:  # torchrun would restart every rank on a failure
             refuse_torchrun(os.environ, "megatron-lm")
+            from ..devices import gloo
+
+            gloo.check_settings()  # before any rank or spare starts its world
         interplay.check_megatron_flags(sys.argv[1:], cfg)
         versions.prepare_python(versions.current())
         _cpu_mode()

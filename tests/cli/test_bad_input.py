@@ -239,3 +239,17 @@ def test_a_start_under_torchrun_is_refused_in_one_line(
     assert rc == 2 and len(err.strip().splitlines()) == 1, err
     assert "torchrun" in err and "TORCHELASTIC_RUN_ID" in err and f"deadpool {command}" in err
     assert time.monotonic() - t0 < 20
+
+
+@pytest.mark.parametrize("command", ["train", "megatron-lm"])
+def test_torchs_detail_debug_level_is_refused_before_any_process_starts(
+    command: str, bad: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Under TORCH_DISTRIBUTED_DEBUG=DETAIL every spare fails as it builds (each worker would
+    refuse it): the launcher refuses it once, in one line, with the fix."""
+    monkeypatch.setenv("TORCH_DISTRIBUTED_DEBUG", "DETAIL")
+    argv = ["train"] if command == "train" else [*MLM, str(bad / "pretrain.py")]
+    rc = call_deadpool(*argv)
+    err = capsys.readouterr().err
+    assert rc == 2 and len(err.strip().splitlines()) == 1, err
+    assert "TORCH_DISTRIBUTED_DEBUG=DETAIL: " in err and "=INFO or unset it" in err

@@ -73,6 +73,15 @@ def test_gloo_lazy_init_is_refused() -> None:
         gloo.check_settings({"TORCH_GLOO_LAZY_INIT": "1"})
 
 
+def test_torchs_detail_debug_level_is_refused_in_one_line() -> None:
+    gloo.check_settings({"TORCH_DISTRIBUTED_DEBUG": "INFO"})
+    with pytest.raises(ConfigError) as info:
+        gloo.check_settings({"TORCH_DISTRIBUTED_DEBUG": "detail"})
+    message = str(info.value)
+    assert message.startswith("TORCH_DISTRIBUTED_DEBUG=detail: ") and "\n" not in message
+    assert "TORCH_DISTRIBUTED_DEBUG=INFO or unset it" in message
+
+
 def test_eager_communicators_for_nccl_only(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)  # set_device(3) ran
     assert nccl.init_kwargs("nccl") == {"device_id": torch.device("cuda", 3)}
