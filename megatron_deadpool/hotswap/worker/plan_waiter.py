@@ -54,8 +54,8 @@ class PlanStop:
     where the device's abort ends a collective under way cleanly (`woke`); else, and between
     steps, at the next step's start (`step_begins`: the driver raises a peer failure there,
     before any collective of the step, and the recovery aborts the groups) - a survivor behind
-    the dead rank may still complete the step whose optimizer step it has done. The driver marks the steps
-    (`step_begins`, `step_ends`).
+    the dead rank may still complete the step whose optimizer step it has done. The driver
+    marks the steps (`step_begins`, `step_ends`).
 
     At once only on NCCL (`ncclCommAbort` ends the kernels of every operation under way, the
     plan watch's abort of a hung peer's survivors relies on it). On gloo an abort in the middle
