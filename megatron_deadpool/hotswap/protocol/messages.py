@@ -249,6 +249,12 @@ class Keys:
 
     counter | writes: the members a fault spec names | reads: those members, benchmarks |
     kept: the job's life"""
+    FAULT_GENERATION = "fault/generation/{index}"
+    """The generation in which node fault spec `index` first struck: it strikes the ranks of its
+    node in that generation only (a spare that took one of them later runs on another node).
+
+    sealed | writes: the first rank of the node to reach the fault | reads: the node's ranks |
+    kept: the job's life"""
     NODE_LOST = "node_lost/{member}"
     """A node fault took the node `member` ran on (local launchers).
 

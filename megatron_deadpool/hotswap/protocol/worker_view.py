@@ -195,6 +195,11 @@ class WorkerView(StoreView):
         """True the first time fault spec `index` fires for `who` in the whole job."""
         return self.core.add(Keys.FAULT_FIRED.format(index=index, who=who), 1) == 1
 
+    def fault_generation(self, index: int, generation: int) -> int:
+        """The generation in which node fault spec `index` first struck: `generation` unless an
+        earlier one holds it (`Keys.FAULT_GENERATION`)."""
+        return int(self.core.claim(Keys.FAULT_GENERATION.format(index=index), str(generation)))
+
     def fired(self, index: int, who: int | str) -> bool:
         """Whether fault spec `index` fired for `who` (a benchmark reads it at the end)."""
         return self.core.add(Keys.FAULT_FIRED.format(index=index, who=who), 0) > 0

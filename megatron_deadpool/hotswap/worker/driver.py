@@ -600,7 +600,9 @@ class Driver(JobChannel, NewcomerBuild):
             # Before any collective of the step: the recovery aborts the groups itself, with
             # nothing under way (on gloo an abort in a collective can leave a send unfinished).
             raise dist.DistBackendError(f"a recovery was planned before step {n}: not started")
-        self.faults.at_iteration(self._rank(), n, self._layout().ranks_per_node, self.replicator)
+        self.faults.at_iteration(
+            self._rank(), n, self._layout().ranks_per_node, self.replicator, self.generation
+        )
 
     def _step_completed(self, n: int) -> None:
         """Step n is done on this rank (on CUDA: its work queued, watched until done)."""

@@ -73,14 +73,24 @@ class FaultInjector:
                 )
 
     def at_iteration(
-        self, rank: int, n: int, ranks_per_node: int, replicator: Replicator | None
+        self,
+        rank: int,
+        n: int,
+        ranks_per_node: int,
+        replicator: Replicator | None,
+        generation: int,
     ) -> None:
-        """`rank` starts iteration n."""
+        """`rank` of `generation` starts iteration n."""
         hit = iteration_faults(self.specs, rank, ranks_per_node).get(n)
-        if hit is not None and hit[1] == "raise":  # deterministic: every time, whoever holds it
+        if hit is None:
+            return
+        if hit[1] == "raise":  # deterministic: every time, whoever holds it
             raise InjectedError(f"fault injection: rank {rank} raises at iteration {n}")
-        if hit is not None and self.membership.fire_once(hit[0], rank):
-            if parse_fault(self.specs[hit[0]]).node is not None:
+        node = parse_fault(self.specs[hit[0]]).node is not None
+        if node and self.membership.fault_generation(hit[0], generation) != generation:
+            return  # the node went down in an earlier generation; this process runs elsewhere
+        if self.membership.fire_once(hit[0], rank):
+            if node:
                 self.membership.record_node_lost()  # the node goes whole, its agent with it
             self._strike(hit[1], f"at iteration {n}", replicator)
 
