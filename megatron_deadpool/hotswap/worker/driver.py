@@ -43,7 +43,7 @@ import torch.distributed as dist
 
 from ...config.deadpool import DeadpoolConfig, split_coordinators
 from ...config.faults import check_faults, parse_fault
-from ...devices import Device, active_device, nccl
+from ...devices import Device, active_device, descriptors, nccl
 from ...devices.abort import bound_aborts, start_abort
 from ...devices.failures import is_peer_failure
 from ...devices.health import DeviceWatch
@@ -309,12 +309,12 @@ class Driver(JobChannel, NewcomerBuild):
         no plan names it, its build as soon as one does). Returns the roster this process holds
         its slot in."""
         self.connect(world_size)
+        descriptors.reserve(descriptors.wanted_entries(self._world_size))  # not in a recovery
         own = job.owns_start_up
         head = None
         if not own and not self.member.startswith("a"):
-            head = newcomer_build.HeadStart(
-                self._newcomer_build(job), lambda: self._drop_build(job)
-            )
+            drop = functools.partial(self._drop_build, job)
+            head = newcomer_build.HeadStart(self._newcomer_build(job), drop)
             if newcomer_build.planned_roster(self.membership, self.member) is None:
                 build = functools.partial(self._build_private, job)
                 args = (self._world_size, str(self.pg_backend), build, head.drop)

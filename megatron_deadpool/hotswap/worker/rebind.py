@@ -131,10 +131,13 @@ def groups_by_name(extra: dict[str, Any] | None = None) -> dict[str, dist.Proces
     return out
 
 
-def _walk(root: Any, visit: Callable[[Any], Any | None]) -> None:
-    """Depth-first over containers and object attributes; `visit` may return a replacement."""
+def _walk(roots: Iterable[Any], visit: Callable[[Any], Any | None]) -> None:
+    """Depth-first over containers and object attributes from each of `roots`, every object
+    entered once (roots share most of it: the optimizer holds the model, each model chunk the
+    configs - walked root by root, a newcomer's swap entered ~10,500 values instead of ~3,000);
+    `visit` may return a replacement."""
     seen: set[int] = set()
-    stack: list[Any] = [root]
+    stack: list[Any] = list(roots)[::-1]
 
     def fix(value: Any) -> Any:
         replacement = visit(value)
@@ -229,8 +232,7 @@ def release(
             return GroupSlot(names.get(id(value), f"unknown:{id(value):#x}"))
         return None
 
-    for root in roots:
-        _walk(root, visit)
+    _walk(roots, visit)
     if extra:
         extra.clear()  # the caller's handles go too: nothing may keep a released group alive
     _abort_world()
@@ -308,8 +310,7 @@ def _put_back(
             stale.append(f"{value!r} (id {id(value):#x})")
         return None
 
-    for root in roots:
-        _walk(root, visit)
+    _walk(roots, visit)
     if missing:
         raise RuntimeError(f"no new group for released handles: {sorted(set(missing))}")
     return count
@@ -361,8 +362,7 @@ def stale_group_refs(roots: Iterable[Any]) -> list[str]:
             stale.append(f"{value!r} (id {id(value):#x})")
         return None
 
-    for root in roots:
-        _walk(root, visit)
+    _walk(roots, visit)
     return stale
 
 
@@ -382,6 +382,5 @@ def unnamed_groups(roots: Iterable[Any], extra: dict[str, Any] | None = None) ->
             found.setdefault(id(value), f"a group of ranks {ranks}")
         return None
 
-    for root in roots:
-        _walk(root, visit)
+    _walk(roots, visit)
     return list(found.values())
