@@ -253,16 +253,26 @@ def _api(obj: object) -> Any:
     return obj
 
 
+def repaired(ranks: Sequence[int]) -> bool:
+    """Whether a group of global ranks `ranks` is repaired on a recovery: a group of one has no
+    peer and no connection - nothing an abort shuts down or a newcomer joins - so it is not
+    (Megatron's TP2xDP2 gives each rank 7-9 of its 25 groups: ~0.3 ms each, on the critical
+    path). Pure."""
+    return len(ranks) > 1
+
+
 @contextlib.contextmanager
 def reconfigurable_creation() -> Iterator[None]:
-    """Inside the block every group torch creates is created to be reconfigured: it connects
-    nothing until `repair` (a newcomer builds its world without the survivors this way)."""
+    """Inside the block every group of more than one member torch creates is created to be
+    reconfigured: it connects nothing until `repair` (a newcomer builds its world without the
+    survivors this way); a group of one is created ready (`repaired`: never reconfigured)."""
     c10d: Any = dist.distributed_c10d
     real = c10d._new_process_group_helper
 
     @functools.wraps(real)
     def helper(*args: Any, **kwargs: Any) -> Any:
-        kwargs["enable_reconfigure"] = True
+        size = args[0] if args else kwargs.get("group_size")
+        kwargs["enable_reconfigure"] = not isinstance(size, int) or size > 1
         return real(*args, **kwargs)
 
     c10d._new_process_group_helper = helper

@@ -1,8 +1,8 @@
 """Groups repaired in place (`devices.reconfigure`): the choice, the pure planning, and - on
 torch >= 2.14 (the lane-312 venv) - a real repair.
 
-The repair test: three gloo processes create WORLD and two sub-groups (as Megatron's groups
-exist next to WORLD), reduce once, then rank 2 is SIGKILLed. The survivors' collective fails,
+The repair test: three gloo processes create WORLD, two sub-groups and a group of one each (as
+Megatron's groups exist next to WORLD), reduce once, then rank 2 is SIGKILLed. The survivors' collective fails,
 they shut their gloo connections down (the part of `abort_groups` that keeps the groups) and
 publish their reconfigure handles; a fresh process (the spare) takes rank 2, creates the same
 groups reconfigurable (`reconfigurable_creation`: nothing connects) and publishes its handles;
@@ -111,14 +111,20 @@ def test_published_handles_are_checked_before_use() -> None:
             reconfigure.check_handles(3, bad)
 
 
+def test_only_groups_with_a_peer_are_repaired() -> None:
+    assert not reconfigure.repaired([3])
+    assert reconfigure.repaired([3, 7]) and reconfigure.repaired(range(8))
+
+
 def test_a_negative_uuid_is_refused() -> None:
     with pytest.raises(ValueError, match="uuid=-1"):
         reconfigure.repair([], -1, datetime.timedelta(seconds=1))
 
 
 # ---------------------------------------------------------------------------- a real repair
-GROUPS = ([0, 1], [1, 2])
-"""The sub-groups every process creates after WORLD, in this order."""
+GROUPS = ([0, 1], [1, 2], [0], [1], [2])
+"""The sub-groups every process creates after WORLD, in this order (Megatron has groups of one
+too: they are never repaired, `reconfigure.repaired`, and must work on)."""
 
 T_S = 30.0
 """The groups' timeout (seconds)."""
@@ -180,7 +186,7 @@ def _child(rank: int, port: int, role: str, repair_timeout_s: float) -> None:
         def handles(ranks: list[int]) -> dict[int, dict[str, str]]:
             return {r: rc.check_handles(r, json.loads(store.get(f"handles/{r}"))) for r in ranks}
 
-        groups = [(n, list(rs)) for n, _, rs in rc.known_groups()]
+        groups = [(n, list(rs)) for n, _, rs in rc.known_groups() if rc.repaired(rs)]
         bound = datetime.timedelta(seconds=repair_timeout_s)
         result["repaired"] = 0
         if role == "survivor":  # the groups without rank 2 first, before its spare even starts
@@ -276,6 +282,7 @@ def _run(spare_comes: bool, repair_timeout_s: float) -> dict[str, dict[str, Any]
 def test_survivors_keep_their_group_objects_and_a_spare_joins_them_in_place() -> None:
     out = _run(spare_comes=True, repair_timeout_s=60)
     expected = {"WORLD": 6.0, "[0, 1]": 3.0, "[1, 2]": 5.0}  # ranks 1, 2, 3 summed
+    expected.update({f"[{r}]": float(r + 1) for r in range(3)})  # groups of one: not repaired
     for who in ("survivor0", "survivor1", "spare"):
         res = out[who]
         assert res["after"] == {k: expected[k] for k in res["after"]}, res

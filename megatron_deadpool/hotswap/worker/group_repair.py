@@ -275,7 +275,9 @@ def repair(
     if not done:
         publish(membership, generation, rank, base)
     groups: list[tuple[str, Sequence[int]]] = [
-        (name, ranks) for name, _, ranks in reconfigure.known_groups() if name not in done
+        (name, ranks)
+        for name, _, ranks in reconfigure.known_groups()
+        if name not in done and reconfigure.repaired(ranks)
     ]
     if newcomers is not None:
         groups = reconfigure.split_by_members(groups, newcomers)[0]
