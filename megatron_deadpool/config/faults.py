@@ -3,7 +3,9 @@
 Forms (each fault fires once per job, but `raise`):
   RANK@ITER[:kill|hang|flip|raise]  rank RANK fails as it starts iteration ITER, so its peers
                                are caught in that iteration's collectives
-  node:N@ITER[:kill|hang|raise]  every rank of failure domain N, likewise
+  node:N@ITER[:kill|hang|raise]  every rank of failure domain N, likewise (in the generation
+                               that first reaches ITER: a spare that later takes one of those
+                               ranks runs on another node and is spared)
   spare:I@ITER[:kill|hang]     waiting spare s{I}, once training has reached iteration ITER
   spare:I@recovery[:kill|hang] spare s{I}, as soon as a recovery gives it a slot, before it
                                claims the slot and joins (a spare lost while being swapped in)

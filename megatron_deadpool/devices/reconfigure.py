@@ -23,9 +23,9 @@ experimental); for gloo (torch's ``ProcessGroupGloo::reconfigure``, read in its 
   groups with live connections took 10-42 ms each to reconfigure, in steps of ~10 ms (one per
   peer), 180-220 ms in all; after the abort had shut their connections down
   (`devices.gloo.shutdown_connections`: each loop closes its pairs as it sees them end) 0.5-4 ms
-  each, 16-18 ms in all. A hot swap's repair (`deadpool bench recovery`) still has one wait of
-  9-16 ms, in one of Megatron's 25 groups, in each of 5 runs measured: whether it is this tick
-  is not established.
+  each, 16-18 ms in all. The one long wait a hot swap's repair then still had (9-16 ms, in the
+  newcomer's ~22nd of its 25 groups, every run) was not this tick: the kernel grew the
+  newcomer's descriptor table there (`devices.descriptors`, which now grows it at start-up).
 
 So survivors keep their `ProcessGroup` objects - Megatron's module globals and every handle the
 model, DDP and the optimizer hold stay valid, nothing is walked or rebound - and the repair of
