@@ -15,6 +15,10 @@ Forms (each fault fires once per job, but `raise`):
   RANK@end[:kill|hang]         rank RANK fails right after training completed (its last step
                                done and replicated), before the job's final work (final save,
                                final report)
+  RANK@repair[:kill|hang]      the process holding rank RANK fails in its next repair of its
+                               groups in place, once it published its handles: a death during
+                               the repair, its peers waiting in the reconfigure (where groups
+                               are rebuilt, never)
 Kinds: `kill` (SIGKILL, the default), `hang` (SIGSTOP: alive but silent, as a hung GPU or a
 stuck NIC), `flip` (flip one bit of every replica the rank holds, at rest: memory corruption
 that checksums must catch before the replica is used), `raise` (an exception in the job's code,
@@ -33,20 +37,20 @@ from typing import Literal
 from ..errors import ConfigError
 
 _SPEC = re.compile(
-    r"^(?:(?P<node>node:)|(?P<spare>spare:))?(?P<who>\d+)@(?P<when>\d+|recovery|end)"
+    r"^(?:(?P<node>node:)|(?P<spare>spare:))?(?P<who>\d+)@(?P<when>\d+|recovery|end|repair)"
     r"(?::(?P<kind>kill|hang|flip|raise))?$"
 )
 
 FaultKind = Literal["kill", "hang", "flip", "raise"]
 FORMS = (
     "RANK@ITER[:kill|hang|flip|raise], node:N@ITER, spare:I@ITER, RANK@recovery, "
-    "spare:I@recovery or RANK@end"
+    "spare:I@recovery, RANK@end or RANK@repair"
 )
 
 
 @dataclass(frozen=True)
 class FaultSpec:
-    """One injected failure; `iteration` is 0 for `@recovery` and `@end` faults."""
+    """One injected failure; `iteration` is 0 for `@recovery`, `@end` and `@repair` faults."""
 
     iteration: int
     kind: FaultKind
@@ -55,6 +59,7 @@ class FaultSpec:
     spare: int | None = None
     during_recovery: bool = False
     at_end: bool = False
+    in_repair: bool = False
 
     def ranks(self, ranks_per_node: int) -> list[int]:
         """The world ranks this fault hits (none for a spare)."""
@@ -75,6 +80,8 @@ class FaultSpec:
             when = "in recovery"
         elif self.at_end:
             when = "after training"
+        elif self.in_repair:
+            when = "in a repair of its groups"
         else:
             when = f"at iteration {self.iteration}"
         return f"{who} {self.kind} {when}"
@@ -87,13 +94,13 @@ def parse_fault(text: str) -> FaultSpec:
         raise ConfigError(f"fail: {text!r} is not one of {FORMS} (e.g. 2@5:kill, node:1@4)")
     kind: FaultKind = match["kind"] or "kill"  # type: ignore[assignment]
     who = int(match["who"])
-    recovery, end = match["when"] == "recovery", match["when"] == "end"
-    iteration = 0 if recovery or end else int(match["when"])
-    if not (recovery or end) and iteration < 1:
+    recovery, end, repair = (match["when"] == w for w in ("recovery", "end", "repair"))
+    iteration = 0 if recovery or end or repair else int(match["when"])
+    if not (recovery or end or repair) and iteration < 1:
         raise ConfigError(f"fail: iteration in {text!r} must be >= 1")
     if kind == "flip" and (match["node"] or match["spare"]):
         raise ConfigError(f"fail: {text!r}: 'flip' applies to one rank (RANK@ITER:flip)")
-    if kind == "raise" and (match["spare"] or recovery or end):
+    if kind == "raise" and (match["spare"] or recovery or end or repair):
         raise ConfigError(
             f"fail: {text!r}: 'raise' applies to a rank or node as an iteration starts "
             "(RANK@ITER:raise, node:N@ITER:raise)"
@@ -105,11 +112,22 @@ def parse_fault(text: str) -> FaultSpec:
         )
     if end and (match["node"] or match["spare"] or kind == "flip"):
         raise ConfigError(f"fail: {text!r}: '@end' applies to one rank (RANK@end[:kill|hang])")
+    if repair and (match["node"] or match["spare"] or kind == "flip"):
+        raise ConfigError(
+            f"fail: {text!r}: '@repair' applies to one rank (RANK@repair[:kill|hang])"
+        )
     if match["node"]:
         return FaultSpec(iteration=iteration, kind=kind, node=who)
     if match["spare"]:
         return FaultSpec(iteration=iteration, kind=kind, spare=who, during_recovery=recovery)
-    return FaultSpec(iteration=iteration, kind=kind, rank=who, during_recovery=recovery, at_end=end)
+    return FaultSpec(
+        iteration=iteration,
+        kind=kind,
+        rank=who,
+        during_recovery=recovery,
+        at_end=end,
+        in_repair=repair,
+    )
 
 
 def check_faults(
@@ -165,6 +183,15 @@ def spare_faults(
         if hits and fault.during_recovery == assigned:
             out.append((index, fault.iteration, fault.kind))
     return out
+
+
+def repair_faults(specs: Sequence[str], rank: int) -> list[tuple[int, FaultKind]]:
+    """(spec index, kind) of the specs that hit `rank` in a repair of its groups in place."""
+    return [
+        (index, fault.kind)
+        for index, fault in enumerate(map(parse_fault, specs))
+        if fault.in_repair and fault.rank == rank
+    ]
 
 
 def end_faults(specs: Sequence[str], rank: int) -> list[tuple[int, FaultKind]]:

@@ -54,6 +54,11 @@ CASES: dict[str, list[str]] = {
     # Rank 2 raises as iteration 4 starts, in whichever process holds it: the spare that takes
     # its slot raises the same.
     "same_error_again": ["--tp", "2", "--dp", "2", "--spares", "2", "--fail", "2@4:raise"],
+    # Rank 1 dies in the repair of generation 1's groups in place (torch >= 2.14), its handles
+    # published: its peers wait for it in gloo's reconfigure.
+    "death_in_repair": [
+        "--tp", "2", "--dp", "2", "--spares", "2", "--fail", "2@3", "--fail", "1@repair",
+    ],
     "owner_and_holder": [
         "--tp", "2", "--dp", "2", "--spares", "2", "--fail", "0@3", "--fail", "2@3", "--save",
         "{ckpt}", "--save-interval", "2",
@@ -397,3 +402,22 @@ def test_survivors_repair_their_groups_in_place_and_stay_bitwise(
     assert text.count("before the newcomers joined") == 3 + 3, text[-3000:]
     newcomers = re.findall(r"generation (\d): rank (\d) joined its groups in place", text)
     assert sorted(newcomers) == [("1", "2"), ("2", "1")]
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.skipif(
+    not reconfigure.choose("gloo").repair,
+    reason="torch < 2.14 (or DEADPOOL_GROUP_REPAIR=rebuild): no repair in place to die in",
+)
+def test_a_rank_lost_in_the_repair_is_replaced_and_the_run_stays_bitwise(
+    root: str, tp_reference: dict
+) -> None:
+    """torch >= 2.14: rank 1 dies in generation 1's repair, once it published its handles. Its
+    peers wait for it in gloo's reconfigure until the repair's timeout (60 s: nothing interrupts
+    that wait yet, the cost this test pins), then start over in a later generation that
+    replaces ranks 1 and 2; the run ends bitwise identical to the failure-free one."""
+    summary = _check_recovered("death_in_repair", tp_reference, root, [[1, 2]])
+    text = "\n".join(p.read_text() for p in (Path(root) / "death_in_repair" / "logs").glob("*.log"))
+    assert "fault injection: kill in a repair of its groups" in text, text[-3000:]
+    assert "repairing the process groups of generation 1 in place failed" in text, text[-3000:]
+    assert summary["recoveries"][0]["generation"] >= 2

@@ -218,7 +218,7 @@ class Driver(JobChannel, NewcomerBuild):
             self.member = member_name(membership, self.task, world)
             membership = membership.sibling(store, self.member)
         self._membership = membership
-        self._faults = FaultInjector(cfg.fail, membership)
+        self.groups.faults = self._faults = FaultInjector(cfg.fail, membership)
         if self.member.startswith("s"):
             set_context(spare=self.member)
         membership.announce()

@@ -39,6 +39,7 @@ from ...devices.reconfigure import RepairPlanError
 from ...errors import DeadpoolRuntimeError
 from ..protocol.messages import Roster
 from ..protocol.worker_view import WorkerView
+from .injection import FaultInjector
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -62,6 +63,7 @@ class InPlace:
         self.base: int | None = None
         self.ahead: int | None = None  # a newcomer's groups, created ahead on this base
         self._repaired_ahead: tuple[int, frozenset[str]] = (-1, frozenset())  # `repair_ahead`'s
+        self.faults: FaultInjector | None = None  # the driver's: `RANK@repair` strikes in `repair`
         self.choose(backend)
 
     def choose(self, backend: str) -> None:
@@ -161,7 +163,14 @@ class InPlace:
         if self.base is None:
             raise DeadpoolRuntimeError("no process groups to repair: this process never joined")
         try:
-            names = repair(membership, roster.generation, rank, self.base, newcomers=newcomers)
+            names = repair(
+                membership,
+                roster.generation,
+                rank,
+                self.base,
+                newcomers=newcomers,
+                faults=self.faults,
+            )
         except dist.DistBackendError:
             taken(roster)
             raise
@@ -183,6 +192,7 @@ class InPlace:
             rank,
             self.base,
             done=done if g == roster.generation else frozenset(),
+            faults=self.faults,
         )
         log.info(
             "generation %d: rank %d %s its groups in place (world group %s)",
@@ -266,14 +276,18 @@ def repair(
     *,
     newcomers: frozenset[int] | None = None,
     done: frozenset[str] = frozenset(),
+    faults: FaultInjector | None = None,
 ) -> frozenset[str]:
     """Publish this process's handles (unless it repaired groups of generation g already:
     `done`), read its groups' members', and reconfigure each of its groups but `done` in place
     under uuid `generation`; returns the names of the groups reconfigured. `newcomers`: only
     the groups none of them is in (a survivor's repair ahead, `InPlace.repair_ahead`). A member
-    lost meanwhile: `DistBackendError` within `timeout_s`."""
+    lost meanwhile: `DistBackendError` within `timeout_s`. `faults`: where a `RANK@repair`
+    fault strikes, once the handles are out (its peers then wait for it in the reconfigure)."""
     if not done:
         publish(membership, generation, rank, base)
+    if faults is not None:
+        faults.in_repair(rank)
     groups: list[tuple[str, Sequence[int]]] = [
         (name, ranks)
         for name, _, ranks in reconfigure.known_groups()

@@ -6,6 +6,8 @@ The driver calls one method at each point of a process's life where a fault can 
   - `on_assignment`   a spare a recovery gave a slot, before it claims it (`spare:I@recovery`);
   - `at_iteration`    a rank as it starts an iteration (`RANK@ITER`, `node:N@ITER`);
   - `in_recovery`     a rank in a recovery, once the coordinator planned it (`RANK@recovery`);
+  - `in_repair`       a rank in a repair of its groups in place, its handles published
+                      (`RANK@repair`; called by `group_repair`);
   - `after_training`  a rank right after training completed (`RANK@end`).
 Which specs hit whom is `config.faults` (pure); each spec fires once per job, whoever holds the
 slot - not again for the process that takes it over, nor when a step is recomputed - which the
@@ -30,6 +32,7 @@ from ...config.faults import (
     iteration_faults,
     parse_fault,
     recovery_faults,
+    repair_faults,
     spare_faults,
 )
 from ...replication.replicator import Replicator
@@ -102,6 +105,13 @@ class FaultInjector:
             if self.membership.fire_once(index, rank):
                 self.membership.wait_plan(generation, PLAN_WAIT_S)
                 self._strike(kind, "while in recovery", replicator)
+
+    def in_repair(self, rank: int) -> None:
+        """`rank` repairs its groups in place and published its handles: its peers wait for it
+        in the reconfigure."""
+        for index, kind in repair_faults(self.specs, rank):
+            if self.membership.fire_once(index, rank):
+                self._strike(kind, "in a repair of its groups")
 
     def after_training(self, rank: int) -> None:
         """`rank` completed training; its final work comes next."""

@@ -58,3 +58,13 @@ def test_a_node_fault_first_reached_in_a_later_generation_strikes_there(
     for rank in (2, 3):
         _injector(store, f"a{rank}", ["node:1@5"]).at_iteration(rank, 5, PER_NODE, None, 1)
     assert struck == ["kill", "kill"]
+
+
+def test_a_repair_fault_strikes_the_first_process_of_its_rank_to_repair_once(
+    struck: list[str],
+) -> None:
+    store = MemoryStore()
+    _injector(store, "a1", ["1@repair:hang"]).in_repair(1)
+    _injector(store, "a0", ["1@repair:hang"]).in_repair(0)  # another rank
+    _injector(store, "s0", ["1@repair:hang"]).in_repair(1)  # the process that took rank 1
+    assert struck == ["hang"]
