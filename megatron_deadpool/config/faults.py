@@ -30,7 +30,7 @@ at iteration 1 it is an error of the job's start-up, before anything was replica
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -110,11 +110,10 @@ def parse_fault(text: str) -> FaultSpec:
             f"fail: {text!r}: '@recovery' applies to one rank or spare (RANK@recovery, "
             "spare:I@recovery)"
         )
-    if end and (match["node"] or match["spare"] or kind == "flip"):
-        raise ConfigError(f"fail: {text!r}: '@end' applies to one rank (RANK@end[:kill|hang])")
-    if repair and (match["node"] or match["spare"] or kind == "flip"):
+    if (end or repair) and (match["node"] or match["spare"] or kind == "flip"):
+        when = match["when"]
         raise ConfigError(
-            f"fail: {text!r}: '@repair' applies to one rank (RANK@repair[:kill|hang])"
+            f"fail: {text!r}: '@{when}' applies to one rank (RANK@{when}[:kill|hang])"
         )
     if match["node"]:
         return FaultSpec(iteration=iteration, kind=kind, node=who)
@@ -161,14 +160,20 @@ def iteration_faults(
     return out
 
 
+def _rank_faults(
+    specs: Sequence[str], rank: int, when: Callable[[FaultSpec], bool]
+) -> list[tuple[int, FaultKind]]:
+    """(spec index, kind) of the specs naming `rank` that strike `when` says."""
+    return [
+        (index, fault.kind)
+        for index, fault in enumerate(map(parse_fault, specs))
+        if fault.rank == rank and when(fault)
+    ]
+
+
 def recovery_faults(specs: Sequence[str], rank: int) -> list[tuple[int, FaultKind]]:
     """(spec index, kind) of the specs that hit `rank` as it enters a recovery."""
-    out: list[tuple[int, FaultKind]] = []
-    for index, spec in enumerate(specs):
-        fault = parse_fault(spec)
-        if fault.during_recovery and fault.rank == rank:
-            out.append((index, fault.kind))
-    return out
+    return _rank_faults(specs, rank, lambda fault: fault.during_recovery)
 
 
 def spare_faults(
@@ -187,17 +192,9 @@ def spare_faults(
 
 def repair_faults(specs: Sequence[str], rank: int) -> list[tuple[int, FaultKind]]:
     """(spec index, kind) of the specs that hit `rank` in a repair of its groups in place."""
-    return [
-        (index, fault.kind)
-        for index, fault in enumerate(map(parse_fault, specs))
-        if fault.in_repair and fault.rank == rank
-    ]
+    return _rank_faults(specs, rank, lambda fault: fault.in_repair)
 
 
 def end_faults(specs: Sequence[str], rank: int) -> list[tuple[int, FaultKind]]:
     """(spec index, kind) of the specs that hit `rank` right after training completed."""
-    return [
-        (index, fault.kind)
-        for index, fault in enumerate(map(parse_fault, specs))
-        if fault.at_end and fault.rank == rank
-    ]
+    return _rank_faults(specs, rank, lambda fault: fault.at_end)
