@@ -88,7 +88,7 @@ def run_deadpool(
     """Run `deadpool ARGS...` to completion; stdout and stderr captured as text. When it runs
     past `timeout`, it is killed with every process it started (a launcher's fork server and
     workers sit in sessions of their own, and a rank stopped by a hang fault would wait
-    forever), then `subprocess.TimeoutExpired` is raised."""
+    forever), then `TimedOut` is raised (a `subprocess.TimeoutExpired` that shows its output)."""
     env = dict(os.environ, OMP_NUM_THREADS="1")
     env.pop("PYTHONWARNINGS", None)  # what a user sees, warnings included
     cmd = [*deadpool_command(), *args]
@@ -107,8 +107,18 @@ def run_deadpool(
 
             kill_tree(proc.pid)
             out, err = proc.communicate()
-            raise subprocess.TimeoutExpired(cmd, timeout, out, err) from None
+            raise TimedOut(cmd, timeout, out, err) from None
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+class TimedOut(subprocess.TimeoutExpired):
+    """`subprocess.TimeoutExpired` whose message ends with what the command printed last (the
+    test's report then says where the job stood, e.g. a coordinator waiting for a rank)."""
+
+    def __str__(self) -> str:
+        printed = {"stdout": self.stdout, "stderr": self.stderr}
+        tails = [f"its {name} ended:\n{text[-4000:]}" for name, text in printed.items() if text]
+        return "\n".join([super().__str__(), *tails])
 
 
 def run_logs(run_dir: Path, lines: int = 8) -> str:

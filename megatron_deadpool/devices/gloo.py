@@ -157,7 +157,9 @@ def _ends(fd: int) -> tuple[tuple[Any, ...], tuple[Any, ...]] | None:
         sock.close()
 
 
-def _store_port(store: Any) -> int | None:
+def store_port_of(store: Any) -> int | None:
+    """The port of the TCP store under `store`'s prefixes (None: not a TCP store; a store
+    written in Python says its own, `devices.repair_store`)."""
     while isinstance(store, dist.PrefixStore):
         store = store.underlying_store
     return getattr(store, "port", None)
@@ -184,7 +186,7 @@ def track_connections() -> None:
             # which records them: `devices.reconfigure.repair`)
             return real(group_size, group_rank, ranks, backend, store, *a, **k)
         name = str(a[0] if a else k.get("group_name", "?"))
-        with recording(name, {_store_port(store)}):
+        with recording(name, {store_port_of(store)}):
             return real(group_size, group_rank, ranks, backend, store, *a, **k)
 
     c10d._new_process_group_helper = helper  # type: ignore[assignment]
@@ -207,7 +209,7 @@ def recording(name: str, store_ports: set[int | None]) -> Iterator[None]:
 
 def store_port(group: dist.ProcessGroup) -> int | None:
     """The port of the TCP store `group` rendezvouses on (None: not a TCP store)."""
-    return _store_port(dist.distributed_c10d._world.pg_map.get(group, (None, None))[1])
+    return store_port_of(dist.distributed_c10d._world.pg_map.get(group, (None, None))[1])
 
 
 def interruptible_waits() -> None:

@@ -130,13 +130,22 @@ T_S = 30.0
 """The groups' timeout (seconds)."""
 
 
-def _child(rank: int, port: int, role: str, repair_timeout_s: float) -> None:
-    """One process of the repair test (run by `_start`); its result goes to the store."""
+def _child(
+    rank: int, port: int, role: str, repair_timeout_s: float, uuid: int = 1, wrapped: bool = False
+) -> None:
+    """One process of the repair test (run by `_start`); its result goes to the store. Roles:
+    survivor, victim, spare (joins the repair of `uuid`), lost spare (publishes its handles for
+    it and dies). `wrapped`: the groups rendezvous on a `RepairStore` (every process's), which a
+    survivor's thread abandons when the test says so (as its heartbeat does once a later plan
+    appears); the survivor then repairs again under uuid 2."""
+    import threading
+
     import torch
     import torch.distributed as dist
 
     from megatron_deadpool.devices import gloo
     from megatron_deadpool.devices import reconfigure as rc
+    from megatron_deadpool.devices.repair_store import RepairStore
 
     torch.set_num_threads(1)
     store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(60))
@@ -146,10 +155,23 @@ def _child(rank: int, port: int, role: str, repair_timeout_s: float) -> None:
         gloo.interruptible_waits()
         timeout = datetime.timedelta(seconds=30)
         make = rc.reconfigurable_creation() if "spare" in role else _nothing()
+        groups_store: Any = dist.PrefixStore("gen0", store)
+        survivor = role == "survivor"
+        abandoning = wrapped and survivor
+        if wrapped:
+            groups_store = RepairStore(groups_store)
+        if abandoning:
+
+            def abandon() -> None:  # the heartbeat's part, on a connection of its own
+                side = dist.TCPStore("127.0.0.1", port, is_master=False)
+                side.wait(["abandon/now"])
+                keys = groups_store.abandon(dist.PrefixStore("gen0", side))
+                store.set(f"abandoned/{rank}", json.dumps(keys))
+
+            threading.Thread(target=abandon, daemon=True).start()
         with make:
             dist.init_process_group(
-                "gloo", store=dist.PrefixStore("gen0", store), rank=rank, world_size=3,
-                timeout=timeout,
+                "gloo", store=groups_store, rank=rank, world_size=3, timeout=timeout,
             )  # fmt: skip
             subs = [dist.new_group(r, timeout=timeout) for r in GROUPS]
         world = dist.distributed_c10d._get_default_group()
@@ -166,12 +188,12 @@ def _child(rank: int, port: int, role: str, repair_timeout_s: float) -> None:
                 out[name] = float(t[0])
             return out
 
-        if role in ("survivor", "victim"):
+        if survivor or role == "victim":
             result["before"] = sums()
         if role == "victim":
             store.set("victim/pid", str(os.getpid()))
             time.sleep(3600)  # killed by the test
-        if role == "survivor":
+        if survivor:
             store.wait(["victim/killed"])
             try:
                 sums()
@@ -179,29 +201,38 @@ def _child(rank: int, port: int, role: str, repair_timeout_s: float) -> None:
             except RuntimeError as exc:
                 result["failed"] = str(exc).splitlines()[0][:120]
             gloo.shutdown_connections()  # the abort, keeping the groups
-        store.set(f"handles/{rank}", json.dumps(rc.own_handles()))
+        store.set(f"handles/{uuid}/{rank}", json.dumps(rc.own_handles()))
         if role == "lost spare":  # dies after it published its handles, before the repair
             os._exit(0)
 
         def handles(ranks: list[int]) -> dict[int, dict[str, str]]:
-            return {r: rc.check_handles(r, json.loads(store.get(f"handles/{r}"))) for r in ranks}
+            got = {r: json.loads(store.get(f"handles/{uuid}/{r}")) for r in ranks}
+            return {r: rc.check_handles(r, h) for r, h in got.items()}
 
         groups = [(n, list(rs)) for n, _, rs in rc.known_groups() if rc.repaired(rs)]
         bound = datetime.timedelta(seconds=repair_timeout_s)
         result["repaired"] = 0
-        if role == "survivor":  # the groups without rank 2 first, before its spare even starts
+        if survivor:  # the groups without rank 2 first, before its spare even starts
             ahead, groups = rc.split_by_members(groups, {2})
             result["repaired"] = rc.repair(rc.plan_repair(ahead, handles([0, 1])), 1, bound).groups
             result["ahead"] = result["repaired"]
             store.set(f"ahead/{rank}", "1")
-        plan = rc.plan_repair(groups, handles([0, 1, 2]))
         t0 = time.perf_counter()
         try:
-            result["repaired"] += rc.repair(plan, 1, bound).groups
+            plan = rc.plan_repair(groups, handles([0, 1, 2]))
+            store.set(f"repairing/{uuid}/{rank}", "1")
+            with groups_store.abandonable() if abandoning else _nothing():
+                result["repaired"] += rc.repair(plan, uuid, bound).groups
         except RuntimeError as exc:
-            result["repair_error"] = str(exc).splitlines()[0][:160]
+            result["repair_error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
             result["repair_s"] = time.perf_counter() - t0
-            return
+            if not abandoning:
+                return
+            uuid = 2  # the next generation's repair, with another spare
+            store.set(f"handles/{uuid}/{rank}", json.dumps(rc.own_handles()))
+            result["repaired"] += rc.repair(
+                rc.plan_repair(groups, handles([0, 1, 2])), 2, bound
+            ).groups
         result["after"] = sums()
         result["same_objects"] = (
             all(id(g) == ids[name] for name, g, _ in mine)
@@ -224,10 +255,12 @@ class _nothing:
         return None
 
 
-def _start(rank: int, port: int, role: str, repair_timeout_s: float) -> subprocess.Popen[bytes]:
+def _start(
+    rank: int, port: int, role: str, repair_timeout_s: float, uuid: int = 1, wrapped: bool = False
+) -> subprocess.Popen[bytes]:
     code = (
         f"import sys; sys.path.insert(0, {str(TESTS_DIR)!r}); import test_reconfigure as t; "
-        f"t._child({rank}, {port}, {role!r}, {repair_timeout_s})"
+        f"t._child({rank}, {port}, {role!r}, {repair_timeout_s}, {uuid}, {wrapped})"
     )
     env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     env.update(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
@@ -247,27 +280,41 @@ def _result(store: Any, role: str, rank: int, deadline: float) -> dict[str, Any]
     return out
 
 
-def _run(spare_comes: bool, repair_timeout_s: float) -> dict[str, dict[str, Any]]:
+def _until(store: Any, keys: list[str], deadline: float, what: str) -> None:
+    while not store.check(keys):
+        assert time.monotonic() < deadline, what
+        time.sleep(0.05)
+
+
+def _run(spare_comes: bool, repair_timeout_s: float, abandon: bool = False) -> dict[str, Any]:
+    """The victim killed, the survivors' repair ahead, then a spare (`spare_comes`) or a spare
+    lost after it published its handles; `abandon`: the survivors' repair is abandoned a
+    moment after they entered it, and a second spare joins their repair under uuid 2."""
     import torch.distributed as dist
 
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     deadline = time.monotonic() + 150
-    procs = [_start(r, store.port, "survivor", repair_timeout_s) for r in (0, 1)]
-    procs.append(_start(2, store.port, "victim", repair_timeout_s))
+    procs = [_start(r, store.port, "survivor", repair_timeout_s, wrapped=abandon) for r in (0, 1)]
+    procs.append(_start(2, store.port, "victim", repair_timeout_s, wrapped=abandon))
     try:
-        while not store.check(["victim/pid"]):
-            assert time.monotonic() < deadline, "the world never formed"
-            time.sleep(0.05)
+        _until(store, ["victim/pid"], deadline, "the world never formed")
         os.killpg(procs[2].pid, signal.SIGKILL)
         procs[2].wait(30)
         store.set("victim/killed", "1")
-        while not store.check(["ahead/0", "ahead/1"]):  # without the spare: it starts after
-            assert time.monotonic() < deadline, "the survivors never repaired their own group"
-            time.sleep(0.05)
+        # without the spare: it starts after
+        _until(store, ["ahead/0", "ahead/1"], deadline, "the survivors never repaired ahead")
         role = "spare" if spare_comes else "lost spare"
-        procs.append(_start(2, store.port, role, repair_timeout_s))
-        out = {f"survivor{r}": _result(store, "survivor", r, deadline) for r in (0, 1)}
-        if spare_comes:
+        procs.append(_start(2, store.port, role, repair_timeout_s, wrapped=abandon))
+        out: dict[str, Any] = {}
+        if abandon:
+            _until(store, ["repairing/1/0", "repairing/1/1"], deadline, "no repair to abandon")
+            time.sleep(0.5)  # in gloo's wait for the lost spare's address
+            store.set("abandon/now", "1")
+            _until(store, ["abandoned/0", "abandoned/1"], deadline, "no repair abandoned")
+            out["abandoned"] = [json.loads(store.get(f"abandoned/{r}")) for r in (0, 1)]
+            procs.append(_start(2, store.port, "spare", repair_timeout_s, 2, wrapped=True))
+        out.update({f"survivor{r}": _result(store, "survivor", r, deadline) for r in (0, 1)})
+        if spare_comes or abandon:
             out["spare"] = _result(store, "spare", 2, deadline)
         return out
     finally:
@@ -304,3 +351,23 @@ def test_a_repair_whose_member_never_comes_raises_within_its_timeout() -> None:
         res = out[who]
         assert "repair_error" in res, res
         assert res["repair_s"] < 3 + 10, res
+
+
+@needs_reconfigure
+@pytest.mark.timeout(240)
+def test_a_repair_abandoned_for_a_later_plan_ends_at_once_and_the_next_repair_works() -> None:
+    """The spare dies once it published its handles; the survivors, waiting for its address in
+    gloo's reconfigure (timeout 60 s), are abandoned half a second later (`RepairStore`): their
+    repair raises at once, their groups stay usable, and the next repair (uuid 2, another spare)
+    reconnects them - the same objects, the sums of a world that never failed."""
+    out = _run(spare_comes=False, repair_timeout_s=60, abandon=True)
+    for keys in out["abandoned"]:  # each survivor waited for the lost spare's address
+        assert keys and all("reconfigure/1/" in key for key in keys), out["abandoned"]
+    expected = {"WORLD": 6.0, "[0, 1]": 3.0, "[1, 2]": 5.0}
+    expected.update({f"[{r}]": float(r + 1) for r in range(3)})
+    for who in ("survivor0", "survivor1"):
+        res = out[who]
+        assert res["repair_error"].startswith("RepairAbandoned: "), res
+        assert res["repair_s"] < 20, res  # abandoned ~0.5 s in, against the 60 s timeout
+        assert res["after"] == res["before"] and res["same_objects"], res
+    assert out["spare"]["after"] == {k: expected[k] for k in out["spare"]["after"]}, out

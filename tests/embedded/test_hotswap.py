@@ -24,6 +24,7 @@ import pytest
 from conftest import TrainRun, assert_out_of_redundancy, hung_silence_s, run_deadpool, train_case
 
 from megatron_deadpool.devices import reconfigure
+from megatron_deadpool.hotswap.worker import group_repair
 
 ITERS = "6"
 CASES: dict[str, list[str]] = {
@@ -413,11 +414,18 @@ def test_a_rank_lost_in_the_repair_is_replaced_and_the_run_stays_bitwise(
     root: str, tp_reference: dict
 ) -> None:
     """torch >= 2.14: rank 1 dies in generation 1's repair, once it published its handles. Its
-    peers wait for it in gloo's reconfigure until the repair's timeout (60 s: nothing interrupts
-    that wait yet, the cost this test pins), then start over in a later generation that
-    replaces ranks 1 and 2; the run ends bitwise identical to the failure-free one."""
+    peers wait for it in gloo's reconfigure until the coordinator's next plan abandons that
+    repair (`RepairStore`, from each process's heartbeat) - not for the repair's 60 s timeout -
+    then start over in a later generation that replaces ranks 1 and 2; the run ends bitwise
+    identical to the failure-free one."""
     summary = _check_recovered("death_in_repair", tp_reference, root, [[1, 2]])
     text = "\n".join(p.read_text() for p in (Path(root) / "death_in_repair" / "logs").glob("*.log"))
     assert "fault injection: kill in a repair of its groups" in text, text[-3000:]
     assert "repairing the process groups of generation 1 in place failed" in text, text[-3000:]
-    assert summary["recoveries"][0]["generation"] >= 2
+    assert "the repair was abandoned for a later plan" in text, text[-3000:]
+    assert re.search(
+        r"during this process's repair of its groups for generation 1: repair abandoned", text
+    )
+    recovery = summary["recoveries"][0]
+    assert recovery["generation"] >= 2
+    assert recovery["total_s"] < group_repair.REPAIR_TIMEOUT_S / 2, recovery

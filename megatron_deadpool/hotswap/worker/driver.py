@@ -188,14 +188,13 @@ class Driver(JobChannel, NewcomerBuild):
         process's secret), announce this process, start beating.
         Every connection fails over to a standby coordinator that takes over (`failover.py`).
         `world_size`: the job's own, which must be the coordinator's."""
-        cfg = self.cfg
         self._link = link = CoordinatorLink(
             split_coordinators(self.coordinator),
             self.seal,
-            connect_timeout=cfg.connect_timeout,
-            op_timeout=min(cfg.heartbeat_timeout, cfg.connect_timeout),
-            rebuild_timeout=2 * cfg.heartbeat_timeout + cfg.connect_timeout,
-            beat_s=cfg.heartbeat_interval,
+            connect_timeout=self.cfg.connect_timeout,
+            op_timeout=min(self.cfg.heartbeat_timeout, self.cfg.connect_timeout),
+            rebuild_timeout=2 * self.cfg.heartbeat_timeout + self.cfg.connect_timeout,
+            beat_s=self.cfg.heartbeat_interval,
             member=lambda: self.member or unnamed(self.task),
             record=self.rejoin_record,
         )
@@ -218,12 +217,12 @@ class Driver(JobChannel, NewcomerBuild):
             self.member = member_name(membership, self.task, world)
             membership = membership.sibling(store, self.member)
         self._membership = membership
-        self.groups.faults = self._faults = FaultInjector(cfg.fail, membership)
+        self.groups.faults = self._faults = FaultInjector(self.cfg.fail, membership)
         if self.member.startswith("s"):
             set_context(spare=self.member)
         membership.announce()
-        bound_aborts(cfg.abort_bound)  # a hung abort ends the process (exit code 7)
-        beat = Heartbeat(membership.sibling(FailoverStore(link)), cfg.heartbeat_interval)
+        bound_aborts(self.cfg.abort_bound)  # a hung abort ends the process (exit code 7)
+        beat = Heartbeat(membership.sibling(FailoverStore(link)), self.cfg.heartbeat_interval)
         self._heartbeat = beat
         beat.after_beat = self._after_beat
         beat.start()
@@ -241,9 +240,11 @@ class Driver(JobChannel, NewcomerBuild):
             self.plan_watch(membership, at_once=True)
 
     def _after_beat(self, membership: WorkerView) -> None:
-        """After each heartbeat (heartbeat thread): the plan watch, then (CUDA) whether this GPU
-        still completes work (`devices.health`: a hung GPU ends the process, exit code 8)."""
+        """After each heartbeat (heartbeat thread): the plan watch, a repair of the groups that
+        a later plan abandons (`InPlace.abandon_if_planned`), then (CUDA) whether this GPU still
+        completes work (`devices.health`: a hung GPU ends the process, exit code 8)."""
         self.plan_watch(membership)
+        self.groups.abandon_if_planned(membership)
         if self._device_watch is not None:
             self._device_watch(membership)
 
@@ -439,7 +440,7 @@ class Driver(JobChannel, NewcomerBuild):
         store, with the rank and world size of the roster; its backend and timeout are kept for
         every later generation's default group."""
         self._adopt(kwargs)
-        real(**{**kwargs, **self.process_group_args()})
+        self.groups.init_process_group({**kwargs, **self.process_group_args()}, real)
 
     def _adopt(self, kwargs: dict[str, Any]) -> None:
         """The job's `init_process_group` arguments: its backend (groups repaired in place, or

@@ -17,7 +17,10 @@ in the same order - so its groups have the survivors' names and rendezvous keys 
 be reconfigured (`reconfigurable_creation`: nothing connects); it then publishes its handles and
 joins every repaired group. Every wait is bounded (`REPAIR_TIMEOUT_S`): a member lost during the
 repair fails it with `DistBackendError`, a peer failure, and the recovery starts over in the next
-generation (every group is reconnected again, under a new uuid).
+generation (every group is reconnected again, under a new uuid). It need not wait that long: the
+groups rendezvous on a `RepairStore`, and once the coordinator plans a later generation during a
+repair, the heartbeat thread abandons it (`InPlace.abandon_if_planned`): its waits for the
+members' addresses end at once and the repair fails the same way.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import contextlib
 import datetime
 import json
 import logging
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -36,6 +40,7 @@ import torch.distributed as dist
 from ...devices import reconfigure
 from ...devices.abort import keep_groups
 from ...devices.reconfigure import RepairPlanError
+from ...devices.repair_store import RepairStore
 from ...errors import DeadpoolRuntimeError
 from ..protocol.messages import Roster
 from ..protocol.worker_view import WorkerView
@@ -64,6 +69,9 @@ class InPlace:
         self.ahead: int | None = None  # a newcomer's groups, created ahead on this base
         self._repaired_ahead: tuple[int, frozenset[str]] = (-1, frozenset())  # `repair_ahead`'s
         self.faults: FaultInjector | None = None  # the driver's: `RANK@repair` strikes in `repair`
+        self.store: RepairStore | None = None  # the store this process's groups were created on
+        self._lock = threading.Lock()
+        self._repairing: int | None = None  # the generation whose repair is under way
         self.choose(backend)
 
     def choose(self, backend: str) -> None:
@@ -79,6 +87,17 @@ class InPlace:
             return self.choice.repair and generation > 0
         return self.choice.repair and self.base is not None
 
+    def init_process_group(
+        self, args: dict[str, Any], init: Callable[..., object] = dist.init_process_group
+    ) -> None:
+        """`init(**args)`: the default group, on ``args["store"]`` - wrapped, where the groups
+        are repaired in place, so that a later plan can end the waits of their repair
+        (`RepairStore`; every group created after it rendezvous on a prefix of it)."""
+        if self.choice.repair:
+            self.store = RepairStore(args["store"])
+            args = {**args, "store": self.store}
+        init(**args)
+
     @contextlib.contextmanager
     def creating(
         self, membership: WorkerView, roster: Roster, pg_args: dict[str, Any], newcomer: bool
@@ -90,14 +109,13 @@ class InPlace:
         connected) on generation g's prefix, the base of later repairs."""
         g = roster.generation
         if not (newcomer and self.repairs(g)):
-            dist.init_process_group(**pg_args)
+            self.init_process_group(pg_args)
             yield
             self.created(g)
             return
         self.base = newcomer_base(membership, roster)
         with reconfigure.reconfigurable_creation():
-            store = membership.process_group_store(self.base)
-            dist.init_process_group(**{**pg_args, "store": store})
+            self.init_process_group({**pg_args, "store": membership.process_group_store(self.base)})
             yield
         self.reconstruct(membership, roster, int(pg_args["rank"]), joining=True)
 
@@ -108,9 +126,8 @@ class InPlace:
         prefix of `PREDICTED_BASE` - nothing connects or waits on another process; joined as
         it takes its slot (`join_ahead`)."""
         with reconfigure.reconfigurable_creation():
-            dist.init_process_group(
-                **{**pg_args, "store": membership.process_group_store(PREDICTED_BASE)}
-            )
+            store = membership.process_group_store(PREDICTED_BASE)
+            self.init_process_group({**pg_args, "store": store})
             yield
         self.ahead = PREDICTED_BASE
 
@@ -163,14 +180,15 @@ class InPlace:
         if self.base is None:
             raise DeadpoolRuntimeError("no process groups to repair: this process never joined")
         try:
-            names = repair(
-                membership,
-                roster.generation,
-                rank,
-                self.base,
-                newcomers=newcomers,
-                faults=self.faults,
-            )
+            with self._abandonable(roster.generation):
+                names = repair(
+                    membership,
+                    roster.generation,
+                    rank,
+                    self.base,
+                    newcomers=newcomers,
+                    faults=self.faults,
+                )
         except dist.DistBackendError:
             taken(roster)
             raise
@@ -186,17 +204,55 @@ class InPlace:
             raise DeadpoolRuntimeError("no process groups to repair: this process never joined")
         g, done = self._repaired_ahead
         self._repaired_ahead = (-1, frozenset())
-        repair(
-            membership,
-            roster.generation,
-            rank,
-            self.base,
-            done=done if g == roster.generation else frozenset(),
-            faults=self.faults,
-        )
+        with self._abandonable(roster.generation):
+            repair(
+                membership,
+                roster.generation,
+                rank,
+                self.base,
+                done=done if g == roster.generation else frozenset(),
+                faults=self.faults,
+            )
         log.info(
             "generation %d: rank %d %s its groups in place (world group %s)",
             *(roster.generation, rank, "joined" if joining else "repaired", world_id()),
+        )
+
+    @contextlib.contextmanager
+    def _abandonable(self, generation: int) -> Iterator[None]:
+        """The block repairs the groups for `generation`: `abandon_if_planned` may end it."""
+        if self.store is None:
+            yield
+            return
+        with self.store.abandonable():
+            with self._lock:
+                self._repairing = generation
+            try:
+                yield
+            finally:
+                with self._lock:
+                    self._repairing = None
+
+    def abandon_if_planned(self, membership: WorkerView) -> None:
+        """(The heartbeat thread, after each beat, on its own connection `membership`) A repair
+        under way for generation g whose members are not all coming - the coordinator planned a
+        later generation - is abandoned: its waits for the members' addresses end at once
+        (`RepairStore.abandon`), it fails like a repair with a lost member, and the recovery
+        starts over for the later plan, instead of after the repair's timeout. Nothing is read
+        while no repair is under way."""
+        with self._lock:
+            g, store = self._repairing, self.store
+            if g is None or store is None or self.base is None:
+                return
+            latest = membership.latest_plan()
+            if latest <= g:
+                return
+            self._repairing = None  # once
+            ended = store.abandon(membership.process_group_store(self.base))
+        log.warning(
+            "generation %d was planned during this process's repair of its groups for generation "
+            "%d: repair abandoned (%d waits for members ended)",
+            *(latest, g, len(ended)),
         )
 
 

@@ -3,6 +3,8 @@ use, and `bench recovery` reports how the hot swap's processes reconstruct their
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -67,3 +69,50 @@ def test_groups_created_ahead_on_another_prefix_than_the_survivors_are_created_a
     groups.ahead = PREDICTED_BASE
     assert not groups.join_ahead(job.m("s0"), roster, 2)
     assert groups.ahead is None and groups.base is None
+
+
+class _Store:
+    """What `InPlace` asks of the store its groups rendezvous on (`RepairStore`), recorded."""
+
+    def __init__(self) -> None:
+        self.abandoned: list[object] = []
+
+    @contextlib.contextmanager
+    def abandonable(self) -> Iterator[None]:
+        yield
+
+    def abandon(self, side: object) -> list[str]:
+        self.abandoned.append(side)
+        return ["0//1//cpu//reconfigure/1/0/2"]
+
+
+def test_a_repair_is_abandoned_once_a_later_generation_is_planned_and_only_then() -> None:
+    """The heartbeat's look (`InPlace.abandon_if_planned`, on a real coordinator's store): no
+    repair under way - nothing; a repair of generation 1 while only plan 1 exists - nothing;
+    the newcomer lost, plan 2 published - the repair's waits are ended, once, through the
+    heartbeat's own connection on the prefix the groups were created on."""
+    from decisions_job import Job
+
+    from megatron_deadpool.hotswap.worker.group_repair import InPlace
+
+    job = Job(spares=2)
+    job.decided("a2")  # plan 1: s0 takes rank 2
+    groups = InPlace("gloo")
+    store = _Store()
+    groups.store, groups.base = store, 0  # type: ignore[assignment]
+    beat = job.m("a0")
+    # the prefix store over the in-memory store's connection (a torch store over a real one)
+    beat.process_group_store = lambda g: ("side", g)  # type: ignore[method-assign]
+    groups.abandon_if_planned(beat)  # no repair under way
+    with groups._abandonable(1):
+        groups.abandon_if_planned(beat)
+        assert store.abandoned == []  # plan 1 is the repair's own
+        job.die("s0")  # the newcomer dies in the repair
+        for _ in range(3):
+            job.tick()
+        assert beat.latest_plan() >= 2
+        groups.abandon_if_planned(beat)
+        groups.abandon_if_planned(beat)
+        assert store.abandoned == [("side", 0)]
+    groups.abandon_if_planned(beat)
+    assert len(store.abandoned) == 1
