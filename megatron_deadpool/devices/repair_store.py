@@ -123,7 +123,7 @@ class RepairStore(dist.Store):
     def abandon(self, side: dist.Store) -> list[str]:
         """(Another thread) End the waits under way and those to come until the block of
         `abandonable` ends: `ABANDONED` written through `side` at every key waited for that
-        holds no value yet. Returns those keys."""
+        holds no value yet. Returns the keys waited for."""
         self._abandoned.set()
         with self._lock:
             keys = sorted(self._waiting)
