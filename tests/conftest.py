@@ -13,6 +13,7 @@ cluster coordinator and its five workers).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -88,7 +89,8 @@ def run_deadpool(
     """Run `deadpool ARGS...` to completion; stdout and stderr captured as text. When it runs
     past `timeout`, it is killed with every process it started (a launcher's fork server and
     workers sit in sessions of their own, and a rank stopped by a hang fault would wait
-    forever), then `TimedOut` is raised (a `subprocess.TimeoutExpired` that shows its output)."""
+    forever) - SIGTERM first, so that launchers and node agents delete their shared memory -
+    then `TimedOut` is raised (a `subprocess.TimeoutExpired` that shows its output)."""
     env = dict(os.environ, OMP_NUM_THREADS="1")
     env.pop("PYTHONWARNINGS", None)  # what a user sees, warnings included
     cmd = [*deadpool_command(), *args]
@@ -105,10 +107,32 @@ def run_deadpool(
         except subprocess.TimeoutExpired:
             from megatron_deadpool.hotswap.coordinator.liveness import kill_tree
 
+            terminate_tree(proc.pid, TERM_GRACE_S)
             kill_tree(proc.pid)
             out, err = proc.communicate()
             raise TimedOut(cmd, timeout, out, err) from None
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+TERM_GRACE_S = 5.0
+"""How long a timed-out command's processes get after SIGTERM before SIGKILL: on SIGTERM a
+launcher and a node agent end their processes and delete their shared memory (`/dev/shm`:
+``deadpool-segments-*``, ``deadpool-node-*``), which SIGKILL leaves behind."""
+
+
+def terminate_tree(pid: int, grace_s: float) -> None:
+    """SIGTERM process `pid` and its descendants; wait up to `grace_s` for them to exit."""
+    import psutil
+
+    try:
+        root = psutil.Process(pid)
+        tree = [*root.children(recursive=True), root]
+    except psutil.NoSuchProcess:
+        return
+    for child in tree:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            child.terminate()
+    psutil.wait_procs(tree, timeout=grace_s)
 
 
 class TimedOut(subprocess.TimeoutExpired):
