@@ -13,7 +13,6 @@ cluster coordinator and its five workers).
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
@@ -107,32 +106,15 @@ def run_deadpool(
         except subprocess.TimeoutExpired:
             from megatron_deadpool.hotswap.coordinator.liveness import kill_tree
 
-            terminate_tree(proc.pid, TERM_GRACE_S)
-            kill_tree(proc.pid)
+            kill_tree(proc.pid, grace_s=TERM_GRACE_S)
             out, err = proc.communicate()
             raise TimedOut(cmd, timeout, out, err) from None
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
 TERM_GRACE_S = 5.0
-"""How long a timed-out command's processes get after SIGTERM before SIGKILL: on SIGTERM a
-launcher and a node agent end their processes and delete their shared memory (`/dev/shm`:
-``deadpool-segments-*``, ``deadpool-node-*``), which SIGKILL leaves behind."""
-
-
-def terminate_tree(pid: int, grace_s: float) -> None:
-    """SIGTERM process `pid` and its descendants; wait up to `grace_s` for them to exit."""
-    import psutil
-
-    try:
-        root = psutil.Process(pid)
-        tree = [*root.children(recursive=True), root]
-    except psutil.NoSuchProcess:
-        return
-    for child in tree:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            child.terminate()
-    psutil.wait_procs(tree, timeout=grace_s)
+"""How long a timed-out command's processes get after SIGTERM before SIGKILL (`kill_tree`: a
+launcher and a node agent delete their shared memory, ``/dev/shm/deadpool-*``, on SIGTERM)."""
 
 
 class TimedOut(subprocess.TimeoutExpired):

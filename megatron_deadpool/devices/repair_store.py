@@ -27,8 +27,8 @@ generation): no later repair reads them. What passing through Python costs: ~0-2
 in `deadpool bench recovery` (torch 2.14.1, 2 cores, 3 pairs of 4 repeats against the plain
 store) a reconstruct of 57.6 against 54.1 ms, the hot swap 0.318 against 0.292 s - inside their
 spread. The handles a group gives then have no store address (``gloo:0:-1:0:``), the same in
-every process of the job. What this does not end: a wait for a member's TCP connection once the member
-wrote its address (gloo's own timeout), and the wait for the members' handles
+every process of the job. What this does not end: a wait for a member's TCP connection once the
+member wrote its address (gloo's own timeout), and the wait for the members' handles
 (`WorkerView.repair_handles`, on the job's connection).
 """
 

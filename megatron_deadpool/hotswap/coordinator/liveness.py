@@ -10,6 +10,7 @@ respawn, never by the coordinator.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -110,16 +111,26 @@ class AgentExits:
         return False
 
 
-def kill_tree(pid: int) -> None:
+def kill_tree(pid: int, grace_s: float = 0.0) -> None:
     """SIGKILL process `pid` and every process descended from it, whatever session each is in
-    (the descendants are found first: once their parent dies they belong to init)."""
+    (the descendants are found first: once their parent dies they belong to init). `grace_s`:
+    SIGTERM them first and give them that long to exit (a launcher and a node agent delete their
+    shared memory on SIGTERM, which SIGKILL leaves behind)."""
+    if grace_s > 0:
+        terminated = _tree(pid)
+        for proc in terminated:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                proc.terminate()
+        psutil.wait_procs(terminated, timeout=grace_s)
+    for proc in _tree(pid):
+        with contextlib.suppress(psutil.NoSuchProcess):
+            proc.kill()
+
+
+def _tree(pid: int) -> list[psutil.Process]:
+    """Process `pid` and its descendants, the descendants first; none once it is gone."""
     try:
         root = psutil.Process(pid)
-        tree = [*root.children(recursive=True), root]
+        return [*root.children(recursive=True), root]
     except psutil.NoSuchProcess:
-        return
-    for proc in tree:
-        try:
-            proc.kill()
-        except psutil.NoSuchProcess:
-            pass
+        return []
