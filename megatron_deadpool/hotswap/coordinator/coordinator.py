@@ -317,6 +317,13 @@ class Coordinator:
             self._inbox = coordinator_inbox(self.membership)
         return self._inbox.wait(timeout_s)
 
+    def wake(self) -> None:
+        """End a `wait` under way now, from any thread (a launcher that saw one of its processes
+        exit: the next tick reads it)."""
+        inbox = self._inbox
+        if inbox is not None:
+            inbox.event.set()
+
     def close(self) -> None:
         """Stop the thread `wait` started (before the store goes away), and name every value
         left in the store that the job did not write (event `rejected_value`)."""

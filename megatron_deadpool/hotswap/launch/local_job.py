@@ -21,6 +21,7 @@ from __future__ import annotations
 import shutil
 import subprocess
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -41,6 +42,7 @@ from ..protocol.messages import JobError, task_of
 from ..protocol.seal import JOB_ID_ENV, JobSeal, job_binding, new_job_id
 from ..protocol.store_files import reserve_files, store_files_needed
 from ..report.job_status import publish_status
+from .exit_watch import ExitWatch
 from .forkserver import Preload
 from .silent_connections import SilentConnections
 from .warm_start import WarmStart
@@ -129,6 +131,8 @@ class LocalJob:
         )
         publish_status(events, self.coordinator, standbys=0)
         self.coordinator.start()
+        self._ended = threading.Event()  # DeadPool off: a pause ends at an exit
+        self._exits = ExitWatch(self.coordinator.wake if cfg.enabled else self._ended.set)
 
     # ------------------------------------------------------------------ where it runs
     def _assign_gpus(self) -> GpuAssignment | None:
@@ -189,6 +193,7 @@ class LocalJob:
             preload=preload,
             server_env=common,
         )
+        self._exits.watch(self.procs[member])
 
     def add_spare(self, spawn: Callable[[str], None]) -> str:
         """Grow the pool by one spare (as a cluster's scheduler would add a node)."""
@@ -249,11 +254,13 @@ class LocalJob:
             self.coordinator.tick()
 
     def wait(self, timeout_s: float) -> None:
-        """Pause between ticks: the coordinator wakes early when a process notifies it."""
+        """Pause between ticks; it ends early when a process ends (`exit_watch`) or, DeadPool
+        on, notifies the coordinator."""
         if self.cfg.enabled:
             self.coordinator.wait(timeout_s)
         else:
-            time.sleep(timeout_s)
+            self._ended.wait(timeout_s)
+            self._ended.clear()
 
     def actives(self) -> list[str]:
         """The processes that hold the ranks now."""
@@ -330,6 +337,7 @@ class LocalJob:
         """Tell waiting spares to leave, give the ranks `grace_s` and the spares a second to
         exit on their own, then kill every process group (a spare still starting up cannot see
         the shutdown yet)."""
+        self._exits.stop()
         self.membership.request_shutdown()
         self.wait_exit(self.actives(), grace_s)
         self.wait_exit(list(self.procs), 1.0)

@@ -70,17 +70,13 @@ from ..protocol.messages import (
 from ..protocol.seal import JobSeal
 from ..protocol.sealed_store import SealedStore
 from .forkserver import Preload
-from .warm_start import ForkedProcess, WarmStart, exit_fd
+from .warm_start import EXIT_CODE_S, ForkedProcess, WarmStart, exit_fd
 
 log = logging.getLogger("megatron_deadpool.agent")
 
 PER_PROCESS_ENV = ("RANK", "SLURM_PROCID", "LOCAL_RANK", "SLURM_LOCALID", segments.ENV,
                    AGENT_NODE_ENV)  # fmt: skip
 """Variables that differ between the node's processes: not given to their fork server."""
-
-EXIT_CODE_S = 1.0
-"""Longest wait for the exit code of a process seen ending (a forked one's comes from its fork
-server, which reaps it; the code is then reported at a later look)."""
 
 NOT_JOINING = "--no-deadpool-join"
 """Appended to a joined node's command for a respawned process: it has its name already."""

@@ -50,6 +50,9 @@ servers outlive the launcher that started them and serve every later launcher of
 SHARED = "shared"
 UNKNOWN_EXIT = 255
 """The exit code of a forked process that ended after its fork server died."""
+EXIT_CODE_S = 1.0
+"""Longest wait for the exit code of a process whose pidfd says it ended (`exit_fd`: a forked
+one's comes from its fork server, which reaps it; the code is then read at a later look)."""
 SERVER_MODULE = "megatron_deadpool.hotswap.launch.forkserver"
 
 _log = logging.getLogger(__name__)
@@ -89,17 +92,23 @@ class ForkedProcess:
         self._server = server
         self._id = rid
 
+    # Safe from two threads (a launcher's loop polls while its `ExitWatch` waits): the server
+    # keeps each exit code, and a None never overwrites a code another thread read.
     def poll(self) -> int | None:
-        if self.returncode is None:
-            self.returncode = self._server.exit_code(self._id, timeout=0.0)
+        self._read_code(0.0)
         return self.returncode
 
     def wait(self, timeout: float | None = None) -> int:
+        self._read_code(timeout)
         if self.returncode is None:
-            self.returncode = self._server.exit_code(self._id, timeout=timeout)
-            if self.returncode is None:
-                raise subprocess.TimeoutExpired(self.args, timeout or 0.0)
+            raise subprocess.TimeoutExpired(self.args, timeout or 0.0)
         return self.returncode
+
+    def _read_code(self, timeout: float | None) -> None:
+        if self.returncode is None:
+            code = self._server.exit_code(self._id, timeout=timeout)
+            if code is not None:
+                self.returncode = code
 
     def send_signal(self, sig: int) -> None:
         if self.poll() is None:
@@ -296,9 +305,9 @@ class ForkServer:
         """Process `rid`'s exit code once it ended (waiting up to `timeout`, None: forever)."""
         with self._cond:
             self._cond.wait_for(lambda: rid in self._exits or not self._alive, timeout)
-            if rid in self._exits:
+            if rid in self._exits:  # kept: another thread may ask again (`ExitWatch`)
                 self._forget(rid)
-                return self._exits.pop(rid)
+                return self._exits[rid]
             if self._alive:
                 return None  # not yet ended, or ended and not yet reported
             pidfd = self._pidfds.get(rid)

@@ -226,16 +226,18 @@ class Driver(JobChannel, NewcomerBuild):
         self._heartbeat = beat
         beat.after_beat = self._after_beat
         beat.start()
-        waiter = PlanWaiter(membership, self._on_plan_wake)
-        self._plan_waiter = self.plan_watch.waiter = waiter
-        waiter.start()
+        self._plan_waiter = self.plan_watch.waiter = PlanWaiter(membership, self._on_plan_wake)
+        self.groups.on_repair = self._plan_waiter.watch
+        self._plan_waiter.start()
         atexit.register(self.stop_heartbeat)  # whatever way this process ends (`Heartbeat.stop`)
 
     def _on_plan_wake(self, membership: WorkerView) -> None:
         """A plan after this rank's generation appeared (plan waiter's thread): in a step's
         compute on NCCL, the plan watch at once once the in-flight round's transfers ended (the
-        replicas that arrived are kept); else at the next step's start (`PlanStop`)."""
-        if self._plan_stop.woke(at_once=self.device.kind == "cuda"):
+        replicas that arrived are kept); else at the next step's start (`PlanStop`). In a repair
+        of the groups in place, the repair is abandoned instead (`InPlace.on_repair`)."""
+        repairing = self.groups.abandon_if_planned(membership, by="plan waiter")
+        if not repairing and self._plan_stop.woke(at_once=self.device.kind == "cuda"):
             self._plan_stop.settle(self.replicator)
             self.plan_watch(membership, at_once=True)
 
@@ -731,11 +733,8 @@ class Driver(JobChannel, NewcomerBuild):
         self.membership.stamp(self.generation, "restored", self._rank())
         self.resumed_at = t_iter + 1
         self.last_completed = t_iter
-        log.info(
-            "restored iteration %d (%s)",
-            t_iter,
-            "from holder" if from_holder else "from local snapshot",
-        )
+        source = "from holder" if from_holder else "from local snapshot"
+        log.info("restored iteration %d (%s)", t_iter, source)
         self.recovering_now = False
         rec.mark("restore")
         self.recoveries.append(rec.record(target))

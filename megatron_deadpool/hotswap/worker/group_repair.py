@@ -19,8 +19,10 @@ joins every repaired group. Every wait is bounded (`REPAIR_TIMEOUT_S`): a member
 repair fails it with `DistBackendError`, a peer failure, and the recovery starts over in the next
 generation (every group is reconnected again, under a new uuid). It need not wait that long: the
 groups rendezvous on a `RepairStore`, and once the coordinator plans a later generation during a
-repair, the heartbeat thread abandons it (`InPlace.abandon_if_planned`): its waits for the
-members' addresses end at once and the repair fails the same way.
+repair, it is abandoned (`InPlace.abandon_if_planned`) - by the plan waiter, which a repair of
+generation g sets waiting for plan g+1's wake-up (`InPlace.on_repair`), or at the latest by the
+heartbeat thread after its next beat: its waits for the members' addresses end at once and the
+repair fails the same way.
 """
 
 from __future__ import annotations
@@ -72,6 +74,9 @@ class InPlace:
         self.store: RepairStore | None = None  # the store this process's groups were created on
         self._lock = threading.Lock()
         self._repairing: int | None = None  # the generation whose repair is under way
+        self.on_repair: Callable[[int], None] = lambda generation: None
+        """Called as a repair for generation g starts: the driver's plan waiter then watches
+        for plan g+1, which abandons the repair at once (`abandon_if_planned`)."""
         self.choose(backend)
 
     def choose(self, backend: str) -> None:
@@ -227,33 +232,36 @@ class InPlace:
         with self.store.abandonable():
             with self._lock:
                 self._repairing = generation
+            self.on_repair(generation)
             try:
                 yield
             finally:
                 with self._lock:
                     self._repairing = None
 
-    def abandon_if_planned(self, membership: WorkerView) -> None:
-        """(The heartbeat thread, after each beat, on its own connection `membership`) A repair
-        under way for generation g whose members are not all coming - the coordinator planned a
-        later generation - is abandoned: its waits for the members' addresses end at once
-        (`RepairStore.abandon`), it fails like a repair with a lost member, and the recovery
-        starts over for the later plan, instead of after the repair's timeout. Nothing is read
-        while no repair is under way."""
+    def abandon_if_planned(self, membership: WorkerView, by: str = "heartbeat") -> bool:
+        """(The plan waiter's thread as plan g+1 appears, `on_repair`; the heartbeat's after
+        each beat: `by`, on its own connection `membership`) A repair under way for generation
+        g whose members are not all coming - the coordinator planned a later generation - is
+        abandoned: its waits for the members' addresses end at once (`RepairStore.abandon`), it
+        fails like a repair with a lost member, and the recovery starts over for the later
+        plan, instead of after the repair's timeout. Nothing is read while no repair is under
+        way. Whether a repair was under way (abandoned now, or not yet planned past)."""
         with self._lock:
             g, store = self._repairing, self.store
             if g is None or store is None or self.base is None:
-                return
+                return False
             latest = membership.latest_plan()
             if latest <= g:
-                return
+                return True
             self._repairing = None  # once
             ended = store.abandon(membership.process_group_store(self.base))
         log.warning(
             "generation %d was planned during this process's repair of its groups for generation "
-            "%d: repair abandoned (%d waits for members ended)",
-            *(latest, g, len(ended)),
+            "%d: repair abandoned by the %s (%d waits for members ended)",
+            *(latest, g, by, len(ended)),
         )
+        return True
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,9 @@ replicas of that iteration), which an abort would cost it - one more iteration r
 everyone. `deadpool bench plan-wake` measures the wake-up at 1,024-16,384 ranks.
 
 One wait per generation joined: `watch(generation)` (the driver, as it joins) names the next key;
-after a wake-up the thread waits for the next `watch`. `stop()` sets the key it blocks on itself
+after a wake-up the thread waits for the next `watch`. A repair of the groups in place for
+generation g calls `watch(g)` too (`group_repair.InPlace.on_repair`): plan g+1 - a member lost
+during the repair - then abandons the repair at once instead of a beat later. `stop()` sets the key it blocks on itself
 (no other process waits there), so that it never returns from torch while the interpreter shuts
 down. A lost store connection (the coordinator's host gone: its standby takes over) ends the
 thread; the heartbeat's plan watch still sees plans, a beat later.
@@ -115,10 +117,12 @@ class PlanWaiter(DeviceThread):
         self.lost: str | None = None  # why the store connection failed, if it did
 
     def watch(self, generation: int) -> None:
-        """This process joined `generation`: wait for the next one's plan."""
+        """This process joined `generation`, or repairs its groups for it: wait for the next
+        one's plan (once: not again while already waiting for it)."""
         with self._cond:
-            self._next = generation + 1
-            self._cond.notify()
+            if self._blocked_on != generation + 1:
+                self._next = generation + 1
+                self._cond.notify()
 
     def stop(self, timeout_s: float = 5.0) -> None:
         """End the thread: set the key it blocks on, and wait for it."""

@@ -1,5 +1,6 @@
 """What a rank publishes for a repair in place (`group_repair.RepairHandles`) is checked before
-use, and `bench recovery` reports how the hot swap's processes reconstruct their groups."""
+use, a later plan abandons a repair under way (from the heartbeat, and at once from the plan
+waiter), and `bench recovery` reports how the hot swap's processes reconstruct their groups."""
 
 from __future__ import annotations
 
@@ -116,3 +117,52 @@ def test_a_repair_is_abandoned_once_a_later_generation_is_planned_and_only_then(
         assert store.abandoned == [("side", 0)]
     groups.abandon_if_planned(beat)
     assert len(store.abandoned) == 1
+
+
+@pytest.mark.timeout(30)
+def test_a_later_plan_abandons_a_repair_through_the_plan_waiter_at_once() -> None:
+    """On a real store: a repair of generation 1 under way arms the plan waiter for plan 2
+    (`InPlace.on_repair`, as the driver wires it); plan 2's wake-up abandons the repair from
+    the waiter's thread - no heartbeat - once, and nothing else is stopped; the wake-up of the
+    repair's own plan abandons nothing."""
+    import time
+
+    from stores import SEAL
+
+    from megatron_deadpool.hotswap.protocol.membership import Membership, host_store
+    from megatron_deadpool.hotswap.protocol.messages import Plan
+    from megatron_deadpool.hotswap.worker.group_repair import InPlace
+    from megatron_deadpool.hotswap.worker.plan_waiter import PlanWaiter
+
+    coordinator = Membership(host_store("127.0.0.1", 0), "coordinator", SEAL)
+    member = coordinator.sibling(coordinator.core.store.clone(), "a1")
+    groups = InPlace("gloo")
+    store = _Store()
+    groups.store, groups.base = store, 0  # type: ignore[assignment]
+    stops: list[int] = []
+
+    def on_plan(m: Membership) -> None:  # `Driver._on_plan_wake`'s first part
+        if not groups.abandon_if_planned(m, by="plan waiter"):
+            stops.append(m.latest_plan())
+
+    waiter = PlanWaiter(member, on_plan)
+    groups.on_repair = waiter.watch
+    waiter.start()
+    plan = Plan(generation=1, base=0, world_size=4, dead=(2,), needy=(2,), replaced={2: "s0"})
+    try:
+        coordinator.publish_plan(plan)
+        with groups._abandonable(1):
+            coordinator.wake_plan_waiters([1], ["a1"])  # the repair's own plan: not waited for
+            time.sleep(0.3)
+            assert store.abandoned == []
+            coordinator.publish_plan(Plan(2, 1, 4, (2,), (2,), {2: "s1"}))
+            coordinator.wake_plan_waiters([2], ["a1"])
+            deadline = time.monotonic() + 5.0
+            while not store.abandoned and time.monotonic() < deadline:
+                time.sleep(0.005)
+            assert len(store.abandoned) == 1, "plan 2's wake-up did not abandon the repair"
+        time.sleep(0.2)
+        assert len(store.abandoned) == 1 and stops == []
+    finally:
+        waiter.stop()
+    assert not waiter.is_alive()
