@@ -150,6 +150,9 @@ class Executor:
         m.expect_reports(plan.generation, action.expect_reports)
         if action.supersedes is not None:  # survivors waiting on the old plan move on to this
             m.decide(action.supersedes, Decision.superseded(plan.generation))
+            # Its repair in place may be under way: no one waits for the handles of a rank lost
+            # before it published them (a death after: `group_repair.InPlace.on_repair`).
+            m.abandon_repair_handles(action.supersedes, action.fresh)
         slots, base = rec.slots, action.base
         self.events(
             "plan",

@@ -40,13 +40,13 @@ class ExitWatch:
         fd = exit_fd(proc)
         if fd is None:
             return
-        with self._lock:
+        with self._lock:  # the pipe is closed under it (`stop`)
             if self._stopping:
                 os.close(fd)
                 return
             self._procs[fd] = proc
             self._new.append(fd)
-        os.write(self._wake_w, b"w")
+            os.write(self._wake_w, b"w")
 
     def _run(self) -> None:
         poller = select.poll()  # not select: a large job's descriptors pass 1,024
@@ -71,15 +71,17 @@ class ExitWatch:
                 poller.register(fd, select.POLLIN)
 
     def stop(self) -> None:
-        """End the thread and close every descriptor it held."""
+        """End the thread and close every descriptor it held (once)."""
         with self._lock:
+            if self._stopping:
+                return
             self._stopping = True
-        os.write(self._wake_w, b"s")
+            os.write(self._wake_w, b"s")
         self._thread.join(EXIT_CODE_S + 5.0)
         with self._lock:
             for fd in self._procs:
                 os.close(fd)
             self._procs.clear()
             self._new.clear()
-        os.close(self._wake_r)
-        os.close(self._wake_w)
+            os.close(self._wake_r)
+            os.close(self._wake_w)

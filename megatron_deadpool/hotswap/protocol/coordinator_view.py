@@ -18,6 +18,7 @@ from .messages import (
     CLAIMED,
     GIVEN_UP,
     MOVED_ON,
+    REPAIR_ABANDONED,
     CoordinatorIdentity,
     Decision,
     EndReport,
@@ -108,6 +109,18 @@ class CoordinatorView(StoreView):
         """Generation g's plan, then the latest planned generation."""
         self.core.set(Keys.PLAN.format(g=plan.generation), plan.encode())
         self.core.set(Keys.LATEST_PLAN, str(plan.generation))
+
+    def abandon_repair_handles(self, generation: int, ranks: Sequence[int]) -> list[int]:
+        """Generation g superseded: each of `ranks` (lost) that has not published its handles
+        for g's repair in place gets `REPAIR_ABANDONED` there, so that its peers stop waiting for
+        them (one request per rank, and one per mark); the ranks marked."""
+        marked = []
+        for rank in ranks:
+            key = Keys.REPAIR_HANDLES.format(g=generation, rank=rank)
+            if not self.core.present(key):
+                self.core.set(key, REPAIR_ABANDONED)
+                marked.append(rank)
+        return marked
 
     def decide(self, generation: int, decision: Decision) -> None:
         """The coordinator's decision on plan g."""

@@ -184,9 +184,11 @@ class Keys:
     sealed | writes: the rank | reads: the coordinator | kept: its generation"""
     REPAIR_HANDLES = "gen{g}/repair/{rank}"
     """RepairHandles: the rank's reconfigure handles of its groups and the generation they were
-    created in (`group_repair.py`).
+    created in (`group_repair.py`); or `REPAIR_ABANDONED`, written by the coordinator for a rank
+    lost before it published them, once a later plan superseded generation g.
 
-    sealed | writes: the rank | reads: the other ranks of the repair | kept: its generation"""
+    sealed | writes: the rank; the coordinator | reads: the other ranks of the repair | kept: its
+    generation"""
     PROCESS_GROUPS = "gen{g}"
     """The prefix of torch's own rendezvous keys of generation g's process groups
     (`process_group_store`).
@@ -425,6 +427,9 @@ MOVED_ON = "moved on"
 before this live newcomer claimed its slot: it takes its slot in the next generation instead."""
 WAKE = "wake"
 """What a process pushes into the coordinator's inbox (the content is never read)."""
+REPAIR_ABANDONED = "abandoned"
+"""`gen{g}/repair/{rank}`: rank lost before it published its reconfigure handles, and a later
+plan superseded generation g: whoever waits for them there stops waiting (its repair fails)."""
 
 
 # ---------------------------------------------------------------------- reading fields

@@ -22,7 +22,8 @@ groups rendezvous on a `RepairStore`, and once the coordinator plans a later gen
 repair, it is abandoned (`InPlace.abandon_if_planned`) - by the plan waiter, which a repair of
 generation g sets waiting for plan g+1's wake-up (`InPlace.on_repair`), or at the latest by the
 heartbeat thread after its next beat: its waits for the members' addresses end at once and the
-repair fails the same way.
+repair fails the same way. A member lost before it published its handles is marked in their place
+by the coordinator as it plans the later generation (`REPAIR_ABANDONED`): the wait for them ends.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ from ...devices.abort import keep_groups
 from ...devices.reconfigure import RepairPlanError
 from ...devices.repair_store import RepairStore
 from ...errors import DeadpoolRuntimeError
-from ..protocol.messages import Roster
+from ..protocol.messages import REPAIR_ABANDONED, Roster
 from ..protocol.worker_view import WorkerView
 from .injection import FaultInjector
 
@@ -308,6 +309,12 @@ def read(
             f"repairing the process groups of generation {generation}: not every rank "
             f"published its reconfigure handles within {timeout_s:g}s ({exc})"
         ) from exc
+    lost = [r for r, v in zip(ranks, raw) if v == REPAIR_ABANDONED.encode()]
+    if lost:
+        raise dist.DistBackendError(
+            f"repairing the process groups of generation {generation}: rank(s) {lost} lost "
+            "before publishing their reconfigure handles, and a later generation is planned"
+        )
     return {r: RepairHandles.decode(r, v) for r, v in zip(ranks, raw)}
 
 

@@ -166,3 +166,44 @@ def test_a_later_plan_abandons_a_repair_through_the_plan_waiter_at_once() -> Non
     finally:
         waiter.stop()
     assert not waiter.is_alive()
+
+
+@pytest.mark.timeout(60)
+def test_a_rank_lost_before_publishing_its_handles_ends_the_wait_for_them_at_the_next_plan() -> (
+    None
+):
+    """Generation 1's newcomer is lost before it published its reconfigure handles: a survivor
+    waiting for them (`group_repair.read`, a 30 s bound) waits while generation 1 stands, and
+    stops with a peer failure naming the rank as the coordinator plans generation 2 (it marks
+    the handles `REPAIR_ABANDONED`), not at the bound; the handles a survivor published stay."""
+    import threading
+    import time
+
+    import torch.distributed as dist
+    from decisions_job import Job
+
+    from megatron_deadpool.hotswap.worker.group_repair import read
+
+    job = Job(spares=2)
+    job.decided("a2")  # plan 1 and its roster: s0 takes rank 2
+    job.m("a0").publish_repair_handles(1, 0, RepairHandles(0, {}).encode())
+    failed: list[str] = []
+
+    def survivor() -> None:
+        try:
+            read(job.m("a1"), 1, [0, 2], 30.0)
+        except dist.DistBackendError as exc:
+            failed.append(str(exc))
+
+    waiter = threading.Thread(target=survivor, daemon=True)
+    waiter.start()
+    time.sleep(0.3)
+    assert waiter.is_alive() and not failed  # waiting for rank 2's handles
+    job.die("s0")
+    for _ in range(3):
+        job.tick()
+    assert job.m().latest_plan() == 2
+    waiter.join(10.0)
+    assert not waiter.is_alive(), "the survivor still waits for the lost rank's handles"
+    assert failed and "rank(s) [2] lost before publishing" in failed[0], failed
+    assert read(job.m("a3"), 1, [0], 1.0)[0].base == 0
