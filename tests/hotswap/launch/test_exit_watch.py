@@ -13,13 +13,10 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 
-from megatron_deadpool.hotswap.coordinator.liveness import kill_groups
 from megatron_deadpool.hotswap.launch.exit_watch import ExitWatch
 from megatron_deadpool.hotswap.launch.forkserver import Preload
 from megatron_deadpool.hotswap.launch.warm_start import ForkedProcess, ForkServer
@@ -31,31 +28,7 @@ ENDS_WITH_3 = [PY, "-c", "import sys, time; time.sleep(0.3); sys.exit(3)"]
 PAUSE_S = 30.0
 """A pause far longer than any exit below takes to be seen."""
 
-pytestmark = pytest.mark.timeout(120)
-
-
-@pytest.fixture(autouse=True)
-def _own_servers(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("DEADPOOL_WARM_START", "1")  # a launcher's own servers, not the session's
-
-
-@pytest.fixture
-def started() -> Iterator[list[Any]]:
-    """Processes a test starts; their groups are killed whatever happens."""
-    procs: list[Any] = []
-    try:
-        yield procs
-    finally:
-        kill_groups(procs)
-
-
-@pytest.fixture
-def server() -> Iterator[ForkServer]:
-    srv = ForkServer(LIGHT, ENV)
-    try:
-        yield srv
-    finally:
-        srv.close()
+pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("own_servers")]
 
 
 def _open_fds() -> set[str]:

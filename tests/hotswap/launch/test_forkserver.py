@@ -19,7 +19,6 @@ import sys
 import textwrap
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -44,15 +43,7 @@ ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PYTHONWARNINGS
 LIGHT = Preload(("json", "json.tool"))
 PY = sys.executable
 
-pytestmark = pytest.mark.timeout(120)
-
-
-@pytest.fixture(autouse=True)
-def _own_servers(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Every `WarmStart` here has servers of its own, as a launcher process has by default (the
-    test session lends kept ones: tests/conftest.py); the kept ones are tested with a pool of
-    their own."""
-    monkeypatch.setenv("DEADPOOL_WARM_START", "1")
+pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("own_servers")]
 
 
 def _gone(pid: int) -> bool:
@@ -71,26 +62,6 @@ def _wait_gone(pid: int, timeout: float = 15.0) -> bool:
             return False
         time.sleep(0.05)
     return True
-
-
-@pytest.fixture(scope="module")
-def server() -> Iterator[ForkServer]:
-    srv = ForkServer(LIGHT, ENV)
-    try:
-        yield srv
-    finally:
-        srv.close()
-        assert srv.proc.returncode is not None and _gone(srv.pid)
-
-
-@pytest.fixture
-def started() -> Iterator[list[Any]]:
-    """Processes a test starts; their groups are killed whatever happens."""
-    procs: list[Any] = []
-    try:
-        yield procs
-    finally:
-        kill_groups(procs)
 
 
 def _run(server: ForkServer, argv: list[str], started: list, **kw: Any) -> tuple[int, str]:
