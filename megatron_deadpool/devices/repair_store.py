@@ -28,8 +28,9 @@ in `deadpool bench recovery` (torch 2.14.1, 2 cores, 3 pairs of 4 repeats agains
 store) a reconstruct of 57.6 against 54.1 ms, the hot swap 0.318 against 0.292 s - inside their
 spread. The handles a group gives then have no store address (``gloo:0:-1:0:``), the same in
 every process of the job. What this does not end: a wait for a member's TCP connection once the
-member wrote its address (gloo's own timeout), and the wait for the members' handles
-(`WorkerView.repair_handles`, on the job's connection).
+member wrote its address (gloo's own timeout); the wait for the members' handles
+(`WorkerView.repair_handles`, on the job's connection) is ended by the coordinator instead, which
+marks a lost rank's handles as it plans the later generation (`messages.REPAIR_ABANDONED`).
 """
 
 from __future__ import annotations

@@ -1,13 +1,17 @@
 """A launcher's wake-up when one of its processes ends, instead of its next tick finding it.
 
 The local launcher's loop (`supervisor.Supervisor`) ticks every `TICK_S` (50 ms) and learns of an
-exit by polling its processes then: a crash waited half a tick on average before the coordinator
-saw it (`bench recovery`'s detect phase: 36-43 ms, of a 0.3 s hot swap). A node agent already
-waits on its processes' pidfds and wakes the coordinator at once (`node_agent.NodeAgent._pause`);
-`ExitWatch` does the same for a launcher that hosts the coordinator: a thread polls one pidfd per
-process (`warm_start.exit_fd`: a forked process's or a fresh one's) and, once one is readable and
-its exit code known (a forked process's comes from its fork server, which reaps it), calls
-`on_exit()` - the launcher ends its pause, and its tick reads the code like any other.
+exit by polling its processes then: up to a tick after the process ended, unless a survivor's
+failure report woke the coordinator first (in `bench recovery` the dead rank's tensor-parallel
+peer usually does, so its detect phase - mostly the kernel tearing the killed process down, ~20 ms
+and more on 2 cores - did not measurably change; with DeadPool off nothing woke it). A node agent
+already waits on its processes' pidfds and wakes the coordinator at once
+(`node_agent.NodeAgent._pause`, in its own single-threaded loop); `ExitWatch` does the same for a
+launcher that hosts the coordinator, whose pause is a wait on the coordinator's inbox: a thread
+polls one pidfd per process (`warm_start.exit_fd`: a forked process's or a fresh one's) and, once
+one is readable and its exit code known (a forked process's comes from its fork server, which
+reaps it), calls `on_exit()` - the launcher ends its pause, and its tick reads the code like any
+other.
 """
 
 from __future__ import annotations

@@ -110,17 +110,14 @@ class CoordinatorView(StoreView):
         self.core.set(Keys.PLAN.format(g=plan.generation), plan.encode())
         self.core.set(Keys.LATEST_PLAN, str(plan.generation))
 
-    def abandon_repair_handles(self, generation: int, ranks: Sequence[int]) -> list[int]:
+    def abandon_repair_handles(self, generation: int, ranks: Sequence[int]) -> None:
         """Generation g superseded: each of `ranks` (lost) that has not published its handles
         for g's repair in place gets `REPAIR_ABANDONED` there, so that its peers stop waiting for
-        them (one request per rank, and one per mark); the ranks marked."""
-        marked = []
+        them (one request per rank, and one per mark)."""
         for rank in ranks:
             key = Keys.REPAIR_HANDLES.format(g=generation, rank=rank)
             if not self.core.present(key):
                 self.core.set(key, REPAIR_ABANDONED)
-                marked.append(rank)
-        return marked
 
     def decide(self, generation: int, decision: Decision) -> None:
         """The coordinator's decision on plan g."""

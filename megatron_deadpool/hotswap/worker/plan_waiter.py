@@ -19,10 +19,10 @@ everyone. `deadpool bench plan-wake` measures the wake-up at 1,024-16,384 ranks.
 One wait per generation joined: `watch(generation)` (the driver, as it joins) names the next key;
 after a wake-up the thread waits for the next `watch`. A repair of the groups in place for
 generation g calls `watch(g)` too (`group_repair.InPlace.on_repair`): plan g+1 - a member lost
-during the repair - then abandons the repair at once instead of a beat later. `stop()` sets the key it blocks on itself
-(no other process waits there), so that it never returns from torch while the interpreter shuts
-down. A lost store connection (the coordinator's host gone: its standby takes over) ends the
-thread; the heartbeat's plan watch still sees plans, a beat later.
+during the repair - then abandons the repair at once instead of a beat later. `stop()` sets the
+key it blocks on itself (no other process waits there), so that it never returns from torch
+while the interpreter shuts down. A lost store connection (the coordinator's host gone: its
+standby takes over) ends the thread; the heartbeat's plan watch still sees plans, a beat later.
 """
 
 from __future__ import annotations
