@@ -8,7 +8,8 @@ against `failure_free(iters)` (`deadpool train`) and `megatron_lm_failure_free(i
 helpers: tests/procs.py (ports, waiting on conditions), tests/stores.py (a recording store),
 tests/optimizers.py (optimizer stand-ins), tests/mlm.py (Megatron-LM trees and runs),
 tests/standby_job.py (a job with a standby coordinator), tests/coordinated_job.py (a
-cluster coordinator and its five workers).
+cluster coordinator and its five workers). Fixtures for launcher tests: `own_servers`, `started`,
+`server`.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import os
 import re
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -58,7 +59,13 @@ LONGEST_FIRST = (
 def pytest_configure(config: pytest.Config) -> None:
     """With pytest-xdist's workers (`-n 2`), each module runs whole on one worker (its module
     fixtures and cached runs made once), in the order collected (`--dist loadfile
-    --no-loadscope-reorder`, whatever the command line says)."""
+    --no-loadscope-reorder`, whatever the command line says). And this is the only conftest.py:
+    test modules import its helpers as `conftest`, a name a second one would take over."""
+    others = sorted(p for p in TESTS_DIR.rglob("conftest.py") if p != Path(__file__).resolve())
+    if others:
+        raise pytest.UsageError(
+            f"{others[0]}: tests import tests/conftest.py as `conftest`; move its fixtures there"
+        )
     if getattr(config.option, "numprocesses", None):
         config.option.dist = "loadfile"
         config.option.loadscopereorder = False
@@ -182,6 +189,40 @@ class MegatronLMReference:
 
 
 """A finished `deadpool train`: the process, the per-iteration records, the summary."""
+
+
+@pytest.fixture
+def own_servers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every `WarmStart` has servers of its own, as a launcher process has by default (the test
+    session lends kept ones: `DEADPOOL_WARM_START` above); the kept ones are tested with a pool of
+    their own."""
+    monkeypatch.setenv("DEADPOOL_WARM_START", "1")
+
+
+@pytest.fixture
+def started() -> Iterator[list[Any]]:
+    """Processes a test starts; their groups are killed whatever happens."""
+    from megatron_deadpool.hotswap.coordinator.liveness import kill_groups
+
+    procs: list[Any] = []
+    try:
+        yield procs
+    finally:
+        kill_groups(procs)
+
+
+@pytest.fixture(scope="module")
+def server(request: pytest.FixtureRequest) -> Iterator[Any]:
+    """A fork server (`hotswap.launch.warm_start.ForkServer`) importing the test module's `LIGHT`,
+    in its `ENV`; ended and reaped after the module's tests."""
+    from megatron_deadpool.hotswap.launch.warm_start import ForkServer
+
+    srv = ForkServer(request.module.LIGHT, request.module.ENV)
+    try:
+        yield srv
+    finally:
+        srv.close()
+        assert srv.proc.returncode is not None
 
 
 def train_case(
