@@ -8,7 +8,8 @@ replacing the module attributes is enough (no source edit). Each hook and why:
 - `parallel_state.initialize_model_parallel`: record Megatron's exact call (a new generation
   repeats it), check the layout and place replicas.
 - `setup_model_and_optimizer` (newcomer only): no checkpoint load (state comes from memory);
-  the iteration counter is set to the step before the survivors' resume step.
+  then - the survivors' agreement awaited, `MegatronSession.newcomer_plan` - the iteration
+  counter is set to the step before the survivors' resume step.
 - `build_train_valid_test_data_iterators` (newcomer only): the training data loader starts
   at the restore iteration's sample count, the validation loader where the survivors' is.
 - `train`: remember Megatron's checkpointing context (its cached save strategy holds the
@@ -83,11 +84,11 @@ def wrap_initialize_model_parallel(real: Any, session: Any, get_args: Callable[[
 def wrap_setup_model_and_optimizer(real: Any, session: Any, get_args: Callable[[], Any]) -> Any:
     @functools.wraps(real)
     def setup_model_and_optimizer(*args: Any, **kwargs: Any) -> Any:
-        plan = session.newcomer
-        if plan is None:
+        if session.joining is None:
             return real(*args, **kwargs)
         a = get_args()
         out = build_without_loading(a, real, *args, **kwargs)  # the state: peers' memory
+        plan = session.newcomer_plan()  # the survivors agreed meanwhile, or now
         a.iteration = plan.target - 1
         a.num_floating_point_operations_so_far = plan.counters[str(plan.target - 1)]["flops"]
         return out
@@ -98,9 +99,9 @@ def wrap_setup_model_and_optimizer(real: Any, session: Any, get_args: Callable[[
 def wrap_build_data_iterators(real: Any, session: Any, get_args: Callable[[], Any]) -> Any:
     @functools.wraps(real)
     def build_train_valid_test_data_iterators(*args: Any, **kwargs: Any) -> Any:
-        plan = session.newcomer
-        if plan is None:
+        if session.joining is None:
             return real(*args, **kwargs)
+        plan = session.newcomer_plan()
         a = get_args()
         restore = plan.counters[str(plan.roster.restore_iteration)]
         resume = plan.counters[str(plan.target - 1)]
@@ -245,7 +246,7 @@ def install(session: MegatronSession) -> None:
     from megatron.training import get_args
     from megatron.training import training as tr
 
-    if session.newcomer is None:
+    if session.joining is None:
         _patch(
             dist,
             "init_process_group",

@@ -5,10 +5,12 @@ embedded job's is `embedded.job`), driven by Megatron's own training loop throug
 `hooks.py`:
 
 - `begin()` (before `pretrain()`): the driver's start-up (`Driver.start`): connect to the
-  coordinator, heartbeat, and - for a spare - wait for a slot. A spare that gets one becomes a
-  *newcomer*: it runs Megatron's start-up in a private world
-  (`hotswap/worker/private_world.py`) positioned at the agreed iteration. Megatron's own
-  start-up makes the groups (`Driver.init_process_group`, `Driver.groups_made`).
+  coordinator, heartbeat, and - for a spare - wait for a slot. A spare that a plan names for one
+  becomes a *newcomer*: it runs Megatron's start-up in a private world
+  (`hotswap/worker/private_world.py`) at once, while the survivors agree on the restore
+  iteration; once its model and optimizer are built it waits for the agreement
+  (`newcomer_plan`), and the rest of the start-up is positioned at the agreed iteration.
+  Megatron's own start-up makes the groups (`Driver.init_process_group`, `Driver.groups_made`).
 - `train_step(...)` wraps Megatron's `train_step` in the driver's step (`Driver.step`: after
   each optimizer step the driver replicates). When a collective fails, survivors recover
   *inside* the call (`Driver.train`: the driver releases every group, agrees on the restore
@@ -78,7 +80,8 @@ class MegatronSession(JobAdapter):
         self.task = task
         self.token = token
         self._active: Driver | None = None
-        self.newcomer: NewcomerPlan | None = None
+        self.joining: Roster | None = None  # a newcomer's roster as its start-up began
+        self.newcomer: NewcomerPlan | None = None  # once agreed (`newcomer_plan`)
         self.mp_call: tuple[Any, tuple, dict] | None = None
         self._objs: tuple[Any, Any, Any, Any] | None = None
         self.extra_roots: list[Any] = []
@@ -104,13 +107,25 @@ class MegatronSession(JobAdapter):
         return self._driver().start(self) is not None
 
     def slot_taken(self, roster: Roster) -> None:
-        """A newcomer's plan (`NewcomerPlan`): where the survivors stand."""
+        """A newcomer (generation > 0) begins Megatron's start-up, for its planned slot."""
         if roster.generation > 0:
+            self.joining = roster
+            log.info("taking rank %s in generation %d: Megatron start-up in a private world",
+                     os.environ["RANK"], roster.generation)  # fmt: skip
+
+    def newcomer_plan(self) -> NewcomerPlan:
+        """A newcomer's plan (`NewcomerPlan`): where the survivors stand, once they agreed (its
+        start-up waits here for the agreed roster the first time: `Driver.agreed_slot`)."""
+        if self.newcomer is None:
+            if self.joining is None:
+                raise DeadpoolRuntimeError("this process is no newcomer")
+            roster = self.driver.agreed_slot(self.joining)
             reports, holder = self._survivor_reports(roster), self.driver.restore_source(roster)
             self.newcomer = newcomer_plan(roster, reports, holder)
-            at = (os.environ["RANK"], roster.generation, self.newcomer.target)
-            log.info("taking rank %s in generation %d: Megatron start-up in a private world, "
-                     "joining at step %d", *at)  # fmt: skip
+            log.info("generation %d agreed: restore iteration %s, joining at step %d",
+                     roster.generation, roster.restore_iteration,
+                     self.newcomer.target)  # fmt: skip
+        return self.newcomer
 
     def report_early_error(self, exc: BaseException) -> None:
         """The script raised `exc` before `pretrain()` began this session (core_v0.19.0's
@@ -375,7 +390,7 @@ class MegatronSession(JobAdapter):
     def _joining(self, n: int) -> None:
         """First step of a newcomer: the step the survivors resume at, where it takes its slot
         (`Driver.train`); Megatron's log sums then come from a peer at the same position."""
-        plan, self.newcomer = self.newcomer, None
+        plan, self.newcomer, self.joining = self.newcomer, None, None
         if plan is None:
             return
         if n != plan.target:

@@ -199,10 +199,11 @@ def test_survivors_one_step_apart_are_brought_to_the_later_step(
     ahead.after_rejoin(roster)
     assert not ahead.skips_between_steps(10) and ahead._log_state_to_load is None
     newcomer = session(3, None)
+    newcomer.driver.member = "s0"  # as `connect` names it
     monkeypatch.setenv("RANK", "3")  # exported by the driver before `slot_taken`
     newcomer.slot_taken(roster)
-    plan = newcomer.newcomer
-    assert plan is not None and plan.target == 11 and "10" in plan.counters  # from rank 0
+    plan = newcomer.newcomer_plan()  # the roster is agreed: at once
+    assert plan.target == 11 and "10" in plan.counters  # from rank 0
     # Step 10's evaluation is skipped with its log (Megatron's loop reads args.do_valid after
     # `training_log`), and the flag is back for step 11.
     args = SimpleNamespace(do_valid=True)

@@ -69,7 +69,7 @@ from .inheritance import Inheritance
 from .injection import FaultInjector
 from .job_channel import JobChannel
 from .newcomer_build import NewcomerBuild
-from .newcomer_claim import claim
+from .newcomer_claim import agreed, claim
 from .plan_waiter import PlanStop, PlanWaiter
 from .plan_watch import PlanWatch
 from .recovery import Recovery
@@ -309,8 +309,9 @@ class Driver(JobChannel, NewcomerBuild):
         then builds in its private world. Unless the job's own start-up makes them
         (`owns_start_up`), the groups are created (joined, or the private world's) and the job's
         objects built and bound - a spare's head start first (`newcomer_build`: its rehearsal while
-        no plan names it, its build as soon as one does). Returns the roster this process holds
-        its slot in."""
+        no plan names it, its build as soon as one does); a job's own start-up begins as soon as a
+        plan names the spare (`agreed_slot` then waits for the agreed roster). Returns the roster
+        this process holds its slot in (a newcomer's: planned, or agreed)."""
         self.connect(world_size)
         descriptors.reserve(descriptors.wanted_entries(self._world_size))  # not in a recovery
         own = job.owns_start_up
@@ -322,7 +323,7 @@ class Driver(JobChannel, NewcomerBuild):
                 build = functools.partial(self._build_private, job)
                 args = (self._world_size, str(self.pg_backend), build, head.drop)
                 newcomer_build.rehearse(job, self.groups, *args)
-        roster = self.wait_for_slot(meanwhile=head.on_plan if head else None)
+        roster = self.wait_for_slot(meanwhile=head.on_plan if head else None, planned=own)
         if roster is None:
             return None
         if own:
@@ -365,17 +366,21 @@ class Driver(JobChannel, NewcomerBuild):
         return signal.signal(signal.SIGTERM, lambda *_: self.sigterm.set())
 
     def wait_for_slot(
-        self, after: int = -1, meanwhile: Callable[[WorkerView, str], None] | None = None
+        self,
+        after: int = -1,
+        meanwhile: Callable[[WorkerView, str], None] | None = None,
+        planned: bool = False,
     ) -> Roster | None:
         """Block until a roster names this process; None when the job ends (or SIGTERM)
         before it needs this spare. A newcomer (a spare taking a slot after the start) then
         builds its objects in a private world (`build_privately`) and claims its slot as it
         joins (`take_slot`). `after`: only a roster of a later generation counts;
         `meanwhile(membership, member)`: each time it looks, before it waits (a spare's head
-        start, `HeadStart.on_plan`)."""
+        start, `HeadStart.on_plan`); `planned`: a plan naming this process counts too (its
+        roster's restore iteration not agreed yet: `agreed_slot`)."""
         previous = self.catch_sigterm()
         try:
-            return self._wait_for_slot(after, meanwhile)
+            return self._wait_for_slot(after, meanwhile, planned)
         finally:
             signal.signal(signal.SIGTERM, previous)
             if self._slot_waiter is not None:
@@ -383,7 +388,7 @@ class Driver(JobChannel, NewcomerBuild):
                 self._slot_waiter = None
 
     def _wait_for_slot(
-        self, after: int, meanwhile: Callable[[WorkerView, str], None] | None
+        self, after: int, meanwhile: Callable[[WorkerView, str], None] | None, planned: bool
     ) -> Roster | None:
         m, faults = self.membership, self.faults
         may_fail = faults.waiting_faults(self.member)
@@ -401,6 +406,10 @@ class Driver(JobChannel, NewcomerBuild):
                 if rank is not None:
                     self._take(roster)
                     return roster
+            ahead = newcomer_build.planned_roster(m, self.member) if planned else None
+            if ahead is not None and ahead.generation > after:
+                self._take(ahead)
+                return ahead
             if meanwhile is not None:  # a plan naming it: its head start's build
                 meanwhile(m, self.member)
             if self._slot_waiter is None:  # from now on every roster and the shutdown wake us
@@ -419,10 +428,12 @@ class Driver(JobChannel, NewcomerBuild):
 
     def bind(self, job: JobAdapter, *, check: bool = False) -> None:
         """The job's objects exist: from now on failures are recovered around them. `check`:
-        refuse a process group they hold that a recovery could not rebind (`check_rebindable`)."""
+        refuse a process group they hold that a recovery could not rebind
+        (`rebind.check_rebindable`)."""
         self._job = job
         if check:
-            self.check_rebindable()
+            extra = {REPLICATION: self.repl_group, HOST_REPLICATION: self.host_repl_group}
+            rebind.check_rebindable(self._roots(), extra)
 
     # ------------------------------------------------------------------ generations
     def process_group_args(self) -> dict[str, Any]:
@@ -491,7 +502,7 @@ class Driver(JobChannel, NewcomerBuild):
         the restore iteration T. `target`: the step the job goes on at (T+1 unless the
         survivors recompute more)."""
         t0 = time.time()
-        roster = self._claim(self.roster)
+        roster = self._claim(self.agreed_slot(self.roster))
         self._take(roster)
         if self.groups.join_ahead(self.membership, roster, self._rank()):
             self.plan_watch.joined(self.generation)
@@ -506,6 +517,12 @@ class Driver(JobChannel, NewcomerBuild):
         rec = self._recovery(roster, own or self.replicator, needy=own is None, started=t0)
         rec.mark("join")
         return self.restore(rec, newcomer=True, target=target)
+
+    def agreed_slot(self, roster: Roster) -> Roster:
+        """The agreed roster this newcomer joins (`newcomer_claim.agreed`: `roster` is the one
+        its start-up began with, planned or agreed); from now on its slot's."""
+        self._take(agreed(roster, self.member, self.wait_for_slot))
+        return self.roster
 
     def _claim(self, roster: Roster) -> Roster:
         """Claim this newcomer's slot, its objects built (`newcomer_claim.claim`); the roster it
@@ -680,18 +697,6 @@ class Driver(JobChannel, NewcomerBuild):
         self.job.after_rejoin(roster)
         rec.mark("join")
         return self.restore(rec, newcomer=False, target=target)
-
-    def check_rebindable(self) -> None:
-        """Once the job's objects exist (`bind`): refuse, in one line, a process group they hold
-        that a recovery could not rebind (not one of Megatron's `parallel_state` groups)."""
-        extra = {REPLICATION: self.repl_group, HOST_REPLICATION: self.host_repl_group}
-        unnamed = rebind.unnamed_groups(self._roots(), extra)
-        if unnamed:
-            raise ConfigError(
-                f"--deadpool cannot protect this run: the job's objects hold {len(unnamed)} "
-                f"process group(s) that are none of Megatron's parallel_state groups "
-                f"({', '.join(unnamed[:3])}), which a hot swap could not rebuild and rebind"
-            )
 
     def attach(self) -> None:
         """Put the new generation's groups in every released handle; none may stay stale."""

@@ -5,7 +5,9 @@ world (`private_world`: the job's objects built as its rank, without the survivo
 created and repaired (`group_repair`), its objects rebound. `NewcomerBuild` (a part of `Driver`,
 kept apart for its size) is the build; what takes part of the path away from after the
 agreement, for a job whose objects the driver builds (the embedded job; Megatron-LM's `pretrain`
-builds its own, `owns_start_up`, and gets neither), is the rest of this module:
+builds its own, `owns_start_up`: no rehearsal, and its start-up begins at the plan,
+`Driver.wait_for_slot(planned=True)`, then waits for the agreement where it first needs the restore
+iteration, `Driver.agreed_slot`), is the rest of this module:
 
 - **the rehearsal** (`rehearse`): the first time a process does any of it costs far more than
   any later time. The build imports what Megatron imports lazily (megatron-core 0.19's optimizer

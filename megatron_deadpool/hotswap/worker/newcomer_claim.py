@@ -10,6 +10,10 @@ is moved on: the slot is this process's in the next generation, whose roster it 
 claims there (it must keep the rank and restore iteration its objects were built for), or the
 job ended meanwhile and it leaves with exit code 0. `claim_slot` is the claim itself, which a
 survivor the plan counts as a newcomer makes too (`Recovery.agree`).
+
+A newcomer whose job builds its own objects (Megatron-LM's `pretrain`) starts building as soon
+as a plan names it for a slot, before the survivors agree on the restore iteration; its job then
+waits for the agreed roster where it first needs it (`agreed`).
 """
 
 from __future__ import annotations
@@ -65,3 +69,23 @@ def claim(
             f"{roster.restore_iteration} as it built its objects for"
         )
     return claim(membership, faults, member, later, wait_for_slot)
+
+
+def agreed(roster: Roster, member: str, wait_for_slot: Callable[[int], Roster | None]) -> Roster:
+    """The agreed roster a newcomer joins, when it started building at the plan of `roster`'s
+    generation (its restore iteration not agreed yet; otherwise `roster` itself): that
+    generation's roster once agreed, or a later plan's that superseded it before the agreement
+    - with the same rank (a later plan keeps the slots given: `coordinator.decide`).
+    `wait_for_slot(g)` as for `claim`; the job ended meanwhile: exit code 0."""
+    if roster.restore_iteration is not None:
+        return roster
+    later = wait_for_slot(roster.generation - 1)
+    if later is None:
+        log.info("released: the job ended before this newcomer joined")
+        raise SystemExit(ExitCode.OK)
+    if later.rank_of(member) != roster.rank_of(member):
+        raise DeadpoolRuntimeError(
+            f"generation {later.generation} gives this newcomer rank {later.rank_of(member)}, "
+            f"not rank {roster.rank_of(member)} as its plan did when it began to build"
+        )
+    return later

@@ -34,6 +34,7 @@ from megatron.core import parallel_state as ps
 
 from ...devices.abort import abort_groups, last_abort
 from ...devices.threads import start_thread
+from ...errors import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -364,6 +365,19 @@ def stale_group_refs(roots: Iterable[Any]) -> list[str]:
 
     _walk(roots, visit)
     return stale
+
+
+def check_rebindable(roots: Iterable[Any], extra: dict[str, Any]) -> None:
+    """Once the job's objects exist (`Driver.bind`): refuse, in one line, a process group they
+    hold that a recovery could not rebind (`unnamed_groups`: not one of Megatron's
+    `parallel_state` groups, nor in `extra`)."""
+    unnamed = unnamed_groups(roots, extra)
+    if unnamed:
+        raise ConfigError(
+            f"--deadpool cannot protect this run: the job's objects hold {len(unnamed)} "
+            f"process group(s) that are none of Megatron's parallel_state groups "
+            f"({', '.join(unnamed[:3])}), which a hot swap could not rebuild and rebind"
+        )
 
 
 def unnamed_groups(roots: Iterable[Any], extra: dict[str, Any] | None = None) -> list[str]:

@@ -146,3 +146,83 @@ def test_a_survivor_counted_as_a_newcomer_whose_slot_moved_on_claims_it_in_the_n
     roster = _agree(steps)
     assert roster.generation == 3 and roster.slots == {0: "a0", 1: "s0", 2: "a2", 3: "s3"}
     assert steps.needy and coordinator.wait_newcomers(3, [1, 3], 0.0) is True
+
+
+ZERO = Roster(0, 4, {0: "a0", 1: "a1", 2: "a2", 3: "a3"}, restore_iteration=None)
+PLAN = Plan(generation=1, base=0, world_size=4, dead=(1,), needy=(1,), replaced={1: "s0"})
+
+
+def _spare(store: MemoryStore) -> Driver:
+    """Spare s0's driver, connected to `store`."""
+    driver = Driver(
+        DeadpoolConfig(), Device("cpu", "gloo"), coordinator="-", token=TEST_SECRET, member="s0"
+    )
+    driver._membership = membership = Membership(store.clone(), "s0", SEAL)  # as `connect`
+    driver._faults = FaultInjector([], membership)
+    return driver
+
+
+def _planned() -> tuple[Driver, Membership]:
+    """Spare s0 waiting, generation 0's roster out, plan 1 naming it for rank 1 (a1 died): the
+    survivors have not agreed yet."""
+    store = MemoryStore()
+    coordinator = Membership(store.clone(), "coordinator", SEAL)
+    coordinator.publish_roster(ZERO)
+    coordinator.publish_plan(PLAN)
+    return _spare(store), coordinator
+
+
+@pytest.mark.timeout(30)
+def test_a_spare_whose_job_builds_its_own_objects_starts_at_the_plan_and_joins_the_agreed_roster() -> (
+    None
+):
+    """`Driver.start` with `owns_start_up`: the wait for a slot ends at the plan (its start-up runs
+    while the survivors agree); `agreed_slot`, where the start-up first needs the restore
+    iteration, waits for the roster the survivors agreed on. A spare of a job the driver builds
+    waits for the roster itself (its head start builds beside the wait)."""
+    driver, coordinator = _planned()
+    planned = driver.wait_for_slot(planned=True)
+    assert planned is not None and planned.restore_iteration is None
+    assert (planned.generation, driver.rank, driver.generation) == (1, 1, 1)
+    agreed = Roster(1, 4, {0: "a0", 1: "s0", 2: "a2", 3: "a3"}, restore_iteration=4)
+    _soon(lambda: coordinator.publish_roster(agreed))
+    t0 = time.monotonic()
+    assert driver.agreed_slot(planned) == agreed == driver.roster
+    assert time.monotonic() - t0 > 0.2  # it waited for the agreement
+    assert driver.agreed_slot(agreed) == agreed  # agreed already: at once
+    driver, coordinator = _planned()
+    _soon(lambda: coordinator.publish_roster(agreed))
+    t0 = time.monotonic()
+    assert driver.wait_for_slot() == agreed and time.monotonic() - t0 > 0.2
+
+
+@pytest.mark.timeout(30)
+def test_a_plan_superseded_before_the_agreement_joins_the_later_roster_at_the_same_rank() -> None:
+    """a3 died too before the survivors agreed: plan 2 keeps s0 on rank 1 (a plan keeps the
+    slots it gave), and the start-up begun for plan 1 joins generation 2."""
+    driver, coordinator = _planned()
+    planned = driver.wait_for_slot(planned=True)
+    assert planned is not None
+    second = Roster(2, 4, {0: "a0", 1: "s0", 2: "a2", 3: "s1"}, restore_iteration=4)
+    _soon(lambda: coordinator.publish_roster(second))
+    assert driver.agreed_slot(planned) == second and driver.generation == 2
+
+
+@pytest.mark.timeout(30)
+def test_a_later_roster_with_another_rank_is_an_error_and_the_end_of_the_job_leaves_with_0() -> (
+    None
+):
+    driver, coordinator = _planned()
+    planned = driver.wait_for_slot(planned=True)
+    assert planned is not None
+    moved = Roster(2, 4, {0: "a0", 1: "a1", 2: "a2", 3: "s0"}, restore_iteration=4)
+    _soon(lambda: coordinator.publish_roster(moved))
+    with pytest.raises(DeadpoolRuntimeError, match="rank 3, not rank 1 as its plan did"):
+        driver.agreed_slot(planned)
+    driver, coordinator = _planned()
+    planned = driver.wait_for_slot(planned=True)
+    assert planned is not None
+    _soon(coordinator.request_shutdown)  # out of redundancy before the agreement
+    with pytest.raises(SystemExit) as left:
+        driver.agreed_slot(planned)
+    assert left.value.code == 0

@@ -1,7 +1,7 @@
 """Group handles a recovery could not rebind (hotswap/worker/rebind.py `unnamed_groups`): a group the
 job's objects hold that is none of Megatron's `parallel_state` groups (e.g. one a library made
 for itself) is found before any failure, so the job is refused at start-up with one line
-(`Driver.check_rebindable`). A world of one process, in a fresh interpreter."""
+(`rebind.check_rebindable`). A world of one process, in a fresh interpreter."""
 
 from __future__ import annotations
 
