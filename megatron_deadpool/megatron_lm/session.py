@@ -390,7 +390,8 @@ class MegatronSession(JobAdapter):
     def _joining(self, n: int) -> None:
         """First step of a newcomer: the step the survivors resume at, where it takes its slot
         (`Driver.train`); Megatron's log sums then come from a peer at the same position."""
-        plan, self.newcomer, self.joining = self.newcomer, None, None
+        plan = self.newcomer_plan() if self.joining is not None else None
+        self.newcomer, self.joining = None, None
         if plan is None:
             return
         if n != plan.target:

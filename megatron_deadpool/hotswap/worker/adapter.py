@@ -45,7 +45,8 @@ class JobAdapter(Protocol):
 
     def slot_taken(self, roster: Roster) -> None:
         """This process holds a slot of `roster` (a newcomer: generation > 0), before any of
-        its groups exists."""
+        its groups exists. With `owns_start_up` a newcomer's roster may be only planned (its
+        restore iteration None): `Driver.agreed_slot` gives the agreed one."""
         return
 
     def build(self) -> None:

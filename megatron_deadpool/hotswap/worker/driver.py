@@ -310,8 +310,9 @@ class Driver(JobChannel, NewcomerBuild):
         (`owns_start_up`), the groups are created (joined, or the private world's) and the job's
         objects built and bound - a spare's head start first (`newcomer_build`: its rehearsal while
         no plan names it, its build as soon as one does); a job's own start-up begins as soon as a
-        plan names the spare (`agreed_slot` then waits for the agreed roster). Returns the roster
-        this process holds its slot in (a newcomer's: planned, or agreed)."""
+        plan names the spare (`agreed_slot` then waits for the agreed roster) - unless it holds
+        its node's segment files (a respawn), which it reports to every plan until the roster.
+        Returns the roster this process holds its slot in (a newcomer's: planned, or agreed)."""
         self.connect(world_size)
         descriptors.reserve(descriptors.wanted_entries(self._world_size))  # not in a recovery
         own = job.owns_start_up
@@ -323,7 +324,8 @@ class Driver(JobChannel, NewcomerBuild):
                 build = functools.partial(self._build_private, job)
                 args = (self._world_size, str(self.pg_backend), build, head.drop)
                 newcomer_build.rehearse(job, self.groups, *args)
-        roster = self.wait_for_slot(meanwhile=head.on_plan if head else None, planned=own)
+        planned = own and self._inherited.where is None
+        roster = self.wait_for_slot(meanwhile=head.on_plan if head else None, planned=planned)
         if roster is None:
             return None
         if own:

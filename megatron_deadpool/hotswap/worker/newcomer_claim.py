@@ -25,6 +25,7 @@ from ...errors import DeadpoolRuntimeError, ExitCode
 from ..protocol.messages import CLAIMED, MOVED_ON, Roster
 from ..protocol.worker_view import WorkerView
 from .injection import FaultInjector
+from .newcomer_build import planned_roster
 
 log = logging.getLogger(__name__)
 
@@ -71,21 +72,38 @@ def claim(
     return claim(membership, faults, member, later, wait_for_slot)
 
 
-def agreed(roster: Roster, member: str, wait_for_slot: Callable[[int], Roster | None]) -> Roster:
+def agreed(
+    roster: Roster,
+    member: str,
+    wait_for_slot: Callable[[int, Callable[[WorkerView, str], None]], Roster | None],
+) -> Roster:
     """The agreed roster a newcomer joins, when it started building at the plan of `roster`'s
     generation (its restore iteration not agreed yet; otherwise `roster` itself): that
     generation's roster once agreed, or a later plan's that superseded it before the agreement
-    - with the same rank (a later plan keeps the slots given: `coordinator.decide`).
-    `wait_for_slot(g)` as for `claim`; the job ended meanwhile: exit code 0."""
+    - with the same rank (a later plan keeps the slots of live newcomers: `coordinator.decide`).
+    A later plan that names it no more (the coordinator took it for lost) is an error, as is a
+    roster with another rank or no restore iteration. `wait_for_slot(g, meanwhile)` as for
+    `claim`, `meanwhile` called each time it looks; the job ended meanwhile: exit code 0."""
     if roster.restore_iteration is not None:
         return roster
-    later = wait_for_slot(roster.generation - 1)
+
+    def still_named(membership: WorkerView, member: str) -> None:
+        latest = membership.latest_plan()
+        if latest > roster.generation and planned_roster(membership, member, latest) is None:
+            raise DeadpoolRuntimeError(
+                f"plan {latest} gave rank {roster.rank_of(member)} to another process before "
+                f"the survivors agreed on generation {roster.generation} (the coordinator took "
+                "this newcomer for lost)"
+            )
+
+    later = wait_for_slot(roster.generation - 1, still_named)
     if later is None:
         log.info("released: the job ended before this newcomer joined")
         raise SystemExit(ExitCode.OK)
-    if later.rank_of(member) != roster.rank_of(member):
+    if later.rank_of(member) != roster.rank_of(member) or later.restore_iteration is None:
         raise DeadpoolRuntimeError(
-            f"generation {later.generation} gives this newcomer rank {later.rank_of(member)}, "
-            f"not rank {roster.rank_of(member)} as its plan did when it began to build"
+            f"generation {later.generation} gives this newcomer rank {later.rank_of(member)} at "
+            f"iteration {later.restore_iteration}, not rank {roster.rank_of(member)} at an "
+            "agreed iteration as its plan did when it began to build"
         )
     return later

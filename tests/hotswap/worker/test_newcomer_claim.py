@@ -217,7 +217,7 @@ def test_a_later_roster_with_another_rank_is_an_error_and_the_end_of_the_job_lea
     assert planned is not None
     moved = Roster(2, 4, {0: "a0", 1: "a1", 2: "a2", 3: "s0"}, restore_iteration=4)
     _soon(lambda: coordinator.publish_roster(moved))
-    with pytest.raises(DeadpoolRuntimeError, match="rank 3, not rank 1 as its plan did"):
+    with pytest.raises(DeadpoolRuntimeError, match="rank 3 at iteration 4, not rank 1"):
         driver.agreed_slot(planned)
     driver, coordinator = _planned()
     planned = driver.wait_for_slot(planned=True)
@@ -226,3 +226,16 @@ def test_a_later_roster_with_another_rank_is_an_error_and_the_end_of_the_job_lea
     with pytest.raises(SystemExit) as left:
         driver.agreed_slot(planned)
     assert left.value.code == 0
+
+
+@pytest.mark.timeout(30)
+def test_a_newcomer_a_later_plan_names_no_more_before_the_agreement_stops_with_an_error() -> None:
+    """Its heartbeat was late (a CPU-bound start-up): the coordinator took it for lost and plan 2
+    gives rank 1 to s1. It must not wait for a roster that never names it, holding its build."""
+    driver, coordinator = _planned()
+    planned = driver.wait_for_slot(planned=True)
+    assert planned is not None
+    second = Plan(generation=2, base=0, world_size=4, dead=(1,), needy=(1,), replaced={1: "s1"})
+    _soon(lambda: coordinator.publish_plan(second))
+    with pytest.raises(DeadpoolRuntimeError, match="plan 2 gave rank 1 to another process"):
+        driver.agreed_slot(planned)
