@@ -69,7 +69,7 @@ from .inheritance import Inheritance
 from .injection import FaultInjector
 from .job_channel import JobChannel
 from .newcomer_build import NewcomerBuild
-from .newcomer_claim import agreed, claim
+from .newcomer_claim import agreed, claim, slot_roster
 from .plan_waiter import PlanStop, PlanWaiter
 from .plan_watch import PlanWatch
 from .recovery import Recovery
@@ -401,17 +401,10 @@ class Driver(JobChannel, NewcomerBuild):
                 return None
             faults.while_waiting(self.member)  # `spare:I@ITER`: a waiting spare fails
             self._inherited.report(m, self.member)
-            g = m.generation()
-            if g > after:
-                roster = m.roster(g)
-                rank = roster.rank_of(self.member)
-                if rank is not None:
-                    self._take(roster)
-                    return roster
-            ahead = newcomer_build.planned_roster(m, self.member) if planned else None
-            if ahead is not None and ahead.generation > after:
-                self._take(ahead)
-                return ahead
+            found = slot_roster(m, self.member, after, planned)
+            if found is not None:
+                self._take(found)
+                return found
             if meanwhile is not None:  # a plan naming it: its head start's build
                 meanwhile(m, self.member)
             if self._slot_waiter is None:  # from now on every roster and the shutdown wake us

@@ -72,6 +72,18 @@ def claim(
     return claim(membership, faults, member, later, wait_for_slot)
 
 
+def slot_roster(membership: WorkerView, member: str, after: int, planned: bool) -> Roster | None:
+    """The roster of a generation after `after` that names `member` (`Driver.wait_for_slot`):
+    the newest published one, else (`planned`) the one the newest plan leads to, its restore
+    iteration not agreed yet (`newcomer_build.planned_roster`); None when neither does."""
+    g = membership.generation()
+    roster = membership.roster(g) if g > after else None
+    if roster is not None and roster.rank_of(member) is not None:
+        return roster
+    ahead = planned_roster(membership, member) if planned else None
+    return ahead if ahead is not None and ahead.generation > after else None
+
+
 def agreed(
     roster: Roster,
     member: str,
