@@ -59,10 +59,7 @@ def claim(
     if claim_slot(membership, g, rank):
         return roster
     log.info("generation %d will not be joined: waiting for the next one's roster", g)
-    later = wait_for_slot(g)
-    if later is None:
-        log.info("released: the job ended before this newcomer joined")
-        raise SystemExit(ExitCode.OK)
+    later = _or_released(wait_for_slot(g))
     if later.rank_of(member) != rank or later.restore_iteration != roster.restore_iteration:
         raise DeadpoolRuntimeError(
             f"generation {later.generation} gives this newcomer rank {later.rank_of(member)} at "
@@ -70,6 +67,15 @@ def claim(
             f"{roster.restore_iteration} as it built its objects for"
         )
     return claim(membership, faults, member, later, wait_for_slot)
+
+
+def _or_released(later: Roster | None) -> Roster:
+    """`later`, the roster a newcomer waited for; None - the job ended meanwhile - ends the
+    process with exit code 0."""
+    if later is None:
+        log.info("released: the job ended before this newcomer joined")
+        raise SystemExit(ExitCode.OK)
+    return later
 
 
 def slot_roster(membership: WorkerView, member: str, after: int, planned: bool) -> Roster | None:
@@ -108,10 +114,7 @@ def agreed(
                 "this newcomer for lost)"
             )
 
-    later = wait_for_slot(roster.generation - 1, still_named)
-    if later is None:
-        log.info("released: the job ended before this newcomer joined")
-        raise SystemExit(ExitCode.OK)
+    later = _or_released(wait_for_slot(roster.generation - 1, still_named))
     if later.rank_of(member) != roster.rank_of(member) or later.restore_iteration is None:
         raise DeadpoolRuntimeError(
             f"generation {later.generation} gives this newcomer rank {later.rank_of(member)} at "
