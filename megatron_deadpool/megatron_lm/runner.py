@@ -21,7 +21,9 @@ own `extra_args_provider`: in `pretrain` for core_v0.16.1, in `parse_and_validat
 which the script calls first, for core_v0.19.0). With `--deadpool`, `wrap_pretrain` starts a
 `MegatronSession` and installs the training hooks (`megatron_lm_hooks`); DeadPool's log level
 follows Megatron's (`log_level.py`). Without `--deadpool` nothing but the flags, the
-CPU mode and the resume from a snapshot set (below) is added.
+CPU mode and the resume from a snapshot set (below) is added - and, either way, the dataclasses'
+field docstrings Megatron's parser reads are read once per class (`field_docstrings.py`: a
+newcomer's start-up builds the parser again, ~70-85 ms each time otherwise; the parser is the same).
 
 Out of redundancy (no spare left, or a shard with no surviving copy) every survivor exits with
 code 3 after writing DeadPool's snapshot set of one common iteration under `--save`
@@ -59,7 +61,7 @@ from ..errors import (
     LostAfterTrainingError,
     OutOfRedundancyError,
 )
-from . import interplay, versions
+from . import field_docstrings, interplay, versions
 
 log = logging.getLogger("megatron_deadpool.megatron_lm")
 
@@ -123,6 +125,7 @@ def wrap_pretrain(pretrain: Callable[..., Any]) -> Callable[..., Any]:
     replication and hot swap (idempotent)."""
     if getattr(pretrain, "_deadpool", False):
         return pretrain
+    field_docstrings.install()  # before the script parses the arguments (core_v0.19.0)
     signature = inspect.signature(pretrain)
 
     @functools.wraps(pretrain)
