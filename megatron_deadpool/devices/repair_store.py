@@ -121,13 +121,17 @@ class RepairStore(dist.Store):
         finally:
             self._abandoned.clear()
 
+    def waiting(self) -> list[str]:
+        """The keys a blocking call waits for now (any thread)."""
+        with self._lock:
+            return sorted(self._waiting)
+
     def abandon(self, side: dist.Store) -> list[str]:
         """(Another thread) End the waits under way and those to come until the block of
         `abandonable` ends: `ABANDONED` written through `side` at every key waited for that
         holds no value yet. Returns the keys waited for."""
         self._abandoned.set()
-        with self._lock:
-            keys = sorted(self._waiting)
+        keys = self.waiting()
         for key in keys:
             side.compare_set(key, "", ABANDONED.decode())
         return keys

@@ -167,9 +167,8 @@ def _child(
                 side.wait(["abandon/now"])
                 deadline = time.monotonic() + 60  # until gloo waits for the spare's address
                 while time.monotonic() < deadline:
-                    with groups_store._lock:
-                        if any("reconfigure/1/" in k for k in groups_store._waiting):
-                            break
+                    if any("reconfigure/1/" in k for k in groups_store.waiting()):
+                        break
                     time.sleep(0.01)
                 keys = groups_store.abandon(dist.PrefixStore("gen0", side))
                 # On its own connection: the main thread's client is held through its next

@@ -113,11 +113,10 @@ class CoordinatorView(StoreView):
     def abandon_repair_handles(self, generation: int, ranks: Sequence[int]) -> None:
         """Generation g superseded: each of `ranks` (lost) that has not published its handles
         for g's repair in place gets `REPAIR_ABANDONED` there, so that its peers stop waiting for
-        them (one request per rank, and one per mark)."""
+        them (one compare-and-set per rank: handles published first stay, and a rank that
+        publishes after it finds the mark, `WorkerView.publish_repair_handles`)."""
         for rank in ranks:
-            key = Keys.REPAIR_HANDLES.format(g=generation, rank=rank)
-            if not self.core.present(key):
-                self.core.set(key, REPAIR_ABANDONED)
+            self.core.claim(Keys.REPAIR_HANDLES.format(g=generation, rank=rank), REPAIR_ABANDONED)
 
     def decide(self, generation: int, decision: Decision) -> None:
         """The coordinator's decision on plan g."""

@@ -185,7 +185,8 @@ class Keys:
     REPAIR_HANDLES = "gen{g}/repair/{rank}"
     """RepairHandles: the rank's reconfigure handles of its groups and the generation they were
     created in (`group_repair.py`); or `REPAIR_ABANDONED`, written by the coordinator for a rank
-    lost before it published them, once a later plan superseded generation g.
+    lost before it published them, once a later plan superseded generation g. Both by
+    compare-and-set: the first value written stays.
 
     sealed | writes: the rank; the coordinator | reads: the other ranks of the repair | kept: its
     generation"""

@@ -24,6 +24,7 @@ from . import retention
 from .messages import (
     AGENT_NODE_ENV,
     CLAIMED,
+    REPAIR_ABANDONED,
     Announcement,
     CheckpointFailures,
     Decision,
@@ -145,9 +146,12 @@ class WorkerView(StoreView):
             Keys.STAMP_COUNT.format(g=generation, phase=phase),
         )
 
-    def publish_repair_handles(self, generation: int, rank: int, payload: str) -> None:
-        """`rank`'s reconfigure handles for the repair of generation g (`group_repair`)."""
-        self.core.set(Keys.REPAIR_HANDLES.format(g=generation, rank=rank), payload)
+    def publish_repair_handles(self, generation: int, rank: int, payload: str) -> bool:
+        """`rank`'s reconfigure handles for the repair of generation g (`group_repair`); False
+        when the coordinator marked them `REPAIR_ABANDONED` first (it took this rank for lost
+        as it planned a later generation: the mark stays, one compare-and-set)."""
+        key = Keys.REPAIR_HANDLES.format(g=generation, rank=rank)
+        return self.core.claim(key, payload) != REPAIR_ABANDONED.encode()
 
     def repair_handles(self, g: int, ranks: Sequence[int], wait_s: float) -> list[bytes | None]:
         """The handles `ranks` published for generation g, waited for up to `wait_s` (then the

@@ -292,9 +292,14 @@ class RepairHandles:
 
 
 def publish(membership: WorkerView, generation: int, rank: int, base: int) -> None:
-    """Publish this process's handles of every group it is in for generation g's repair."""
+    """Publish this process's handles of every group it is in for generation g's repair;
+    `DistBackendError` when the coordinator took this rank for lost first (a later plan)."""
     payload = RepairHandles(base, reconfigure.own_handles()).encode()
-    membership.publish_repair_handles(generation, rank, payload)
+    if not membership.publish_repair_handles(generation, rank, payload):
+        raise dist.DistBackendError(
+            f"repairing the process groups of generation {generation}: rank {rank} was taken "
+            "for lost before it published its reconfigure handles (a later generation is planned)"
+        )
 
 
 def read(

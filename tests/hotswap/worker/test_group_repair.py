@@ -207,3 +207,28 @@ def test_a_rank_lost_before_publishing_its_handles_ends_the_wait_for_them_at_the
     assert not waiter.is_alive(), "the survivor still waits for the lost rank's handles"
     assert failed and "rank(s) [2] lost before publishing" in failed[0], failed
     assert read(job.m("a3"), 1, [0], 1.0)[0].base == 0
+
+
+@pytest.mark.timeout(60)
+def test_a_rank_taken_for_lost_finds_the_mark_when_it_publishes_after_it() -> None:
+    """The coordinator's mark and a rank's handles are set by compare-and-set, first writer
+    wins: generation 1's newcomer that publishes after the coordinator took it for lost (plan 2)
+    finds the mark and fails its repair with a peer failure - it does not replace the mark the
+    survivors stopped waiting at - while the handles a survivor published before are kept."""
+    import torch.distributed as dist
+    from decisions_job import Job
+
+    from megatron_deadpool.hotswap.protocol.messages import REPAIR_ABANDONED
+    from megatron_deadpool.hotswap.worker.group_repair import publish, read
+
+    job = Job(spares=2)
+    job.decided("a2")  # plan 1 and its roster: s0 takes rank 2
+    publish(job.m("a0"), 1, 0, 0)
+    job.die("s0")
+    for _ in range(3):
+        job.tick()
+    assert job.m().latest_plan() == 2
+    with pytest.raises(dist.DistBackendError, match="rank 2 was taken for lost before it"):
+        publish(job.m("s0"), 1, 2, 0)
+    assert job.m("a1").repair_handles(1, [2], 1.0) == [REPAIR_ABANDONED.encode()]
+    assert read(job.m("a3"), 1, [0], 1.0)[0].base == 0
