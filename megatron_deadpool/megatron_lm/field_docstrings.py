@@ -6,7 +6,7 @@ others `ArgumentGroupFactory` turns into argument groups), each field's help fro
 under it, which `ArgumentGroupFactory._get_field_docstrings` reads from the class's source
 (`inspect.getsource`, then `ast.parse`, for the class and each of its bases) every time a parser
 is built. `pretrain()` builds one again for `ft_integration.setup` before `initialize_megatron`;
-the first of them costs ~70-85 ms, every later one the same (measured, one core, both tags). A
+each costs ~65-85 ms (measured on one core: core_v0.16.1 65-74, core_v0.19.0 77-85). A
 newcomer begins that start-up when the coordinator's plan names it, and the survivors wait for it.
 
 A class's source does not change while the process runs, so `install` reads each class's field
