@@ -256,8 +256,9 @@ def node_failure(
             params_b * BUILD_S_PER_B_PARAMS,
             "assumed",
             f"{params_b:.2f} B parameters on its GPU x {BUILD_S_PER_B_PARAMS:g} s per billion: "
-            "Megatron-LM's start-up for its slot, after the agreement (the embedded job's starts "
-            f"at the plan: sooner by the agreement); bracketed by {BUILD_SOURCE}",
+            "its start-up for the slot (Megatron-LM's, or the embedded job's build), begun as the "
+            "plan wakes it with the survivors' waiters, so the agreement overlaps it (not "
+            f"subtracted here: an upper bound); bracketed by {BUILD_SOURCE}",
         ),
         Term(
             "repair communicators",
