@@ -4,11 +4,10 @@ The local launcher's loop (`supervisor.Supervisor`) ticks every `TICK_S` (50 ms)
 exit by polling its processes then: up to a tick after the process ended, unless a survivor's
 failure report woke the coordinator first (in `bench recovery` the dead rank's tensor-parallel
 peer usually does, so its detect phase - mostly the kernel tearing the killed process down, ~20 ms
-and more on 2 cores - did not measurably change; with DeadPool off nothing woke it). A node agent
-already waits on its processes' pidfds and wakes the coordinator at once
-(`node_agent.NodeAgent._pause`, in its own single-threaded loop); `ExitWatch` does the same for a
-launcher that hosts the coordinator, whose pause is a wait on the coordinator's inbox: a thread
-polls one pidfd per process (`warm_start.exit_fd`: a forked process's or a fresh one's) and, once
+and more on 2 cores - did not measurably change; with DeadPool off nothing woke it). `ExitWatch`
+ends such a pause - the wait on the coordinator's inbox of a launcher that hosts the coordinator,
+a node agent's between its beats (`node_agent.NodeAgent._pause`, which then wakes the coordinator
+at once): a thread polls one pidfd per process (`warm_start.exit_fd`: a forked process's or a fresh one's) and, once
 one is readable and its exit code known (a forked process's comes from its fork server, which
 reaps it), calls `on_exit()` - the launcher ends its pause, and its tick reads the code like any
 other.
@@ -32,7 +31,9 @@ class ExitWatch:
 
     def __init__(self, on_exit: Callable[[], None]) -> None:
         self.on_exit = on_exit
-        self._lock = threading.Lock()
+        # Reentrant: a SIGTERM handler that stops the watch (`node_agent.stop_on_term`) may run
+        # on the main thread while it holds the lock in `watch`.
+        self._lock = threading.RLock()
         self._procs: dict[int, ForkedProcess | subprocess.Popen] = {}  # pidfd -> its process
         self._new: list[int] = []  # pidfds the thread has not registered yet
         self._stopping = False
@@ -51,6 +52,11 @@ class ExitWatch:
             self._procs[fd] = proc
             self._new.append(fd)
             os.write(self._wake_w, b"w")
+
+    def watching(self) -> int:
+        """How many processes it watches (each holds a descriptor until it ends, or `stop`)."""
+        with self._lock:
+            return len(self._procs)
 
     def _run(self) -> None:
         poller = select.poll()  # not select: a large job's descriptors pass 1,024

@@ -14,7 +14,8 @@ allocation) - each with its `RANK`, `LOCAL_RANK` (its GPU) and its log `task-{t}
     its folder, under the order's member name; it restores from its own snapshot, and no spare
     node is spent;
   - reports each exit of a process it started (`agents/exit/{n}`, a `ProcessExit`) as it
-    happens - it waits between beats on the processes' pidfds, not a fixed sleep - and wakes
+    happens - its pause between beats ends when one of them ends (`exit_watch.ExitWatch`, on
+    their pidfds), not a fixed sleep - and wakes
     the coordinator, so that a crash is known in milliseconds (`liveness.AgentExits`), not a
     beat later or after the peers' failure reports and a silence;
   - follows the job to a standby coordinator that took it over (the first of
@@ -37,15 +38,14 @@ process struck by one kills the node's other processes, deletes its memory and S
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
-import select
 import shutil
 import signal
 import socket
 import subprocess
 import tempfile
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -69,8 +69,9 @@ from ..protocol.messages import (
 )
 from ..protocol.seal import JobSeal
 from ..protocol.sealed_store import SealedStore
+from .exit_watch import ExitWatch
 from .forkserver import Preload
-from .warm_start import EXIT_CODE_S, ForkedProcess, WarmStart, exit_fd
+from .warm_start import ForkedProcess, WarmStart
 
 log = logging.getLogger("megatron_deadpool.agent")
 
@@ -91,15 +92,6 @@ class Started:
     folder: Path
     reported: bool = False
     """Its exit was reported to the coordinator serving the job now."""
-    exit_fd: int | None = None
-    """Readable once it ended (`warm_start.exit_fd`): the agent's pause ends then; None once it
-    did, or where the process was gone before the agent could open one."""
-
-    def ended(self) -> None:
-        """It ended: stop waiting for it (`NodeAgent._pause`)."""
-        if self.exit_fd is not None:
-            os.close(self.exit_fd)
-            self.exit_fd = None
 
 
 class NodeAgent:
@@ -155,6 +147,8 @@ class NodeAgent:
         self.orders_seen = 0
         self._respawned_at: list[float] = []  # monotonic times of the orders carried out
         self.struck = False  # a node fault struck one of its processes (`_notice_exits`)
+        self._exited = threading.Event()  # set as a process it started ends (`_pause`)
+        self.exits = ExitWatch(self._exited.set)
 
     # ------------------------------------------------------------------ processes
     def start(self) -> None:
@@ -197,7 +191,8 @@ class NodeAgent:
             proc = self.starter.start(
                 self.cmd + extra, env, out, preload=self.preload, server_env=self.server_env
             )
-        self.started[name] = Started(proc, gpu, folder, exit_fd=exit_fd(proc))
+        self.started[name] = Started(proc, gpu, folder)
+        self.exits.watch(proc)
         log.info("node %d: started %s (task %d, GPU %d, pid %d)", self.node, name, task, gpu,
                  proc.pid)  # fmt: skip
 
@@ -310,7 +305,6 @@ class NodeAgent:
                 code = started.proc.poll()
                 if code is None or started.reported:
                     continue
-                started.ended()
                 member = self._member_of(name, started)
                 if member is not None and self.membership.node_lost(member):
                     return True
@@ -326,21 +320,10 @@ class NodeAgent:
 
     def _pause(self, seconds: float) -> None:
         """Wait `seconds` between looks, less when a process this agent started ends: its exit
-        is reported at once, not up to a beat later (a crash's detection on a cluster)."""
-        waiting = {
-            s.exit_fd: s for s in self.started.values() if s.exit_fd is not None and not s.reported
-        }
-        if not waiting:
-            time.sleep(seconds)
-            return
-        poller = select.poll()  # not select: a node's descriptors may pass 1,024
-        for fd in waiting:
-            poller.register(fd, select.POLLIN)
-        for fd, _ in poller.poll(seconds * 1e3):
-            started = waiting[fd]
-            started.ended()  # readable for good: not waited for again
-            with contextlib.suppress(subprocess.TimeoutExpired):  # then: at a later look
-                started.proc.wait(timeout=EXIT_CODE_S)
+        is reported at once, not up to a beat later (a crash's detection on a cluster). An exit
+        after the last look ends it at once (`exits` woke it meanwhile)."""
+        self._exited.wait(seconds)
+        self._exited.clear()
 
     def _job_over(self) -> bool:
         try:
@@ -383,10 +366,9 @@ class NodeAgent:
     def close(self) -> None:
         """Kill what is left of the node's processes and delete their folders."""
         kill_groups([s.proc for s in self.started.values()])  # type: ignore[misc]  # Popen-like
-        for started in self.started.values():
-            started.ended()
         self.starter.close()  # after the processes it forked: it reports their exits
         shutil.rmtree(self.root, ignore_errors=True)
+        self.exits.stop()
 
 
 def _announced(where: Announcement | None, started: Started) -> bool:

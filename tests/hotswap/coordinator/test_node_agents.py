@@ -250,13 +250,13 @@ def test_an_agent_reports_an_exit_as_it_happens_and_wakes_the_coordinator(
         assert agent._look()
         assert coord.process_exits(0)[1] == [ProcessExit("a1", -9, 0)]
         assert store.queue_len(Keys.INBOX) == 1  # the coordinator woken
-        assert agent.started["a1"].exit_fd is None and agent.started["a0"].exit_fd is not None
+        assert agent.exits.watching() == 1  # a0 only
         t0 = time.monotonic()
         agent._pause(0.3)  # a1's exit, reported, no longer ends a pause
         assert time.monotonic() - t0 >= 0.3
     finally:
         agent.close()
-    assert all(s.exit_fd is None for s in agent.started.values())
+    assert agent.exits.watching() == 0  # every descriptor closed
 
 
 @pytest.mark.timeout(60)
