@@ -218,12 +218,20 @@ def _child(
 
         groups = [(n, list(rs)) for n, _, rs in rc.known_groups() if rc.repaired(rs)]
         bound = datetime.timedelta(seconds=repair_timeout_s)
+        if role == "spare lost in its repair":  # writes its address for WORLD, then dies
+            plan = rc.plan_repair(groups, handles([0, 1, 2]))
+            threading.Thread(target=rc.repair, args=(plan, uuid, bound), daemon=True).start()
+            time.sleep(0.5)  # its first group's address is in the store; it waits for theirs
+            store.set("spare/written", "1")
+            os.kill(os.getpid(), signal.SIGKILL)
         result["repaired"] = 0
         if survivor:  # the groups without rank 2 first, before its spare even starts
             ahead, groups = rc.split_by_members(groups, {2})
             result["repaired"] = rc.repair(rc.plan_repair(ahead, handles([0, 1])), 1, bound).groups
             result["ahead"] = result["repaired"]
             store.set(f"ahead/{rank}", "1")
+        if store.check(["gate/spare_dead"]):  # start only once the spare is gone
+            store.wait(["spare/dead"])
         t0 = time.perf_counter()
         try:
             plan = rc.plan_repair(groups, handles([0, 1, 2]))
@@ -293,14 +301,20 @@ def _until(store: Any, keys: list[str], deadline: float, what: str) -> None:
         time.sleep(0.05)
 
 
-def _run(spare_comes: bool, repair_timeout_s: float, abandon: bool = False) -> dict[str, Any]:
+def _run(
+    spare_comes: bool, repair_timeout_s: float, abandon: bool = False, lost_in_repair: bool = False
+) -> dict[str, Any]:
     """The victim killed, the survivors' repair ahead, then a spare (`spare_comes`) or a spare
-    lost after it published its handles; `abandon`: the survivors' repair is abandoned a
-    moment after they entered it, and a second spare joins their repair under uuid 2."""
+    lost after it published its handles - or (`lost_in_repair`) once it wrote its address for
+    its first group's reconfigure, the survivors starting theirs after its death; `abandon`: the
+    survivors' repair is abandoned a moment after they entered it, and a second spare joins
+    their repair under uuid 2."""
     import torch.distributed as dist
 
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     deadline = time.monotonic() + 150
+    if lost_in_repair:
+        store.set("gate/spare_dead", "1")
     procs = [_start(r, store.port, "survivor", repair_timeout_s, wrapped=abandon) for r in (0, 1)]
     procs.append(_start(2, store.port, "victim", repair_timeout_s, wrapped=abandon))
     try:
@@ -311,8 +325,13 @@ def _run(spare_comes: bool, repair_timeout_s: float, abandon: bool = False) -> d
         # without the spare: it starts after
         _until(store, ["ahead/0", "ahead/1"], deadline, "the survivors never repaired ahead")
         role = "spare" if spare_comes else "lost spare"
+        role = "spare lost in its repair" if lost_in_repair else role
         procs.append(_start(2, store.port, role, repair_timeout_s, wrapped=abandon))
         out: dict[str, Any] = {}
+        if lost_in_repair:
+            _until(store, ["spare/written"], deadline, "the spare never started its repair")
+            procs[-1].wait(30)
+            store.set("spare/dead", "1")
         if abandon:
             _until(store, ["repairing/1/0", "repairing/1/1"], deadline, "no repair to abandon")
             store.set("abandon/now", "1")  # each abandons once in gloo's wait for the address
@@ -357,6 +376,22 @@ def test_a_repair_whose_member_never_comes_raises_within_its_timeout() -> None:
         res = out[who]
         assert "repair_error" in res, res
         assert res["repair_s"] < 3 + 10, res
+
+
+@needs_reconfigure
+@pytest.mark.timeout(240)
+def test_a_member_lost_after_writing_its_address_fails_the_repair_within_five_timeouts() -> None:
+    """The spare dies in its repair, its address for the first group (WORLD) in the store; the
+    survivors then reconfigure WORLD: they read that address and connect to a process that is
+    gone. gloo fails at once, or - when its connect waits - only after 5 x the reconfigure's
+    timeout (torch 2.14.1: 5.0 s with 1 s; each seen here): a wait no abandon reaches, which
+    `group_repair.RECONNECT_TIMEOUT_S` bounds."""
+    timeout_s = 1.0
+    out = _run(spare_comes=False, repair_timeout_s=timeout_s, lost_in_repair=True)
+    for who in ("survivor0", "survivor1"):
+        res = out[who]
+        assert "repair_error" in res, res
+        assert res["repair_s"] < 5 * timeout_s + 10, res
 
 
 @needs_reconfigure

@@ -11,19 +11,20 @@ agreed, while the newcomers still build and claim their slots (`InPlace.repair_a
 by `Recovery.agree`), the others once they have (`InPlace.reconstruct`) - so that after the
 claims only the newcomers' groups are left to repair.
 
-A newcomer builds its world as the survivors once did, on the same store prefix (the generation
-the survivors' groups were created in, `RepairHandles.base`, read from a survivor's handles) and
-in the same order - so its groups have the survivors' names and rendezvous keys - but created to
-be reconfigured (`reconfigurable_creation`: nothing connects); it then publishes its handles and
-joins every repaired group. Every wait is bounded (`REPAIR_TIMEOUT_S`): a member lost during the
-repair fails it with `DistBackendError`, a peer failure, and the recovery starts over in the next
-generation (every group is reconnected again, under a new uuid). It need not wait that long: the
-groups rendezvous on a `RepairStore`, and once the coordinator plans a later generation during a
-repair, it is abandoned (`InPlace.abandon_if_planned`) - by the plan waiter, which a repair of
-generation g sets waiting for plan g+1's wake-up (`InPlace.on_repair`), or at the latest by the
-heartbeat thread after its next beat: its waits for the members' addresses end at once and the
-repair fails the same way. A member lost before it published its handles is marked in their place
-by the coordinator as it plans the later generation (`REPAIR_ABANDONED`): the wait for them ends.
+A newcomer builds its world as the survivors once did, on the same store prefix (the generation the
+survivors' groups were created in, `RepairHandles.base`, read from a survivor's handles) and in the
+same order - so its groups have the survivors' names and rendezvous keys - but created to be
+reconfigured (`reconfigurable_creation`: nothing connects); it then publishes its handles and joins
+every repaired group. Every wait is bounded (`REPAIR_TIMEOUT_S`; in gloo's reconfigure
+`RECONNECT_TIMEOUT_S`): a member lost during the repair fails it with `DistBackendError`, a peer
+failure, and the recovery starts over in the next generation (every group is reconnected again,
+under a new uuid). It need not wait that long: the groups rendezvous on a `RepairStore`, and once
+the coordinator plans a later generation during a repair, it is abandoned
+(`InPlace.abandon_if_planned`) - by the plan waiter, which a repair of generation g sets waiting for
+plan g+1's wake-up (`InPlace.on_repair`), or at the latest by the heartbeat thread after its next
+beat: its waits for the members' addresses end at once and the repair fails the same way. A member
+lost before it published its handles is marked in their place by the coordinator as it plans the
+later generation (`REPAIR_ABANDONED`): the wait for them ends.
 """
 
 from __future__ import annotations
@@ -53,7 +54,14 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 REPAIR_TIMEOUT_S = 60.0
-"""Longest wait for the other ranks' handles, and for each group's members while it reconnects."""
+"""Longest wait for the other ranks' handles (`read`)."""
+
+RECONNECT_TIMEOUT_S = 10.0
+"""The timeout of each group's reconfigure, once every member published its handles (no member
+is then more than a few groups behind): gloo's wait for the members' addresses, and for each
+connection - to a member lost after it wrote its address, gloo waits up to 5 x this (measured,
+torch 2.14.1: `tests/devices/test_reconfigure.py`), a wait no abandon reaches (`RepairStore` ends
+the waits for addresses)."""
 
 PREDICTED_BASE = 0
 """The generation on whose store prefix survivors' groups were created, as a newcomer predicts it
@@ -358,8 +366,10 @@ def repair(
     `done`), read its groups' members', and reconfigure each of its groups but `done` in place
     under uuid `generation`; returns the names of the groups reconfigured. `newcomers`: only
     the groups none of them is in (a survivor's repair ahead, `InPlace.repair_ahead`). A member
-    lost meanwhile: `DistBackendError` within `timeout_s`. `faults`: where a `RANK@repair`
-    fault strikes, once the handles are out (its peers then wait for it in the reconfigure)."""
+    lost meanwhile: `DistBackendError` within `timeout_s` while the handles are read, then
+    within `RECONNECT_TIMEOUT_S` per group (5 x that for a connection). `faults`: where a
+    `RANK@repair` fault strikes, once the handles are out (its peers then wait for it in the
+    reconfigure)."""
     if not done:
         publish(membership, generation, rank, base)
     if faults is not None:
@@ -384,7 +394,8 @@ def repair(
         )
     plan = reconfigure.plan_repair(groups, {r: h.handles for r, h in published.items()})
     try:
-        report = reconfigure.repair(plan, generation, datetime.timedelta(seconds=timeout_s))
+        bound = datetime.timedelta(seconds=min(timeout_s, RECONNECT_TIMEOUT_S))
+        report = reconfigure.repair(plan, generation, bound)
     except RepairPlanError:
         raise
     except RuntimeError as exc:
