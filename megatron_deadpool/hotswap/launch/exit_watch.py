@@ -2,15 +2,15 @@
 
 The local launcher's loop (`supervisor.Supervisor`) ticks every `TICK_S` (50 ms) and learns of an
 exit by polling its processes then: up to a tick after the process ended, unless a survivor's
-failure report woke the coordinator first (in `bench recovery` the dead rank's tensor-parallel
-peer usually does, so its detect phase - mostly the kernel tearing the killed process down, ~20 ms
-and more on 2 cores - did not measurably change; with DeadPool off nothing woke it). `ExitWatch`
-ends such a pause - the wait on the coordinator's inbox of a launcher that hosts the coordinator,
-a node agent's between its beats (`node_agent.NodeAgent._pause`, which then wakes the coordinator
-at once): a thread polls one pidfd per process (`warm_start.exit_fd`: a forked process's or a fresh one's) and, once
-one is readable and its exit code known (a forked process's comes from its fork server, which
-reaps it), calls `on_exit()` - the launcher ends its pause, and its tick reads the code like any
-other.
+failure report woke the coordinator first (in `bench recovery` the dead rank's tensor-parallel peer
+usually does, so its detect phase - mostly the kernel tearing the killed process down, ~20 ms and
+more on 2 cores - did not measurably change; with DeadPool off nothing woke it). `ExitWatch` ends
+such a pause - the wait on the coordinator's inbox of a launcher that hosts the coordinator, a node
+agent's between its beats (`node_agent.NodeAgent._pause`, which then wakes the coordinator at once):
+a thread polls one pidfd per process (`warm_start.exit_fd`: a forked process's or a fresh one's)
+and, once one is readable and its exit code known (a forked process's comes from its fork server,
+which reaps it), calls `on_exit()` - the launcher ends its pause, and its tick reads the code like
+any other.
 """
 
 from __future__ import annotations
