@@ -23,7 +23,7 @@ which the script calls first, for core_v0.19.0). With `--deadpool`, `wrap_pretra
 follows Megatron's (`log_level.py`). Without `--deadpool` nothing but the flags, the
 CPU mode and the resume from a snapshot set (below) is added - and, either way, the dataclasses'
 field docstrings Megatron's parser reads are read once per class (`field_docstrings.py`: a
-newcomer's start-up builds the parser again, ~70-85 ms each time otherwise; the parser is the same).
+newcomer's start-up builds the parser again, ~65-85 ms each time otherwise; the parser is the same).
 
 Out of redundancy (no spare left, or a shard with no surviving copy) every survivor exits with
 code 3 after writing DeadPool's snapshot set of one common iteration under `--save`
