@@ -259,6 +259,15 @@ class RankState:
         self.scheduler = scheduler
         self.model = list(model)
 
+    def holds(self, other: RankState) -> bool:
+        """Whether `other` is a view of the same optimizer, scheduler and model chunks."""
+        return (
+            other.optimizer is self.optimizer
+            and other.scheduler is self.scheduler
+            and len(other.model) == len(self.model)
+            and all(a is b for a, b in zip(other.model, self.model))
+        )
+
     def _buffers(self) -> list[tuple[int, str, torch.Tensor]]:
         """(chunk, name, buffer) of every model chunk, in `named_buffers()` order."""
         return [
@@ -478,6 +487,35 @@ def _fill_meta(buf: torch.Tensor, raw: bytes) -> None:
     buf[: len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
 
 
+def _verified(flat: torch.Tensor, owner: int, iteration: int) -> tuple[Header, dict[str, Any]]:
+    """The header and metadata of `flat`, `owner`'s snapshot of `iteration` once verified."""
+    header = verify(flat, owner=owner, iteration=iteration)
+    return header, _meta_from(flat[header.nbytes - header.meta_nbytes : header.nbytes])
+
+
+def _load(
+    state: RankState,
+    flat: torch.Tensor,
+    header: Header,
+    meta: dict[str, Any],
+    plan: pack.PackPlan,
+    staged: torch.Tensor,
+    blob: _Blob,
+    scalars: list[torch.Tensor],
+) -> None:
+    """Load verified `flat` into `state`: its packed region by `plan` (the live tensors, then
+    `staged`, which receives the host blob laid out as `blob`), then the host scalars, RNG
+    states and small state from the blob."""
+    plan.unpack(flat[: header.nbytes].to(plan.device))
+    host = staged.cpu()
+    at = blob.scalars[0]
+    for scalar in scalars:
+        _byte_view(scalar).copy_(host[at : at + scalar.element_size()])
+        at += scalar.element_size()
+    set_rng_tensors([host[a:b].clone() for a, b in blob.rng])
+    state.load_small_state(meta)
+
+
 def _meta_from(buf: torch.Tensor) -> dict[str, Any]:
     raw = bytes(buf.cpu().numpy().tobytes()).rstrip(b"\0")
     return json.loads(raw.decode())
@@ -540,23 +578,24 @@ class Snapshotter:
         self.owner = owner
         self._lazy = state.create_lazy_state()
         # The optimizer updates its tensors in place: their list, manifest and packed layout
-        # are fixed from here on (a restore builds a new Snapshotter), so work them out once,
-        # off the hot path.
+        # are fixed from here on (a restore that creates tensors builds a new Snapshotter), so
+        # work them out once, off the hot path.
         self.manifest = state.manifest()
         self._manifest_json = json.dumps(self.manifest, separators=(",", ":"))
         live = state.state_tensors()
-        packed = [t for t in live if not _is_host_scalar(t)]
-        scalars = [t for t in live if _is_host_scalar(t)]
-        self.device = packed[0].device if packed else torch.device("cpu")
+        self._live = [t for t in live if not _is_host_scalar(t)]
+        self._scalars = [t for t in live if _is_host_scalar(t)]
+        self.device = self._live[0].device if self._live else torch.device("cpu")
         # Model buffers are packed from a copy taken on the training's stream (`buffer_stage`).
         buffers = {id(t) for t in state.model_buffers() if not _is_host_scalar(t)}
-        self._stage = BufferStage([t for t in packed if id(t) in buffers], self.device)
+        self._stage = BufferStage([t for t in self._live if id(t) in buffers], self.device)
         views = iter(self._stage.views)
-        packed = [next(views) if id(t) in buffers else t for t in packed]
-        self._scalar_views = [_byte_view(t) for t in scalars]
+        packed = [next(views) if id(t) in buffers else t for t in self._live]
+        self._scalar_views = [_byte_view(t) for t in self._scalars]
         probe = len(_encode_meta(state.small_state(0), self._manifest_json))
         self.meta_nbytes = -(-(probe * 2 + 1024) // META_ALIGN) * META_ALIGN
-        self.blob = _Blob.of(scalars, self.meta_nbytes)
+        self.blob = _Blob.of(self._scalars, self.meta_nbytes)
+        self._restore_plan: tuple[pack.PackPlan, torch.Tensor] | None = None  # (`restore`)
         on_gpu = self.device.type == "cuda"
         self._host = torch.zeros(self.blob.nbytes, dtype=torch.uint8, pin_memory=on_gpu)
         self._blob = torch.empty_like(self._host, device=self.device) if on_gpu else self._host
@@ -669,8 +708,7 @@ class Snapshotter:
         Works for a newcomer whose optimizer has no state yet: the manifest in the replica's
         metadata creates the tensors first.
         """
-        header = verify(flat, owner=owner, iteration=iteration)
-        meta = _meta_from(flat[header.nbytes - header.meta_nbytes : header.nbytes])
+        header, meta = _verified(flat, owner, iteration)
         state.ensure_state(meta["manifest"])
         live = state.state_tensors()
         packed = [t for t in live if not _is_host_scalar(t)]
@@ -684,12 +722,24 @@ class Snapshotter:
                 f"replica of rank {owner} has {header.nbytes} B, this rank's state packs "
                 f"to {pack.packed_nbytes(tensors)} B: the layouts differ"
             )
-        pack.unpack(flat[: header.nbytes].to(device), tensors)
-        host = staged.cpu()
-        at = blob.scalars[0]
-        for scalar in scalars:
-            _byte_view(scalar).copy_(host[at : at + scalar.element_size()])
-            at += scalar.element_size()
-        set_rng_tensors([host[a:b].clone() for a, b in blob.rng])
-        state.load_small_state(meta)
+        _load(state, flat, header, meta, pack.PackPlan(tensors, device), staged, blob, scalars)
         return meta
+
+    def restore(self, flat: torch.Tensor, *, iteration: int) -> bool:
+        """Load `flat`, the owner's verified snapshot of `iteration` (raises
+        `CorruptReplicaError`), into the state this snapshotter captures, by the layout it
+        worked out once: a survivor rolling back to its own snapshot skips `restore_into`'s
+        walks of the state, and keeps this snapshotter. False - nothing loaded - when the
+        snapshot's manifest or layout is not this state's (then `restore_into`, and a new
+        Snapshotter)."""
+        header, meta = _verified(flat, self.owner, iteration)
+        if meta["manifest"] != self.manifest or header.meta_nbytes != self.meta_nbytes:
+            return False
+        if self._restore_plan is None:
+            staged = torch.empty(self.blob.nbytes, dtype=torch.uint8, device=self.device)
+            self._restore_plan = (pack.PackPlan([*self._live, staged], self.device), staged)
+        plan, staged = self._restore_plan
+        if plan.nbytes != header.nbytes:
+            return False
+        _load(self.state, flat, header, meta, plan, staged, self.blob, self._scalars)
+        return True

@@ -8,6 +8,9 @@
   control).
 - torch `Adam` keeps ``state[p]["step"]`` as a 0-dim CPU tensor (on a GPU too): such scalars
   travel in the snapshot's host blob; same round trip, bitwise.
+- A survivor rolls its own state back through its snapshotter (`Snapshotter.restore`, the
+  layout worked out once): bitwise what `restore_into` gives, and the snapshotter captures on as
+  a new one would; a snapshot of another layout is left to `restore_into`.
 - Megatron's CUDA-graph-safe RNG tracker holds `torch.Generator` objects: captured through
   `Generator.get_state()` and restored into the same objects.
 - The header a GPU capture assembles on the device equals the host encoding.
@@ -17,6 +20,7 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import pytest
 import torch
@@ -27,6 +31,7 @@ from megatron_deadpool.replication import snapshot
 from megatron_deadpool.replication.replicator import guard_optimizer_step
 from megatron_deadpool.replication.snapshot import (
     HEADER_BYTES,
+    CorruptReplicaError,
     Header,
     RankState,
     Snapshotter,
@@ -69,6 +74,67 @@ def test_restore_into_a_fresh_optimizer_then_the_next_step_is_bitwise(kind: str)
     assert _bits(fresh.state_tensors()) == _bits(source.state_tensors())
     a, b = source.optimizer.optimizer, fresh.optimizer.optimizer
     assert [g.get("step") for g in a.param_groups] == [g.get("step") for g in b.param_groups]
+
+
+def _stepped(kind: str, steps: int, seed: int = 1) -> tuple[list[torch.Tensor], Any, RankState]:
+    params, opt = make_optimizer(kind, seed=seed)
+    state = RankState(Wrapped(opt), Scheduler())
+    for step in range(steps):
+        set_grads(params, step)
+        opt.step()
+        state.scheduler.num_steps += 1
+    return params, opt, state
+
+
+@pytest.mark.parametrize("kind", ["fused", "fused-fp16", "torch-adam"])
+def test_a_snapshotter_rolls_its_own_state_back_as_restore_into_does(kind: str) -> None:
+    """A survivor's rollback (`Snapshotter.restore`): the state, scheduler and RNG of the
+    snapshot, bitwise as `restore_into` gives them; the next step and the next capture by
+    the same snapshotter are those of a state restored anew and a new snapshotter."""
+    params, opt, state = _stepped(kind, 3)
+    snap = Snapshotter(state, owner=0)
+    flat = torch.zeros(snap.flat_nbytes(), dtype=torch.uint8)
+    snap.capture(3, flat)
+    saved, draw = _bits(state.state_tensors()), torch.rand(3)
+    for step in (3, 4):  # the survivor trained on, then failed
+        set_grads(params, step)
+        opt.step()
+    state.scheduler.num_steps = 5
+    torch.rand(10)
+    assert _bits(state.state_tensors()) != saved
+
+    assert snap.restore(flat, iteration=3)
+    assert _bits(state.state_tensors()) == saved
+    assert state.scheduler.num_steps == 3 and torch.equal(torch.rand(3), draw)
+    control_params, _, control = _stepped(kind, 0, seed=2)
+    Snapshotter.restore_into(control, flat, owner=0, iteration=3)
+    for p, opt_ in ((params, opt), (control_params, control.optimizer.optimizer)):
+        set_grads(p, 3)
+        opt_.step()
+    assert _bits(state.state_tensors()) == _bits(control.state_tensors())
+    again, anew = (torch.zeros(snap.flat_nbytes(), dtype=torch.uint8) for _ in range(2))
+    snap.capture(4, again)
+    Snapshotter(control, owner=0).capture(4, anew)
+    assert torch.equal(again, anew)
+
+
+def test_a_snapshotter_leaves_a_snapshot_of_another_layout_to_restore_into() -> None:
+    """Another manifest (here another optimizer's): nothing loaded, False; a corrupt snapshot
+    of its own layout is refused as `restore_into` refuses it."""
+    _, _, other = _stepped("fused", 1)
+    source = Snapshotter(other, owner=0)
+    flat = torch.zeros(source.flat_nbytes(), dtype=torch.uint8)
+    source.capture(1, flat)
+    _, _, state = _stepped("torch-adam", 2)
+    snap, before = Snapshotter(state, owner=0), _bits(state.state_tensors())
+    assert not snap.restore(flat, iteration=1)
+    assert _bits(state.state_tensors()) == before
+    own = torch.zeros(snap.flat_nbytes(), dtype=torch.uint8)
+    snap.capture(2, own)
+    own[3] ^= 1
+    with pytest.raises(CorruptReplicaError):
+        snap.restore(own, iteration=2)
+    assert _bits(state.state_tensors()) == before
 
 
 def test_the_group_step_matters_control() -> None:

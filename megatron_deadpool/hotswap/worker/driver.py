@@ -497,6 +497,7 @@ class Driver(JobChannel, NewcomerBuild):
         the restore iteration T. `target`: the step the job goes on at (T+1 unless the
         survivors recompute more)."""
         t0 = time.time()
+        ahead = self.snapshotter_ahead()  # while the survivors agree
         roster = self._claim(self.agreed_slot(self.roster))
         self._take(roster)
         if self.groups.join_ahead(self.membership, roster, self._rank()):
@@ -509,7 +510,9 @@ class Driver(JobChannel, NewcomerBuild):
             self._rebound(rebind.swap(self._roots(), held, stale=stale), stale)
         sources = self.membership.sources(roster.generation).holders
         own = self._inherited.take(self._rank(), sources)  # a respawn's own snapshot
-        rec = self._recovery(roster, own or self.replicator, needy=own is None, started=t0)
+        rec = self._recovery(
+            roster, own or self.replicator, needy=own is None, started=t0, snapshotter=ahead
+        )
         rec.mark("join")
         return self.restore(rec, newcomer=True, target=target)
 
@@ -726,7 +729,7 @@ class Driver(JobChannel, NewcomerBuild):
         )
         sync_params_from_main(self.job.model(), state.optimizer)
         forget_cached_collectives(state.optimizer)
-        self.replicator = self._make_replicator()
+        self.replicator = self._make_replicator(rec.kept)
         self.replicator.start_round(t_iter)
         self.committed = self.replicator.finish_round()
         self.job.after_restore(t_iter, newcomer=newcomer)

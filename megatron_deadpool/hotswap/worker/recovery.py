@@ -101,6 +101,12 @@ class Recovery:
     """Each phase's seconds, as `mark` closes it."""
     released: int = 0
     """How many process-group handles the release swapped (`abort`)."""
+    snapshotter: Snapshotter | None = None
+    """What captures this process's state when it is not its replicator's: a newcomer's,
+    built before the agreement (`Replicas.snapshotter_ahead`)."""
+    kept: Snapshotter | None = None
+    """Set by `exchange_shards`: the snapshotter that loaded the restore (this process's
+    replicator's, or `snapshotter`), if one did: the next replicator keeps it."""
     _release: tuple[list[Any], dict[str, Any] | None, list[list[dist.ProcessGroup]]] | None = field(
         default=None, repr=False
     )
@@ -316,7 +322,10 @@ class Recovery:
             flat = pending.wait()
         if flat is None:
             raise DeadpoolRuntimeError(f"rank {rank} has no verified snapshot of {t_iter}")
-        Snapshotter.restore_into(state, flat, owner=rank, iteration=t_iter)
+        snap = self.snapshotter
+        if snap is None and isinstance(self.replicator, Replicator):
+            snap = self.replicator.snap
+        self.kept = load_snapshot(snap, state, flat, rank, t_iter)
         pending.wait()
         return rank in sources
 
@@ -449,6 +458,20 @@ class Recovery:
         if self.rank is None:
             raise DeadpoolRuntimeError(f"{self.member} holds no rank")
         return self.rank
+
+
+def load_snapshot(
+    snap: Snapshotter | None, state: RankState, flat: torch.Tensor, rank: int, t: int
+) -> Snapshotter | None:
+    """Load rank `rank`'s snapshot of iteration t (`flat`) into `state`: by `snap` where it
+    captures this very state for this rank, with the snapshot's layout - then it is returned,
+    for the next replicator to keep -, else by `Snapshotter.restore_into` (which creates what
+    the state lacks)."""
+    ours = snap if snap is not None and snap.owner == rank and snap.state.holds(state) else None
+    if ours is not None and ours.restore(flat, iteration=t):
+        return ours
+    Snapshotter.restore_into(state, flat, owner=rank, iteration=t)
+    return None
 
 
 def _waited(wait: Callable[[], T | None], what: str) -> T:

@@ -127,12 +127,23 @@ class Replicas:
     def _replica_memory(self) -> ReplicaMemory:
         return ReplicaMemory(self.cfg.replica_device, self.device, segments.folder())
 
-    def _make_replicator(self) -> Replicator:
-        """A new replicator (after a restore: it takes over its predecessor's buffers)."""
+    def snapshotter_ahead(self) -> Snapshotter | None:
+        """A newcomer's snapshotter, built before its restore (`lazy_state` creates what the
+        optimizer's first step would: the layout of the shard it restores, predicted): the
+        restore then loads through it and the first replicator keeps it
+        (`recovery.load_snapshot`; another layout is left to `restore_into`). None with
+        DeadPool's replication off."""
+        if not self.cfg.enabled:
+            return None
+        return Snapshotter(self.job.rank_state(), self._rank())
+
+    def _make_replicator(self, snapshotter: Snapshotter | None = None) -> Replicator:
+        """A new replicator (after a restore: it takes over its predecessor's buffers, and the
+        `snapshotter` that loaded the restore, if any)."""
         if self.placement is None or self.repl_group is None:
             raise DeadpoolRuntimeError("no replication group yet (`join`)")
         return Replicator(
-            Snapshotter(self.job.rank_state(), self._rank()),
+            snapshotter or Snapshotter(self.job.rank_state(), self._rank()),
             self.placement,
             self._rank(),
             self.repl_group,
