@@ -728,10 +728,10 @@ class Snapshotter:
     def restore(self, flat: torch.Tensor, *, iteration: int) -> bool:
         """Load `flat`, the owner's verified snapshot of `iteration` (raises
         `CorruptReplicaError`), into the state this snapshotter captures, by the layout it
-        worked out once: a survivor rolling back to its own snapshot skips `restore_into`'s
-        walks of the state, and keeps this snapshotter. False - nothing loaded - when the
-        snapshot's manifest or layout is not this state's (then `restore_into`, and a new
-        Snapshotter)."""
+        worked out once: a recovery's restore - a survivor's rollback, a newcomer's load through
+        the snapshotter it built ahead - skips `restore_into`'s walks of the state and keeps this
+        snapshotter. False - nothing loaded - when the snapshot's manifest or layout is not this
+        state's (then `restore_into`, and a new Snapshotter)."""
         header, meta = _verified(flat, self.owner, iteration)
         if meta["manifest"] != self.manifest or header.meta_nbytes != self.meta_nbytes:
             return False

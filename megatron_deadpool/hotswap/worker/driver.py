@@ -737,7 +737,8 @@ class Driver(JobChannel, NewcomerBuild):
         self.resumed_at = t_iter + 1
         self.last_completed = t_iter
         source = "from holder" if from_holder else "from local snapshot"
-        log.info("restored iteration %d (%s)", t_iter, source)
+        anew = "" if rec.kept is not None else "; its snapshotter built anew"  # another layout
+        log.info("restored iteration %d (%s)%s", t_iter, source, anew)
         self.recovering_now = False
         rec.mark("restore")
         self.recoveries.append(rec.record(target))
