@@ -709,20 +709,7 @@ class Snapshotter:
         metadata creates the tensors first.
         """
         header, meta = _verified(flat, owner, iteration)
-        state.ensure_state(meta["manifest"])
-        live = state.state_tensors()
-        packed = [t for t in live if not _is_host_scalar(t)]
-        scalars = [t for t in live if _is_host_scalar(t)]
-        device = packed[0].device if packed else flat.device
-        blob = _Blob.of(scalars, header.meta_nbytes)
-        staged = torch.empty(blob.nbytes, dtype=torch.uint8, device=device)
-        tensors = [*packed, staged]
-        if pack.packed_nbytes(tensors) != header.nbytes:
-            raise CorruptReplicaError(
-                f"replica of rank {owner} has {header.nbytes} B, this rank's state packs "
-                f"to {pack.packed_nbytes(tensors)} B: the layouts differ"
-            )
-        _load(state, flat, header, meta, pack.PackPlan(tensors, device), staged, blob, scalars)
+        _load_anew(state, flat, header, meta, owner)
         return meta
 
     def restore(self, flat: torch.Tensor, *, iteration: int) -> bool:
@@ -732,7 +719,10 @@ class Snapshotter:
         the snapshotter it built ahead - skips `restore_into`'s walks of the state and keeps this
         snapshotter. False - nothing loaded - when the snapshot's manifest or layout is not this
         state's (then `restore_into`, and a new Snapshotter)."""
-        header, meta = _verified(flat, self.owner, iteration)
+        return self._load_own(flat, *_verified(flat, self.owner, iteration))
+
+    def _load_own(self, flat: torch.Tensor, header: Header, meta: dict[str, Any]) -> bool:
+        """`restore` of verified `flat` (its `header` and `meta`)."""
         if meta["manifest"] != self.manifest or header.meta_nbytes != self.meta_nbytes:
             return False
         if self._restore_plan is None:
@@ -743,3 +733,43 @@ class Snapshotter:
             return False
         _load(self.state, flat, header, meta, plan, staged, self.blob, self._scalars)
         return True
+
+
+def load_snapshot(
+    snap: Snapshotter | None, state: RankState, flat: torch.Tensor, *, owner: int, iteration: int
+) -> Snapshotter | None:
+    """Verify `flat`, `owner`'s snapshot of `iteration`, once (raises `CorruptReplicaError`) and
+    load it into `state`: by `snap` where it captures this very state for this owner, with the
+    snapshot's layout (`Snapshotter.restore`) - then it is returned, for the next replicator to
+    keep -, else as `Snapshotter.restore_into` does (creating what the state lacks)."""
+    header, meta = _verified(flat, owner, iteration)
+    if (
+        snap is not None
+        and snap.owner == owner
+        and snap.state.holds(state)
+        and snap._load_own(flat, header, meta)
+    ):
+        return snap
+    _load_anew(state, flat, header, meta, owner)
+    return None
+
+
+def _load_anew(
+    state: RankState, flat: torch.Tensor, header: Header, meta: dict[str, Any], owner: int
+) -> None:
+    """`restore_into` of verified `flat` (its `header` and `meta`): the state's missing tensors
+    created per the manifest, its layout walked and checked against the snapshot's."""
+    state.ensure_state(meta["manifest"])
+    live = state.state_tensors()
+    packed = [t for t in live if not _is_host_scalar(t)]
+    scalars = [t for t in live if _is_host_scalar(t)]
+    device = packed[0].device if packed else flat.device
+    blob = _Blob.of(scalars, header.meta_nbytes)
+    staged = torch.empty(blob.nbytes, dtype=torch.uint8, device=device)
+    tensors = [*packed, staged]
+    if pack.packed_nbytes(tensors) != header.nbytes:
+        raise CorruptReplicaError(
+            f"replica of rank {owner} has {header.nbytes} B, this rank's state packs "
+            f"to {pack.packed_nbytes(tensors)} B: the layouts differ"
+        )
+    _load(state, flat, header, meta, pack.PackPlan(tensors, device), staged, blob, scalars)

@@ -111,7 +111,7 @@ def _check_recovered(case: str, reference: dict, root: str, dead: list[list[int]
     for text in logs:
         assert "are still referenced somewhere" not in text, text[-3000:]
     # Survivors and newcomers restore through a snapshotter of the shard's layout, which the
-    # next replicator keeps (`recovery.load_snapshot`): none walks its state again.
+    # next replicator keeps (`snapshot.load_snapshot`): none walks its state again.
     restored = [x for text in logs for x in text.splitlines() if "INFO restored iteration" in x]
     assert len(restored) >= 4 * len(dead), restored
     assert not [x for x in restored if "its snapshotter built anew" in x], restored

@@ -42,7 +42,7 @@ from ...replication import snapshot_set
 from ...replication.replicator import Replicator
 from ...replication.segments import SegmentHoldings
 from ...replication.shard_exchange import start_shard_exchange
-from ...replication.snapshot import RankState, Snapshotter
+from ...replication.snapshot import RankState, Snapshotter, load_snapshot
 from ..protocol.messages import EndReport, HoldingsReport, OutOfRedundancy, Roster, Verdict
 from ..protocol.worker_view import WorkerView
 from . import rebind
@@ -325,7 +325,7 @@ class Recovery:
         snap = self.snapshotter
         if snap is None and isinstance(self.replicator, Replicator):
             snap = self.replicator.snap
-        self.kept = load_snapshot(snap, state, flat, rank, t_iter)
+        self.kept = load_snapshot(snap, state, flat, owner=rank, iteration=t_iter)
         pending.wait()
         return rank in sources
 
@@ -458,20 +458,6 @@ class Recovery:
         if self.rank is None:
             raise DeadpoolRuntimeError(f"{self.member} holds no rank")
         return self.rank
-
-
-def load_snapshot(
-    snap: Snapshotter | None, state: RankState, flat: torch.Tensor, rank: int, t: int
-) -> Snapshotter | None:
-    """Load rank `rank`'s snapshot of iteration t (`flat`) into `state`: by `snap` where it
-    captures this very state for this rank, with the snapshot's layout - then it is returned,
-    for the next replicator to keep -, else by `Snapshotter.restore_into` (which creates what
-    the state lacks)."""
-    ours = snap if snap is not None and snap.owner == rank and snap.state.holds(state) else None
-    if ours is not None and ours.restore(flat, iteration=t):
-        return ours
-    Snapshotter.restore_into(state, flat, owner=rank, iteration=t)
-    return None
 
 
 def _waited(wait: Callable[[], T | None], what: str) -> T:

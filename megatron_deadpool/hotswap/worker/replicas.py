@@ -131,7 +131,7 @@ class Replicas:
         """A newcomer's snapshotter, built before its restore (`lazy_state` creates what the
         optimizer's first step would: the layout of the shard it restores, predicted): the
         restore then loads through it and the first replicator keeps it
-        (`recovery.load_snapshot`; another layout is left to `restore_into`). None with
+        (`snapshot.load_snapshot`; another layout is left to `restore_into`). None with
         DeadPool's replication off."""
         if not self.cfg.enabled:
             return None
