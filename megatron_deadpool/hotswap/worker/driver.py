@@ -54,6 +54,7 @@ from ...replication import segments
 from ...replication.placement import Layout, Placement, RankOrder
 from ...replication.replicator import Replicator
 from ...replication.segments import SegmentHoldings
+from ...replication.snapshot import Snapshotter
 from ..protocol.connection import Heartbeat
 from ..protocol.joining import member_name, unnamed
 from ..protocol.messages import Phase, Registration, Roster
@@ -135,6 +136,9 @@ class Driver(JobChannel, NewcomerBuild):
         self.recovering_now = False  # between a failed collective and the restore
         self.done = False  # finished its work
         self._newcomer = False  # a spare given a slot after the start, its slot not yet taken
+        # a newcomer's snapshotter, built before its first restore (`snapshotter_ahead`); that
+        # restore's recovery may be a later one, when the generation it joined fails first
+        self._ahead: Snapshotter | None = None
         self.joined_late = False  # a spare given a slot after the start
         self._job: JobAdapter | None = None
         self._roster: Roster | None = None
@@ -497,7 +501,7 @@ class Driver(JobChannel, NewcomerBuild):
         the restore iteration T. `target`: the step the job goes on at (T+1 unless the
         survivors recompute more)."""
         t0 = time.time()
-        ahead = self.snapshotter_ahead()  # while the survivors agree
+        self._ahead = self.snapshotter_ahead()  # while the survivors agree
         roster = self._claim(self.agreed_slot(self.roster))
         self._take(roster)
         if self.groups.join_ahead(self.membership, roster, self._rank()):
@@ -510,9 +514,7 @@ class Driver(JobChannel, NewcomerBuild):
             self._rebound(rebind.swap(self._roots(), held, stale=stale), stale)
         sources = self.membership.sources(roster.generation).holders
         own = self._inherited.take(self._rank(), sources)  # a respawn's own snapshot
-        rec = self._recovery(
-            roster, own or self.replicator, needy=own is None, started=t0, snapshotter=ahead
-        )
+        rec = self._recovery(roster, own or self.replicator, needy=own is None, started=t0)
         rec.mark("join")
         return self.restore(rec, newcomer=True, target=target)
 
@@ -730,6 +732,7 @@ class Driver(JobChannel, NewcomerBuild):
         sync_params_from_main(self.job.model(), state.optimizer)
         forget_cached_collectives(state.optimizer)
         self.replicator = self._make_replicator(rec.kept)
+        self._ahead = None  # kept by the replicator, or not this state's layout
         self.replicator.start_round(t_iter)
         self.committed = self.replicator.finish_round()
         self.job.after_restore(t_iter, newcomer=newcomer)
@@ -747,8 +750,11 @@ class Driver(JobChannel, NewcomerBuild):
     def _recovery(
         self, roster: Roster, holds: Replicator | SegmentHoldings | None, **more: Any
     ) -> Recovery:
-        """One recovery of this process, over what it holds now."""
-        return Recovery(self.membership, self.member, self.rank, roster, holds, **more)
+        """One recovery of this process, over what it holds now (a newcomer not yet restored:
+        and the snapshotter it built ahead)."""
+        return Recovery(
+            self.membership, self.member, self.rank, roster, holds, snapshotter=self._ahead, **more
+        )
 
     # ------------------------------------------------------------------ the end
     def finish_training(self, n: int) -> None:
