@@ -236,14 +236,12 @@ class Driver(JobChannel, NewcomerBuild):
         atexit.register(self.stop_heartbeat)  # whatever way this process ends (`Heartbeat.stop`)
 
     def _on_plan_wake(self, membership: WorkerView) -> None:
-        """A plan after this rank's generation appeared (plan waiter's thread): in a step's
-        compute on NCCL, the plan watch at once once the in-flight round's transfers ended (the
-        replicas that arrived are kept); else at the next step's start (`PlanStop`). In a repair
-        of the groups in place, the repair is abandoned instead (`InPlace.on_repair`)."""
-        repairing = self.groups.abandon_if_planned(membership, by="plan waiter")
-        if not repairing and self._plan_stop.woke(at_once=self.device.kind == "cuda"):
-            self._plan_stop.settle(self.replicator)
-            self.plan_watch(membership, at_once=True)
+        """A plan after this rank's generation appeared (plan waiter's thread): the main thread
+        stops where `PlanStop.stop` says; in a repair of the groups in place, the repair is
+        abandoned instead (`InPlace.on_repair`)."""
+        if not self.groups.abandon_if_planned(membership, by="plan waiter"):
+            cuda = self.device.kind == "cuda"
+            self._plan_stop.stop(cuda, self.replicator, self.plan_watch, membership)
 
     def _after_beat(self, membership: WorkerView) -> None:
         """After each heartbeat (heartbeat thread): the plan watch, a repair of the groups that

@@ -7,10 +7,13 @@ members of its roster as it plans (`tests/hotswap/coordinator/test_decisions.py`
 from __future__ import annotations
 
 import functools
+import threading
 import time
 from collections.abc import Callable, Iterator
 
 import pytest
+import torch
+import torch.distributed as dist
 from decisions_job import Job
 from stores import SEAL
 
@@ -127,14 +130,64 @@ def test_a_plan_stops_a_step_in_compute_at_once_and_between_steps_at_the_next_on
     stop = PlanStop()
     assert stop.woke(at_once=True) is False  # no step yet (not started, or between steps)
     assert stop.step_begins() is True  # so the next step's start stops it
-    assert stop.woke(at_once=True) is True  # in the compute (NCCL): at once
+    assert stop.woke(at_once=True) is True  # in the compute (NCCL): at once, by the abort
     stop.step_ends()
     assert stop.step_begins() is False  # nothing woke it between these steps
-    assert stop.woke(at_once=False) is False  # in the compute on gloo: not at once
+    assert stop.woke(at_once=False) is True  # in the compute on gloo: at its next collective
+    stop.stop_at_collective("planned")
+    assert stop._gate.closed
+    stop.step_ends()  # the step ended without another collective: the gate opens ...
+    assert not stop._gate.closed
+    assert stop.step_begins() is True  # ... and the next step's start stops it
     stop.step_ends()
-    assert stop.step_begins() is True  # but at the next step's start
-    stop.step_ends()
+    stop.stop_at_collective("planned")  # between steps: no gate
+    assert not stop._gate.closed
     assert stop.woke(at_once=True) is False and stop.step_begins() is True
+
+
+def test_a_plan_in_a_gloo_steps_compute_stops_it_before_its_next_collective() -> None:
+    """The main thread in a step's compute on gloo: `stop_at_collective` (the waiter's thread)
+    makes its next collective raise the error of a lost peer's, before anything is started."""
+    stop = PlanStop()
+    stop.step_begins()
+    assert stop.woke(at_once=False)
+    waiter = threading.Thread(target=stop.stop_at_collective, args=("a recovery was planned",))
+    waiter.start()
+    waiter.join(60)
+    ours = not dist.is_initialized()
+    if ours:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        with pytest.raises(dist.DistBackendError, match="a recovery was planned: stopped before"):
+            dist.all_reduce(torch.ones(1))
+        dist.all_reduce(torch.ones(1))  # once
+    finally:
+        stop.step_ends()
+        if ours:
+            dist.destroy_process_group()
+
+
+def test_stop_aborts_on_nccl_and_gates_the_next_collective_on_gloo_while_the_plan_stands(
+    coordinator: Membership,
+) -> None:
+    """What the driver calls as the plan waiter wakes (`Driver._on_plan_wake`), in a step's
+    compute: the plan watch's abort at once on NCCL; on gloo the gate, unless no plan after the
+    joined generation stands (the main thread recovering already, say)."""
+    aborts: list[int] = []
+    watch = PlanWatch(lambda: aborts.append(1))
+    watch.joined(0)
+    stop = PlanStop()
+    stop.step_begins()
+    stop.stop(False, None, watch, coordinator)  # no plan yet: nothing
+    assert not stop._gate.closed and aborts == []
+    coordinator.publish_plan(PLAN)
+    stop.stop(False, None, watch, coordinator)  # gloo
+    assert stop._gate.closed and aborts == []
+    stop.step_ends()
+    stop.step_begins()
+    stop.stop(True, None, watch, coordinator)  # NCCL
+    assert aborts == [1] and not stop._gate.closed
+    stop.step_ends()
 
 
 def test_settle_waits_for_the_round_in_flight_at_most_its_bound() -> None:
