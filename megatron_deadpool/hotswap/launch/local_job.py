@@ -291,6 +291,21 @@ class LocalJob:
         """Out of redundancy: the ranks save what survives, then exit (within a minute)."""
         self.wait_exit(self.actives(), 60.0)
 
+    def unfinished(self) -> str:
+        """A recovery under way, and each active whose exit was not seen (or that exited with
+        an error no recovery accounts for) with its log's last lines."""
+        gone = self.coordinator.after_work
+        parts = ["a recovery is under way"] if self.coordinator.recovering else []
+        for member, code in self.exit_codes(self.actives()).items():
+            if code == 0 or (code is not None and member in gone):
+                continue
+            state = "no exit seen" if code is None else f"exit code {code}"
+            parts.append(
+                f"{member} ({state}); its log ({self.log_path(member)}) ends:\n"
+                + self.log_tail(member)
+            )
+        return "\n".join(parts)
+
     def log_path(self, member: str) -> Path:
         """Where process `member`'s output goes (written by the launcher)."""
         return self.run_dir / f"{member}.log"

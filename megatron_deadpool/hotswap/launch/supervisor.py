@@ -14,7 +14,8 @@ when it made progress, which skips the pause), then the first of these ends the 
   - with DeadPool off, a failed process -> the launcher's verdict (`on_failed`);
   - every rank finished -> the launcher's verdict (`finished`: 0, 143 after a preemption, the
     job's own code);
-  - the time limit -> 124 (`deadpool coordinator`: 6, its `--max-wait`);
+  - the time limit -> 124 (`deadpool coordinator`: 6, its `--max-wait`), after a line on what
+    has not finished (`Supervised.unfinished`: each process not exited and its log's end);
 and otherwise it waits for the next event (the coordinator wakes early on the last report of
 a recovery).
 """
@@ -57,6 +58,10 @@ class Supervised(Protocol):
 
     def await_salvage(self) -> None:
         """Out of redundancy: give the survivors their time to save what survives."""
+
+    def unfinished(self) -> str:
+        """What keeps the job from having finished, for the time limit's line ("" where
+        nothing more is known)."""
 
 
 TICK_S = 0.05
@@ -102,7 +107,11 @@ class Supervisor:
             if code is not None:
                 return code
             if time.monotonic() > deadline:
-                self.say(f"the job exceeded its {self.limit_s:.0f}s limit; stopping")
+                detail = self.job.unfinished()
+                self.say(
+                    f"the job exceeded its {self.limit_s:.0f}s limit; stopping"
+                    + (f"; not finished:\n{detail}" if detail else "")
+                )
                 return self.on_timeout
             self.job.wait(self.interval_s)
 
@@ -161,6 +170,9 @@ class CoordinatorOnly:
 
     def failed(self) -> dict[str, int]:
         return {}  # no process exit is seen: a dead rank is one the coordinator names
+
+    def unfinished(self) -> str:
+        return ""  # the processes are the cluster's: their logs are where srun put them
 
     def await_salvage(self) -> None:
         """Waiting spares leave; the surviving ranks save through this store: serve it until
