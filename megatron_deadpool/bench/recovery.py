@@ -192,6 +192,7 @@ def deadpool_timing(run: Launch, fail_iter: int) -> dict[str, Any]:
         "recomputed": int(rec["recomputed_iterations"]),
         "restore_iteration": rec["restore_iteration"],
         "summary_total_s": rec.get("total_s"),
+        "newcomers_claimed_s": rec.get("newcomers_claimed_s"),
     }
 
 
@@ -306,6 +307,7 @@ def measure(
         "restart_phases_s": restart["phases_s"],
         "deadpool_restore_iteration": hot["restore_iteration"],
         "deadpool_summary_total_s": hot["summary_total_s"],
+        "deadpool_newcomers_claimed_s": hot["newcomers_claimed_s"],
         "restart_checkpoint_iteration": ckpt,
         "restart_load_measured": restart["load_measured"],
         "restart_relaunch_gap_s": restart["relaunch_gap_s"],
@@ -372,6 +374,10 @@ def combine(results: list[dict[str, Any]]) -> dict[str, Any]:
         out[f"{side}_phases_s"] = {
             k: statistics.median(v) for k, v in out[f"{side}_phases_runs_s"].items()
         }
+    claimed = [r["deadpool_newcomers_claimed_s"] for r in results]
+    out["deadpool_newcomers_claimed_runs_s"] = claimed
+    if None not in claimed:
+        out["deadpool_newcomers_claimed_s"] = statistics.median(claimed)
     out["speedup"] = out["restart_recovery_s"] / out["deadpool_recovery_s"]
     out["speedup_runs"] = [r["restart_recovery_s"] / r["deadpool_recovery_s"] for r in results]
     out["speedup_ratio"] = ratio_summary(out["speedup_runs"])
@@ -439,6 +445,12 @@ def table(result: dict[str, Any]) -> list[str]:
     stall = result.get("restart_first_save_stall_s")
     if stall is not None:
         lines.append(f"the restart run's first persistent save held training up {stall:.2f}s")
+    claimed = result.get("deadpool_newcomers_claimed_s")
+    if claimed is not None:
+        lines.append(
+            f"of the hot swap's reconstruct, {claimed:.3f}s until the newcomer claimed its slot "
+            "(its objects built after the agreement), the rest its groups' repair or creation"
+        )
     lines.append(f"process groups on the hot swap: {result.get('process_groups', 'unknown')}")
     if result.get("node_agents"):
         lines.append("the hot swap launched by node agents: one `deadpool agent` per node")

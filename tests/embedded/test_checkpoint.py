@@ -238,7 +238,7 @@ def _fake_launch(digests: dict[str, str], agents: list[tuple[str, bool]] | None 
             n = next(hot_swaps) / 100
             phases = {"detect": 0.1, "agree": 0.5 - n, "reconstruct": 0.3 + n, "restore": 0.05}
             rec = {"phases_s": {**phases, "first_iteration": 0.1}, "restore_iteration": 7}
-            rec.update(recomputed_iterations=0, total_s=1.05)
+            rec.update(recomputed_iterations=0, total_s=1.05, newcomers_claimed_s=0.2)
             records = recs(range(1, FAIL_AT), T0) + recs(
                 range(FAIL_AT, iters + 1), failed_at + 0.95
             )
@@ -327,7 +327,10 @@ def test_bench_recovery_phases_add_up(
     assert data["restart_phases_s"]["checkpoint_load"] == pytest.approx(0.5)
     assert data["restart_phases_s"]["recompute"] == pytest.approx(0.2)  # iterations 6 and 7
     assert data["deadpool_matches_reference"] and data["restart_matches_reference"]
-    assert "speedup of the hot swap" in capsys.readouterr().out
+    assert data["deadpool_newcomers_claimed_s"] == 0.2  # of the reconstruct: the newcomer's build
+    out = capsys.readouterr().out
+    assert "speedup of the hot swap" in out
+    assert "reconstruct, 0.200s until the newcomer claimed its slot" in out
 
 
 @pytest.mark.timeout(60)

@@ -104,6 +104,8 @@ def _check_recovered(case: str, reference: dict, root: str, dead: list[list[int]
             "first_iteration",
         }
         assert rec["total_s"] > 0
+        # The reconstruct's wait for the newcomers' builds: the last claim, before any joined.
+        assert 0 <= rec["newcomers_claimed_s"] <= rec["phases_s"]["reconstruct"], rec
     assert "recovered in" in proc.stdout and "agreed: restore iteration" in proc.stdout
     # Reference counting alone freed every released group: a group still referenced (say, from
     # a frame) costs a full garbage collection, ~0.5 s of the recovery, and stays alive anyway.

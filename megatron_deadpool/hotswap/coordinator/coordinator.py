@@ -583,6 +583,10 @@ class Coordinator:
             "stale_group_refs": m.stale_refs(g),
             "total_s": round(first - rec.t_failure, 4),
         }
+        # Of the reconstruct: until the last newcomer, its objects built, claimed its slot.
+        claimed = m.stamp_times(g, "claimed", sorted(rec.needy)) if rec.needy else None
+        if claimed:
+            record["newcomers_claimed_s"] = round(max(0.0, max(claimed) - rec.t_agreed), 4)
         self._state.recoveries.append(record)
         self._pruner.completed(g)
         self.events("recovered", **record)

@@ -37,7 +37,7 @@ class EventKind:
 
 _RECOVERY = ("generation", "dead_ranks", "replaced_by", "respawned", "restore_iteration",
              "recomputed_iterations", "phases_s", "failure_time", "stale_group_refs",
-             "total_s")  # fmt: skip
+             "total_s", "newcomers_claimed_s")  # fmt: skip
 _ERROR = ("number", "member", "rank", "generation", "phase", "error", "message", "time", "tail")
 
 EVENTS: dict[str, EventKind] = {
@@ -92,7 +92,8 @@ EVENTS: dict[str, EventKind] = {
     ),
     "recovered": EventKind(
         "a recovery completed: per-phase seconds (detect, agree, reconstruct, restore, "
-        "first_iteration) and the total",
+        "first_iteration) and the total; newcomers_claimed_s: of the reconstruct, the seconds "
+        "until the last newcomer claimed its slot (its objects built)",
         _RECOVERY,
     ),
     "join_abandoned": EventKind(

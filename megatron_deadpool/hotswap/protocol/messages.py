@@ -162,8 +162,8 @@ class Keys:
     sealed | writes: the newcomer, or the coordinator | reads: survivors, the coordinator |
     kept: its generation"""
     STAMP = "gen{g}/{phase}/{rank}"
-    """The wall time `rank` reached a phase of generation g: joined, restored, first_iteration
-    (rank 0 only).
+    """The wall time `rank` reached a phase of generation g: claimed (a newcomer, its objects
+    built: its slot), joined, restored, first_iteration (rank 0 only).
 
     sealed | writes: the rank | reads: the coordinator | kept: its generation"""
     STAMP_COUNT = "gen{g}/{phase}/count"

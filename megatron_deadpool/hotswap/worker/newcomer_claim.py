@@ -31,14 +31,17 @@ log = logging.getLogger(__name__)
 
 
 def claim_slot(membership: WorkerView, g: int, rank: int) -> bool:
-    """Claim `rank`'s slot of generation g: True, claimed; False, moved on (the next plan holds
-    it); given up (the coordinator took this process for lost): an error."""
+    """Claim `rank`'s slot of generation g: True, claimed (and stamped `claimed`); False, moved
+    on (the next plan holds it); given up (the coordinator took this process for lost): an
+    error."""
     held = membership.claim_slot(g, rank)
     if held not in (CLAIMED, MOVED_ON):
         raise DeadpoolRuntimeError(
             f"the coordinator gave up rank {rank} of generation {g} before this process claimed "
             "it (it took this process for lost)"
         )
+    if held == CLAIMED:  # when: the recovery's record tells the newcomer's build from the repair
+        membership.stamp(g, "claimed", rank)
     return held == CLAIMED
 
 

@@ -14,7 +14,8 @@ at_once=True)`): it aborts this rank's groups unless the main thread entered rec
 gloo the main thread raises at its next collective call (`devices.collective_gate`). Between
 steps the stop waits for the next step's start: a survivor behind the dead rank may still
 complete the step whose optimizer step it has done (its replication round: the replicas of that
-iteration), which an abort would cost it - one more iteration recomputed by everyone. `deadpool bench plan-wake` measures the wake-up at 1,024-16,384 ranks.
+iteration), which an abort would cost it - one more iteration recomputed by everyone.
+`deadpool bench plan-wake` measures the wake-up at 1,024-16,384 ranks.
 
 One wait per generation joined: `watch(generation)` (the driver, as it joins) names the next key;
 after a wake-up the thread waits for the next `watch`. A repair of the groups in place for
