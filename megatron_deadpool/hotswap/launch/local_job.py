@@ -281,24 +281,24 @@ class LocalJob:
     def finished(self) -> bool:
         """Every active exited - with 0, or lost after its training was complete - and no
         recovery is under way."""
+        return not self.coordinator.recovering and not self._not_ended()
+
+    def _not_ended(self) -> dict[str, int | None]:
+        """The actives that have not ended as in a finished job: not exited (None), or exited
+        with an error (its code) without having been lost after its training was complete."""
         gone = self.coordinator.after_work
         codes = self.exit_codes(self.actives())
-        return not self.coordinator.recovering and all(
-            c == 0 or (c is not None and member in gone) for member, c in codes.items()
-        )
+        return {m: c for m, c in codes.items() if c != 0 and (c is None or m not in gone)}
 
     def await_salvage(self) -> None:
         """Out of redundancy: the ranks save what survives, then exit (within a minute)."""
         self.wait_exit(self.actives(), 60.0)
 
     def unfinished(self) -> str:
-        """A recovery under way, and each active whose exit was not seen (or that exited with
-        an error no recovery accounts for) with its log's last lines."""
-        gone = self.coordinator.after_work
+        """What keeps `finished` false: a recovery under way, and each active that has not
+        ended (`_not_ended`) with its log's last lines."""
         parts = ["a recovery is under way"] if self.coordinator.recovering else []
-        for member, code in self.exit_codes(self.actives()).items():
-            if code == 0 or (code is not None and member in gone):
-                continue
+        for member, code in self._not_ended().items():
             state = "no exit seen" if code is None else f"exit code {code}"
             parts.append(
                 f"{member} ({state}); its log ({self.log_path(member)}) ends:\n"

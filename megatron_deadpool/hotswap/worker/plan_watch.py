@@ -21,9 +21,10 @@ A survivor that is not blocked is stopped sooner on NCCL: its plan waiter (`plan
 wakes the moment the plan appears and calls the watch `at_once`, which aborts without that beat -
 a crash's survivors that share no collective with the dead rank before the gradient sync would
 otherwise compute on to it (on gloo the waiter stops them before their next collective call
-instead, `plan_waiter.PlanStop`). Every code path of the main thread already meets an abort wherever
-it lands (the beat makes that less likely, not impossible): any error after it is taken for the
-failure (`Driver.is_peer_failure`), between steps too (`megatron_lm.hooks.wrap_between_steps`).
+instead, `plan_waiter.PlanStop`). Every code path of the main thread already meets an abort
+wherever it lands (the beat makes that less likely, not impossible): any error after it is
+taken for the failure (`Driver.is_peer_failure`), between steps too
+(`megatron_lm.hooks.wrap_between_steps`).
 The heartbeat's look stays: it catches a plan the waiter missed (its store connection lost).
 
 On NCCL a collective that failed or timed out does not raise either (blocking wait is off): its
