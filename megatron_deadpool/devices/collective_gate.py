@@ -15,8 +15,9 @@ The calls are torch's module functions, as Megatron makes them (`torch.distribut
 looked up at each call): `close` puts a wrapper in their place and `open` puts the originals
 back, so that a process in which no plan stops a step's compute never runs through them. A
 function some code took from `torch.distributed` at its import (Megatron's
-`dist_all_gather_func`, `dist_reduce_scatter_func`) is not reached; the stop then comes at the
-next call that is, or at the next step's start. Another thread's calls (the replication thread's
+`dist_all_gather_func`, `dist_reduce_scatter_func`) is not reached, nor are `isend` and `irecv`
+(`COLLECTIVES` says why); the stop then comes at the next call that is, or at the next step's
+start. Another thread's calls (the replication thread's
 rounds) pass untouched.
 """
 
@@ -44,11 +45,15 @@ COLLECTIVES = (
     "barrier",
     "send",
     "recv",
-    "isend",
-    "irecv",
     "batch_isend_irecv",
 )
-"""The `torch.distributed` functions the gate stops a thread before (those it has)."""
+"""The `torch.distributed` functions the gate stops a thread before (those it has). Not
+`isend` and `irecv`: code names them to build a `P2POp` (`P2POp(torch.distributed.isend, ...)`,
+Megatron's pipeline communication), which torch checks by identity against its own functions
+(`_check_op`; `batch_isend_irecv` picks the peer's argument by `op is isend`), so a wrapper in
+their place makes every `P2POp` built while the gate is closed a `ValueError`. A batch of them is
+stopped at `batch_isend_irecv`; a direct `isend`/`irecv` is not stopped (the next call that is
+stops the thread)."""
 
 
 class CollectiveGate:

@@ -85,3 +85,16 @@ def test_open_leaves_a_function_replaced_since_alone(world: None) -> None:
         assert gated_barrier is not someone_elses
     finally:
         dist.barrier = gated_barrier.__wrapped__  # type: ignore[attr-defined]
+
+
+def test_p2p_ops_built_while_closed_are_torchs_and_their_batch_is_stopped(world: None) -> None:
+    """Megatron's pipeline communication builds `P2POp(torch.distributed.isend, ...)`, which
+    torch checks by identity: a wrapper in `isend`'s place made it a ValueError (a survivor of a
+    pipeline-parallel job stopped mid-compute ended with that error instead of recovering)."""
+    gate = CollectiveGate()
+    gate.close(threading.get_ident(), "planned")
+    assert dist.isend is dist.distributed_c10d.isend and dist.irecv is dist.distributed_c10d.irecv
+    ops = [dist.P2POp(dist.isend, torch.ones(2), 0), dist.P2POp(dist.irecv, torch.zeros(2), 0)]
+    with pytest.raises(dist.DistBackendError, match=r"\(batch_isend_irecv\)$"):
+        dist.batch_isend_irecv(ops)
+    assert not gate.closed
