@@ -16,8 +16,8 @@ looked up at each call): `close` puts a wrapper in their place and `open` puts t
 back, so that a process in which no plan stops a step's compute never runs through them. A
 function some code took from `torch.distributed` at its import (Megatron's
 `dist_all_gather_func`, `dist_reduce_scatter_func`) is not reached, nor are `isend` and `irecv`
-(`COLLECTIVES` says why); the stop then comes at the next call that is, or at the next step's
-start. Another thread's calls (the replication thread's
+(`COLLECTIVES` says why), and a call inside a coalescing block passes (`_coalescing`); the stop
+then comes at the next call that is, or at the next step's start. Another thread's calls (the replication thread's
 rounds) pass untouched.
 """
 
@@ -29,6 +29,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
 
 COLLECTIVES = (
     "all_reduce",
@@ -97,10 +98,20 @@ class CollectiveGate:
     def _gated(self, name: str, real: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(real)
         def gated(*args: Any, **kwargs: Any) -> Any:
-            if self._thread == threading.get_ident():
+            if self._thread == threading.get_ident() and not _coalescing():
                 why = self._why
                 self.open()
                 raise dist.DistBackendError(f"{why}: stopped before its next collective ({name})")
             return real(*args, **kwargs)
 
         return gated
+
+
+def _coalescing() -> bool:
+    """Whether a `torch.distributed._coalescing_manager` block is open in this process (Megatron's
+    DDP without the distributed optimizer all-reduces its buckets in one): a call there only
+    records its operation, which the block's end runs with the others, and an error raised in
+    the block would leave torch's record of it behind (the block has no `finally`: the group's
+    later collectives would be recorded, not run). So a call there passes; the next one after
+    the block stops the thread."""
+    return bool(getattr(c10d._world, "pg_coalesce_state", None))

@@ -98,3 +98,23 @@ def test_p2p_ops_built_while_closed_are_torchs_and_their_batch_is_stopped(world:
     with pytest.raises(dist.DistBackendError, match=r"\(batch_isend_irecv\)$"):
         dist.batch_isend_irecv(ops)
     assert not gate.closed
+
+
+def test_a_call_inside_a_coalescing_block_passes_and_the_next_one_after_it_stops(
+    world: None,
+) -> None:
+    """Megatron's DDP without the distributed optimizer all-reduces its buckets inside
+    `_coalescing_manager`, which records each call and runs them as the block ends - with no
+    `finally`: an error raised in the block left torch's record behind, so the group's later
+    collectives were recorded instead of run and its next block raised ValueError."""
+    gate = CollectiveGate()
+    gate.close(threading.get_ident(), "planned")
+    t = torch.ones(2)
+    with dist.distributed_c10d._coalescing_manager():
+        dist.all_reduce(t)  # recorded: nothing raised inside the block
+    assert not dist.distributed_c10d._world.pg_coalesce_state  # the block ended cleanly
+    assert gate.closed
+    with pytest.raises(dist.DistBackendError, match=r"\(all_reduce\)$"):
+        dist.all_reduce(t)
+    dist.all_reduce(t)  # the group works on
+    assert t.tolist() == [1.0, 1.0]

@@ -558,13 +558,13 @@ class Driver(JobChannel, NewcomerBuild):
         capture first (`Replicator.before_step`). On exit without an error (unless the job
         ended it, `Step.done`): replicate step n (DeadPool on) and record it completed; with
         `last`, training is finished there (`finish_training`)."""
-        self._begin_step(n)
-        started = time.perf_counter()
-        repl = self.replicator if carries_verdict else None
-        if repl is not None:
-            repl.before_step()
-        step = Step(n, started, repl.settle if repl is not None else None, self._end_step)
-        try:
+        try:  # the plan stop's step ends whatever raises, `_begin_step` included
+            self._begin_step(n)
+            started = time.perf_counter()
+            repl = self.replicator if carries_verdict else None
+            if repl is not None:
+                repl.before_step()
+            step = Step(n, started, repl.settle if repl is not None else None, self._end_step)
             yield step
         finally:
             self._plan_stop.step_ends()

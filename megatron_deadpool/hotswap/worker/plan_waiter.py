@@ -76,6 +76,8 @@ class PlanStop:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._computing: int | None = None  # the thread in a step's compute
+        self._steps = 0  # the steps' computes begun: a stop is for the one its plan woke in
+        self._woke_in: int | None = None
         self._at_next_step = False
         self._gate = CollectiveGate()
 
@@ -85,6 +87,7 @@ class PlanStop:
         collective (`stop_at_collective`) -, else at the next step's start."""
         with self._lock:
             self._at_next_step = not (self._computing is not None and at_once)
+            self._woke_in = self._steps if self._computing is not None else None
             return self._computing is not None
 
     def settle(self, replicator: InFlight | None) -> None:
@@ -110,10 +113,12 @@ class PlanStop:
             self.stop_at_collective("a recovery was planned during this step")
 
     def stop_at_collective(self, why: str) -> None:
-        """(The waiter's thread) the main thread, if still in the step's compute, raises a peer
-        failure (`why`) at its next collective call instead of starting it (`CollectiveGate`)."""
+        """(The waiter's thread) the main thread, if still in the compute of the step the plan
+        woke it in (`woke`: not a later step's - the plan's recovery may be over by now), raises
+        a peer failure (`why`) at its next collective call instead of starting it
+        (`CollectiveGate`)."""
         with self._lock:
-            if self._computing is not None:
+            if self._computing is not None and self._woke_in == self._steps:
                 self._gate.close(self._computing, why)
 
     def step_begins(self) -> bool:
@@ -122,6 +127,7 @@ class PlanStop:
         with self._lock:
             planned, self._at_next_step = self._at_next_step, False
             self._computing = threading.get_ident()
+            self._steps += 1
             return planned
 
     def step_ends(self) -> None:

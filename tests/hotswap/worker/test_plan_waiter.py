@@ -15,10 +15,13 @@ import pytest
 import torch
 import torch.distributed as dist
 from decisions_job import Job
-from stores import SEAL
+from stores import SEAL, TEST_SECRET
 
+from megatron_deadpool.config.deadpool import DeadpoolConfig
+from megatron_deadpool.devices.base import Device
 from megatron_deadpool.hotswap.protocol.membership import Membership, host_store
 from megatron_deadpool.hotswap.protocol.messages import Keys, Plan
+from megatron_deadpool.hotswap.worker.driver import Driver
 from megatron_deadpool.hotswap.worker.plan_waiter import ROUND_SETTLE_S, PlanStop, PlanWaiter
 from megatron_deadpool.hotswap.worker.plan_watch import PlanWatch
 
@@ -143,6 +146,39 @@ def test_a_plan_stops_a_step_in_compute_at_once_and_between_steps_at_the_next_on
     stop.stop_at_collective("planned")  # between steps: no gate
     assert not stop._gate.closed
     assert stop.woke(at_once=True) is False and stop.step_begins() is True
+
+
+def test_a_stop_is_for_the_step_its_plan_woke_in_only() -> None:
+    """The waiter's thread may close the gate late - after settling the in-flight round, up to
+    `ROUND_SETTLE_S` - when the main thread has recovered and computes a later step: that step's
+    collectives must not raise for a plan its recovery already took."""
+    stop = PlanStop()
+    stop.step_begins()
+    assert stop.woke(at_once=False)
+    stop.step_ends()  # the step failed (a lost peer's collective): the recovery, then ...
+    stop.step_begins()  # ... the next step
+    stop.stop_at_collective("planned")
+    assert not stop._gate.closed
+    stop.step_ends()
+
+
+def test_a_step_whose_start_raises_leaves_no_compute_behind(coordinator: Membership) -> None:
+    """A plan that woke the waiter between steps stops the next step at its start
+    (`Driver._begin_step` raises); the step's compute is over then, so a later plan's stop - in
+    the recovery, between steps - closes no gate onto the recovery's own collectives."""
+    driver = Driver(
+        DeadpoolConfig(), Device("cpu", "gloo"), coordinator="-", token=TEST_SECRET, member="a0"
+    )
+    driver._membership = Membership(coordinator.store.clone(), "a0", SEAL)
+    driver.plan_watch.joined(0)
+    coordinator.publish_plan(PLAN)
+    assert driver._plan_stop.woke(at_once=False) is False  # between steps
+    planned = pytest.raises(dist.DistBackendError, match="a recovery was planned before step 3")
+    with planned, driver.step(3):
+        pass
+    assert driver._plan_stop.woke(at_once=False) is False  # not in a step's compute
+    driver._plan_stop.stop_at_collective("planned")
+    assert not driver._plan_stop._gate.closed
 
 
 def test_a_plan_in_a_gloo_steps_compute_stops_it_before_its_next_collective() -> None:
