@@ -113,20 +113,24 @@ def plan_salvage(
 ) -> SalvagePlan | None:
     """The snapshot set survivors save; None when they share no snapshot iteration.
 
-    A recoverable plan (`restore.ok`: every shard survives, only no spare is left) gives a
-    complete set of its iteration. Otherwise the newest iteration every surviving rank has
-    locally, with the dead ranks' copies that survive of it.
+    Its iteration: a recoverable plan's (`restore.ok`: every shard survives, only no spare is
+    left), else the newest iteration every surviving rank has locally. Each needy rank's shard
+    is written by a holder that is not needy itself and keeps a copy of that iteration: a
+    respawned process never writes (it waits for its slot), so its own segment files - which
+    the restore would have used - and what it holds for others do not count; a shard no
+    survivor keeps is missing and the set is not complete.
     """
     if restore is not None and restore.iteration is not None:
-        return SalvagePlan(restore.iteration, dict(restore.sources), complete=True)
-    common: set[int] | None = None
-    for rank, held in holdings.items():
-        if rank not in needy:
-            mine = set(held.get("local", []))
-            common = mine if common is None else common & mine
-    if not common:
-        return None
-    t = max(common)
+        t = restore.iteration
+    else:
+        common: set[int] | None = None
+        for rank, held in holdings.items():
+            if rank not in needy:
+                mine = set(held.get("local", []))
+                common = mine if common is None else common & mine
+        if not common:
+            return None
+        t = max(common)
     sources: dict[int, int] = {}
     for rank in sorted(needy):
         for holder in placement.holders[rank]:

@@ -108,3 +108,20 @@ def test_a_respawned_rank_without_its_own_copy_takes_the_holders(placement) -> N
     del holdings[0]
     plan = plan_restore(placement, holdings, needy={0, 2}, respawned={2})
     assert plan.ok and plan.iteration == 2 and plan.sources == {0: 2}
+
+
+def test_a_salvage_counts_only_what_survivors_write_not_a_respawned_process(placement) -> None:
+    """Ranks 0 and 2 (each the other's holder) died, rank 2 respawned in place and its segment
+    files hold its own snapshot and rank 0's copy: recoverable, had a spare been left for rank
+    0. A respawned process never salvages (it waits for its slot), so the save cannot write
+    either shard: it says so instead of calling the set complete."""
+    holdings = {
+        1: _holds([2, 3], r3=[2, 3]),
+        3: _holds([2, 3], r1=[2, 3]),
+        2: _holds([2, 3], r0=[2, 3]),
+    }
+    restore = plan_restore(placement, holdings, needy={0, 2}, respawned={2})
+    assert restore.ok and restore.iteration == 3 and restore.sources == {0: 2}
+    save = plan_salvage(placement, holdings, {0, 2}, restore)
+    assert save is not None and save.iteration == 3 and save.sources == {}
+    assert not save.complete and save.missing({0, 2}) == [0, 2]
