@@ -198,13 +198,18 @@ def recording(name: str, store_ports: set[int | None]) -> Iterator[None]:
     creation, or the repair in place of all of them: `devices.reconfigure`), never those to or
     from `store_ports`; the waits of this process are normal again from now on (it has live
     groups). Two scans of the descriptor table, whatever the block does: one per group of a
-    repair cost ~1 ms each on 2 cores, a third of the repair of Megatron's 25 groups."""
+    repair cost ~1 ms each on 2 cores, a third of the repair of Megatron's 25 groups. Also
+    when the block raises: a repair that fails part-way (a member lost) leaves the groups it
+    reconnected live, and the next abort must shut their connections down too (a repair of a
+    group with live connections waits a tick of gloo's loop per peer)."""
     _ABORTED.clear()  # the next generation's groups: their waits are normal again
     before = set(socket_fds().values())
-    yield
-    with _LOCK:
-        for inode in _new_connections(before, store_ports):
-            _TRACKED[inode] = name
+    try:
+        yield
+    finally:
+        with _LOCK:
+            for inode in _new_connections(before, store_ports):
+                _TRACKED[inode] = name
 
 
 def store_port(group: dist.ProcessGroup) -> int | None:
