@@ -28,6 +28,7 @@ import pytest
 
 from megatron_deadpool.devices import reconfigure
 from megatron_deadpool.devices.reconfigure import Choice, GroupRepair, RepairPlanError
+from megatron_deadpool.hotswap.protocol.retention import key_generation
 
 TESTS_DIR = Path(__file__).resolve().parent
 REPO = TESTS_DIR.parent.parent
@@ -406,6 +407,8 @@ def test_a_repair_abandoned_for_a_later_plan_ends_at_once_and_the_next_repair_wo
     out = _run(spare_comes=False, repair_timeout_s=60, abandon=True)
     for keys in out["abandoned"]:  # each survivor waited for the lost spare's address
         assert keys and all("reconfigure/1/" in key for key in keys), out["abandoned"]
+        # the job's store holds them under the groups' first generation, as generation 1's
+        assert {key_generation(f"gen0/{key}") for key in keys} == {1}, keys
     expected = {"WORLD": 6.0, "[0, 1]": 3.0, "[1, 2]": 5.0}
     expected.update({f"[{r}]": float(r + 1) for r in range(3)})
     for who in ("survivor0", "survivor1"):

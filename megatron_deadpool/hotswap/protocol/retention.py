@@ -10,7 +10,12 @@ Without it two kinds of keys grow for the life of a job (the coordinator's memor
     cluster nothing reads them, and the window bounds them all the same.
   - generation g's keys: ours (`gen{g}/...`: roster, plan, holdings, decision, sources, claims,
     phase stamps; `metrics/g{g}/...`) and torch's rendezvous keys of g's process groups (under
-    the same `gen{g}/` prefix, one per rank and group). Once generation g is complete - every
+    the same `gen{g}/` prefix, one per rank and group). Groups repaired in place stay on the
+    prefix of the generation they were created in (`gen{base}/`) and rendezvous there under
+    `reconfigure/{g}/` (the repair's uuid is the generation, `devices.reconfigure`; the marks of
+    an abandoned repair are there too): such a key belongs to generation g, not to the base -
+    else the repairs after the base's keys went would stay for the job's life, one key per
+    rank and group each. Once generation g is complete - every
     rank joined and restored, rank 0 finished its first iteration - the coordinator deletes the
     keys of every generation before g - 1 (`prunable_below`, `generation_keys`), a batch per
     tick (`pruning.py`). Generation g - 1 stays for one more recovery: a process that read the
@@ -62,6 +67,12 @@ _GENERATION_KEY = re.compile(
 )
 """A key of generation g: `gen{g}/...` (ours and torch's) or `metrics/g{g}/...`."""
 
+_REPAIR_KEY = re.compile(
+    "^" + re.escape(Keys.PROCESS_GROUPS.split("{g}")[0]) + r"\d+/(?:.*/)?reconfigure/(\d+)/"
+)
+"""A rendezvous key of generation g's repair of groups created in an earlier generation:
+`gen{base}/.../reconfigure/{g}/...`."""
+
 
 def expired_iteration(iteration: int, retain: int = RETAINED_ITERATIONS) -> int | None:
     """The iteration whose record goes when `iteration`'s is published (None: none yet)."""
@@ -104,6 +115,9 @@ def member_keys(member: str) -> list[str]:
 
 def key_generation(key: str) -> int | None:
     """The generation `key` belongs to; None for a key of no generation."""
+    repair = _REPAIR_KEY.match(key)
+    if repair is not None:
+        return int(repair.group(1))
     match = _GENERATION_KEY.match(key)
     if match is None:
         return None

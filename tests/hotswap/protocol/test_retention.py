@@ -151,15 +151,25 @@ def test_which_keys_belong_to_a_generation() -> None:
         Keys.PROGRESS,
         Keys.HEARTBEAT.format(member="a1"),
         Keys.SPARE_EPOCH_N.format(n=3),
+        "gen0/default_pg/5/reconfigure/4/1",  # generation 4's repair of a group of generation 0
+        "gen0/reconfigure/3/0",  # generation 3's repair of the default group
     ]
     assert wake_up_keys(2, 4) == [Keys.SPARE_EPOCH_N.format(n=n) for n in (2, 3)]
-    assert [key_generation(k) for k in keys] == [None, 0, 1, 12, 3, 2, 2, 5, None, None, None, None]
+    assert [key_generation(k) for k in keys] == [
+        *(None, 0, 1, 12, 3, 2, 2, 5),
+        *(None, None, None, None),
+        *(4, 3),
+    ]
     assert generation_keys(keys, 0, 3) == [
         Keys.ROSTER.format(g=1),
         "gen2/0//cpu//0/5",
         Keys.METRICS.format(g=2, iteration=40),
-    ]  # generation 0's roster is kept for good
-    assert generation_keys(keys, 3, 5) == [Keys.HOLDINGS.format(g=3, rank=7)]
+    ]  # generation 0's roster is kept for good; its groups' later repairs are not generation 0's
+    assert generation_keys(keys, 3, 5) == [
+        Keys.HOLDINGS.format(g=3, rank=7),
+        "gen0/default_pg/5/reconfigure/4/1",
+        "gen0/reconfigure/3/0",
+    ]
 
 
 def test_a_dead_members_keys_go_with_its_generations_keys() -> None:
