@@ -30,18 +30,24 @@ class Inheritance:
         self.reported = 0  # the newest plan they were reported for
 
     def report(self, membership: WorkerView, member: str) -> None:
-        """Report what the files hold for the newest plan, if it names `member` (once per
-        plan; nothing without files)."""
+        """Report what the files hold for the newest plan, if it names `member` for a slot it
+        restores (once per plan; nothing without files): a slot the plan gives it, or the one an
+        earlier plan gave it that this plan - a death before it restored - keeps (a plan based
+        on a roster that has it already lists it as needy, not as a replacement, and the
+        coordinator waits for its report all the same)."""
         if self.where is None:
             return
         g = membership.latest_plan()
         if g <= self.reported:
             return
         plan = membership.plan(g)
-        replaced = plan.replaced if plan is not None else {}
-        rank = next((r for r, m in replaced.items() if m == member), None)
-        if rank is None:
+        if plan is None:
             return
+        rank = next((r for r, m in plan.replaced.items() if m == member), None)
+        if rank is None:
+            rank = membership.roster(plan.base).rank_of(member)
+            if rank not in plan.needy:
+                return
         if self.holdings is None or self.holdings.rank != rank:
             self.holdings = SegmentHoldings(self.where, rank)
         holds = {k: tuple(v) for k, v in self.holdings.holdings().items()}
