@@ -17,8 +17,8 @@ back, so that a process in which no plan stops a step's compute never runs throu
 function some code took from `torch.distributed` at its import (Megatron's
 `dist_all_gather_func`, `dist_reduce_scatter_func`) is not reached, nor are `isend` and `irecv`
 (`COLLECTIVES` says why), and a call inside a coalescing block passes (`_coalescing`); the stop
-then comes at the next call that is, or at the next step's start. Another thread's calls (the replication thread's
-rounds) pass untouched.
+then comes at the next call that is, or at the next step's start. Another thread's calls (the
+replication thread's rounds) pass untouched.
 """
 
 from __future__ import annotations

@@ -1,15 +1,15 @@
-"""Groups repaired in place (`devices.reconfigure`): the choice, the pure planning, and - on
-torch >= 2.14 (the lane-312 venv) - a real repair.
+"""Groups repaired in place (`devices.reconfigure`): the choice, the pure planning, and - on torch
+>= 2.14 (the lane-312 venv) - a real repair.
 
 The repair test: three gloo processes create WORLD, two sub-groups and a group of one each (as
-Megatron's groups exist next to WORLD), reduce once, then rank 2 is SIGKILLed. The survivors' collective fails,
-they shut their gloo connections down (the part of `abort_groups` that keeps the groups) and
-publish their reconfigure handles; a fresh process (the spare) takes rank 2, creates the same
-groups reconfigurable (`reconfigurable_creation`: nothing connects) and publishes its handles;
-all three `repair` and reduce again. The survivors must hold the *same* `ProcessGroup`
-objects as before the failure, every group its ranks, and the sums must be those of a world
-that never failed. A second case: the spare never comes - the survivors' repair must raise
-within its timeout, not hang.
+Megatron's groups exist next to WORLD), reduce once, then rank 2 is SIGKILLed. The survivors'
+collective fails, they shut their gloo connections down (the part of `abort_groups` that keeps the
+groups) and publish their reconfigure handles; a fresh process (the spare) takes rank 2, creates the
+same groups reconfigurable (`reconfigurable_creation`: nothing connects) and publishes its handles;
+all three `repair` and reduce again. The survivors must hold the *same* `ProcessGroup` objects as
+before the failure, every group its ranks, and the sums must be those of a world that never failed.
+A second case: the spare never comes - the survivors' repair must raise within its timeout, not
+hang.
 """
 
 from __future__ import annotations
