@@ -292,7 +292,7 @@ def _result(store: Any, role: str, rank: int, deadline: float) -> dict[str, Any]
         assert time.monotonic() < deadline, f"no result from the {role} of rank {rank} in time"
         time.sleep(0.05)
     out: dict[str, Any] = json.loads(store.get(key))
-    assert "error" not in out, out
+    assert "error" not in out, f"the {role} of rank {rank}: {out['error']} (result: {out})"
     return out
 
 
