@@ -161,17 +161,26 @@ def _child(
         abandoning = wrapped and survivor
         if wrapped:
             groups_store = RepairStore(groups_store)
+        # The product abandons only the repair under way, under the lock its repair holds
+        # (`InPlace.abandon_if_planned`): here `repairing` and `guard`. Else this thread could
+        # abandon late - its survivor's wait already ended by the other survivor's abandon
+        # (both wait for the spare's address) - and fail the repair under uuid 2.
+        guard, repairing = threading.Lock(), [True]
         if abandoning:
 
             def abandon() -> None:  # the heartbeat's part, on a connection of its own
                 side = dist.TCPStore("127.0.0.1", port, is_master=False)
                 side.wait(["abandon/now"])
                 deadline = time.monotonic() + 60  # until gloo waits for the spare's address
+                keys: list[str] = []
                 while time.monotonic() < deadline:
-                    if any("reconfigure/1/" in k for k in groups_store.waiting()):
-                        break
+                    with guard:
+                        if not repairing[0]:
+                            break
+                        if any("reconfigure/1/" in k for k in groups_store.waiting()):
+                            keys = groups_store.abandon(dist.PrefixStore("gen0", side))
+                            break
                     time.sleep(0.01)
-                keys = groups_store.abandon(dist.PrefixStore("gen0", side))
                 # On its own connection: the main thread's client is held through its next
                 # blocking get (the second spare's handles, which waits for this key).
                 side.set(f"abandoned/{rank}", json.dumps(keys))
@@ -244,11 +253,14 @@ def _child(
             result["repair_s"] = time.perf_counter() - t0
             if not abandoning:
                 return
+            with guard:
+                repairing[0] = False
             uuid = 2  # the next generation's repair, with another spare
             store.set(f"handles/{uuid}/{rank}", json.dumps(rc.own_handles()))
-            result["repaired"] += rc.repair(
-                rc.plan_repair(groups, handles([0, 1, 2])), 2, bound
-            ).groups
+            with groups_store.abandonable():  # as every repair of the product
+                result["repaired"] += rc.repair(
+                    rc.plan_repair(groups, handles([0, 1, 2])), 2, bound
+                ).groups
         result["after"] = sums()
         result["same_objects"] = (
             all(id(g) == ids[name] for name, g, _ in mine)
@@ -405,10 +417,12 @@ def test_a_repair_abandoned_for_a_later_plan_ends_at_once_and_the_next_repair_wo
     abandon waited a fixed half second before; under load, lane 312 in CI, a survivor had not
     reached the wait by then, and the keys it reported were none.)"""
     out = _run(spare_comes=False, repair_timeout_s=60, abandon=True)
-    for keys in out["abandoned"]:  # each survivor waited for the lost spare's address
-        assert keys and all("reconfigure/1/" in key for key in keys), out["abandoned"]
-        # the job's store holds them under the groups' first generation, as generation 1's
-        assert {key_generation(f"gen0/{key}") for key in keys} == {1}, keys
+    # Both survivors wait for the lost spare's address: one's mark may end the other's wait
+    # before that one's own abandon (which then abandons nothing: its repair is over).
+    keys = [key for each in out["abandoned"] for key in each]
+    assert keys and all("reconfigure/1/" in key for key in keys), out["abandoned"]
+    # the job's store holds them under the groups' first generation, as generation 1's
+    assert {key_generation(f"gen0/{key}") for key in keys} == {1}, keys
     expected = {"WORLD": 6.0, "[0, 1]": 3.0, "[1, 2]": 5.0}
     expected.update({f"[{r}]": float(r + 1) for r in range(3)})
     for who in ("survivor0", "survivor1"):
