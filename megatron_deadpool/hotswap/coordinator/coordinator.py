@@ -44,7 +44,7 @@ from typing import Any, Protocol
 from ...replication.placement import Placement, place_replicas
 from ..protocol.coordinator_view import CoordinatorView
 from ..protocol.joining import Joiners, next_spare_number
-from ..protocol.messages import EndReport, JobError, OutOfRedundancy, Roster
+from ..protocol.messages import Decision, EndReport, JobError, OutOfRedundancy, Roster
 from ..protocol.store_protocol import ServingStore
 from ..protocol.wakeup import StoreWaiter, coordinator_inbox
 from .actions import OrderRespawn, PendingRecovery
@@ -258,6 +258,11 @@ class Coordinator:
         self._joiners = Joiners(next_spare_number(known))
         self.membership.number_spares_from(self._joiners.seen)
         self.membership.publish_roster(roster)
+        # Plans the lost coordinator made after that roster and never decided: survivors may
+        # wait on their decision here, where nothing else would write it - superseded by the
+        # plan this one makes, which they then report for (`Recovery.agree`).
+        for g in range(roster.generation + 1, next_generation):
+            self.membership.decide(g, Decision.superseded(next_generation))
         self.events("roster", generation=roster.generation, slots=roster.slots, adopted=True)
         # They re-registered: judged by their beats, from one heartbeat timeout on. A process's
         # other connection (its heartbeat's, or its main thread's) may still be waiting on the

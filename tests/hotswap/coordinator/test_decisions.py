@@ -10,6 +10,7 @@ second.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable
 
 from decisions_job import AGREE_TIMEOUT, HEARTBEAT_TIMEOUT, Job
@@ -343,6 +344,32 @@ def test_a_standby_adopts_the_job_and_recovers_who_never_came_back() -> None:
     standby.report(state.next_generation, [0, 2, 3])
     standby.tick()
     assert standby.decision(state.next_generation) == Decision.roster(4)
+
+
+def test_survivors_waiting_on_a_plan_the_lost_primary_never_decided_report_for_the_standbys() -> (
+    None
+):
+    """The primary planned generation 1, the survivors reported and waited for its decision,
+    then the primary's node was lost. The standby plans generation 2 (from the plan the
+    survivors saw): it decides 1 as superseded by 2 - else the survivors' wait on its store
+    ended 'not a peer failure', or after 30 minutes, their holdings never reported for 2 -
+    and their reports for 2 agree it."""
+    registrations = _re_registrations((0, 2, 3))
+    for member in ("a0", "a2", "a3"):  # re-registered as waiting on plan 1 (rank 1 died)
+        registrations[member] = dataclasses.replace(registrations[member], plan_seen=1)
+    registrations["s0"] = Registration(member="s0")
+    state = rebuild(registrations, 4, ["s0"])
+    assert state is not None and state.roster.generation == 0 and state.next_generation == 2
+    standby = Job(spares=1, start=False)
+    standby.coord.adopt(state.roster, state.spares, 2, {"a1": "did not re-register"})
+    survivor = Membership(standby.store.clone(), "a0", SEAL)
+    assert survivor.wait_decision(1, 1.0) == Decision.superseded(2)
+    standby.tick()
+    plan = standby.m().plan(2)
+    assert plan is not None and plan.dead == (1,) and plan.replaced == {1: "s0"}
+    standby.report(2, [0, 2, 3])
+    standby.tick()
+    assert standby.decision(2) == Decision.roster(4)
 
 
 def test_a_process_starting_after_a_takeover_reads_the_world_size_from_the_newest_roster() -> None:
