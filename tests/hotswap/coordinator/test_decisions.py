@@ -338,12 +338,18 @@ def test_a_standby_adopts_the_job_and_recovers_who_never_came_back() -> None:
     standby.coord.adopt(
         state.roster, state.spares, state.next_generation, {"a1": "did not re-register"}
     )
+    _replaces_rank_1_with_s0(standby, state.next_generation)
+
+
+def _replaces_rank_1_with_s0(standby: Job, g: int) -> None:
+    """The standby plans generation g - rank 1 dead, s0 in its place - and agrees it from the
+    survivors' reports."""
     standby.tick()
-    plan = standby.m().plan(state.next_generation)
+    plan = standby.m().plan(g)
     assert plan is not None and plan.dead == (1,) and plan.replaced == {1: "s0"}
-    standby.report(state.next_generation, [0, 2, 3])
+    standby.report(g, [0, 2, 3])
     standby.tick()
-    assert standby.decision(state.next_generation) == Decision.roster(4)
+    assert standby.decision(g) == Decision.roster(4)
 
 
 def test_survivors_waiting_on_a_plan_the_lost_primary_never_decided_report_for_the_standbys() -> (
@@ -364,12 +370,7 @@ def test_survivors_waiting_on_a_plan_the_lost_primary_never_decided_report_for_t
     standby.coord.adopt(state.roster, state.spares, 2, {"a1": "did not re-register"})
     survivor = Membership(standby.store.clone(), "a0", SEAL)
     assert survivor.wait_decision(1, 1.0) == Decision.superseded(2)
-    standby.tick()
-    plan = standby.m().plan(2)
-    assert plan is not None and plan.dead == (1,) and plan.replaced == {1: "s0"}
-    standby.report(2, [0, 2, 3])
-    standby.tick()
-    assert standby.decision(2) == Decision.roster(4)
+    _replaces_rank_1_with_s0(standby, 2)
 
 
 def test_a_process_starting_after_a_takeover_reads_the_world_size_from_the_newest_roster() -> None:
