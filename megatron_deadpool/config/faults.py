@@ -19,6 +19,9 @@ Forms (each fault fires once per job, but `raise`):
                                groups in place, once it published its handles: a death during
                                the repair, its peers waiting in the reconfigure (where groups
                                are rebuilt, never)
+  RANK@handles[:kill|hang]     likewise, before it published its handles: its peers - a
+                               newcomer reading the survivors' prefix from them among them -
+                               wait for them until the coordinator's next plan marks them lost
 Kinds: `kill` (SIGKILL, the default), `hang` (SIGSTOP: alive but silent, as a hung GPU or a
 stuck NIC), `flip` (flip one bit of every replica the rank holds, at rest: memory corruption
 that checksums must catch before the replica is used), `raise` (an exception in the job's code,
@@ -37,20 +40,21 @@ from typing import Literal
 from ..errors import ConfigError
 
 _SPEC = re.compile(
-    r"^(?:(?P<node>node:)|(?P<spare>spare:))?(?P<who>\d+)@(?P<when>\d+|recovery|end|repair)"
+    r"^(?:(?P<node>node:)|(?P<spare>spare:))?(?P<who>\d+)@(?P<when>\d+|recovery|end|repair|handles)"
     r"(?::(?P<kind>kill|hang|flip|raise))?$"
 )
 
 FaultKind = Literal["kill", "hang", "flip", "raise"]
 FORMS = (
     "RANK@ITER[:kill|hang|flip|raise], node:N@ITER, spare:I@ITER, RANK@recovery, "
-    "spare:I@recovery, RANK@end or RANK@repair"
+    "spare:I@recovery, RANK@end, RANK@repair or RANK@handles"
 )
 
 
 @dataclass(frozen=True)
 class FaultSpec:
-    """One injected failure; `iteration` is 0 for `@recovery`, `@end` and `@repair` faults."""
+    """One injected failure; `iteration` is 0 for `@recovery`, `@end`, `@repair` and `@handles`
+    faults (`in_repair`: "repair" once its handles are out, "handles" before)."""
 
     iteration: int
     kind: FaultKind
@@ -59,7 +63,7 @@ class FaultSpec:
     spare: int | None = None
     during_recovery: bool = False
     at_end: bool = False
-    in_repair: bool = False
+    in_repair: Literal["", "repair", "handles"] = ""
 
     def ranks(self, ranks_per_node: int) -> list[int]:
         """The world ranks this fault hits (none for a spare)."""
@@ -82,6 +86,8 @@ class FaultSpec:
             when = "after training"
         elif self.in_repair:
             when = "in a repair of its groups"
+            if self.in_repair == "handles":
+                when += ", before its handles"
         else:
             when = f"at iteration {self.iteration}"
         return f"{who} {self.kind} {when}"
@@ -94,7 +100,8 @@ def parse_fault(text: str) -> FaultSpec:
         raise ConfigError(f"fail: {text!r} is not one of {FORMS} (e.g. 2@5:kill, node:1@4)")
     kind: FaultKind = match["kind"] or "kill"  # type: ignore[assignment]
     who = int(match["who"])
-    recovery, end, repair = (match["when"] == w for w in ("recovery", "end", "repair"))
+    recovery, end = (match["when"] == w for w in ("recovery", "end"))
+    repair = match["when"] in ("repair", "handles")
     iteration = 0 if recovery or end or repair else int(match["when"])
     if not (recovery or end or repair) and iteration < 1:
         raise ConfigError(f"fail: iteration in {text!r} must be >= 1")
@@ -125,7 +132,7 @@ def parse_fault(text: str) -> FaultSpec:
         rank=who,
         during_recovery=recovery,
         at_end=end,
-        in_repair=repair,
+        in_repair=match["when"] if repair else "",  # type: ignore[arg-type]
     )
 
 
@@ -190,9 +197,13 @@ def spare_faults(
     return out
 
 
-def repair_faults(specs: Sequence[str], rank: int) -> list[tuple[int, FaultKind]]:
-    """(spec index, kind) of the specs that hit `rank` in a repair of its groups in place."""
-    return _rank_faults(specs, rank, lambda fault: fault.in_repair)
+def repair_faults(
+    specs: Sequence[str], rank: int, published: bool = True
+) -> list[tuple[int, FaultKind]]:
+    """(spec index, kind) of the specs that hit `rank` in a repair of its groups in place, once
+    its handles are `published` (`RANK@repair`), or before (`RANK@handles`)."""
+    point = "repair" if published else "handles"
+    return _rank_faults(specs, rank, lambda fault: fault.in_repair == point)
 
 
 def end_faults(specs: Sequence[str], rank: int) -> list[tuple[int, FaultKind]]:

@@ -348,8 +348,9 @@ def test_ranks_per_node_default_order() -> None:
         ("spare:0@recovery:hang", FaultSpec(0, "hang", spare=0, during_recovery=True)),
         ("2@4:raise", FaultSpec(iteration=4, kind="raise", rank=2)),
         ("node:1@1:raise", FaultSpec(iteration=1, kind="raise", node=1)),
-        ("1@repair", FaultSpec(0, "kill", rank=1, in_repair=True)),
-        ("3@repair:hang", FaultSpec(0, "hang", rank=3, in_repair=True)),
+        ("1@repair", FaultSpec(0, "kill", rank=1, in_repair="repair")),
+        ("3@repair:hang", FaultSpec(0, "hang", rank=3, in_repair="repair")),
+        ("0@handles", FaultSpec(0, "kill", rank=0, in_repair="handles")),
     ],
 )
 def test_fault_specs_parse(text: str, expected: FaultSpec) -> None:
@@ -360,7 +361,7 @@ MALFORMED = [
     "", "2", "@5", "2@", "2@0", "x@1", "2@5:boom", "node:@1", "node:1", "-1@2", "2@5:",
     "node:1@recovery", "spare:0@recovery:flip", "spare:0@end", "spare:0@2:raise",
     "1@recovery:raise", "1@end:raise", "node:1@repair", "spare:0@repair", "1@repair:flip",
-    "1@repair:raise",
+    "1@repair:raise", "node:0@handles",
 ]  # fmt: skip
 
 

@@ -60,6 +60,12 @@ CASES: dict[str, list[str]] = {
     "death_in_repair": [
         "--tp", "2", "--dp", "2", "--spares", "2", "--fail", "2@3", "--fail", "1@repair",
     ],
+    # Rank 0 hangs in generation 1's repair before it published its handles, which the newcomer
+    # taking rank 1 reads for the survivors' prefix: a hang, so that the newcomer claimed its
+    # slot and waits there before the coordinator sees the loss (a crash can be seen first).
+    "hang_before_handles": [
+        "--tp", "2", "--dp", "2", "--spares", "2", "--fail", "1@3", "--fail", "0@handles:hang",
+    ],
     "owner_and_holder": [
         "--tp", "2", "--dp", "2", "--spares", "2", "--fail", "0@3", "--fail", "2@3", "--save",
         "{ckpt}", "--save-interval", "2",
@@ -442,3 +448,29 @@ def test_a_rank_lost_in_the_repair_is_replaced_and_the_run_stays_bitwise(
     recovery = summary["recoveries"][0]
     assert recovery["generation"] >= 2
     assert recovery["total_s"] < group_repair.REPAIR_TIMEOUT_S / 2, recovery
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.skipif(
+    not reconfigure.choose("gloo").repair,
+    reason="torch < 2.14 (or DEADPOOL_GROUP_REPAIR=rebuild): no repair in place to die in",
+)
+def test_a_newcomer_whose_join_loses_a_survivor_repairs_with_the_survivors_bitwise(
+    root: str, tp_reference: dict
+) -> None:
+    """torch >= 2.14: rank 0 hangs in generation 1's repair before it published its handles,
+    while generation 1's newcomer (s0, rank 1) waits for them to learn the survivors' prefix.
+    The coordinator's next plan marks them lost: the newcomer's join fails with a peer failure,
+    and it recovers with the survivors - its groups, created before it joined, repaired with
+    theirs in generation 2 (not created again for a world nobody joins: the default group
+    twice, a spare lost), restored from a holder as the newcomer it still is - bitwise."""
+    summary = _check_recovered("hang_before_handles", tp_reference, root, [[0, 1]])
+    logs = Path(root) / "hang_before_handles" / "logs"
+    text = "\n".join(p.read_text() for p in logs.glob("*.log"))
+    assert "fault injection: hang in a repair of its groups, before its handles" in text
+    assert "default process group twice" not in text, text[-3000:]
+    s0 = (logs / "s0.log").read_text()
+    assert "rank(s) [0] lost before publishing their reconfigure handles" in s0, s0[-3000:]
+    assert re.search(r"generation [2-9]: rank 1 repaired its groups in place", s0), s0[-3000:]
+    assert "restored iteration" in s0 and "(from holder)" in s0, s0[-3000:]
+    assert summary["recoveries"][0]["generation"] >= 2

@@ -349,8 +349,7 @@ class Driver(JobChannel, NewcomerBuild):
         """torch's environment for this process's slot, which a job's own start-up reads
         (Megatron's `initialize_megatron`): RANK, WORLD_SIZE (the active world, not the tasks),
         LOCAL_RANK unless set (SLURM_LOCALID, else 0)."""
-        rank = roster.rank_of(self.member)
-        os.environ.update(RANK=str(rank), WORLD_SIZE=str(roster.world_size))
+        os.environ.update(RANK=str(roster.rank_of(self.member)), WORLD_SIZE=str(roster.world_size))
         os.environ.setdefault("LOCAL_RANK", os.environ.get("SLURM_LOCALID", "0"))
 
     def report_early_error(self, exc: BaseException) -> None:
@@ -497,14 +496,19 @@ class Driver(JobChannel, NewcomerBuild):
         slot: it releases the private world's groups, joins the generation its roster names
         like the survivors, rebinds its objects and restores its shard from the holder; returns
         the restore iteration T. `target`: the step the job goes on at (T+1 unless the
-        survivors recompute more)."""
+        survivors recompute more). Where groups are repaired in place, its objects are on its
+        real groups before it joins (`_create_ahead`, unless its head start did it): a peer lost
+        during the join fails it with a peer failure, and the recovery that follows repairs
+        them as a survivor's, the process still needy (it restores as the newcomer it is)."""
         t0 = time.time()
         self._ahead = self.snapshotter_ahead()  # while the survivors agree
         roster = self._claim(self.agreed_slot(self.roster))
         self._take(roster)
+        if self.groups.ahead is None and self.groups.repairs(roster.generation):
+            self._create_ahead(self.job)  # its objects on them first: a failed join repairs them
         if self.groups.join_ahead(self.membership, roster, self._rank()):
             self.plan_watch.joined(self.generation)
-        else:  # the private world's groups (or those created ahead) go for good
+        else:  # the private world's groups (or those created ahead elsewhere) go for good
             held = self.groups.forgetting(rebind.forget)
             private_world.leave()
             self.join(roster, self.job.init_model_parallel, newcomer=True)
@@ -671,17 +675,14 @@ class Driver(JobChannel, NewcomerBuild):
         rec.abort(self._roots(), None if repairing else self._hand_over_groups())
         self.faults.in_recovery(self._rank(), self.replicator, self.generation + 1)
         rec.mark("abort")
+        ahead = functools.partial(self.groups.repair_ahead, self.membership, taken=self._take)
         roster = rec.agree(  # releases the old groups' handles while the coordinator decides
             self.job.recovery_report(),
             last_completed=self.last_completed,
             deadline=rec.started + self.cfg.heartbeat_timeout + self.cfg.agreement_timeout,
             cause=exc,
             salvage_target=self.job.salvage_target,
-            before_newcomers=(
-                functools.partial(self.groups.repair_ahead, self.membership, taken=self._take)
-                if repairing
-                else None
-            ),
+            before_newcomers=ahead if repairing else None,  # a repair ahead
         )
         rec.mark("agree")  # the release of the old groups included (and a repair ahead)
         if repairing:
@@ -694,7 +695,8 @@ class Driver(JobChannel, NewcomerBuild):
             log.info("released %d group handles, re-attached the new generation's", rec.released)
         self.job.after_rejoin(roster)
         rec.mark("join")
-        return self.restore(rec, newcomer=False, target=target)
+        newcomer = self.joined_late and self.resumed_at is None  # its join failed: never restored
+        return self.restore(rec, newcomer=newcomer, target=target)
 
     def attach(self) -> None:
         """Put the new generation's groups in every released handle; none may stay stale."""

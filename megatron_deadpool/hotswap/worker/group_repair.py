@@ -148,10 +148,14 @@ class InPlace:
     def join_ahead(self, membership: WorkerView, roster: Roster, rank: int) -> bool:
         """Join the survivors' groups of `roster` with the groups created ahead, when they were
         created on the survivors' prefix (True); False when none were, or (one line says so)
-        on another prefix than the survivors': the caller creates them again."""
+        on another prefix than the survivors': the caller creates them again. A peer lost
+        before the survivors' prefix is read, like one lost in the repair, fails it with
+        `DistBackendError` and leaves the groups created ahead the base of the recovery's
+        repair (not a rebuild: the survivors repair theirs)."""
         ahead, self.ahead = self.ahead, None
         if ahead is None:
             return False
+        self.base = ahead
         base = newcomer_base(membership, roster)
         if base != ahead:
             log.warning(
@@ -159,8 +163,8 @@ class InPlace:
                 "creating this newcomer's groups again",
                 *(base, ahead),
             )
+            self.base = None
             return False
-        self.base = base
         self.reconstruct(membership, roster, rank, joining=True)
         return True
 
@@ -369,8 +373,10 @@ def repair(
     lost meanwhile: `DistBackendError` within `timeout_s` while the handles are read, then
     within `RECONNECT_TIMEOUT_S` per group (5 x that for a connection). `faults`: where a
     `RANK@repair` fault strikes, once the handles are out (its peers then wait for it in the
-    reconfigure)."""
+    reconfigure), and a `RANK@handles` fault, before (they wait for its handles)."""
     if not done:
+        if faults is not None:
+            faults.in_repair(rank, published=False)
         publish(membership, generation, rank, base)
     if faults is not None:
         faults.in_repair(rank)

@@ -7,7 +7,7 @@ The driver calls one method at each point of a process's life where a fault can 
   - `at_iteration`    a rank as it starts an iteration (`RANK@ITER`, `node:N@ITER`);
   - `in_recovery`     a rank in a recovery, once the coordinator planned it (`RANK@recovery`);
   - `in_repair`       a rank in a repair of its groups in place, its handles published
-                      (`RANK@repair`; called by `group_repair`);
+                      (`RANK@repair`) or not yet (`RANK@handles`; called by `group_repair`);
   - `after_training`  a rank right after training completed (`RANK@end`).
 Which specs hit whom is `config.faults` (pure); each spec fires once per job, whoever holds the
 slot - not again for the process that takes it over, nor when a step is recomputed - which the
@@ -106,12 +106,14 @@ class FaultInjector:
                 self.membership.wait_plan(generation, PLAN_WAIT_S)
                 self._strike(kind, "while in recovery", replicator)
 
-    def in_repair(self, rank: int) -> None:
-        """`rank` repairs its groups in place and published its handles: its peers wait for it
-        in the reconfigure."""
-        for index, kind in repair_faults(self.specs, rank):
+    def in_repair(self, rank: int, published: bool = True) -> None:
+        """`rank` repairs its groups in place and published its handles (`RANK@repair`: its
+        peers wait for it in the reconfigure), or is about to (`RANK@handles`: they wait for its
+        handles)."""
+        for index, kind in repair_faults(self.specs, rank, published):
             if self.membership.fire_once(index, rank):
-                self._strike(kind, "in a repair of its groups")
+                before = "" if published else ", before its handles"
+                self._strike(kind, f"in a repair of its groups{before}")
 
     def after_training(self, rank: int) -> None:
         """`rank` completed training; its final work comes next."""

@@ -232,3 +232,32 @@ def test_a_rank_taken_for_lost_finds_the_mark_when_it_publishes_after_it() -> No
         publish(job.m("s0"), 1, 2, 0)
     assert job.m("a1").repair_handles(1, [2], 1.0) == [REPAIR_ABANDONED.encode()]
     assert read(job.m("a3"), 1, [0], 1.0)[0].base == 0
+
+
+@pytest.mark.timeout(60)
+def test_a_newcomer_whose_join_loses_the_survivor_it_reads_keeps_its_groups_to_repair() -> None:
+    """Generation 1's survivor whose handles a newcomer reads for the survivors' prefix (its
+    first rank that is no newcomer, rank 0) is lost before it published them: the newcomer's
+    join fails with a peer failure as the coordinator plans generation 2 - and the groups it
+    created ahead stay the base of the recovery's repair (`InPlace.repairs`), so that it repairs
+    them with the survivors instead of creating a world of its own that nobody joins."""
+    import torch.distributed as dist
+    from decisions_job import Job
+
+    from megatron_deadpool.devices.reconfigure import Choice
+    from megatron_deadpool.hotswap.worker.group_repair import PREDICTED_BASE, InPlace
+
+    job = Job(spares=2)
+    job.decided("a2")  # plan 1 and its roster: s0 takes rank 2
+    roster = job.m("s0").roster(1)
+    job.die("a0")
+    for _ in range(3):
+        job.tick()
+    assert job.m().latest_plan() == 2
+    groups = InPlace("gloo")
+    groups.choice = Choice(repair=True, reason="a test's")
+    groups.ahead = PREDICTED_BASE
+    with pytest.raises(dist.DistBackendError, match=r"rank\(s\) \[0\] lost before publishing"):
+        groups.join_ahead(job.m("s0"), roster, 2)
+    assert groups.base == PREDICTED_BASE and groups.ahead is None
+    assert groups.repairs()

@@ -68,3 +68,14 @@ def test_a_repair_fault_strikes_the_first_process_of_its_rank_to_repair_once(
     _injector(store, "a0", ["1@repair:hang"]).in_repair(0)  # another rank
     _injector(store, "s0", ["1@repair:hang"]).in_repair(1)  # the process that took rank 1
     assert struck == ["hang"]
+
+
+def test_a_handles_fault_strikes_before_the_handles_and_a_repair_fault_after(
+    struck: list[str],
+) -> None:
+    store = MemoryStore()
+    _injector(store, "a1", ["1@handles:hang"]).in_repair(1)  # published: not this one's point
+    assert struck == []
+    _injector(store, "a1", ["1@handles:hang"]).in_repair(1, published=False)
+    _injector(store, "a1", ["1@repair"]).in_repair(1, published=False)
+    assert struck == ["hang"]
