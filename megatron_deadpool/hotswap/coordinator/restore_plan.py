@@ -48,7 +48,8 @@ def plan_restore(
 
     `respawned`: needy ranks whose new process reported what its predecessor's segment files
     hold (`replication.segments`): its own snapshot of T restores it (no source), else a
-    holder's; and the replicas it reports count like a survivor's."""
+    holder's; the replicas it reports count like a survivor's at the iterations it has its own
+    snapshot of (where it restores from a holder, it sends nothing)."""
     world = placement.layout.world_size
     candidates: set[int] | None = None
     for rank in range(world):
@@ -64,8 +65,12 @@ def plan_restore(
         for holder in placement.holders[rank]:
             if holder in needy and holder not in respawned:
                 continue
+            own = holdings.get(holder, {}).get("local", [])
             for it in holdings.get(holder, {}).get(str(rank), []):
-                options.setdefault(it, holder)
+                # A respawned holder sends only where it restores itself (`exchange_shards`:
+                # a rank that receives its own shard sends nothing): at its own iterations.
+                if holder not in needy or it in own:
+                    options.setdefault(it, holder)
         available[rank] = options
         candidates = set(options) if candidates is None else candidates & set(options)
     lost = [r for r, opts in available.items() if not opts]

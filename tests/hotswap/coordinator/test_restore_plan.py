@@ -110,6 +110,26 @@ def test_a_respawned_rank_without_its_own_copy_takes_the_holders(placement) -> N
     assert plan.ok and plan.iteration == 2 and plan.sources == {0: 2}
 
 
+def test_a_respawned_rank_that_restores_from_a_holder_is_no_source_of_another() -> None:
+    """dp 3, two replicas each. Rank 1 respawned in place without its own snapshot of 3 (corrupt
+    at rest) but with its copy of rank 0's; rank 0 died and takes a spare. At 3 rank 1 restores
+    from a holder, and a rank that receives its shard sends nothing (`exchange_shards`): rank
+    0's shard of 3 comes from rank 2, the other holder - not from rank 1, which would leave
+    rank 0 waiting for a send nobody posts."""
+    placement = place_replicas(Layout(tp=1, pp=1, dp=3, ranks_per_node=1), 2)
+    assert placement.holders == ((1, 2), (2, 0), (0, 1))
+    holdings = {
+        1: _holds([2], r0=[2, 3], r2=[2, 3]),
+        2: _holds([2, 3], r0=[2, 3], r1=[2, 3]),
+    }
+    plan = plan_restore(placement, holdings, needy={0, 1}, respawned={1})
+    assert plan.ok and plan.iteration == 3 and plan.sources == {0: 2, 1: 2}
+    # Where it has its own snapshot of 3, it restores itself and is rank 0's first holder.
+    holdings[1] = _holds([2, 3], r0=[2, 3], r2=[2, 3])
+    plan = plan_restore(placement, holdings, needy={0, 1}, respawned={1})
+    assert plan.ok and plan.iteration == 3 and plan.sources == {0: 1}
+
+
 def test_a_salvage_counts_only_what_survivors_write_not_a_respawned_process(placement) -> None:
     """Ranks 0 and 2 (each the other's holder) died, rank 2 respawned in place and its segment
     files hold its own snapshot and rank 0's copy: recoverable, had a spare been left for rank
