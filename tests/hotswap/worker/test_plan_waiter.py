@@ -172,6 +172,9 @@ def test_a_step_whose_start_raises_leaves_no_compute_behind(coordinator: Members
     driver._membership = Membership(coordinator.store.clone(), "a0", SEAL)
     driver.plan_watch.joined(0)
     coordinator.publish_plan(PLAN)
+    # torch's TCPStore answers no set: a read on the same connection is answered once the plan is
+    # in, before which the driver's connection could still read no plan (a machine under load).
+    assert coordinator.latest_plan() == PLAN.generation
     assert driver._plan_stop.woke(at_once=False) is False  # between steps
     planned = pytest.raises(dist.DistBackendError, match="a recovery was planned before step 3")
     with planned, driver.step(3):
