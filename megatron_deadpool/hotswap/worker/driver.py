@@ -204,9 +204,8 @@ class Driver(JobChannel, NewcomerBuild):
         )
         link.connect()
         store = FailoverStore(link)
-        membership = WorkerView(
-            SealedStore(store, self.member or unnamed(self.task), link.store_seal)
-        )
+        name = self.member or unnamed(self.task)
+        membership = WorkerView(SealedStore(store, name, link.store_seal))
         membership.check_token()
         # The coordinator's first roster is the authority on the world size.
         world = membership.wait_newest_roster(self.cfg.pg_timeout).world_size
@@ -514,9 +513,8 @@ class Driver(JobChannel, NewcomerBuild):
             self.join(roster, self.job.init_model_parallel, newcomer=True)
             stale: list[str] = []  # the forgotten groups -> the real ones of their names
             self._rebound(rebind.swap(self._roots(), held, stale=stale), stale)
-        sources = self.membership.sources(roster.generation).holders
-        own = self._inherited.take(self._rank(), sources)  # a respawn's own snapshot
-        rec = self._recovery(roster, own or self.replicator, needy=own is None, started=t0)
+        rec = self._recovery(roster, self.replicator, started=t0)
+        rec.inherit(self._inherited.take)  # a respawn's own snapshot
         rec.mark("join")
         return self.restore(rec, newcomer=True, target=target)
 
@@ -671,7 +669,8 @@ class Driver(JobChannel, NewcomerBuild):
         # Rebuilt, the group is handed over in a dict the release empties: no reference may
         # outlive it.
         repairing = self.groups.repairs()
-        rec = self._recovery(self.roster, self.replicator)
+        inherited = self._inherited.holdings  # a respawn whose join failed: its segment files
+        rec = self._recovery(self.roster, inherited if inherited is not None else self.replicator)
         rec.abort(self._roots(), None if repairing else self._hand_over_groups())
         self.faults.in_recovery(self._rank(), self.replicator, self.generation + 1)
         rec.mark("abort")
@@ -685,6 +684,8 @@ class Driver(JobChannel, NewcomerBuild):
             before_newcomers=ahead if repairing else None,  # a repair ahead
         )
         rec.mark("agree")  # the release of the old groups included (and a repair ahead)
+        if inherited is not None:  # reported for the plan: they restore it, or a holder does
+            rec.inherit(self._inherited.take)
         if repairing:
             self._take(roster)
             self.groups.reconstruct(self.membership, roster, self._rank())

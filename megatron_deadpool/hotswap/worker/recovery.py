@@ -132,6 +132,15 @@ class Recovery:
             self._release = None
             self.released = rebind.release(roots, groups, held)
 
+    def inherit(self, take: Callable[[int, dict[int, int]], SegmentHoldings | None]) -> None:
+        """The roster agreed (its sources published): what restores this process, respawned in
+        place, is its predecessor's segment files (`take`: `Inheritance.take`) - unless the
+        coordinator named a holder for it, or it holds none (then it is needy)."""
+        own = take(self._rank(), self.membership.sources(self.roster.generation).holders)
+        if own is not None:
+            self.replicator = own
+        self.needy = own is None
+
     def mark(self, phase: str) -> None:
         """`phase` ends now: its seconds since the previous mark (or the start)."""
         now = time.time()

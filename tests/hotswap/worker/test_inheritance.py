@@ -33,3 +33,27 @@ def test_a_respawned_process_reports_for_a_later_plan_that_keeps_its_slot(tmp_pa
     coordinator.publish_plan(third)  # a plan in which rank 1 restores no more: nothing
     inherited.report(s1, "s1")
     assert coordinator.holdings(3, 1) is None
+
+
+def test_a_respawned_process_whose_join_failed_restores_from_its_files_unless_a_holder_is_named(
+    tmp_path: Path,
+) -> None:
+    """A respawned process whose join of generation 1 failed recovers with the survivors
+    (`Driver.recover`): its segment files are what it reports, and once the roster is agreed
+    (`Recovery.inherit`) they restore it - it is no longer needy - unless the coordinator named
+    a holder for it (its own snapshot of T missing), which then restores it."""
+    from megatron_deadpool.hotswap.protocol.messages import Sources
+    from megatron_deadpool.hotswap.worker.recovery import Recovery
+    from megatron_deadpool.replication.segments import SegmentHoldings
+
+    coordinator = Membership(MemoryStore(), "coordinator", SEAL)
+    s1 = Membership(coordinator.store.clone(), "s1", SEAL)
+    roster = Roster(2, 4, {0: "s2", 1: "s1", 2: "a2", 3: "a3"}, restore_iteration=5)
+    for sources, restores_itself in (({0: 2}, True), ({0: 2, 1: 3}, False)):
+        inherited = Inheritance(tmp_path)
+        inherited.holdings = files = SegmentHoldings(tmp_path, 1)
+        coordinator.publish_sources(2, Sources(sources))
+        rec = Recovery(s1, "s1", 1, roster, files, needy=True)
+        rec.inherit(inherited.take)
+        assert rec.needy is not restores_itself and inherited.holdings is None
+        assert rec.replicator is files  # reported, and (restoring itself) what it restores from
