@@ -244,8 +244,13 @@ class CoordinatorView(StoreView):
         return 0 if value is None else FailureReport.decode(key, value).number
 
     def failure_count(self) -> int:
-        """How many failure reports survivors made so far."""
+        """How many failure reports survivors made so far (a hint: `latest_failure` confirms)."""
         return self.core.count(Keys.FAILURES)
+
+    def latest_failure(self) -> FailureReport | None:
+        """The newest survivor's failure report (None: none, or not the job's)."""
+        value = self.core.read(Keys.LATEST_FAILURE)
+        return None if value is None else FailureReport.decode(Keys.LATEST_FAILURE, value)
 
     def error_count(self) -> int:
         """How many processes reported an error of their own (one round trip)."""

@@ -209,6 +209,11 @@ class Keys:
     """FailureReport: what the survivor saw fail, numbered by `failures`.
 
     sealed | writes: the survivor | reads: the coordinator | kept: its member"""
+    LATEST_FAILURE = "failure_latest"
+    """FailureReport: the newest survivor's report, which confirms a move of `failures` (a
+    stranger's add, sealed by nobody, opens no suspicion).
+
+    sealed | writes: survivors | reads: the coordinator | kept: the job's life"""
     ERRORS = "errors"
     """Processes that ended with an error of their own: the numbers of error/{number}. Only
     hands numbers out: a writer takes the first empty one from it (`SealedStore.append`: a

@@ -170,10 +170,12 @@ class WorkerView(StoreView):
 
     # ------------------------------------------------------------------ failures and errors
     def report_failure(self, why: str) -> None:
-        """This survivor saw a collective fail (a peer died or hung)."""
+        """This survivor saw a collective fail (a peer died or hung): counted, its report under
+        its name and as the newest report (which confirms the count to the coordinator)."""
         number = self.core.add(Keys.FAILURES, 1)
-        report = FailureReport(number=number, time=time.time(), why=why)
-        self.core.set(Keys.FAILURE.format(member=self.core.member), report.encode())
+        report = FailureReport(number=number, time=time.time(), why=why).encode()
+        self.core.set(Keys.FAILURE.format(member=self.core.member), report)
+        self.core.set(Keys.LATEST_FAILURE, report)
 
     def report_error(self, report: ErrorReport) -> None:
         """This process ends with `report`'s error: numbered by the store (`errors`), published

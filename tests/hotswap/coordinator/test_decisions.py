@@ -908,3 +908,27 @@ def test_the_job_status_the_ranks_read_follows_spares_recoveries_and_the_standby
     assert job.m().job_status() == JobStatus(1, 1, 0, 1, 1, *short)
     job.events("standby_lost", standby="h:1", ever_seen=True)
     assert job.m().job_status() == JobStatus(1, 1, 0, 1, 0, *short)
+
+
+def test_a_strangers_add_to_the_failure_counter_opens_no_suspicion() -> None:
+    """The failure counter is a hint anyone can add to: a stranger's add - or a survivor's old
+    report copied back - makes no live rank whose heartbeat lags a suspect (it would be named
+    dead after `suspect_after`, a recovery planned for nothing); a survivor's sealed report
+    does, as before."""
+    job = Job(world=4, spares=2, liveness=HeartbeatOnly(), suspect_after=3.0)
+    job.tick()
+    job.silent.add("a1")  # its heartbeat lags (a busy process), below the heartbeat timeout
+    job.store.add(Keys.FAILURES, 5)
+    job.tick(4.0)
+    assert job.coord.dead == set() and job.m().plan(1) is None
+    job.m("a2").report_failure("Connection closed by peer")
+    job.tick()
+    assert job.coord.dead == {"a1"}
+    # The suspicion over, an old report copied back with a stranger's add: no new suspicion.
+    job.tick(HEARTBEAT_TIMEOUT)
+    old = job.store.get(Keys.LATEST_FAILURE)
+    job.silent.add("a3")
+    job.store.add(Keys.FAILURES, 1)
+    job.store.set(Keys.LATEST_FAILURE, old)
+    job.tick(4.0)
+    assert "a3" not in job.coord.dead
