@@ -245,7 +245,9 @@ class Coordinator:
     ) -> None:
         """Instead of `start`: go on with a job another coordinator ran (a standby taking over,
         `standby.py`) - its current roster, the spares still waiting, plans from
-        `next_generation` on, and the members known dead (member -> why), recovered next tick.
+        `next_generation` on (those of the lost coordinator after the roster are settled: each
+        superseded, its slots moved on), and the members known dead (member -> why), recovered
+        next tick.
         `lost_at`: wall time the earlier coordinator last answered (the dead members failed at
         or after it, most likely with its node)."""
         if lost_at is not None:
@@ -258,11 +260,17 @@ class Coordinator:
         self._joiners = Joiners(next_spare_number(known))
         self.membership.number_spares_from(self._joiners.seen)
         self.membership.publish_roster(roster)
-        # Plans the lost coordinator made after that roster and never decided: survivors may
-        # wait on their decision here, where nothing else would write it - superseded by the
-        # plan this one makes, which they then report for (`Recovery.agree`).
+        # Plans the lost coordinator made after that roster: survivors may wait here on a
+        # decision nothing else would write - superseded by the plan this one makes, which they
+        # then report for (`Recovery.agree`) -, or, having read its decision (a roster this
+        # store never held), on its newcomers' claims (`WorkerView.wait_newcomers`), which no
+        # newcomer makes here: every slot is moved on, as `_plan` settles a decided plan's
+        # unclaimed slots, so that they report for this one's plan too. (Which ranks were
+        # newcomers only the lost store knew: one compare-and-set per rank, once.)
         for g in range(roster.generation + 1, next_generation):
             self.membership.decide(g, Decision.superseded(next_generation))
+            for rank in range(roster.world_size):
+                self.membership.move_slot_on(g, rank)
         self.events("roster", generation=roster.generation, slots=roster.slots, adopted=True)
         # They re-registered: judged by their beats, from one heartbeat timeout on. A process's
         # other connection (its heartbeat's, or its main thread's) may still be waiting on the

@@ -29,7 +29,8 @@ class Rebuilt:
     spares: list[str]
     """Spares that re-registered and wait for a slot, in spare order."""
     next_generation: int
-    """The first generation the standby may plan: above every roster and plan anyone saw."""
+    """The first generation the standby may plan: above every roster and plan anyone saw or
+    reported for."""
     layout: LayoutRecord | None = None
     progress: int = 0
     """The newest step any process completed."""

@@ -959,7 +959,8 @@ class Registration(Message):
     layout: LayoutRecord | None = None
     """The layout, once it placed replicas."""
     plan_seen: int = 0
-    """The newest planned generation it saw (a recovery it may have reported for)."""
+    """The newest generation it saw planned, or reported its holdings for (a recovery whose
+    decision, or newcomers' claims, it may still wait on)."""
     recovering: bool = False
     """It was inside a recovery (between a failed collective and its restore)."""
 

@@ -56,7 +56,8 @@ class StoreView:
         """`core`: the sealed access this view reads and writes through (shared by the views
         of the same party)."""
         self.core = core
-        self.plan_seen = 0  # the newest planned generation this view read
+        # the newest generation this view read planned, or (a survivor) reported holdings for
+        self.plan_seen = 0
 
     @property
     def store(self) -> StoreLike:

@@ -100,7 +100,12 @@ class WorkerView(StoreView):
 
     def report_holdings(self, generation: int, rank: int, report: HoldingsReport) -> None:
         """Publish a survivor's report for generation g (planned or not yet); the last one the
-        coordinator waits for wakes it."""
+        coordinator waits for wakes it. From its first report for g on, g counts as seen
+        (`plan_seen`), whichever store the report reaches (a failover repeats it on a
+        standby's): the survivor then waits for g's decision and newcomers and reports no more
+        for g, so a standby that takes over plans above g and settles g (`rebuild`,
+        `Coordinator.adopt`)."""
+        self.plan_seen = max(self.plan_seen, generation)
         key = Keys.HOLDINGS.format(g=generation, rank=rank)
         if (
             self.core.set_counted(key, report.encode(), Keys.HOLDINGS_COUNT.format(g=generation))

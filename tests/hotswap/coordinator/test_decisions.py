@@ -373,6 +373,36 @@ def test_survivors_waiting_on_a_plan_the_lost_primary_never_decided_report_for_t
     _replaces_rank_1_with_s0(standby, 2)
 
 
+def test_survivors_waiting_on_the_lost_primarys_newcomers_report_for_the_standbys_plan() -> None:
+    """The primary decided generation 1 (rank 1 <- s0); the survivors, which had reported for
+    it, read the roster and waited for s0's claim, then the primary's node was lost with s0.
+    No process re-registers with roster 1: the standby adopts roster 0 and plans above 1 (the
+    survivors reported for it) and moves every slot of 1 on - else the survivors waited on its
+    store for a claim nobody makes (30 minutes), were presumed dead after the agreement timeout
+    meanwhile, and the job ended out of redundancy with nothing saved - and their reports for
+    2 agree it."""
+    primary = Job(spares=2)
+    primary.decided("a1")
+    registrations = _re_registrations((0, 2, 3))
+    for member in ("a0", "a2", "a3"):  # as `Driver.rejoin_record` reads their views
+        seen = primary.m(member).plan_seen
+        registrations[member] = dataclasses.replace(registrations[member], plan_seen=seen)
+    registrations["s1"] = Registration(member="s1")
+    state = rebuild(registrations, 4, ["s0", "s1"])
+    assert state is not None and state.roster.generation == 0 and state.next_generation == 2
+    standby = Job(spares=2, start=False)
+    standby.silent.add("s0")
+    standby.coord.adopt(state.roster, state.spares, 2, {"a1": "did not re-register"})
+    survivor = Membership(standby.store.clone(), "a0", SEAL)
+    assert survivor.wait_newcomers(1, [1], 0.0) is False  # 1 will not be joined: on to 2
+    standby.tick()
+    plan = standby.m().plan(2)
+    assert plan is not None and plan.dead == (1,) and plan.replaced == {1: "s1"}
+    standby.report(2, [0, 2, 3])
+    standby.tick()
+    assert standby.decision(2) == Decision.roster(4)
+
+
 def test_a_process_starting_after_a_takeover_reads_the_world_size_from_the_newest_roster() -> None:
     """A standby that took the job over at generation 3 never held generation 0's roster: a
     process respawned or joining then learns the job's world size from the newest one."""
