@@ -15,8 +15,8 @@ Four signals, looked at once per `look()` (the coordinator's tick):
     that moment are suspects for a heartbeat timeout, and a suspect silent for `suspect_after`
     (shorter) is named dead too - unless it reported the failure itself (it is alive). The
     report counter is only a hint (anyone can add to it): a move of it opens suspicion once the
-    newest report, sealed, confirms it (one read; a stranger's add opens none, a replayed
-    report is no newer than one already confirmed).
+    newest report, sealed, confirms it - its number within the move (one read; a stranger's
+    add opens none, a report copied back or landing late is numbered below it).
 A lost node's other ranks are named together (`silent_node_mates`), so that they go into one
 plan instead of one plan each as their beats age. Pure bookkeeping over the store reads: the
 decisions that follow are the coordinator's (`coordinator.py`).
@@ -91,7 +91,6 @@ class FailureDetector:
         self._watched: set[str] = set()  # members whose heartbeat key exists
         self._next_sweep = 0.0
         self._failures_seen = 0
-        self._confirmed = (0, 0.0)  # the number and time of the last report that confirmed one
         self._suspicion_base = 0  # failure reports seen before the current suspicion
         self._suspicious_until = 0.0  # (monotonic) while a reported failure is unexplained
         self._suspects: set[str] = set()  # who a reported failure can be explained by
@@ -263,10 +262,9 @@ class FailureDetector:
             return
         count = self.membership.failure_count()
         if count > self._failures_seen:
-            latest, (number, at) = self.membership.latest_failure(), self._confirmed
-            if latest is None or (latest.number <= number and latest.time <= at):
+            latest = self.membership.latest_failure()
+            if latest is None or not self._failures_seen < latest.number <= count:
                 return  # not confirmed (yet: a report lands after its count; or a stranger's add)
-            self._confirmed = (latest.number, latest.time)
             if now >= self._suspicious_until:
                 self._suspicion_base = self._failures_seen
                 self._suspects = set()

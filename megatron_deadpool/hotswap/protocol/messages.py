@@ -210,8 +210,8 @@ class Keys:
 
     sealed | writes: the survivor | reads: the coordinator | kept: its member"""
     LATEST_FAILURE = "failure_latest"
-    """FailureReport: the newest survivor's report, which confirms a move of `failures` (a
-    stranger's add, sealed by nobody, opens no suspicion).
+    """FailureReport: the newest survivor's report, which confirms a move of `failures` when its
+    number is within the move (a stranger's add, sealed by nobody, opens no suspicion).
 
     sealed | writes: survivors | reads: the coordinator | kept: the job's life"""
     ERRORS = "errors"

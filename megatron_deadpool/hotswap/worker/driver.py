@@ -507,7 +507,7 @@ class Driver(JobChannel, NewcomerBuild):
             self._create_ahead(self.job)  # its objects on them first: a failed join repairs them
         if self.groups.join_ahead(self.membership, roster, self._rank()):
             self.plan_watch.joined(self.generation)
-        else:  # the private world's groups (or those created ahead elsewhere) go for good
+        else:  # the private world's groups (or those created ahead on another prefix) go for good
             held = self.groups.forgetting(rebind.forget)
             private_world.leave()
             self.join(roster, self.job.init_model_parallel, newcomer=True)
@@ -669,8 +669,8 @@ class Driver(JobChannel, NewcomerBuild):
         # Rebuilt, the group is handed over in a dict the release empties: no reference may
         # outlive it.
         repairing = self.groups.repairs()
-        inherited = self._inherited.holdings  # a respawn whose join failed: its segment files
-        rec = self._recovery(self.roster, inherited if inherited is not None else self.replicator)
+        # A respawn not restored yet (its join, or its restore, failed): its segment files.
+        rec = self._recovery(self.roster, self._inherited.holdings or self.replicator)
         rec.abort(self._roots(), None if repairing else self._hand_over_groups())
         self.faults.in_recovery(self._rank(), self.replicator, self.generation + 1)
         rec.mark("abort")
@@ -684,7 +684,7 @@ class Driver(JobChannel, NewcomerBuild):
             before_newcomers=ahead if repairing else None,  # a repair ahead
         )
         rec.mark("agree")  # the release of the old groups included (and a repair ahead)
-        if inherited is not None:  # reported for the plan: they restore it, or a holder does
+        if isinstance(rec.replicator, SegmentHoldings):  # they restore it, or a holder does
             rec.inherit(self._inherited.take)
         if repairing:
             self._take(roster)
@@ -733,6 +733,7 @@ class Driver(JobChannel, NewcomerBuild):
         sync_params_from_main(self.job.model(), state.optimizer)
         forget_cached_collectives(state.optimizer)
         self.replicator = self._make_replicator(rec.kept)
+        self._inherited.restored()
         self._ahead = None  # kept by the replicator, or not this state's layout
         self.replicator.start_round(t_iter)
         self.committed = self.replicator.finish_round()

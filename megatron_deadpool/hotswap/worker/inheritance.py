@@ -52,12 +52,19 @@ class Inheritance:
             self.holdings = SegmentHoldings(self.where, rank)
         holds = {k: tuple(v) for k, v in self.holdings.holdings().items()}
         membership.report_holdings(g, rank, HoldingsReport(member, 0, holds))
+        if not any(holds.values()):  # nothing inherited (a spare's empty folder): nothing held
+            self.holdings = None
         self.reported = g
         log.info("reported the segments of rank %d for generation %d: %s", rank, g, holds)
 
     def take(self, rank: int, sources: dict[int, int]) -> SegmentHoldings | None:
         """What restores `rank` as it takes its slot: the files, unless the coordinator named a
-        holder for it (`sources`: needy rank -> holder); forgotten afterwards (the files become
-        the new replicator's slots)."""
-        held, self.holdings = self.holdings, None
+        holder for it (`sources`: needy rank -> holder). Kept - what a recovery before the
+        restore reports (`Driver.recover`) - until the restore made its replicator (`restored`:
+        the files become its slots)."""
+        held = self.holdings
         return held if held is not None and held.rank == rank and rank not in sources else None
+
+    def restored(self) -> None:
+        """The process restored: the files are its replicator's slots from now on."""
+        self.holdings = None

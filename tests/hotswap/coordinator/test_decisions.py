@@ -11,6 +11,7 @@ second.
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Iterable
 
 from decisions_job import AGREE_TIMEOUT, HEARTBEAT_TIMEOUT, Job
@@ -28,6 +29,7 @@ from megatron_deadpool.hotswap.protocol.messages import (
     MOVED_ON,
     Decision,
     ErrorReport,
+    FailureReport,
     Keys,
     LayoutRecord,
     Phase,
@@ -960,5 +962,12 @@ def test_a_strangers_add_to_the_failure_counter_opens_no_suspicion() -> None:
     job.silent.add("a3")
     job.store.add(Keys.FAILURES, 1)
     job.store.set(Keys.LATEST_FAILURE, old)
+    job.tick(4.0)
+    assert "a3" not in job.coord.dead
+    # Nor a survivor's report that lands after a later-numbered one, stamped later (its clock
+    # ahead, or its set slower): numbered below the count already acted on.
+    late = FailureReport(number=1, time=time.time() + 3600.0, why="Connection reset by peer")
+    job.m("a0").core.set(Keys.LATEST_FAILURE, late.encode())
+    job.store.add(Keys.FAILURES, 1)
     job.tick(4.0)
     assert "a3" not in job.coord.dead
