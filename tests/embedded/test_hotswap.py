@@ -27,6 +27,11 @@ from megatron_deadpool.devices import reconfigure
 from megatron_deadpool.hotswap.worker import group_repair
 
 ITERS = "6"
+NO_REPAIR_TO_DIE_IN = pytest.mark.skipif(
+    not reconfigure.choose("gloo").repair,
+    reason="torch < 2.14 (or DEADPOOL_GROUP_REPAIR=rebuild): no repair in place to die in",
+)
+"""The cases of a death in a repair of the groups in place: where torch repairs none, skipped."""
 CASES: dict[str, list[str]] = {
     # The TP2 x DP2 cases compare against the session's shared failure-free run (`tp_reference`).
     "ref_pp": ["--pp", "2", "--dp", "2"],
@@ -124,6 +129,11 @@ def _check_recovered(case: str, reference: dict, root: str, dead: list[list[int]
     assert len(restored) >= 4 * len(dead), restored
     assert not [x for x in restored if "its snapshotter built anew" in x], restored
     return summary
+
+
+def _log_text(root: str, case: str) -> str:
+    """Every process's log of `case`, joined."""
+    return "\n".join(p.read_text() for p in (Path(root) / case / "logs").glob("*.log"))
 
 
 @pytest.mark.timeout(600)
@@ -420,10 +430,7 @@ def test_survivors_repair_their_groups_in_place_and_stay_bitwise(
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.skipif(
-    not reconfigure.choose("gloo").repair,
-    reason="torch < 2.14 (or DEADPOOL_GROUP_REPAIR=rebuild): no repair in place to die in",
-)
+@NO_REPAIR_TO_DIE_IN
 def test_a_rank_lost_in_the_repair_is_replaced_and_the_run_stays_bitwise(
     root: str, tp_reference: dict
 ) -> None:
@@ -433,7 +440,7 @@ def test_a_rank_lost_in_the_repair_is_replaced_and_the_run_stays_bitwise(
     heartbeat) - not for the repair's 60 s timeout - then start over in a later generation that
     replaces ranks 1 and 2; the run ends bitwise identical to the failure-free one."""
     summary = _check_recovered("death_in_repair", tp_reference, root, [[1, 2]])
-    text = "\n".join(p.read_text() for p in (Path(root) / "death_in_repair" / "logs").glob("*.log"))
+    text = _log_text(root, "death_in_repair")
     assert "fault injection: kill in a repair of its groups" in text, text[-3000:]
     assert "repairing the process groups of generation 1 in place failed" in text, text[-3000:]
     assert "the repair was abandoned for a later plan" in text, text[-3000:]
@@ -451,10 +458,7 @@ def test_a_rank_lost_in_the_repair_is_replaced_and_the_run_stays_bitwise(
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.skipif(
-    not reconfigure.choose("gloo").repair,
-    reason="torch < 2.14 (or DEADPOOL_GROUP_REPAIR=rebuild): no repair in place to die in",
-)
+@NO_REPAIR_TO_DIE_IN
 def test_a_newcomer_whose_join_loses_a_survivor_repairs_with_the_survivors_bitwise(
     root: str, tp_reference: dict
 ) -> None:
@@ -466,7 +470,7 @@ def test_a_newcomer_whose_join_loses_a_survivor_repairs_with_the_survivors_bitwi
     twice, a spare lost), restored from a holder as the newcomer it still is - bitwise."""
     summary = _check_recovered("hang_before_handles", tp_reference, root, [[0, 1]])
     logs = Path(root) / "hang_before_handles" / "logs"
-    text = "\n".join(p.read_text() for p in logs.glob("*.log"))
+    text = _log_text(root, "hang_before_handles")
     assert "fault injection: hang in a repair of its groups, before its handles" in text
     assert "default process group twice" not in text, text[-3000:]
     s0 = (logs / "s0.log").read_text()
