@@ -193,8 +193,20 @@ class Job:
 
     def state(self) -> str | None:
         """Its squeue state (RUNNING, COMPLETING, ...); None once Slurm no longer lists it."""
-        out = self.lab.slurm("squeue", "-h", "-j", self.id, "-o", "%T", check=False).strip()
-        return out or None
+        return self.ask("squeue", "-h", "-j", self.id, "-o", "%T").strip() or None
+
+    def ask(self, *cmd: str, patience_s: float = 30.0) -> str:
+        """A Slurm command's stdout, asked again while it fails: a squeue that timed out on a
+        slurmctld busy on the shared cores prints nothing, as it does for a job that ended
+        (CI once took such a failure for the job's end, and read its record while it ran)."""
+        deadline = time.time() + patience_s
+        while True:
+            try:
+                return str(self.lab.slurm(*cmd))
+            except labmod.LabError:
+                if time.time() > deadline:
+                    raise
+                time.sleep(0.5)
 
     def wait_end(self, timeout: float = JOB_TIMEOUT) -> dict[str, str]:
         """Poll squeue until the job is gone; Slurm's final record (JobState, ExitCode, ...).
@@ -209,7 +221,7 @@ class Job:
                     f"cancelled\n{self.describe()}"
                 )
             time.sleep(0.5)
-        record = self.lab.slurm("scontrol", "show", "job", self.id, check=False)
+        record = self.ask("scontrol", "show", "job", self.id)
         return dict(re.findall(r"(\w+)=(\S+)", record))
 
 
