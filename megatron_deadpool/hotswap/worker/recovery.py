@@ -231,14 +231,20 @@ class Recovery:
             )
             if decision.verdict is Verdict.OUT_OF_REDUNDANCY:
                 self._out_of_redundancy(salvage_target)
+            plan = m.plan(g) if decision.verdict is Verdict.ROSTER else None
+            if decision.verdict is Verdict.ROSTER and plan is None:
+                # Published before the decision, so the coordinator that decided was lost since
+                # and this read went to the standby that took over, which superseded g before it
+                # let anyone fail over to it (`Coordinator.adopt`): its verdict replaces the one
+                # read.
+                decision = m.wait_decision(g, 0.0)
+                if decision is None or decision.verdict is not Verdict.SUPERSEDED:
+                    raise DeadpoolRuntimeError(f"generation {g} was decided without a plan")
             if decision.verdict is Verdict.SUPERSEDED:
                 assert decision.superseded_by is not None
                 g = decision.superseded_by
                 continue
-            assert decision.restore_iteration is not None
-            plan = m.plan(g)  # published before the decision
-            if plan is None:
-                raise DeadpoolRuntimeError(f"generation {g} was decided without a plan")
+            assert decision.restore_iteration is not None and plan is not None
             new = self.roster.successor(plan, decision.restore_iteration) or m.roster(g)
             rank = new.rank_of(self.member)
             if rank is None:

@@ -11,8 +11,11 @@ second.
 from __future__ import annotations
 
 import dataclasses
+import threading
 import time
 from collections.abc import Iterable
+from types import SimpleNamespace
+from typing import Any
 
 from decisions_job import AGREE_TIMEOUT, HEARTBEAT_TIMEOUT, Job
 from stores import SEAL
@@ -23,6 +26,7 @@ from megatron_deadpool.hotswap.coordinator.rebuild import rebuild
 from megatron_deadpool.hotswap.coordinator.respawn import RespawnBudget
 from megatron_deadpool.hotswap.protocol import joining
 from megatron_deadpool.hotswap.protocol.membership import Membership
+from megatron_deadpool.hotswap.protocol.memory_store import MemoryStore
 from megatron_deadpool.hotswap.protocol.messages import (
     CLAIMED,
     GIVEN_UP,
@@ -38,6 +42,7 @@ from megatron_deadpool.hotswap.protocol.messages import (
     Roster,
     Verdict,
 )
+from megatron_deadpool.hotswap.worker.recovery import Recovery
 from megatron_deadpool.replication.placement import Layout, RankOrder
 
 
@@ -403,6 +408,81 @@ def test_survivors_waiting_on_the_lost_primarys_newcomers_report_for_the_standby
     standby.report(2, [0, 2, 3])
     standby.tick()
     assert standby.decision(2) == Decision.roster(4)
+
+
+class _LostAfterReading:
+    """A survivor's connection that fails over to the standby's store right after it read
+    `key` on the primary's (the primary's node lost then; `FailoverStore` repeats the next
+    operation on the standby's, which has rebuilt the job)."""
+
+    def __init__(self, primary: MemoryStore, key: str, standby: MemoryStore) -> None:
+        self.serving, self.key, self.standby = primary, key, standby
+
+    def compare_set(self, key: str, expected: str, desired: str) -> bytes:
+        value = self.serving.compare_set(key, expected, desired)
+        if key == self.key:
+            self.serving = self.standby
+        return value
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.serving, name)
+
+
+def test_a_survivor_that_read_the_lost_primarys_decision_but_not_its_plan_reports_for_the_standbys() -> (
+    None
+):
+    """The primary decided generation 1 (rank 1 <- s0) and was lost, with s0, between a
+    survivor's read of the decision and its read of the plan: that read goes to the standby,
+    which never held plan 1 - it superseded 1 by its own plan 2 as it adopted the job. The
+    survivor takes that verdict and reports for 2 (before, 'generation 1 was decided without
+    a plan' ended the survivor's process: one more rank lost in the recovery)."""
+    primary = Job(spares=2)
+    primary.decided("a1")
+    registrations = _re_registrations((0, 2, 3))
+    for member in ("a0", "a2", "a3"):
+        seen = primary.m(member).plan_seen
+        registrations[member] = dataclasses.replace(registrations[member], plan_seen=seen)
+    registrations["s1"] = Registration(member="s1")
+    state = rebuild(registrations, 4, ["s0", "s1"])
+    assert state is not None and state.next_generation == 2
+    standby = Job(spares=2, start=False)
+    standby.silent.add("s0")
+    standby.coord.adopt(state.roster, state.spares, 2, {"a1": "did not re-register"})
+    store = _LostAfterReading(
+        primary.store.clone(), Keys.DECIDED.format(g=1), standby.store.clone()
+    )
+    held = SimpleNamespace(holdings=lambda: {k: list(v) for k, v in standby.holds(0).items()})
+    survivor = Recovery(Membership(store, "a0", SEAL), "a0", 0, state.roster, held)  # type: ignore[arg-type]
+    agreed: list[Roster | BaseException] = []
+
+    def agree() -> None:
+        try:
+            agreed.append(
+                survivor.agree(
+                    {},
+                    last_completed=5,
+                    deadline=time.time() + 20,
+                    cause=RuntimeError("peer died"),
+                    salvage_target=lambda t: (None, None),
+                )
+            )
+        except BaseException as exc:  # noqa: BLE001 - shown by the assertion below
+            agreed.append(exc)
+
+    thread = threading.Thread(target=agree, daemon=True)
+    thread.start()
+    standby.tick()
+    assert standby.m().plan(2) is not None
+    standby.report(2, [2, 3])
+    deadline = time.monotonic() + 20
+    while standby.decision(2) is None and not agreed and time.monotonic() < deadline:
+        standby.tick(0.0)
+        time.sleep(0.01)
+    assert standby.decision(2) == Decision.roster(4), agreed
+    standby.m("s1").claim_slot(2, 1)
+    thread.join(20)
+    assert agreed and isinstance(agreed[0], Roster), agreed
+    assert agreed[0].generation == 2 and agreed[0].slots[1] == "s1"
 
 
 def test_a_process_starting_after_a_takeover_reads_the_world_size_from_the_newest_roster() -> None:
