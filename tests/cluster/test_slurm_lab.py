@@ -35,6 +35,11 @@ from mlm import logged_iterations, megatron_args, megatron_lm_tree
 ROOT = Path(__file__).resolve().parents[2]
 ITERS = 30
 FAIL_AT = 10  # the iteration after which a node fails
+ENDED = {
+    *("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY"),
+    *("PREEMPTED", "BOOT_FAIL", "DEADLINE"),
+}
+"""The states of a job Slurm ended (`scontrol show job`'s JobState)."""
 JOB_TIMEOUT = 300.0  # per Slurm job: start-up of 6 Python processes on 2 shared cores included
 
 
@@ -209,10 +214,11 @@ class Job:
                 time.sleep(0.5)
 
     def wait_end(self, timeout: float = JOB_TIMEOUT) -> dict[str, str]:
-        """Poll squeue until the job is gone; Slurm's final record (JobState, ExitCode, ...).
-        A job still listed after `timeout` is cancelled and the test fails."""
+        """Poll squeue until the job is gone; Slurm's final record (JobState, ExitCode, ...),
+        once it says the job ended. A job still listed after `timeout` is cancelled and the
+        test fails."""
         deadline = self.submitted + timeout
-        while self.state() is not None:
+        while (self.state() or self.record().get("JobState")) not in ENDED:
             if time.time() > deadline:
                 held = self.lab.slurm("squeue", "-h", "-j", self.id, "-o", "%T %M %N", check=False)
                 self.lab.slurm("scancel", self.id, check=False)
@@ -221,8 +227,11 @@ class Job:
                     f"cancelled\n{self.describe()}"
                 )
             time.sleep(0.5)
-        record = self.ask("scontrol", "show", "job", self.id)
-        return dict(re.findall(r"(\w+)=(\S+)", record))
+        return self.record()
+
+    def record(self) -> dict[str, str]:
+        """Slurm's record of the job (`scontrol show job`): JobState, ExitCode, ..."""
+        return dict(re.findall(r"(\w+)=(\S+)", self.ask("scontrol", "show", "job", self.id)))
 
 
 def submit(
