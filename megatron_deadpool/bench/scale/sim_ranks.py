@@ -9,7 +9,8 @@ the same order (`tests/bench/test_control_plane.py` checks the sequence against
 - start: `announce` (its ready key and first beat);
 - while nothing fails: one beat per heartbeat interval (+1 on its counter), then the plan
   watch's read of the newest planned generation (not while recovering, and not by a spare);
-- when a peer fails (the bench says "fail"): as a survivor in `Recovery.agree`, report its
+- when a peer fails (the bench says "fail"): as a survivor in `Driver.recover`, report the
+  failed collective (`report_failure`), then, in `Recovery.agree`, report its
   holdings (what the placement makes it hold: its own snapshot and its owners' replicas), wait
   for the decision, read the plan and wait for the newcomers' claims of their slots; then join
   the new generation as the driver does (read the
@@ -187,6 +188,7 @@ class SimProcess:
 
         def survive(item: tuple[int, Membership]) -> None:
             rank, members = item
+            members.report_failure("a peer failed")  # `Driver.recover`'s first requests
             survivor_report(members, g, rank, self.holds(rank), self.iteration)
             decision = members.wait_decision(g, FOREVER_S)
             if decision is None or decision.verdict is not Verdict.ROSTER:
