@@ -43,8 +43,11 @@ say() {
 say "$name on $(hostname) exited with status $rc ($why, see $DEADPOOL_LOG_DIR/$name.log):" \
     "the Slurm job $job ends within ${DEADPOOL_END_GRACE}s"
 for ((waited = 0; waited < DEADPOOL_END_GRACE; waited++)); do
-    state=$(squeue -h -j "$job" -o %T 2>/dev/null) || state=
-    [ -n "$state" ] || exit "$rc" # the job ended on its own
+    # Ended on its own: squeue answers, and no longer lists it (a squeue that fails - a busy
+    # or unreachable slurmctld - prints nothing too, and proves nothing).
+    if state=$(squeue -h -j "$job" -o %T 2>/dev/null); then
+        [ -n "$state" ] || exit "$rc"
+    fi
     sleep 1
 done
 say "the job still runs ${DEADPOOL_END_GRACE}s after the coordinator exited (tasks stuck, or" \

@@ -474,16 +474,17 @@ def test_standby_address_can_be_given() -> None:
 
 
 def _wrapper(
-    tmp_path: Path, status: int, *, running: bool = True, **env: str
+    tmp_path: Path, status: int, *, running: bool = True, squeue_fails: bool = False, **env: str
 ) -> tuple[str, str, Path]:
     """Run deadpool_coordinator.sh around a coordinator that exits with `status`, with a
-    Slurm whose job keeps running (or has ended); (its output, what the Slurm clients were
-    asked, the log folder)."""
+    Slurm whose job keeps running (or has ended; or whose squeue fails, printing nothing);
+    (its output, what the Slurm clients were asked, the log folder)."""
     logs, calls = tmp_path / "logs", tmp_path / "calls"
     logs.mkdir()
+    answer = "; exit 1" if squeue_fails else "; echo RUNNING" if running else ""
     path = fake_slurm(
         tmp_path,
-        squeue=f'echo "squeue $*" >>{calls}' + ("; echo RUNNING" if running else ""),
+        squeue=f'echo "squeue $*" >>{calls}' + answer,
         scancel=f'echo "scancel $*" >>{calls}',
     )
     done = subprocess.run(
@@ -517,6 +518,14 @@ def test_a_job_that_ends_on_its_own_is_not_cancelled(tmp_path: Path) -> None:
     out, calls, _ = _wrapper(tmp_path, 0, running=False)
     assert "exited with status 0" in out and "cancelling" not in out
     assert calls.splitlines() == ["squeue -h -j 4242 -o %T"]
+
+
+@pytest.mark.timeout(30)
+def test_a_squeue_that_fails_is_not_taken_for_the_jobs_end(tmp_path: Path) -> None:
+    """It prints nothing, as for a job that ended: the job is still cancelled after the grace
+    period (a stuck task would otherwise hold the nodes until the time limit)."""
+    out, calls, _ = _wrapper(tmp_path, 0, squeue_fails=True)
+    assert "cancelling job 4242" in out and calls.splitlines()[-1] == "scancel 4242"
 
 
 @pytest.mark.timeout(30)
