@@ -9,10 +9,13 @@ per size):
     deadpool bench control-plane --ranks 1024 4096 16384 --json control-plane.json
 
 on `MEASURED_ON`, where 8 processes simulating the ranks share the two cores with the store and
-the coordinator: an upper bound. The coordinator's own part is small (0.003 / 0.010 / 0.035 s
-at the same sizes, measured alone in the same run); at 16,384 ranks the time goes to the
-survivors' reports reaching the store while it also serves every rank's beat and plan watch
-(0.77 s of the coordinator process's CPU from the failure to the roster).
+the coordinator: an upper bound for that, but the simulated survivors did not yet report the
+failed collective (5 requests each, as `Driver.recover` does first; on a slower machine on
+2026-12-01 it added 2-3 s at 16,384 ranks: docs/reproduce.md). The coordinator's own part is
+small (0.003 / 0.010 / 0.035 s at the same sizes, measured alone in the same run); at 16,384
+ranks the time goes to the survivors' reports reaching the store while it also serves every
+rank's beat and plan watch (0.77 s of the coordinator process's CPU from the failure to the
+roster).
 Between the measured sizes the figure is interpolated in log2(world); below the smallest it is
 the smallest's; above the largest it grows in proportion to the world (one report per rank).
 
@@ -54,7 +57,7 @@ import math
 
 MEASURED_ON = (
     "the project's 2-core CPU machine, otherwise idle, torch 2.13 TCPStore (libuv) on loopback, "
-    "the simulated ranks on the same cores, 2026-11-27: an upper bound for a coordinator host"
+    "the simulated ranks on the same cores, 2026-11-27, without the survivors' failure reports"
 )
 COMMAND = "deadpool bench control-plane --ranks 1024 4096 16384 --json cp.json"
 

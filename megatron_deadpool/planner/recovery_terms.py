@@ -249,7 +249,8 @@ def node_failure(
             measured.agree_s(ranks),
             "measured here",
             f"`{measured.COMMAND}`, 2026-11-27, 2-core CPU, at {sizes} ranks (log2 in "
-            f"between, the smallest's below; here {ranks:,} with the spares): an upper bound",
+            f"between, the smallest's below; here {ranks:,} with the spares), without the "
+            "survivors' failure reports (2-3 s more at 16,384 on a slower machine, 2026-12-01)",
         ),
         Term(
             "newcomer builds",

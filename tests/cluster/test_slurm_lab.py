@@ -164,7 +164,9 @@ class Job:
         """What a failed test shows: the launcher's and coordinators' logs without torch's C++
         stack frames, the coordinator's events, and each task's DeadPool and Slurm lines and
         the end of its last Python traceback (CI's temporary folders are gone afterwards)."""
-        parts = [f"job {self.id} in {self.dir}"]
+        slurm = self.lab.slurm("scontrol", "show", "job", self.id, check=False)
+        said = re.findall(r"(?:JobState|Reason|ExitCode)=\S+", slurm)
+        parts = [f"job {self.id} in {self.dir} ({' '.join(said) or 'no record from Slurm'})"]
         for name in (
             "batch.out",
             "coordinator.log",
@@ -208,17 +210,16 @@ class Job:
         while True:
             try:
                 return str(self.lab.slurm(*cmd))
-            except labmod.LabError:
+            except (labmod.LabError, subprocess.TimeoutExpired):
                 if time.time() > deadline:
                     raise
                 time.sleep(0.5)
 
     def wait_end(self, timeout: float = JOB_TIMEOUT) -> dict[str, str]:
-        """Poll squeue until the job is gone; Slurm's final record (JobState, ExitCode, ...),
-        once it says the job ended. A job still listed after `timeout` is cancelled and the
-        test fails."""
+        """Slurm's record of the job (JobState, ExitCode, ...) once it says the job ended. A
+        job not ended after `timeout` is cancelled and the test fails."""
         deadline = self.submitted + timeout
-        while (self.state() or self.record().get("JobState")) not in ENDED:
+        while (record := self.record()).get("JobState") not in ENDED:
             if time.time() > deadline:
                 held = self.lab.slurm("squeue", "-h", "-j", self.id, "-o", "%T %M %N", check=False)
                 self.lab.slurm("scancel", self.id, check=False)
@@ -227,7 +228,7 @@ class Job:
                     f"cancelled\n{self.describe()}"
                 )
             time.sleep(0.5)
-        return self.record()
+        return record
 
     def record(self) -> dict[str, str]:
         """Slurm's record of the job (`scontrol show job`): JobState, ExitCode, ..."""

@@ -231,12 +231,12 @@ class Recovery:
             )
             if decision.verdict is Verdict.OUT_OF_REDUNDANCY:
                 self._out_of_redundancy(salvage_target)
-            plan = m.plan(g) if decision.verdict is Verdict.ROSTER else None
-            if decision.verdict is Verdict.ROSTER and plan is None:
-                # Published before the decision, so the coordinator that decided was lost since
-                # and this read went to the standby that took over, which superseded g before it
-                # let anyone fail over to it (`Coordinator.adopt`): its verdict replaces the one
-                # read.
+            plan = None
+            if decision.verdict is Verdict.ROSTER and (plan := m.plan(g)) is None:
+                # Published before the decision: the coordinator that decided was lost since,
+                # and this read went to the standby that took over. Where no process it rebuilt
+                # the job from held g's roster, it superseded g before anyone could fail over
+                # to it (`Coordinator.adopt`): its verdict replaces the one read.
                 decision = m.wait_decision(g, 0.0)
                 if decision is None or decision.verdict is not Verdict.SUPERSEDED:
                     raise DeadpoolRuntimeError(f"generation {g} was decided without a plan")

@@ -380,14 +380,10 @@ def test_survivors_waiting_on_a_plan_the_lost_primary_never_decided_report_for_t
     _replaces_rank_1_with_s0(standby, 2)
 
 
-def test_survivors_waiting_on_the_lost_primarys_newcomers_report_for_the_standbys_plan() -> None:
-    """The primary decided generation 1 (rank 1 <- s0); the survivors, which had reported for
-    it, read the roster and waited for s0's claim, then the primary's node was lost with s0.
-    No process re-registers with roster 1: the standby adopts roster 0 and plans above 1 (the
-    survivors reported for it) and moves every slot of 1 on - else the survivors waited on its
-    store for a claim nobody makes (30 minutes), were presumed dead after the agreement timeout
-    meanwhile, and the job ended out of redundancy with nothing saved - and their reports for
-    2 agree it."""
+def _taken_over_after_deciding_1() -> tuple[Job, Job]:
+    """The primary decided generation 1 (rank 1 <- s0) from the survivors' reports; then its
+    node was lost with s0, and the standby adopted roster 0 from the survivors'
+    re-registrations (s1 waiting): (the primary, the standby)."""
     primary = Job(spares=2)
     primary.decided("a1")
     registrations = _re_registrations((0, 2, 3))
@@ -400,6 +396,18 @@ def test_survivors_waiting_on_the_lost_primarys_newcomers_report_for_the_standby
     standby = Job(spares=2, start=False)
     standby.silent.add("s0")
     standby.coord.adopt(state.roster, state.spares, 2, {"a1": "did not re-register"})
+    return primary, standby
+
+
+def test_survivors_waiting_on_the_lost_primarys_newcomers_report_for_the_standbys_plan() -> None:
+    """The primary decided generation 1 (rank 1 <- s0); the survivors, which had reported for
+    it, read the roster and waited for s0's claim, then the primary's node was lost with s0.
+    No process re-registers with roster 1: the standby adopts roster 0 and plans above 1 (the
+    survivors reported for it) and moves every slot of 1 on - else the survivors waited on its
+    store for a claim nobody makes (30 minutes), were presumed dead after the agreement timeout
+    meanwhile, and the job ended out of redundancy with nothing saved - and their reports for
+    2 agree it."""
+    _, standby = _taken_over_after_deciding_1()
     survivor = Membership(standby.store.clone(), "a0", SEAL)
     assert survivor.wait_newcomers(1, [1], 0.0) is False  # 1 will not be joined: on to 2
     standby.tick()
@@ -436,23 +444,12 @@ def test_a_survivor_that_read_the_lost_primarys_decision_but_not_its_plan_report
     which never held plan 1 - it superseded 1 by its own plan 2 as it adopted the job. The
     survivor takes that verdict and reports for 2 (before, 'generation 1 was decided without
     a plan' ended the survivor's process: one more rank lost in the recovery)."""
-    primary = Job(spares=2)
-    primary.decided("a1")
-    registrations = _re_registrations((0, 2, 3))
-    for member in ("a0", "a2", "a3"):
-        seen = primary.m(member).plan_seen
-        registrations[member] = dataclasses.replace(registrations[member], plan_seen=seen)
-    registrations["s1"] = Registration(member="s1")
-    state = rebuild(registrations, 4, ["s0", "s1"])
-    assert state is not None and state.next_generation == 2
-    standby = Job(spares=2, start=False)
-    standby.silent.add("s0")
-    standby.coord.adopt(state.roster, state.spares, 2, {"a1": "did not re-register"})
+    primary, standby = _taken_over_after_deciding_1()
     store = _LostAfterReading(
         primary.store.clone(), Keys.DECIDED.format(g=1), standby.store.clone()
     )
     held = SimpleNamespace(holdings=lambda: {k: list(v) for k, v in standby.holds(0).items()})
-    survivor = Recovery(Membership(store, "a0", SEAL), "a0", 0, state.roster, held)  # type: ignore[arg-type]
+    survivor = Recovery(Membership(store, "a0", SEAL), "a0", 0, standby.coord.roster, held)  # type: ignore[arg-type]
     agreed: list[Roster | BaseException] = []
 
     def agree() -> None:
