@@ -448,8 +448,10 @@ def test_a_survivor_that_read_the_lost_primarys_decision_but_not_its_plan_report
     store = _LostAfterReading(
         primary.store.clone(), Keys.DECIDED.format(g=1), standby.store.clone()
     )
-    held = SimpleNamespace(holdings=lambda: {k: list(v) for k, v in standby.holds(0).items()})
-    survivor = Recovery(Membership(store, "a0", SEAL), "a0", 0, standby.coord.roster, held)  # type: ignore[arg-type]
+    held: Any = SimpleNamespace(  # what its replicator holds
+        holdings=lambda: {k: list(v) for k, v in standby.holds(0).items()}
+    )
+    survivor = Recovery(Membership(store, "a0", SEAL), "a0", 0, standby.coord.roster, held)
     agreed: list[Roster | BaseException] = []
 
     def agree() -> None:
